@@ -1,0 +1,333 @@
+"""The one typed config tree: YAML in, `--section.key=value` overrides on top, validated as a whole.
+
+Every problem (unknown key, wrong type, impossible value) is collected and reported together before any
+process group starts, each naming the field and, for unknown names, the closest valid one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from model import ModelConfig
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Run name; the default output directory is checkpoints/<name>."""
+    output_dir: str = ""
+    """Where config.yaml, metrics.jsonl, tensorboard/ and checkpoints go; empty means checkpoints/<name>."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout-free sampling; every rank derives its RNG from it."""
+    device: str = "auto"
+    """auto (CUDA when available, else CPU), cuda or cpu."""
+    timeout_s: int = 600
+    """Collective timeout: a hung rank ends the job with an error after this many seconds."""
+
+
+@dataclass
+class DataConfig:
+    files: list[str] = field(default_factory=list)
+    """.txt / .jsonl files or folders to train on; empty means the Python standard library sources."""
+    dataset_dir: str = ""
+    """Cache for the tokenizer and token files; empty means data/cache/<run.name's data fingerprint>."""
+    tokenizer_model: str = ""
+    """An existing SentencePiece .model to use instead of training one."""
+    vocab_size: int = 4096
+    """Vocabulary size of the SentencePiece model trained on the corpus."""
+    val_fraction: float = 0.02
+    """Share of documents held out for validation."""
+    max_corpus_mb: float = 8.0
+    """Read at most this many MB of text (0: all)."""
+    seq_len: int = 256
+    """Tokens per training sample."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    """Optimizer steps to run."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step over all ranks; gradient accumulation is derived from it."""
+    micro_batch_size: int = 8
+    """Sequences per forward pass on each rank."""
+    lr: float = 3e-4
+    """Peak learning rate, reached after warmup."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr * min_lr_ratio at max_steps."""
+    warmup_steps: int = 100
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not norms)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all shards) to this; 0 disables."""
+    eval_interval: int = 100
+    """Compute the validation loss every this many steps (and at the end); 0 disables."""
+    eval_batches: int = 8
+    """Micro-batches per rank in one validation pass."""
+    precision: str = "auto"
+    """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 or fp32."""
+    compile: bool = False
+    """torch.compile each DecoderBlock."""
+
+
+@dataclass
+class FSDPConfig:
+    version: int = 1
+    """1: FullyShardedDataParallel (default); 2: fully_shard."""
+    sharding_strategy: str = "FULL_SHARD"
+    """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD."""
+    hybrid_shard_group_size: int = 0
+    """HYBRID_SHARD: ranks per shard group (0: GPUs per node, LOCAL_WORLD_SIZE)."""
+    backward_prefetch: str = "BACKWARD_PRE"
+    """BACKWARD_PRE, BACKWARD_POST or NONE."""
+    forward_prefetch: bool = False
+    """Issue the next block's all-gather before the current forward finishes (FSDP1)."""
+    limit_all_gathers: bool = True
+    """Rate-limit all-gathers so memory stays bounded (FSDP1)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters and gradients in CPU memory (GPU only)."""
+    use_orig_params: bool = True
+    """Expose the original parameters (needed by torch.compile and per-parameter weight decay)."""
+    sync_module_states: bool = False
+    """Broadcast rank 0's weights at wrap time (for weights loaded on rank 0 only)."""
+    activation_checkpointing: str = "none"
+    """none, full (every DecoderBlock) or selective (every ac_every_n_layers-th block)."""
+    ac_every_n_layers: int = 2
+    """With selective activation checkpointing: checkpoint one block in this many."""
+    reduce_dtype: str = "fp32"
+    """Gradient reduction dtype: fp32 (default, stable) or the compute dtype."""
+    meta_init: bool = True
+    """Build the model on the meta device and materialise it shard by shard (multi-rank runs)."""
+
+
+@dataclass
+class CheckpointConfig:
+    format: str = "full"
+    """full (one fsdp_cpt{step}.pth) or sharded (fsdp_sharded_cpt{step}/, one file per rank)."""
+    interval: int = 0
+    """Save every this many steps (0: only the final save)."""
+    keep_last_n: int = 3
+    """Keep this many newest complete checkpoints (0: keep all)."""
+    auto_resume: bool = True
+    """Continue from the newest complete checkpoint in the output directory, if any."""
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 10
+    """Log a line, a metrics.jsonl row and TensorBoard scalars every this many steps."""
+    tensorboard: bool = True
+    peak_flops: float = 0.0
+    """Per-GPU dense bf16 peak FLOP/s for MFU (0: detect A100/H100/H200)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.run.output_dir or Path("checkpoints") / self.run.name)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+
+def _closest(name: str, options, prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f" (did you mean '{prefix}{match[0]}'?)" if match else ""
+
+
+def _coerce(value, hint, where: str, problems: list[str]):
+    """Check `value` against type `hint`; return it (ints accepted for floats). Appends to problems."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        hint = next(t for t in options if t is not type(None))
+        origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, str):  # a single path is accepted where a list is expected
+            value = [value]
+        if not isinstance(value, list):
+            problems.append(f"{where}: expected a list, got {value!r}")
+            return value
+        return [_coerce(v, item, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML reads 3e-4 as a string (YAML 1.1 needs a dot); accept it
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        problems.append(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, raw: dict, where: str, problems: list[str]):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            problems.append(f"unknown key '{(where + '.' + key).lstrip('.')}'{_closest(key, names, (where + '.').lstrip('.'))}")
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                problems.append(f"{where}.{key}: expected a section (mapping), got {value!r}")
+                continue
+            kwargs[key] = _build(hint, value, f"{where}.{key}", problems)
+        else:
+            before = len(problems)
+            coerced = _coerce(value, hint, f"{where}.{key}".lstrip("."), problems)
+            if len(problems) == before:  # a mistyped value keeps the default, so value checks still run
+                kwargs[key] = coerced
+    return cls(**kwargs)
+
+
+def parse_override(arg: str) -> tuple[list[str], object]:
+    """'--train.lr=1e-3' -> (['train', 'lr'], 0.001). Values are parsed as YAML scalars."""
+    body = arg[2:] if arg.startswith("--") else arg
+    if "=" not in body:
+        raise ConfigError([f"override '{arg}' must look like --section.key=value"])
+    key, value = body.split("=", 1)
+    return key.split("."), yaml.safe_load(value) if value != "" else ""
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read YAML, apply overrides, validate everything; raise ConfigError listing every problem."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError([f"config file not found: {path}"])
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError([f"{path}: not valid YAML: {str(err).splitlines()[0]}"]) from None
+        if not isinstance(raw, dict):
+            raise ConfigError([f"{path}: top level must be a mapping of sections"])
+    problems: list[str] = []
+    for arg in overrides:
+        keys, value = parse_override(arg)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                problems.append(f"override '{arg}': '{k}' is not a section")
+                break
+        else:
+            node[keys[-1]] = value
+    cfg = _build(Config, raw, "", problems)
+    problems += validate(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _choice(problems: list[str], where: str, value: str, options) -> None:
+    if value not in options:
+        problems.append(f"{where}='{value}' is not one of {', '.join(options)}{_closest(str(value), options)}")
+
+
+def validate(cfg: Config) -> list[str]:
+    """Value checks that do not depend on the world size (see check_batch_split for that)."""
+    p: list[str] = []
+    m = cfg.model
+    if m.vocab_size and m.vocab_size < 0:
+        p.append(f"model.vocab_size must be 0 (take it from the tokenizer) or positive, got {m.vocab_size}")
+    p += [x for x in ModelConfig(**{**dataclasses.asdict(m), "vocab_size": m.vocab_size or 1}).problems()]
+    if cfg.data.seq_len <= 0:
+        p.append(f"data.seq_len must be positive, got {cfg.data.seq_len}")
+    elif cfg.data.seq_len > m.max_seq_len:
+        p.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if not 0 < cfg.data.val_fraction < 1:
+        p.append(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}")
+    if cfg.data.vocab_size < 16 and not cfg.data.tokenizer_model:
+        p.append(f"data.vocab_size must be at least 16, got {cfg.data.vocab_size}")
+    t = cfg.train
+    for name in ("max_steps", "global_batch_size", "micro_batch_size"):
+        if getattr(t, name) <= 0:
+            p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+    for name in ("warmup_steps", "eval_interval", "eval_batches", "grad_clip", "weight_decay"):
+        if getattr(t, name) < 0:
+            p.append(f"train.{name} must not be negative, got {getattr(t, name)}")
+    if t.lr <= 0:
+        p.append(f"train.lr must be positive, got {t.lr}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
+        p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
+    _choice(p, "train.precision", t.precision, PRECISIONS)
+    _choice(p, "run.device", cfg.run.device, ("auto", "cuda", "cpu"))
+    if cfg.run.timeout_s <= 0:
+        p.append(f"run.timeout_s must be positive, got {cfg.run.timeout_s}")
+    f = cfg.fsdp
+    if f.version not in (1, 2):
+        p.append(f"fsdp.version must be 1 or 2, got {f.version}")
+    _choice(p, "fsdp.sharding_strategy", f.sharding_strategy, SHARDING_STRATEGIES)
+    _choice(p, "fsdp.backward_prefetch", f.backward_prefetch, BACKWARD_PREFETCH)
+    _choice(p, "fsdp.activation_checkpointing", f.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    _choice(p, "fsdp.reduce_dtype", f.reduce_dtype, ("fp32", "compute"))
+    if f.ac_every_n_layers <= 0:
+        p.append(f"fsdp.ac_every_n_layers must be positive, got {f.ac_every_n_layers}")
+    if f.hybrid_shard_group_size < 0:
+        p.append(f"fsdp.hybrid_shard_group_size must not be negative, got {f.hybrid_shard_group_size}")
+    _choice(p, "checkpoint.format", cfg.checkpoint.format, ("full", "sharded"))
+    for name in ("interval", "keep_last_n"):
+        if getattr(cfg.checkpoint, name) < 0:
+            p.append(f"checkpoint.{name} must not be negative, got {getattr(cfg.checkpoint, name)}")
+    if cfg.logging.interval <= 0:
+        p.append(f"logging.interval must be positive, got {cfg.logging.interval}")
+    return p
+
+
+def check_batch_split(cfg: Config, world_size: int) -> int:
+    """Gradient accumulation steps for this world size; ConfigError when the split is not whole."""
+    t = cfg.train
+    per_step = t.micro_batch_size * world_size
+    if t.global_batch_size % per_step:
+        raise ConfigError([
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * world size "
+            f"= {t.micro_batch_size} * {world_size} = {per_step}; pick a global batch that is a multiple of {per_step}"
+        ])
+    return t.global_batch_size // per_step
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

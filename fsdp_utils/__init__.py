@@ -1,0 +1,1 @@
+"""Distribution for the training loop: process group, FSDP wrapping, optimizer, metrics, checkpoints."""

@@ -1,0 +1,182 @@
+"""Everything that turns a plain Transformer into a trainable, sharded one, in one fixed order:
+
+    build (meta device for multi-rank runs) -> activation checkpointing -> torch.compile -> FSDP
+    (each DecoderBlock, then the root) -> materialise and initialise weights shard by shard.
+
+Activation checkpointing and compile are applied in place (the block's forward is replaced,
+`nn.Module.compile` compiles in place), so parameter names never gain wrapper prefixes and
+checkpoints hold the plain model's names.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    FullyShardedDataParallel as FSDP,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from model import DecoderBlock, ModelConfig, Transformer, initial_value
+
+from .distributed import DistEnv
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: torch.dtype  # dtype of parameters in forward/backward
+    reduce: torch.dtype  # dtype of gradient reduction
+    use_grad_scaler: bool  # fp16 needs loss scaling
+
+    @property
+    def name(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.compute]
+
+
+def resolve_precision(precision: str, reduce_dtype: str, device: torch.device) -> Precision:
+    """auto: bf16 on GPUs that support it, fp16 (with a grad scaler) on older GPUs, fp32 on the CPU."""
+    if precision == "auto":
+        if device.type != "cuda":
+            precision = "fp32"
+        else:
+            precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    compute = DTYPES[precision]
+    reduce = torch.float32 if reduce_dtype == "fp32" else compute
+    return Precision(compute, reduce, use_grad_scaler=compute == torch.float16)
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str, every_n: int) -> int:
+    """Recompute chosen blocks' activations in backward instead of storing them; returns how many."""
+    if mode == "none":
+        return 0
+    count = 0
+    for i, block in enumerate(model.layers):
+        if mode == "selective" and i % every_n:
+            continue
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        count += 1
+    return count
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each DecoderBlock in place: every block has the same graph, so one compile serves all."""
+    for block in model.layers:
+        block.compile()
+
+
+def _mesh(env: DistEnv, strategy: str, hybrid_group_size: int) -> DeviceMesh:
+    device_type = env.device.type
+    if strategy != "HYBRID_SHARD":
+        return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+    group = hybrid_group_size or env.local_world_size
+    if env.world_size % group:
+        raise ValueError(f"fsdp.hybrid_shard_group_size={group} does not divide the world size {env.world_size}")
+    # (replicate, shard): shard inside a group (a node by default), replicate across groups.
+    return init_device_mesh(device_type, (env.world_size // group, group), mesh_dim_names=("replicate", "shard"))
+
+
+def _materialise_fsdp1(model: Transformer, cfg: ModelConfig, *, seed: int, device: torch.device):
+    """param_init_fn for FSDP1: FSDP calls it once per module still on the meta device."""
+    names = {module: name for name, module in model.named_modules()}
+
+    @torch.no_grad()
+    def init(module: nn.Module) -> None:
+        module.to_empty(device=device, recurse=False)
+        prefix = names[module]
+        for pname, param in module.named_parameters(recurse=False):
+            full_name = f"{prefix}.{pname}" if prefix else pname
+            param.copy_(initial_value(cfg, full_name, tuple(param.shape), seed=seed, device=device, dtype=param.dtype))
+        if module is model:
+            model.reset_buffers()
+
+    return init
+
+
+@torch.no_grad()
+def _materialise_fsdp2(model: Transformer, cfg: ModelConfig, *, seed: int, device: torch.device) -> None:
+    """After fully_shard on the meta device: allocate local shards, fill each from its full initial value."""
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        full = initial_value(cfg, name, tuple(param.shape), seed=seed, device=device, dtype=param.dtype)
+        if isinstance(param, DTensor):
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+        else:
+            param.copy_(full)
+    model.reset_buffers()
+
+
+def build_fsdp_model(cfg, env: DistEnv, precision: Precision) -> nn.Module:
+    """Build the Transformer from `cfg.model`, apply AC, compile and FSDP per `cfg.fsdp`; weights initialised."""
+    f = cfg.fsdp
+    seed = cfg.run.seed
+    use_meta = f.meta_init and env.world_size > 1 and not f.sync_module_states
+    with torch.device("meta" if use_meta else env.device):
+        model = Transformer(cfg.model)
+    if not use_meta:
+        model.init_weights(seed)
+
+    apply_activation_checkpointing(model, f.activation_checkpointing, f.ac_every_n_layers)
+    if cfg.train.compile:
+        apply_compile(model)
+
+    offload = f.cpu_offload and env.device.type == "cuda"  # on the CPU the tensors are there already
+    if f.version == 1:
+        mixed = None
+        if precision.compute != torch.float32:
+            mixed = MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce, buffer_dtype=None)
+        mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size) if f.sharding_strategy == "HYBRID_SHARD" else None
+        model = FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({DecoderBlock}),
+            sharding_strategy=ShardingStrategy[f.sharding_strategy],
+            mixed_precision=mixed,
+            cpu_offload=CPUOffload(offload_params=True) if offload else None,
+            backward_prefetch=None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch],
+            forward_prefetch=f.forward_prefetch,
+            limit_all_gathers=f.limit_all_gathers,
+            use_orig_params=f.use_orig_params or cfg.train.compile,
+            sync_module_states=f.sync_module_states,
+            device_id=env.device,
+            param_init_fn=_materialise_fsdp1(model, cfg.model, seed=seed, device=env.device) if use_meta else None,
+            device_mesh=mesh,
+        )
+    else:
+        mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size)
+        if f.sharding_strategy == "NO_SHARD":
+            mesh = init_device_mesh(env.device.type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
+        kwargs = dict(
+            mesh=mesh,
+            # FULL_SHARD frees gathered weights after forward; SHARD_GRAD_OP keeps them until backward.
+            reshard_after_forward=f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+            mp_policy=MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce),
+        )
+        if offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for block in model.layers:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        if use_meta:
+            _materialise_fsdp2(model, cfg.model, seed=seed, device=env.device)
+    return model
+
+
+def unwrap(model: nn.Module) -> Transformer:
+    """The plain Transformer inside an FSDP1 wrapper (FSDP2 modifies the module in place)."""
+    return model.module if isinstance(model, FSDP) else model

@@ -1,0 +1,166 @@
+"""Llama-style decoder-only transformer: RMSNorm, rotary embeddings, (grouped-query) causal attention
+through scaled_dot_product_attention, SwiGLU MLP. Imports torch only: parallelism is applied from
+outside (fsdp_utils/), and weights are initialised by `init_weights`, separately from construction, so
+the model can be built on the meta device and materialised after sharding.
+
+Shapes: B batch, T sequence, D dim, H query heads, K key/value heads, Hd head dim, V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast/mixed precision: the mean of squares loses bits.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (max_seq_len, head_dim), in the rotate-half layout used by Llama."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (T, Hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, Hd)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, heads, T, Hd) by position; cos/sin are (T, Hd)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.num_kv_heads, cfg.head_dim
+        # One fused projection for q, k and v: a single large matmul instead of three small ones.
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Hd)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            # Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads.
+            repeats = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Hd)
+        return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.hidden_dim = cfg.hidden_dim
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)  # [gate; up]
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm transformer block; the unit of FSDP wrapping, activation checkpointing and compile."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        problems = cfg.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Rotary tables are derived, not learned: non-persistent, so they never enter a checkpoint,
+        # and recomputed by reset_buffers() after a meta-device build.
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V); with targets (B, T), the mean cross-entropy instead."""
+        T = tokens.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        h = self.tok_embeddings(tokens)  # (B, T, D)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        logits = F.linear(h, weight)  # (B, T, V)
+        if targets is None:
+            return logits
+        # Cross-entropy in fp32 for a stable log-sum-exp whatever the compute dtype.
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    # ---- initialisation, separate from construction -------------------------------------------
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables on the buffers' current device (after to_empty they are garbage)."""
+        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter (see `initial_value`) and the derived buffers."""
+        for name, param in self.named_parameters():
+            param.copy_(initial_value(self.cfg, name, tuple(param.shape), seed=seed, device=param.device, dtype=param.dtype))
+        self.reset_buffers()
+
+
+def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], *, seed: int, device, dtype) -> torch.Tensor:
+    """The initial value of parameter `name`, a pure function of (seed, name, shape).
+
+    Each parameter draws from its own generator, so the result does not depend on the order in which
+    parameters are materialised: a direct build, a meta-device build initialised after FSDP1 wrapping
+    (module by module), and an FSDP2 build (full value, then sharded) all start from the same weights.
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device=device, dtype=dtype)
+    std = cfg.init_std
+    if name.endswith("attention.wo.weight") or name.endswith("feed_forward.w2.weight"):
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual projections: keep the stream's variance flat in depth
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    value = torch.empty(shape, device=device, dtype=torch.float32)
+    value.normal_(0.0, std, generator=generator)
+    return value.to(dtype)

@@ -1,0 +1,264 @@
+"""Train a decoder-only language model with FSDP.
+
+    torchrun --nproc_per_node=2 train_fsdp.py config/train_tiny_fsdp.yaml        # 2 ranks (gloo on CPU, NCCL on GPU)
+    python train_fsdp.py config/train_tiny_fsdp.yaml --train.max_steps=50        # one process
+    torchrun --nproc_per_node=8 train_fsdp.py config/train1B_fsdp.yaml --resume_from latest
+
+Reads top to bottom: config, process group, data, model, optimizer, resume, loop, final save, teardown.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from config import Config, ConfigError, check_batch_split, load_config, save_config
+from data import BatchPrefetcher, DataError, TokenDataset, load_prepared, prepare_data
+from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
+from fsdp_utils.distributed import DistEnv, barrier, destroy_distributed, init_distributed, read_torchrun_env
+from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
+from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
+from fsdp_utils.wrap import build_fsdp_model, resolve_precision, unwrap
+
+log = logging.getLogger("train")
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="YAML config, e.g. config/train_tiny_fsdp.yaml")
+    parser.add_argument("--resume_from", default=None, help="checkpoint file, sharded folder, or 'latest'")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "=" in o and "." in o.split("=", 1)[0])]
+    if bad:
+        parser.error(f"unrecognised argument {bad[0]!r}: overrides look like --section.key=value")
+    return args, overrides
+
+
+def setup_logging(env: DistEnv) -> None:
+    # Rank 0 speaks; the others report warnings and errors only, tagged with their rank.
+    level = logging.INFO if env.is_main else logging.WARNING
+    logging.basicConfig(level=level, format=f"[%(asctime)s rank{env.rank}] %(message)s", datefmt="%H:%M:%S", force=True)
+
+
+def prepare_dataset(cfg: Config, env: DistEnv):
+    """Rank 0 prepares the token files once (later runs reuse them); the others wait, then open them.
+
+    Rank 0's outcome is broadcast so that a data error ends every rank with the same message.
+    """
+    d = cfg.data
+    dataset_dir = d.dataset_dir or str(Path("data/cache") / _data_key(cfg))
+    outcome = [None]
+    if env.is_main:
+        try:
+            prepare_data(dataset_dir=dataset_dir, files=d.files, tokenizer_model=d.tokenizer_model or None,
+                         vocab_size=d.vocab_size, val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb,
+                         seed=cfg.run.seed, show_progress=True)
+        except DataError as err:
+            outcome = [str(err)]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise DataError(outcome[0])
+    return load_prepared(dataset_dir)
+
+
+def _data_key(cfg: Config) -> str:
+    d = cfg.data
+    what = json.dumps([d.files, d.tokenizer_model, d.vocab_size, d.val_fraction, d.max_corpus_mb, cfg.run.seed])
+    return ("stdlib" if not d.files else "custom") + "-" + hashlib.sha1(what.encode()).hexdigest()[:10]
+
+
+def log_parameter_summary(model_cfg) -> None:
+    n_total = model_cfg.num_params()
+    n_embed = model_cfg.vocab_size * model_cfg.dim * (1 if model_cfg.tie_embeddings else 2)
+    per_block = (n_total - n_embed - model_cfg.dim) // model_cfg.n_layers
+    log.info("model: %s parameters (%s without embeddings), %d blocks of %s, dim %d, heads %d/%d kv, ffn %d, vocab %d",
+             f"{n_total:,}", f"{n_total - n_embed:,}", model_cfg.n_layers, f"{per_block:,}", model_cfg.dim,
+             model_cfg.n_heads, model_cfg.num_kv_heads, model_cfg.hidden_dim, model_cfg.vocab_size)
+
+
+@torch.no_grad()
+def evaluate(model, val_data: TokenDataset, cfg: Config, env: DistEnv) -> float:
+    """Mean validation loss over eval_batches micro-batches per rank; every rank runs every forward."""
+    model.eval()
+    mb = cfg.train.micro_batch_size
+    total = torch.zeros((), device=env.device)
+    for k in range(cfg.train.eval_batches):
+        x, y = val_data.batch((k * env.world_size + env.rank) * mb, mb)
+        total += model(x.to(env.device), y.to(env.device)).float()
+    dist.all_reduce(total)
+    model.train()
+    return total.item() / (cfg.train.eval_batches * env.world_size)
+
+
+def no_grad_sync(model, enabled: bool):
+    """Skip the gradient reduce-scatter on non-final micro-steps (FSDP1 no_sync / FSDP2 requires_gradient_sync)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    model.set_requires_gradient_sync(False)
+    return contextlib.nullcontext()
+
+
+def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
+    t = cfg.train
+    grad_accum = check_batch_split(cfg, env.world_size)
+    out_dir = cfg.output_dir
+    torch.manual_seed(cfg.run.seed)
+
+    # ---- data -----------------------------------------------------------------------------------
+    prepared = prepare_dataset(cfg, env)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = prepared.vocab_size
+    elif cfg.model.vocab_size < prepared.vocab_size:
+        raise ConfigError([f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {prepared.vocab_size}"])
+    train_data = TokenDataset(prepared.train_path, dtype=prepared.dtype, seq_len=cfg.data.seq_len, seed=cfg.run.seed)
+    val_data = TokenDataset(prepared.val_path, dtype=prepared.dtype, seq_len=cfg.data.seq_len, seed=cfg.run.seed, shuffle=False)
+
+    # ---- model, optimizer, checkpoints ----------------------------------------------------------
+    precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
+    model = build_fsdp_model(cfg, env, precision)
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), device=env.device)
+    scaler = None
+    if precision.use_grad_scaler:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler()
+    model_cfg_dict = dataclasses.asdict(cfg.model)
+    ckpt = CheckpointManager(out_dir, fmt=cfg.checkpoint.format, keep_last_n=cfg.checkpoint.keep_last_n,
+                             model_config=model_cfg_dict, env=env)
+
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.yaml")
+        log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+        log_parameter_summary(cfg.model)
+        log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, train %s tokens, val %s tokens",
+                 env.world_size, env.device.type, precision.name, str(precision.reduce).replace("torch.", ""),
+                 cfg.fsdp.version, cfg.fsdp.sharding_strategy, grad_accum,
+                 f"{prepared.num_train_tokens:,}", f"{prepared.num_val_tokens:,}")
+
+    state = TrainState()
+    if resume_from is None and cfg.checkpoint.auto_resume and ckpt.complete_checkpoints():
+        resume_from = "latest"
+        log.info("checkpoint.auto_resume: continuing from the newest complete checkpoint in %s", out_dir)
+    if resume_from is not None:
+        state = ckpt.load(model, optimizer, resume_from)
+        if scaler is not None and state.grad_scaler:
+            scaler.load_state_dict(state.grad_scaler)
+
+    # ---- loop -----------------------------------------------------------------------------------
+    metrics = MetricsWriter(out_dir, tensorboard=cfg.logging.tensorboard) if env.is_main else None
+    peak_flops = detect_peak_flops(env.device, cfg.logging.peak_flops)
+    flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
+    mb, tokens_per_step = t.micro_batch_size, t.global_batch_size * cfg.data.seq_len
+    first_step, first_sample = state.step, state.samples_seen
+    # Global sample index of every micro-batch this rank will read: the order is the same on any world size.
+    indices = (first_sample + (s - first_step) * t.global_batch_size + (m * env.world_size + env.rank) * mb
+               for s in range(first_step, t.max_steps) for m in range(grad_accum))
+    batches = BatchPrefetcher(train_data, indices, num_samples=mb, device=env.device)
+    start_time = last_log_time = time.perf_counter()
+    last_log_step, last = first_step, {}
+    try:
+        model.train()
+        while state.step < t.max_steps:
+            lr = lr_at(state.step, max_lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=env.device)
+            for micro in range(grad_accum):
+                x, y = next(batches)
+                with no_grad_sync(model, enabled=micro < grad_accum - 1):
+                    loss = model(x, y) / grad_accum
+                    (scaler.scale(loss) if scaler else loss).backward()
+                loss_sum += loss.detach().float()
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(True)
+            if scaler:
+                scaler.unscale_(optimizer)
+            grad_norm = clip_grad_norm(model, t.grad_clip)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.samples_seen += t.global_batch_size
+            state.tokens_seen += tokens_per_step
+
+            if state.step % cfg.logging.interval == 0 or state.step == t.max_steps:
+                dist.all_reduce(loss_sum)  # mean over ranks of each rank's mean over its micro-batches
+                loss_value = loss_sum.item() / env.world_size
+                now = time.perf_counter()
+                step_time = (now - last_log_time) / (state.step - last_log_step)
+                tok_per_gpu = tokens_per_step / env.world_size / step_time
+                mfu = flops_per_token * tok_per_gpu / peak_flops if peak_flops else None
+                last = {"step": state.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+                        "tokens_per_sec_per_gpu": tok_per_gpu, "mfu": mfu, "peak_mem_gib": peak_memory_gib(env.device)}
+                if env.is_main:
+                    elapsed = now - start_time
+                    eta = step_time * (t.max_steps - state.step)
+                    log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s/gpu | mfu %s | mem %.2f GiB | elapsed %s | eta %s",
+                             state.step, t.max_steps, loss_value, lr, last["grad_norm"], f"{tok_per_gpu:,.0f}",
+                             f"{100 * mfu:.1f}%" if mfu is not None else "n/a", last["peak_mem_gib"],
+                             format_duration(elapsed), format_duration(eta))
+                    metrics.write(last)
+                last_log_time, last_log_step = time.perf_counter(), state.step
+
+            if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.max_steps):
+                val_loss = evaluate(model, val_data, cfg, env)
+                last["val_loss"] = val_loss
+                if env.is_main:
+                    log.info("step %d | val_loss %.4f", state.step, val_loss)
+                    metrics.write({"step": state.step, "val_loss": val_loss})
+
+            interval = cfg.checkpoint.interval
+            if (interval and state.step % interval == 0) or state.step == t.max_steps:
+                state.grad_scaler = scaler.state_dict() if scaler else None
+                ckpt.save(model, optimizer, state)
+    finally:
+        batches.close()
+        if metrics is not None:
+            metrics.close()
+    return last
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    # Every config problem is found before any process group starts.
+    try:
+        cfg = load_config(args.config, overrides)
+        check_batch_split(cfg, read_torchrun_env()[2])
+    except ConfigError as err:
+        for line in err.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+
+    env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
+    try:
+        setup_logging(env)
+        train(cfg, env, args.resume_from)
+        return 0
+    except USER_ERRORS as err:
+        if env.is_main or isinstance(err, CheckpointError):
+            print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
