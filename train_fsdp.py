@@ -14,13 +14,14 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 import yaml
 
 from config import Config, ConfigError, check_batch_split, load_config, save_config
@@ -29,6 +30,7 @@ from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
 from fsdp_utils.distributed import DistEnv, barrier, destroy_distributed, init_distributed, read_torchrun_env
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
 from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
+from fsdp_utils.preemption import StopSignal
 from fsdp_utils.wrap import build_fsdp_model, resolve_precision, unwrap
 
 log = logging.getLogger("train")
@@ -160,6 +162,7 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
             scaler.load_state_dict(state.grad_scaler)
 
     # ---- loop -----------------------------------------------------------------------------------
+    stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s)
     metrics = MetricsWriter(out_dir, tensorboard=cfg.logging.tensorboard) if env.is_main else None
     peak_flops = detect_peak_flops(env.device, cfg.logging.peak_flops)
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
@@ -169,27 +172,35 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
     indices = (first_sample + (s - first_step) * t.global_batch_size + (m * env.world_size + env.rank) * mb
                for s in range(first_step, t.max_steps) for m in range(grad_accum))
     batches = BatchPrefetcher(train_data, indices, num_samples=mb, device=env.device)
+    inject_nan_at = int(os.environ.get("FSDP_INJECT_NAN_AT_STEP", 0))  # fault injection for the tests
     start_time = last_log_time = time.perf_counter()
-    last_log_step, last = first_step, {}
+    last_log_step, last, num_bad_steps = first_step, {}, 0
     try:
         model.train()
         while state.step < t.max_steps:
             lr = lr_at(state.step, max_lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum = torch.zeros((), device=env.device)
-            for micro in range(grad_accum):
-                x, y = next(batches)
-                with no_grad_sync(model, enabled=micro < grad_accum - 1):
-                    loss = model(x, y) / grad_accum
-                    (scaler.scale(loss) if scaler else loss).backward()
-                loss_sum += loss.detach().float()
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(True)
+            loss_sum = forward_backward(model, batches, scaler, grad_accum=grad_accum)
+            if inject_nan_at == state.step + 1 and env.is_main:
+                loss_sum = loss_sum * float("nan")
             if scaler:
                 scaler.unscale_(optimizer)
-            grad_norm = clip_grad_norm(model, t.grad_clip)
-            if scaler:
+            grad_norm = clip_grad_norm(model, t.grad_clip)  # already the same on every rank
+            # One small collective a step: the loss (for the log and the finiteness check) and the stop flag.
+            shared = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=env.device)])
+            dist.all_reduce(shared)
+            loss = shared[0] / env.world_size
+            finite = torch.isfinite(loss) if scaler else torch.isfinite(loss) & torch.isfinite(grad_norm)
+            if not finite.item():  # the step's only host sync: every rank decides the same way
+                num_bad_steps += 1
+                optimizer.zero_grad(set_to_none=True)
+                msg = f"non-finite loss ({loss.item()}) or gradient norm ({grad_norm.item()}) at step {state.step + 1}"
+                if num_bad_steps > t.max_bad_steps:
+                    raise NonFiniteError(f"{msg}; stopping before the optimizer step, no checkpoint written "
+                                         f"(train.max_bad_steps={t.max_bad_steps} allows skipping such steps)")
+                log.warning("%s: skipping the update (%d of train.max_bad_steps=%d)", msg, num_bad_steps, t.max_bad_steps)
+            elif scaler:
                 scaler.step(optimizer)
                 scaler.update()
             else:
@@ -200,21 +211,17 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
             state.tokens_seen += tokens_per_step
 
             if state.step % cfg.logging.interval == 0 or state.step == t.max_steps:
-                dist.all_reduce(loss_sum)  # mean over ranks of each rank's mean over its micro-batches
-                loss_value = loss_sum.item() / env.world_size
                 now = time.perf_counter()
                 step_time = (now - last_log_time) / (state.step - last_log_step)
                 tok_per_gpu = tokens_per_step / env.world_size / step_time
                 mfu = flops_per_token * tok_per_gpu / peak_flops if peak_flops else None
-                last = {"step": state.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+                last = {"step": state.step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
                         "tokens_per_sec_per_gpu": tok_per_gpu, "mfu": mfu, "peak_mem_gib": peak_memory_gib(env.device)}
                 if env.is_main:
-                    elapsed = now - start_time
-                    eta = step_time * (t.max_steps - state.step)
                     log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s/gpu | mfu %s | mem %.2f GiB | elapsed %s | eta %s",
-                             state.step, t.max_steps, loss_value, lr, last["grad_norm"], f"{tok_per_gpu:,.0f}",
+                             state.step, t.max_steps, last["loss"], lr, last["grad_norm"], f"{tok_per_gpu:,.0f}",
                              f"{100 * mfu:.1f}%" if mfu is not None else "n/a", last["peak_mem_gib"],
-                             format_duration(elapsed), format_duration(eta))
+                             format_duration(now - start_time), format_duration(step_time * (t.max_steps - state.step)))
                     metrics.write(last)
                 last_log_time, last_log_step = time.perf_counter(), state.step
 
@@ -226,9 +233,13 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
                     metrics.write({"step": state.step, "val_loss": val_loss})
 
             interval = cfg.checkpoint.interval
-            if (interval and state.step % interval == 0) or state.step == t.max_steps:
+            stopping = shared[1].item() > 0
+            if stopping or (interval and state.step % interval == 0) or state.step == t.max_steps:
                 state.grad_scaler = scaler.state_dict() if scaler else None
                 ckpt.save(model, optimizer, state)
+            if stopping:
+                log.info("stopped by a signal at step %d after saving; resume with --resume_from latest (or rerun: auto_resume)", state.step)
+                break
     finally:
         batches.close()
         if metrics is not None:
@@ -236,6 +247,25 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
     return last
 
 
+def forward_backward(model, batches, scaler, *, grad_accum: int) -> torch.Tensor:
+    """Run grad_accum micro-batches, reducing gradients only after the last; return this rank's mean loss."""
+    loss_sum = None
+    for micro in range(grad_accum):
+        x, y = next(batches)
+        with no_grad_sync(model, enabled=micro < grad_accum - 1):
+            loss = model(x, y) / grad_accum
+            (scaler.scale(loss) if scaler else loss).backward()
+        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(True)
+    return loss_sum
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm stopped being finite."""
+
+
+@record  # an uncaught error lands in torchrun's error file, reported with its rank
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     # Every config problem is found before any process group starts.
@@ -252,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(env)
         train(cfg, env, args.resume_from)
         return 0
-    except USER_ERRORS as err:
-        if env.is_main or isinstance(err, CheckpointError):
+    except (*USER_ERRORS, NonFiniteError) as err:
+        if env.is_main:
             print(f"error: {err}", file=sys.stderr)
         return 1
     finally:

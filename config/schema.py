@@ -42,6 +42,10 @@ class RunConfig:
     """auto (CUDA when available, else CPU), cuda or cpu."""
     timeout_s: int = 600
     """Collective timeout: a hung rank ends the job with an error after this many seconds."""
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that mean 'save a checkpoint and exit 0' (preemption; Slurm's pre-termination signal)."""
+    preemption_grace_s: float = 120.0
+    """After a stop signal, exit non-zero if the checkpoint is not saved within this many seconds."""
 
 
 @dataclass
@@ -80,6 +84,8 @@ class TrainConfig:
     """AdamW weight decay, applied to matrices only (not norms)."""
     beta1: float = 0.9
     beta2: float = 0.95
+    max_bad_steps: int = 0
+    """Non-finite loss or gradient norm: skip up to this many such steps, then stop (0: stop at the first)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (over all shards) to this; 0 disables."""
     eval_interval: int = 100
@@ -295,6 +301,11 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
     _choice(p, "train.precision", t.precision, PRECISIONS)
     _choice(p, "run.device", cfg.run.device, ("auto", "cuda", "cpu"))
+    for name in cfg.run.stop_signals:
+        if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"):
+            p.append(f"run.stop_signals: '{name}' is not one of SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP")
+    if cfg.train.max_bad_steps < 0:
+        p.append(f"train.max_bad_steps must not be negative, got {cfg.train.max_bad_steps}")
     if cfg.run.timeout_s <= 0:
         p.append(f"run.timeout_s must be positive, got {cfg.run.timeout_s}")
     f = cfg.fsdp

@@ -1,0 +1,43 @@
+"""Preemption: remember that a stop signal arrived, so the loop can save and exit at the next step.
+
+Any rank may receive the signal (Slurm signals every task, a failing node only its own); the loop
+all-reduces the flag each step so that all ranks stop together after the same step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+
+class StopSignal:
+    def __init__(self, signal_names: list[str], *, grace_s: float):
+        self.grace_s = grace_s
+        self.received_at: float | None = None
+        self.name = ""
+        for name in signal_names:
+            signal.signal(getattr(signal, name), self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received_at is not None:
+            return
+        self.received_at = time.monotonic()
+        self.name = signal.Signals(signum).name
+        # Handlers must not log (the logging lock may be held by the interrupted frame): a thread does.
+        threading.Thread(target=self._watchdog, daemon=True).start()
+
+    @property
+    def requested(self) -> bool:
+        return self.received_at is not None
+
+    def _watchdog(self) -> None:
+        log.warning("%s received: saving a checkpoint after the current step (grace period %.0f s)", self.name, self.grace_s)
+        time.sleep(self.grace_s)
+        # Still running after the grace period: the scheduler will kill us anyway; say so and exit non-zero
+        # rather than be killed mid-write (the previous complete checkpoint stays valid either way).
+        log.error("grace period of %.0f s after %s ran out before the checkpoint was saved; exiting", self.grace_s, self.name)
+        os._exit(1)

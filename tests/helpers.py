@@ -1,0 +1,55 @@
+"""Run train_fsdp.py as users do (torchrun or plain python, real processes, gloo on the CPU) and read
+what it wrote. Shared by the end-to-end tests."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "train_fsdp.py"
+
+# A model small enough that a few steps take about a second on 2 CPU cores.
+TINY = [
+    "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.max_seq_len=32",
+    "--data.seq_len=32", "--data.vocab_size=320",
+    "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.lr=1e-2", "--train.warmup_steps=2",
+    "--train.eval_interval=0", "--logging.interval=1", "--logging.tensorboard=false",
+    "--checkpoint.interval=0", "--run.device=cpu",
+]
+
+
+def write_corpus(path: Path, num_docs: int = 60) -> Path:
+    """A small deterministic text corpus: short documents of simple, repetitive sentences."""
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs of amber".split()
+    docs = []
+    for i in range(num_docs):
+        sentence = " ".join(words[(i * 3 + k) % len(words)] for k in range(12))
+        docs.append(f"Document {i}. {sentence}. " * 6)
+    path.write_text("\n\n".join(docs))
+    return path
+
+
+def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_dir: Path, extra_env: dict | None = None,
+              check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run one training job; nproc > 1 goes through torchrun. Returns the finished process."""
+    launcher = [sys.executable, str(TRAIN)] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN)]
+    cmd = launcher + [str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
+                      f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    """step -> training loss, from metrics.jsonl (the last row wins for a step logged twice)."""
+    return {row["step"]: row["loss"] for row in read_metrics(out_dir) if "loss" in row}
