@@ -1,0 +1,197 @@
+"""Measure training throughput and memory of a config, and optionally of a Hugging Face reference.
+
+    torchrun --nproc_per_node=2 scripts/benchmark.py config/train300M_fsdp.yaml --peer
+    torchrun --nproc_per_node=1 scripts/benchmark.py config/train1B_fsdp.yaml --train.micro_batch_size=2
+
+Ours: the exact model, wrapping and step of train_fsdp.py (forward/backward per micro-batch, clipping
+over all shards, fused AdamW, the per-step loss all-reduce), on random tokens so no data is needed.
+`--peer`: transformers' LlamaForCausalLM of the same dimensions, FSDP2 `fully_shard` on each decoder
+layer, bf16 parameters with fp32 reduction, per-layer torch.compile, fused AdamW; same sequence length,
+micro-batch and world size, run in the same invocation after ours. Prints tokens/s per GPU, MFU, step
+time and peak memory per GPU for each, and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from config import ConfigError, load_config  # noqa: E402
+from fsdp_utils.distributed import destroy_distributed, init_distributed  # noqa: E402
+from fsdp_utils.metrics import detect_peak_flops  # noqa: E402
+from fsdp_utils.optim import build_optimizer, clip_grad_norm  # noqa: E402
+from fsdp_utils.wrap import build_fsdp_model, resolve_precision  # noqa: E402
+from train_fsdp import forward_backward  # noqa: E402
+
+
+def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device, seed: int):
+    """An endless stream of random (inputs, targets) batches, generated on the device."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=device, generator=gen)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def time_steps(step_fn, *, warmup: int, steps: int, device) -> list[float]:
+    """Run warmup + timed steps; return each timed step's seconds (synchronised: the step's last
+    .item() already waits for the GPU, a barrier keeps ranks aligned)."""
+    for _ in range(warmup):
+        step_fn()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step_fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_ours(cfg, env, args) -> dict:
+    t = cfg.train
+    precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
+    model = build_fsdp_model(cfg, env, precision)
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), device=env.device)
+    batches = random_batches(cfg.model.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
+
+    def step():
+        loss = forward_backward(model, batches, None, grad_accum=args.grad_accum)
+        clip_grad_norm(model, t.grad_clip)
+        dist.all_reduce(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+
+    times = time_steps(step, warmup=args.warmup, steps=args.steps, device=env.device)
+    del model, optimizer
+    return {"times": times}
+
+
+def bench_peer(cfg, env, args) -> dict:
+    """transformers LlamaForCausalLM + FSDP2 + per-layer compile: what users would otherwise run."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = cfg.model
+    hf_cfg = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.hidden_dim,
+                         num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.num_kv_heads,
+                         max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+                         tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False)
+    hf_cfg._attn_implementation = "sdpa"
+    torch.manual_seed(cfg.run.seed)
+    with torch.device(env.device):
+        model = LlamaForCausalLM(hf_cfg)
+    model.config.use_cache = False
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        if cfg.train.compile:
+            layer.compile()
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)
+    t = cfg.train
+    batches = random_batches(m.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
+
+    def step():
+        total = None
+        for micro in range(args.grad_accum):
+            x, y = next(batches)
+            model.set_requires_gradient_sync(micro == args.grad_accum - 1)
+            loss = model(input_ids=x, labels=y).loss / args.grad_accum
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        dist.all_reduce(total)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total.item()
+
+    times = time_steps(step, warmup=args.warmup, steps=args.steps, device=env.device)
+    del model, optimizer
+    return {"times": times}
+
+
+def summarise(name: str, result: dict, cfg, env, args, peak_flops) -> dict:
+    step_s = statistics.median(result["times"])
+    tokens_per_gpu = args.grad_accum * cfg.train.micro_batch_size * cfg.data.seq_len / step_s
+    flops = cfg.model.flops_per_token(cfg.data.seq_len)
+    mem = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0, device=env.device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    return {"name": name, "step_s": step_s, "tokens_per_sec_per_gpu": tokens_per_gpu,
+            "mfu": flops * tokens_per_gpu / peak_flops if peak_flops else None, "peak_mem_gib": mem.item(),
+            "step_s_min": min(result["times"]), "step_s_max": max(result["times"])}
+
+
+def reset_memory(env) -> None:
+    gc.collect()
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(env.device)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator)")
+    parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--peer", action="store_true", help="also run the Hugging Face + FSDP2 reference")
+    parser.add_argument("--peer_only", action="store_true", help="run only the reference")
+    parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
+    args, overrides = parser.parse_known_args()
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as err:
+        for line in err.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    if cfg.model.vocab_size == 0:  # no tokenizer here: random tokens over the configured vocabulary
+        cfg.model.vocab_size = cfg.data.vocab_size
+    env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
+    try:
+        peak = detect_peak_flops(env.device, cfg.logging.peak_flops)
+        rows = []
+        if not args.peer_only:
+            reset_memory(env)
+            rows.append(summarise("ours", bench_ours(cfg, env, args), cfg, env, args, peak))
+        if args.peer or args.peer_only:
+            reset_memory(env)
+            rows.append(summarise("hf_llama_fsdp2", bench_peer(cfg, env, args), cfg, env, args, peak))
+        if env.is_main:
+            m = cfg.model
+            device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+            print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, micro-batch "
+                  f"{cfg.train.micro_batch_size} x accum {args.grad_accum}, world {env.world_size} x {device}, "
+                  f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
+                  f"compile {cfg.train.compile}, cpu_offload {cfg.fsdp.cpu_offload}")
+            print(f"{'run':<16}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
+            for r in rows:
+                mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+                print(f"{r['name']:<16}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_mem_gib']:>10.2f}")
+            if len(rows) == 2:
+                print(f"ratio ours / reference tokens/s: {rows[0]['tokens_per_sec_per_gpu'] / rows[1]['tokens_per_sec_per_gpu']:.3f}")
+            if args.json:
+                record = {"config": args.config, "overrides": overrides, "world_size": env.world_size, "device": device,
+                          "params": m.num_params(), "rows": rows}
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+        return 0
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
