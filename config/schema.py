@@ -96,6 +96,9 @@ class TrainConfig:
     """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 or fp32."""
     compile: bool = False
     """torch.compile each DecoderBlock."""
+    loss_chunk_tokens: int = 0
+    """Compute output logits and loss this many tokens at a time, recomputing in backward (0: all at once).
+    Saves the (tokens x vocab) fp32 logits: worth it with large vocabularies and micro-batches."""
 
 
 @dataclass

@@ -31,11 +31,17 @@ log = logging.getLogger(__name__)
 FULL_RE = re.compile(r"^fsdp_cpt(\d+)\.pth$")
 SHARDED_RE = re.compile(r"^fsdp_sharded_cpt(\d+)$")
 TMP_PREFIX = ".tmp-"
+# Module names that wrappers insert into parameter names; checkpoints hold the plain model's names.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 FORMAT_VERSION = 1
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A readable checkpoint of a different model: `latest` does not fall back past it to an older one."""
 
 
 @dataclasses.dataclass
@@ -49,10 +55,54 @@ class TrainState:
     rng: list | None = None  # per rank: {"cpu": ByteTensor, "cuda": ByteTensor | None}
 
 
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename folder `src` to `dst`. os.replace cannot replace a non-empty folder, so an existing `dst` (a
+    checkpoint of the same step, e.g. a corrupt one that `latest` fell back from) is first renamed to a
+    `.tmp-` name, which the next save removes should we stop before deleting it here."""
+    if dst.exists():
+        old = dst.with_name(f"{TMP_PREFIX}replaced-{dst.name}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old)
+    else:
+        os.replace(src, dst)
+
+
+def _param_group_fqns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Parameter names of each optimizer group, without wrapper prefixes (as in the state dicts)."""
+    names = {}
+    for name, param in model.named_parameters():
+        parts = [p for p in name.split(".") if p not in WRAPPER_PREFIXES]
+        names[id(param)] = ".".join(parts)
+    return [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _check_param_groups(saved_optim_sd: dict, model, optimizer, path: Path) -> None:
+    """The checkpoint's optimizer groups hold the same parameters as this optimizer's: torch would
+    otherwise load mismatched groups without a word and fail (or train wrongly) at the first step."""
+    try:
+        saved = [list(group["params"]) for group in saved_optim_sd["param_groups"]]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{path}: the optimizer state has no parameter groups") from None
+    here = _param_group_fqns(model, optimizer)
+    if saved != here:
+        sizes = lambda groups: "/".join(str(len(g)) for g in groups)  # noqa: E731
+        raise CheckpointMismatch(
+            f"{path}: the optimizer's parameter groups differ from the checkpoint's ({sizes(here)} parameters "
+            f"per group here, {sizes(saved)} in the checkpoint): saved by a different optimizer setup")
+
+
 def _size_of(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -142,7 +192,7 @@ class CheckpointManager:
             torch.save({"rng": state.rng}, tmp / "rng.pt")
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
             (tmp / "meta.json").write_text(json.dumps({**self._metadata(state), "files": files}, indent=1))
-            os.replace(tmp, final)
+            _replace_dir(tmp, final)
         return final
 
     def _remove_incomplete(self) -> None:
@@ -180,7 +230,7 @@ class CheckpointManager:
             try:
                 return self._load_one(model, optimizer, path)
             except CheckpointError as err:
-                if resume_from != "latest" or i == len(candidates) - 1 or "model shape" in str(err):
+                if resume_from != "latest" or i == len(candidates) - 1 or isinstance(err, CheckpointMismatch):
                     raise
                 if self.env.is_main:
                     log.warning("%s; falling back to the previous checkpoint", err)
@@ -203,7 +253,7 @@ class CheckpointManager:
     def _check_model_config(self, saved: dict, path: Path) -> None:
         for key, value in self.model_config.items():
             if key in saved and saved[key] != value:
-                raise CheckpointError(
+                raise CheckpointMismatch(
                     f"{path}: model shape differs from the checkpoint: model.{key}={value} here, {saved[key]} in the checkpoint")
 
     def _load_full(self, model, optimizer, path: Path):
@@ -214,10 +264,14 @@ class CheckpointManager:
             meta = {k: payload[k] for k in ("format_version", "world_size", "model_config", "train_state")}
             model_sd, optim_sd = payload["model"], payload["optimizer"]
         except Exception as err:  # truncated, corrupt, or not one of ours
-            raise CheckpointError(f"{path}: cannot read checkpoint ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+            raise CheckpointError(f"{path}: cannot read checkpoint ({_first_line(err)})") from None
         self._check_model_config(meta["model_config"], path)
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=StateDictOptions(full_state_dict=True, strict=True))
+        _check_param_groups(optim_sd, model, optimizer, path)
+        try:
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                           options=StateDictOptions(full_state_dict=True, strict=True))
+        except Exception as err:  # readable, but not this model's (missing or extra tensors)
+            raise CheckpointError(f"{path}: does not fit this model ({_first_line(err)})") from None
         return meta, payload.get("rng")
 
     def _load_sharded(self, model, optimizer, path: Path):
@@ -235,8 +289,12 @@ class CheckpointManager:
         state = {"model": model_sd, "optimizer": optim_sd}
         try:
             dcp.load(state, checkpoint_id=str(path))  # reads in place, resharding to this world size
+            rng = torch.load(path / "rng.pt", weights_only=True)["rng"]
         except Exception as err:
-            raise CheckpointError(f"{path}: cannot read sharded checkpoint ({type(err).__name__})") from None
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        rng = torch.load(path / "rng.pt", weights_only=True)["rng"]
+            raise CheckpointError(f"{path}: cannot read sharded checkpoint ({_first_line(err)})") from None
+        _check_param_groups(state["optimizer"], model, optimizer, path)
+        try:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        except Exception as err:
+            raise CheckpointError(f"{path}: does not fit this model ({_first_line(err)})") from None
         return meta, rng

@@ -9,16 +9,23 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 
-def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], device: torch.device, fused: bool = True) -> torch.optim.AdamW:
     """Decay matrices (embeddings and projections), not norm weights. Needs the original parameters
-    (FSDP2, or FSDP1 with use_orig_params=True): a flat parameter mixes both kinds."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+    (FSDP2, or FSDP1 with use_orig_params=True): a flat parameter mixes both kinds.
+
+    The split goes by the owning module, not by `param.ndim`: FSDP1 (use_orig_params) shows every
+    sharded parameter as a 1-D view of its shard, so an ndim test would decay nothing on several
+    ranks and the matrices on one, and the groups would differ with the world size."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        is_norm = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
+        for name, param in module.named_parameters(recurse=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                (no_decay if is_norm or name == "bias" else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # The fused kernel is one launch for all parameters; it exists for CUDA tensors.
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused and device.type == "cuda")
 
 
 def lr_at(step: int, *, max_lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:

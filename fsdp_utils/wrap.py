@@ -131,6 +131,7 @@ def build_fsdp_model(cfg, env: DistEnv, precision: Precision) -> nn.Module:
         model = Transformer(cfg.model)
     if not use_meta:
         model.init_weights(seed)
+    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
 
     apply_activation_checkpointing(model, f.activation_checkpointing, f.ac_every_n_layers)
     if cfg.train.compile:

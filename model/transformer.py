@@ -13,6 +13,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
@@ -114,6 +115,8 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Tokens per chunk of the output projection + loss (0: all at once); see chunked_cross_entropy.
+        self.loss_chunk_tokens = 0
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V); with targets (B, T), the mean cross-entropy instead."""
@@ -126,11 +129,9 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        logits = F.linear(h, weight)  # (B, T, V)
         if targets is None:
-            return logits
-        # Cross-entropy in fp32 for a stable log-sum-exp whatever the compute dtype.
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            return F.linear(h, weight)  # (B, T, V)
+        return chunked_cross_entropy(h.flatten(0, 1), weight, targets.flatten(), chunk_tokens=self.loss_chunk_tokens)
 
     # ---- initialisation, separate from construction -------------------------------------------
     def reset_buffers(self) -> None:
@@ -145,6 +146,27 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             param.copy_(initial_value(self.cfg, name, tuple(param.shape), seed=seed, device=param.device, dtype=param.dtype))
         self.reset_buffers()
+
+
+def _cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # Cross-entropy in fp32 for a stable log-sum-exp whatever the compute dtype.
+    return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int) -> torch.Tensor:
+    """Mean cross-entropy of logits h @ weight.T (h: (N, D), weight: (V, D), targets: (N,)).
+
+    With chunk_tokens > 0 the (N, V) logits never exist at once: each chunk's logits are computed,
+    reduced to a loss and dropped, then recomputed in backward (activation checkpointing). That trades
+    one extra output matmul for not holding N x V fp32 logits and their gradient, the largest
+    activation of a small model with a large vocabulary.
+    """
+    if chunk_tokens <= 0 or h.shape[0] <= chunk_tokens:
+        return _cross_entropy_sum(h, weight, targets) / targets.numel()
+    total = h.new_zeros((), dtype=torch.float32)
+    for h_chunk, t_chunk in zip(h.split(chunk_tokens), targets.split(chunk_tokens)):
+        total = total + checkpoint(_cross_entropy_sum, h_chunk, weight, t_chunk, use_reentrant=False)
+    return total / targets.numel()
 
 
 def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], *, seed: int, device, dtype) -> torch.Tensor:
