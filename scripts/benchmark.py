@@ -74,8 +74,22 @@ def bench_ours(cfg, env, args) -> dict:
         loss.item()
 
     times = time_steps(step, warmup=args.warmup, steps=args.steps, device=env.device)
+    if args.profile:
+        profile_steps(step, env)
     del model, optimizer
     return {"times": times}
+
+
+def profile_steps(step_fn, env, num_steps: int = 3) -> None:
+    """Print the GPU kernels that took the most time over a few steps (rank 0), to see where time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            step_fn()
+        torch.cuda.synchronize(env.device)
+    if env.is_main:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
 def bench_peer(cfg, env, args) -> dict:
@@ -150,6 +164,7 @@ def main() -> int:
     parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--peer", action="store_true", help="also run the Hugging Face + FSDP2 reference")
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
+    parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of our run")
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     args, overrides = parser.parse_known_args()
     try:
