@@ -133,7 +133,7 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
     model = build_fsdp_model(cfg, env, precision)
     # The fused AdamW kernel does not accept the sharded grad scaler's inf flag: fp16 uses the foreach one.
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), device=env.device,
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not precision.use_grad_scaler)
     scaler = None
     if precision.use_grad_scaler:

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 
-def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], device: torch.device, fused: bool = True) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], fused: bool = True) -> torch.optim.AdamW:
     """Decay matrices (embeddings and projections), not norm weights. Needs the original parameters
     (FSDP2, or FSDP1 with use_orig_params=True): a flat parameter mixes both kinds.
 
@@ -24,8 +24,10 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
                 seen.add(id(param))
                 (no_decay if is_norm or name == "bias" else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel is one launch for all parameters; it exists for CUDA tensors.
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused and device.type == "cuda")
+    # The fused kernel is one launch for all parameters; it exists for CUDA tensors only (with CPU
+    # offload the sharded parameters, and so the optimizer step, live in host memory).
+    on_gpu = all(p.device.type == "cuda" for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused and on_gpu)
 
 
 def lr_at(step: int, *, max_lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:

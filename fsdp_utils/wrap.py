@@ -174,7 +174,8 @@ def build_fsdp_model(cfg, env: DistEnv, precision: Precision) -> nn.Module:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         if use_meta:
-            _materialise_fsdp2(model, cfg.model, seed=seed, device=env.device)
+            # With CPU offload the sharded parameters live in host memory.
+            _materialise_fsdp2(model, cfg.model, seed=seed, device=torch.device("cpu") if offload else env.device)
     return model
 
 

@@ -62,7 +62,7 @@ def bench_ours(cfg, env, args) -> dict:
     t = cfg.train
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
     model = build_fsdp_model(cfg, env, precision)
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), device=env.device)
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
     batches = random_batches(cfg.model.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
 
     def step():

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Slurm: one torchrun per node (srun), the head node as rendezvous endpoint.
+#   CONFIG=config/train1B_fsdp.yaml GLOBAL_BATCH=512 MICRO_BATCH=4 sbatch scripts/slurm_submit.sh --train.max_steps=20000
+# Five minutes before the time limit Slurm sends SIGUSR1 to this script, which forwards it to every
+# training process: they save a complete checkpoint and exit 0. Resubmit the same command to continue
+# (checkpoint.auto_resume picks up the newest complete checkpoint).
+#SBATCH --job-name=fsdp-train
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=32
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@300
+#SBATCH --output=slurm-%j.out
+set -euo pipefail
+
+ROOT="${SLURM_SUBMIT_DIR:-$(pwd)}"
+CONFIG="${CONFIG:-$ROOT/config/train1B_fsdp.yaml}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+MICRO_BATCH="${MICRO_BATCH:-2}"
+NNODES="${SLURM_NNODES:-1}"
+WORLD=$((NNODES * GPUS_PER_NODE))
+GLOBAL_BATCH="${GLOBAL_BATCH:-$((WORLD * MICRO_BATCH))}"
+if (( GLOBAL_BATCH % (WORLD * MICRO_BATCH) != 0 )); then
+  echo "error: GLOBAL_BATCH=$GLOBAL_BATCH is not a multiple of MICRO_BATCH * GPUs = $MICRO_BATCH * $WORLD" >&2
+  exit 2
+fi
+echo "world $WORLD GPUs, global batch $GLOBAL_BATCH, micro-batch $MICRO_BATCH, gradient accumulation $((GLOBAL_BATCH / (WORLD * MICRO_BATCH)))"
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+PORT="${MASTER_PORT:-29500}"
+
+# Forward Slurm's pre-termination signal to the training processes (not to torchrun, whose default
+# action on SIGUSR1 would be to die): torchrun starts them as "python -u .../train_fsdp.py".
+forward_signal() {
+  echo "pre-termination signal: asking the training processes to checkpoint and stop"
+  srun --overlap --ntasks-per-node=1 pkill -USR1 -f -- '-u .*train_fsdp\.py' || true
+}
+trap forward_signal USR1 TERM
+
+srun --kill-on-bad-exit=1 torchrun \
+  --nnodes="$NNODES" --nproc_per_node="$GPUS_PER_NODE" \
+  --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$PORT" \
+  --max-restarts="${MAX_RESTARTS:-1}" \
+  "$ROOT/train_fsdp.py" "$CONFIG" \
+  --train.global_batch_size="$GLOBAL_BATCH" --train.micro_batch_size="$MICRO_BATCH" "$@" &
+TRAIN_PID=$!
+# `wait` returns early when a trapped signal arrives; keep waiting until the job step really ends.
+while true; do
+  set +e
+  wait "$TRAIN_PID"
+  status=$?
+  set -e
+  if ! kill -0 "$TRAIN_PID" 2>/dev/null; then
+    exit "$status"
+  fi
+done
