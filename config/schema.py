@@ -37,7 +37,7 @@ class RunConfig:
     output_dir: str = ""
     """Where config.yaml, metrics.jsonl, tensorboard/ and checkpoints go; empty means checkpoints/<name>."""
     seed: int = 1234
-    """Seed for weights, data order and dropout-free sampling; every rank derives its RNG from it."""
+    """Seed for the initial weights and the data order (the same on every rank)."""
     device: str = "auto"
     """auto (CUDA when available, else CPU), cuda or cpu."""
     timeout_s: int = 600
@@ -83,7 +83,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not norms)."""
     beta1: float = 0.9
+    """AdamW first-moment decay."""
     beta2: float = 0.95
+    """AdamW second-moment decay."""
     max_bad_steps: int = 0
     """Non-finite loss or gradient norm: skip up to this many such steps, then stop (0: stop at the first)."""
     grad_clip: float = 1.0
@@ -148,6 +150,7 @@ class LoggingConfig:
     interval: int = 10
     """Log a line, a metrics.jsonl row and TensorBoard scalars every this many steps."""
     tensorboard: bool = True
+    """Write TensorBoard events to <output_dir>/tensorboard/."""
     peak_flops: float = 0.0
     """Per-GPU dense bf16 peak FLOP/s for MFU (0: detect A100/H100/H200)."""
 

@@ -9,7 +9,7 @@ class ModelConfig:
     """Dimensions of a Llama-style decoder. Field names match the `model` section of the YAML."""
 
     vocab_size: int = 4096
-    """Token vocabulary size; set from the tokenizer when the data is prepared."""
+    """Token vocabulary size; 0 in a YAML file means: take it from the tokenizer."""
     dim: int = 256
     """Width of the residual stream."""
     n_layers: int = 4

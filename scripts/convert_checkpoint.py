@@ -1,0 +1,125 @@
+"""Turn a sharded checkpoint (fsdp_sharded_cpt{step}/) into a full one (one .pth file), offline.
+
+    python scripts/convert_checkpoint.py checkpoints/tiny/fsdp_sharded_cpt300 tiny_300.pth
+    python scripts/convert_checkpoint.py checkpoints/tiny/fsdp_sharded_cpt300 tiny_300.pth --force   # overwrite
+
+No process group and no GPU: the shards are read in this one process and assembled into whole tensors,
+so the machine needs memory for the whole model and optimizer state. The output has the layout of a
+full checkpoint written by train_fsdp.py (keys model, optimizer, rng, format_version, world_size,
+model_config, train_state): `torch.load(OUT, weights_only=True)["model"]` gives the plain model's weights,
+and `train_fsdp.py ... --resume_from OUT` continues training from it on any number of ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from fsdp_utils.checkpoint import FORMAT_VERSION, TMP_PREFIX  # noqa: E402
+
+# What a full checkpoint holds, in the order train_fsdp.py writes it.
+META_KEYS = ("format_version", "world_size", "model_config", "train_state")
+
+
+class ConvertError(Exception):
+    """A problem with the input or output; the message names the path."""
+
+
+def read_meta(src: Path) -> dict:
+    """meta.json of a complete sharded checkpoint, after checking every listed file is whole."""
+    if not src.exists():
+        raise ConvertError(f"{src}: no such file or directory")
+    if not src.is_dir():
+        raise ConvertError(f"{src}: not a sharded checkpoint (expected a fsdp_sharded_cpt<step>/ folder, got a file)")
+    meta_path = src / "meta.json"
+    if not meta_path.is_file():
+        raise ConvertError(f"{src}: not a complete sharded checkpoint (no meta.json; an interrupted save or another folder)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConvertError(f"{meta_path}: unreadable ({err})") from None
+    missing = [k for k in (*META_KEYS, "files") if k not in meta]
+    if missing:
+        raise ConvertError(f"{meta_path}: not a checkpoint's meta.json (missing {', '.join(missing)})")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise ConvertError(f"{meta_path}: format_version {meta['format_version']}, this script reads {FORMAT_VERSION}")
+    for name, size in meta["files"].items():
+        path = src / name
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != size:
+            raise ConvertError(f"{path}: corrupt checkpoint (expected {size} bytes, found {actual})")
+    return meta
+
+
+def load_sharded(src: Path) -> dict:
+    """{"model": ..., "optimizer": ...} with whole tensors, read without a process group."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: loading in a single process" is the intent
+        state = _load_state_dict_from_keys(storage_reader=FileSystemReader(str(src)))
+    missing = [k for k in ("model", "optimizer") if k not in state]
+    if missing:
+        raise ConvertError(f"{src}: the shards hold no {' or '.join(missing)} state")
+    return state
+
+
+def convert(src: Path, out: Path, *, force: bool = False) -> dict:
+    """Write the full checkpoint for sharded checkpoint `src` to `out` (atomically); return its payload."""
+    if out.exists() and not force:
+        raise ConvertError(f"{out} exists; pass --force to overwrite it")
+    if out.is_dir():
+        raise ConvertError(f"{out} is a directory; give the path of the .pth file to write")
+    meta = read_meta(src)
+    try:
+        state = load_sharded(src)
+        rng = torch.load(src / "rng.pt", weights_only=True)["rng"] if (src / "rng.pt").is_file() else None
+    except ConvertError:
+        raise
+    except Exception as err:  # a shard that does not decode
+        raise ConvertError(f"{src}: cannot read sharded checkpoint ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    payload = {"model": state["model"], "optimizer": state["optimizer"], "rng": rng, **{k: meta[k] for k in META_KEYS}}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
+    try:
+        with tmp.open("wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return payload
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sharded_dir", type=Path, help="a sharded checkpoint folder, fsdp_sharded_cpt<step>/")
+    parser.add_argument("out", type=Path, help="the full checkpoint file to write, e.g. fsdp_cpt<step>.pth")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    args = parser.parse_args(argv)
+    try:
+        payload = convert(args.sharded_dir, args.out, force=args.force)
+    except (ConvertError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    step = payload["train_state"].get("step")
+    print(f"wrote {args.out} (step {step}, saved at world size {payload['world_size']}, "
+          f"{args.out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
