@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -147,6 +148,8 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out_dir / "config.yaml")
+        # The tokenizer travels with the run, so generate.py and export_hf.py find it next to the checkpoints.
+        shutil.copyfile(prepared.tokenizer_path, out_dir / "tokenizer.model")
         log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
         log_parameter_summary(cfg.model)
         log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, train %s tokens, val %s tokens",
