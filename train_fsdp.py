@@ -93,25 +93,27 @@ def log_parameter_summary(model_cfg) -> None:
 
 @torch.no_grad()
 def evaluate(model, val_data: TokenDataset, cfg: Config, env: DistEnv) -> float:
-    """Mean validation loss over eval_batches micro-batches per rank; every rank runs every forward."""
+    """Mean validation loss over the first eval_batches micro-batches of the validation set, whatever the
+    world size: rank r takes batches r, r + W, ...; every rank runs the same number of forward passes
+    (FSDP needs them all), a rank past the end weighting its last one by zero."""
     model.eval()
-    mb = cfg.train.micro_batch_size
+    mb, n = cfg.train.micro_batch_size, cfg.train.eval_batches
     total = torch.zeros((), device=env.device)
-    for k in range(cfg.train.eval_batches):
-        x, y = val_data.batch((k * env.world_size + env.rank) * mb, mb)
-        total += model(x.to(env.device), y.to(env.device)).float()
+    for first in range(0, n, env.world_size):
+        k = first + env.rank
+        x, y = val_data.batch(min(k, n - 1) * mb, mb)
+        loss = model(x.to(env.device), y.to(env.device)).float()
+        total += loss if k < n else 0.0 * loss
     dist.all_reduce(total)
     model.train()
-    return total.item() / (cfg.train.eval_batches * env.world_size)
+    return total.item() / n
 
 
 def no_grad_sync(model, enabled: bool):
     """Skip the gradient reduce-scatter on non-final micro-steps (FSDP1 no_sync / FSDP2 requires_gradient_sync)."""
-    if not enabled:
-        return contextlib.nullcontext()
     if hasattr(model, "no_sync"):
-        return model.no_sync()
-    model.set_requires_gradient_sync(False)
+        return model.no_sync() if enabled else contextlib.nullcontext()
+    model.set_requires_gradient_sync(not enabled)  # FSDP2: set before every micro-step, so the last one syncs
     return contextlib.nullcontext()
 
 
@@ -261,8 +263,6 @@ def forward_backward(model, batches, scaler, *, grad_accum: int) -> torch.Tensor
             loss = model(x, y) / grad_accum
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(True)
     return loss_sum
 
 

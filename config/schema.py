@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -93,7 +94,7 @@ class TrainConfig:
     eval_interval: int = 100
     """Compute the validation loss every this many steps (and at the end); 0 disables."""
     eval_batches: int = 8
-    """Micro-batches per rank in one validation pass."""
+    """Validation micro-batches per evaluation, in total (split over the ranks: the same data at any world size)."""
     precision: str = "auto"
     """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 or fp32."""
     compile: bool = False
@@ -200,6 +201,9 @@ def _coerce(value, hint, where: str, problems: list[str]):
         return [_coerce(v, item, f"{where}[{i}]", problems) for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        problems.append(f"{where}: must be a finite number, got {value!r}")
+        return value
     if hint is float and isinstance(value, str):
         try:  # YAML reads 3e-4 as a string (YAML 1.1 needs a dot); accept it
             return float(value)
@@ -220,8 +224,9 @@ def _build(cls, raw: dict, where: str, problems: list[str]):
             continue
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
+            value = {} if value is None else value  # a section whose keys are all commented out
             if not isinstance(value, dict):
-                problems.append(f"{where}.{key}: expected a section (mapping), got {value!r}")
+                problems.append(f"{(where + '.' + key).lstrip('.')}: expected a section (mapping), got {value!r}")
                 continue
             kwargs[key] = _build(hint, value, f"{where}.{key}", problems)
         else:
@@ -259,7 +264,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         keys, value = parse_override(arg)
         node = raw
         for k in keys[:-1]:
-            node = node.setdefault(k, {})
+            if node.get(k) is None:
+                node[k] = {}
+            node = node[k]
             if not isinstance(node, dict):
                 problems.append(f"override '{arg}': '{k}' is not a section")
                 break
@@ -296,7 +303,9 @@ def validate(cfg: Config) -> list[str]:
     for name in ("max_steps", "global_batch_size", "micro_batch_size"):
         if getattr(t, name) <= 0:
             p.append(f"train.{name} must be positive, got {getattr(t, name)}")
-    for name in ("warmup_steps", "eval_interval", "eval_batches", "grad_clip", "weight_decay"):
+    if t.eval_batches <= 0:
+        p.append(f"train.eval_batches must be positive, got {t.eval_batches}")
+    for name in ("warmup_steps", "eval_interval", "grad_clip", "weight_decay"):
         if getattr(t, name) < 0:
             p.append(f"train.{name} must not be negative, got {getattr(t, name)}")
     if t.lr <= 0:

@@ -19,7 +19,7 @@ def needs_gpus(n: int):
 @needs_gpus(2)
 @pytest.mark.parametrize("version", [1, 2])
 def test_two_gpus_match_one_gpu_in_bf16(tmp_path, corpus, dataset_dir, version):
-    args = [*GPU, f"--fsdp.version={version}", "--train.max_steps=8", "--train.lr=1e-3"]
+    args = [*GPU, f"--fsdp.version={version}", "--train.max_steps=8"]
     run_train(*args, nproc=1, out_dir=tmp_path / "one", corpus=corpus, dataset_dir=dataset_dir)
     run_train(*args, nproc=2, out_dir=tmp_path / "two", corpus=corpus, dataset_dir=dataset_dir)
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
@@ -28,7 +28,9 @@ def test_two_gpus_match_one_gpu_in_bf16(tmp_path, corpus, dataset_dir, version):
         # bf16 parameters carry ~3 significant digits; reduction order differs between 1 and 2 GPUs.
         # A wrong data split or a missing gradient average moves the loss by far more than 2%.
         assert math.isclose(one[step], two[step], rel_tol=2e-2), (step, one[step], two[step])
-    assert two[8] < two[1]
+    # It trains (the CPU runs of these settings fall from 5.76 to about 4.8 by step 3): a run whose
+    # gradients never reach the optimizer would only drift with the data.
+    assert two[8] < 0.85 * two[1], two
 
 
 @needs_gpus(1)

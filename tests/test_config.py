@@ -1,0 +1,211 @@
+"""Tests for config/: presets load, every problem is reported together with a suggestion, the batch split,
+and the command line's exit codes for config errors (before any process group starts)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from config import Config, ConfigError, check_batch_split, load_config, save_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "config" / "train_tiny_fsdp.yaml"
+PRESETS = sorted((ROOT / "config").glob("*.yaml"))
+
+
+# ---- presets ----------------------------------------------------------------------------------------
+
+
+def test_tiny_preset_exists():
+    assert TINY in PRESETS
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.name for p in PRESETS])
+def test_preset_loads_and_is_consistent(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    # vocab_size 0 means "from the tokenizer"; with the data's vocabulary the model shape must be valid.
+    model = cfg.model
+    if model.vocab_size == 0:
+        model.vocab_size = cfg.data.vocab_size
+    assert model.problems() == []
+    assert cfg.data.seq_len <= model.max_seq_len
+    # Every preset runs as one process and on the 2 ranks used by the tests (a whole accumulation).
+    for world_size in (1, 2):
+        assert check_batch_split(cfg, world_size) >= 1
+
+
+def test_tiny_preset_values():
+    cfg = load_config(TINY)
+    # The YAML's 3.0e-3 arrives as a float, and the batch split is 16 / (8 * 1) = 2 on one process.
+    assert cfg.train.lr == 3e-3 and isinstance(cfg.train.lr, float)
+    assert check_batch_split(cfg, 1) == 2
+    assert cfg.output_dir == Path("checkpoints/tiny")  # run.output_dir empty -> checkpoints/<run.name>
+
+
+# ---- overrides --------------------------------------------------------------------------------------
+
+
+def test_overrides_are_parsed_as_yaml_scalars():
+    cfg = load_config(TINY, ["--train.lr=1e-3", "--train.max_steps=7", "--logging.tensorboard=false",
+                             "--data.files=[a.txt, b.jsonl]", "--model.n_kv_heads=null", "--run.name=x"])
+    assert cfg.train.lr == 1e-3  # YAML reads 1e-3 as a string (no dot); the float field accepts it
+    assert cfg.train.max_steps == 7
+    assert cfg.logging.tensorboard is False
+    assert cfg.data.files == ["a.txt", "b.jsonl"]
+    assert cfg.model.n_kv_heads is None and cfg.model.num_kv_heads == cfg.model.n_heads
+    assert cfg.output_dir == Path("checkpoints/x")
+
+
+def test_single_path_is_accepted_as_file_list():
+    assert load_config(TINY, ["--data.files=/x/corpus.txt"]).data.files == ["/x/corpus.txt"]
+
+
+def test_no_config_file_means_defaults():
+    assert load_config(None, []).to_dict() == Config().to_dict()
+
+
+def test_save_config_round_trips(tmp_path):
+    cfg = load_config(TINY, ["--train.lr=2e-3", "--model.vocab_size=320", "--fsdp.version=2"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml").to_dict() == cfg.to_dict()
+
+
+# ---- problems reported with the field's name and a suggestion ---------------------------------------
+
+
+def problems_of(*overrides, path=TINY) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    # The message is the problems, one per line.
+    assert str(info.value).splitlines() == info.value.problems
+    return info.value.problems
+
+
+def test_unknown_key_suggests_closest():
+    assert problems_of("--train.lrr=1") == ["unknown key 'train.lrr' (did you mean 'train.lr'?)"]
+
+
+def test_unknown_section_suggests_closest():
+    assert problems_of("--trian.lr=1") == ["unknown key 'trian' (did you mean 'train'?)"]
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  max_step: 5\nfsdp:\n  sharding: FULL_SHARD\n")
+    problems = problems_of(path=path)
+    assert problems[0] == "unknown key 'train.max_step' (did you mean 'train.max_steps'?)"
+    assert problems[1].startswith("unknown key 'fsdp.sharding' (did you mean 'fsdp.sharding_strategy")
+    assert len(problems) == 2
+
+
+def test_unknown_key_far_from_anything_has_no_suggestion():
+    (problem,) = problems_of("--train.zzzzzzzz=1")
+    assert problem == "unknown key 'train.zzzzzzzz'"
+
+
+def test_misspelt_sharding_strategy_suggests_valid_one():
+    (problem,) = problems_of("--fsdp.sharding_strategy=FULL_SHRAD")
+    assert problem.startswith("fsdp.sharding_strategy='FULL_SHRAD' is not one of ")
+    assert "(did you mean 'FULL_SHARD'?)" in problem
+
+
+def test_wrong_type_names_the_field():
+    (problem,) = problems_of("--train.max_steps=abc")
+    assert problem == "train.max_steps: expected int, got str 'abc'"
+    # A bool is not an int, although Python says isinstance(True, int).
+    (problem,) = problems_of("--model.dim=true")
+    assert problem == "model.dim: expected int, got bool True"
+
+
+def test_all_problems_are_reported_together():
+    problems = problems_of("--train.max_steps=abc", "--train.lrr=1", "--fsdp.sharding_strategy=FULL_SHRAD",
+                           "--data.seq_len=4096")
+    # Four independent mistakes -> four lines, each naming its field (4096 > the tiny model's 128).
+    assert len(problems) == 4
+    joined = "\n".join(problems)
+    for field in ("train.max_steps", "train.lrr", "fsdp.sharding_strategy", "data.seq_len=4096 exceeds model.max_seq_len=128"):
+        assert field in joined
+
+
+def test_value_checks():
+    problems = problems_of("--model.dim=130", "--train.lr=0", "--train.global_batch_size=12", "--train.micro_batch_size=8")
+    joined = "\n".join(problems)
+    assert "model.dim=130 must be divisible by model.n_heads=4" in joined  # 130 / 4 is not whole
+    assert "train.lr must be positive, got 0.0" in joined
+    assert "train.global_batch_size=12 is not a multiple of train.micro_batch_size=8" in joined
+    assert len(problems) == 3
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    assert problems_of(path=tmp_path / "nope.yaml") == [f"config file not found: {tmp_path / 'nope.yaml'}"]
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    assert problems_of(path=tmp_path / "list.yaml") == [f"{tmp_path / 'list.yaml'}: top level must be a mapping of sections"]
+    (tmp_path / "broken.yaml").write_text("train: [1, 2\n")
+    (problem,) = problems_of(path=tmp_path / "broken.yaml")
+    assert problem.startswith(f"{tmp_path / 'broken.yaml'}: not valid YAML")
+
+
+# ---- batch split ------------------------------------------------------------------------------------
+
+
+def test_batch_split_gives_accumulation_steps():
+    cfg = load_config(TINY, ["--train.global_batch_size=16", "--train.micro_batch_size=2"])
+    assert check_batch_split(cfg, 1) == 8  # 16 / (2 * 1)
+    assert check_batch_split(cfg, 2) == 4  # 16 / (2 * 2)
+    assert check_batch_split(cfg, 8) == 1  # 16 / (2 * 8)
+
+
+@pytest.mark.parametrize("world_size", [3, 16])
+def test_batch_split_that_is_not_whole_is_an_error(world_size):
+    cfg = load_config(TINY, ["--train.global_batch_size=16", "--train.micro_batch_size=2"])
+    with pytest.raises(ConfigError) as info:
+        check_batch_split(cfg, world_size)
+    # 16 % (2 * 3) = 4 and 16 % (2 * 16) = 16: neither is whole.
+    (problem,) = info.value.problems
+    assert f"= 2 * {world_size} = {2 * world_size}" in problem and "train.global_batch_size=16" in problem
+
+
+# ---- the command line -------------------------------------------------------------------------------
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    # No torchrun variables unless given: a world of one.
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "train_fsdp.py"), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**base, **(env or {})})
+    return proc, time.perf_counter() - start
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def test_cli_unknown_key_exits_2_with_one_error_line():
+    proc, _ = run_cli(str(TINY), "--train.lrr=1")
+    assert proc.returncode == 2
+    assert error_lines(proc) == ["error: unknown key 'train.lrr' (did you mean 'train.lr'?)"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_missing_config_file_exits_2():
+    proc, _ = run_cli("config/no_such_preset.yaml")
+    assert proc.returncode == 2
+    assert error_lines(proc) == ["error: config file not found: config/no_such_preset.yaml"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_batch_split_impossible_for_world_size_exits_before_process_group():
+    # WORLD_SIZE=3 without the other ranks: if the check came after init_process_group, rank 0 would
+    # wait for ranks 1 and 2 until run.timeout_s (600 s). The tiny preset: 16 % (8 * 3) != 0.
+    proc, seconds = run_cli(str(TINY), env={"WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0"}, timeout=120)
+    assert proc.returncode == 2
+    (line,) = error_lines(proc)
+    assert "train.global_batch_size=16" in line and "= 8 * 3 = 24" in line
+    assert "Traceback" not in proc.stderr
+    assert seconds < 60  # python + torch import is a few seconds; no rendezvous was attempted

@@ -1,0 +1,133 @@
+"""End-to-end runs of train_fsdp.py (real processes): a short run learns and writes its outputs; a data
+problem ends every rank with one error line, no traceback and no hang."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from config import load_config
+from tests.helpers import read_metrics, run_train
+
+STEPS, EVAL_EVERY, LR, WARMUP = 30, 10, 1e-2, 2  # LR and WARMUP are the helper's TINY settings
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory, corpus, dataset_dir):
+    """30 steps of the helper's tiny model as ONE plain process (no torchrun), eval and TensorBoard on."""
+    out = tmp_path_factory.mktemp("short_run")
+    proc = run_train(f"--train.max_steps={STEPS}", f"--train.eval_interval={EVAL_EVERY}", "--train.eval_batches=2",
+                     "--logging.tensorboard=true", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    return out, proc
+
+
+def test_single_process_run_without_torchrun(short_run):
+    out, proc = short_run
+    assert proc.returncode == 0
+    assert "world size 1 on cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_loss_falls(short_run):
+    out, _ = short_run
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # logging.interval=1: one row a step
+    vocab = load_config(out / "config.yaml").model.vocab_size
+    first, last5 = rows[0]["loss"], [r["loss"] for r in rows[-5:]]
+    # At init the logits are near uniform: loss ~ ln(vocab) = ln(320) = 5.77 (measured 5.758).
+    assert abs(first - math.log(vocab)) < 0.1
+    # The small repetitive corpus is learnt fast: measured mean of the last 5 steps ~1.1, first 5.76.
+    assert sum(last5) / 5 < 0.5 * first
+
+
+def test_validation_loss_logged_and_falls(short_run):
+    out, _ = short_run
+    val = {r["step"]: r["val_loss"] for r in read_metrics(out) if "val_loss" in r}
+    assert sorted(val) == [10, 20, 30]  # every eval_interval steps (30 is also the last step)
+    assert all(math.isfinite(v) for v in val.values())
+    # Measured 2.53, 1.44, 1.12 against ln(320) = 5.77 at init.
+    assert val[30] < val[10] < 0.6 * math.log(320)
+
+
+def test_metrics_rows(short_run):
+    out, _ = short_run
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    keys = {"step", "loss", "lr", "grad_norm", "tokens_per_sec_per_gpu", "mfu", "peak_mem_gib"}
+    for row in rows:
+        assert set(row) == keys
+        assert row["grad_norm"] > 0 and math.isfinite(row["grad_norm"])
+        assert row["tokens_per_sec_per_gpu"] > 0
+        assert row["mfu"] is None  # no known peak FLOP/s on the CPU (logging.peak_flops=0)
+        assert 0.01 < row["peak_mem_gib"] < 16  # the process's peak RSS: ~0.3 GiB measured
+    # Warmup-cosine: step 1 runs at LR * 1/WARMUP, step 2 at the peak, the last step near LR * min_lr_ratio.
+    assert rows[0]["lr"] == pytest.approx(LR * 1 / WARMUP)
+    assert rows[1]["lr"] == pytest.approx(LR)
+    progress = (STEPS - 1 - WARMUP) / (STEPS - WARMUP)  # the last step is 0-based step 29
+    assert rows[-1]["lr"] == pytest.approx(LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))))
+
+
+def test_config_yaml_is_the_resolved_config(short_run, corpus):
+    out, _ = short_run
+    cfg = load_config(out / "config.yaml")  # loadable as a config file itself
+    assert cfg.train.max_steps == STEPS and cfg.train.eval_interval == EVAL_EVERY
+    assert cfg.model.vocab_size == 320  # resolved from the tokenizer (the preset says 0)
+    assert cfg.model.dim == 64 and cfg.data.files == [str(corpus)]
+    assert cfg.run.output_dir == str(out)
+
+
+def test_tensorboard_events(short_run):
+    out, _ = short_run
+    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "val/loss"} <= tags
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    tb_loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    # The same values as metrics.jsonl, stored as float32.
+    assert [s for s, _ in tb_loss] == [r["step"] for r in rows]
+    assert [v for _, v in tb_loss] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    assert [e.step for e in acc.Scalars("val/loss")] == [10, 20, 30]
+
+
+def test_final_checkpoint_written(short_run):
+    out, _ = short_run
+    # checkpoint.interval=0: only the final save, named by its step.
+    assert sorted(p.name for p in out.glob("fsdp_cpt*.pth")) == [f"fsdp_cpt{STEPS}.pth"]
+
+
+# ---- data errors ------------------------------------------------------------------------------------
+
+OUR_FRAMES = re.compile(r'File ".*(train_fsdp|data/|fsdp_utils/|config/)')
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["python", "torchrun2"])
+@pytest.mark.parametrize("problem", ["missing", "empty"])
+def test_data_error_is_one_line(problem, nproc, tmp_path):
+    if problem == "missing":
+        path, message = "/nonexistent.txt", "error: data file not found: /nonexistent.txt"
+    else:
+        path = tmp_path / "empty.txt"
+        path.write_text("")
+        message = f"error: no text found in {path}"
+    # A fresh dataset_dir: a failed preparation must not touch the session's shared cache. The timeout
+    # turns a hang (a rank waiting in a collective for one that quit) into a failure, not a stuck suite.
+    proc = run_train(f"--data.files=[{path}]", nproc=nproc, out_dir=tmp_path / "out", corpus=tmp_path / "unused.txt",
+                     dataset_dir=tmp_path / "prepared", check=False, timeout=90)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1, proc.stderr[-3000:]  # user errors exit 1 (config errors 2)
+    # One line for the whole job: rank 0 reports, rank 1 gets the same outcome by broadcast and stays quiet.
+    assert errors == [message], proc.stderr[-3000:]
+    if nproc == 1:
+        assert "Traceback" not in proc.stderr
+    else:
+        # torchrun prints its own launcher traceback (ChildFailedError) whenever a rank exits non-zero;
+        # none of the frames may come from this project's code.
+        assert not OUR_FRAMES.search(proc.stderr), proc.stderr[-3000:]
+        assert "DataError" not in proc.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
