@@ -27,6 +27,7 @@ import yaml
 
 from config import Config, ConfigError, check_batch_split, load_config, save_config
 from data import BatchPrefetcher, DataError, TokenDataset, load_prepared, prepare_data
+from model import ModelConfig
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
 from fsdp_utils.distributed import DistEnv, barrier, destroy_distributed, init_distributed, read_torchrun_env
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
@@ -65,10 +66,15 @@ def prepare_dataset(cfg: Config, env: DistEnv):
     outcome = [None]
     if env.is_main:
         try:
+            external = None
+            if d.tokenizer == "hf":
+                from fsdp_utils.hf import HFTokenizer
+
+                external = HFTokenizer(cfg.model.hf_path)
             prepare_data(dataset_dir=dataset_dir, files=d.files, tokenizer_model=d.tokenizer_model or None,
                          vocab_size=d.vocab_size, val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb,
-                         seed=cfg.run.seed, show_progress=True)
-        except DataError as err:
+                         seed=cfg.run.seed, show_progress=True, external_tokenizer=external)
+        except (DataError, ValueError, OSError) as err:
             outcome = [str(err)]
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
@@ -78,8 +84,27 @@ def prepare_dataset(cfg: Config, env: DistEnv):
 
 def _data_key(cfg: Config) -> str:
     d = cfg.data
-    what = json.dumps([d.files, d.tokenizer_model, d.vocab_size, d.val_fraction, d.max_corpus_mb, cfg.run.seed])
+    tokenizer = cfg.model.hf_path if d.tokenizer == "hf" else d.tokenizer_model
+    what = json.dumps([d.files, tokenizer, d.vocab_size, d.val_fraction, d.max_corpus_mb, cfg.run.seed])
     return ("stdlib" if not d.files else "custom") + "-" + hashlib.sha1(what.encode()).hexdigest()[:10]
+
+
+def describe_model(cfg: Config, tokenizer_vocab: int) -> tuple[int, dict, float]:
+    """(vocabulary size, shape signature stored in checkpoints, training FLOPs per token) of the model."""
+    if cfg.model.type == "hf":
+        from fsdp_utils.hf import config_signature, load_hf_config
+
+        hf_config = load_hf_config(cfg.model)
+        # FLOPs as for the same dimensions of our model (Llama-style layers), for the MFU figure.
+        shape = ModelConfig(vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
+                            n_heads=hf_config.num_attention_heads,
+                            n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+                            ffn_hidden_dim=hf_config.intermediate_size)
+        return hf_config.vocab_size, config_signature(hf_config), shape.flops_per_token(cfg.data.seq_len)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = tokenizer_vocab
+    plain = ModelConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(ModelConfig)})
+    return plain.vocab_size, dataclasses.asdict(plain), plain.flops_per_token(cfg.data.seq_len)
 
 
 def log_parameter_summary(model_cfg) -> None:
@@ -125,10 +150,9 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
 
     # ---- data -----------------------------------------------------------------------------------
     prepared = prepare_dataset(cfg, env)
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = prepared.vocab_size
-    elif cfg.model.vocab_size < prepared.vocab_size:
-        raise ConfigError([f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {prepared.vocab_size}"])
+    model_vocab, model_signature, flops_per_token = describe_model(cfg, prepared.vocab_size)
+    if model_vocab < prepared.vocab_size:
+        raise ConfigError([f"the model's vocabulary ({model_vocab}) is smaller than the tokenizer's ({prepared.vocab_size})"])
     train_data = TokenDataset(prepared.train_path, dtype=prepared.dtype, seq_len=cfg.data.seq_len, seed=cfg.run.seed)
     val_data = TokenDataset(prepared.val_path, dtype=prepared.dtype, seq_len=cfg.data.seq_len, seed=cfg.run.seed, shuffle=False)
 
@@ -143,17 +167,22 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler()
-    model_cfg_dict = dataclasses.asdict(cfg.model)
     ckpt = CheckpointManager(out_dir, fmt=cfg.checkpoint.format, keep_last_n=cfg.checkpoint.keep_last_n,
-                             model_config=model_cfg_dict, env=env)
+                             model_config=model_signature, env=env)
 
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out_dir / "config.yaml")
         # The tokenizer travels with the run, so generate.py and export_hf.py find it next to the checkpoints.
-        shutil.copyfile(prepared.tokenizer_path, out_dir / "tokenizer.model")
+        if prepared.tokenizer_path.is_dir():
+            shutil.copytree(prepared.tokenizer_path, out_dir / prepared.tokenizer_path.name, dirs_exist_ok=True)
+        else:
+            shutil.copyfile(prepared.tokenizer_path, out_dir / "tokenizer.model")
         log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
-        log_parameter_summary(cfg.model)
+        if cfg.model.type == "llama":
+            log_parameter_summary(cfg.model)
+        else:
+            log.info("model: %s from %s", model_signature, cfg.model.hf_path or cfg.model.hf_config)
         log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, train %s tokens, val %s tokens",
                  env.world_size, env.device.type, precision.name, str(precision.reduce).replace("torch.", ""),
                  cfg.fsdp.version, cfg.fsdp.sharding_strategy, grad_accum,
@@ -172,7 +201,6 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
     stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s)
     metrics = MetricsWriter(out_dir, tensorboard=cfg.logging.tensorboard) if env.is_main else None
     peak_flops = detect_peak_flops(env.device, cfg.logging.peak_flops)
-    flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     mb, tokens_per_step = t.micro_batch_size, t.global_batch_size * cfg.data.seq_len
     first_step, first_sample = state.step, state.samples_seen
     # Global sample index of every micro-batch this rank will read: the order is the same on any world size.

@@ -50,6 +50,18 @@ class RunConfig:
 
 
 @dataclass
+class ModelSection(ModelConfig):
+    """The `model` section: our Transformer's dimensions, or a Hugging Face causal LM."""
+
+    type: str = "llama"
+    """llama: our DecoderBlock transformer (the dimensions above); hf: a transformers causal LM."""
+    hf_path: str = ""
+    """model.type=hf: a local folder with a pretrained model (config.json + weights); nothing is downloaded."""
+    hf_config: str = ""
+    """model.type=hf without weights: a config.json (or a folder holding one) to build with random init."""
+
+
+@dataclass
 class DataConfig:
     files: list[str] = field(default_factory=list)
     """.txt / .jsonl files or folders to train on; empty means the Python standard library sources."""
@@ -57,6 +69,8 @@ class DataConfig:
     """Cache for the tokenizer and token files; empty means data/cache/<run.name's data fingerprint>."""
     tokenizer_model: str = ""
     """An existing SentencePiece .model to use instead of training one."""
+    tokenizer: str = "sentencepiece"
+    """sentencepiece (train one, or data.tokenizer_model) or hf (model.hf_path's own tokenizer)."""
     vocab_size: int = 4096
     """Vocabulary size of the SentencePiece model trained on the corpus."""
     val_fraction: float = 0.02
@@ -159,7 +173,7 @@ class LoggingConfig:
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelSection = field(default_factory=ModelSection)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -290,10 +304,23 @@ def validate(cfg: Config) -> list[str]:
     m = cfg.model
     if m.vocab_size and m.vocab_size < 0:
         p.append(f"model.vocab_size must be 0 (take it from the tokenizer) or positive, got {m.vocab_size}")
-    p += [x for x in ModelConfig(**{**dataclasses.asdict(m), "vocab_size": m.vocab_size or 1}).problems()]
+    _choice(p, "model.type", m.type, ("llama", "hf"))
+    _choice(p, "data.tokenizer", cfg.data.tokenizer, ("sentencepiece", "hf"))
+    if m.type == "llama":
+        p += ModelConfig(**{f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)} | {"vocab_size": m.vocab_size or 1}).problems()
+        if cfg.data.tokenizer == "hf":
+            p.append("data.tokenizer=hf needs model.type=hf (the tokenizer comes from model.hf_path)")
+    elif m.type == "hf":
+        if bool(m.hf_path) == bool(m.hf_config):
+            p.append("model.type=hf needs exactly one of model.hf_path (pretrained folder) or model.hf_config (config.json)")
+        for name in ("hf_path", "hf_config"):
+            if getattr(m, name) and not Path(getattr(m, name)).exists():
+                p.append(f"model.{name}: not found: {getattr(m, name)}")
+        if cfg.data.tokenizer == "hf" and not m.hf_path:
+            p.append("data.tokenizer=hf needs model.hf_path (a folder with the tokenizer files)")
     if cfg.data.seq_len <= 0:
         p.append(f"data.seq_len must be positive, got {cfg.data.seq_len}")
-    elif cfg.data.seq_len > m.max_seq_len:
+    elif m.type == "llama" and cfg.data.seq_len > m.max_seq_len:
         p.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if not 0 < cfg.data.val_fraction < 1:
         p.append(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}")

@@ -26,6 +26,7 @@ META_NAME = "meta.json"
 TRAIN_NAME = "train.bin"
 VAL_NAME = "val.bin"
 TOKENIZER_NAME = "tokenizer.model"
+EXTERNAL_TOKENIZER_NAME = "hf_tokenizer"  # a folder saved by the external tokenizer
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # Caps how many lines SentencePiece learns from so tokenizer training stays quick.
 MAX_TOKENIZER_SENTENCES = 300_000
@@ -281,6 +282,7 @@ def _fingerprint(
     val_fraction: float,
     max_corpus_mb: float,
     seed: int,
+    external: str | None = None,
 ) -> str:
     """Hash of everything that determines the prepared files, so a cache hit is safe."""
 
@@ -296,6 +298,7 @@ def _fingerprint(
         "val_fraction": val_fraction,
         "max_corpus_mb": max_corpus_mb,
         "seed": seed,
+        "external_tokenizer": external,
     }
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode("utf-8")).hexdigest()
 
@@ -336,7 +339,7 @@ def load_prepared(dataset_dir: str) -> PreparedData:
         num_train_tokens=_meta_field(meta, "num_train_tokens", int, meta_path),
         num_val_tokens=_meta_field(meta, "num_val_tokens", int, meta_path),
     )
-    if not prepared.tokenizer_path.is_file():
+    if not prepared.tokenizer_path.exists():
         raise DataError(f"prepared tokenizer missing: {prepared.tokenizer_path}")
     for path, num_tokens in (
         (prepared.train_path, prepared.num_train_tokens),
@@ -394,8 +397,15 @@ def prepare_data(
     max_corpus_mb: float,
     seed: int,
     show_progress: bool = True,
+    external_tokenizer=None,
 ) -> PreparedData:
-    """Tokenise the corpus into dataset_dir, or reuse what an earlier identical call left there."""
+    """Tokenise the corpus into dataset_dir, or reuse what an earlier identical call left there.
+
+    `external_tokenizer` replaces SentencePiece (e.g. a Hugging Face tokenizer, adapted by the caller so
+    this package needs no transformers): it must offer `encode(list[str], out_type=int, num_threads=int)`,
+    `eos_id()`, `get_piece_size()`, `save(path)` (writes what it needs into the file or folder `path`)
+    and a `fingerprint` string identifying it.
+    """
     _check_settings(vocab_size=vocab_size, val_fraction=val_fraction, max_corpus_mb=max_corpus_mb)
     use_stdlib = not files
     paths = stdlib_source_files() if use_stdlib else _expand_inputs(files)
@@ -411,6 +421,7 @@ def prepare_data(
         val_fraction=val_fraction,
         max_corpus_mb=max_corpus_mb,
         seed=seed,
+        external=getattr(external_tokenizer, "fingerprint", None),
     )
     cached = _cached(root, fingerprint)
     if cached is not None:
@@ -427,13 +438,18 @@ def prepare_data(
         raise DataError(f"no text found in {named}")
     train_docs, val_docs = _split_documents(documents, val_fraction=val_fraction, seed=seed)
 
-    tmp_tokenizer = root / (TOKENIZER_NAME + ".tmp")
-    if given_tokenizer is not None:
+    tokenizer_name = TOKENIZER_NAME if external_tokenizer is None else EXTERNAL_TOKENIZER_NAME
+    tmp_tokenizer = root / (tokenizer_name + ".tmp")
+    if external_tokenizer is not None:
+        if tmp_tokenizer.is_dir():
+            shutil.rmtree(tmp_tokenizer)
+        external_tokenizer.save(tmp_tokenizer)
+    elif given_tokenizer is not None:
         # Copy so the prepared directory is self-contained.
         shutil.copyfile(given_tokenizer, tmp_tokenizer)
     else:
         _train_tokenizer(train_docs, vocab_size=vocab_size, seed=seed, out_path=tmp_tokenizer)
-    processor = _load_tokenizer(tmp_tokenizer)
+    processor = external_tokenizer if external_tokenizer is not None else _load_tokenizer(tmp_tokenizer)
     actual_vocab = processor.get_piece_size()
     dtype = token_dtype(actual_vocab)
 
@@ -452,7 +468,9 @@ def prepare_data(
             f"validation split of {root} holds {num_val_tokens} tokens; raise data.val_fraction or add data"
         )
 
-    os.replace(tmp_tokenizer, root / TOKENIZER_NAME)
+    if (root / tokenizer_name).is_dir():
+        shutil.rmtree(root / tokenizer_name)
+    os.replace(tmp_tokenizer, root / tokenizer_name)
     os.replace(tmp_train, root / TRAIN_NAME)
     os.replace(tmp_val, root / VAL_NAME)
     _write_json_atomic(
@@ -468,8 +486,9 @@ def prepare_data(
             "num_val_documents": len(val_docs),
             "train_file": TRAIN_NAME,
             "val_file": VAL_NAME,
-            "tokenizer_file": TOKENIZER_NAME,
-            "tokenizer_source": str(given_tokenizer.resolve()) if given_tokenizer else "trained",
+            "tokenizer_file": tokenizer_name,
+            "tokenizer_source": (external_tokenizer.fingerprint if external_tokenizer is not None
+                                 else str(given_tokenizer.resolve()) if given_tokenizer else "trained"),
             "inputs": "python-stdlib" if use_stdlib else [str(p) for p in files],
         },
     )

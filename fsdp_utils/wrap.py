@@ -62,12 +62,12 @@ def resolve_precision(precision: str, reduce_dtype: str, device: torch.device) -
     return Precision(compute, reduce, use_grad_scaler=compute == torch.float16)
 
 
-def apply_activation_checkpointing(model: Transformer, mode: str, every_n: int) -> int:
+def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every_n: int) -> int:
     """Recompute chosen blocks' activations in backward instead of storing them; returns how many."""
     if mode == "none":
         return 0
     count = 0
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(blocks):
         if mode == "selective" and i % every_n:
             continue
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -75,9 +75,9 @@ def apply_activation_checkpointing(model: Transformer, mode: str, every_n: int) 
     return count
 
 
-def apply_compile(model: Transformer) -> None:
-    """Compile each DecoderBlock in place: every block has the same graph, so one compile serves all."""
-    for block in model.layers:
+def apply_compile(blocks: list[nn.Module]) -> None:
+    """Compile each block in place: every block has the same graph, so one compile serves all."""
+    for block in blocks:
         block.compile()
 
 
@@ -123,9 +123,11 @@ def _materialise_fsdp2(model: Transformer, cfg: ModelConfig, *, seed: int, devic
 
 
 def build_fsdp_model(cfg, env: DistEnv, precision: Precision) -> nn.Module:
-    """Build the Transformer from `cfg.model`, apply AC, compile and FSDP per `cfg.fsdp`; weights initialised."""
+    """Build the model from `cfg.model`, apply AC, compile and FSDP per `cfg.fsdp`; weights initialised."""
     f = cfg.fsdp
     seed = cfg.run.seed
+    if cfg.model.type == "hf":
+        return _build_hf_fsdp_model(cfg, env, precision)
     use_meta = f.meta_init and env.world_size > 1 and not f.sync_module_states
     with torch.device("meta" if use_meta else env.device):
         model = Transformer(cfg.model)
@@ -133,19 +135,60 @@ def build_fsdp_model(cfg, env: DistEnv, precision: Precision) -> nn.Module:
         model.init_weights(seed)
     model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
 
-    apply_activation_checkpointing(model, f.activation_checkpointing, f.ac_every_n_layers)
+    apply_activation_checkpointing(list(model.layers), f.activation_checkpointing, f.ac_every_n_layers)
     if cfg.train.compile:
-        apply_compile(model)
+        apply_compile(list(model.layers))
 
     offload = f.cpu_offload and env.device.type == "cuda"  # on the CPU the tensors are there already
+    param_init_fn = _materialise_fsdp1(model, cfg.model, seed=seed, device=env.device) if use_meta else None
     if f.version == 1:
-        mixed = None
-        if precision.compute != torch.float32:
-            mixed = MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce, buffer_dtype=None)
-        mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size) if f.sharding_strategy == "HYBRID_SHARD" else None
-        model = FSDP(
+        return _wrap_fsdp1(model, {DecoderBlock}, cfg, env, precision, offload=offload, param_init_fn=param_init_fn)
+    _wrap_fsdp2(model, list(model.layers), cfg, env, precision, offload=offload)
+    if use_meta:
+        # With CPU offload the sharded parameters live in host memory.
+        _materialise_fsdp2(model, cfg.model, seed=seed, device=torch.device("cpu") if offload else env.device)
+    return model
+
+
+def _build_hf_fsdp_model(cfg, env: DistEnv, precision: Precision) -> nn.Module:
+    """model.type=hf: a transformers causal LM, wrapped per decoder layer (its _no_split_modules)."""
+    from . import hf
+
+    f = cfg.fsdp
+    offload = f.cpu_offload and env.device.type == "cuda"
+    # Every rank wraps a meta-device skeleton; rank 0 alone reads the real weights into CPU memory and
+    # broadcasts them into the shards (FSDP1's sync_module_states would do this only on GPUs).
+    model = hf.build_hf_model(cfg, env, on_meta=True)
+    layer_classes = hf.decoder_layer_classes(model.lm)
+    blocks = [m for m in model.modules() if type(m) in layer_classes]
+    apply_activation_checkpointing(blocks, f.activation_checkpointing, f.ac_every_n_layers)
+    if cfg.train.compile:
+        apply_compile(blocks)
+    device = torch.device("cpu") if offload else env.device
+    if f.version == 1:
+        model = _wrap_fsdp1(model, layer_classes, cfg, env, precision, offload=offload,
+                            param_init_fn=hf.materialise_on_rank(model, device))
+    else:
+        _wrap_fsdp2(model, blocks, cfg, env, precision, offload=offload)
+        model.to_empty(device=device)
+    full_state = buffers = None
+    if env.is_main:
+        real = hf.build_hf_model(cfg, env, on_meta=False)
+        full_state, buffers = real.state_dict(), dict(real.named_buffers())
+    hf.broadcast_from_rank0(model, full_state, buffers, env)
+    return model
+
+
+def _wrap_fsdp1(model: nn.Module, block_classes: set[type], cfg, env: DistEnv, precision: Precision, *,
+                offload: bool, param_init_fn=None) -> FSDP:
+    f = cfg.fsdp
+    mixed = None
+    if precision.compute != torch.float32:
+        mixed = MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce, buffer_dtype=None)
+    mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size) if f.sharding_strategy == "HYBRID_SHARD" else None
+    return FSDP(
             model,
-            auto_wrap_policy=ModuleWrapPolicy({DecoderBlock}),
+            auto_wrap_policy=ModuleWrapPolicy(block_classes),
             sharding_strategy=ShardingStrategy[f.sharding_strategy],
             mixed_precision=mixed,
             cpu_offload=CPUOffload(offload_params=True) if offload else None,
@@ -155,28 +198,27 @@ def build_fsdp_model(cfg, env: DistEnv, precision: Precision) -> nn.Module:
             use_orig_params=f.use_orig_params or cfg.train.compile,
             sync_module_states=f.sync_module_states,
             device_id=env.device,
-            param_init_fn=_materialise_fsdp1(model, cfg.model, seed=seed, device=env.device) if use_meta else None,
+            param_init_fn=param_init_fn,
             device_mesh=mesh,
         )
-    else:
-        mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size)
-        if f.sharding_strategy == "NO_SHARD":
-            mesh = init_device_mesh(env.device.type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
-        kwargs = dict(
-            mesh=mesh,
-            # FULL_SHARD frees gathered weights after forward; SHARD_GRAD_OP keeps them until backward.
-            reshard_after_forward=f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
-            mp_policy=MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce),
-        )
-        if offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
-        for block in model.layers:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        if use_meta:
-            # With CPU offload the sharded parameters live in host memory.
-            _materialise_fsdp2(model, cfg.model, seed=seed, device=torch.device("cpu") if offload else env.device)
-    return model
+
+
+def _wrap_fsdp2(model: nn.Module, blocks: list[nn.Module], cfg, env: DistEnv, precision: Precision, *, offload: bool) -> None:
+    f = cfg.fsdp
+    mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size)
+    if f.sharding_strategy == "NO_SHARD":
+        mesh = init_device_mesh(env.device.type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    kwargs = dict(
+        mesh=mesh,
+        # FULL_SHARD frees gathered weights after forward; SHARD_GRAD_OP keeps them until backward.
+        reshard_after_forward=f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
+        mp_policy=MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce),
+    )
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 def unwrap(model: nn.Module) -> Transformer:

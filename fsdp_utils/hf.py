@@ -1,0 +1,142 @@
+"""Hugging Face causal LMs (model.type: hf) in the same loop: building, sharding and the tokenizer.
+
+Loading a pretrained model on many ranks never holds a full copy per rank: rank 0 reads the weights
+into CPU memory, the other ranks build the model on the meta device, and the weights reach them while
+sharding (FSDP1 `sync_module_states`, FSDP2 a rank-0 broadcast of the full state dict).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .distributed import DistEnv
+
+log = logging.getLogger(__name__)
+
+
+class CausalLMAdapter(nn.Module):
+    """Gives a transformers causal LM our model's interface: forward(tokens, targets) -> mean loss."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm(input_ids=tokens, use_cache=False).logits  # (B, T, V)
+        if targets is None:
+            return logits
+        # Our targets are already shifted by one; fp32 for a stable log-sum-exp.
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def load_hf_config(model_cfg):
+    from transformers import AutoConfig
+
+    source = model_cfg.hf_path or model_cfg.hf_config
+    path = Path(source)
+    return AutoConfig.from_pretrained(str(path if path.is_dir() else path.parent), local_files_only=True)
+
+
+def config_signature(hf_config) -> dict:
+    """The fields that decide parameter shapes, stored in checkpoints to catch a mismatched resume."""
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+    return {"type": "hf", **{k: getattr(hf_config, k, None) for k in keys}}
+
+
+def decoder_layer_classes(lm: nn.Module) -> set[type]:
+    """The classes FSDP wraps one by one: the model's own `_no_split_modules` (its decoder layers)."""
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    classes = {type(m) for m in lm.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(f"{type(lm).__name__} names no decoder layer class in _no_split_modules; cannot auto-wrap it")
+    return classes
+
+
+def _unify_dtypes(lm: nn.Module) -> None:
+    """FSDP flattens each unit into one tensor, so all parameters must share a dtype: keep fp32 masters."""
+    dtypes = {p.dtype for p in lm.parameters()}
+    if dtypes != {torch.float32}:
+        log.info("model.type=hf: casting parameters from %s to float32 (FSDP needs one dtype; fp32 master weights)",
+                 sorted(str(d).replace("torch.", "") for d in dtypes))
+        lm.float()
+
+
+def build_hf_model(cfg, env: DistEnv, *, on_meta: bool) -> nn.Module:
+    """Rank 0 (or every rank when not on_meta) holds real weights on the CPU; the others a meta-device skeleton."""
+    from transformers import AutoModelForCausalLM
+
+    hf_config = load_hf_config(cfg.model)
+    if on_meta:
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    elif cfg.model.hf_path:
+        lm = AutoModelForCausalLM.from_pretrained(cfg.model.hf_path, local_files_only=True, torch_dtype=torch.float32)
+    else:
+        torch.manual_seed(cfg.run.seed)
+        lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    lm.config.use_cache = False
+    _unify_dtypes(lm)
+    return CausalLMAdapter(lm)
+
+
+def materialise_on_rank(model: CausalLMAdapter, device: torch.device):
+    """FSDP1 param_init_fn for the meta-device ranks: allocate (the values arrive by sync_module_states),
+    then re-tie tied embeddings, which materialising module by module would otherwise split."""
+
+    def init(module: nn.Module) -> None:
+        module.to_empty(device=device, recurse=False)
+        if getattr(model.lm.config, "tie_word_embeddings", False):
+            model.lm.tie_weights()
+
+    return init
+
+
+@torch.no_grad()
+def broadcast_from_rank0(model: nn.Module, full_state: dict | None, buffers: dict | None, env: DistEnv) -> None:
+    """Fill the sharded parameters from rank 0's full state dict, and every buffer (rotary tables are
+    non-persistent, so not in the state dict) from rank 0's model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, full_state if env.is_main else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buf in model.named_buffers():
+        if env.is_main:
+            # FSDP1 prefixes wrapped modules' names; rank 0's plain model has none.
+            buf.copy_(buffers[name.replace("_fsdp_wrapped_module.", "")])
+        dist.broadcast(buf, src=0)
+
+
+class HFTokenizer:
+    """A transformers tokenizer with the small SentencePiece-like surface data.prepare_data expects."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self.path = path
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if self.tok.eos_token_id is None:
+            raise ValueError(f"tokenizer in {path} has no EOS token; documents need one as separator")
+        files = sorted(p for p in Path(path).iterdir() if p.is_file() and "token" in p.name)
+        digest = hashlib.sha256()
+        for p in files:
+            digest.update(p.name.encode() + p.read_bytes())
+        self.fingerprint = f"hf:{digest.hexdigest()}"
+
+    def encode(self, texts: list[str], out_type=int, num_threads: int = 1) -> list[list[int]]:
+        return [self.tok.encode(t, add_special_tokens=False) for t in texts]
+
+    def eos_id(self) -> int:
+        return self.tok.eos_token_id
+
+    def get_piece_size(self) -> int:
+        return len(self.tok)
+
+    def save(self, path: Path) -> None:
+        self.tok.save_pretrained(str(path))

@@ -1,0 +1,95 @@
+"""model.type=hf: transformers causal LMs trained by the same loop, launcher and checkpoints (CPU, gloo)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.helpers import losses, run_train
+
+transformers = pytest.importorskip("transformers")
+
+TINY_HF = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)
+
+
+def save_tiny(kind: str, path, *, tie: bool = False):
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**TINY_HF, tie_word_embeddings=tie)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**TINY_HF, tie_word_embeddings=tie)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    torch.manual_seed(0)
+    model.save_pretrained(path)
+    return model
+
+
+def save_tokenizer(path, corpus) -> None:
+    """A byte-level BPE tokenizer trained on the test corpus, saved the way transformers loads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(corpus)], trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.save_pretrained(path)
+
+
+@pytest.mark.parametrize("kind,version,tie", [("llama", 1, True), ("qwen2", 1, False), ("llama", 2, False)])
+def test_hf_model_trains_on_two_ranks_checkpoints_and_resumes(tmp_path, corpus, dataset_dir, kind, version, tie):
+    save_tiny(kind, tmp_path / "hf", tie=tie)
+    args = ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", f"--fsdp.version={version}",
+            "--fsdp.sharding_strategy=FULL_SHARD", "--train.max_steps=6", "--checkpoint.interval=3",
+            "--checkpoint.keep_last_n=0"]
+    run_train(*args, nproc=2, out_dir=tmp_path / "full", corpus=corpus, dataset_dir=dataset_dir)
+    full = losses(tmp_path / "full")
+    # It learns: random weights start near ln(320) = 5.77 and the repetitive corpus is easy.
+    assert math.isclose(full[1], math.log(320), rel_tol=0.05), full
+    assert full[6] < full[1] - 0.5, full
+
+    if kind == "llama" and version == 1:
+        # A one-process run over the same global batches loads the same weights and takes the same steps.
+        run_train(*args, nproc=1, out_dir=tmp_path / "one", corpus=corpus, dataset_dir=dataset_dir)
+        for step, value in losses(tmp_path / "one").items():
+            assert math.isclose(value, full[step], rel_tol=1e-5), (step, value, full[step])
+
+    # Resume from step 3 in a fresh directory: steps 4..6 equal the uninterrupted run's bit for bit.
+    run_train(*args, f"--resume_from={tmp_path / 'full' / 'fsdp_cpt3.pth'}", nproc=2, out_dir=tmp_path / "resumed",
+              corpus=corpus, dataset_dir=dataset_dir)
+    resumed = losses(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[s] == full[s] for s in resumed), (resumed, full)
+
+    ckpt = torch.load(tmp_path / "full" / "fsdp_cpt6.pth", weights_only=True)
+    assert ckpt["model_config"]["type"] == "hf"
+    keys = set(ckpt["model"])
+    assert any(k.startswith("lm.model.layers.1.") for k in keys) and not any("_fsdp" in k for k in keys)
+    if tie:
+        # Tied embeddings stayed tied through sharding and training.
+        assert torch.equal(ckpt["model"]["lm.lm_head.weight"], ckpt["model"]["lm.model.embed_tokens.weight"])
+
+
+def test_hf_config_builds_random_model_and_hf_tokenizer_prepares_data(tmp_path, corpus):
+    model = save_tiny("llama", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf", corpus)
+    run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", "--data.tokenizer=hf", "--train.max_steps=3",
+              nproc=2, out_dir=tmp_path / "out", corpus=corpus, dataset_dir=tmp_path / "ds")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out" / "hf_tokenizer")
+    assert tok.decode(tok.encode("the quick brown fox")) == "the quick brown fox"
+    assert len(losses(tmp_path / "out")) == 3
+
+    # hf_config: the same architecture from config.json alone, randomly initialised from run.seed.
+    run_train("--model.type=hf", f"--model.hf_config={tmp_path / 'hf' / 'config.json'}", "--train.max_steps=2",
+              nproc=1, out_dir=tmp_path / "cfg", corpus=corpus, dataset_dir=tmp_path / "ds2")
+    assert model.config.num_hidden_layers == 2 and len(losses(tmp_path / "cfg")) == 2
+
+
+def test_hf_config_errors(tmp_path, corpus, dataset_dir):
+    proc = run_train("--model.type=hf", nproc=1, out_dir=tmp_path / "o", corpus=corpus, dataset_dir=dataset_dir, check=False)
+    assert proc.returncode == 2 and "model.hf_path" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'missing'}", nproc=1, out_dir=tmp_path / "o",
+                     corpus=corpus, dataset_dir=dataset_dir, check=False)
+    assert proc.returncode == 2 and "not found" in proc.stderr
