@@ -1,0 +1,121 @@
+"""Read a training checkpoint's model in one plain process: no process group, no FSDP, no GPU needed.
+
+    from fsdp_utils.checkpoint_io import load_model
+    model, meta = load_model("checkpoints/tiny/fsdp_cpt300.pth")             # a full checkpoint file
+    model, meta = load_model("checkpoints/tiny/fsdp_sharded_cpt300", device="cuda")  # or a sharded folder
+
+Only the model weights are read (a sharded checkpoint's optimizer state stays on disk). The run's
+tokenizer sits next to its checkpoints: `tokenizer_path(checkpoint)`. Every problem with the input is a
+CheckpointError whose message names the path, for scripts to print as one line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+import zipfile
+from pathlib import Path
+
+import torch
+
+from model import ModelConfig, Transformer
+
+from .checkpoint import FORMAT_VERSION, CheckpointError
+
+META_KEYS = ("format_version", "world_size", "model_config", "train_state")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def _check_meta(meta: object, where: Path) -> dict:
+    if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS):
+        raise CheckpointError(f"{where}: not a checkpoint of this library (expected keys {', '.join(META_KEYS)})")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"{where}: checkpoint format_version {meta['format_version']}, this code reads {FORMAT_VERSION}")
+    return meta
+
+
+def model_config_of(meta: dict, where: Path) -> ModelConfig:
+    """The ModelConfig a checkpoint was saved with."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    saved = meta["model_config"]
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise CheckpointError(f"{where}: model_config has fields this code does not know ({', '.join(unknown)})")
+    cfg = ModelConfig(**saved)
+    if problems := cfg.problems():
+        raise CheckpointError(f"{where}: invalid model_config ({'; '.join(problems)})")
+    return cfg
+
+
+def read_meta(path: str | Path) -> dict:
+    """Metadata (format_version, world_size, model_config, train_state) of a full file or sharded folder.
+
+    For a full checkpoint this maps the file (mmap), so it is cheap even for large ones.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.is_dir():
+        meta_path = path / "meta.json"
+        if not meta_path.is_file():
+            raise CheckpointError(f"{path}: not a complete sharded checkpoint (no meta.json)")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{meta_path}: unreadable ({_first_line(err)})") from None
+        meta = _check_meta(meta, meta_path)
+        for name, size in meta.get("files", {}).items():
+            actual = (path / name).stat().st_size if (path / name).is_file() else None
+            if actual != size:
+                raise CheckpointError(f"{path / name}: corrupt checkpoint (expected {size} bytes, found {actual})")
+        return meta
+    payload = _load_full(path)
+    return {k: payload[k] for k in META_KEYS}
+
+
+def _load_full(path: Path) -> dict:
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path}: not a checkpoint (not a file written by torch.save)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # truncated, corrupt, or not a torch file at all
+        raise CheckpointError(f"{path}: cannot read checkpoint ({_first_line(err)})") from None
+    _check_meta(payload, path)
+    if not isinstance(payload.get("model"), dict):
+        raise CheckpointError(f"{path}: not a checkpoint of this library (no model state)")
+    return payload
+
+
+def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple[Transformer, dict]:
+    """(model in eval mode on `device`, the checkpoint's metadata) for a full file or a sharded folder."""
+    path = Path(path)
+    meta = read_meta(path)
+    cfg = model_config_of(meta, path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")  # no random init: every weight is overwritten below
+    model.reset_buffers()
+    try:
+        if path.is_dir():
+            import torch.distributed.checkpoint as dcp
+
+            state = {"model": model.state_dict()}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "loading in a single process" is what we want
+                dcp.load(state, checkpoint_id=str(path), no_dist=True)  # in place; reads only the model's tensors
+        else:
+            model.load_state_dict(_load_full(path)["model"], strict=True)
+    except CheckpointError:
+        raise
+    except Exception as err:  # missing or extra tensors, wrong shapes, undecodable shards
+        raise CheckpointError(f"{path}: does not fit the model its model_config describes ({_first_line(err)})") from None
+    return model.to(device).eval(), meta
+
+
+def tokenizer_path(checkpoint: str | Path) -> Path:
+    """The run's SentencePiece model: train_fsdp.py copies it next to the checkpoints."""
+    return Path(checkpoint).absolute().parent / "tokenizer.model"

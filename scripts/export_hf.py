@@ -1,0 +1,195 @@
+"""Export a training checkpoint as a Hugging Face transformers LlamaForCausalLM directory.
+
+    python scripts/export_hf.py checkpoints/tiny/fsdp_cpt300.pth hf/tiny
+    python scripts/export_hf.py checkpoints/tiny/fsdp_sharded_cpt300 hf/tiny --dtype bf16 --force
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model, tok = AutoModelForCausalLM.from_pretrained("hf/tiny"), AutoTokenizer.from_pretrained("hf/tiny")
+
+OUT_DIR gets config.json, model.safetensors (+ generation_config.json), the run's SentencePiece
+tokenizer.model (found next to the checkpoint, or --tokenizer) and an equivalent Hugging Face tokenizer
+(tokenizer.json, tokenizer_config.json): it encodes like the SentencePiece model (no BOS is added, as in
+training) and decodes alike except for invalid UTF-8 byte runs. The fused projections are split: wqkv
+into q/k/v_proj, w13 into gate/up_proj. Our rotary layout is Llama's rotate-half one, so q and k need no
+permutation. Everything is written into a temporary folder first and moved into place at the end, so a
+failed export leaves OUT_DIR as it was.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from fsdp_utils.checkpoint import CheckpointError  # noqa: E402
+from fsdp_utils.checkpoint_io import load_model, read_meta, tokenizer_path  # noqa: E402
+from model import ModelConfig  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ExportError(Exception):
+    """A problem with the arguments or the output folder; the message names the path."""
+
+
+def hf_state_dict(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our parameter names and fused layouts -> LlamaForCausalLM's."""
+    q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": ours["tok_embeddings.weight"], "model.norm.weight": ours["norm.weight"]}
+    out["lm_head.weight"] = ours["tok_embeddings.weight"] if cfg.tie_embeddings else ours["output.weight"]
+    for i in range(cfg.n_layers):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        q, k, v = ours[src + "attention.wqkv.weight"].split([q_size, kv_size, kv_size], dim=0)
+        gate, up = ours[src + "feed_forward.w13.weight"].chunk(2, dim=0)
+        out |= {
+            dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k, dst + "self_attn.v_proj.weight": v,
+            dst + "self_attn.o_proj.weight": ours[src + "attention.wo.weight"],
+            dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
+            dst + "mlp.down_proj.weight": ours[src + "feed_forward.w2.weight"],
+            dst + "input_layernorm.weight": ours[src + "attention_norm.weight"],
+            dst + "post_attention_layernorm.weight": ours[src + "ffn_norm.weight"],
+        }
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, *, bos_id: int | None, eos_id: int | None):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, hidden_act="silu",
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
+        initializer_range=cfg.init_std, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype,
+    )
+
+
+def hf_tokenizer(model_file: Path, max_len: int):
+    """A tokenizers-backed tokenizer equivalent to our SentencePiece BPE model (identity normalisation,
+    no dummy prefix, byte fallback). SentencePiece stores no merge list: every split of a piece into two
+    pieces is a merge, ranked by the piece's score, which reproduces SentencePiece's merge order."""
+    import sentencepiece as spm
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    except (OSError, RuntimeError) as err:
+        raise ExportError(f"{model_file}: not a SentencePiece model ({err})") from None
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    ranked = []
+    for i in range(sp.get_piece_size()):
+        if sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i):
+            continue
+        piece = sp.id_to_piece(i)
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-sp.get_score(i), vocab[left], vocab[right], left, right))
+    merges = [(left, right) for *_, left, right in sorted(ranked)]
+    special = {name: sp.id_to_piece(i) for name, i in (("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()),
+                                                         ("eos_token", sp.eos_id())) if i >= 0}
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=special.get("unk_token"), fuse_unk=True, byte_fallback=True))
+    # No normaliser, spaces -> "▁" without a prefix space, and no pre-splitting: no piece joins a word to
+    # the space before the next one, so BPE over the whole text splits where SentencePiece's words do.
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # split_special_tokens: "</s>" in a text is text, as for SentencePiece, not the EOS id.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, split_special_tokens=True, clean_up_tokenization_spaces=False,
+                                   model_max_length=max_len, **special), sp
+
+
+def _check_out_dir(out_dir: Path, inputs: list[Path], force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"{out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise ExportError(f"{out_dir} exists and is not empty; pass --force to replace it")
+    resolved = out_dir.resolve()
+    for path in inputs:
+        if path.resolve() == resolved or resolved in path.resolve().parents:
+            raise ExportError(f"{out_dir} holds the input {path}; choose another output directory")
+
+
+def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool = False,
+           tokenizer: Path | None = None) -> Path:
+    """Write the Hugging Face directory for `checkpoint` to `out_dir`; return out_dir."""
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
+    if tokenizer is None:
+        tokenizer = tokenizer_path(checkpoint)
+        if not tokenizer.is_file():
+            raise ExportError(f"{tokenizer}: no tokenizer next to the checkpoint; pass --tokenizer PATH")
+    elif not tokenizer.is_file():
+        raise ExportError(f"{tokenizer}: no such tokenizer file")
+    _check_out_dir(out_dir, [checkpoint, tokenizer], force)
+    ours, _ = load_model(checkpoint)
+    cfg = ours.cfg
+    hf_tok, sp = hf_tokenizer(tokenizer, cfg.max_seq_len)
+    if sp.get_piece_size() > cfg.vocab_size:
+        raise ExportError(f"{tokenizer}: {sp.get_piece_size()} pieces, more than the model's vocab_size={cfg.vocab_size}")
+    weights = {k: v.to(DTYPES[dtype]) for k, v in hf_state_dict(cfg, ours.state_dict()).items()}
+    config = hf_config(cfg, DTYPES[dtype], bos_id=hf_tok.bos_token_id, eos_id=hf_tok.eos_token_id)
+    with torch.device("meta"):  # no random init: every weight is assigned from ours
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(weights, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.tie_weights()
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        hf_tok.save_pretrained(tmp)
+        shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in [tmp, *tmp.iterdir()]:  # mkdtemp's folder (and the weights file) are private: as usual instead
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        if out_dir.exists():  # empty, or --force: move it aside, put ours in place, then delete it
+            old = Path(tempfile.mkdtemp(prefix=f".old-{out_dir.name}-", dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
+            try:
+                os.replace(tmp, out_dir)
+            except OSError:
+                os.replace(old / out_dir.name, out_dir)
+                raise
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="fsdp_cpt<step>.pth or fsdp_sharded_cpt<step>/")
+    parser.add_argument("out_dir", type=Path, help="the Hugging Face model directory to write")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the saved weights")
+    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="SentencePiece model (default: tokenizer.model next to CHECKPOINT)")
+    args = parser.parse_args(argv)
+    try:
+        export(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force, tokenizer=args.tokenizer)
+    except (ExportError, CheckpointError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out_dir} ({args.dtype}): load it with AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
