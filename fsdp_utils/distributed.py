@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -80,3 +81,9 @@ def barrier(env: DistEnv) -> None:
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    # destroy_process_group does not stop a gloo group's worker threads while anything still holds the
+    # group (FSDP state sits in reference cycles); a worker may then free its last work item during
+    # interpreter shutdown, and taking the GIL there aborts the process ("terminate called without an
+    # active exception", exit -6, now and then on the CPU). Collect those cycles now: the group is
+    # destroyed and its threads joined while Python is still alive.
+    gc.collect()

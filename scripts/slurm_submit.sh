@@ -26,8 +26,15 @@ if (( GLOBAL_BATCH % (WORLD * MICRO_BATCH) != 0 )); then
   exit 2
 fi
 echo "world $WORLD GPUs, global batch $GLOBAL_BATCH, micro-batch $MICRO_BATCH, gradient accumulation $((GLOBAL_BATCH / (WORLD * MICRO_BATCH)))"
-HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# sed, not head: head exits after one line, and under pipefail a long node list that scontrol is still
+# writing would then end the script with SIGPIPE (status 141).
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 PORT="${MASTER_PORT:-29500}"
+
+# Since torch 2.5 the workers share torchrun's rendezvous TCPStore, and it outlives a --max-restarts restart:
+# the restarted workers can read the previous attempt's keys and fail in init_process_group (measured with
+# torch 2.13: 4 restarts in 6; pytorch/pytorch#135712). Opting out gives every attempt a fresh store.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 # Forward Slurm's pre-termination signal to the training processes (not to torchrun, whose default
 # action on SIGUSR1 would be to die): torchrun starts them as "python -u .../train_fsdp.py".

@@ -1,0 +1,212 @@
+"""The shell launchers (scripts/*.sh): shellcheck-clean, argument and batch-size checks, and real runs on
+the CPU: fsdp_train.sh with 2 processes, and fsdp_multi_node.sh as two "nodes" on this machine, which
+must train exactly like one node with the same world size. slurm_submit.sh runs against stub
+scontrol/srun commands (no Slurm here): what it would launch, and how it forwards the pre-termination
+signal."""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, TINY, losses, run_train
+
+SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
+CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
+STEPS = 3
+# What the scripts read from the environment: only what a test sets may reach them.
+SCRIPT_VARIABLES = {"CONFIG", "NGPU", "NPROC_PER_NODE", "MASTER_PORT", "MAX_RESTARTS", "GPUS_PER_NODE", "MICRO_BATCH",
+                    "GLOBAL_BATCH", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+
+
+def script_env(**extra: str) -> dict:
+    """The environment of a user who runs the scripts: torchrun (this interpreter's) on PATH, no Slurm."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in SCRIPT_VARIABLES}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["OMP_NUM_THREADS"] = "1"
+    return {**env, **extra}
+
+
+def train_args(out_dir: Path, corpus: Path, dataset_dir: Path, *args: str) -> list[str]:
+    """What run_train passes after the config path (the scripts add the config themselves)."""
+    return [*TINY, f"--run.output_dir={out_dir}", f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and everything below it (torchrun's workers live in sessions of their own)."""
+    pids, todo = [proc.pid], [proc.pid]
+    while todo:
+        for path in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
+            try:
+                kids = [int(k) for k in Path(path).read_text().split()]
+            except OSError:
+                continue
+            pids += kids
+            todo += kids
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus, dataset_dir) -> dict[int, float]:
+    """Losses of STEPS steps on one node with 2 processes (also prepares the session's dataset)."""
+    out = tmp_path_factory.mktemp("reference")
+    run_train(f"--train.max_steps={STEPS}", nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, timeout=240)
+    return losses(out)
+
+
+# ---- static checks ------------------------------------------------------------------------------------
+
+
+def test_scripts_pass_shellcheck():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("the shellcheck binary is not installed (CI installs it: apt-get install shellcheck)")
+    assert SCRIPTS, "no scripts/*.sh found"
+    proc = subprocess.run(["shellcheck", *map(str, SCRIPTS)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_are_executable_bash(script):
+    assert os.access(script, os.X_OK)
+    assert script.read_text().startswith("#!/usr/bin/env bash\n")
+
+
+# ---- argument checks --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [[], ["127.0.0.1"], ["127.0.0.1", "0"]], ids=["0args", "1arg", "2args"])
+def test_multi_node_usage(args):
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), *args], env=script_env(), capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: ") and "MASTER_ADDR NODE_RANK NNODES" in proc.stderr
+
+
+def slurm_stubs(tmp_path: Path) -> tuple[Path, Path]:
+    """scontrol and srun stand-ins that log every call. The training srun (not `srun ... pkill`) runs
+    until a file named `release` appears, then exits with $TRAIN_STATUS."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        f'#!/usr/bin/env bash\necho "scontrol $*" >> {calls}\nprintf "node17\\nnode18\\n"\n')
+    (bin_dir / "srun").write_text(
+        f'#!/usr/bin/env bash\necho "srun $*" >> {calls}\n'
+        f'[[ "$*" == *pkill* ]] && exit 0\n'
+        f'echo "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE" > {tmp_path}/train_env.txt\n'
+        f'for _ in $(seq 600); do [[ -e {tmp_path}/release ]] && exit "${{TRAIN_STATUS:-0}}"; sleep 0.05; done\n'
+        f'exit 99\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    return bin_dir, calls
+
+
+def test_slurm_rejects_indivisible_batch_before_launching(tmp_path):
+    bin_dir, calls = slurm_stubs(tmp_path)
+    env = script_env(SLURM_NNODES="1", GPUS_PER_NODE="2", MICRO_BATCH="3", GLOBAL_BATCH="8", SLURM_JOB_ID="1",
+                     SLURM_JOB_NODELIST="node17")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm_submit.sh")], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: GLOBAL_BATCH=8 is not a multiple of MICRO_BATCH * GPUs = 3 * 2"], proc.stderr
+    assert not calls.exists()  # neither scontrol nor srun was called
+
+
+@pytest.mark.parametrize("train_status", [0, 3])
+def test_slurm_launch_and_signal_forwarding(train_status, tmp_path):
+    """What the batch script launches, that SIGUSR1 (Slurm's pre-termination signal) is forwarded to the
+    training processes while the script keeps waiting, and that the training step's status is the job's."""
+    bin_dir, calls = slurm_stubs(tmp_path)
+    env = script_env(SLURM_NNODES="2", GPUS_PER_NODE="2", MICRO_BATCH="3", GLOBAL_BATCH="24", SLURM_JOB_ID="4242",
+                     SLURM_JOB_NODELIST="node[17-18]", SLURM_SUBMIT_DIR=str(ROOT), TRAIN_STATUS=str(train_status))
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts/slurm_submit.sh"), "--train.max_steps=7"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (calls.exists() and "torchrun" in calls.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the training srun never started"
+            time.sleep(0.05)
+        time.sleep(0.2)  # let bash reach its `wait`
+        proc.send_signal(signal.SIGUSR1)
+        while "pkill" not in calls.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "SIGUSR1 was not forwarded"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert proc.poll() is None  # still waiting for the training step
+        (tmp_path / "release").touch()
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == train_status, stderr
+    assert "world 4 GPUs, global batch 24, micro-batch 3, gradient accumulation 2" in stdout
+    lines = calls.read_text().splitlines()
+    assert lines[0] == "scontrol show hostnames node[17-18]"
+    assert lines[1] == (
+        f"srun --kill-on-bad-exit=1 torchrun --nnodes=2 --nproc_per_node=2 --rdzv_id=4242 --rdzv_backend=c10d "
+        f"--rdzv_endpoint=node17:29500 --max-restarts=1 {ROOT}/train_fsdp.py {ROOT}/config/train1B_fsdp.yaml "
+        f"--train.global_batch_size=24 --train.micro_batch_size=3 --train.max_steps=7")
+    assert lines[2] == r"srun --overlap --ntasks-per-node=1 pkill -USR1 -f -- -u .*train_fsdp\.py"
+    assert len(lines) == 3
+    # torchrun gets a fresh rendezvous store for every restart attempt (see the comment in the script).
+    assert (tmp_path / "train_env.txt").read_text() == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n"
+
+
+# ---- real runs -----------------------------------------------------------------------------------------------
+
+
+def test_fsdp_train_sh_two_processes(reference, corpus, dataset_dir, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_train.sh"), *train_args(out, corpus, dataset_dir, f"--train.max_steps={STEPS}")],
+                          cwd=tmp_path, env=script_env(NGPU="2", CONFIG=str(CONFIG)), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "world size 2 on cpu" in proc.stderr
+    assert losses(out) == reference
+
+
+def test_multi_node_two_nodes_match_one_node(reference, corpus, dataset_dir, tmp_path):
+    out = tmp_path / "out"
+    env = script_env(NPROC_PER_NODE="1", MASTER_PORT=str(free_port()), CONFIG=str(CONFIG))
+    args = train_args(out, corpus, dataset_dir, f"--train.max_steps={STEPS}")
+    nodes, logs = [], []
+    try:
+        for node_rank in (0, 1):
+            log = open(tmp_path / f"node{node_rank}.log", "w+")
+            logs.append(log)
+            nodes.append(subprocess.Popen([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", str(node_rank), "2", *args],
+                                          cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        codes = [node.wait(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            kill_tree(node)
+        for log in logs:
+            log.close()
+    texts = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
+    assert codes == [0, 0], "\n\n".join(t[-3000:] for t in texts)
+    assert "world size 2 on cpu" in texts[0] and "rank0]" not in texts[1]  # rank 0 on node 0, rank 1 on node 1
+    # Same world size, same ops, same reduction order: bit-for-bit the one-node run.
+    assert losses(out) == reference
