@@ -29,11 +29,11 @@ from config import Config, ConfigError, check_batch_split, load_config, save_con
 from data import BatchPrefetcher, DataError, TokenDataset, load_prepared, prepare_data
 from model import ModelConfig
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
-from fsdp_utils.distributed import DistEnv, barrier, destroy_distributed, init_distributed, read_torchrun_env
+from fsdp_utils.distributed import DistEnv, destroy_distributed, init_distributed, read_torchrun_env
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
 from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
 from fsdp_utils.preemption import StopSignal
-from fsdp_utils.wrap import build_fsdp_model, resolve_precision, unwrap
+from fsdp_utils.wrap import build_fsdp_model, resolve_precision
 
 log = logging.getLogger("train")
 USER_ERRORS = (ConfigError, DataError, CheckpointError)

@@ -219,8 +219,3 @@ def _wrap_fsdp2(model: nn.Module, blocks: list[nn.Module], cfg, env: DistEnv, pr
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-
-
-def unwrap(model: nn.Module) -> Transformer:
-    """The plain Transformer inside an FSDP1 wrapper (FSDP2 modifies the module in place)."""
-    return model.module if isinstance(model, FSDP) else model

@@ -76,7 +76,6 @@ def bench_ours(cfg, env, args) -> dict:
     times = time_steps(step, warmup=args.warmup, steps=args.steps, device=env.device)
     if args.profile:
         profile_steps(step, env)
-    del model, optimizer
     return {"times": times}
 
 
@@ -134,7 +133,6 @@ def bench_peer(cfg, env, args) -> dict:
         total.item()
 
     times = time_steps(step, warmup=args.warmup, steps=args.steps, device=env.device)
-    del model, optimizer
     return {"times": times}
 
 
