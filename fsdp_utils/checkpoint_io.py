@@ -119,3 +119,14 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple
 def tokenizer_path(checkpoint: str | Path) -> Path:
     """The run's SentencePiece model: train_fsdp.py copies it next to the checkpoints."""
     return Path(checkpoint).absolute().parent / "tokenizer.model"
+
+
+def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None) -> Path:
+    """The tokenizer a tool should use: the one given, else the run's, next to the checkpoint."""
+    if tokenizer is None:
+        tokenizer = tokenizer_path(checkpoint)
+        if not tokenizer.is_file():
+            raise CheckpointError(f"{tokenizer}: no tokenizer next to the checkpoint; pass --tokenizer PATH")
+    elif not tokenizer.is_file():
+        raise CheckpointError(f"{tokenizer}: no such tokenizer file")
+    return tokenizer

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from fsdp_utils.checkpoint import CheckpointError  # noqa: E402
-from fsdp_utils.checkpoint_io import load_model, read_meta, tokenizer_path  # noqa: E402
+from fsdp_utils.checkpoint_io import find_tokenizer, load_model, read_meta  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -128,12 +128,7 @@ def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool 
 
     hf_logging.disable_progress_bar()
     read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
-    if tokenizer is None:
-        tokenizer = tokenizer_path(checkpoint)
-        if not tokenizer.is_file():
-            raise ExportError(f"{tokenizer}: no tokenizer next to the checkpoint; pass --tokenizer PATH")
-    elif not tokenizer.is_file():
-        raise ExportError(f"{tokenizer}: no such tokenizer file")
+    tokenizer = find_tokenizer(checkpoint, tokenizer)
     _check_out_dir(out_dir, [checkpoint, tokenizer], force)
     ours, _ = load_model(checkpoint)
     cfg = ours.cfg

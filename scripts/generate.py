@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from fsdp_utils.checkpoint import CheckpointError  # noqa: E402
-from fsdp_utils.checkpoint_io import load_model, read_meta, tokenizer_path  # noqa: E402
+from fsdp_utils.checkpoint_io import find_tokenizer, load_model, read_meta  # noqa: E402
 from model import Transformer  # noqa: E402
 
 
@@ -72,12 +72,7 @@ def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 100, temper
     if max_new_tokens < 0 or temperature < 0 or top_k < 0:
         raise GenerateError("--max_new_tokens, --temperature and --top_k must not be negative")
     read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
-    if tokenizer is None:
-        tokenizer = tokenizer_path(checkpoint)
-        if not tokenizer.is_file():
-            raise GenerateError(f"{tokenizer}: no tokenizer next to the checkpoint; pass --tokenizer PATH")
-    elif not tokenizer.is_file():
-        raise GenerateError(f"{tokenizer}: no such tokenizer file")
+    tokenizer = find_tokenizer(checkpoint, tokenizer)
     try:
         sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
     except (OSError, RuntimeError) as err:

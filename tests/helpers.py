@@ -2,8 +2,10 @@
 what it wrote. Shared by the end-to-end tests."""
 from __future__ import annotations
 
+import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +55,35 @@ def read_metrics(out_dir: Path) -> list[dict]:
 def losses(out_dir: Path) -> dict[int, float]:
     """step -> training loss, from metrics.jsonl (the last row wins for a step logged twice)."""
     return {row["step"]: row["loss"] for row in read_metrics(out_dir) if "loss" in row}
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            kids += [int(k) for k in Path(path).read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for kid in children(todo.pop()):
+            found.append(kid)
+            todo.append(kid)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and everything below it (torchrun's workers live in sessions of their own)."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass

@@ -3,7 +3,6 @@ a worker killed outright under torchrun's restarts, a non-finite loss, HYBRID_SH
 and a rank that stops answering. Every process is started here and killed here, whatever happens."""
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, TRAIN, losses, read_metrics, run_train
+from tests.helpers import ROOT, TINY, TRAIN, children, kill_tree, losses, read_metrics, run_train
 
 N = 40  # steps of the preemption/restart runs: ~0.06 s each here, so a signal sent early lands mid-run
 
@@ -69,36 +68,7 @@ class Job:
             raise AssertionError(f"the job did not end within {timeout:.0f} s:\n{self.stderr[-4000:]}") from None
 
     def kill(self) -> None:
-        """SIGKILL torchrun and every process below it (workers live in sessions of their own)."""
-        pids = [self.proc.pid, *descendants(self.proc.pid)]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def children(pid: int) -> list[int]:
-    kids = []
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
-        try:
-            kids += [int(k) for k in Path(path).read_text().split()]
-        except OSError:
-            pass
-    return kids
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        for kid in children(todo.pop()):
-            found.append(kid)
-            todo.append(kid)
-    return found
+        kill_tree(self.proc)
 
 
 def alive(pid: int) -> bool:

@@ -5,7 +5,6 @@ scontrol/srun commands (no Slurm here): what it would launch, and how it forward
 signal."""
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import signal
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, TINY, losses, run_train
+from tests.helpers import ROOT, TINY, kill_tree, losses, run_train
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
 CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
@@ -44,28 +43,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a launcher and everything below it (torchrun's workers live in sessions of their own)."""
-    pids, todo = [proc.pid], [proc.pid]
-    while todo:
-        for path in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
-            try:
-                kids = [int(k) for k in Path(path).read_text().split()]
-            except OSError:
-                continue
-            pids += kids
-            todo += kids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 @pytest.fixture(scope="module")
