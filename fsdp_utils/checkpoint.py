@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
@@ -101,8 +102,16 @@ def _size_of(path: Path) -> int:
 
 
 def _first_line(err: BaseException) -> str:
+    """`Type: first line of the message` (at most 200 characters); for a DCP failure, its first rank's error."""
+    if isinstance(err, dcp.CheckpointException) and err.failures:
+        rank, failure = min(err.failures.items(), key=lambda item: item[0])
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {_first_line(inner)}"
+    if isinstance(err, pickle.UnpicklingError):  # its message suggests weights_only=False: not for a damaged file
+        return "UnpicklingError: the data does not decode"
     text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+    line = f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -290,11 +299,11 @@ class CheckpointManager:
         try:
             dcp.load(state, checkpoint_id=str(path))  # reads in place, resharding to this world size
             rng = torch.load(path / "rng.pt", weights_only=True)["rng"]
-        except Exception as err:
+        except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
             raise CheckpointError(f"{path}: cannot read sharded checkpoint ({_first_line(err)})") from None
         _check_param_groups(state["optimizer"], model, optimizer, path)
         try:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        except Exception as err:
+        except (Exception, dcp.CheckpointException) as err:
             raise CheckpointError(f"{path}: does not fit this model ({_first_line(err)})") from None
         return meta, rng

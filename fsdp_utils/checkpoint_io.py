@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from model import ModelConfig, Transformer
 
@@ -101,7 +102,6 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple
     model.reset_buffers()
     try:
         if path.is_dir():
-            import torch.distributed.checkpoint as dcp
 
             state = {"model": model.state_dict()}
             with warnings.catch_warnings():
@@ -111,7 +111,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple
             model.load_state_dict(_load_full(path)["model"], strict=True)
     except CheckpointError:
         raise
-    except Exception as err:  # missing or extra tensors, wrong shapes, undecodable shards
+    # DCP's CheckpointException derives from BaseException, so it is named explicitly.
+    except (Exception, dcp.CheckpointException) as err:  # missing or extra tensors, wrong shapes, undecodable shards
         raise CheckpointError(f"{path}: does not fit the model its model_config describes ({_first_line(err)})") from None
     return model.to(device).eval(), meta
 

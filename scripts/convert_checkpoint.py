@@ -24,7 +24,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from fsdp_utils.checkpoint import FORMAT_VERSION, TMP_PREFIX  # noqa: E402
+from torch.distributed.checkpoint import CheckpointException  # noqa: E402
+
+from fsdp_utils.checkpoint import FORMAT_VERSION, TMP_PREFIX, _first_line  # noqa: E402
 
 # What a full checkpoint holds, in the order train_fsdp.py writes it.
 META_KEYS = ("format_version", "world_size", "model_config", "train_state")
@@ -86,8 +88,8 @@ def convert(src: Path, out: Path, *, force: bool = False) -> dict:
         rng = torch.load(src / "rng.pt", weights_only=True)["rng"] if (src / "rng.pt").is_file() else None
     except ConvertError:
         raise
-    except Exception as err:  # a shard that does not decode
-        raise ConvertError(f"{src}: cannot read sharded checkpoint ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    except (Exception, CheckpointException) as err:  # a shard that does not decode (DCP's is a BaseException)
+        raise ConvertError(f"{src}: cannot read sharded checkpoint ({_first_line(err)})") from None
     payload = {"model": state["model"], "optimizer": state["optimizer"], "rng": rng, **{k: meta[k] for k in META_KEYS}}
 
     out.parent.mkdir(parents=True, exist_ok=True)

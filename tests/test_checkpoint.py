@@ -1,0 +1,489 @@
+"""Checkpoints end to end: real train_fsdp.py processes (torchrun, gloo on the CPU) on a tiny model.
+
+What is checked (issue 3): exact stop-and-resume for both formats with gradient accumulation; resume at
+another world size; atomic saves (a killed save is ignored and cleaned up); fallback past a corrupt
+checkpoint; retention; clear errors for a mismatched model, a missing or corrupt path; the full
+checkpoint as plain torch.load-able weights; and scripts/convert_checkpoint.py.
+
+The expensive runs (a few seconds each) are made once per module by `Runs` and shared by the tests.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from tests import helpers
+from tests.helpers import ROOT, losses, read_metrics, run_train
+
+# 6 steps of global batch 8 = micro-batch 2 x 2 ranks x 2 accumulation steps.
+STEPS = 6
+SPLIT = 3  # the step the "stopped" runs checkpoint at
+CONVERT = ROOT / "scripts" / "convert_checkpoint.py"
+FORMATS = ("full", "sharded")
+
+
+def ckpt_name(fmt: str, step: int) -> str:
+    return f"fsdp_cpt{step}.pth" if fmt == "full" else f"fsdp_sharded_cpt{step}"
+
+
+def checkpoint_names(out_dir: Path) -> list[str]:
+    return sorted(p.name for p in out_dir.iterdir() if p.name.startswith(("fsdp_", ".tmp-")))
+
+
+def copy_checkpoint(src: Path, dst_dir: Path) -> Path:
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    dst = dst_dir / src.name
+    shutil.copytree(src, dst) if src.is_dir() else shutil.copy2(src, dst)
+    return dst
+
+
+def truncate_to_half(path: Path) -> None:
+    size = path.stat().st_size
+    with path.open("r+b") as f:
+        f.truncate(size // 2)
+
+
+def error_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def assert_clean_error(proc, *needles: str) -> str:
+    """Non-zero exit, an 'error:' line holding every needle, and no Python traceback."""
+    assert proc.returncode != 0, f"expected a failure:\n{proc.stderr[-3000:]}"
+    lines = error_lines(proc)
+    assert lines, f"no 'error:' line in:\n{proc.stderr[-3000:]}"
+    text = "\n".join(lines)
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in the error:\n{text}"
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    return text
+
+
+def structure(obj):
+    """The shape of a payload: dict keys, sequence lengths, tensor dtypes/shapes, and leaf types."""
+    if isinstance(obj, dict):
+        return {k: structure(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [structure(v) for v in obj])
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", obj.dtype, tuple(obj.shape))
+    return type(obj).__name__
+
+
+def assert_identical(a, b, where: str = "") -> None:
+    """Same structure and bit-identical tensors (non-tensor leaves compared with ==)."""
+    assert structure(a) == structure(b), f"{where}: structures differ"
+    if isinstance(a, dict):
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def load_full(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def converter():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", CONVERT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def as_full(checkpoint: Path, scratch: Path) -> dict:
+    """A checkpoint's payload in the full layout: a full one as is, a sharded one converted (to `scratch`)."""
+    return load_full(checkpoint) if checkpoint.is_file() else converter().convert(checkpoint, scratch)
+
+
+# train_fsdp.py itself, run with fault injection and inspection hooks (environment variables):
+#   KILL_AT_STEP=k     SIGKILL this process in the middle of the save of step k (no cleanup): full: after
+#                      half of the temporary file is on disk; sharded: after this rank's shard is written,
+#                      before meta.json.
+#   SAVE_LOADED_TO=dir right after a resume has loaded its checkpoint (RNG scrambled before the load, so
+#                      the load must restore it), write what every rank now holds as a full checkpoint
+#                      into dir, then train on as usual.
+HOOKED_TRAIN = '''
+import os, runpy, signal, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed.checkpoint as dcp
+from fsdp_utils import checkpoint as ckpt
+
+kill_at = os.environ.get("KILL_AT_STEP")
+torch_save, dcp_save, load = torch.save, dcp.save, ckpt.CheckpointManager.load
+
+def save(obj, f, *args, **kwargs):
+    torch_save(obj, f, *args, **kwargs)
+    name = str(getattr(f, "name", f))
+    if kill_at and name.endswith(f".tmp-fsdp_cpt{{kill_at}}.pth"):
+        f.flush()
+        os.truncate(name, os.path.getsize(name) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def sharded_save(state_dict, *args, checkpoint_id=None, **kwargs):
+    result = dcp_save(state_dict, *args, checkpoint_id=checkpoint_id, **kwargs)
+    if kill_at and str(checkpoint_id).endswith(f".tmp-fsdp_sharded_cpt{{kill_at}}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+def load_then_save(self, model, optimizer, resume_from):
+    torch.manual_seed(1000 + self.env.rank)
+    state = load(self, model, optimizer, resume_from)
+    out = Path(os.environ["SAVE_LOADED_TO"])
+    ckpt.CheckpointManager(out, fmt="full", keep_last_n=0, model_config=self.model_config, env=self.env).save(
+        model, optimizer, state)
+    return state
+
+torch.save, dcp.save = save, sharded_save
+if os.environ.get("SAVE_LOADED_TO"):
+    ckpt.CheckpointManager.load = load_then_save
+runpy.run_path({train!r}, run_name="__main__")
+'''
+
+
+class Runs:
+    """Training runs shared by the tests, each made on first use."""
+
+    def __init__(self, root: Path, corpus: Path, dataset_dir: Path):
+        self.root, self.corpus, self.dataset_dir = root, corpus, dataset_dir
+        self._cache: dict = {}
+        self.hooked_train = root / "hooked_train.py"
+        self.hooked_train.write_text(HOOKED_TRAIN.format(root=str(ROOT), train=str(helpers.TRAIN)))
+
+    def train(self, out_dir: Path | str, *args: str, nproc: int = 2, check: bool = True, hooks: dict | None = None):
+        """run_train with STEPS steps (a later --train.max_steps wins) into `out_dir` (a name: under root);
+        with `hooks` (environment variables), through HOOKED_TRAIN."""
+        out_dir = self.root / out_dir if isinstance(out_dir, str) else out_dir
+        real = helpers.TRAIN
+        if hooks:
+            helpers.TRAIN = self.hooked_train  # run_train launches helpers.TRAIN
+        try:
+            return run_train(f"--train.max_steps={STEPS}", *args, nproc=nproc, out_dir=out_dir, corpus=self.corpus,
+                             dataset_dir=self.dataset_dir, check=check, extra_env=hooks)
+        finally:
+            helpers.TRAIN = real
+
+    def _once(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def baseline(self) -> dict[int, float]:
+        """Losses of the uninterrupted run: 2 ranks, no checkpoint before the last step."""
+        def make():
+            self.train("baseline")
+            return losses(self.root / "baseline")
+        return self._once("baseline", make)
+
+    def saved(self, fmt: str) -> Path:
+        """The same run, checkpointing every SPLIT steps: fsdp_*cpt3 and fsdp_*cpt6."""
+        def make():
+            self.train(f"saved-{fmt}", f"--checkpoint.format={fmt}", f"--checkpoint.interval={SPLIT}")
+            return self.root / f"saved-{fmt}"
+        return self._once(("saved", fmt), make)
+
+    def saved12(self, fmt: str) -> Path:
+        """Global batch 12 (divisible by 1, 2 and 3 ranks x micro-batch 2), 2 ranks, checkpoints at 3 and 6."""
+        def make():
+            self.train(f"saved12-{fmt}", "--train.global_batch_size=12", f"--checkpoint.format={fmt}",
+                       f"--checkpoint.interval={SPLIT}")
+            return self.root / f"saved12-{fmt}"
+        return self._once(("saved12", fmt), make)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus, dataset_dir) -> Runs:
+    return Runs(tmp_path_factory.mktemp("ckpt"), corpus, dataset_dir)
+
+
+def resumed_losses(out_dir: Path, rows_before: int = 0) -> dict[int, float]:
+    """step -> loss of the rows a resumed run appended to metrics.jsonl."""
+    return {r["step"]: r["loss"] for r in read_metrics(out_dir)[rows_before:] if "loss" in r}
+
+
+# ---- 1. exact stop-and-resume ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stop_and_resume_is_bit_exact(runs, fmt, tmp_path):
+    """Resuming from step 3 in a fresh process reproduces the uninterrupted run's steps 4..6 exactly.
+
+    The "stopped" run is the saved run's checkpoint at step 3 (max_steps stays 6, so the lr schedule is
+    the same): the resumed process gets nothing but that checkpoint. full: the checkpoint is copied into
+    a new output directory and picked up by checkpoint.auto_resume; sharded: --resume_from its path.
+    """
+    baseline = runs.baseline()
+    saved = runs.saved(fmt)
+    # Writing checkpoints does not disturb training.
+    assert losses(saved) == baseline
+    assert checkpoint_names(saved) == sorted([ckpt_name(fmt, SPLIT), ckpt_name(fmt, STEPS)])
+
+    out = tmp_path / "resumed"
+    source = saved / ckpt_name(fmt, SPLIT)
+    if fmt == "full":
+        source = copy_checkpoint(source, out)
+        proc = runs.train(out, f"--checkpoint.format={fmt}")
+        assert "checkpoint.auto_resume" in proc.stderr
+    else:
+        proc = runs.train(out, f"--checkpoint.format={fmt}", f"--resume_from={source}")
+    assert f"loaded checkpoint {source} " in proc.stderr
+
+    got = losses(out)
+    assert sorted(got) == list(range(SPLIT + 1, STEPS + 1)), "the resumed run must start at step 4"
+    for step in got:
+        assert got[step] == baseline[step], f"step {step}: resumed {got[step]!r} != uninterrupted {baseline[step]!r}"
+
+    # The end state is the uninterrupted run's, bit for bit: weights, optimizer, step and data position.
+    mine = as_full(out / ckpt_name(fmt, STEPS), tmp_path / "mine.pth")
+    theirs = as_full(saved / ckpt_name(fmt, STEPS), tmp_path / "theirs.pth")
+    for key in ("model", "optimizer", "train_state", "rng"):
+        assert_identical(mine[key], theirs[key], key)
+
+
+# ---- 2. resume at another world size ----------------------------------------------------------
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_resume_at_another_world_size(runs, nproc, tmp_path):
+    """Checkpoints saved by 2 ranks, resumed on 1 and on 3: right after loading, model, optimizer, step,
+    data position and the old ranks' RNG are exactly what the 2 ranks saved; training then continues on
+    the next unseen samples (losses match the 2-rank run's up to the reduction order)."""
+    # The full and the sharded run trained identically, so one full checkpoint is the truth for both.
+    reference = load_full(runs.saved12("full") / ckpt_name("full", SPLIT))
+    expected = losses(runs.saved12("full"))
+    assert losses(runs.saved12("sharded")) == expected
+    for fmt in FORMATS:
+        source = runs.saved12(fmt) / ckpt_name(fmt, SPLIT)
+        out, loaded_dir = tmp_path / f"resumed-{fmt}", tmp_path / f"loaded-{fmt}"
+        proc = runs.train(out, "--train.global_batch_size=12", f"--checkpoint.format={fmt}", f"--resume_from={source}",
+                          nproc=nproc, hooks={"SAVE_LOADED_TO": str(loaded_dir)})
+        assert f"loaded checkpoint {source} " in proc.stderr and "saved at world size 2" in proc.stderr
+
+        loaded = load_full(loaded_dir / ckpt_name("full", SPLIT))
+        assert loaded["world_size"] == nproc
+        for key in ("model", "optimizer", "train_state", "model_config"):
+            assert_identical(loaded[key], reference[key], f"{fmt} loaded on {nproc} rank(s): {key}")
+        # Ranks that existed at save time get their RNG back; a new rank keeps its own.
+        for rank in range(min(nproc, 2)):
+            assert torch.equal(loaded["rng"][rank]["cpu"], reference["rng"][rank]["cpu"]), f"{fmt}: rank {rank}'s RNG"
+
+        got = losses(out)
+        assert sorted(got) == list(range(SPLIT + 1, STEPS + 1))
+        for step in got:
+            assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=0), f"{fmt}, {nproc} rank(s), step {step}"
+
+
+# ---- 3. an interrupted save --------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_killed_save_is_ignored_and_cleaned_up(runs, fmt, tmp_path):
+    """A save killed half-way leaves the previous checkpoint intact (keep_last_n=1 deletes only after a
+    newer one is complete); resuming ignores the leftovers, continues exactly from the previous
+    checkpoint, and the next save removes them."""
+    baseline = runs.baseline()
+    out = tmp_path / "run"
+    args = [f"--checkpoint.format={fmt}", f"--checkpoint.interval={SPLIT}", "--checkpoint.keep_last_n=1"]
+    killed = runs.train(out, *args, hooks={"KILL_AT_STEP": str(STEPS)}, check=False)
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    leftover = f".tmp-{ckpt_name(fmt, STEPS)}"
+    assert checkpoint_names(out) == sorted([leftover, ckpt_name(fmt, SPLIT)])
+    if fmt == "sharded":
+        assert not (out / leftover / "meta.json").exists() and any((out / leftover).glob("*.distcp"))
+    # Leftovers of other interrupted saves, of both kinds.
+    (out / ".tmp-fsdp_cpt9.pth").write_bytes(b"PK\x03\x04 half a zip file")
+    (out / ".tmp-fsdp_sharded_cpt9").mkdir()
+    (out / ".tmp-fsdp_sharded_cpt9" / "__0_0.distcp").write_bytes(b"\0" * 100)
+    rows_before = len(read_metrics(out))
+
+    resume = ["--resume_from=latest"] if fmt == "full" else []  # sharded: checkpoint.auto_resume
+    proc = runs.train(out, *args, *resume)
+    assert f"loaded checkpoint {out / ckpt_name(fmt, SPLIT)} " in proc.stderr
+    assert "removing incomplete checkpoint" in proc.stderr
+    got = resumed_losses(out, rows_before)
+    assert got == {step: baseline[step] for step in range(SPLIT + 1, STEPS + 1)}
+    assert checkpoint_names(out) == [ckpt_name(fmt, STEPS)], "leftovers removed, keep_last_n=1 kept the newest"
+
+
+# ---- 4. a corrupt newest checkpoint -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt, damage", [("full", "truncated"), ("sharded", "truncated"), ("sharded", "garbled")])
+def test_corrupt_checkpoint(runs, fmt, damage, tmp_path):
+    """A damaged newest checkpoint: loading it by path fails naming it; `latest` warns and falls back to
+    the previous complete one, resuming exactly; the next save replaces it. Damage: the file (full) or
+    rank 1's shard (sharded) truncated to half, or the shard overwritten with garbage of the same size
+    (which passes meta.json's size check: it is the read that fails)."""
+    baseline = runs.baseline()
+    out = tmp_path / "run"
+    for step in (SPLIT, STEPS):
+        copy_checkpoint(runs.saved(fmt) / ckpt_name(fmt, step), out)
+    newest = out / ckpt_name(fmt, STEPS)
+    broken = newest if fmt == "full" else sorted(newest.glob("*.distcp"))[-1]
+    if damage == "truncated":
+        truncate_to_half(broken)
+    else:
+        broken.write_bytes(b"\xff" * broken.stat().st_size)
+        broken = newest  # DCP does not say which file of the folder failed to decode
+
+    proc = runs.train(tmp_path / "by-path", f"--checkpoint.format={fmt}", f"--resume_from={newest}", nproc=1, check=False)
+    assert_clean_error(proc, str(broken))
+    assert not (tmp_path / "by-path" / "metrics.jsonl").exists()
+
+    proc = runs.train(out, f"--checkpoint.format={fmt}", "--resume_from=latest")
+    warnings = [line for line in proc.stderr.splitlines() if str(broken) in line and "falling back" in line]
+    assert warnings, proc.stderr[-3000:]
+    assert f"loaded checkpoint {out / ckpt_name(fmt, SPLIT)} " in proc.stderr
+    assert losses(out) == {step: baseline[step] for step in range(SPLIT + 1, STEPS + 1)}
+    # The damaged step-6 checkpoint was replaced by a whole one: the uninterrupted run's final state.
+    assert checkpoint_names(out) == sorted([ckpt_name(fmt, SPLIT), ckpt_name(fmt, STEPS)])
+    mine, theirs = as_full(newest, tmp_path / "mine.pth"), as_full(runs.saved(fmt) / ckpt_name(fmt, STEPS), tmp_path / "theirs.pth")
+    for key in ("model", "optimizer", "train_state"):
+        assert_identical(mine[key], theirs[key], key)
+
+
+# ---- 5. retention ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_keep_last_n(runs, fmt, tmp_path):
+    out = tmp_path / "run"
+    proc = runs.train(out, "--train.max_steps=8", f"--checkpoint.format={fmt}", "--checkpoint.interval=2",
+                      "--checkpoint.keep_last_n=2", nproc=1)
+    assert checkpoint_names(out) == sorted([ckpt_name(fmt, 6), ckpt_name(fmt, 8)])
+    assert proc.stderr.count("removing old checkpoint") == 2  # 2 (at the save of 6), then 4 (at 8)
+
+
+# ---- 6. errors that must never become a fresh start ---------------------------------------------
+
+
+def test_mismatched_model_config_is_an_error(runs, tmp_path):
+    source = runs.saved("full") / ckpt_name("full", STEPS)
+    out = tmp_path / "explicit"
+    proc = runs.train(out, f"--resume_from={source}", "--model.dim=128", nproc=1, check=False)
+    assert_clean_error(proc, "model.dim", str(source))
+    assert not (out / "metrics.jsonl").exists() and checkpoint_names(out) == []
+
+    # auto_resume into a directory of another model's (sharded) checkpoints: the same error, and no
+    # fallback to the older checkpoint of that model either.
+    out = tmp_path / "auto"
+    for step in (SPLIT, STEPS):
+        copy_checkpoint(runs.saved("sharded") / ckpt_name("sharded", step), out)
+    proc = runs.train(out, "--checkpoint.format=sharded", "--model.n_layers=3", nproc=1, check=False)
+    assert_clean_error(proc, "model.n_layers", str(out / ckpt_name("sharded", STEPS)))
+    assert "falling back" not in proc.stderr
+    assert not (out / "metrics.jsonl").exists()
+    assert checkpoint_names(out) == sorted([ckpt_name("sharded", SPLIT), ckpt_name("sharded", STEPS)])
+
+
+def test_missing_resume_path_is_an_error(runs, tmp_path):
+    out = tmp_path / "run"
+    missing = tmp_path / "no-such-checkpoint.pth"
+    proc = runs.train(out, f"--resume_from={missing}", nproc=1, check=False)
+    assert_clean_error(proc, str(missing))
+    assert not (out / "metrics.jsonl").exists() and checkpoint_names(out) == []
+
+    # `latest` with nothing to resume from (only an interrupted save): an error too, not a fresh start.
+    (out / ".tmp-fsdp_cpt2.pth").write_bytes(b"partial")
+    proc = runs.train(out, "--resume_from=latest", nproc=1, check=False)
+    assert_clean_error(proc, "no complete checkpoint", str(out))
+    assert not (out / "metrics.jsonl").exists() and checkpoint_names(out) == [".tmp-fsdp_cpt2.pth"]
+
+
+# ---- 7. the full checkpoint is plain PyTorch ----------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["fsdp1", "fsdp2+ac"])
+def test_full_checkpoint_is_a_plain_state_dict(runs, variant, tmp_path):
+    """torch.load(weights_only=True)["model"] is the plain Transformer's state dict: same names (no
+    wrapper prefixes), shapes and dtypes, and load_state_dict takes it as is."""
+    if variant == "fsdp1":
+        path = runs.saved("full") / ckpt_name("full", STEPS)
+    else:  # FSDP2 and activation checkpointing: still the plain names
+        runs.train(tmp_path / "run", "--train.max_steps=1", "--fsdp.version=2", "--fsdp.activation_checkpointing=full")
+        path = tmp_path / "run" / ckpt_name("full", 1)
+    ckpt = torch.load(path, weights_only=True)
+    assert set(ckpt) == {"model", "optimizer", "rng", "format_version", "world_size", "model_config", "train_state"}
+    model = Transformer(ModelConfig(**ckpt["model_config"]))
+    plain = model.state_dict()
+    assert list(ckpt["model"]) == list(plain)
+    for name, tensor in plain.items():
+        assert not any(w in name for w in ("_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped"))
+        assert ckpt["model"][name].shape == tensor.shape and ckpt["model"][name].dtype == tensor.dtype, name
+    model.load_state_dict(ckpt["model"], strict=True)
+    assert torch.equal(model.tok_embeddings.weight, ckpt["model"]["tok_embeddings.weight"])
+    # The optimizer state is keyed by the same names.
+    assert set(ckpt["optimizer"]["state"]) == set(plain)
+    assert sorted(n for g in ckpt["optimizer"]["param_groups"] for n in g["params"]) == sorted(plain)
+
+
+# ---- scripts/convert_checkpoint.py ---------------------------------------------------------------
+
+
+def test_convert_sharded_to_full(runs, tmp_path):
+    """The converted file is what a full save of the same state writes, and resumes identically."""
+    import subprocess
+
+    out_pth = tmp_path / "converted.pth"
+    source = runs.saved("sharded") / ckpt_name("sharded", SPLIT)
+    proc = subprocess.run([sys.executable, str(CONVERT), str(source), str(out_pth)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and out_pth.is_file()
+    converted = load_full(out_pth)
+    full = load_full(runs.saved("full") / ckpt_name("full", SPLIT))
+    # Same layout as a full save (optimizer state keyed by parameter name, groups holding names) ...
+    assert list(converted) == list(full)
+    assert structure(converted) == structure(full)
+    assert isinstance(next(iter(converted["optimizer"]["state"])), str)
+    # ... and, as both runs trained identically, the same content.
+    for key in full:
+        assert_identical(converted[key], full[key], key)
+
+    out = tmp_path / "resumed"
+    proc = runs.train(out, f"--resume_from={out_pth}")
+    assert f"loaded checkpoint {out_pth} " in proc.stderr
+    baseline = runs.baseline()
+    assert losses(out) == {step: baseline[step] for step in range(SPLIT + 1, STEPS + 1)}
+
+
+def test_convert_errors(runs, tmp_path, capsys):
+    convert = converter()
+    sharded = runs.saved("sharded") / ckpt_name("sharded", STEPS)
+    out = tmp_path / "out.pth"
+
+    def fails(*argv: str, needle: str) -> None:
+        assert convert.main([*map(str, argv)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+    fails(tmp_path / "missing", out, needle=str(tmp_path / "missing"))
+    fails(runs.saved("sharded"), out, needle="not a complete sharded checkpoint")  # a run's output dir
+    fails(runs.saved("full") / ckpt_name("full", STEPS), out, needle="not a sharded checkpoint")
+    damaged = copy_checkpoint(sharded, tmp_path / "damaged")
+    shard = sorted(damaged.glob("*.distcp"))[0]
+    truncate_to_half(shard)
+    fails(damaged, out, needle=str(shard))
+    shard.write_bytes(b"\xff" * (sharded / shard.name).stat().st_size)  # the right size, undecodable
+    fails(damaged, out, needle=f"{damaged}: cannot read sharded checkpoint")
+    assert not out.exists()
+
+    assert convert.main([str(sharded), str(out)]) == 0
+    assert "step 6" in capsys.readouterr().out
+    before = out.stat().st_mtime_ns, out.stat().st_size
+    fails(sharded, out, needle="--force")
+    assert (out.stat().st_mtime_ns, out.stat().st_size) == before
+    assert convert.main([str(runs.saved("sharded") / ckpt_name("sharded", SPLIT)), str(out), "--force"]) == 0
+    assert load_full(out)["train_state"]["step"] == SPLIT
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")) == []
