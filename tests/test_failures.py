@@ -247,9 +247,10 @@ def test_nan_loss_skipped_with_max_bad_steps(corpus, dataset_dir, tmp_path):
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_hybrid_shard_matches_full_shard(version, corpus, dataset_dir, tmp_path):
+def test_hybrid_shard_matches_full_shard_and_checkpoints_cross_over(version, corpus, dataset_dir, tmp_path):
     common = ("--train.max_steps=6", "--train.global_batch_size=8", "--train.micro_batch_size=2",
-              f"--fsdp.version={version}")
+              f"--fsdp.version={version}", "--checkpoint.format=sharded", "--checkpoint.interval=3",
+              "--checkpoint.keep_last_n=0")
     result = {}
     for strategy in ("FULL_SHARD", "HYBRID_SHARD"):
         out = tmp_path / strategy
@@ -266,6 +267,18 @@ def test_hybrid_shard_matches_full_shard(version, corpus, dataset_dir, tmp_path)
     # differ by at most one float32 ulp (relative 1.0e-7). rel=1e-6 leaves ~10x margin for a few more steps and
     # is far below what a wrong reduction does (a missing or double-counted replica changes the update itself).
     assert hybrid == pytest.approx(full, rel=1e-6, abs=0)
+
+    # Checkpoints cross over: the hybrid run's step-3 checkpoint continues as FULL_SHARD and the FULL_SHARD
+    # run's as HYBRID_SHARD, each reproducing steps 4-6 of the run it continues (same tolerance, same reason).
+    for source, strategy, extra in (("HYBRID_SHARD", "FULL_SHARD", ()),
+                                    ("FULL_SHARD", "HYBRID_SHARD", ("--fsdp.hybrid_shard_group_size=2",))):
+        out = tmp_path / f"{source}-to-{strategy}"
+        run_train(*common, f"--fsdp.sharding_strategy={strategy}", *extra,
+                  f"--resume_from={tmp_path / source / 'fsdp_sharded_cpt3'}", nproc=4, out_dir=out, corpus=corpus,
+                  dataset_dir=dataset_dir, timeout=240)
+        resumed = losses(out)
+        assert sorted(resumed) == [4, 5, 6]
+        assert resumed == pytest.approx({s: result[source][s] for s in resumed}, rel=1e-6, abs=0)
 
 
 # ---- a rank that stops answering ---------------------------------------------------------------------------
