@@ -171,13 +171,6 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
                              model_config=model_signature, env=env)
 
     if env.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-        # The tokenizer travels with the run, so generate.py and export_hf.py find it next to the checkpoints.
-        if prepared.tokenizer_path.is_dir():
-            shutil.copytree(prepared.tokenizer_path, out_dir / prepared.tokenizer_path.name, dirs_exist_ok=True)
-        else:
-            shutil.copyfile(prepared.tokenizer_path, out_dir / "tokenizer.model")
         log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
         if cfg.model.type == "llama":
             log_parameter_summary(cfg.model)
@@ -196,6 +189,14 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
         state = ckpt.load(model, optimizer, resume_from)
         if scaler is not None and state.grad_scaler:
             scaler.load_state_dict(state.grad_scaler)
+    if env.is_main:  # only now, so a refused resume leaves the output directory as it was
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out_dir / "config.yaml")
+        # The tokenizer travels with the run, so generate.py and export_hf.py find it next to the checkpoints.
+        if prepared.tokenizer_path.is_dir():
+            shutil.copytree(prepared.tokenizer_path, out_dir / prepared.tokenizer_path.name, dirs_exist_ok=True)
+        else:
+            shutil.copyfile(prepared.tokenizer_path, out_dir / "tokenizer.model")
 
     # ---- loop -----------------------------------------------------------------------------------
     stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s)

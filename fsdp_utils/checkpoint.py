@@ -235,11 +235,20 @@ class CheckpointManager:
         With `latest`, a checkpoint that fails to load is reported and the previous one is tried.
         """
         candidates = self.resolve(resume_from)
+        if resume_from != "latest":
+            state = self._load_one(model, optimizer, candidates[0])
+            newer = [(step, p) for step, p in self.complete_checkpoints() if step > state.step]
+            if newer:
+                # Continuing here would overwrite, or let retention delete, work that is further along.
+                raise CheckpointMismatch(
+                    f"--resume_from {candidates[0]} (step {state.step}): {self.dir} already holds the newer "
+                    f"{newer[0][1].name}; continue in a fresh run.output_dir, or use --resume_from latest")
+            return state
         for i, path in enumerate(candidates):
             try:
                 return self._load_one(model, optimizer, path)
             except CheckpointError as err:
-                if resume_from != "latest" or i == len(candidates) - 1 or isinstance(err, CheckpointMismatch):
+                if i == len(candidates) - 1 or isinstance(err, CheckpointMismatch):
                     raise
                 if self.env.is_main:
                     log.warning("%s; falling back to the previous checkpoint", err)

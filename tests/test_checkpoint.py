@@ -33,6 +33,9 @@ def ckpt_name(fmt: str, step: int) -> str:
 
 
 def checkpoint_names(out_dir: Path) -> list[str]:
+    """Checkpoints and leftovers in out_dir (a refused run may not have created it at all)."""
+    if not out_dir.exists():
+        return []
     return sorted(p.name for p in out_dir.iterdir() if p.name.startswith(("fsdp_", ".tmp-")))
 
 
@@ -395,6 +398,7 @@ def test_missing_resume_path_is_an_error(runs, tmp_path):
     assert not (out / "metrics.jsonl").exists() and checkpoint_names(out) == []
 
     # `latest` with nothing to resume from (only an interrupted save): an error too, not a fresh start.
+    out.mkdir(exist_ok=True)
     (out / ".tmp-fsdp_cpt2.pth").write_bytes(b"partial")
     proc = runs.train(out, "--resume_from=latest", nproc=1, check=False)
     assert_clean_error(proc, "no complete checkpoint", str(out))
@@ -487,3 +491,19 @@ def test_convert_errors(runs, tmp_path, capsys):
     assert convert.main([str(runs.saved("sharded") / ckpt_name("sharded", SPLIT)), str(out), "--force"]) == 0
     assert load_full(out)["train_state"]["step"] == SPLIT
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")) == []
+
+
+def test_resuming_an_older_checkpoint_over_newer_work_is_refused(tmp_path, corpus, dataset_dir):
+    # A 6-step run keeps checkpoints 3 and 6. Resuming from 3 into the same directory would let the
+    # new run overwrite fsdp_cpt6 (and retention delete it): refused, with nothing written or removed.
+    out = tmp_path / "run"
+    run_train("--train.max_steps=6", "--checkpoint.interval=3", "--checkpoint.keep_last_n=0", nproc=1,
+              out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    proc = run_train("--train.max_steps=6", "--checkpoint.interval=3", f"--resume_from={out / 'fsdp_cpt3.pth'}",
+                     nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "fsdp_cpt6.pth" in errors[0] and "fresh run.output_dir" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
