@@ -133,6 +133,24 @@ def _restore_rng(states: list | None, env: DistEnv) -> None:
         torch.cuda.set_rng_state(states[env.rank]["cuda"], env.device)
 
 
+def read_sharded_meta(path: Path) -> dict:
+    """meta.json of a complete sharded checkpoint, after checking that every file it lists has its size."""
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise CheckpointError(f"{path}: not a complete sharded checkpoint (no meta.json: an interrupted save or another folder)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{meta_path}: incomplete or corrupt checkpoint ({err})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"{meta_path}: not a checkpoint's meta.json (no list of files)")
+    for name, size in meta["files"].items():
+        actual = (path / name).stat().st_size if (path / name).is_file() else None
+        if actual != size:
+            raise CheckpointError(f"{path / name}: corrupt checkpoint (expected {size} bytes, found {actual})")
+    return meta
+
+
 class CheckpointManager:
     def __init__(self, output_dir: Path, *, fmt: str, keep_last_n: int, model_config: dict, env: DistEnv):
         self.dir = Path(output_dir)
@@ -293,15 +311,7 @@ class CheckpointManager:
         return meta, payload.get("rng")
 
     def _load_sharded(self, model, optimizer, path: Path):
-        meta_path = path / "meta.json"
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"{meta_path}: incomplete or corrupt checkpoint ({err})") from None
-        for name, size in meta["files"].items():
-            actual = (path / name).stat().st_size if (path / name).is_file() else None
-            if actual != size:
-                raise CheckpointError(f"{path / name}: corrupt checkpoint (expected {size} bytes, found {actual})")
+        meta = read_sharded_meta(path)
         self._check_model_config(meta["model_config"], path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}

@@ -11,7 +11,6 @@ CheckpointError whose message names the path, for scripts to print as one line.
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 import zipfile
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from model import ModelConfig, Transformer
 
-from .checkpoint import FORMAT_VERSION, CheckpointError
+from .checkpoint import FORMAT_VERSION, CheckpointError, read_sharded_meta
 
 META_KEYS = ("format_version", "world_size", "model_config", "train_state")
 
@@ -61,19 +60,7 @@ def read_meta(path: str | Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if path.is_dir():
-        meta_path = path / "meta.json"
-        if not meta_path.is_file():
-            raise CheckpointError(f"{path}: not a complete sharded checkpoint (no meta.json)")
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"{meta_path}: unreadable ({_first_line(err)})") from None
-        meta = _check_meta(meta, meta_path)
-        for name, size in meta.get("files", {}).items():
-            actual = (path / name).stat().st_size if (path / name).is_file() else None
-            if actual != size:
-                raise CheckpointError(f"{path / name}: corrupt checkpoint (expected {size} bytes, found {actual})")
-        return meta
+        return _check_meta(read_sharded_meta(path), path / "meta.json")
     payload = _load_full(path)
     return {k: payload[k] for k in META_KEYS}
 

@@ -12,7 +12,6 @@ and `train_fsdp.py ... --resume_from OUT` continues training from it on any numb
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -26,15 +25,11 @@ import torch  # noqa: E402
 
 from torch.distributed.checkpoint import CheckpointException  # noqa: E402
 
-from fsdp_utils.checkpoint import FORMAT_VERSION, TMP_PREFIX, _first_line  # noqa: E402
-
-# What a full checkpoint holds, in the order train_fsdp.py writes it.
-META_KEYS = ("format_version", "world_size", "model_config", "train_state")
-
+from fsdp_utils import checkpoint_io  # noqa: E402
+from fsdp_utils.checkpoint import TMP_PREFIX, CheckpointError, _first_line  # noqa: E402
 
 class ConvertError(Exception):
     """A problem with the input or output; the message names the path."""
-
 
 def read_meta(src: Path) -> dict:
     """meta.json of a complete sharded checkpoint, after checking every listed file is whole."""
@@ -42,25 +37,7 @@ def read_meta(src: Path) -> dict:
         raise ConvertError(f"{src}: no such file or directory")
     if not src.is_dir():
         raise ConvertError(f"{src}: not a sharded checkpoint (expected a fsdp_sharded_cpt<step>/ folder, got a file)")
-    meta_path = src / "meta.json"
-    if not meta_path.is_file():
-        raise ConvertError(f"{src}: not a complete sharded checkpoint (no meta.json; an interrupted save or another folder)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as err:
-        raise ConvertError(f"{meta_path}: unreadable ({err})") from None
-    missing = [k for k in (*META_KEYS, "files") if k not in meta]
-    if missing:
-        raise ConvertError(f"{meta_path}: not a checkpoint's meta.json (missing {', '.join(missing)})")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise ConvertError(f"{meta_path}: format_version {meta['format_version']}, this script reads {FORMAT_VERSION}")
-    for name, size in meta["files"].items():
-        path = src / name
-        actual = path.stat().st_size if path.is_file() else None
-        if actual != size:
-            raise ConvertError(f"{path}: corrupt checkpoint (expected {size} bytes, found {actual})")
-    return meta
-
+    return checkpoint_io.read_meta(src)  # meta.json, every shard's size, the format version
 
 def load_sharded(src: Path) -> dict:
     """{"model": ..., "optimizer": ...} with whole tensors, read without a process group."""
@@ -74,7 +51,6 @@ def load_sharded(src: Path) -> dict:
     if missing:
         raise ConvertError(f"{src}: the shards hold no {' or '.join(missing)} state")
     return state
-
 
 def convert(src: Path, out: Path, *, force: bool = False) -> dict:
     """Write the full checkpoint for sharded checkpoint `src` to `out` (atomically); return its payload."""
@@ -90,7 +66,7 @@ def convert(src: Path, out: Path, *, force: bool = False) -> dict:
         raise
     except (Exception, CheckpointException) as err:  # a shard that does not decode (DCP's is a BaseException)
         raise ConvertError(f"{src}: cannot read sharded checkpoint ({_first_line(err)})") from None
-    payload = {"model": state["model"], "optimizer": state["optimizer"], "rng": rng, **{k: meta[k] for k in META_KEYS}}
+    payload = {"model": state["model"], "optimizer": state["optimizer"], "rng": rng, **{k: meta[k] for k in checkpoint_io.META_KEYS}}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
@@ -105,7 +81,6 @@ def convert(src: Path, out: Path, *, force: bool = False) -> dict:
             tmp.unlink()
     return payload
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sharded_dir", type=Path, help="a sharded checkpoint folder, fsdp_sharded_cpt<step>/")
@@ -114,14 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         payload = convert(args.sharded_dir, args.out, force=args.force)
-    except (ConvertError, OSError) as err:
+    except (ConvertError, CheckpointError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     step = payload["train_state"].get("step")
     print(f"wrote {args.out} (step {step}, saved at world size {payload['world_size']}, "
           f"{args.out.stat().st_size / 2**20:.1f} MiB)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
