@@ -28,8 +28,10 @@ from torch.distributed.checkpoint import CheckpointException  # noqa: E402
 from fsdp_utils import checkpoint_io  # noqa: E402
 from fsdp_utils.checkpoint import TMP_PREFIX, CheckpointError, _first_line  # noqa: E402
 
+
 class ConvertError(Exception):
     """A problem with the input or output; the message names the path."""
+
 
 def read_meta(src: Path) -> dict:
     """meta.json of a complete sharded checkpoint, after checking every listed file is whole."""
@@ -38,6 +40,7 @@ def read_meta(src: Path) -> dict:
     if not src.is_dir():
         raise ConvertError(f"{src}: not a sharded checkpoint (expected a fsdp_sharded_cpt<step>/ folder, got a file)")
     return checkpoint_io.read_meta(src)  # meta.json, every shard's size, the format version
+
 
 def load_sharded(src: Path) -> dict:
     """{"model": ..., "optimizer": ...} with whole tensors, read without a process group."""
@@ -51,6 +54,7 @@ def load_sharded(src: Path) -> dict:
     if missing:
         raise ConvertError(f"{src}: the shards hold no {' or '.join(missing)} state")
     return state
+
 
 def convert(src: Path, out: Path, *, force: bool = False) -> dict:
     """Write the full checkpoint for sharded checkpoint `src` to `out` (atomically); return its payload."""
@@ -81,6 +85,7 @@ def convert(src: Path, out: Path, *, force: bool = False) -> dict:
             tmp.unlink()
     return payload
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sharded_dir", type=Path, help="a sharded checkpoint folder, fsdp_sharded_cpt<step>/")
@@ -96,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out} (step {step}, saved at world size {payload['world_size']}, "
           f"{args.out.stat().st_size / 2**20:.1f} MiB)")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
