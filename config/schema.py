@@ -20,7 +20,7 @@ from model import ModelConfig
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "selective_op")
 
 
 class ConfigError(ValueError):
@@ -139,7 +139,9 @@ class FSDPConfig:
     sync_module_states: bool = False
     """Broadcast rank 0's weights at wrap time (for weights loaded on rank 0 only)."""
     activation_checkpointing: str = "none"
-    """none, full (every DecoderBlock) or selective (every ac_every_n_layers-th block)."""
+    """none; full (every DecoderBlock keeps only its input); selective (full, on every
+    ac_every_n_layers-th block); selective_op (every block keeps its matmul and attention outputs and
+    recomputes the elementwise ops)."""
     ac_every_n_layers: int = 2
     """With selective activation checkpointing: checkpoint one block in this many."""
     reduce_dtype: str = "fp32"

@@ -9,7 +9,6 @@ checkpoints hold the plain model's names.
 """
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from model import DecoderBlock, ModelConfig, Transformer, initial_value
 
@@ -62,17 +61,48 @@ def resolve_precision(precision: str, reduce_dtype: str, device: torch.device) -
     return Precision(compute, reduce, use_grad_scaler=compute == torch.float16)
 
 
+def _ops_worth_saving() -> list:
+    """Ops whose outputs selective_op keeps: matmuls and attention, the expensive ones to recompute.
+    Everything else in a block (norms, rotary, SwiGLU's activation, residual adds) is elementwise and
+    is recomputed in backward from those."""
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    return [aten.mm.default, aten.addmm.default, aten.bmm.default] + [getattr(aten, n).default for n in names if hasattr(aten, n)]
+
+
+def _selective_op_context():
+    return create_selective_checkpoint_contexts(_ops_worth_saving())
+
+
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every_n: int) -> int:
-    """Recompute chosen blocks' activations in backward instead of storing them; returns how many."""
+    """Recompute chosen blocks' activations in backward instead of storing them; returns how many.
+
+    full: every block keeps only its input; selective: the same for every every_n-th block;
+    selective_op: every block keeps its matmul and attention outputs and recomputes the elementwise
+    work, most of the memory of `full` saved for a small part of its recompute cost."""
     if mode == "none":
         return 0
     count = 0
     for i, block in enumerate(blocks):
         if mode == "selective" and i % every_n:
             continue
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = _checkpointed(block.forward, by_op=mode == "selective_op")
         count += 1
     return count
+
+
+def _checkpointed(forward, *, by_op: bool):
+    # A plain function of ours, not a functools.partial of checkpoint: torch.compile traces this frame
+    # and turns the checkpoint call into its own region, which the compiled block then recomputes (and,
+    # by_op, partitions by the policy). A partial's first frame is torch's checkpoint itself, which
+    # compile skips, and the whole block then ran uncompiled.
+    extra = {"context_fn": _selective_op_context} if by_op else {}
+
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    return checkpointed_forward
 
 
 def apply_compile(blocks: list[nn.Module]) -> None:
