@@ -54,20 +54,25 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.project_qkv(x)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Hd)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
+        # v is a view into the fused q/k/v output; attention saves v for backward, which would keep
+        # the whole fused buffer (q and k parts too) alive until then. A copy frees it.
+        v = v.contiguous().view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.n_kv_heads != self.n_heads:
             # Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads.
             repeats = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Hd)
-        return self.wo(out.transpose(1, 2).reshape(B, T, q_size))
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
@@ -79,8 +84,11 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)  # [gate; up]
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
 
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13(x).chunk(2, dim=-1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate, up = self.gate_up(x)
         return self.w2(F.silu(gate) * up)
 
 
