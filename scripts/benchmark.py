@@ -25,12 +25,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed  # noqa: E402
 from fsdp_utils.metrics import detect_peak_flops  # noqa: E402
 from fsdp_utils.optim import build_optimizer, clip_grad_norm  # noqa: E402
 from fsdp_utils.wrap import build_fsdp_model, resolve_precision  # noqa: E402
+from model.transformer import Attention, FeedForward  # noqa: E402
 from train_fsdp import forward_backward  # noqa: E402
 
 
@@ -58,11 +60,27 @@ def time_steps(step_fn, *, warmup: int, steps: int, device) -> list[float]:
     return times
 
 
+def unfuse_projections() -> None:
+    """Ablation (--unfused_projections): q, k, v and gate, up as separate matmuls on slices of the fused
+    weights, to measure what the fused matmuls buy. Same weights and results; patched before build."""
+    def project_qkv(self, x):
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return [F.linear(x, w) for w in self.wqkv.weight.split([q_size, kv_size, kv_size])]
+
+    def gate_up(self, x):
+        return [F.linear(x, w) for w in self.w13.weight.split([self.hidden_dim, self.hidden_dim])]
+
+    Attention.project_qkv, FeedForward.gate_up = project_qkv, gate_up
+
+
 def bench_ours(cfg, env, args) -> dict:
     t = cfg.train
+    if args.unfused_projections:
+        unfuse_projections()
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
     model = build_fsdp_model(cfg, env, precision)
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2))
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
+                                fused=not args.unfused_adamw)
     batches = random_batches(cfg.model.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
 
     def step():
@@ -163,6 +181,8 @@ def main() -> int:
     parser.add_argument("--peer", action="store_true", help="also run the Hugging Face + FSDP2 reference")
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of our run")
+    parser.add_argument("--unfused_projections", action="store_true", help="ablation: separate q/k/v and gate/up matmuls")
+    parser.add_argument("--unfused_adamw", action="store_true", help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     args, overrides = parser.parse_known_args()
     try:
@@ -183,13 +203,15 @@ def main() -> int:
         if args.peer or args.peer_only:
             reset_memory(env)
             rows.append(summarise("hf_llama_fsdp2", bench_peer(cfg, env, args), cfg, env, args, peak))
+        ablations = [name for name in ("unfused_projections", "unfused_adamw") if getattr(args, name)]
         if env.is_main:
             m = cfg.model
             device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
             print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, micro-batch "
                   f"{cfg.train.micro_batch_size} x accum {args.grad_accum}, world {env.world_size} x {device}, "
                   f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
-                  f"compile {cfg.train.compile}, cpu_offload {cfg.fsdp.cpu_offload}")
+                  f"compile {cfg.train.compile}, cpu_offload {cfg.fsdp.cpu_offload}"
+                  + "".join(f", {name}" for name in ablations))
             print(f"{'run':<16}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
             for r in rows:
                 mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
@@ -198,7 +220,7 @@ def main() -> int:
                 print(f"ratio ours / reference tokens/s: {rows[0]['tokens_per_sec_per_gpu'] / rows[1]['tokens_per_sec_per_gpu']:.3f}")
             if args.json:
                 record = {"config": args.config, "overrides": overrides, "world_size": env.world_size, "device": device,
-                          "params": m.num_params(), "rows": rows}
+                          "params": m.num_params(), "ablations": ablations, "rows": rows}
                 with open(args.json, "a") as f:
                     f.write(json.dumps(record) + "\n")
         return 0
