@@ -13,7 +13,6 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
@@ -164,17 +163,50 @@ def _cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int) -> torch.Tensor:
     """Mean cross-entropy of logits h @ weight.T (h: (N, D), weight: (V, D), targets: (N,)).
 
-    With chunk_tokens > 0 the (N, V) logits never exist at once: each chunk's logits are computed,
-    reduced to a loss and dropped, then recomputed in backward (activation checkpointing). That trades
-    one extra output matmul for not holding N x V fp32 logits and their gradient, the largest
-    activation of a small model with a large vocabulary.
+    With chunk_tokens > 0 the (N, V) logits never exist at once: see _ChunkedLinearCrossEntropy.
     """
     if chunk_tokens <= 0 or h.shape[0] <= chunk_tokens:
         return _cross_entropy_sum(h, weight, targets) / targets.numel()
-    total = h.new_zeros((), dtype=torch.float32)
-    for h_chunk, t_chunk in zip(h.split(chunk_tokens), targets.split(chunk_tokens)):
-        total = total + checkpoint(_cross_entropy_sum, h_chunk, weight, t_chunk, use_reentrant=False)
-    return total / targets.numel()
+    if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
+        total = sum(_cross_entropy_sum(hc, weight, tc) for hc, tc in zip(h.split(chunk_tokens), targets.split(chunk_tokens)))
+        return total / targets.numel()
+    return _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens) / targets.numel()
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of h @ weight.T, one chunk of tokens at a time, gradients included.
+
+    The output projection's logits are the largest activation of a small model with a large
+    vocabulary: N x V in fp32, and as much again for their gradient. Each chunk's logits are made,
+    turned into the chunk's loss and its gradients for h and weight (softmax - one-hot, then two
+    matmuls) and dropped, all in forward; backward only scales the stored gradients. That needs no
+    recomputation of the logits, so it costs no more matmuls than the unchunked loss.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk_tokens):
+        grad_h = torch.empty_like(h)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for start in range(0, h.shape[0], chunk_tokens):
+            h_chunk, t_chunk = h[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+            logits = F.linear(h_chunk, weight).float()  # (n, V)
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t_chunk[:, None]).squeeze(1)).sum()
+            # d(sum of losses)/d(logits) = softmax - one-hot, written over the logits in place.
+            grad_logits = logits.sub_(lse[:, None]).exp_()
+            grad_logits[torch.arange(len(t_chunk), device=t_chunk.device), t_chunk] -= 1.0
+            grad_logits = grad_logits.to(h.dtype)
+            grad_h[start:start + chunk_tokens] = grad_logits @ weight
+            grad_weight += (grad_logits.t() @ h_chunk).float()
+        ctx.save_for_backward(grad_h, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_weight = ctx.saved_tensors
+        return grad_h * grad_total.to(grad_h.dtype), (grad_weight * grad_total).to(ctx.weight_dtype), None, None
 
 
 def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], *, seed: int, device, dtype) -> torch.Tensor:

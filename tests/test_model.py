@@ -74,9 +74,10 @@ def test_loss_at_init_is_log_vocab():
     assert loss == pytest.approx(expected.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("chunk", [7, 16, 1000], ids=["uneven", "even", "larger-than-batch"])
-def test_chunked_loss_equals_full_loss_and_gradients(chunk):
-    cfg = small_cfg(tie_embeddings=True)
+def test_chunked_loss_equals_full_loss_and_gradients(chunk, tie):
+    cfg = small_cfg(tie_embeddings=tie)
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(4))
     x, y = tokens[:, :-1], tokens[:, 1:]  # 2 x 16 = 32 target tokens: chunks of 7 leave a remainder of 4
 
@@ -84,7 +85,7 @@ def test_chunked_loss_equals_full_loss_and_gradients(chunk):
         model = built(cfg, seed=9).train()
         model.loss_chunk_tokens = chunk_tokens
         loss = model(x, y)
-        loss.backward()
+        (loss * 0.25).backward()  # a scaled loss, as with gradient accumulation
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     full_loss, full_grads = loss_and_grads(0)
@@ -93,6 +94,29 @@ def test_chunked_loss_equals_full_loss_and_gradients(chunk):
     torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=0)
     for name in full_grads:
         torch.testing.assert_close(grads[name], full_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_chunked_loss_in_bf16_matches_fp32_reference():
+    """The compute dtype of GPU runs: loss and gradients close to an fp32 computation of the same inputs."""
+    from model.transformer import chunked_cross_entropy
+
+    gen = torch.Generator().manual_seed(5)
+    h32 = torch.randn(96, 32, generator=gen)
+    w32 = torch.randn(200, 32, generator=gen) * 0.2
+    targets = torch.randint(0, 200, (96,), generator=gen)
+
+    def run(dtype, chunk):
+        h, w = (t.detach().to(dtype, copy=True).requires_grad_() for t in (h32, w32))
+        loss = chunked_cross_entropy(h, w, targets, chunk_tokens=chunk)
+        loss.backward()
+        return loss.double(), h.grad.double(), w.grad.double()
+
+    reference = run(torch.float32, 0)
+    for got, want in zip(run(torch.bfloat16, 40), reference):
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+    # and no-grad evaluation gives the same loss through its own path
+    with torch.no_grad():
+        assert chunked_cross_entropy(h32, w32, targets, chunk_tokens=40).item() == pytest.approx(reference[0].item(), rel=1e-6)
 
 
 # ---- parameter count --------------------------------------------------------------------------------
