@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from model import DecoderBlock, ModelConfig, Transformer, initial_value
+from model.transformer import compile_chunk_loss
 
 from .distributed import DistEnv
 
@@ -168,6 +169,7 @@ def build_fsdp_model(cfg, env: DistEnv, precision: Precision) -> nn.Module:
     apply_activation_checkpointing(list(model.layers), f.activation_checkpointing, f.ac_every_n_layers)
     if cfg.train.compile:
         apply_compile(list(model.layers))
+        compile_chunk_loss()
 
     offload = f.cpu_offload and env.device.type == "cuda"  # on the CPU the tensors are there already
     param_init_fn = _materialise_fsdp1(model, cfg.model, seed=seed, device=env.device) if use_meta else None

@@ -49,22 +49,23 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.num_kv_heads, cfg.head_dim
-        # One fused projection for q, k and v: a single large matmul instead of three small ones.
+        # q, k and v weights in one parameter: one tensor to shard, gather and checkpoint.
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Three matmuls on slices of the one weight, not one matmul split afterwards: as fast on
+        # H200 (docs/benchmarks.md), and q, k, v are separate tensors, so attention saving v for
+        # backward does not keep a fused output buffer alive, and backward concatenates no gradients.
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        return tuple(F.linear(x, w) for w in self.wqkv.weight.split([q_size, kv_size, kv_size]))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Hd)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
-        # v is a view into the fused q/k/v output; attention saves v for backward, which would keep
-        # the whole fused buffer (q and k parts too) alive until then. A copy frees it.
-        v = v.contiguous().view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.n_kv_heads != self.n_heads:
             # Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads.
@@ -75,7 +76,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); the gate and up weights are one parameter, w13."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -84,7 +85,9 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.w13(x).chunk(2, dim=-1)
+        # Two matmuls on the halves of w13 (see Attention.project_qkv): with one matmul, compile's
+        # SwiGLU backward kernel must also concatenate the two gradients and measured twice as slow.
+        return tuple(F.linear(x, w) for w in self.w13.weight.chunk(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
@@ -173,6 +176,27 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     return _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens) / targets.numel()
 
 
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of one chunk's logits (n, V), in fp32, and its gradient with respect to
+    the logits (softmax - one-hot) in the logits' dtype. Elementwise work only: torch.compile turns it
+    into a couple of kernels that read the logits once (see compile_chunk_loss)."""
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1)
+    loss = (lse - logits32.gather(1, targets[:, None]).squeeze(1)).sum()
+    is_target = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
+    grad = torch.exp(logits32 - lse[:, None]) - is_target.to(torch.float32)
+    return loss, grad.to(logits.dtype)
+
+
+_chunk_loss_fn = _chunk_loss_and_grad
+
+
+def compile_chunk_loss() -> None:
+    """Use a torch.compile'd _chunk_loss_and_grad for the chunked loss (with train.compile)."""
+    global _chunk_loss_fn
+    _chunk_loss_fn = torch.compile(_chunk_loss_and_grad, dynamic=False)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of h @ weight.T, one chunk of tokens at a time, gradients included.
 
@@ -190,13 +214,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, h.shape[0], chunk_tokens):
             h_chunk, t_chunk = h[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-            logits = F.linear(h_chunk, weight).float()  # (n, V)
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t_chunk[:, None]).squeeze(1)).sum()
-            # d(sum of losses)/d(logits) = softmax - one-hot, written over the logits in place.
-            grad_logits = logits.sub_(lse[:, None]).exp_()
-            grad_logits[torch.arange(len(t_chunk), device=t_chunk.device), t_chunk] -= 1.0
-            grad_logits = grad_logits.to(h.dtype)
+            loss, grad_logits = _chunk_loss_fn(F.linear(h_chunk, weight), t_chunk)
+            total += loss
             grad_h[start:start + chunk_tokens] = grad_logits @ weight
             grad_weight += (grad_logits.t() @ h_chunk).float()
         ctx.save_for_backward(grad_h, grad_weight)

@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed  # noqa: E402
@@ -60,23 +59,24 @@ def time_steps(step_fn, *, warmup: int, steps: int, device) -> list[float]:
     return times
 
 
-def unfuse_projections() -> None:
-    """Ablation (--unfused_projections): q, k, v and gate, up as separate matmuls on slices of the fused
-    weights, to measure what the fused matmuls buy. Same weights and results; patched before build."""
+def fuse_projections() -> None:
+    """Ablation (--fused_projections): one matmul per fused weight (q/k/v, gate/up), its output split
+    afterwards, instead of the model's one matmul per slice. Same weights and results; patched before build."""
     def project_qkv(self, x):
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return [F.linear(x, w) for w in self.wqkv.weight.split([q_size, kv_size, kv_size])]
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        return q, k, v.contiguous()  # a view would keep the whole fused output alive for backward
 
     def gate_up(self, x):
-        return [F.linear(x, w) for w in self.w13.weight.split([self.hidden_dim, self.hidden_dim])]
+        return self.w13(x).chunk(2, dim=-1)
 
     Attention.project_qkv, FeedForward.gate_up = project_qkv, gate_up
 
 
 def bench_ours(cfg, env, args) -> dict:
     t = cfg.train
-    if args.unfused_projections:
-        unfuse_projections()
+    if args.fused_projections:
+        fuse_projections()
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
     model = build_fsdp_model(cfg, env, precision)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
@@ -151,6 +151,8 @@ def bench_peer(cfg, env, args) -> dict:
         total.item()
 
     times = time_steps(step, warmup=args.warmup, steps=args.steps, device=env.device)
+    if args.profile:
+        profile_steps(step, env)
     return {"times": times}
 
 
@@ -180,8 +182,8 @@ def main() -> int:
     parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--peer", action="store_true", help="also run the Hugging Face + FSDP2 reference")
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
-    parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of our run")
-    parser.add_argument("--unfused_projections", action="store_true", help="ablation: separate q/k/v and gate/up matmuls")
+    parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of each run")
+    parser.add_argument("--fused_projections", action="store_true", help="ablation: one q/k/v and one gate/up matmul, split after")
     parser.add_argument("--unfused_adamw", action="store_true", help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     args, overrides = parser.parse_known_args()
@@ -203,7 +205,7 @@ def main() -> int:
         if args.peer or args.peer_only:
             reset_memory(env)
             rows.append(summarise("hf_llama_fsdp2", bench_peer(cfg, env, args), cfg, env, args, peak))
-        ablations = [name for name in ("unfused_projections", "unfused_adamw") if getattr(args, name)]
+        ablations = [name for name in ("fused_projections", "unfused_adamw") if getattr(args, name)]
         if env.is_main:
             m = cfg.model
             device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"

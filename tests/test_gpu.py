@@ -59,3 +59,26 @@ def test_checkpoint_saved_on_two_gpus_resumes_on_one(tmp_path, corpus, dataset_d
     assert sorted(one) == [5, 6, 7, 8]  # continued after step 4, not from scratch
     for step in one:
         assert math.isclose(one[step], two[step], rel_tol=2e-2), (step, one[step], two[step])
+
+
+@needs_gpus(1)
+def test_compiled_chunked_loss_in_bf16_matches_fp32_reference(monkeypatch):
+    # What train.compile uses on GPUs: the chunk loss compiled, bf16 logits, an uneven last chunk.
+    from model import transformer
+
+    monkeypatch.setattr(transformer, "_chunk_loss_fn", transformer._chunk_loss_fn)  # restored afterwards
+    transformer.compile_chunk_loss()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    h32 = torch.randn(5000, 256, device="cuda", generator=gen)
+    w32 = torch.randn(32000, 256, device="cuda", generator=gen) * 0.05
+    targets = torch.randint(0, 32000, (5000,), device="cuda", generator=gen)
+
+    def run(dtype, chunk):
+        h, w = (t.detach().to(dtype, copy=True).requires_grad_() for t in (h32, w32))
+        loss = transformer.chunked_cross_entropy(h, w, targets, chunk_tokens=chunk)
+        (loss * 0.5).backward()
+        return loss.double(), h.grad.double(), w.grad.double()
+
+    reference = run(torch.float32, 0)
+    for got, want in zip(run(torch.bfloat16, 2048), reference):
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
