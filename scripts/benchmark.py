@@ -156,15 +156,19 @@ def bench_peer(cfg, env, args) -> dict:
     return {"times": times}
 
 
-def summarise(name: str, result: dict, cfg, env, args, peak_flops) -> dict:
-    step_s = statistics.median(result["times"])
-    tokens_per_gpu = args.grad_accum * cfg.train.micro_batch_size * cfg.data.seq_len / step_s
-    flops = cfg.model.flops_per_token(cfg.data.seq_len)
+def peak_memory_gib(env) -> float:
     mem = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0, device=env.device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    return mem.item()
+
+
+def summarise(name: str, times: list[float], peak_mem_gib: float, cfg, args, peak_flops) -> dict:
+    step_s = statistics.median(times)
+    tokens_per_gpu = args.grad_accum * cfg.train.micro_batch_size * cfg.data.seq_len / step_s
+    flops = cfg.model.flops_per_token(cfg.data.seq_len)
     return {"name": name, "step_s": step_s, "tokens_per_sec_per_gpu": tokens_per_gpu,
-            "mfu": flops * tokens_per_gpu / peak_flops if peak_flops else None, "peak_mem_gib": mem.item(),
-            "step_s_min": min(result["times"]), "step_s_max": max(result["times"])}
+            "mfu": flops * tokens_per_gpu / peak_flops if peak_flops else None, "peak_mem_gib": peak_mem_gib,
+            "step_s_min": min(times), "step_s_max": max(times)}
 
 
 def reset_memory(env) -> None:
@@ -182,6 +186,7 @@ def main() -> int:
     parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--peer", action="store_true", help="also run the Hugging Face + FSDP2 reference")
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate ours and the reference this many times (noisy machines)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of each run")
     parser.add_argument("--fused_projections", action="store_true", help="ablation: one q/k/v and one gate/up matmul, split after")
     parser.add_argument("--unfused_adamw", action="store_true", help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
@@ -198,13 +203,22 @@ def main() -> int:
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
     try:
         peak = detect_peak_flops(env.device, cfg.logging.peak_flops)
-        rows = []
-        if not args.peer_only:
-            reset_memory(env)
-            rows.append(summarise("ours", bench_ours(cfg, env, args), cfg, env, args, peak))
-        if args.peer or args.peer_only:
-            reset_memory(env)
-            rows.append(summarise("hf_llama_fsdp2", bench_peer(cfg, env, args), cfg, env, args, peak))
+        runs = ([("ours", bench_ours)] if not args.peer_only else []) + \
+            ([("hf_llama_fsdp2", bench_peer)] if args.peer or args.peer_only else [])
+        times = {name: [] for name, _ in runs}
+        memory = dict.fromkeys(times, 0.0)
+        round_step_s = {name: [] for name in times}  # each round's median step time
+        # Rounds alternate the runs, so a machine whose speed drifts between invocations (seen at
+        # short steps) affects both alike; each round builds its model afresh.
+        for _ in range(args.rounds):
+            for name, bench in runs:
+                reset_memory(env)
+                round_times = bench(cfg, env, args)["times"]
+                times[name] += round_times
+                memory[name] = max(memory[name], peak_memory_gib(env))
+                round_step_s[name].append(statistics.median(round_times))
+            torch._dynamo.reset()  # recompile from the caches rather than pile up guards on old modules
+        rows = [summarise(name, times[name], memory[name], cfg, args, peak) for name, _ in runs]
         ablations = [name for name in ("fused_projections", "unfused_adamw") if getattr(args, name)]
         if env.is_main:
             m = cfg.model
@@ -218,11 +232,15 @@ def main() -> int:
             for r in rows:
                 mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
                 print(f"{r['name']:<16}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_mem_gib']:>10.2f}")
+            round_ratios = []
             if len(rows) == 2:
-                print(f"ratio ours / reference tokens/s: {rows[0]['tokens_per_sec_per_gpu'] / rows[1]['tokens_per_sec_per_gpu']:.3f}")
+                round_ratios = [peer / ours for ours, peer in zip(*round_step_s.values())]
+                per_round = f" (all rounds' steps; per round: {', '.join(f'{r:.3f}' for r in round_ratios)})" if args.rounds > 1 else ""
+                print(f"ratio ours / reference tokens/s: {rows[0]['tokens_per_sec_per_gpu'] / rows[1]['tokens_per_sec_per_gpu']:.3f}{per_round}")
             if args.json:
                 record = {"config": args.config, "overrides": overrides, "world_size": env.world_size, "device": device,
-                          "params": m.num_params(), "ablations": ablations, "rows": rows}
+                          "params": m.num_params(), "ablations": ablations, "rows": rows,
+                          "rounds": args.rounds, "round_ratios": round_ratios}
                 with open(args.json, "a") as f:
                     f.write(json.dumps(record) + "\n")
         return 0
