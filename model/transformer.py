@@ -54,7 +54,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Three matmuls on slices of the one weight, not one matmul split afterwards: as fast on
+        # Three matmuls on slices of the one weight, not one matmul split afterwards: faster on
         # H200 (docs/benchmarks.md), and q, k, v are separate tensors, so attention saving v for
         # backward does not keep a fused output buffer alive, and backward concatenates no gradients.
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim

@@ -91,9 +91,14 @@ def bench_ours(cfg, env, args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss.item()
 
-    times = time_steps(step, warmup=args.warmup, steps=args.steps, device=env.device)
+    return measure(step, env, args)
+
+
+def measure(step_fn, env, args) -> dict:
+    """Time the warm-up and timed steps, then (--profile) profile a few more."""
+    times = time_steps(step_fn, warmup=args.warmup, steps=args.steps, device=env.device)
     if args.profile:
-        profile_steps(step, env)
+        profile_steps(step_fn, env)
     return {"times": times}
 
 
@@ -150,10 +155,7 @@ def bench_peer(cfg, env, args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         total.item()
 
-    times = time_steps(step, warmup=args.warmup, steps=args.steps, device=env.device)
-    if args.profile:
-        profile_steps(step, env)
-    return {"times": times}
+    return measure(step, env, args)
 
 
 def peak_memory_gib(env) -> float:

@@ -23,16 +23,13 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def backward_ops(mode: str, compile_backend: str | None = None) -> tuple[collections.Counter, list[torch.Tensor], float]:
+def backward_ops(mode: str) -> tuple[collections.Counter, list[torch.Tensor], float]:
     """Ops run during backward and the resulting gradients, for a model under AC `mode`."""
     torch.manual_seed(0)
     model = Transformer(CFG)
     model.init_weights(seed=3)
     count = apply_activation_checkpointing(list(model.layers), mode, every_n=2)
     assert count == {"none": 0, "full": 4, "selective": 2, "selective_op": 4}[mode]
-    if compile_backend:
-        for block in model.layers:
-            block.compile(backend=compile_backend)
     tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     with CountOps() as counter:
