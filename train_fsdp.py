@@ -9,7 +9,6 @@ Reads top to bottom: config, process group, data, model, optimizer, resume, loop
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -33,7 +32,9 @@ from fsdp_utils.distributed import DistEnv, destroy_distributed, init_distribute
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
 from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
 from fsdp_utils.preemption import StopSignal
-from fsdp_utils.wrap import build_fsdp_model, resolve_precision
+from fsdp_utils.build import build_model
+from fsdp_utils.step import forward_backward
+from fsdp_utils.wrap import parallelize, resolve_precision
 
 log = logging.getLogger("train")
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
@@ -134,14 +135,6 @@ def evaluate(model, val_data: TokenDataset, cfg: Config, env: DistEnv) -> float:
     return total.item() / n
 
 
-def no_grad_sync(model, enabled: bool):
-    """Skip the gradient reduce-scatter on non-final micro-steps (FSDP1 no_sync / FSDP2 requires_gradient_sync)."""
-    if hasattr(model, "no_sync"):
-        return model.no_sync() if enabled else contextlib.nullcontext()
-    model.set_requires_gradient_sync(not enabled)  # FSDP2: set before every micro-step, so the last one syncs
-    return contextlib.nullcontext()
-
-
 def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
     t = cfg.train
     grad_accum = check_batch_split(cfg, env.world_size)
@@ -158,7 +151,9 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
 
     # ---- model, optimizer, checkpoints ----------------------------------------------------------
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-    model = build_fsdp_model(cfg, env, precision)
+    built = build_model(cfg, env)  # on the meta device when sharded over several ranks
+    model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
+                        compile=t.compile, env=env, init=built.init)
     # The fused AdamW kernel does not accept the sharded grad scaler's inf flag: fp16 uses the foreach one.
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not precision.use_grad_scaler)
@@ -281,18 +276,6 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
         if metrics is not None:
             metrics.close()
     return last
-
-
-def forward_backward(model, batches, scaler, *, grad_accum: int) -> torch.Tensor:
-    """Run grad_accum micro-batches, reducing gradients only after the last; return this rank's mean loss."""
-    loss_sum = None
-    for micro in range(grad_accum):
-        x, y = next(batches)
-        with no_grad_sync(model, enabled=micro < grad_accum - 1):
-            loss = model(x, y) / grad_accum
-            (scaler.scale(loss) if scaler else loss).backward()
-        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
-    return loss_sum
 
 
 class NonFiniteError(RuntimeError):

@@ -30,9 +30,10 @@ from config import ConfigError, load_config  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed  # noqa: E402
 from fsdp_utils.metrics import detect_peak_flops  # noqa: E402
 from fsdp_utils.optim import build_optimizer, clip_grad_norm  # noqa: E402
-from fsdp_utils.wrap import build_fsdp_model, resolve_precision  # noqa: E402
+from fsdp_utils.build import build_model  # noqa: E402
+from fsdp_utils.step import forward_backward  # noqa: E402
+from fsdp_utils.wrap import parallelize, resolve_precision  # noqa: E402
 from model.transformer import Attention, FeedForward  # noqa: E402
-from train_fsdp import forward_backward  # noqa: E402
 
 
 def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device, seed: int):
@@ -78,7 +79,9 @@ def bench_ours(cfg, env, args) -> dict:
     if args.fused_projections:
         fuse_projections()
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-    model = build_fsdp_model(cfg, env, precision)
+    built = build_model(cfg, env)
+    model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
+                        compile=t.compile, env=env, init=built.init)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not args.unfused_adamw)
     batches = random_batches(cfg.model.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)

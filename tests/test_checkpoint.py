@@ -21,6 +21,8 @@ from model import ModelConfig, Transformer
 from tests import helpers
 from tests.helpers import ROOT, losses, read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # every test here launches training processes
+
 # 6 steps of global batch 8 = micro-batch 2 x 2 ranks x 2 accumulation steps.
 STEPS = 6
 SPLIT = 3  # the step the "stopped" runs checkpoint at

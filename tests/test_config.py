@@ -186,6 +186,7 @@ def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.slow
 def test_cli_unknown_key_exits_2_with_one_error_line():
     proc, _ = run_cli(str(TINY), "--train.lrr=1")
     assert proc.returncode == 2
@@ -193,6 +194,7 @@ def test_cli_unknown_key_exits_2_with_one_error_line():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_missing_config_file_exits_2():
     proc, _ = run_cli("config/no_such_preset.yaml")
     assert proc.returncode == 2
@@ -200,6 +202,7 @@ def test_cli_missing_config_file_exits_2():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_batch_split_impossible_for_world_size_exits_before_process_group():
     # WORLD_SIZE=3 without the other ranks: if the check came after init_process_group, rank 0 would
     # wait for ranks 1 and 2 until run.timeout_s (600 s). The tiny preset: 16 % (8 * 3) != 0.

@@ -18,6 +18,8 @@ import torch
 
 from tests.helpers import ROOT, TINY, TRAIN, children, kill_tree, losses, read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # every test here launches training processes
+
 N = 40  # steps of the preemption/restart runs: ~0.06 s each here, so a signal sent early lands mid-run
 
 

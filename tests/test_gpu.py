@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import losses, run_train
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 GPU = ["--run.device=cuda", "--train.precision=bf16"]
 
 
@@ -62,12 +62,11 @@ def test_checkpoint_saved_on_two_gpus_resumes_on_one(tmp_path, corpus, dataset_d
 
 
 @needs_gpus(1)
-def test_compiled_chunked_loss_in_bf16_matches_fp32_reference(monkeypatch):
+def test_compiled_chunked_loss_in_bf16_matches_fp32_reference():
     # What train.compile uses on GPUs: the chunk loss compiled, bf16 logits, an uneven last chunk.
     from model import transformer
 
-    monkeypatch.setattr(transformer, "_chunk_loss_fn", transformer._chunk_loss_fn)  # restored afterwards
-    transformer.compile_chunk_loss()
+    compiled = torch.compile(transformer.chunk_loss_and_grad, dynamic=False)
     gen = torch.Generator(device="cuda").manual_seed(5)
     h32 = torch.randn(5000, 256, device="cuda", generator=gen)
     w32 = torch.randn(32000, 256, device="cuda", generator=gen) * 0.05
@@ -75,7 +74,7 @@ def test_compiled_chunked_loss_in_bf16_matches_fp32_reference(monkeypatch):
 
     def run(dtype, chunk):
         h, w = (t.detach().to(dtype, copy=True).requires_grad_() for t in (h32, w32))
-        loss = transformer.chunked_cross_entropy(h, w, targets, chunk_tokens=chunk)
+        loss = transformer.chunked_cross_entropy(h, w, targets, chunk_tokens=chunk, chunk_loss_fn=compiled)
         (loss * 0.5).backward()
         return loss.double(), h.grad.double(), w.grad.double()
 

@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers import ROOT, TINY, kill_tree, losses, run_train
 
+pytestmark = pytest.mark.slow  # the launchers start real processes
+
 SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
 CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
 STEPS = 3

@@ -273,6 +273,7 @@ def test_model_package_does_not_import_torch_distributed():
     assert offenders == {}
 
 
+@pytest.mark.slow
 def test_importing_and_running_model_loads_no_new_distributed_modules():
     # `import torch` itself loads part of torch.distributed, so compare against what torch alone loaded:
     # importing model/ and running forward + backward must add no torch.distributed.* module.
