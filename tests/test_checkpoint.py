@@ -480,7 +480,7 @@ def test_convert_errors(runs, tmp_path, capsys):
     truncate_to_half(shard)
     fails(damaged, out, needle=str(shard))
     shard.write_bytes(b"\xff" * (sharded / shard.name).stat().st_size)  # the right size, undecodable
-    fails(damaged, out, needle=f"{damaged}: cannot read sharded checkpoint")
+    fails(damaged, out, needle=f"{shard}: corrupt checkpoint (CRC32")  # its recorded checksum names it
     assert not out.exists()
 
     assert convert.main([str(sharded), str(out)]) == 0
