@@ -68,7 +68,7 @@ def _quiet_state_dict_warnings():
     with warnings.catch_warnings():
         for message in ("Please use DTensor instead", "`_get_pg_default_device` will be deprecated",
                         "Multiple backends are registered with this ProcessGroup",
-                        "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned"):
+                        "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"):  # "will be", "willbe"
             warnings.filterwarnings("ignore", message=re.escape(message))
         yield
 
@@ -218,13 +218,16 @@ class CheckpointManager:
     def _check_space(self, final: Path, state_dicts: tuple) -> None:
         """Stop before writing when the checkpoint will not fit on the disk: a write that fails half-way
         costs the time of writing it, and a full disk hurts everything else writing there."""
-        local = torch.tensor([_tensor_bytes(state_dicts)], dtype=torch.int64, device=self.env.device)
-        dist.all_reduce(local)
+        # Full: rank 0 writes what it holds (other ranks may hold a copy too). Sharded: every rank its shard.
+        mine = _tensor_bytes(state_dicts) if self.fmt == "sharded" or self.env.is_main else 0
+        total = torch.tensor([mine], dtype=torch.int64, device=self.env.device)
+        dist.all_reduce(total)
         error = None
         if self.env.is_main:
             previous = self.complete_checkpoints()
-            # The tensors plus 1% (torch.save's framing), or the previous checkpoint's size if that is more.
-            needed = max(int(local.item() * 1.01), size_of(previous[0][1]) if previous else 0)
+            # The previous checkpoint of this run is the best guess; before the first, the tensors plus 1%
+            # for torch.save's framing (an overestimate where HYBRID_SHARD replicas each count their shard).
+            needed = size_of(previous[0][1]) if previous else int(total.item() * 1.01)
             free = shutil.disk_usage(self.dir).free
             if needed > free:
                 keep = f"{previous[0][1].name} stays the newest checkpoint" if previous else "no checkpoint was written"
@@ -234,7 +237,10 @@ class CheckpointManager:
         self._agree(error)
 
     def _write_error(self, final: Path, err: BaseException) -> CheckpointError:
-        return CheckpointError(f"{final}: cannot write checkpoint ({first_line(err)}); nothing was written, the previous "
+        cause = first_line(err)
+        if "unexpected pos" in cause:  # torch.save's only word for a write that stopped short
+            cause = f"{cause}: a write stopped short (a full disk, a quota or a file size limit?)"
+        return CheckpointError(f"{final}: cannot write checkpoint ({cause}); nothing was written, the previous "
                                f"checkpoints are as they were")
 
     def _save_full(self, model, optimizer, state: TrainState, start: float) -> Path:
@@ -252,7 +258,7 @@ class CheckpointManager:
             payload = {"model": model_sd, "optimizer": optim_sd, "rng": state.rng, **self._metadata(state)}
             try:
                 record, crc_s = save_with_checksum(payload, tmp)
-            except OSError as err:  # disk full, quota, I/O error
+            except Exception as err:  # disk full, quota, I/O error: agreed with the other ranks below
                 _remove(tmp)
                 error = self._write_error(final, err)
         self._agree(error)
@@ -311,7 +317,7 @@ class CheckpointManager:
                 crc_s += rng_crc_s
                 write_json(tmp / META_NAME, {**self._metadata(state), "files": dict(sorted(records.items()))})
                 _replace_dir(tmp, final)
-            except OSError as err:
+            except Exception as err:  # agreed with the other ranks below
                 _remove(tmp)
                 error = self._write_error(final, err)
         self._agree(error)

@@ -107,13 +107,18 @@ class ChecksumWriter:
         self.crc = 0
         self.size = 0
         self.crc_seconds = 0.0  # reported apart from the write time: what the checksums cost
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         start = time.perf_counter()
         self.crc = zlib.crc32(data, self.crc)
         self.crc_seconds += time.perf_counter() - start
         self.size += memoryview(data).nbytes
-        return self._f.write(data)
+        try:
+            return self._f.write(data)
+        except OSError as err:  # torch's writer reports only "unexpected pos": keep the real cause
+            self.error = err
+            raise
 
     def flush(self) -> None:
         self._f.flush()
@@ -161,7 +166,12 @@ def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
     seconds spent computing the CRC32."""
     with path.open("wb") as f:
         writer = ChecksumWriter(f)
-        torch.save(obj, writer)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:  # a full disk, a quota, a file size limit
+                raise writer.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
     return writer.record(), writer.crc_seconds
