@@ -24,6 +24,7 @@ import torch
 
 from fsdp_utils import checkpoint_io
 from fsdp_utils.checkpoint_format import sidecar_of
+from fsdp_utils.run_lock import LOCK_NAME
 from model import ModelConfig, Transformer
 from tests import helpers
 from tests.helpers import ROOT, losses, read_metrics, run_train
@@ -644,14 +645,29 @@ def test_resuming_an_older_checkpoint_over_newer_work_is_refused(tmp_path, corpu
     out = tmp_path / "run"
     run_train("--train.max_steps=6", "--checkpoint.interval=3", "--checkpoint.keep_last_n=0", nproc=1,
               out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
-    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    # run.lock names the newest run that held the directory: every start rewrites it, refused or not.
+    state = lambda: {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != LOCK_NAME}  # noqa: E731
+    before = state()
     proc = run_train("--train.max_steps=6", "--checkpoint.interval=3", f"--resume_from={out / 'fsdp_cpt3.pth'}",
                      nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False)
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "fsdp_cpt6.pth" in errors[0] and "fresh run.output_dir" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
-    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert state() == before
+
+
+@pytest.mark.slow
+def test_a_fresh_start_over_earlier_checkpoints_is_refused(tmp_path, corpus, dataset_dir):
+    """checkpoint.auto_resume=false into a directory that holds checkpoints: the new run's saves would mix
+    with them and its retention delete them. Refused, with nothing written."""
+    out = tmp_path / "run"
+    run_train("--train.max_steps=2", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != LOCK_NAME}
+    proc = run_train("--train.max_steps=2", "--checkpoint.auto_resume=false", nproc=1, out_dir=out, corpus=corpus,
+                     dataset_dir=dataset_dir, check=False)
+    assert_clean_error(proc, f"{out} already holds checkpoints of an earlier run (newest fsdp_cpt2.pth)")
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != LOCK_NAME} == before
 
 
 @pytest.mark.slow
