@@ -44,8 +44,9 @@ class RunConfig:
     """auto (CUDA when available, else CPU), cuda or cpu."""
     timeout_s: int = 600
     """Collective timeout: a hung rank ends the job with an error after this many seconds."""
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals that mean 'save a checkpoint and exit 0' (preemption; Slurm's pre-termination signal)."""
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
+    """Signals that mean 'save a checkpoint after this step and exit 0' (preemption, Slurm's pre-termination
+    signal, Ctrl-C); a second one aborts at once without saving."""
     preemption_grace_s: float = 120.0
     """After a stop signal, exit non-zero if the checkpoint is not saved within this many seconds."""
 

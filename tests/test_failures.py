@@ -1,5 +1,5 @@
 """Failures of a running multi-rank job (real torchrun processes, gloo on the CPU): preemption by SIGTERM,
-a worker killed outright under torchrun's restarts, a non-finite loss, HYBRID_SHARD against
+Ctrl-C (SIGINT), a worker killed outright under torchrun's restarts, a non-finite loss, HYBRID_SHARD against
 FULL_SHARD, and a rank that stops answering. Every process is started here and killed here, whatever happens."""
 from __future__ import annotations
 
@@ -155,6 +155,74 @@ def test_sigterm_to_one_worker_saves_and_resumes_exactly(reference, corpus, data
     assert f"loaded checkpoint {out / f'fsdp_cpt{k}.pth'}" in proc.stderr
     assert logged_steps(out) == list(range(1, N + 1))  # the resumed run logs k+1..N, nothing twice
     assert losses(out) == reference
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_bare_torchrun_saves_and_resumes_exactly(reference, corpus, dataset_dir, tmp_path):
+    """Ctrl-C at a terminal signals the foreground process group: torchrun (its workers run in sessions of
+    their own), which sends SIGINT to every worker. They save after the current step and exit 0; torchrun
+    then ends with its own report of the signal it got (its exit status, which we cannot change). Running
+    the same command again continues bit for bit. (Before, SIGINT was no stop signal: no checkpoint, and
+    a KeyboardInterrupt traceback from every worker.)"""
+    out = tmp_path / "out"
+    args = (f"--train.max_steps={N}", "--checkpoint.keep_last_n=0")
+    job = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir), tmp_path / "run1")
+    try:
+        poll(lambda: len(logged_steps(out)) >= 2, job=job, timeout=180, what="second metrics row")
+        os.killpg(job.proc.pid, signal.SIGINT)  # the job leads its own process group, as torchrun at a terminal
+        job.wait(timeout=120)
+    finally:
+        job.kill()
+    stderr = job.stderr
+    k = logged_steps(out)[-1]
+    assert k < N, f"the signal landed after the run had finished all {N} steps: the test proved nothing"
+    assert checkpoint_steps(out) == [k] and not list(out.glob(".tmp-*"))
+    assert "rank0] SIGINT received" in stderr and "rank1] SIGINT received" in stderr, stderr[-4000:]
+    assert f"stopped by a signal at step {k}" in stderr, stderr[-4000:]
+    # No worker traceback: the one traceback is torchrun's own, reporting the signal.
+    assert stderr.count("Traceback") == 1 and "SignalException: Process" in stderr, stderr[-4000:]
+    assert "KeyboardInterrupt" not in stderr
+
+    proc = run_train(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, timeout=240)
+    assert f"loaded checkpoint {out / f'fsdp_cpt{k}.pth'}" in proc.stderr
+    assert logged_steps(out) == list(range(1, N + 1))
+    assert losses(out) == reference
+
+
+@pytest.mark.slow
+def test_ctrl_c_through_the_launcher_exits_0(corpus, dataset_dir, tmp_path):
+    """scripts/fsdp_train.sh keeps torchrun out of the terminal's process group and passes Ctrl-C to the
+    training processes: they save, and the script ends with status 0 and no traceback at all."""
+    out = tmp_path / "out"
+    cmd = [str(ROOT / "scripts/fsdp_train.sh"), *TINY, f"--run.output_dir={out}", f"--data.files=[{corpus}]",
+           f"--data.dataset_dir={dataset_dir}", f"--train.max_steps={N}"]
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the script runs `torchrun`
+    job = Job(cmd, tmp_path / "run", extra_env={"NGPU": "2", "PATH": path, "CONFIG": str(ROOT / "config/train_tiny_fsdp.yaml")})
+    try:
+        poll(lambda: len(logged_steps(out)) >= 2, job=job, timeout=180, what="second metrics row")
+        os.killpg(job.proc.pid, signal.SIGINT)  # the script's process group: what a terminal's Ctrl-C reaches
+        assert job.wait(timeout=120) == 0, job.stderr[-4000:]
+    finally:
+        job.kill()
+    stderr = job.stderr
+    k = logged_steps(out)[-1]
+    assert k < N, f"the signal landed after the run had finished all {N} steps: the test proved nothing"
+    assert checkpoint_steps(out) == [k]
+    assert f"stopped by a signal at step {k}" in stderr and "Traceback" not in stderr, stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_a_second_signal_aborts_at_once():
+    """The first stop signal only sets the flag the loop reads; a second one ends the process at once,
+    with one line and the shell's status for a signal (128 + its number)."""
+    code = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from fsdp_utils.preemption import StopSignal; "
+            "stop = StopSignal(['SIGINT', 'SIGTERM'], grace_s=60); os.kill(os.getpid(), signal.SIGINT); time.sleep(0.5); "
+            "print('first: requested' if stop.requested else 'first: ignored', flush=True); "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(10); print('not aborted')")
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    assert proc.stdout == "first: requested\n"
+    assert "SIGINT after SIGINT: aborting without saving" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def kill_rank0_and_check_restart(job: Job, out: Path, reference: dict[int, float]) -> None:
