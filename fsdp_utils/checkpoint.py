@@ -304,22 +304,27 @@ class CheckpointManager:
         """Once every shard is written: each rank hashes the files it wrote, rank 0 writes rng.pt and
         meta.json (every file's size and CRC32) and renames the folder into place; retention.
         A collective: an asynchronous save calls it on every rank after its background write."""
-        hashed = time.perf_counter()
-        names = sorted(p.name for p in tmp.iterdir() if p.is_file())
-        mine = {n: file_record(tmp / n) for i, n in enumerate(names) if _owner(n, i, self.env.world_size) == self.env.rank}
-        crc_s = time.perf_counter() - hashed
-        records = {name: record for part in self._gather(mine) for name, record in part.items()}
-        crc_s = max(self._gather(crc_s))  # the ranks hash in parallel
-        error = None
+        hashed, error = time.perf_counter(), None
+        try:
+            names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+            mine = {n: file_record(tmp / n) for i, n in enumerate(names) if _owner(n, i, self.env.world_size) == self.env.rank}
+        except OSError as err:  # a shard that cannot be read back
+            mine, error = {}, self._write_error(final, err)
+        parts = self._gather((mine, time.perf_counter() - hashed, error))
+        records = {name: record for part, _, _ in parts for name, record in part.items()}
+        crc_s = max(seconds for _, seconds, _ in parts)  # the ranks hash in parallel
+        error = next((e for _, _, e in parts if e is not None), None)
         if self.env.is_main:
             try:
-                records[RNG_NAME], rng_crc_s = save_with_checksum({"rng": state.rng}, tmp / RNG_NAME)
-                crc_s += rng_crc_s
-                write_json(tmp / META_NAME, {**self._metadata(state), "files": dict(sorted(records.items()))})
-                _replace_dir(tmp, final)
+                if error is None:
+                    records[RNG_NAME], rng_crc_s = save_with_checksum({"rng": state.rng}, tmp / RNG_NAME)
+                    crc_s += rng_crc_s
+                    write_json(tmp / META_NAME, {**self._metadata(state), "files": dict(sorted(records.items()))})
+                    _replace_dir(tmp, final)
             except Exception as err:  # agreed with the other ranks below
-                _remove(tmp)
                 error = self._write_error(final, err)
+            if error is not None:
+                _remove(tmp)
         self._agree(error)
         self._finish(final, start=start, crc_s=crc_s)
         return final

@@ -1,8 +1,8 @@
 """Read a training checkpoint's model in one plain process: no process group, no FSDP, no GPU needed.
 
     from fsdp_utils.checkpoint_io import load_model
-    model, meta = load_model("checkpoints/tiny/fsdp_cpt300.pth")             # a full checkpoint file
-    model, meta = load_model("checkpoints/tiny/fsdp_sharded_cpt300", device="cuda")  # or a sharded folder
+    model, meta = load_model("checkpoints/tiny/fsdp_cpt1000.pth")             # a full checkpoint file
+    model, meta = load_model("checkpoints/llama1B/fsdp_sharded_cpt500", device="cuda")  # or a sharded folder
 
 Only the model weights are read (a sharded checkpoint's optimizer state stays on disk). The run's
 tokenizer sits next to its checkpoints: `tokenizer_path(checkpoint)`. Every problem with the input is a

@@ -1,13 +1,15 @@
 """Turn a sharded checkpoint (fsdp_sharded_cpt{step}/) into a full one (one .pth file), offline.
 
-    python scripts/convert_checkpoint.py checkpoints/tiny/fsdp_sharded_cpt300 tiny_300.pth
-    python scripts/convert_checkpoint.py checkpoints/tiny/fsdp_sharded_cpt300 tiny_300.pth --force   # overwrite
+    python scripts/convert_checkpoint.py checkpoints/llama1B/fsdp_sharded_cpt500 llama1B_500.pth
+    python scripts/convert_checkpoint.py checkpoints/llama1B/fsdp_sharded_cpt500 llama1B_500.pth --force   # overwrite
 
 No process group and no GPU: the shards are read in this one process and assembled into whole tensors,
 so the machine needs memory for the whole model and optimizer state. The output has the layout of a
 full checkpoint written by train_fsdp.py (keys model, optimizer, rng, format_version, world_size,
 model_config, train_state): `torch.load(OUT, weights_only=True)["model"]` gives the plain model's weights,
-and `train_fsdp.py ... --resume_from OUT` continues training from it on any number of ranks.
+and `train_fsdp.py ... --resume_from OUT` continues training from it on any number of ranks. Next to OUT
+goes `.OUT.json`, its size and CRC32, which a resume from OUT checks; the shards are checked against
+their recorded CRC32 before they are read.
 """
 from __future__ import annotations
 
