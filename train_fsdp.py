@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -24,15 +25,17 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 import yaml
 
-from config import Config, ConfigError, check_batch_split, load_config, save_config
+from config import Config, ConfigError, check_batch_split, launch_problems, load_config, save_config
 from data import BatchPrefetcher, DataError, TokenDataset, load_prepared, prepare_data
 from model import ModelConfig
-from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
-from fsdp_utils.distributed import DistEnv, destroy_distributed, init_distributed, read_torchrun_env
+from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, TrainState
+from fsdp_utils.checkpoint_format import check_structure
+from fsdp_utils.distributed import DistEnv, Launch, destroy_distributed, init_distributed, read_torchrun_env
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
 from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
 from fsdp_utils.preemption import StopSignal
 from fsdp_utils.build import build_model
+from fsdp_utils.run_lock import RunLocked, take_run_lock
 from fsdp_utils.step import forward_backward
 from fsdp_utils.wrap import parallelize, resolve_precision
 
@@ -135,7 +138,7 @@ def evaluate(model, val_data: TokenDataset, cfg: Config, env: DistEnv) -> float:
     return total.item() / n
 
 
-def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
+def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) -> dict:
     t = cfg.train
     grad_accum = check_batch_split(cfg, env.world_size)
     out_dir = cfg.output_dir
@@ -163,7 +166,7 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
 
         scaler = ShardedGradScaler()
     ckpt = CheckpointManager(out_dir, fmt=cfg.checkpoint.format, keep_last_n=cfg.checkpoint.keep_last_n,
-                             model_config=model_signature, env=env)
+                             model_config=model_signature, env=env, verify=cfg.checkpoint.verify)
 
     if env.is_main:
         log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
@@ -177,7 +180,10 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
                  f"{prepared.num_train_tokens:,}", f"{prepared.num_val_tokens:,}")
 
     state = TrainState()
-    if resume_from is None and cfg.checkpoint.auto_resume and ckpt.complete_checkpoints():
+    if resume_from is None and (existing := ckpt.complete_checkpoints()):
+        if not cfg.checkpoint.auto_resume:  # a fresh start would mix its checkpoints with these, and retention delete them
+            raise CheckpointMismatch(f"{out_dir} already holds checkpoints of an earlier run (newest {existing[0][1].name}); "
+                                     f"resume with --resume_from latest, or give this run another run.output_dir")
         resume_from = "latest"
         log.info("checkpoint.auto_resume: continuing from the newest complete checkpoint in %s", out_dir)
     if resume_from is not None:
@@ -194,7 +200,6 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
             shutil.copyfile(prepared.tokenizer_path, out_dir / "tokenizer.model")
 
     # ---- loop -----------------------------------------------------------------------------------
-    stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s)
     metrics = MetricsWriter(out_dir, tensorboard=cfg.logging.tensorboard) if env.is_main else None
     peak_flops = detect_peak_flops(env.device, cfg.logging.peak_flops)
     mb, tokens_per_step = t.micro_batch_size, t.global_batch_size * cfg.data.seq_len
@@ -269,7 +274,9 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
                 state.grad_scaler = scaler.state_dict() if scaler else None
                 ckpt.save(model, optimizer, state)
             if stopping:
-                log.info("stopped by a signal at step %d after saving; resume with --resume_from latest (or rerun: auto_resume)", state.step)
+                if env.is_main:
+                    log.info("stopped by a signal at step %d after saving; rerun the same command to continue "
+                             "(checkpoint.auto_resume), or pass --resume_from latest", state.step)
                 break
     finally:
         batches.close()
@@ -282,29 +289,69 @@ class NonFiniteError(RuntimeError):
     """The loss or gradient norm stopped being finite."""
 
 
+def early_problems(cfg: Config, launch: Launch, resume_from: str | None) -> list[str]:
+    """Everything that can be checked before the process group starts, beyond the config itself."""
+    problems = launch_problems(cfg, world_size=launch.world_size, local_world_size=launch.local_world_size,
+                               num_gpus=torch.cuda.device_count())
+    if resume_from not in (None, "latest"):
+        try:
+            check_structure(Path(resume_from))  # exists, a torch.save file or a folder with all its files
+        except CheckpointError as err:
+            problems.append(f"--resume_from: {err}")
+    return problems
+
+
+def exit_early(problems: list[str], launch: Launch) -> int:
+    """Report problems found before the process group as `error:` lines, once: rank 0 prints them.
+
+    Under torchrun the other ranks then wait to be stopped: torchrun stops every worker as soon as one
+    ends, so a rank that ended first could have rank 0 stopped before it printed anything."""
+    if launch.rank == 0:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+    elif launch.under_torchrun:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: os._exit(2))
+        time.sleep(60)
+    return 2
+
+
 @record  # an uncaught error lands in torchrun's error file, reported with its rank
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    # Every config problem is found before any process group starts.
+    launch = read_torchrun_env()
+    # Every problem with the config and the launch is found before any process group starts.
     try:
         cfg = load_config(args.config, overrides)
-        check_batch_split(cfg, read_torchrun_env()[2])
+        problems = early_problems(cfg, launch, args.resume_from)
     except ConfigError as err:
-        for line in err.problems:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+        problems = err.problems
+    if problems:
+        return exit_early(problems, launch)
 
+    stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s)  # Ctrl-C from here on saves
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
+    lock = None
     try:
         setup_logging(env)
-        train(cfg, env, args.resume_from)
+        lock = take_run_lock(cfg.output_dir, env)  # before anything is written into the output directory
+        train(cfg, env, args.resume_from, stop)
         return 0
-    except (*USER_ERRORS, NonFiniteError) as err:
+    except RunLocked as err:
+        if env.is_main:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (*USER_ERRORS, NonFiniteError) as err:  # raised alike on every rank
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # a file this rank could not write (a full disk): said by the rank that met it
+        print(f"error: rank {env.rank}: {err}", file=sys.stderr)
+        return 1
     finally:
         destroy_distributed()
+        if lock is not None:
+            os.close(lock)  # the operating system would release it at exit anyway
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -43,8 +44,9 @@ class RunConfig:
     """auto (CUDA when available, else CPU), cuda or cpu."""
     timeout_s: int = 600
     """Collective timeout: a hung rank ends the job with an error after this many seconds."""
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals that mean 'save a checkpoint and exit 0' (preemption; Slurm's pre-termination signal)."""
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
+    """Signals that mean 'save a checkpoint after this step and exit 0' (preemption, Slurm's pre-termination
+    signal, Ctrl-C); a second one aborts at once without saving."""
     preemption_grace_s: float = 120.0
     """After a stop signal, exit non-zero if the checkpoint is not saved within this many seconds."""
 
@@ -160,6 +162,9 @@ class CheckpointConfig:
     """Keep this many newest complete checkpoints (0: keep all)."""
     auto_resume: bool = True
     """Continue from the newest complete checkpoint in the output directory, if any."""
+    verify: bool = True
+    """Before loading a checkpoint, check every file's CRC32 against the one recorded when it was saved
+    (reads the checkpoint once more, spread over the ranks); `latest` falls back past a mismatch."""
 
 
 @dataclass
@@ -222,9 +227,13 @@ def _coerce(value, hint, where: str, problems: list[str]):
         return value
     if hint is float and isinstance(value, str):
         try:  # YAML reads 3e-4 as a string (YAML 1.1 needs a dot); accept it
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
+        else:  # but not "nan" or "inf", which float() also reads
+            if not math.isfinite(number):
+                problems.append(f"{where}: must be a finite number, got {value!r}")
+            return number
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         problems.append(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
     return value
@@ -267,6 +276,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw: dict = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError([f"{path} is a directory; give a config file, e.g. config/train_tiny_fsdp.yaml"])
         if not path.is_file():
             raise ConfigError([f"config file not found: {path}"])
         try:
@@ -382,6 +393,43 @@ def check_batch_split(cfg: Config, world_size: int) -> int:
             f"= {t.micro_batch_size} * {world_size} = {per_step}; pick a global batch that is a multiple of {per_step}"
         ])
     return t.global_batch_size // per_step
+
+
+def launch_problems(cfg: Config, *, world_size: int, local_world_size: int, num_gpus: int) -> list[str]:
+    """Checks of the config against the launch (world size, GPUs, the output directory): every problem
+    that can be found before the process group starts."""
+    p: list[str] = []
+    try:
+        check_batch_split(cfg, world_size)
+    except ConfigError as err:
+        p += err.problems
+    f = cfg.fsdp
+    if f.sharding_strategy == "HYBRID_SHARD":
+        group = f.hybrid_shard_group_size or local_world_size
+        if world_size % group:
+            where = f"fsdp.hybrid_shard_group_size={group}" if f.hybrid_shard_group_size else \
+                f"fsdp.hybrid_shard_group_size=0 (the processes per node, {group})"
+            p.append(f"{where} does not divide the world size {world_size}; pick a divisor of {world_size}")
+    if cfg.run.device == "cuda" and num_gpus == 0:
+        p.append("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    elif cfg.run.device != "cpu" and 0 < num_gpus < local_world_size:
+        p.append(f"{local_world_size} processes on this node but only {num_gpus} CUDA devices are visible; "
+                 f"start at most {num_gpus} (--nproc_per_node), or use run.device=cpu")
+    p += output_dir_problems(cfg.output_dir)
+    return p
+
+
+def output_dir_problems(out: Path) -> list[str]:
+    """run.output_dir is a directory (or can be made one) that this user may write into."""
+    existing = out
+    while not os.path.exists(existing) and existing != existing.parent:  # the nearest part that exists
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == out else f"cannot be created: {existing} is a file"
+        return [f"run.output_dir={out} {what}, not a directory"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"run.output_dir={out} is not writable ({existing}: permission denied or a read-only filesystem)"]
+    return []
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -1,48 +1,52 @@
 """The checkpoint manager: full (one file, gathered to rank 0 on the CPU) or sharded (one file per
-rank, torch.distributed.checkpoint), atomic saves, retention, and resume from a path or `latest`.
+rank, torch.distributed.checkpoint), atomic checksummed saves, retention, and resume from a path or
+`latest`. The format on disk, its safe reading and its error types live in checkpoint_format.
 
-Every rank calls every method: state dicts and DCP reads and writes are collectives.
+Every rank calls every method: state dicts, DCP reads and writes and the checks around them are
+collectives, and every rank reaches the same outcome (an error on one rank is raised on all).
 
-A checkpoint counts only once complete. Full: written to `.tmp-fsdp_cpt{step}.pth`, then renamed.
-Sharded: written into `.tmp-fsdp_sharded_cpt{step}/`, all ranks wait, rank 0 writes `meta.json` (the
-list of files and their sizes) last, then renames the folder. Names starting `.tmp-` are never loaded
-and are removed by the next save.
+A checkpoint counts only once complete. Full: written to `.tmp-fsdp_cpt{step}.pth` (its CRC32 computed
+while writing), then renamed, then its checksum record. Sharded: DCP writes into
+`.tmp-fsdp_sharded_cpt{step}/`, each rank hashes the files it wrote, and rank 0 writes `meta.json`
+(every file's size and CRC32) last, then renames the folder. Names starting `.tmp-` are never loaded
+and are removed by the next save. Saving is two steps, writing and `_commit_*` (checksums, metadata,
+rename, retention), so that an asynchronous writer can commit once its background write is done.
+
+Loading checks sizes, then (checkpoint.verify) every file's CRC32, spread over the ranks. With
+`latest`, a checkpoint that fails those checks or does not decode is moved aside as `corrupt-<name>`
+(never loaded, never deleted) and the previous one is tried.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
+from .checkpoint_format import (  # noqa: F401  (CheckpointError and FORMAT_VERSION: this module's public names too)
+    CORRUPT_PREFIX, FORMAT_VERSION, FULL_RE, META_NAME, RNG_NAME, SHARDED_RE, TMP_PREFIX, CheckpointCorrupt,
+    CheckpointError, CheckpointMismatch, CheckpointUnsafe, check_file, check_structure, checksum_records, dcp_load,
+    file_record, first_line, full_name, install_full, load_full, load_rng, read_sharded_meta, save_with_checksum, sharded_name,
+    sidecar_of, size_of, write_json, write_record)
 from .distributed import DistEnv, barrier
 
 log = logging.getLogger(__name__)
 
-FULL_RE = re.compile(r"^fsdp_cpt(\d+)\.pth$")
-SHARDED_RE = re.compile(r"^fsdp_sharded_cpt(\d+)$")
-TMP_PREFIX = ".tmp-"
 # Module names that wrappers insert into parameter names; checkpoints hold the plain model's names.
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
-FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file."""
-
-
-class CheckpointMismatch(CheckpointError):
-    """A readable checkpoint of a different model: `latest` does not fall back past it to an older one."""
+_ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointMismatch, CheckpointCorrupt, CheckpointUnsafe)}
+_DCP_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 @dataclasses.dataclass
@@ -56,10 +60,22 @@ class TrainState:
     rng: list | None = None  # per rank: {"cpu": ByteTensor, "cuda": ByteTensor | None}
 
 
+@contextlib.contextmanager
+def _quiet_state_dict_warnings():
+    """FSDP1's state dicts warn on every call, at every save and load: the sharded one (ShardedTensor)
+    that ShardedTensor is deprecated and that `_get_pg_default_device` will be, and at world size 1 that
+    NO_SHARD returns full state dicts. Torch's internals, nothing a user can act on."""
+    with warnings.catch_warnings():
+        for message in ("Please use DTensor instead", "`_get_pg_default_device` will be deprecated",
+                        "Multiple backends are registered with this ProcessGroup",
+                        "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"):  # "will be", "willbe"
+            warnings.filterwarnings("ignore", message=re.escape(message))
+        yield
+
+
 def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename folder `src` to `dst`. os.replace cannot replace a non-empty folder, so an existing `dst` (a
-    checkpoint of the same step, e.g. a corrupt one that `latest` fell back from) is first renamed to a
-    `.tmp-` name, which the next save removes should we stop before deleting it here."""
+    """Rename folder `src` to `dst`. os.replace cannot replace a non-empty folder, so an existing `dst` is
+    first renamed to a `.tmp-` name, which the next save removes should we stop before deleting it here."""
     if dst.exists():
         old = dst.with_name(f"{TMP_PREFIX}replaced-{dst.name}")
         if old.exists():
@@ -69,6 +85,36 @@ def _replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old)
     else:
         os.replace(src, dst)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _owner(name: str, index: int, world_size: int) -> int:
+    """The rank that hashes file `name` (the index-th of the checkpoint's files): DCP's `__{rank}_{i}.distcp`
+    goes to the rank that wrote it (still in its page cache), everything else round-robin."""
+    if (m := _DCP_FILE_RE.match(name)) and int(m.group(1)) < world_size:
+        return int(m.group(1))
+    return index % world_size
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensor data this rank holds in a (nested) state dict: what it will write."""
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    if hasattr(obj, "local_shards"):  # FSDP1's ShardedTensor
+        return sum(_tensor_bytes(shard.tensor) for shard in obj.local_shards())
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    return 0
 
 
 def _param_group_fqns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -86,32 +132,13 @@ def _check_param_groups(saved_optim_sd: dict, model, optimizer, path: Path) -> N
     try:
         saved = [list(group["params"]) for group in saved_optim_sd["param_groups"]]
     except (KeyError, TypeError):
-        raise CheckpointError(f"{path}: the optimizer state has no parameter groups") from None
+        raise CheckpointCorrupt(f"{path}: the optimizer state has no parameter groups") from None
     here = _param_group_fqns(model, optimizer)
     if saved != here:
         sizes = lambda groups: "/".join(str(len(g)) for g in groups)  # noqa: E731
         raise CheckpointMismatch(
             f"{path}: the optimizer's parameter groups differ from the checkpoint's ({sizes(here)} parameters "
             f"per group here, {sizes(saved)} in the checkpoint): saved by a different optimizer setup")
-
-
-def _size_of(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _first_line(err: BaseException) -> str:
-    """`Type: first line of the message` (at most 200 characters); for a DCP failure, its first rank's error."""
-    if isinstance(err, dcp.CheckpointException) and err.failures:
-        rank, failure = min(err.failures.items(), key=lambda item: item[0])
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        return f"rank {rank}: {_first_line(inner)}"
-    if isinstance(err, pickle.UnpicklingError):  # its message suggests weights_only=False: not for a damaged file
-        return "UnpicklingError: the data does not decode"
-    text = str(err).strip()
-    line = f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -133,31 +160,29 @@ def _restore_rng(states: list | None, env: DistEnv) -> None:
         torch.cuda.set_rng_state(states[env.rank]["cuda"], env.device)
 
 
-def read_sharded_meta(path: Path) -> dict:
-    """meta.json of a complete sharded checkpoint, after checking that every file it lists has its size."""
-    meta_path = path / "meta.json"
-    if not meta_path.is_file():
-        raise CheckpointError(f"{path}: not a complete sharded checkpoint (no meta.json: an interrupted save or another folder)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{meta_path}: incomplete or corrupt checkpoint ({err})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
-        raise CheckpointError(f"{meta_path}: not a checkpoint's meta.json (no list of files)")
-    for name, size in meta["files"].items():
-        actual = (path / name).stat().st_size if (path / name).is_file() else None
-        if actual != size:
-            raise CheckpointError(f"{path / name}: corrupt checkpoint (expected {size} bytes, found {actual})")
-    return meta
-
-
 class CheckpointManager:
-    def __init__(self, output_dir: Path, *, fmt: str, keep_last_n: int, model_config: dict, env: DistEnv):
+    def __init__(self, output_dir: Path, *, fmt: str, keep_last_n: int, model_config: dict, env: DistEnv,
+                 verify: bool = True):
         self.dir = Path(output_dir)
         self.fmt = fmt
         self.keep_last_n = keep_last_n
         self.model_config = model_config
         self.env = env
+        self.verify = verify
+
+    # ---- agreement between ranks ----------------------------------------------------------------
+    def _agree(self, error: CheckpointError | None) -> None:
+        """Raise on every rank the first rank's error, if any rank had one (a collective)."""
+        errors = [None] * self.env.world_size
+        dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)))
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise _ERRORS.get(first[0], CheckpointError)(first[1])
+
+    def _gather(self, value) -> list:
+        values = [None] * self.env.world_size
+        dist.all_gather_object(values, value)
+        return values
 
     # ---- finding checkpoints ------------------------------------------------------------------
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
@@ -167,72 +192,180 @@ class CheckpointManager:
             for path in self.dir.iterdir():
                 if m := FULL_RE.match(path.name):
                     found.append((int(m.group(1)), path))
-                elif (m := SHARDED_RE.match(path.name)) and (path / "meta.json").is_file():
+                elif (m := SHARDED_RE.match(path.name)) and (path / META_NAME).is_file():
                     found.append((int(m.group(1)), path))
         return sorted(found, key=lambda item: item[0], reverse=True)
 
     # ---- saving ------------------------------------------------------------------------------
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
+        """Write a complete checkpoint of step state.step; CheckpointError (on every rank) if it cannot
+        be written, leaving the previous checkpoints as they were and no `.tmp-` files behind."""
         start = time.perf_counter()
         state.rng = _gather_rng(self.env)
         if self.env.is_main:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._remove_incomplete()
         barrier(self.env)
-        path = self._save_full(model, optimizer, state) if self.fmt == "full" else self._save_sharded(model, optimizer, state)
-        barrier(self.env)  # the checkpoint is in place for every rank before anyone deletes older ones
-        if self.env.is_main:
-            self._apply_retention()
-            size = _size_of(path) / 2**20
-            log.info("saved checkpoint %s (%.1f MiB) in %.2f s", path, size, time.perf_counter() - start)
-        return path
+        if self.fmt == "full":
+            return self._save_full(model, optimizer, state, start)
+        return self._save_sharded(model, optimizer, state, start)
 
     def _metadata(self, state: TrainState) -> dict:
         plain = dataclasses.asdict(state)
         plain.pop("rng")
         return {"format_version": FORMAT_VERSION, "world_size": self.env.world_size, "model_config": self.model_config, "train_state": plain}
 
-    def _save_full(self, model, optimizer, state: TrainState) -> Path:
+    def _check_space(self, final: Path, state_dicts: tuple) -> None:
+        """Stop before writing when the checkpoint will not fit on the disk: a write that fails half-way
+        costs the time of writing it, and a full disk hurts everything else writing there."""
+        # Full: rank 0 writes what it holds (other ranks may hold a copy too). Sharded: every rank its shard.
+        mine = _tensor_bytes(state_dicts) if self.fmt == "sharded" or self.env.is_main else 0
+        total = torch.tensor([mine], dtype=torch.int64, device=self.env.device)
+        dist.all_reduce(total)
+        error = None
+        if self.env.is_main:
+            previous = self.complete_checkpoints()
+            # The previous checkpoint of this run is the best guess; before the first, the tensors plus 1%
+            # for torch.save's framing (an overestimate where HYBRID_SHARD replicas each count their shard).
+            needed = size_of(previous[0][1]) if previous else int(total.item() * 1.01)
+            free = shutil.disk_usage(self.dir).free
+            if needed > free:
+                keep = f"{previous[0][1].name} stays the newest checkpoint" if previous else "no checkpoint was written"
+                error = CheckpointError(
+                    f"{final}: not enough disk space to save it ({needed / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB "
+                    f"free in {self.dir}); stopped before writing, {keep}. Free some space and resume with --resume_from latest")
+        self._agree(error)
+
+    def _write_error(self, final: Path, err: BaseException) -> CheckpointError:
+        cause = first_line(err)
+        if "unexpected pos" in cause:  # torch.save's only word for a write that stopped short
+            cause = f"{cause}: a write stopped short (a full disk, a quota or a file size limit?)"
+        return CheckpointError(f"{final}: cannot write checkpoint ({cause}); nothing was written, the previous "
+                               f"checkpoints are as they were")
+
+    def _save_full(self, model, optimizer, state: TrainState, start: float) -> Path:
         # Gather to rank 0 on the CPU: no GPU memory spike, no other rank holds a copy. On the CPU the
         # tensors are already in host memory (and FSDP1's offload path fails there), so no offload.
         on_gpu = self.env.device.type == "cuda"
         options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        final = self.dir / f"fsdp_cpt{state.step}.pth"
+        with _quiet_state_dict_warnings():
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        final = self.dir / full_name(state.step)
+        self._check_space(final, (model_sd, optim_sd))
+        tmp = self.dir / f"{TMP_PREFIX}{final.name}"
+        error, record, crc_s = None, None, 0.0
         if self.env.is_main:
-            tmp = self.dir / f"{TMP_PREFIX}{final.name}"
             payload = {"model": model_sd, "optimizer": optim_sd, "rng": state.rng, **self._metadata(state)}
-            with tmp.open("wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+            try:
+                record, crc_s = save_with_checksum(payload, tmp)
+            except Exception as err:  # disk full, quota, I/O error: agreed with the other ranks below
+                _remove(tmp)
+                error = self._write_error(final, err)
+        self._agree(error)
+        return self._commit_full(tmp, final, record, start=start, crc_s=crc_s)
+
+    def _commit_full(self, tmp: Path, final: Path, record: dict | None, *, start: float, crc_s: float) -> Path:
+        """Rank 0 renames the written file into place, then writes its checksum record; retention.
+        A collective: an asynchronous save calls it on every rank after its background write."""
+        error = None
+        if self.env.is_main:
+            try:
+                install_full(tmp, final)
+            except OSError as err:
+                _remove(tmp)
+                error = self._write_error(final, err)
+            else:
+                try:
+                    write_record(final, record)
+                except OSError as err:  # the checkpoint is in place, only its record is missing: it loads unverified
+                    log.warning("%s: cannot write its checksum record (%s): it will load unverified", final, first_line(err))
+        self._agree(error)
+        self._finish(final, start=start, crc_s=crc_s)
         return final
 
-    def _save_sharded(self, model, optimizer, state: TrainState) -> Path:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        final = self.dir / f"fsdp_sharded_cpt{state.step}"
+    def _save_sharded(self, model, optimizer, state: TrainState, start: float) -> Path:
+        final = self.dir / sharded_name(state.step)
         tmp = self.dir / f"{TMP_PREFIX}{final.name}"
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
-        barrier(self.env)  # every shard written before the metadata says complete
+        error = None
+        with _quiet_state_dict_warnings():
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            self._check_space(final, (model_sd, optim_sd))
+            try:
+                dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+            except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
+                error = self._write_error(final, err)
+        barrier(self.env)  # every rank is done with the folder before it is removed
+        if error is not None and self.env.is_main:
+            _remove(tmp)
+        self._agree(error)
+        return self._commit_sharded(tmp, final, state, start=start)
+
+    def _commit_sharded(self, tmp: Path, final: Path, state: TrainState, *, start: float) -> Path:
+        """Once every shard is written: each rank hashes the files it wrote, rank 0 writes rng.pt and
+        meta.json (every file's size and CRC32) and renames the folder into place; retention.
+        A collective: an asynchronous save calls it on every rank after its background write."""
+        hashed, error = time.perf_counter(), None
+        try:
+            names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+            mine = {n: file_record(tmp / n) for i, n in enumerate(names) if _owner(n, i, self.env.world_size) == self.env.rank}
+        except OSError as err:  # a shard that cannot be read back
+            mine, error = {}, self._write_error(final, err)
+        parts = self._gather((mine, time.perf_counter() - hashed, error))
+        records = {name: record for part, _, _ in parts for name, record in part.items()}
+        crc_s = max(seconds for _, seconds, _ in parts)  # the ranks hash in parallel
+        error = next((e for _, _, e in parts if e is not None), None)
         if self.env.is_main:
-            torch.save({"rng": state.rng}, tmp / "rng.pt")
-            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-            (tmp / "meta.json").write_text(json.dumps({**self._metadata(state), "files": files}, indent=1))
-            _replace_dir(tmp, final)
+            try:
+                if error is None:
+                    records[RNG_NAME], rng_crc_s = save_with_checksum({"rng": state.rng}, tmp / RNG_NAME)
+                    crc_s += rng_crc_s
+                    write_json(tmp / META_NAME, {**self._metadata(state), "files": dict(sorted(records.items()))})
+                    _replace_dir(tmp, final)
+            except Exception as err:  # agreed with the other ranks below
+                error = self._write_error(final, err)
+            if error is not None:
+                _remove(tmp)
+        self._agree(error)
+        self._finish(final, start=start, crc_s=crc_s)
         return final
+
+    def _finish(self, final: Path, *, start: float, crc_s: float) -> None:
+        barrier(self.env)  # the checkpoint is in place for every rank before anyone deletes older ones
+        if self.env.is_main:
+            self._apply_retention(final)
+            log.info("saved checkpoint %s (%.1f MiB) in %.2f s (CRC32 %.2f s)", final, size_of(final) / 2**20,
+                     time.perf_counter() - start, crc_s)
 
     def _remove_incomplete(self) -> None:
         for path in self.dir.glob(f"{TMP_PREFIX}*"):
             log.warning("removing incomplete checkpoint %s (an interrupted save)", path)
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            _remove(path)
 
-    def _apply_retention(self) -> None:
+    def _delete(self, path: Path) -> None:
+        _remove(path)
+        sidecar_of(path).unlink(missing_ok=True)
+
+    def _apply_retention(self, newest: Path) -> None:
+        """Keep the keep_last_n newest complete checkpoints, the one just saved counted first whatever
+        its step; checkpoints moved aside as corrupt are not counted and never deleted."""
         if self.keep_last_n <= 0:
             return
-        for _, path in self.complete_checkpoints()[self.keep_last_n :]:
+        others = [path for _, path in self.complete_checkpoints() if path != newest]
+        for path in others[self.keep_last_n - 1:]:
             log.info("removing old checkpoint %s (checkpoint.keep_last_n=%d)", path, self.keep_last_n)
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            self._delete(path)
+
+    def _move_aside(self, path: Path) -> None:
+        """Rename a corrupt checkpoint (and its checksum record) to a name that is never loaded or deleted."""
+        target, n = path.with_name(CORRUPT_PREFIX + path.name), 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{CORRUPT_PREFIX}{n}-{path.name}")
+        os.replace(path, target)
+        if sidecar_of(path).exists():
+            os.replace(sidecar_of(path), sidecar_of(target))
+        log.warning("moved %s aside to %s: it is never loaded or deleted automatically; delete it once inspected",
+                    path.name, target.name)
 
     # ---- loading -----------------------------------------------------------------------------
     def resolve(self, resume_from: str) -> list[Path]:
@@ -250,7 +383,7 @@ class CheckpointManager:
     def load(self, model, optimizer, resume_from: str) -> TrainState:
         """Restore model, optimizer and RNG from `resume_from`; return the training state.
 
-        With `latest`, a checkpoint that fails to load is reported and the previous one is tried.
+        With `latest`, a corrupt checkpoint is reported, moved aside, and the previous one is tried.
         """
         candidates = self.resolve(resume_from)
         if resume_from != "latest":
@@ -265,26 +398,61 @@ class CheckpointManager:
         for i, path in enumerate(candidates):
             try:
                 return self._load_one(model, optimizer, path)
-            except CheckpointError as err:
-                if i == len(candidates) - 1 or isinstance(err, CheckpointMismatch):
+            except CheckpointCorrupt as err:
+                if i == len(candidates) - 1:
                     raise
                 if self.env.is_main:
                     log.warning("%s; falling back to the previous checkpoint", err)
+                    self._move_aside(path)
+                barrier(self.env)
         raise AssertionError("unreachable")
 
     def _load_one(self, model, optimizer, path: Path) -> TrainState:
         start = time.perf_counter()
-        if path.is_dir():
-            meta, rng = self._load_sharded(model, optimizer, path)
-        else:
-            meta, rng = self._load_full(model, optimizer, path)
+        error = None
+        try:
+            check_structure(path)
+        except CheckpointError as err:
+            error = err
+        self._agree(error)
+        crc_s = self._verify(path) if self.verify else 0.0
+        error, meta, rng = None, None, None
+        try:
+            if path.is_dir():
+                meta, rng = self._load_sharded(model, optimizer, path)
+            else:
+                meta, rng = self._load_full(model, optimizer, path)
+        except CheckpointError as err:
+            error = err
+        self._agree(error)
         state = TrainState(**meta["train_state"])
         state.rng = rng
         _restore_rng(rng, self.env)
         if self.env.is_main:
-            log.info("loaded checkpoint %s (%.1f MiB, step %d, saved at world size %d) in %.2f s",
-                     path, _size_of(path) / 2**20, state.step, meta["world_size"], time.perf_counter() - start)
+            log.info("loaded checkpoint %s (%.1f MiB, step %d, saved at world size %d) in %.2f s (CRC32 check %.2f s)",
+                     path, size_of(path) / 2**20, state.step, meta["world_size"], time.perf_counter() - start, crc_s)
         return state
+
+    def _verify(self, path: Path) -> float:
+        """Check every file's size and CRC32 against the checkpoint's record, the files spread over the
+        ranks; CheckpointCorrupt on every rank if any differs. Returns the seconds it took."""
+        start = time.perf_counter()
+        error, records = None, None
+        try:
+            records = checksum_records(path)
+        except CheckpointError as err:
+            error = err
+        self._agree(error)
+        if records is None:
+            if self.env.is_main:
+                log.warning("%s has no checksum record (%s): loading it unverified", path, sidecar_of(path).name)
+            return 0.0
+        folder = path if path.is_dir() else path.parent
+        names = sorted(records)
+        mine = [n for i, n in enumerate(names) if _owner(n, i, self.env.world_size) == self.env.rank]
+        problem = next((p for n in mine if (p := check_file(folder / n, records[n]))), None)
+        self._agree(CheckpointCorrupt(problem) if problem else None)
+        return time.perf_counter() - start
 
     def _check_model_config(self, saved: dict, path: Path) -> None:
         for key, value in self.model_config.items():
@@ -293,36 +461,29 @@ class CheckpointManager:
                     f"{path}: model shape differs from the checkpoint: model.{key}={value} here, {saved[key]} in the checkpoint")
 
     def _load_full(self, model, optimizer, path: Path):
-        # Every rank maps the same file (mmap: the page cache is shared, nothing is copied per rank)
-        # and keeps only its shard. weights_only: loading never runs pickled code.
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            meta = {k: payload[k] for k in ("format_version", "world_size", "model_config", "train_state")}
-            model_sd, optim_sd = payload["model"], payload["optimizer"]
-        except Exception as err:  # truncated, corrupt, or not one of ours
-            raise CheckpointError(f"{path}: cannot read checkpoint ({_first_line(err)})") from None
+        payload = load_full(path)
+        meta = {k: payload[k] for k in ("format_version", "world_size", "model_config", "train_state")}
         self._check_model_config(meta["model_config"], path)
-        _check_param_groups(optim_sd, model, optimizer, path)
+        _check_param_groups(payload["optimizer"], model, optimizer, path)
         try:
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                           options=StateDictOptions(full_state_dict=True, strict=True))
+            with _quiet_state_dict_warnings():
+                set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optimizer"],
+                               options=StateDictOptions(full_state_dict=True, strict=True))
         except Exception as err:  # readable, but not this model's (missing or extra tensors)
-            raise CheckpointError(f"{path}: does not fit this model ({_first_line(err)})") from None
+            raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
         return meta, payload.get("rng")
 
     def _load_sharded(self, model, optimizer, path: Path):
         meta = read_sharded_meta(path)
         self._check_model_config(meta["model_config"], path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
-        try:
-            dcp.load(state, checkpoint_id=str(path))  # reads in place, resharding to this world size
-            rng = torch.load(path / "rng.pt", weights_only=True)["rng"]
-        except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
-            raise CheckpointError(f"{path}: cannot read sharded checkpoint ({_first_line(err)})") from None
-        _check_param_groups(state["optimizer"], model, optimizer, path)
-        try:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        except (Exception, dcp.CheckpointException) as err:
-            raise CheckpointError(f"{path}: does not fit this model ({_first_line(err)})") from None
+        with _quiet_state_dict_warnings():
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
+            dcp_load(state, path)  # reads in place, resharding to this world size
+            rng = load_rng(path)
+            _check_param_groups(state["optimizer"], model, optimizer, path)
+            try:
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            except (Exception, dcp.CheckpointException) as err:
+                raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
         return meta, rng

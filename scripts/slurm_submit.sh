@@ -31,11 +31,6 @@ echo "world $WORLD GPUs, global batch $GLOBAL_BATCH, micro-batch $MICRO_BATCH, g
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 PORT="${MASTER_PORT:-29500}"
 
-# Since torch 2.5 the workers share torchrun's rendezvous TCPStore, and it outlives a --max-restarts restart:
-# the restarted workers can read the previous attempt's keys and fail in init_process_group (measured with
-# torch 2.13: 4 restarts in 6; pytorch/pytorch#135712). Opting out gives every attempt a fresh store.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
-
 # Forward Slurm's pre-termination signal to the training processes (not to torchrun, whose default
 # action on SIGUSR1 would be to die): torchrun starts them as "python -u .../train_fsdp.py".
 forward_signal() {

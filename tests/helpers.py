@@ -35,10 +35,11 @@ def write_corpus(path: Path, num_docs: int = 60) -> Path:
 
 
 def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_dir: Path, extra_env: dict | None = None,
-              check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run one training job; nproc > 1 goes through torchrun. Returns the finished process."""
-    launcher = [sys.executable, str(TRAIN)] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN)]
+              check: bool = True, timeout: float = 300, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run one training job; nproc > 1 goes through torchrun; `prefix` runs it under another command
+    (e.g. prlimit). Returns the finished process."""
+    launcher = [*prefix, sys.executable, str(TRAIN)] if nproc == 1 else [
+        *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN)]
     cmd = launcher + [str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
                       f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
