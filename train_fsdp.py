@@ -29,6 +29,7 @@ from data import BatchPrefetcher, DataError, TokenDataset, load_prepared, prepar
 from model import ModelConfig
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
 from fsdp_utils.distributed import DistEnv, destroy_distributed, init_distributed, read_torchrun_env
+from fsdp_utils.float8 import float8_problems, precompute_float8_scales
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
 from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
 from fsdp_utils.preemption import StopSignal
@@ -153,7 +154,7 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
     built = build_model(cfg, env)  # on the meta device when sharded over several ranks
     model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
-                        compile=t.compile, env=env, init=built.init)
+                        compile=t.compile, env=env, init=built.init, float8=t.float8)
     # The fused AdamW kernel does not accept the sharded grad scaler's inf flag: fp16 uses the foreach one.
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not precision.use_grad_scaler)
@@ -236,6 +237,8 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
                 scaler.update()
             else:
                 optimizer.step()
+            if t.float8 != "none":  # the new weights' FP8 scales, for the next step's FP8 all-gathers
+                precompute_float8_scales(model)
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.samples_seen += t.global_batch_size
@@ -288,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     # Every config problem is found before any process group starts.
     try:
         cfg = load_config(args.config, overrides)
-        check_batch_split(cfg, read_torchrun_env()[2])
+        _, local_rank, world_size, _ = read_torchrun_env()
+        check_batch_split(cfg, world_size)
+        if problems := float8_problems(cfg.train.float8, run_device=cfg.run.device, local_rank=local_rank):
+            raise ConfigError(problems)
     except ConfigError as err:
         for line in err.problems:
             print(f"error: {line}", file=sys.stderr)
