@@ -28,8 +28,7 @@ from .distributed import pick_device
 
 log = logging.getLogger(__name__)
 
-RECIPES = ("tensorwise", "rowwise")
-# torch release -> the torchao release built for it (torchao's compatibility table); pip's name.
+# torch release -> the torchao release built for it (torchao's compatibility table).
 TORCHAO_FOR_TORCH = {"2.11": "0.17"}
 # Test-only escape hatch, read in `float8_problems` alone: torch has a CPU reference kernel for FP8
 # matmuls, far too slow to train with but enough for the CPU tests to run the real conversion,

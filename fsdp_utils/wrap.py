@@ -145,7 +145,8 @@ def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig,
         # and FSDP2 shards their weights (FP8 all-gather subclasses included).
         from .float8 import convert_to_float8
 
-        convert_to_float8(blocks, recipe=float8, float8_all_gather=fsdp.version == 2 and float8 == "tensorwise")
+        assert fsdp.version == 2, "train.float8 needs FSDP2 (the config validation says so)"
+        convert_to_float8(blocks, recipe=float8, float8_all_gather=float8 == "tensorwise")
     apply_activation_checkpointing(blocks, fsdp.activation_checkpointing, fsdp.ac_every_n_layers)
     if compile:
         apply_compile(blocks)
