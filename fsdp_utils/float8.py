@@ -119,8 +119,8 @@ def convert_to_float8(blocks: list[nn.Module], *, recipe: str, float8_all_gather
 def _plain_weights(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """State-dict hook: the FP8 all-gather weights (torchao subclasses, inside FSDP2's DTensors) as plain
     tensors sharing their storage. Checkpoints then hold plain tensors, which load without torchao and
-    into a model without FP8 (a sharded checkpoint would otherwise pickle the subclass); loading into
-    these views writes the parameters, as with any state dict."""
+    into a model without FP8 (a sharded checkpoint would otherwise pickle the subclass). Loading copies
+    into the parameters, which keep their subclass (tests/test_float8.py checks both)."""
     for key, value in state_dict.items():
         if not key.startswith(prefix):
             continue

@@ -316,3 +316,43 @@ def test_export_hf_of_an_fp8_checkpoint_gives_our_logits(tmp_path, corpus, datas
     assert export_hf.main([str(checkpoint), str(tmp_path / "hf")]) == 0
     ours, _ = load_model(checkpoint)
     assert_same_logits(ours, tmp_path / "hf")
+
+
+@needs_torchao
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
+    # Loading must copy into the parameters, not replace them by plain tensors: that would silently turn
+    # FP8 all-gather off (the matmuls would still be FP8, so nothing else would notice).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_utils.checkpoint import CheckpointManager, TrainState
+    from fsdp_utils.distributed import DistEnv
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = tiny_model()
+        float8.convert_to_float8(list(model.layers), recipe="tensorwise", float8_all_gather=True)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters())
+        tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        weight = model.layers[0].attention.wqkv.weight
+        kind, saved = type(weight.to_local()), weight.full_tensor().clone()
+        assert kind.__module__.startswith("torchao")
+        env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+        manager = CheckpointManager(tmp_path, fmt=fmt, keep_last_n=0, model_config={}, env=env)
+        manager.save(model, optimizer, TrainState(step=1))
+        with torch.no_grad():
+            weight.zero_()
+        manager.load(model, optimizer, "latest")
+        after = model.layers[0].attention.wqkv.weight
+        assert after is weight and type(after.to_local()) is kind
+        assert torch.equal(after.full_tensor(), saved)
+    finally:
+        dist.destroy_process_group()
