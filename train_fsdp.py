@@ -31,6 +31,7 @@ from model import ModelConfig
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, TrainState
 from fsdp_utils.checkpoint_format import check_structure
 from fsdp_utils.distributed import DistEnv, Launch, destroy_distributed, init_distributed, read_torchrun_env
+from fsdp_utils.float8 import float8_problems, precompute_float8_scales
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
 from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
 from fsdp_utils.preemption import StopSignal
@@ -156,7 +157,7 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
     built = build_model(cfg, env)  # on the meta device when sharded over several ranks
     model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
-                        compile=t.compile, env=env, init=built.init)
+                        compile=t.compile, env=env, init=built.init, float8=t.float8)
     # The fused AdamW kernel does not accept the sharded grad scaler's inf flag: fp16 uses the foreach one.
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not precision.use_grad_scaler)
@@ -241,6 +242,8 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
                 scaler.update()
             else:
                 optimizer.step()
+            if t.float8 != "none":  # the new weights' FP8 scales, for the next step's FP8 all-gathers
+                precompute_float8_scales(model)
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.samples_seen += t.global_batch_size
@@ -298,6 +301,7 @@ def early_problems(cfg: Config, launch: Launch, resume_from: str | None) -> list
             check_structure(Path(resume_from))  # exists, a torch.save file or a folder with all its files
         except CheckpointError as err:
             problems.append(f"--resume_from: {err}")
+    problems += float8_problems(cfg.train.float8, run_device=cfg.run.device, local_rank=launch.local_rank)
     return problems
 
 

@@ -22,6 +22,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "selective_op")
+FLOAT8 = ("none", "tensorwise", "rowwise")
 
 
 class ConfigError(ValueError):
@@ -115,6 +116,11 @@ class TrainConfig:
     """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 or fp32."""
     compile: bool = False
     """torch.compile each DecoderBlock."""
+    float8: str = "none"
+    """FP8 matmuls in the blocks' linear layers through torchao (an optional package: torchao 0.17.x for
+    torch 2.11): none, tensorwise (one scale per tensor; FP8 all-gather of the weights) or rowwise (one
+    scale per row). Needs fsdp.version 2 and a GPU of compute capability 8.9 or later (Ada, Hopper).
+    Weights, optimizer state and checkpoints stay in full precision."""
     loss_chunk_tokens: int = 0
     """Compute output logits, loss and their gradients this many tokens at a time (0: all at once).
     The (tokens x vocab) fp32 logits never exist at once: 5 GiB less per GPU at the 1B preset, same speed."""
@@ -355,6 +361,10 @@ def validate(cfg: Config) -> list[str]:
     if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
         p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
     _choice(p, "train.precision", t.precision, PRECISIONS)
+    _choice(p, "train.float8", t.float8, FLOAT8)
+    if t.float8 != "none" and cfg.fsdp.version == 1:
+        p.append(f"train.float8={t.float8} needs fsdp.version: 2 (torchao's FP8 training, FP8 all-gather of the "
+                 f"sharded weights included, is built for FSDP2's fully_shard)")
     _choice(p, "run.device", cfg.run.device, ("auto", "cuda", "cpu"))
     for name in cfg.run.stop_signals:
         if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"):

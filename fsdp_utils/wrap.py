@@ -1,8 +1,8 @@
 """`parallelize`: everything that turns a built model (fsdp_utils/build.py) into a trainable, sharded
 one, in one fixed order, for our Transformer and Hugging Face models alike:
 
-    activation checkpointing -> torch.compile -> FSDP (each block, then the root) -> materialise and
-    initialise weights shard by shard.
+    FP8 linear layers (train.float8) -> activation checkpointing -> torch.compile -> FSDP (each block,
+    then the root) -> materialise and initialise weights shard by shard.
 
 Activation checkpointing and compile are applied in place (the block's forward is replaced,
 `nn.Module.compile` compiles in place), so parameter names never gain wrapper prefixes and
@@ -66,12 +66,16 @@ def resolve_precision(precision: str, reduce_dtype: str, device: torch.device) -
 
 def _ops_worth_saving() -> list:
     """Ops whose outputs selective_op keeps: matmuls and attention, the expensive ones to recompute.
-    Everything else in a block (norms, rotary, SwiGLU's activation, residual adds) is elementwise and
-    is recomputed in backward from those."""
+    FP8 matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and compiled
+    (torch 2.13, torchao 0.17); `_scaled_mm`, the op they run, is listed for where the policy sees that
+    instead (torchtitan's list has it too). Everything else in a block (norms, rotary, SwiGLU's activation,
+    residual adds, FP8 casts) is elementwise and is recomputed in backward from those. Also kept: full
+    max reductions, the FP8 scales' amax: a scalar each, and compile's recompute need not reduce again."""
     aten = torch.ops.aten
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    return [aten.mm.default, aten.addmm.default, aten.bmm.default] + [getattr(aten, n).default for n in names if hasattr(aten, n)]
+    return [aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default, aten.max.default] + \
+        [getattr(aten, n).default for n in names if hasattr(aten, n)]
 
 
 def _selective_op_context():
@@ -126,15 +130,23 @@ def _mesh(env: DistEnv, strategy: str, hybrid_group_size: int) -> DeviceMesh:
 
 
 def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig, precision: Precision, compile: bool,
-                env: DistEnv, init: WeightInit | None = None) -> nn.Module:
+                env: DistEnv, init: WeightInit | None = None, float8: str = "none") -> nn.Module:
     """Make a built model trainable and sharded, in the one documented order:
 
-    activation checkpointing (fsdp.activation_checkpointing) -> torch.compile of each block -> FSDP on
-    each block, then the root (fsdp.version 1 or 2, with fsdp's options) -> weights materialised (`init`,
-    for a model built on the meta device). Blocks are the modules of `block_classes`. Returns the model
-    to train: the FSDP1 wrapper, or the same module sharded in place by FSDP2.
+    FP8 linear layers in the blocks (`float8`: none, tensorwise or rowwise; FSDP2 only) -> activation
+    checkpointing (fsdp.activation_checkpointing) -> torch.compile of each block -> FSDP on each block,
+    then the root (fsdp.version 1 or 2, with fsdp's options) -> weights materialised (`init`, for a model
+    built on the meta device). Blocks are the modules of `block_classes`. Returns the model to train:
+    the FSDP1 wrapper, or the same module sharded in place by FSDP2.
     """
     blocks = [m for m in model.modules() if type(m) in block_classes]
+    if float8 != "none":
+        # First, as torchtitan does: checkpointing and compile then wrap the FP8 modules' forward,
+        # and FSDP2 shards their weights (FP8 all-gather subclasses included).
+        from .float8 import convert_to_float8
+
+        assert fsdp.version == 2, "train.float8 needs FSDP2 (the config validation says so)"
+        convert_to_float8(blocks, recipe=float8, float8_all_gather=float8 == "tensorwise")
     apply_activation_checkpointing(blocks, fsdp.activation_checkpointing, fsdp.ac_every_n_layers)
     if compile:
         apply_compile(blocks)

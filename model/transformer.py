@@ -52,12 +52,19 @@ class Attention(nn.Module):
         # q, k and v weights in one parameter: one tensor to shard, gather and checkpoint.
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # False: one matmul per slice of wqkv (below). True: one call of the wqkv module, its output
+        # split afterwards; set from outside when wqkv is a module whose forward must run, e.g. an
+        # FP8 linear (fsdp_utils/float8.py), which slicing its weight would bypass.
+        self.fused_matmul = False
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if self.fused_matmul:
+            q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+            return q, k, v.contiguous()  # attention saves v: a view would keep the whole fused output alive
         # Three matmuls on slices of the one weight, not one matmul split afterwards: faster on
         # H200 (docs/benchmarks.md), and q, k, v are separate tensors, so attention saving v for
         # backward does not keep a fused output buffer alive, and backward concatenates no gradients.
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         return tuple(F.linear(x, w) for w in self.wqkv.weight.split([q_size, kv_size, kv_size]))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -83,8 +90,11 @@ class FeedForward(nn.Module):
         self.hidden_dim = cfg.hidden_dim
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)  # [gate; up]
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+        self.fused_matmul = False  # True: one call of the w13 module, see Attention.fused_matmul
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_matmul:
+            return self.w13(x).chunk(2, dim=-1)
         # Two matmuls on the halves of w13 (see Attention.project_qkv): with one matmul, compile's
         # SwiGLU backward kernel must also concatenate the two gradients and measured twice as slow.
         return tuple(F.linear(x, w) for w in self.w13.weight.chunk(2))

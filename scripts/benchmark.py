@@ -2,13 +2,17 @@
 
     torchrun --nproc_per_node=2 scripts/benchmark.py config/train300M_fsdp.yaml --peer
     torchrun --nproc_per_node=1 scripts/benchmark.py config/train1B_fsdp.yaml --train.micro_batch_size=2
+    torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 --float8 tensorwise,rowwise --peer
 
 Ours: the exact model, wrapping and step of train_fsdp.py (forward/backward per micro-batch, clipping
 over all shards, fused AdamW, the per-step loss all-reduce), on random tokens so no data is needed.
 `--peer`: transformers' LlamaForCausalLM of the same dimensions, FSDP2 `fully_shard` on each decoder
 layer, bf16 parameters with fp32 reduction, per-layer torch.compile, fused AdamW; same sequence length,
-micro-batch and world size, run in the same invocation after ours. Prints tokens/s per GPU, MFU, step
-time and peak memory per GPU for each, and the ratio.
+micro-batch and world size, run in the same invocation after ours. `--float8 RECIPES`: ours again with
+train.float8 set to each recipe (FP8 matmuls through torchao; needs fsdp.version 2), between ours and
+the reference, which stays bf16. Prints tokens/s per GPU, MFU (against the bf16 peak), step time and peak
+memory per GPU for each, and the ratios: ours and each FP8 run against the reference, each FP8 run
+against ours.
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
-from fsdp_utils.distributed import destroy_distributed, init_distributed  # noqa: E402
+from fsdp_utils.distributed import destroy_distributed, init_distributed, read_torchrun_env  # noqa: E402
+from fsdp_utils.float8 import float8_problems, precompute_float8_scales  # noqa: E402
 from fsdp_utils.metrics import detect_peak_flops  # noqa: E402
 from fsdp_utils.optim import build_optimizer, clip_grad_norm  # noqa: E402
 from fsdp_utils.build import build_model  # noqa: E402
@@ -60,28 +65,18 @@ def time_steps(step_fn, *, warmup: int, steps: int, device) -> list[float]:
     return times
 
 
-def fuse_projections() -> None:
-    """Ablation (--fused_projections): one matmul per fused weight (q/k/v, gate/up), its output split
-    afterwards, instead of the model's one matmul per slice. Same weights and results; patched before build."""
-    def project_qkv(self, x):
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        return q, k, v.contiguous()  # a view would keep the whole fused output alive for backward
-
-    def gate_up(self, x):
-        return self.w13(x).chunk(2, dim=-1)
-
-    Attention.project_qkv, FeedForward.gate_up = project_qkv, gate_up
-
-
 def bench_ours(cfg, env, args) -> dict:
     t = cfg.train
-    if args.fused_projections:
-        fuse_projections()
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
     built = build_model(cfg, env)
+    if args.fused_projections:
+        # Ablation: one matmul per fused weight (q/k/v, gate/up), its output split afterwards, instead of
+        # one matmul per slice. Same weights and results. (FP8 runs use it anyway.)
+        for module in built.module.modules():
+            if isinstance(module, (Attention, FeedForward)):
+                module.fused_matmul = True
     model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
-                        compile=t.compile, env=env, init=built.init)
+                        compile=t.compile, env=env, init=built.init, float8=t.float8)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not args.unfused_adamw)
     batches = random_batches(cfg.model.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
@@ -91,10 +86,19 @@ def bench_ours(cfg, env, args) -> dict:
         clip_grad_norm(model, t.grad_clip)
         dist.all_reduce(loss)
         optimizer.step()
+        if t.float8 != "none":  # as train_fsdp.py: the new weights' FP8 scales for the next all-gathers
+            precompute_float8_scales(model)
         optimizer.zero_grad(set_to_none=True)
         loss.item()
 
     return measure(step, env, args)
+
+
+def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """(run, baseline) pairs whose tokens/s ratio is printed: every run against the reference, and each
+    FP8 run against ours in bf16."""
+    pairs = [(name, "hf_llama_fsdp2") for name in names if name != "hf_llama_fsdp2" and "hf_llama_fsdp2" in names]
+    return pairs + [(name, "ours") for name in names if name.startswith("ours_fp8") and "ours" in names]
 
 
 def measure(step_fn, env, args) -> dict:
@@ -191,39 +195,48 @@ def main() -> int:
     parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--peer", action="store_true", help="also run the Hugging Face + FSDP2 reference")
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
+    parser.add_argument("--float8", default="", help="also run ours with these train.float8 recipes, e.g. tensorwise,rowwise")
     parser.add_argument("--rounds", type=int, default=1, help="alternate ours and the reference this many times (noisy machines)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of each run")
     parser.add_argument("--fused_projections", action="store_true", help="ablation: one q/k/v and one gate/up matmul, split after")
     parser.add_argument("--unfused_adamw", action="store_true", help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     args, overrides = parser.parse_known_args()
+    recipes = [r for r in args.float8.split(",") if r]
     try:
         cfg = load_config(args.config, overrides)
+        # Each FP8 run's config: the same overrides plus its recipe, checked as train_fsdp.py checks it.
+        fp8_cfgs = {r: load_config(args.config, [*overrides, f"--train.float8={r}"]) for r in recipes}
+        problems = [p for r in recipes for p in float8_problems(r, run_device=cfg.run.device, local_rank=read_torchrun_env()[1])]
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as err:
         for line in err.problems:
             print(f"error: {line}", file=sys.stderr)
         return 2
-    if cfg.model.vocab_size == 0:  # no tokenizer here: random tokens over the configured vocabulary
-        cfg.model.vocab_size = cfg.data.vocab_size
+    for c in [cfg, *fp8_cfgs.values()]:
+        if c.model.vocab_size == 0:  # no tokenizer here: random tokens over the configured vocabulary
+            c.model.vocab_size = c.data.vocab_size
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
     try:
         peak = detect_peak_flops(env.device, cfg.logging.peak_flops)
-        runs = ([("ours", bench_ours)] if not args.peer_only else []) + \
-            ([("hf_llama_fsdp2", bench_peer)] if args.peer or args.peer_only else [])
-        times = {name: [] for name, _ in runs}
+        runs = ([("ours", bench_ours, cfg)] if not args.peer_only else []) + \
+            [(f"ours_fp8_{r}", bench_ours, c) for r, c in fp8_cfgs.items()] + \
+            ([("hf_llama_fsdp2", bench_peer, cfg)] if args.peer or args.peer_only else [])
+        times = {name: [] for name, _, _ in runs}
         memory = dict.fromkeys(times, 0.0)
         round_step_s = {name: [] for name in times}  # each round's median step time
         # Rounds alternate the runs, so a machine whose speed drifts between invocations (seen at
         # short steps) affects both alike; each round builds its model afresh.
         for _ in range(args.rounds):
-            for name, bench in runs:
+            for name, bench, run_cfg in runs:
                 reset_memory(env)
-                round_times = bench(cfg, env, args)["times"]
+                round_times = bench(run_cfg, env, args)["times"]
                 times[name] += round_times
                 memory[name] = max(memory[name], peak_memory_gib(env))
                 round_step_s[name].append(statistics.median(round_times))
             torch._dynamo.reset()  # recompile from the caches rather than pile up guards on old modules
-        rows = [summarise(name, times[name], memory[name], cfg, args, peak) for name, _ in runs]
+        rows = {name: summarise(name, times[name], memory[name], cfg, args, peak) for name in times}
         ablations = [name for name in ("fused_projections", "unfused_adamw") if getattr(args, name)]
         if env.is_main:
             m = cfg.model
@@ -233,19 +246,21 @@ def main() -> int:
                   f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
                   f"compile {cfg.train.compile}, cpu_offload {cfg.fsdp.cpu_offload}"
                   + "".join(f", {name}" for name in ablations))
-            print(f"{'run':<16}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
-            for r in rows:
+            print(f"{'run':<22}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
+            for r in rows.values():
                 mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-                print(f"{r['name']:<16}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_mem_gib']:>10.2f}")
-            round_ratios = []
-            if len(rows) == 2:
-                round_ratios = [peer / ours for ours, peer in zip(*round_step_s.values())]
-                per_round = f" (all rounds' steps; per round: {', '.join(f'{r:.3f}' for r in round_ratios)})" if args.rounds > 1 else ""
-                print(f"ratio ours / reference tokens/s: {rows[0]['tokens_per_sec_per_gpu'] / rows[1]['tokens_per_sec_per_gpu']:.3f}{per_round}")
+                print(f"{r['name']:<22}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_mem_gib']:>10.2f}")
+            ratios = {}
+            for name, base in ratio_pairs(list(rows)):
+                per_round = [b / n for n, b in zip(round_step_s[name], round_step_s[base])]
+                overall = rows[name]["tokens_per_sec_per_gpu"] / rows[base]["tokens_per_sec_per_gpu"]
+                ratios[f"{name} / {base}"] = {"all_rounds": overall, "per_round": per_round}
+                rounds_note = f" (all rounds' steps; per round: {', '.join(f'{r:.3f}' for r in per_round)})" if args.rounds > 1 else ""
+                print(f"ratio {name} / {'reference' if base == 'hf_llama_fsdp2' else base} tokens/s: {overall:.3f}{rounds_note}")
             if args.json:
-                record = {"config": args.config, "overrides": overrides, "world_size": env.world_size, "device": device,
-                          "params": m.num_params(), "ablations": ablations, "rows": rows,
-                          "rounds": args.rounds, "round_ratios": round_ratios}
+                record = {"config": args.config, "overrides": overrides, "float8": recipes, "world_size": env.world_size,
+                          "device": device, "params": m.num_params(), "ablations": ablations, "rows": list(rows.values()),
+                          "rounds": args.rounds, "ratios": ratios}
                 with open(args.json, "a") as f:
                     f.write(json.dumps(record) + "\n")
         return 0

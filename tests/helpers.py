@@ -2,6 +2,7 @@
 what it wrote. Shared by the end-to-end tests."""
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import os
@@ -9,6 +10,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train_fsdp.py"
@@ -88,3 +91,15 @@ def kill_tree(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         pass
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops run inside it, by name (e.g. counts["mm"])."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
