@@ -319,6 +319,11 @@ def save_to_cache(out_dir: Path, key: dict, choice: MicroBatchChoice) -> None:
     tmp.replace(path)
 
 
+def cpu_micro_batch(per_rank: int, limit: int) -> int:
+    """auto without GPU memory to measure: the largest divisor of the per-rank batch up to `limit`."""
+    return max(d for d in divisors(per_rank) if d <= limit)
+
+
 def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer, vocab_size: int,
                         key: dict, probe: MemoryProbe | None) -> MicroBatchChoice:
     """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice, or a search."""
@@ -327,7 +332,7 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
         return MicroBatchChoice(t.micro_batch_size, "configured")
     per_rank = t.global_batch_size // env.world_size
     if probe is None:
-        size = max(d for d in divisors(per_rank) if d <= t.auto_micro_batch_cpu)
+        size = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu)
         log.info("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch %d, the largest divisor "
                  "of the per-rank batch %d up to train.auto_micro_batch_cpu=%d", size, per_rank, t.auto_micro_batch_cpu)
         return MicroBatchChoice(size, "cpu")

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 scripts/benchmark.py config/train300M_fsdp.yaml --peer
     torchrun --nproc_per_node=1 scripts/benchmark.py config/train1B_fsdp.yaml --train.micro_batch_size=2
+    torchrun --nproc_per_node=2 scripts/benchmark.py config/train90M_fsdp.yaml --compare_auto --peer --rounds 2
 
 Ours: the exact model, wrapping and step of train_fsdp.py (forward/backward per micro-batch, clipping
 over all shards, fused AdamW, the per-step loss all-reduce), on random tokens so no data is needed.
@@ -9,6 +10,12 @@ over all shards, fused AdamW, the per-step loss all-reduce), on random tokens so
 layer, bf16 parameters with fp32 reduction, per-layer torch.compile, fused AdamW; same sequence length,
 micro-batch and world size, run in the same invocation after ours. Prints tokens/s per GPU, MFU, step
 time and peak memory per GPU for each, and the ratio.
+
+Micro-batch and accumulation: a numeric train.micro_batch_size runs `--grad_accum` micro-batches per
+step (default 1). `train.micro_batch_size=auto` runs train_fsdp.py's search (no cache) and then the
+accumulation that train.global_batch_size needs, as training would. `--compare_auto` runs ours twice at
+the config's global batch, at micro-batch `--fixed_micro_batch` (default 8, the former presets) and at
+the auto choice; the reference (`--peer`) runs at the auto choice: one invocation, one global batch.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import torch.distributed as dist  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed  # noqa: E402
 from fsdp_utils.metrics import detect_peak_flops  # noqa: E402
+from fsdp_utils.microbatch import cpu_micro_batch, memory_probe, search_micro_batch  # noqa: E402
 from fsdp_utils.optim import build_optimizer, clip_grad_norm  # noqa: E402
 from fsdp_utils.build import build_model  # noqa: E402
 from fsdp_utils.step import forward_backward  # noqa: E402
@@ -74,7 +82,8 @@ def fuse_projections() -> None:
     Attention.project_qkv, FeedForward.gate_up = project_qkv, gate_up
 
 
-def bench_ours(cfg, env, args) -> dict:
+def bench_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None) -> dict:
+    """micro_batch "auto": searched as train_fsdp.py does; grad_accum None: what the global batch needs."""
     t = cfg.train
     if args.fused_projections:
         fuse_projections()
@@ -84,17 +93,39 @@ def bench_ours(cfg, env, args) -> dict:
                         compile=t.compile, env=env, init=built.init)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not args.unfused_adamw)
-    batches = random_batches(cfg.model.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
+    if micro_batch == "auto":
+        per_rank, probe = t.global_batch_size // env.world_size, memory_probe(env.device, env.rank)
+        if probe is None:
+            micro_batch = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu)
+        else:
+            choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len,
+                                        vocab_size=cfg.model.vocab_size, grad_clip=t.grad_clip,
+                                        margin=t.auto_micro_batch_margin, compile=t.compile, env=env, probe=probe)
+            micro_batch = choice.micro_batch_size
+            if env.is_main:
+                print(f"auto: micro-batch {micro_batch} of {per_rank} per rank, trial peaks "
+                      + ", ".join(f"{b}: {m:.2f} GiB" for b, m in choice.measured_gib.items())
+                      + f" (budget {choice.budget_gib:.2f} GiB), {choice.seconds:.0f} s", flush=True)
+    grad_accum = grad_accum or accumulation(cfg, env, micro_batch)
+    batches = random_batches(cfg.model.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
 
     def step():
-        loss = forward_backward(model, batches, None, grad_accum=args.grad_accum)
+        loss = forward_backward(model, batches, None, grad_accum=grad_accum)
         clip_grad_norm(model, t.grad_clip)
         dist.all_reduce(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss.item()
 
-    return measure(step, env, args)
+    return {**measure(step, env, args), "micro_batch": micro_batch, "grad_accum": grad_accum}
+
+
+def accumulation(cfg, env, micro_batch: int) -> int:
+    per_step = micro_batch * env.world_size
+    if cfg.train.global_batch_size % per_step:
+        raise SystemExit(f"error: train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+                         f"micro-batch {micro_batch} x {env.world_size} ranks")
+    return cfg.train.global_batch_size // per_step
 
 
 def measure(step_fn, env, args) -> dict:
@@ -117,7 +148,7 @@ def profile_steps(step_fn, env, num_steps: int = 3) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
-def bench_peer(cfg, env, args) -> dict:
+def bench_peer(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
     """transformers LlamaForCausalLM + FSDP2 + per-layer compile: what users would otherwise run."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -142,14 +173,14 @@ def bench_peer(cfg, env, args) -> dict:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)
     t = cfg.train
-    batches = random_batches(m.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
+    batches = random_batches(m.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
 
     def step():
         total = None
-        for micro in range(args.grad_accum):
+        for micro in range(grad_accum):
             x, y = next(batches)
-            model.set_requires_gradient_sync(micro == args.grad_accum - 1)
-            loss = model(input_ids=x, labels=y).loss / args.grad_accum
+            model.set_requires_gradient_sync(micro == grad_accum - 1)
+            loss = model(input_ids=x, labels=y).loss / grad_accum
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
@@ -158,7 +189,7 @@ def bench_peer(cfg, env, args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         total.item()
 
-    return measure(step, env, args)
+    return {**measure(step, env, args), "micro_batch": micro_batch, "grad_accum": grad_accum}
 
 
 def peak_memory_gib(env) -> float:
@@ -167,11 +198,12 @@ def peak_memory_gib(env) -> float:
     return mem.item()
 
 
-def summarise(name: str, times: list[float], peak_mem_gib: float, cfg, args, peak_flops) -> dict:
+def summarise(name: str, times: list[float], peak_mem_gib: float, split: tuple[int, int], cfg, peak_flops) -> dict:
     step_s = statistics.median(times)
-    tokens_per_gpu = args.grad_accum * cfg.train.micro_batch_size * cfg.data.seq_len / step_s
+    micro_batch, grad_accum = split
+    tokens_per_gpu = grad_accum * micro_batch * cfg.data.seq_len / step_s
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
-    return {"name": name, "step_s": step_s, "tokens_per_sec_per_gpu": tokens_per_gpu,
+    return {"name": name, "micro_batch": micro_batch, "grad_accum": grad_accum, "step_s": step_s, "tokens_per_sec_per_gpu": tokens_per_gpu,
             "mfu": flops * tokens_per_gpu / peak_flops if peak_flops else None, "peak_mem_gib": peak_mem_gib,
             "step_s_min": min(times), "step_s_max": max(times)}
 
@@ -188,7 +220,11 @@ def main() -> int:
     parser.add_argument("config")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator)")
-    parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--grad_accum", type=int, default=None,
+                        help="micro-batches per step (default 1; with auto or --compare_auto: what train.global_batch_size needs)")
+    parser.add_argument("--compare_auto", action="store_true",
+                        help="ours at --fixed_micro_batch and at the auto choice, same global batch (and --peer at the auto choice)")
+    parser.add_argument("--fixed_micro_batch", type=int, default=8, help="--compare_auto's fixed micro-batch (default 8)")
     parser.add_argument("--peer", action="store_true", help="also run the Hugging Face + FSDP2 reference")
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
     parser.add_argument("--rounds", type=int, default=1, help="alternate ours and the reference this many times (noisy machines)")
@@ -205,43 +241,65 @@ def main() -> int:
         return 2
     if cfg.model.vocab_size == 0:  # no tokenizer here: random tokens over the configured vocabulary
         cfg.model.vocab_size = cfg.data.vocab_size
+    auto = cfg.train.micro_batch_size == "auto"
+    if (auto or args.compare_auto) and args.grad_accum is not None:
+        parser.error("--grad_accum goes with a numeric micro-batch; with auto or --compare_auto the accumulation follows train.global_batch_size")
+    if args.peer_only and auto:
+        parser.error("--peer_only needs a numeric train.micro_batch_size (auto is found by our own run)")
+    # (name, function, micro-batch, accumulation): accumulation None follows the global batch.
+    runs = []
+    if args.compare_auto and not args.peer_only:
+        runs += [(f"ours_mb{args.fixed_micro_batch}", bench_ours, args.fixed_micro_batch, None), ("ours_auto", bench_ours, "auto", None)]
+    elif not args.peer_only:
+        runs.append(("ours", bench_ours, cfg.train.micro_batch_size, None if auto else args.grad_accum or 1))
+    if args.peer or args.peer_only:
+        runs.append(("hf_llama_fsdp2", bench_peer, None, None))  # at the last of ours' micro-batch and accumulation
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
     try:
         peak = detect_peak_flops(env.device, cfg.logging.peak_flops)
-        runs = ([("ours", bench_ours)] if not args.peer_only else []) + \
-            ([("hf_llama_fsdp2", bench_peer)] if args.peer or args.peer_only else [])
-        times = {name: [] for name, _ in runs}
+        times = {name: [] for name, *_ in runs}
         memory = dict.fromkeys(times, 0.0)
+        splits = {}  # name -> (micro-batch, accumulation) as run; auto is searched in the first round only
+        last_split = (cfg.train.micro_batch_size, args.grad_accum or 1) if args.peer_only else None
         round_step_s = {name: [] for name in times}  # each round's median step time
         # Rounds alternate the runs, so a machine whose speed drifts between invocations (seen at
         # short steps) affects both alike; each round builds its model afresh.
         for _ in range(args.rounds):
-            for name, bench in runs:
+            for name, bench, micro_batch, grad_accum in runs:
                 reset_memory(env)
-                round_times = bench(cfg, env, args)["times"]
-                times[name] += round_times
+                if bench is bench_peer:
+                    micro_batch, grad_accum = last_split
+                elif name in splits:
+                    micro_batch, grad_accum = splits[name]
+                result = bench(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+                splits[name] = last_split = (result["micro_batch"], result["grad_accum"])
+                times[name] += result["times"]
                 memory[name] = max(memory[name], peak_memory_gib(env))
-                round_step_s[name].append(statistics.median(round_times))
+                round_step_s[name].append(statistics.median(result["times"]))
             torch._dynamo.reset()  # recompile from the caches rather than pile up guards on old modules
-        rows = [summarise(name, times[name], memory[name], cfg, args, peak) for name, _ in runs]
+        rows = [summarise(name, times[name], memory[name], splits[name], cfg, peak) for name, *_ in runs]
         ablations = [name for name in ("fused_projections", "unfused_adamw") if getattr(args, name)]
         if env.is_main:
             m = cfg.model
             device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
-            print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, micro-batch "
-                  f"{cfg.train.micro_batch_size} x accum {args.grad_accum}, world {env.world_size} x {device}, "
+            print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, global batch "
+                  f"{max(r['micro_batch'] * r['grad_accum'] for r in rows) * env.world_size}, world {env.world_size} x {device}, "
                   f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
                   f"compile {cfg.train.compile}, cpu_offload {cfg.fsdp.cpu_offload}"
                   + "".join(f", {name}" for name in ablations))
-            print(f"{'run':<16}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
+            print(f"{'run':<16}{'micro x acc':>12}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
             for r in rows:
                 mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-                print(f"{r['name']:<16}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_mem_gib']:>10.2f}")
-            round_ratios = []
-            if len(rows) == 2:
-                round_ratios = [peer / ours for ours, peer in zip(*round_step_s.values())]
-                per_round = f" (all rounds' steps; per round: {', '.join(f'{r:.3f}' for r in round_ratios)})" if args.rounds > 1 else ""
-                print(f"ratio ours / reference tokens/s: {rows[0]['tokens_per_sec_per_gpu'] / rows[1]['tokens_per_sec_per_gpu']:.3f}{per_round}")
+                split = f"{r['micro_batch']} x {r['grad_accum']}"
+                print(f"{r['name']:<16}{split:>12}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_mem_gib']:>10.2f}")
+            round_ratios = {}
+            if args.peer and not args.peer_only:
+                reference = rows[-1]
+                for r in rows[:-1]:
+                    round_ratios[r["name"]] = [peer / ours for ours, peer in zip(round_step_s[r["name"]], round_step_s[reference["name"]])]
+                    per_round = f" (all rounds' steps; per round: {', '.join(f'{x:.3f}' for x in round_ratios[r['name']])})" if args.rounds > 1 else ""
+                    print(f"ratio {r['name']} / reference tokens/s: "
+                          f"{r['tokens_per_sec_per_gpu'] / reference['tokens_per_sec_per_gpu']:.3f}{per_round}")
             if args.json:
                 record = {"config": args.config, "overrides": overrides, "world_size": env.world_size, "device": device,
                           "params": m.num_params(), "ablations": ablations, "rows": rows,

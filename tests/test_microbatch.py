@@ -7,7 +7,10 @@ the GPU counterparts."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -303,3 +306,23 @@ def test_out_of_memory_on_one_rank_only_stops_within_the_timeout(corpus, dataset
     (line,) = error_lines(proc)
     assert line.startswith("error: out of memory at step 3 (training, micro-batch 2 x accumulation 2, rank 0)")
     assert "Not every rank ran out of memory" in line and "so the step cannot be redone" in line
+
+
+# ---- benchmark ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
+    # One process, global batch 8: readings 1 + 0.5 * b GiB all fit a 9 GiB budget, so auto takes 8 (x 1);
+    # the fixed micro-batch 2 needs accumulation 4; the reference runs at the auto choice.
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
+                           "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
+                           "--train.global_batch_size=8", "--compare_auto", "--fixed_micro_batch=2", "--peer",
+                           "--steps=1", "--warmup=1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **fake_memory(10, 1, 0.5)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:4] for line in proc.stdout.splitlines() if line.startswith(("ours", "hf_"))}
+    assert rows["ours_mb2"] == ["2", "x", "4"] and rows["ours_auto"] == ["8", "x", "1"] and rows["hf_llama_fsdp2"] == ["8", "x", "1"]
+    assert "auto: micro-batch 8 of 8 per rank" in proc.stdout
+    assert "ratio ours_auto / reference tokens/s:" in proc.stdout
