@@ -176,10 +176,6 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
             log_parameter_summary(cfg.model)
         else:
             log.info("model: %s from %s", model_signature, cfg.model.hf_path or cfg.model.hf_config)
-        log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, train %s tokens, val %s tokens",
-                 env.world_size, env.device.type, precision.name, str(precision.reduce).replace("torch.", ""),
-                 cfg.fsdp.version, cfg.fsdp.sharding_strategy,
-                 f"{prepared.num_train_tokens:,}", f"{prepared.num_val_tokens:,}")
 
     # Before any resume: the search's trial steps need the optimizer state empty (they leave it so).
     probe = memory_probe(env.device, env.rank)
@@ -191,8 +187,10 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
     if probe is not None:
         probe.begin(mb)  # the memory figures from here on are the training's
     if env.is_main:
-        log.info("micro-batch %d x gradient accumulation %d x %d ranks = global batch %d", mb, grad_accum, env.world_size,
-                 t.global_batch_size)
+        log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, micro-batch %d, train %s tokens, val %s tokens",
+                 env.world_size, env.device.type, precision.name, str(precision.reduce).replace("torch.", ""),
+                 cfg.fsdp.version, cfg.fsdp.sharding_strategy, grad_accum, mb,
+                 f"{prepared.num_train_tokens:,}", f"{prepared.num_val_tokens:,}")
 
     state = TrainState()
     if resume_from is None and cfg.checkpoint.auto_resume and ckpt.complete_checkpoints():
