@@ -192,6 +192,22 @@ def bench_peer(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
     return {**measure(step, env, args), "micro_batch": micro_batch, "grad_accum": grad_accum}
 
 
+def bench_peer_fitting(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
+    """The reference at ours' split, or, where that runs out of memory (it keeps more than ours: the
+    whole logits), at half the micro-batch and twice the accumulation, and so on: the same global batch.
+    Its model is rebuilt for each try; the out-of-memory error hits every rank alike (same shapes)."""
+    while True:
+        try:
+            return bench_peer(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+        except torch.OutOfMemoryError:
+            if micro_batch % 2:
+                raise
+        if env.is_main:
+            print(f"reference: out of memory at micro-batch {micro_batch}; trying {micro_batch // 2} x {grad_accum * 2}", flush=True)
+        micro_batch, grad_accum = micro_batch // 2, grad_accum * 2
+        reset_memory(env)
+
+
 def peak_memory_gib(env) -> float:
     mem = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0, device=env.device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
@@ -267,12 +283,17 @@ def main() -> int:
         for _ in range(args.rounds):
             for name, bench, micro_batch, grad_accum in runs:
                 reset_memory(env)
-                if bench is bench_peer:
-                    micro_batch, grad_accum = last_split
-                elif name in splits:
+                if name in splits:
                     micro_batch, grad_accum = splits[name]
-                result = bench(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
-                splits[name] = last_split = (result["micro_batch"], result["grad_accum"])
+                elif bench is bench_peer:
+                    micro_batch, grad_accum = last_split
+                if bench is bench_peer:
+                    result = bench_peer_fitting(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+                else:
+                    result = bench(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+                splits[name] = (result["micro_batch"], result["grad_accum"])
+                if bench is bench_ours:
+                    last_split = splits[name]
                 times[name] += result["times"]
                 memory[name] = max(memory[name], peak_memory_gib(env))
                 round_step_s[name].append(statistics.median(result["times"]))

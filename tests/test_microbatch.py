@@ -326,3 +326,25 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
     assert rows["ours_mb2"] == ["2", "x", "4"] and rows["ours_auto"] == ["8", "x", "1"] and rows["hf_llama_fsdp2"] == ["8", "x", "1"]
     assert "auto: micro-batch 8 of 8 per rank" in proc.stdout
     assert "ratio ours_auto / reference tokens/s:" in proc.stdout
+
+
+def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
+    # The reference keeps the whole logits and may not fit ours' micro-batch: it retries at half the
+    # micro-batch and twice the accumulation (the same global batch) until it fits.
+    import torch
+    from types import SimpleNamespace
+
+    from scripts import benchmark
+
+    tried = []
+
+    def fake_peer(cfg, env, args, *, micro_batch, grad_accum):
+        tried.append((micro_batch, grad_accum))
+        if micro_batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"times": [1.0], "micro_batch": micro_batch, "grad_accum": grad_accum}
+
+    monkeypatch.setattr(benchmark, "bench_peer", fake_peer)
+    monkeypatch.setattr(benchmark, "reset_memory", lambda env: None)
+    result = benchmark.bench_peer_fitting(None, SimpleNamespace(is_main=False), None, micro_batch=8, grad_accum=1)
+    assert tried == [(8, 1), (4, 2), (2, 4)] and (result["micro_batch"], result["grad_accum"]) == (2, 4)
