@@ -15,7 +15,8 @@ Micro-batch and accumulation: a numeric train.micro_batch_size runs `--grad_accu
 step (default 1). `train.micro_batch_size=auto` runs train_fsdp.py's search (no cache) and then the
 accumulation that train.global_batch_size needs, as training would. `--compare_auto` runs ours twice at
 the config's global batch, at micro-batch `--fixed_micro_batch` (default 8, the former presets) and at
-the auto choice; the reference (`--peer`) runs at the auto choice: one invocation, one global batch.
+the auto choice; the reference (`--peer`) runs at the auto choice (or, where that runs it out of memory,
+at half the micro-batch and twice the accumulation, and so on): one invocation, one global batch.
 """
 from __future__ import annotations
 

@@ -11,8 +11,10 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from config import ConfigError, check_batch_split, load_config
 from fsdp_utils.microbatch import (CACHE_FILE, FakeProbe, MicroBatchChoice, _read_cache, climb, divisors,
@@ -331,9 +333,6 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
 def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
     # The reference keeps the whole logits and may not fit ours' micro-batch: it retries at half the
     # micro-batch and twice the accumulation (the same global batch) until it fits.
-    import torch
-    from types import SimpleNamespace
-
     from scripts import benchmark
 
     tried = []
