@@ -288,7 +288,7 @@ def cache_key(cfg, *, model_signature: dict, world_size: int, gpu: str, precisio
     return json.loads(json.dumps(key))  # as it reads back from the file
 
 
-def _read_cache(out_dir: Path, key: dict) -> dict | None:
+def read_cache(out_dir: Path, key: dict) -> dict | None:
     path = out_dir / CACHE_FILE
     if not path.is_file():
         return None
@@ -336,7 +336,7 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
         log.info("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch %d, the largest divisor "
                  "of the per-rank batch %d up to train.auto_micro_batch_cpu=%d", size, per_rank, t.auto_micro_batch_cpu)
         return MicroBatchChoice(size, "cpu")
-    found = [_read_cache(cfg.output_dir, key) if env.is_main else None]
+    found = [read_cache(cfg.output_dir, key) if env.is_main else None]
     dist.broadcast_object_list(found, src=0)  # every rank takes rank 0's answer
     if found[0] is not None:
         entry = found[0]
@@ -473,7 +473,11 @@ def end_interrupted_step(model: nn.Module) -> None:
         model.set_requires_gradient_sync(True)
         root = model._get_fsdp_state()
         for state in root._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
+            # A list of groups in recent torch versions, one group (or None) before.
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                groups = [g for g in [getattr(state, "_fsdp_param_group")] if g is not None]
+            for group in groups:
                 for param in group.fsdp_params:
                     param.unsharded_accumulated_grad = None
                     if hasattr(param, "_unsharded_param"):
@@ -541,7 +545,11 @@ class OutOfMemoryGuard:
             raise OutOfMemory(f"{report}. Not every rank ran out of memory (the others did not reach the retry within "
                               f"run.timeout_s={self.timeout_s:g} s: they are waiting in the step's next collective), "
                               f"so the step cannot be redone; stopping ({str(err).splitlines()[0]})") from None
-        end_interrupted_step(model)
+        try:
+            end_interrupted_step(model)
+        except AttributeError as err:  # FSDP's internals moved in this torch version
+            raise OutOfMemory(f"{report}. Cannot end the interrupted step with torch {torch.__version__}'s FSDP "
+                              f"({err}); stopping") from None
         optimizer.zero_grad(set_to_none=True)
         if self.compile:
             torch.compiler.reset()  # the new shape compiles static, not as a dynamic batch dimension

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from config import ConfigError, check_batch_split, load_config
-from fsdp_utils.microbatch import (CACHE_FILE, FakeProbe, MicroBatchChoice, _read_cache, climb, divisors,
+from fsdp_utils.microbatch import (CACHE_FILE, FakeProbe, MicroBatchChoice, climb, divisors, read_cache,
                                    save_to_cache, smaller_micro_batch)
 from tests.helpers import ROOT, losses, run_train
 
@@ -98,10 +98,10 @@ def test_cache_round_trip_and_replace(tmp_path):
     save_to_cache(tmp_path, key_a, MicroBatchChoice(8, "search", {1: 2.0, 8: 20.0}, 79.0, 71.1, 9.0))  # replaces
     entries = json.loads((tmp_path / CACHE_FILE).read_text())["entries"]
     assert [(e["key"]["gpu"], e["micro_batch_size"]) for e in entries] == [("H200", 32), ("H100", 8)]
-    assert _read_cache(tmp_path, key_a)["measured_gib"] == {"1": 2.0, "8": 20.0}
-    assert _read_cache(tmp_path, {"gpu": "A100"}) is None
+    assert read_cache(tmp_path, key_a)["measured_gib"] == {"1": 2.0, "8": 20.0}
+    assert read_cache(tmp_path, {"gpu": "A100"}) is None
     (tmp_path / CACHE_FILE).write_text("{not json")
-    assert _read_cache(tmp_path, key_a) is None  # unreadable: searched again, not a crash
+    assert read_cache(tmp_path, key_a) is None  # unreadable: searched again, not a crash
 
 
 # ---- config -----------------------------------------------------------------------------------------
