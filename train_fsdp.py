@@ -33,6 +33,8 @@ from fsdp_utils.checkpoint_format import check_structure
 from fsdp_utils.distributed import DistEnv, Launch, destroy_distributed, init_distributed, read_torchrun_env
 from fsdp_utils.float8 import float8_problems, precompute_float8_scales
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
+from fsdp_utils.microbatch import (OutOfMemory, OutOfMemoryGuard, cache_key, memory_hint, memory_probe,
+                                   resolve_micro_batch, save_to_cache)
 from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
 from fsdp_utils.preemption import StopSignal
 from fsdp_utils.build import build_model
@@ -41,7 +43,7 @@ from fsdp_utils.step import forward_backward
 from fsdp_utils.wrap import parallelize, resolve_precision
 
 log = logging.getLogger("train")
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -122,26 +124,29 @@ def log_parameter_summary(model_cfg) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, val_data: TokenDataset, cfg: Config, env: DistEnv) -> float:
-    """Mean validation loss over the first eval_batches micro-batches of the validation set, whatever the
-    world size: rank r takes batches r, r + W, ...; every rank runs the same number of forward passes
-    (FSDP needs them all), a rank past the end weighting its last one by zero."""
+def evaluate(model, val_data: TokenDataset, *, num_samples: int, micro_batch: int, env: DistEnv) -> float:
+    """Mean validation loss over the first num_samples sequences of the validation set, in micro-batches,
+    whatever the world size: rank r takes batches r, r + W, ...; every rank runs the same number of forward
+    passes (FSDP needs them all), a rank past the end weighting its last one by zero. Every batch holds as
+    many tokens, so the mean of the batch means is the same for any micro-batch that divides num_samples."""
     model.eval()
-    mb, n = cfg.train.micro_batch_size, cfg.train.eval_batches
-    total = torch.zeros((), device=env.device)
-    for first in range(0, n, env.world_size):
-        k = first + env.rank
-        x, y = val_data.batch(min(k, n - 1) * mb, mb)
-        loss = model(x.to(env.device), y.to(env.device)).float()
-        total += loss if k < n else 0.0 * loss
-    dist.all_reduce(total)
-    model.train()
+    try:
+        n = num_samples // micro_batch
+        total = torch.zeros((), device=env.device)
+        for first in range(0, n, env.world_size):
+            k = first + env.rank
+            x, y = val_data.batch(min(k, n - 1) * micro_batch, micro_batch)
+            loss = model(x.to(env.device), y.to(env.device)).float()
+            total += loss if k < n else 0.0 * loss
+        dist.all_reduce(total)
+    finally:
+        model.train()
     return total.item() / n
 
 
 def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) -> dict:
     t = cfg.train
-    grad_accum = check_batch_split(cfg, env.world_size)
+    check_batch_split(cfg, env.world_size)
     out_dir = cfg.output_dir
     torch.manual_seed(cfg.run.seed)
 
@@ -175,9 +180,20 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
             log_parameter_summary(cfg.model)
         else:
             log.info("model: %s from %s", model_signature, cfg.model.hf_path or cfg.model.hf_config)
-        log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, train %s tokens, val %s tokens",
+
+    # Before any resume: the search's trial steps need the optimizer state empty (they leave it so).
+    probe = memory_probe(env.device, env.rank)
+    key = cache_key(cfg, model_signature=model_signature, world_size=env.world_size, gpu=probe.name if probe else "cpu",
+                    precision=precision.name)
+    choice = resolve_micro_batch(cfg, env, model=model, optimizer=optimizer, vocab_size=model_vocab, key=key, probe=probe)
+    mb = choice.micro_batch_size
+    grad_accum = check_batch_split(cfg, env.world_size, micro_batch=mb)
+    if probe is not None:
+        probe.begin(mb)  # the memory figures from here on are the training's
+    if env.is_main:
+        log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, micro-batch %d, train %s tokens, val %s tokens",
                  env.world_size, env.device.type, precision.name, str(precision.reduce).replace("torch.", ""),
-                 cfg.fsdp.version, cfg.fsdp.sharding_strategy, grad_accum,
+                 cfg.fsdp.version, cfg.fsdp.sharding_strategy, grad_accum, mb,
                  f"{prepared.num_train_tokens:,}", f"{prepared.num_val_tokens:,}")
 
     state = TrainState()
@@ -199,16 +215,27 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
             shutil.copytree(prepared.tokenizer_path, out_dir / prepared.tokenizer_path.name, dirs_exist_ok=True)
         else:
             shutil.copyfile(prepared.tokenizer_path, out_dir / "tokenizer.model")
+        if choice.how == "search":
+            save_to_cache(out_dir, key, choice)
 
     # ---- loop -----------------------------------------------------------------------------------
     metrics = MetricsWriter(out_dir, tensorboard=cfg.logging.tensorboard) if env.is_main else None
     peak_flops = detect_peak_flops(env.device, cfg.logging.peak_flops)
-    mb, tokens_per_step = t.micro_batch_size, t.global_batch_size * cfg.data.seq_len
-    first_step, first_sample = state.step, state.samples_seen
-    # Global sample index of every micro-batch this rank will read: the order is the same on any world size.
-    indices = (first_sample + (s - first_step) * t.global_batch_size + (m * env.world_size + env.rank) * mb
-               for s in range(first_step, t.max_steps) for m in range(grad_accum))
-    batches = BatchPrefetcher(train_data, indices, num_samples=mb, device=env.device)
+    tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    first_step = state.step
+    num_eval_samples = t.eval_batches * mb  # the same sequences if an out-of-memory retry halves mb
+
+    def open_batches(micro_batch: int) -> BatchPrefetcher:
+        """This rank's micro-batches from the current step on. Global sample index of each: the order is
+        the same on any world size and micro-batch (a step's samples are its global batch, split)."""
+        step0, sample0, accum = state.step, state.samples_seen, t.global_batch_size // (micro_batch * env.world_size)
+        indices = (sample0 + (s - step0) * t.global_batch_size + (m * env.world_size + env.rank) * micro_batch
+                   for s in range(step0, t.max_steps) for m in range(accum))
+        return BatchPrefetcher(train_data, indices, num_samples=micro_batch, device=env.device)
+
+    batches = open_batches(mb)
+    oom = OutOfMemoryGuard(env, probe=probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s, compile=t.compile,
+                           model=model, block_classes=built.block_classes)
     inject_nan_at = int(os.environ.get("FSDP_INJECT_NAN_AT_STEP", 0))  # fault injection for the tests
     start_time = last_log_time = time.perf_counter()
     last_log_step, last, num_bad_steps = first_step, {}, 0
@@ -218,7 +245,15 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
             lr = lr_at(state.step, max_lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum = forward_backward(model, batches, scaler, grad_accum=grad_accum)
+            while True:  # again only after an out-of-memory error, with train.oom_retry_half
+                loss_sum, new_mb = oom.attempt(lambda: forward_backward(model, batches, scaler, grad_accum=grad_accum),
+                                               step=state.step + 1, phase="training", micro_batch=mb, grad_accum=grad_accum,
+                                               model=model, optimizer=optimizer)
+                if new_mb == mb:
+                    break
+                batches.close()
+                mb, grad_accum = new_mb, t.global_batch_size // (new_mb * env.world_size)
+                batches = open_batches(mb)  # this step's samples again, in smaller micro-batches
             if inject_nan_at == state.step + 1 and env.is_main:
                 loss_sum = loss_sum * float("nan")
             if scaler:
@@ -248,6 +283,10 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
             state.step += 1
             state.samples_seen += t.global_batch_size
             state.tokens_seen += tokens_per_step
+            if state.step == first_step + 2 and t.micro_batch_size != "auto":  # a collective: every rank
+                hint = memory_hint(probe, env, micro_batch=mb, grad_accum=grad_accum)
+                if hint and env.is_main:
+                    log.info("%s", hint)
 
             if state.step % cfg.logging.interval == 0 or state.step == t.max_steps:
                 now = time.perf_counter()
@@ -265,7 +304,16 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
                 last_log_time, last_log_step = time.perf_counter(), state.step
 
             if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.max_steps):
-                val_loss = evaluate(model, val_data, cfg, env)
+                while True:
+                    val_loss, new_mb = oom.attempt(
+                        lambda: evaluate(model, val_data, num_samples=num_eval_samples, micro_batch=mb, env=env),
+                        step=state.step, phase="evaluation", micro_batch=mb, grad_accum=grad_accum, model=model,
+                        optimizer=optimizer)
+                    if new_mb == mb:
+                        break
+                    batches.close()
+                    mb, grad_accum = new_mb, t.global_batch_size // (new_mb * env.world_size)
+                    batches = open_batches(mb)  # the next steps at the smaller micro-batch too
                 last["val_loss"] = val_loss
                 if env.is_main:
                     log.info("step %d | val_loss %.4f", state.step, val_loss)

@@ -90,8 +90,17 @@ class TrainConfig:
     """Optimizer steps to run."""
     global_batch_size: int = 32
     """Sequences per optimizer step over all ranks; gradient accumulation is derived from it."""
-    micro_batch_size: int = 8
-    """Sequences per forward pass on each rank."""
+    micro_batch_size: int | str = 8
+    """Sequences per forward pass on each rank, or auto: the largest divisor of the per-rank batch
+    (global_batch_size / world size) that fits in GPU memory, measured by a few trial steps before
+    training and cached in <output_dir>/microbatch_cache.json (the training is the same: same global batch)."""
+    auto_micro_batch_margin: float = 0.1
+    """micro_batch_size=auto: share of the GPU's memory left free (fragmentation, evaluation, the unforeseen)."""
+    auto_micro_batch_cpu: int = 8
+    """micro_batch_size=auto on the CPU (no GPU memory to measure): the largest divisor of the per-rank batch up to this."""
+    oom_retry_half: bool = False
+    """On a CUDA out-of-memory error in a step or an evaluation (every rank alike), redo it with half the
+    micro-batch and twice the accumulation (the same samples), and keep that size; off: stop with the figures."""
     lr: float = 3e-4
     """Peak learning rate, reached after warmup."""
     min_lr_ratio: float = 0.1
@@ -216,7 +225,12 @@ def _coerce(value, hint, where: str, problems: list[str]):
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
-        hint = next(t for t in options if t is not type(None))
+        kinds = [t for t in options if t is not type(None)]
+        if len(kinds) > 1:  # e.g. int | str: a value of one of them, as it is
+            if not any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in kinds):
+                problems.append(f"{where}: expected {' or '.join(t.__name__ for t in kinds)}, got {type(value).__name__} {value!r}")
+            return value
+        hint = kinds[0]
         origin = typing.get_origin(hint)
     if origin is list:
         (item,) = typing.get_args(hint)
@@ -346,9 +360,20 @@ def validate(cfg: Config) -> list[str]:
     if cfg.data.vocab_size < 16 and not cfg.data.tokenizer_model:
         p.append(f"data.vocab_size must be at least 16, got {cfg.data.vocab_size}")
     t = cfg.train
-    for name in ("max_steps", "global_batch_size", "micro_batch_size"):
+    for name in ("max_steps", "global_batch_size"):
         if getattr(t, name) <= 0:
             p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+    if isinstance(t.micro_batch_size, str):
+        if t.micro_batch_size != "auto":
+            p.append(f"train.micro_batch_size must be a positive integer or auto, got '{t.micro_batch_size}'")
+    elif t.micro_batch_size <= 0:
+        p.append(f"train.micro_batch_size must be positive, got {t.micro_batch_size}")
+    elif t.global_batch_size % t.micro_batch_size:
+        p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
+    if not 0 <= t.auto_micro_batch_margin < 1:
+        p.append(f"train.auto_micro_batch_margin must be in [0, 1), got {t.auto_micro_batch_margin}")
+    if t.auto_micro_batch_cpu <= 0:
+        p.append(f"train.auto_micro_batch_cpu must be positive, got {t.auto_micro_batch_cpu}")
     if t.eval_batches <= 0:
         p.append(f"train.eval_batches must be positive, got {t.eval_batches}")
     for name in ("warmup_steps", "eval_interval", "grad_clip", "weight_decay"):
@@ -358,8 +383,6 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"train.lr must be positive, got {t.lr}")
     if not 0 <= t.min_lr_ratio <= 1:
         p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
-        p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
     _choice(p, "train.precision", t.precision, PRECISIONS)
     _choice(p, "train.float8", t.float8, FLOAT8)
     if t.float8 != "none" and cfg.fsdp.version == 1:
@@ -393,14 +416,24 @@ def validate(cfg: Config) -> list[str]:
     return p
 
 
-def check_batch_split(cfg: Config, world_size: int) -> int:
-    """Gradient accumulation steps for this world size; ConfigError when the split is not whole."""
+def check_batch_split(cfg: Config, world_size: int, micro_batch: int | None = None) -> int | None:
+    """Gradient accumulation steps for this world size and micro-batch (train.micro_batch_size unless given);
+    ConfigError when the split is not whole. With micro_batch_size=auto and no micro_batch: only checks that
+    the global batch splits over the ranks, and returns None (the micro-batch is measured later)."""
     t = cfg.train
-    per_step = t.micro_batch_size * world_size
+    if micro_batch is None and t.micro_batch_size == "auto":
+        if t.global_batch_size % world_size:
+            raise ConfigError([
+                f"train.global_batch_size={t.global_batch_size} is not divisible by the world size {world_size} "
+                f"(train.micro_batch_size=auto splits each rank's share of it); pick a multiple of {world_size}"
+            ])
+        return None
+    micro_batch = micro_batch or t.micro_batch_size
+    per_step = micro_batch * world_size
     if t.global_batch_size % per_step:
         raise ConfigError([
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * world size "
-            f"= {t.micro_batch_size} * {world_size} = {per_step}; pick a global batch that is a multiple of {per_step}"
+            f"= {micro_batch} * {world_size} = {per_step}; pick a global batch that is a multiple of {per_step}"
         ])
     return t.global_batch_size // per_step
 

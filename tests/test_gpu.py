@@ -1,12 +1,13 @@
 """GPU tests (NCCL, bf16/fp16). Marked `gpu`: skipped on machines without CUDA; the 2-GPU cases need two."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
-from tests.helpers import losses, run_train
+from tests.helpers import losses, run_train, write_corpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 GPU = ["--run.device=cuda", "--train.precision=bf16"]
@@ -81,3 +82,78 @@ def test_compiled_chunked_loss_in_bf16_matches_fp32_reference():
     reference = run(torch.float32, 0)
     for got, want in zip(run(torch.bfloat16, 2048), reference):
         assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+# ---- train.micro_batch_size: auto, and out-of-memory retries (fsdp_utils/microbatch.py) -----------------
+
+MODEL_90M = ["--model.dim=768", "--model.n_layers=12", "--model.n_heads=12", "--model.n_kv_heads=12", "--train.lr=6e-4"]
+
+
+@needs_gpus(1)
+def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
+    # The 90M shape at sequence 2048, compiled, 64 sequences per GPU, with a budget of 6 GiB whatever the
+    # GPU (margin 1 - 6 GiB / its memory): about 0.6 GiB a sequence, so the search must stop well inside
+    # the candidates 1 .. 64; then training and evaluation at the chosen size must stay in the budget.
+    nproc = min(2, torch.cuda.device_count())
+    margin = 1 - 6 * 2**30 / torch.cuda.get_device_properties(0).total_memory
+    corpus = write_corpus(tmp_path / "corpus.txt", num_docs=800)  # validation split > one 2048-token sequence
+    out = tmp_path / "auto"
+    args = [*GPU, *MODEL_90M, "--model.max_seq_len=2048", "--data.seq_len=2048", "--train.compile=true",
+            f"--train.global_batch_size={64 * nproc}", "--train.micro_batch_size=auto",
+            f"--train.auto_micro_batch_margin={margin:.4f}", "--train.eval_interval=2", "--train.eval_batches=2",
+            "--checkpoint.interval=2"]
+    first = run_train(*args, "--train.max_steps=4", nproc=nproc, out_dir=out, corpus=corpus, dataset_dir=tmp_path / "data",
+                      timeout=900)
+    (entry,) = json.loads((out / "microbatch_cache.json").read_text())["entries"]
+    chosen = entry["micro_batch_size"]
+    assert f"train.micro_batch_size=auto: micro-batch {chosen} " in first.stderr
+    assert 1 < chosen < 64, entry  # a real choice, neither the smallest nor the largest candidate
+    # (A size measured over the budget may be in the list too: the one the search stopped at.)
+    assert entry["measured_gib"][str(chosen)] <= entry["budget_gib"] <= 6.01
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # peak_mem_gib is max_memory_allocated since the search ended (training and the evaluations at
+    # steps 2 and 4); the budget was set on reserved memory, which is at least as large.
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
+    assert max(r["peak_mem_gib"] for r in rows if "peak_mem_gib" in r) <= entry["budget_gib"], (rows, entry)
+    assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    # Resumed from step 4: the cached choice, no trial steps.
+    second = run_train(*args, "--train.max_steps=6", nproc=nproc, out_dir=out, corpus=corpus, dataset_dir=tmp_path / "data",
+                       timeout=900)
+    assert "measuring trial steps" not in second.stderr and "; no search" in second.stderr
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
+
+
+@needs_gpus(1)
+def test_real_out_of_memory_is_retried_at_half_the_micro_batch(tmp_path, corpus, dataset_dir):
+    # One GPU (no other rank to wait for): micro-batch 256 of the 90M shape at sequence 2048, uncompiled,
+    # needs far more than 141 GB; train.oom_retry_half halves it (128, 64, ...) until it fits and trains on.
+    proc = run_train("--run.device=cuda", "--train.precision=bf16", *MODEL_90M, "--model.max_seq_len=2048",
+                     "--data.seq_len=2048", "--train.global_batch_size=256", "--train.micro_batch_size=256",
+                     "--train.oom_retry_half=true", "--train.max_steps=2", nproc=1, out_dir=tmp_path / "out",
+                     corpus=corpus, dataset_dir=dataset_dir, timeout=600)
+    assert "out of memory at step 1 (training, micro-batch 256 x accumulation 1, rank 0)" in proc.stderr
+    assert "redoing the training of step 1 with micro-batch 128" in proc.stderr
+    got = losses(tmp_path / "out")
+    assert sorted(got) == [1, 2] and all(math.isfinite(v) for v in got.values())
+
+
+@needs_gpus(2)
+def test_injected_out_of_memory_retry_on_two_gpus_matches_the_reference(tmp_path, corpus, dataset_dir):
+    # NCCL and CUDA streams: out of memory (injected) in the backward of step 3's second micro-batch on both
+    # GPUs, retried at micro-batch 1. Reference: micro-batch 2 for steps 1-2, then micro-batch 1 resumed
+    # from the step-2 checkpoint. Gradients left over from the interrupted attempt would show in step 3's
+    # gradient norm (on the CPU: +50%); bf16 noise between the two is about 1%.
+    ref, retry = tmp_path / "ref", tmp_path / "retry"
+    run_train(*GPU, "--checkpoint.interval=2", "--train.max_steps=2", nproc=2, out_dir=ref, corpus=corpus, dataset_dir=dataset_dir)
+    run_train(*GPU, "--checkpoint.interval=2", "--train.max_steps=5", "--train.micro_batch_size=1", nproc=2, out_dir=ref,
+              corpus=corpus, dataset_dir=dataset_dir)
+    proc = run_train(*GPU, "--train.max_steps=5", "--train.oom_retry_half=true", nproc=2, out_dir=retry, corpus=corpus,
+                     dataset_dir=dataset_dir, extra_env={"FSDP_INJECT_OOM": "3:backward:2"})
+    assert "redoing the training of step 3 with micro-batch 1" in proc.stderr
+    norms = {}
+    for out in (ref, retry):
+        norms[out] = {r["step"]: r["grad_norm"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "grad_norm" in r}
+    for step in (3, 4, 5):
+        assert math.isclose(norms[retry][step], norms[ref][step], rel_tol=5e-2), (step, norms)
+    for step, value in losses(ref).items():
+        assert math.isclose(losses(retry)[step], value, rel_tol=2e-2), step
