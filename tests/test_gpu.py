@@ -62,6 +62,25 @@ def test_checkpoint_saved_on_two_gpus_resumes_on_one(tmp_path, corpus, dataset_d
         assert math.isclose(one[step], two[step], rel_tol=2e-2), (step, one[step], two[step])
 
 
+@needs_gpus(4)
+@pytest.mark.parametrize("version", [1, 2])
+def test_sharded_checkpoint_saved_on_four_gpus_resumes_on_two_and_one(tmp_path, corpus, dataset_dir, version):
+    # Global batch 8 splits as 2 x 4 GPUs, 4 x 2 and 8 x 1 (no accumulation anywhere): the same samples per
+    # step at every world size, so the resumed losses continue the 4-GPU run's, up to bf16 reduction order.
+    args = [*GPU, f"--fsdp.version={version}", "--checkpoint.format=sharded", "--train.max_steps=8",
+            "--checkpoint.interval=4", "--checkpoint.keep_last_n=0", "--train.global_batch_size=8"]
+    run_train(*args, "--train.micro_batch_size=2", nproc=4, out_dir=tmp_path / "four", corpus=corpus, dataset_dir=dataset_dir)
+    four = losses(tmp_path / "four")
+    for nproc in (2, 1):
+        out = tmp_path / f"from_four_on_{nproc}"
+        run_train(*args, f"--train.micro_batch_size={8 // nproc}", f"--resume_from={tmp_path / 'four' / 'fsdp_sharded_cpt4'}",
+                  nproc=nproc, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+        resumed = losses(out)
+        assert sorted(resumed) == [5, 6, 7, 8], resumed  # continued after step 4, not from scratch
+        for step in resumed:
+            assert math.isclose(resumed[step], four[step], rel_tol=2e-2), (nproc, step, resumed[step], four[step])
+
+
 @needs_gpus(1)
 def test_compiled_chunked_loss_in_bf16_matches_fp32_reference():
     # What train.compile uses on GPUs: the chunk loss compiled, bf16 logits, an uneven last chunk.
