@@ -143,13 +143,14 @@ def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
 
 
 @needs_gpus(1)
-def test_real_out_of_memory_is_retried_at_half_the_micro_batch(tmp_path, corpus, dataset_dir):
+def test_real_out_of_memory_is_retried_at_half_the_micro_batch(tmp_path):
     # One GPU (no other rank to wait for): micro-batch 256 of the 90M shape at sequence 2048, uncompiled,
     # needs far more than 141 GB; train.oom_retry_half halves it (128, 64, ...) until it fits and trains on.
+    corpus = write_corpus(tmp_path / "corpus.txt", num_docs=800)  # validation split > one 2048-token sequence
     proc = run_train("--run.device=cuda", "--train.precision=bf16", *MODEL_90M, "--model.max_seq_len=2048",
                      "--data.seq_len=2048", "--train.global_batch_size=256", "--train.micro_batch_size=256",
                      "--train.oom_retry_half=true", "--train.max_steps=2", nproc=1, out_dir=tmp_path / "out",
-                     corpus=corpus, dataset_dir=dataset_dir, timeout=600)
+                     corpus=corpus, dataset_dir=tmp_path / "data", timeout=600)
     assert "out of memory at step 1 (training, micro-batch 256 x accumulation 1, rank 0)" in proc.stderr
     assert "redoing the training of step 1 with micro-batch 128" in proc.stderr
     got = losses(tmp_path / "out")
