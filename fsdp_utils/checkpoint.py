@@ -471,8 +471,14 @@ class CheckpointManager:
         self._in_flight = _InFlight(tmp, final, snapshot, start, job, stage, blocked=time.perf_counter() - start)
         if self.env.is_main:
             log.info("checkpoint %s: staged in host memory in %.2f s (%s copied, %s made for it by the state dict), "
-                     "writing it in the background", final.name, stage.seconds, format_size(stage.copied), format_size(stage.passed))
+                     "writing it in the background", final.name, stage.seconds, format_size(stage.copied),
+                     format_size(stage.passed))
         return final
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an asynchronous save has been started and not committed yet."""
+        return self._in_flight is not None
 
     def poll(self) -> None:
         """Every rank, at the same point of every step: commit the save in flight once every rank's
