@@ -244,7 +244,8 @@ class CheckpointManager:
         """Whether sharded state dicts are taken with cpu_offload. FSDP1 makes a sharded state dict by
         gathering each flat parameter (and its optimizer state) and cutting this rank's piece anew: new
         tensors, which on a GPU would pile up until the save is written (the model's and the optimizer's
-        state once more: +36 GB per GPU at 8B on 2 GPUs, more than training's own peak leaves free).
+        state once more: +48 GB per GPU at Llama-3-8B dimensions on 2 GPUs, by FSDP1's code; more than
+        training's own peak leaves free; scripts/benchmark.py --save_modes sync_gpu measures it).
         With cpu_offload each piece goes to host memory as soon as it is made. FSDP2's state dict holds
         the live sharded tensors (no copies): nothing to offload."""
         return self.env.device.type == "cuda" and bool(FullyShardedDataParallel.fsdp_modules(model))

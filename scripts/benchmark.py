@@ -10,9 +10,11 @@ layer, bf16 parameters with fp32 reduction, per-layer torch.compile, fused AdamW
 micro-batch and world size, run in the same invocation after ours. Prints tokens/s per GPU, MFU, step
 time and peak memory per GPU for each, and the ratio.
 
-`--save_modes sync,thread[,process]`: measure sharded checkpoint saves instead, in one invocation: after
-the timed training steps, for each mode, `--saves` saves through the checkpoint manager (sync: as
-train_fsdp.py with checkpoint.async_save=false; thread / process: asynchronous, with that writer), the
+`--save_modes sync,thread[,process,sync_gpu]`: measure sharded checkpoint saves instead, in one invocation:
+after the timed training steps, for each mode, `--saves` saves through the checkpoint manager (sync: as
+train_fsdp.py with checkpoint.async_save=false; thread / process: asynchronous, with that writer;
+sync_gpu: synchronous with FSDP1's state dict left on the GPU, as before issue 15, to measure the GPU
+copy of the state it makes: it may not fit at 8B on 80 GB GPUs), the
 training steps going on while an asynchronous write is in flight. Reports per mode the time the loop was
 blocked by a save (its stall), the whole save's time, the steps that overlapped a save against the
 others, and the peak GPU memory during the save calls and during training. Each checkpoint is deleted
@@ -211,9 +213,12 @@ def bench_saves(cfg, env, args) -> list[dict]:
     root = Path(args.save_dir)
     rows = []
     for mode in args.save_modes.split(","):
+        sync = mode in ("sync", "sync_gpu")
         manager = CheckpointManager(root / mode, fmt="sharded", keep_last_n=0, model_config={}, env=env,
-                                    async_save=mode != "sync", async_writer="thread" if mode == "sync" else mode,
+                                    async_save=not sync, async_writer="thread" if sync else mode,
                                     timeout_s=cfg.run.timeout_s)
+        if mode == "sync_gpu":
+            manager._offload = lambda model: False  # measurement only: the state dict as FSDP1 makes it, on the GPU
         start = time.perf_counter()
         try:
             manager.prepare_saving(model, optimizer)  # the staging arena: once per run, before the first save
@@ -323,7 +328,7 @@ def main() -> int:
     parser.add_argument("--unfused_adamw", action="store_true", help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     parser.add_argument("--save_modes", default="", help="measure sharded checkpoint saves instead: any of sync, "
-                        "thread, process, comma-separated (e.g. sync,thread)")
+                        "thread, process, sync_gpu, comma-separated (e.g. sync,thread)")
     parser.add_argument("--saves", type=int, default=1, help="with --save_modes: saves per mode")
     parser.add_argument("--max_overlap_steps", type=int, default=300,
                         help="with --save_modes: at most this many steps while an asynchronous write is in flight")
@@ -339,8 +344,8 @@ def main() -> int:
     if cfg.model.vocab_size == 0:  # no tokenizer here: random tokens over the configured vocabulary
         cfg.model.vocab_size = cfg.data.vocab_size
     modes = [m for m in args.save_modes.split(",") if m]
-    if unknown := [m for m in modes if m not in ("sync", "thread", "process")]:
-        print(f"error: --save_modes: {', '.join(unknown)} is not one of sync, thread, process", file=sys.stderr)
+    if unknown := [m for m in modes if m not in ("sync", "thread", "process", "sync_gpu")]:
+        print(f"error: --save_modes: {', '.join(unknown)} is not one of sync, thread, process, sync_gpu", file=sys.stderr)
         return 2
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
     try:
