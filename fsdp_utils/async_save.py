@@ -209,7 +209,8 @@ def host_memory(*, proc: Path = Path("/proc"), sys_root: Path = Path("/sys")) ->
     return HostMemory(available=max(0, limit - used), limit=limit, in_use=used, source=source, exact=exact)
 
 
-def check_host_memory(per_rank: int, env, *, what: str, shm: bool = False) -> str:
+def check_host_memory(per_rank: int, env, *, what: str, advice: str = "set checkpoint.async_save=false",
+                      shm: bool = False) -> str:
     """Every rank: the host memory the ranks of each node will hold for a save (`per_rank` bytes each)
     against what that node can give, and with `shm` (the process writer) the free space of /dev/shm
     too. A CheckpointError (on every rank) where it cannot: at the start of the run, not an
@@ -246,8 +247,7 @@ def check_host_memory(per_rank: int, env, *, what: str, shm: bool = False) -> st
                     f"free ({host_mem.limit / 2**30:,.1f} GiB from {host_mem.source}, {host_mem.in_use / 2**30:,.1f} GiB "
                     f"in use)")
             if host_mem.exact:
-                problem = (f"{text}; set checkpoint.async_save=false, run fewer ranks per node, or use a node with "
-                           f"more memory")
+                problem = f"{text}; {advice}, run fewer ranks per node, or use a node with more memory"
             elif host == here:
                 log.warning("%s; this machine adds memory as it is used (virtio-mem), so going on", text)
     if problem is not None:

@@ -264,7 +264,8 @@ class CheckpointManager:
         if self.fmt != "sharded" or not (self.async_save or self._offload(model)):
             return
         share = self._staging is not None and self._staging.share
-        where = check_host_memory(arena_bytes(model, optimizer), self.env, shm=share,
+        advice = "set checkpoint.async_save=false" if self.async_save else "use fsdp.version=2 (its saves copy nothing)"
+        where = check_host_memory(arena_bytes(model, optimizer), self.env, shm=share, advice=advice,
                                   what="its share of the weights and optimizer state")
         how = f"written in the background ({self._writer.writer} writer)" if self.async_save else "written synchronously"
         if self.env.is_main:
