@@ -210,10 +210,10 @@ def host_memory(*, proc: Path = Path("/proc"), sys_root: Path = Path("/sys")) ->
 
 
 def check_host_memory(per_rank: int, env, *, what: str, advice: str = "set checkpoint.async_save=false",
-                      shm: bool = False) -> str:
+                      shm_per_rank: int = 0) -> str:
     """Every rank: the host memory the ranks of each node will hold for a save (`per_rank` bytes each)
-    against what that node can give, and with `shm` (the process writer) the free space of /dev/shm
-    too. A CheckpointError (on every rank) where it cannot: at the start of the run, not an
+    against what that node can give, and the free space of /dev/shm against `shm_per_rank` (the process
+    writer's arena). A CheckpointError (on every rank) where it cannot: at the start of the run, not an
     out-of-memory kill (or a SIGBUS in /dev/shm) at the first save. Returns the line to log."""
     from .checkpoint_format import CheckpointError
 
@@ -224,7 +224,7 @@ def check_host_memory(per_rank: int, env, *, what: str, advice: str = "set check
         mem = None
         log.warning("cannot read this host's memory (%s): the checkpoint staging is not checked", err)
     shm_free = None
-    if shm and os.path.isdir("/dev/shm"):
+    if shm_per_rank and os.path.isdir("/dev/shm"):
         shm_free = shutil.disk_usage("/dev/shm").free
     rows = [None] * env.world_size
     dist.all_gather_object(rows, (here, per_rank, mem, shm_free))
@@ -234,11 +234,11 @@ def check_host_memory(per_rank: int, env, *, what: str, advice: str = "set check
     problem = None
     for host, nbytes, host_mem, free_shm in rows:
         ranks = sum(1 for h, *_ in rows if h == host)
-        if problem is None and free_shm is not None and needed[host] > free_shm:
+        if problem is None and free_shm is not None and ranks * shm_per_rank > free_shm:
             problem = (f"checkpoint.async_writer=process hands the staged state to its writer through /dev/shm: "
-                       f"{needed[host] / 2**30:,.1f} GiB needed on {host} ({ranks} rank(s)), {free_shm / 2**30:,.1f} GiB "
-                       f"free there; use checkpoint.async_writer=thread, or make /dev/shm larger "
-                       f"(mount -o remount,size=... /dev/shm)")
+                       f"{ranks * shm_per_rank / 2**30:,.1f} GiB needed on {host} ({ranks} rank(s)), "
+                       f"{free_shm / 2**30:,.1f} GiB free there; use checkpoint.async_writer=thread, or make /dev/shm "
+                       f"larger (mount -o remount,size=... /dev/shm)")
         if host_mem is None or problem is not None:
             continue
         if needed[host] > host_mem.available:

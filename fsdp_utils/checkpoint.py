@@ -265,8 +265,11 @@ class CheckpointManager:
             return
         share = self._staging is not None and self._staging.share
         advice = "set checkpoint.async_save=false" if self.async_save else "use fsdp.version=2 (its saves copy nothing)"
-        where = check_host_memory(arena_bytes(model, optimizer), self.env, shm=share, advice=advice,
-                                  what="its share of the weights and optimizer state")
+        # FSDP1 on GPUs with the process writer: FSDP1's offloaded pieces and their copy in the shared arena.
+        copies = 2 if share and self._offload(model) else 1
+        where = check_host_memory(copies * arena_bytes(model, optimizer), self.env, advice=advice,
+                                  shm_per_rank=arena_bytes(model, optimizer) if share else 0,
+                                  what="its share of the weights and optimizer state" + (", twice" if copies == 2 else ""))
         how = f"written in the background ({self._writer.writer} writer)" if self.async_save else "written synchronously"
         if self.env.is_main:
             log.info("sharded checkpoints %s, staged in host memory: %s", how, where)

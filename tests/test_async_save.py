@@ -115,7 +115,7 @@ def test_a_node_too_small_for_the_staging_is_refused_at_the_start(monkeypatch, c
     monkeypatch.setattr(async_save.os.path, "isdir", lambda path: True)
     with pytest.raises(CheckpointError, match=r"through /dev/shm: 96.0 GiB needed on .*, 64.0 GiB free there; use "
                                               r"checkpoint.async_writer=thread"):
-        async_save.check_host_memory(48 * gib, env, what="w", shm=True)
+        async_save.check_host_memory(48 * gib, env, what="w", shm_per_rank=48 * gib)
 
 
 def shutil_usage(*, free: int):
