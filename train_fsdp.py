@@ -171,8 +171,10 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler()
-    ckpt = CheckpointManager(out_dir, fmt=cfg.checkpoint.format, keep_last_n=cfg.checkpoint.keep_last_n,
-                             model_config=model_signature, env=env, verify=cfg.checkpoint.verify)
+    c = cfg.checkpoint
+    ckpt = CheckpointManager(out_dir, fmt=c.format, keep_last_n=c.keep_last_n, model_config=model_signature, env=env,
+                             verify=c.verify, async_save=c.async_save, async_writer=c.async_writer,
+                             on_async_error=c.on_async_error, timeout_s=cfg.run.timeout_s)
 
     if env.is_main:
         log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
@@ -217,6 +219,7 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
             shutil.copyfile(prepared.tokenizer_path, out_dir / "tokenizer.model")
         if choice.how == "search":
             save_to_cache(out_dir, key, choice)
+    ckpt.prepare_saving(model, optimizer)  # host memory for the saves checked now, not at the first save
 
     # ---- loop -----------------------------------------------------------------------------------
     metrics = MetricsWriter(out_dir, tensorboard=cfg.logging.tensorboard) if env.is_main else None
@@ -319,17 +322,21 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
                     log.info("step %d | val_loss %.4f", state.step, val_loss)
                     metrics.write({"step": state.step, "val_loss": val_loss})
 
+            ckpt.poll()  # every step, every rank: commits an asynchronous save once all its writes are done
             interval = cfg.checkpoint.interval
             stopping = shared[1].item() > 0
             if stopping or (interval and state.step % interval == 0) or state.step == t.max_steps:
                 state.grad_scaler = scaler.state_dict() if scaler else None
                 ckpt.save(model, optimizer, state)
             if stopping:
+                ckpt.finish()
                 if env.is_main:
                     log.info("stopped by a signal at step %d after saving; rerun the same command to continue "
                              "(checkpoint.auto_resume), or pass --resume_from latest", state.step)
                 break
+        ckpt.finish()  # a clean end waits for the save in flight
     finally:
+        ckpt.close()
         batches.close()
         if metrics is not None:
             metrics.close()

@@ -180,6 +180,17 @@ class CheckpointConfig:
     verify: bool = True
     """Before loading a checkpoint, check every file's CRC32 against the one recorded when it was saved
     (reads the checkpoint once more, spread over the ranks); `latest` falls back past a mismatch."""
+    async_save: bool | str = "auto"
+    """Sharded checkpoints: stage the state in host memory, then write it in the background while training
+    goes on; it counts (checksums, meta.json, rename, retention) once written. auto: on for sharded
+    checkpoints on GPUs; true (also on the CPU); false. Full checkpoints are always written synchronously."""
+    async_writer: str = "thread"
+    """With async_save: write from a thread of the training process, or from a process of its own that
+    torch.distributed.checkpoint starts (no competition for the training process's Python interpreter)."""
+    on_async_error: str = "stop"
+    """A background write that failed (reported at the next step, naming the checkpoint): stop (exit 1,
+    the previous checkpoint stays the newest) or continue training (the next save tries again). A failed
+    final save always ends the run with an error."""
 
 
 @dataclass
@@ -411,6 +422,13 @@ def validate(cfg: Config) -> list[str]:
     for name in ("interval", "keep_last_n"):
         if getattr(cfg.checkpoint, name) < 0:
             p.append(f"checkpoint.{name} must not be negative, got {getattr(cfg.checkpoint, name)}")
+    c = cfg.checkpoint
+    if isinstance(c.async_save, str) and c.async_save != "auto":
+        p.append(f"checkpoint.async_save must be auto, true or false, got '{c.async_save}'")
+    elif c.async_save is True and c.format == "full":
+        p.append("checkpoint.async_save=true needs checkpoint.format=sharded (full checkpoints are written synchronously)")
+    _choice(p, "checkpoint.async_writer", c.async_writer, ("thread", "process"))
+    _choice(p, "checkpoint.on_async_error", c.on_async_error, ("stop", "continue"))
     if cfg.logging.interval <= 0:
         p.append(f"logging.interval must be positive, got {cfg.logging.interval}")
     return p

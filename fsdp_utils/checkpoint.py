@@ -10,7 +10,14 @@ while writing), then renamed, then its checksum record. Sharded: DCP writes into
 `.tmp-fsdp_sharded_cpt{step}/`, each rank hashes the files it wrote, and rank 0 writes `meta.json`
 (every file's size and CRC32) last, then renames the folder. Names starting `.tmp-` are never loaded
 and are removed by the next save. Saving is two steps, writing and `_commit_*` (checksums, metadata,
-rename, retention), so that an asynchronous writer can commit once its background write is done.
+rename, retention), so that an asynchronous save can commit once its background write is done.
+
+Asynchronous sharded saves (checkpoint.async_save; the staging and the writer are in async_save.py):
+`save` stages the state in host memory and starts the write in the background, then returns; the
+loop calls `poll` at the same point of every step, and the save is committed there once every rank's
+write is done, with the same steps and guarantees as a synchronous save (see `poll` for why the ranks
+agree first). At most one save is in flight: the next `save` waits for it; `finish` (the end of the
+run, a stop signal) waits for it too.
 
 Loading checks sizes, then (checkpoint.verify) every file's CRC32, spread over the ranks. With
 `latest`, a checkpoint that fails those checks or does not decode is moved aside as `corrupt-<name>`
@@ -18,6 +25,7 @@ Loading checks sizes, then (checkpoint.verify) every file's CRC32, spread over t
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -32,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from .checkpoint_format import (  # noqa: F401  (CheckpointError and FORMAT_VERSION: this module's public names too)
@@ -39,6 +48,8 @@ from .checkpoint_format import (  # noqa: F401  (CheckpointError and FORMAT_VERS
     CheckpointError, CheckpointMismatch, CheckpointUnsafe, check_file, check_structure, checksum_records, dcp_load,
     file_record, first_line, full_name, install_full, load_full, load_rng, read_sharded_meta, save_with_checksum, sharded_name,
     sidecar_of, size_of, write_json, write_record)
+from .async_save import (BackgroundWriter, HostStaging, StageStats, arena_bytes, check_host_memory, format_size,
+                         live_storages, resolve_async_save)
 from .distributed import DistEnv, barrier
 
 log = logging.getLogger(__name__)
@@ -160,15 +171,47 @@ def _restore_rng(states: list | None, env: DistEnv) -> None:
         torch.cuda.set_rng_state(states[env.rank]["cuda"], env.device)
 
 
+def _hash_own_files(folder: Path, rank: int, world_size: int) -> tuple[dict, float]:
+    """{name: {"size", "crc32"}} of the files of a written checkpoint that this rank hashes, and the
+    seconds it took."""
+    start = time.perf_counter()
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    mine = {n: file_record(folder / n) for i, n in enumerate(names) if _owner(n, i, world_size) == rank}
+    return mine, time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """An asynchronous save whose background write has started and that is not committed yet."""
+
+    tmp: Path
+    final: Path
+    state: TrainState  # a copy taken when the save started: the loop goes on changing its own
+    start: float
+    job: concurrent.futures.Future  # (this rank's checksum records, seconds) once the write is done
+    staged: StageStats
+    blocked: float = 0.0  # seconds the training loop spent in this save so far (staging, polls, waits, commit)
+
+
 class CheckpointManager:
     def __init__(self, output_dir: Path, *, fmt: str, keep_last_n: int, model_config: dict, env: DistEnv,
-                 verify: bool = True):
+                 verify: bool = True, async_save: bool | str = False, async_writer: str = "thread",
+                 on_async_error: str = "stop", timeout_s: float = 600):
         self.dir = Path(output_dir)
         self.fmt = fmt
         self.keep_last_n = keep_last_n
         self.model_config = model_config
         self.env = env
         self.verify = verify
+        self.async_save = resolve_async_save(async_save, fmt=fmt, device=env.device)
+        self.async_writer = async_writer
+        self.on_async_error = on_async_error
+        self.timeout_s = timeout_s
+        self._prepared = False
+        self._writer: BackgroundWriter | None = None
+        self._staging: HostStaging | None = None
+        self._in_flight: _InFlight | None = None
+        self.stats: list[dict] = []  # one row per committed save: what scripts/benchmark.py reports
 
     # ---- agreement between ranks ----------------------------------------------------------------
     def _agree(self, error: CheckpointError | None) -> None:
@@ -197,9 +240,57 @@ class CheckpointManager:
         return sorted(found, key=lambda item: item[0], reverse=True)
 
     # ---- saving ------------------------------------------------------------------------------
+    def _offload(self, model: torch.nn.Module) -> bool:
+        """Whether sharded state dicts are taken with cpu_offload. FSDP1 makes a sharded state dict by
+        gathering each flat parameter (and its optimizer state) and cutting this rank's piece anew: new
+        tensors, which on a GPU would pile up until the save is written (the model's and the optimizer's
+        state once more: +48 GB per GPU at Llama-3-8B dimensions on 2 GPUs, by FSDP1's code; more than
+        training's own peak leaves free; scripts/benchmark.py --save_modes sync_gpu measures it).
+        With cpu_offload each piece goes to host memory as soon as it is made. FSDP2's state dict holds
+        the live sharded tensors (no copies): nothing to offload."""
+        return self.env.device.type == "cuda" and bool(FullyShardedDataParallel.fsdp_modules(model))
+
+    def prepare_saving(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """At the start of the run (every rank; `save` does it if not done): for asynchronous saves, the
+        writer's process group; where saves hold this rank's state in host memory (asynchronous saves,
+        FSDP1's offloaded sharded state dicts), a check that the node has room for it, so that a host
+        too small gets a clear error now rather than an out-of-memory kill at the first save."""
+        if self._prepared:
+            return
+        self._prepared = True
+        if self.async_save:
+            self._writer = BackgroundWriter(writer=self.async_writer, timeout_s=self.timeout_s)
+            self._staging = HostStaging(pin=self.env.device.type == "cuda", share=self._writer.writer == "process")
+        if self.fmt != "sharded" or not (self.async_save or self._offload(model)):
+            return
+        share = self._staging is not None and self._staging.share
+        advice = "set checkpoint.async_save=false" if self.async_save else "use fsdp.version=2 (its saves copy nothing)"
+        # FSDP1 on GPUs with the process writer: FSDP1's offloaded pieces and their copy in the shared arena.
+        copies = 2 if share and self._offload(model) else 1
+        where = check_host_memory(copies * arena_bytes(model, optimizer), self.env, advice=advice,
+                                  shm_per_rank=arena_bytes(model, optimizer) if share else 0,
+                                  what="its share of the weights and optimizer state" + (", twice" if copies == 2 else ""))
+        how = f"written in the background ({self._writer.writer} writer)" if self.async_save else "written synchronously"
+        if self.env.is_main:
+            log.info("sharded checkpoints %s, staged in host memory: %s", how, where)
+        # The arena holds copies of whatever may be live training state. FSDP1 on GPUs makes its pieces
+        # on the host for each save (see _offload), so there only the process writer needs the arena.
+        if self._staging is not None and (share or not self._offload(model)):
+            seconds = self._staging.reserve(arena_bytes(model, optimizer))
+            if self.env.is_main:
+                log.info("checkpoint staging: reserved %s of %shost memory per rank in %.1f s, reused by every save",
+                         format_size(self._staging.nbytes), "pinned " if self._staging.pin else "shared " if share else "",
+                         seconds)
+
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
         """Write a complete checkpoint of step state.step; CheckpointError (on every rank) if it cannot
-        be written, leaving the previous checkpoints as they were and no `.tmp-` files behind."""
+        be written, leaving the previous checkpoints as they were and no `.tmp-` files behind.
+
+        Asynchronous saves return once the write has started; the checkpoint is complete once `poll`
+        or `finish` has committed it (a failed write is reported there)."""
+        self.prepare_saving(model, optimizer)
+        if self.async_save:
+            return self._save_async(model, optimizer, state)
         start = time.perf_counter()
         state.rng = _gather_rng(self.env)
         if self.env.is_main:
@@ -288,7 +379,7 @@ class CheckpointManager:
         tmp = self.dir / f"{TMP_PREFIX}{final.name}"
         error = None
         with _quiet_state_dict_warnings():
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(cpu_offload=self._offload(model)))
             self._check_space(final, (model_sd, optim_sd))
             try:
                 dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
@@ -300,17 +391,20 @@ class CheckpointManager:
         self._agree(error)
         return self._commit_sharded(tmp, final, state, start=start)
 
-    def _commit_sharded(self, tmp: Path, final: Path, state: TrainState, *, start: float) -> Path:
-        """Once every shard is written: each rank hashes the files it wrote, rank 0 writes rng.pt and
-        meta.json (every file's size and CRC32) and renames the folder into place; retention.
-        A collective: an asynchronous save calls it on every rank after its background write."""
-        hashed, error = time.perf_counter(), None
-        try:
-            names = sorted(p.name for p in tmp.iterdir() if p.is_file())
-            mine = {n: file_record(tmp / n) for i, n in enumerate(names) if _owner(n, i, self.env.world_size) == self.env.rank}
-        except OSError as err:  # a shard that cannot be read back
-            mine, error = {}, self._write_error(final, err)
-        parts = self._gather((mine, time.perf_counter() - hashed, error))
+    def _commit_sharded(self, tmp: Path, final: Path, state: TrainState, *, start: float,
+                        hashed: tuple[dict, float] | None = None) -> Path:
+        """Once every shard is written: each rank hashes the files it wrote (an asynchronous save did
+        that in the background: `hashed`), rank 0 writes rng.pt and meta.json (every file's size and
+        CRC32) and renames the folder into place; retention. A collective: an asynchronous save calls it
+        on every rank after its background write."""
+        error = None
+        if hashed is None:
+            try:
+                hashed = _hash_own_files(tmp, self.env.rank, self.env.world_size)
+            except OSError as err:  # a shard that cannot be read back
+                hashed, error = ({}, 0.0), self._write_error(final, err)
+        mine, seconds = hashed
+        parts = self._gather((mine, seconds, error))
         records = {name: record for part, _, _ in parts for name, record in part.items()}
         crc_s = max(seconds for _, seconds, _ in parts)  # the ranks hash in parallel
         error = next((e for _, _, e in parts if e is not None), None)
@@ -331,10 +425,146 @@ class CheckpointManager:
 
     def _finish(self, final: Path, *, start: float, crc_s: float) -> None:
         barrier(self.env)  # the checkpoint is in place for every rank before anyone deletes older ones
+        seconds = time.perf_counter() - start
         if self.env.is_main:
             self._apply_retention(final)
-            log.info("saved checkpoint %s (%.1f MiB) in %.2f s (CRC32 %.2f s)", final, size_of(final) / 2**20,
-                     time.perf_counter() - start, crc_s)
+            log.info("saved checkpoint %s (%.1f MiB) in %.2f s (CRC32 %.2f s)", final, size_of(final) / 2**20, seconds, crc_s)
+        if not self.async_save:  # an asynchronous save's row is written by _complete
+            self.stats.append({"name": final.name, "mode": "sync", "blocked_s": seconds, "total_s": seconds})
+
+    # ---- asynchronous saves --------------------------------------------------------------------
+    #
+    # The commit runs collectives (checksum records gathered to rank 0, the agreement on errors,
+    # barriers) on the default process group, so every rank must run it at the same point of the
+    # program, on the main thread, in step with the training loop's own collectives. A background write
+    # ends at a different moment on each rank (a little later on the ranks that wrote more, or on a
+    # slower disk), so no rank may commit when its own write is done: `poll`, called by every rank at
+    # the same point of every step, all-reduces "my write is done" (MIN over the ranks) and every rank
+    # commits at the first step where the flag is 1 everywhere. `save` and `finish` wait for their own
+    # write first and then commit, which is safe because every rank calls them at the same step.
+
+    def _save_async(self, model, optimizer, state: TrainState) -> Path:
+        self._wait_in_flight()
+        if self._in_flight is not None:
+            self._complete(last=False)  # the previous save, before this one starts (at most one in flight)
+        start = time.perf_counter()
+        snapshot = dataclasses.replace(state, rng=_gather_rng(self.env))
+        if self.env.is_main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._remove_incomplete()
+        barrier(self.env)
+        final = self.dir / sharded_name(state.step)
+        tmp = self.dir / f"{TMP_PREFIX}{final.name}"
+        error, staged = None, None
+        with _quiet_state_dict_warnings():
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(cpu_offload=self._offload(model)))
+            self._check_space(final, (model_sd, optim_sd))
+            try:
+                staged = self._staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
+            except (RuntimeError, OSError) as err:  # host memory could not be had
+                error = CheckpointError(f"{final}: cannot stage the checkpoint in host memory ({first_line(err)}); "
+                                        f"nothing was written, set checkpoint.async_save=false to save without staging")
+        del model_sd, optim_sd
+        self._agree(error)
+        stage = self._staging.last
+        try:
+            job = self._writer.start(staged, tmp, step=state.step,
+                                     after_write=lambda: _hash_own_files(tmp, self.env.rank, self.env.world_size))
+        except (Exception, dcp.CheckpointException) as err:
+            error = self._write_error(final, err)
+        self._agree(error)
+        self._in_flight = _InFlight(tmp, final, snapshot, start, job, stage, blocked=time.perf_counter() - start)
+        if self.env.is_main:
+            log.info("checkpoint %s: staged in host memory in %.2f s (%s copied, %s made for it by the state dict), "
+                     "writing it in the background", final.name, stage.seconds, format_size(stage.copied),
+                     format_size(stage.passed))
+        return final
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an asynchronous save has been started and not committed yet."""
+        return self._in_flight is not None
+
+    def poll(self) -> None:
+        """Every rank, at the same point of every step: commit the save in flight once every rank's
+        background write is done (see above); a failed write is reported here, naming the checkpoint."""
+        if self._in_flight is None:  # the same on every rank: saves start at the same step everywhere
+            return
+        begin = time.perf_counter()
+        flag = torch.tensor([int(self._in_flight.job.done())], device=self.env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        done = bool(flag.item())
+        self._in_flight.blocked += time.perf_counter() - begin
+        if done:
+            self._complete(last=False)
+
+    def finish(self) -> None:
+        """At the end of a run (every rank: the last step, or a stop signal): wait for the save in
+        flight and commit it. A failure is raised whatever checkpoint.on_async_error says."""
+        if self._in_flight is not None:
+            self._wait_in_flight()
+            self._complete(last=True)
+
+    def close(self) -> None:
+        """Release the writer and the staging memory. A save still in flight here (an error ended the run)
+        is not committed: it stays a `.tmp-` folder, which the next save removes."""
+        if self._in_flight is not None and self.env.is_main:
+            log.warning("%s was still being written when the run ended: not committed", self._in_flight.final.name)
+        if self._writer is not None:
+            self._writer.close()
+        if self._staging is not None and self._in_flight is None:
+            self._staging.close()
+
+    def _wait_in_flight(self) -> None:
+        """Block until this rank's background write is done (logged when it is not done yet)."""
+        flight = self._in_flight
+        if flight is None:
+            return
+        begin = time.perf_counter()
+        if not flight.job.done():
+            if self.env.is_main:
+                log.info("waiting for the save of %s, still being written (started %.1f s ago): one save at a time",
+                         flight.final.name, begin - flight.start)
+            concurrent.futures.wait([flight.job])
+            if self.env.is_main:
+                log.info("waited %.2f s for the save of %s", time.perf_counter() - begin, flight.final.name)
+        flight.blocked += time.perf_counter() - begin
+
+    def _complete(self, *, last: bool) -> None:
+        """Every rank, once every rank's write is done: commit the save in flight, or report its failure
+        (then stop, or go on per checkpoint.on_async_error unless `last`)."""
+        flight, self._in_flight = self._in_flight, None
+        begin = time.perf_counter()
+        hashed, error = None, None
+        try:
+            hashed = flight.job.result()
+        except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
+            error = (f"{flight.final}: the background write failed ({first_line(err)}); the previous checkpoints "
+                     f"are as they were")
+        errors = self._gather(error)
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            barrier(self.env)  # every rank is done with the folder before it is removed
+            if self.env.is_main:
+                _remove(flight.tmp)
+            if self.on_async_error == "continue" and not last:
+                if self.env.is_main:
+                    log.error("%s; training goes on (checkpoint.on_async_error=continue), the next save tries again", error)
+                return
+            if not last:
+                error += "; stopping (checkpoint.on_async_error=stop). Resume with --resume_from latest"
+            raise CheckpointError(error)
+        self._commit_sharded(flight.tmp, flight.final, flight.state, start=flight.start, hashed=hashed)
+        now = time.perf_counter()
+        flight.blocked += now - begin
+        row = {"name": flight.final.name, "mode": "async", "blocked_s": flight.blocked, "total_s": now - flight.start,
+               "staging_s": flight.staged.seconds, "alloc_s": flight.staged.alloc_seconds,
+               "copied_bytes": flight.staged.copied, "passed_bytes": flight.staged.passed}
+        self.stats.append(row)
+        if self.env.is_main:
+            log.info("checkpoint %s: written in the background in %.1f s; it held up training for %.2f s in all "
+                     "(staging %.2f s, commit %.2f s)", flight.final.name, row["total_s"], flight.blocked,
+                     flight.staged.seconds, now - begin)
 
     def _remove_incomplete(self) -> None:
         for path in self.dir.glob(f"{TMP_PREFIX}*"):

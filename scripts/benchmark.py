@@ -20,12 +20,25 @@ accumulation that train.global_batch_size needs, as training would. `--compare_a
 the config's global batch, at micro-batch `--fixed_micro_batch` (default 8, the former presets) and at
 the auto choice; the reference (`--peer`) runs at the auto choice (or, where that runs it out of memory,
 at half the micro-batch and twice the accumulation, and so on): one invocation, one global batch.
+
+`--save_modes sync,thread[,process,sync_gpu]`: measure sharded checkpoint saves instead, in one invocation:
+after the timed training steps, for each mode, `--saves` saves through the checkpoint manager (sync: as
+train_fsdp.py with checkpoint.async_save=false; thread / process: asynchronous, with that writer;
+sync_gpu: synchronous with FSDP1's state dict left on the GPU, as before issue 15, to measure the GPU
+copy of the state it makes: it may not fit at 8B on 80 GB GPUs), the
+training steps going on while an asynchronous write is in flight. Reports per mode the time the loop was
+blocked by a save (its stall), the whole save's time, the steps that overlapped a save against the
+others, and the peak GPU memory during the save calls and during training. Each checkpoint is deleted
+once measured (an 8B one is ~96 GB) and --save_dir at the end.
+
+    torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --save_modes sync,thread --steps 5
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -38,6 +51,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
+from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed, read_torchrun_env  # noqa: E402
 from fsdp_utils.float8 import float8_problems, precompute_float8_scales  # noqa: E402
 from fsdp_utils.metrics import detect_peak_flops  # noqa: E402
@@ -75,6 +89,12 @@ def time_steps(step_fn, *, warmup: int, steps: int, device) -> list[float]:
 
 def bench_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None) -> dict:
     """micro_batch "auto": searched as train_fsdp.py does; grad_accum None: what the global batch needs."""
+    step, _, _, micro_batch, grad_accum = build_ours(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+    return {**measure(step, env, args), "micro_batch": micro_batch, "grad_accum": grad_accum}
+
+
+def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None):
+    """(step function, model, optimizer, micro-batch, accumulation) of train_fsdp.py's model, wrapping and step."""
     t = cfg.train
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
     built = build_model(cfg, env)
@@ -114,7 +134,7 @@ def bench_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
         optimizer.zero_grad(set_to_none=True)
         loss.item()
 
-    return {**measure(step, env, args), "micro_batch": micro_batch, "grad_accum": grad_accum}
+    return step, model, optimizer, micro_batch, grad_accum
 
 
 def accumulation(cfg, env, micro_batch: int) -> int:
@@ -212,6 +232,118 @@ def bench_peer_fitting(cfg, env, args, *, micro_batch: int, grad_accum: int) -> 
         reset_memory(env)
 
 
+def timed_step(step_fn, env) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step_fn()
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+    return time.perf_counter() - start
+
+
+def max_over_ranks(value: float, env) -> float:
+    t = torch.tensor(value, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def reset_peak(env) -> None:
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+        torch.cuda.reset_peak_memory_stats(env.device)
+
+
+def bench_saves(cfg, env, args) -> list[dict]:
+    """Sharded saves of train_fsdp.py's model and optimizer, per mode (see the module docstring)."""
+    step_fn, model, optimizer, _, _ = build_ours(cfg, env, args, micro_batch=cfg.train.micro_batch_size,
+                                                 grad_accum=args.grad_accum or 1)
+    for _ in range(args.warmup):
+        step_fn()
+    reset_peak(env)
+    normal = [timed_step(step_fn, env) for _ in range(args.steps)]
+    train_peak = peak_memory_gib(env)
+    root = Path(args.save_dir)
+    rows = []
+    for mode in args.save_modes.split(","):
+        sync = mode in ("sync", "sync_gpu")
+        manager = CheckpointManager(root / mode, fmt="sharded", keep_last_n=0, model_config={}, env=env,
+                                    async_save=not sync, async_writer="thread" if sync else mode,
+                                    timeout_s=cfg.run.timeout_s)
+        if mode == "sync_gpu":
+            manager._offload = lambda model: False  # measurement only: the state dict as FSDP1 makes it, on the GPU
+        start = time.perf_counter()
+        try:
+            manager.prepare_saving(model, optimizer)  # the staging arena: once per run, before the first save
+        except CheckpointError as err:  # raised on every rank alike (e.g. /dev/shm too small for the process writer)
+            if env.is_main:
+                print(f"{mode}: not measured: {err}")
+            continue
+        prepare_s = max_over_ranks(time.perf_counter() - start, env)
+        for i in range(args.saves):
+            reset_peak(env)
+            manager.save(model, optimizer, TrainState(step=i + 1))
+            save_peak = peak_memory_gib(env)
+            overlapped, overlap_peak = [], None
+            if manager.in_flight:
+                reset_peak(env)
+                while manager.in_flight and len(overlapped) < args.max_overlap_steps:
+                    overlapped.append(timed_step(step_fn, env))
+                    manager.poll()  # as the training loop does after every step
+                overlap_peak = peak_memory_gib(env)
+                manager.finish()  # if the write outlasted --max_overlap_steps
+            saved = manager.stats[-1]
+            size = sum(p.stat().st_size for p in (root / mode / saved["name"]).rglob("*") if p.is_file())
+            rows.append({
+                "mode": mode, "save": i + 1, "stall_s": max_over_ranks(saved["blocked_s"], env),
+                "total_s": max_over_ranks(saved["total_s"], env),
+                "staging_s": max_over_ranks(saved.get("staging_s", 0.0), env), "prepare_s": prepare_s,
+                "normal_step_s": statistics.median(normal),
+                "overlapped_step_s": statistics.median(overlapped) if overlapped else None,
+                "overlapped_steps": len(overlapped), "write_outlasted_steps": len(overlapped) >= args.max_overlap_steps,
+                "train_peak_gib": train_peak, "save_peak_gib": save_peak, "overlap_peak_gib": overlap_peak,
+                "checkpoint_gb": max_over_ranks(size / 1e9, env),  # the whole folder, as its node sees it
+            })
+            if env.is_main:  # measured: delete it (disk space: an 8B checkpoint is ~96 GB)
+                shutil.rmtree(root / mode / saved["name"])
+            dist.barrier()
+        manager.close()
+    if env.is_main:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def print_saves(rows: list[dict], cfg, env, args) -> None:
+    if not rows:
+        return
+    m = cfg.model
+    device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+    print(f"\n{args.config}: {m.num_params() / 1e9:.2f}B params, seq {cfg.data.seq_len}, micro-batch "
+          f"{cfg.train.micro_batch_size} x accum {args.grad_accum or 1}, world {env.world_size} x {device}, "
+          f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
+          f"sharded checkpoint {rows[0]['checkpoint_gb']:.1f} GB")
+    print(f"{'mode':<8}{'save':>5}{'stall s':>9}{'save s':>9}{'staging s':>10}{'prepare s':>10}{'step s':>8}"
+          f"{'overlap step s (n)':>20}{'peak GiB train':>16}{'save':>7}{'overlap':>9}")
+    for r in rows:
+        overlap = f"{r['overlapped_step_s']:.3f} ({r['overlapped_steps']})" if r["overlapped_step_s"] else "-"
+        peak_overlap = f"{r['overlap_peak_gib']:.2f}" if r["overlap_peak_gib"] is not None else "-"
+        print(f"{r['mode']:<8}{r['save']:>5}{r['stall_s']:>9.2f}{r['total_s']:>9.2f}{r['staging_s']:>10.2f}"
+              f"{r['prepare_s']:>10.2f}{r['normal_step_s']:>8.3f}{overlap:>20}{r['train_peak_gib']:>16.2f}"
+              f"{r['save_peak_gib']:>7.2f}{peak_overlap:>9}")
+    sync = [r for r in rows if r["mode"] == "sync"]
+    for r in rows:
+        if r["mode"] == "sync" or not sync:
+            continue
+        ratio = r["stall_s"] / sync[-1]["stall_s"]
+        slow = r["overlapped_step_s"] / r["normal_step_s"] - 1 if r["overlapped_step_s"] else float("nan")
+        print(f"{r['mode']} save {r['save']}: stall {100 * ratio:.1f}% of the synchronous save's (target < 10%), "
+              f"steps during the write {100 * slow:+.1f}% against the others (target within 10%)"
+              + ("; the write outlasted --max_overlap_steps" if r["write_outlasted_steps"] else ""))
+    for r in rows:
+        if r["save_peak_gib"] > r["train_peak_gib"] or (r["overlap_peak_gib"] or 0) > r["train_peak_gib"]:
+            print(f"{r['mode']} save {r['save']}: raised the peak GPU memory above training's "
+                  f"({max(r['save_peak_gib'], r['overlap_peak_gib'] or 0):.2f} > {r['train_peak_gib']:.2f} GiB)")
+
+
 def peak_memory_gib(env) -> float:
     mem = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0, device=env.device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
@@ -253,6 +385,13 @@ def main() -> int:
     parser.add_argument("--fused_projections", action="store_true", help="ablation: one q/k/v and one gate/up matmul, split after")
     parser.add_argument("--unfused_adamw", action="store_true", help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
+    parser.add_argument("--save_modes", default="", help="measure sharded checkpoint saves instead: any of sync, "
+                        "thread, process, sync_gpu, comma-separated (e.g. sync,thread)")
+    parser.add_argument("--saves", type=int, default=1, help="with --save_modes: saves per mode")
+    parser.add_argument("--max_overlap_steps", type=int, default=300,
+                        help="with --save_modes: at most this many steps while an asynchronous write is in flight")
+    parser.add_argument("--save_dir", default=str(ROOT / "checkpoints" / "benchmark-saves"),
+                        help="with --save_modes: where the checkpoints are written (each deleted once measured)")
     args, overrides = parser.parse_known_args()
     recipes = [r for r in args.float8.split(",") if r]
     try:
@@ -286,8 +425,21 @@ def main() -> int:
                  for r, c in fp8_cfgs.items()]
     if args.peer or args.peer_only:
         runs.append(("hf_llama_fsdp2", bench_peer, cfg, None, None))  # at the last of ours' micro-batch and accumulation
+    modes = [m for m in args.save_modes.split(",") if m]
+    if unknown := [m for m in modes if m not in ("sync", "thread", "process", "sync_gpu")]:
+        print(f"error: --save_modes: {', '.join(unknown)} is not one of sync, thread, process, sync_gpu", file=sys.stderr)
+        return 2
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
     try:
+        if modes:
+            rows = bench_saves(cfg, env, args)
+            if env.is_main:
+                print_saves(rows, cfg, env, args)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps({"config": args.config, "overrides": overrides, "world_size": env.world_size,
+                                            "fsdp_version": cfg.fsdp.version, "saves": rows}) + "\n")
+            return 0
         peak = detect_peak_flops(env.device, cfg.logging.peak_flops)
         times = {name: [] for name, *_ in runs}
         memory = dict.fromkeys(times, 0.0)
