@@ -131,9 +131,10 @@ class Corpus:
         return sum(path.stat().st_size for path in self.paths)
 
 
-def _chunks(corpus: Corpus, *, text_field: str, max_bytes: int) -> Iterator[worker.Chunk]:
+def _chunks(corpus: Corpus, *, text_field: str, max_mb: float, say_cut: bool) -> Iterator[worker.Chunk]:
     """The corpus as numbered chunks of whole pieces, each of at least CHUNK_BYTES but the last. With
-    max_bytes (> 0), reading stops at the first line, row or document that reaches it, with a log line."""
+    max_mb (> 0), reading stops at the first line, row or document that reaches it (said in the log)."""
+    max_bytes = int(max_mb * 2**20)
     pieces: list = []
     num_bytes = read = done_files = 0
     index = 0
@@ -142,8 +143,9 @@ def _chunks(corpus: Corpus, *, text_field: str, max_bytes: int) -> Iterator[work
             if max_bytes and read + piece.num_bytes >= max_bytes:
                 piece = truncate(piece, max_bytes - read)
                 pieces.append(piece)
-                log.info("data.max_corpus_mb=%g: read the first %.1f MB of the corpus (%.1f MB on disk), stopping in %s",
-                         max_bytes / 2**20, (read + piece.num_bytes) / 2**20, corpus.disk_bytes / 2**20, path)
+                if say_cut:
+                    log.info("data.max_corpus_mb=%g: read the first %.2f MB of the corpus (%.2f MB on disk), "
+                             "stopping in %s", max_mb, (read + piece.num_bytes) / 2**20, corpus.disk_bytes / 2**20, path)
                 yield worker.Chunk(index, pieces, done_files + piece.disk_end)
                 return
             pieces.append(piece)
@@ -242,8 +244,9 @@ class _Preparation:
         """For the progress bars: the corpus on disk, or as much of it as data.max_corpus_mb reads."""
         return min(self.corpus.disk_bytes, self.max_bytes or self.corpus.disk_bytes)
 
-    def chunks(self) -> Iterator[worker.Chunk]:
-        return _chunks(self.corpus, text_field=self.settings.text_field, max_bytes=self.max_bytes)
+    def chunks(self, *, say_cut: bool = False) -> Iterator[worker.Chunk]:
+        return _chunks(self.corpus, text_field=self.settings.text_field, max_mb=self.settings.max_corpus_mb,
+                       say_cut=say_cut)
 
     # -- tokenizer --------------------------------------------------------------------------------
 
@@ -287,7 +290,7 @@ class _Preparation:
             log.info("continuing an interrupted preparation after its %d finished shards", len(shards))
         totals = dict(shards[-1]["totals"]) if shards else _zero_totals()
         next_chunk = shards[-1]["end_chunk"] if shards else 0
-        chunks = (chunk for chunk in self.chunks() if chunk.index >= next_chunk)
+        chunks = (chunk for chunk in self.chunks(say_cut=True) if chunk.index >= next_chunk)
         tokenizer = (progress["tokenizer_kind"], str(self.root / progress["tokenizer_file"]))
         submit = lambda chunk: self.pool.submit(worker.encode_chunk, chunk, tokenizer, dtype.name)  # noqa: E731
         bar = _progress_bar("tokenising", self.total_bytes, initial=totals["disk_bytes"], show=self.show_progress)

@@ -104,9 +104,35 @@ def _decompressed(raw: BinaryIO, compression: str | None, path: Path) -> BinaryI
     if compression == "gz":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if compression == "zst":
-        zstandard = optional_import("zstandard", "zstandard", path)
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        return _ZstdFrames(raw, optional_import("zstandard", "zstandard", path))
     return raw
+
+
+class _ZstdFrames:
+    """A readable stream of zstd frames written back to back. zstandard's own stream_reader ends quietly
+    at a truncated frame; this raises EOFError there."""
+
+    def __init__(self, raw: BinaryIO, zstandard):
+        self.raw = raw
+        self.zstd = zstandard.ZstdDecompressor()
+        self.frame = None  # the decompressor of the current frame
+
+    def read(self, size: int) -> bytes:
+        while True:
+            # A small compressed block keeps the output of even a very compressible one bounded.
+            block = self.raw.read(max(size // 16, 1))
+            if not block:
+                if self.frame is not None and not self.frame.eof:
+                    raise EOFError("the last zstd frame ends early")
+                return b""
+            out = []
+            while block:
+                if self.frame is None or self.frame.eof:
+                    self.frame = self.zstd.decompressobj()
+                out.append(self.frame.decompress(block))
+                block = self.frame.unused_data if self.frame.eof else b""
+            if any(out):
+                return b"".join(out)
 
 
 def _cut_after_lines(stream: BinaryIO, size: int, *, path: Path, compression: str | None) -> Iterator[bytes]:
