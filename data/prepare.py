@@ -39,8 +39,8 @@ from . import worker
 from .errors import DataError
 from .readers import expand_inputs, read_pieces, truncate
 from .store import (FORMAT_VERSION, HF_TOKENIZER_NAME, META_NAME, PROGRESS_NAME, TOKENIZER_NAME, PreparedData,
-                    ShardWriter, clear_folder, complete_fingerprint, load_prepared, resumable_shards, token_dtype,
-                    tokenizer_sha256, write_json_atomic)
+                    ShardWriter, clear_folder, complete_fingerprint, load_prepared, read_json, resumable_shards,
+                    token_dtype, tokenizer_sha256, write_json_atomic)
 from .tokenizer import (MAX_TOKENIZER_SENTENCES, TokenizerSample, load_tokenizer, sampled_training_lines,
                         train_tokenizer)
 
@@ -238,6 +238,8 @@ class _Preparation:
         self.pool, self.show_progress = pool, show_progress
         self.window = 2 * settings.workers + 2
         self.max_bytes = int(settings.max_corpus_mb * 2**20)
+        self.seconds: dict[str, float] = {}  # per phase, for the summary
+        self.rate_mb_s = 0.0
 
     @property
     def total_bytes(self) -> int:
@@ -261,8 +263,12 @@ class _Preparation:
         if s.tokenizer_model:
             _replace_with(path, lambda tmp: shutil.copyfile(Path(s.tokenizer_model).expanduser(), tmp))
         else:
-            lines = sampled_training_lines(self.tokenizer_sample(), max_lines=MAX_TOKENIZER_SENTENCES, seed=s.seed)
+            start = time.perf_counter()
+            documents = self.tokenizer_sample()
+            self.seconds["tokenizer sample"] = time.perf_counter() - start
+            lines = sampled_training_lines(documents, max_lines=MAX_TOKENIZER_SENTENCES, seed=s.seed)
             _replace_with(path, lambda tmp: train_tokenizer(lines, vocab_size=s.vocab_size, out_path=tmp))
+            self.seconds["tokenizer training"] = time.perf_counter() - start - self.seconds["tokenizer sample"]
         load_tokenizer("sentencepiece", path)  # checks it loads and has an EOS piece
         return "sentencepiece", path
 
@@ -281,20 +287,28 @@ class _Preparation:
     # -- tokens -----------------------------------------------------------------------------------
 
     def run(self) -> PreparedData:
-        start = time.perf_counter()
         progress = self._resume_or_restart()
-        dtype = token_dtype(progress["vocab_size"])
-        writer = ShardWriter(self.root, dtype=dtype, progress=progress)
-        shards = progress["shards"]
-        if shards:
-            log.info("continuing an interrupted preparation after its %d finished shards", len(shards))
-        totals = dict(shards[-1]["totals"]) if shards else _zero_totals()
-        next_chunk = shards[-1]["end_chunk"] if shards else 0
-        chunks = (chunk for chunk in self.chunks(say_cut=True) if chunk.index >= next_chunk)
-        tokenizer = (progress["tokenizer_kind"], str(self.root / progress["tokenizer_file"]))
-        submit = lambda chunk: self.pool.submit(worker.encode_chunk, chunk, tokenizer, dtype.name)  # noqa: E731
-        bar = _progress_bar("tokenising", self.total_bytes, initial=totals["disk_bytes"], show=self.show_progress)
+        writer = ShardWriter(self.root, dtype=token_dtype(progress["vocab_size"]), progress=progress)
+        if writer.shards:
+            log.info("continuing an interrupted preparation after its %d finished shards", len(writer.shards))
+        totals = dict(writer.shards[-1]["totals"]) if writer.shards else _zero_totals()
+        start, bytes_before = time.perf_counter(), totals["text_bytes"]
         try:
+            self._encode(writer, totals)
+        except BaseException:
+            writer.abort()
+            raise
+        self.seconds["tokenising"] = time.perf_counter() - start
+        self.rate_mb_s = (totals["text_bytes"] - bytes_before) / 2**20 / max(self.seconds["tokenising"], 1e-9)
+        return self._finish(writer, totals)
+
+    def _encode(self, writer: ShardWriter, totals: dict) -> None:
+        """Pass 2: every chunk after the finished shards, encoded by the workers, written in order."""
+        next_chunk = writer.shards[-1]["end_chunk"] if writer.shards else 0
+        chunks = (chunk for chunk in self.chunks(say_cut=True) if chunk.index >= next_chunk)
+        tokenizer = (writer.progress["tokenizer_kind"], str(self.root / writer.progress["tokenizer_file"]))
+        submit = lambda chunk: self.pool.submit(worker.encode_chunk, chunk, tokenizer, writer.dtype.name)  # noqa: E731
+        with _progress_bar("tokenising", self.total_bytes, initial=totals["disk_bytes"], show=self.show_progress) as bar:
             for result in _in_order(submit, chunks, window=self.window):
                 _add_totals(totals, result)
                 writer.append(result.train, result.val)
@@ -303,13 +317,7 @@ class _Preparation:
                     writer.finish_shard(end_chunk=next_chunk, totals=dict(totals))
                 bar.update(totals["disk_bytes"] - bar.n)
                 bar.set_postfix(tokens=f"{totals['num_train_tokens'] + totals['num_val_tokens']:,}", refresh=False)
-            writer.finish_shard(end_chunk=next_chunk, totals=dict(totals))
-        except BaseException:
-            writer.abort()
-            raise
-        finally:
-            bar.close()
-        return self._finish(writer, totals, seconds=time.perf_counter() - start)
+        writer.finish_shard(end_chunk=next_chunk, totals=dict(totals))
 
     def _resume_or_restart(self) -> dict:
         """progress.json's record: the finished shards of an interrupted run of the same inputs and
@@ -329,7 +337,7 @@ class _Preparation:
         write_json_atomic(self.root / PROGRESS_NAME, progress)
         return progress
 
-    def _finish(self, writer: ShardWriter, totals: dict, *, seconds: float) -> PreparedData:
+    def _finish(self, writer: ShardWriter, totals: dict) -> PreparedData:
         s, progress = self.settings, writer.progress
         if not totals["num_documents"]:
             raise DataError(f"no text found in {self.corpus.name}")
@@ -356,12 +364,13 @@ class _Preparation:
             "first_skipped_record": totals["first_bad_record"],
             "text_bytes": totals["text_bytes"],
             "inputs": "python-stdlib" if not s.files else list(s.files),
+            "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
             "shards": [{k: shard[k] for k in ("train", "val", "num_train_tokens", "num_val_tokens")}
                        for shard in writer.shards],
         }
         write_json_atomic(self.root / META_NAME, meta)
         (self.root / PROGRESS_NAME).unlink(missing_ok=True)
-        _log_summary(self.root, totals, meta, seconds=seconds)
+        _log_summary(self.root, totals, meta, rate_mb_s=self.rate_mb_s)
         return load_prepared(self.root)
 
 
@@ -382,20 +391,18 @@ def _add_totals(totals: dict, result: worker.ChunkResult) -> None:
     totals["first_bad_record"] = totals["first_bad_record"] or result.first_bad_record
 
 
-def _log_summary(root: Path, totals: dict, meta: dict, *, seconds: float) -> None:
-    mb = totals["text_bytes"] / 2**20
-    log.info("prepared %s: %s documents (%s held out), %.1f MB of text -> %s train + %s val tokens in %d shards, "
-             "%.0f s (%.1f MB/s)", root, f"{totals['num_documents']:,}", f"{totals['num_val_documents']:,}", mb,
-             f"{meta['num_train_tokens']:,}", f"{meta['num_val_tokens']:,}", len(meta["shards"]), seconds,
-             mb / max(seconds, 1e-9))
+def _log_summary(root: Path, totals: dict, meta: dict, *, rate_mb_s: float) -> None:
+    phases = ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in meta["seconds"].items())
+    log.info("prepared %s: %s documents (%s held out), %.1f MB of text -> %s train + %s val tokens in %d shards; "
+             "%s (%.1f MB/s)", root, f"{totals['num_documents']:,}", f"{totals['num_val_documents']:,}",
+             totals["text_bytes"] / 2**20, f"{meta['num_train_tokens']:,}", f"{meta['num_val_tokens']:,}",
+             len(meta["shards"]), phases, rate_mb_s)
     if totals["num_bad_records"]:
         log.warning("skipped %d bad records (data.on_bad_record=skip); the first: %s",
                     totals["num_bad_records"], totals["first_bad_record"])
 
 
 def _read_progress(root: Path) -> dict:
-    from .store import read_json
-
     try:
         return read_json(root / PROGRESS_NAME) if (root / PROGRESS_NAME).is_file() else {}
     except DataError:

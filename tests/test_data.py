@@ -16,19 +16,25 @@ import pytest
 import sentencepiece as spm
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
+from config import ConfigError, load_config  # noqa: E402
 from data import (  # noqa: E402
     BatchPrefetcher,
     DataError,
+    Mixture,
     PreparedData,
     PrepareSettings,
     TokenDataset,
     load_prepared,
+    open_datasets,
     prepare_data,
     stdlib_source_files,
 )
 from data.loader import RandomPermutation  # noqa: E402
+from data.mixture import BLOCK as MIX_BLOCK  # noqa: E402
+
 
 VOCAB_SIZE = 320
 WORDS = "alpha beta gamma delta epsilon zeta theta lambda sigma omega return yield class def".split()
@@ -472,3 +478,109 @@ def test_stdlib_source_files():
     assert not any(banned & set(path.parts) for path in files)
     names = {path.name for path in files}
     assert {"os.py", "json", "argparse.py"} & names >= {"os.py", "argparse.py"}
+
+
+# ---------------------------------------------------------------- mixtures
+
+
+@pytest.fixture
+def three_sources(tmp_path) -> list[TokenDataset]:
+    """Three token files whose tokens say which source they are: source s holds s * 10000 + position."""
+    datasets = []
+    for s, num_tokens in enumerate([5000, 3000, 1200]):
+        path = tmp_path / f"source{s}.bin"
+        (s * 10000 + np.arange(num_tokens)).astype(np.uint16).tofile(path)
+        datasets.append(TokenDataset(path, dtype=np.uint16, seq_len=8, seed=s))
+    return datasets
+
+
+def test_mixture_proportions(three_sources):
+    weights = [0.5, 0.3, 0.2]
+    mixture = Mixture(three_sources, weights)
+    # Slots per block of 1024: floor(1024 * cumulative share) differences.
+    assert mixture.slots == [512, 307, 205] and MIX_BLOCK == 1024
+    num_samples = 40 * MIX_BLOCK
+    located = [mixture.locate(i) for i in range(num_samples)]
+    sources = np.array([source for source, _ in located])
+    for s, weight in enumerate(weights):
+        # Every block holds exactly its slots, within 1/1024 of the weight.
+        assert np.count_nonzero(sources == s) == 40 * mixture.slots[s]
+        assert abs(mixture.slots[s] / MIX_BLOCK - weight) <= 1 / MIX_BLOCK
+        # Any aligned run of 64 samples (a global batch, say) holds its share to within 2 samples.
+        per_run = np.bincount(np.flatnonzero(sources == s) // 64, minlength=num_samples // 64)
+        assert np.all(np.abs(per_run - 64 * weight) <= 2), (s, per_run.min(), per_run.max())
+        # A source's own sample indices are used once each, none skipped: 0 .. 40 * slots - 1.
+        assert sorted(local for source, local in located if source == s) == list(range(40 * mixture.slots[s]))
+    # The window is that source's own window for that index: its tokens carry the source number.
+    for index in (0, 1, 2, 1023, 1024, 5000, 40_000):
+        source, local = mixture.locate(index)
+        window = mixture.window(index)
+        np.testing.assert_array_equal(window, three_sources[source].window(local))
+        assert np.all(window // 10000 == source)
+
+
+def global_indices(*, first_step: int, max_steps: int, global_batch: int, micro_batch: int, world_size: int,
+                   rank: int) -> list[int]:
+    """The first global sample index of each micro-batch that `rank` reads, as train_fsdp.py computes it."""
+    grad_accum = global_batch // (micro_batch * world_size)
+    return [s * global_batch + (m * world_size + rank) * micro_batch
+            for s in range(first_step, max_steps) for m in range(grad_accum)]
+
+
+def test_mixture_resumes_exactly_at_any_world_size(three_sources):
+    mixture = Mixture(three_sources, [3.0, 2.0, 1.0])
+
+    def steps(world_size: int, first_step: int) -> list[torch.Tensor]:
+        """Each optimizer step's samples over all ranks, ordered by global index."""
+        per_rank = [global_indices(first_step=first_step, max_steps=8, global_batch=16, micro_batch=2,
+                                   world_size=world_size, rank=rank) for rank in range(world_size)]
+        batches = sorted((first, mixture.batch(first, 2)[0]) for rank in per_rank for first in rank)
+        rows = torch.cat([inputs for _, inputs in batches])
+        return list(rows.split(16))
+
+    uninterrupted = steps(1, 0)
+    for world_size in (2, 4):
+        # Stopped after step 3 and resumed on another number of ranks: steps 4..8 read the same samples.
+        resumed = steps(world_size, 3)
+        assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:], strict=True))
+
+
+def test_mixture_config_checks(txt_prepared, tmp_path):
+    prepared, _, root = txt_prepared
+    same = prep(tmp_path, [str(root / "corpus")], tokenizer_model=str(prepared.tokenizer_path),
+                dataset_dir=tmp_path / "same")
+    other = prep(tmp_path, [str(root / "corpus")], vocab_size=300, dataset_dir=tmp_path / "other")
+
+    def problems(sources: str, *extra: str) -> str:
+        with pytest.raises(ConfigError) as caught:
+            load_config(ROOT / "config/train_tiny_fsdp.yaml", [f"--data.sources={sources}", *extra])
+        return "\n".join(caught.value.problems)
+
+    ok = load_config(ROOT / "config/train_tiny_fsdp.yaml",
+                     [f"--data.sources=[{{path: {prepared.root}, weight: 0.7}}, {{path: {same.root}, weight: 0.3}}]"])
+    assert [(s.path, s.weight) for s in ok.data.sources] == [(str(prepared.root), 0.7), (str(same.root), 0.3)]
+    found = problems(f"[{{path: {prepared.root}}}, {{path: {other.root}, weight: 1}}]")
+    assert "data.sources[1]: " in found and "was prepared with another tokenizer than data.sources[0]" in found
+    found = problems(f"[{{path: {prepared.root}, weight: 0}}, {{path: {tmp_path / 'nope'}, weight: 1}}]")
+    assert "data.sources[0].weight must be a positive number, got 0.0" in found
+    assert f"data.sources[1].path: {tmp_path / 'nope'} is not a prepared folder (no meta.json)" in found
+    found = problems(f"[{{path: {prepared.root}, wieght: 2}}]")
+    assert "unknown key 'data.sources[0].wieght' (did you mean 'data.sources[0].weight'?)" in found
+    found = problems(f"[{{path: {prepared.root}}}]", "--data.files=[x.txt]")
+    assert "data.sources replaces data.files and data.dataset_dir" in found
+    assert "data.sources[0]: expected a mapping" in problems("[just/a/path]")
+
+
+def test_open_datasets_of_a_mixture(txt_prepared, tmp_path):
+    prepared, _, root = txt_prepared
+    same = prep(tmp_path, [str(root / "corpus")], tokenizer_model=str(prepared.tokenizer_path), val_fraction=0.3,
+                dataset_dir=tmp_path / "same")
+    train, val = open_datasets([(prepared, 1.0), (same, 3.0)], seq_len=8, seed=0)
+    assert isinstance(train, Mixture) and train.slots == [256, 768]
+    assert train.num_tokens == prepared.num_train_tokens + same.num_train_tokens
+    # Validation mixes each source's held-out split by the same weights, in order within each source.
+    assert isinstance(val, Mixture) and val.slots == [256, 768]
+    for index in range(6):
+        source, local = val.locate(index)
+        start = local % val.datasets[source].num_windows * 8  # unshuffled: window after window, then again
+        np.testing.assert_array_equal(val.window(index), split_tokens([prepared, same][source], "val")[start : start + 9])
