@@ -98,8 +98,8 @@ class DataConfig:
     """A .jsonl line that is not JSON or lacks the text field, a null parquet value, or text that is not UTF-8:
     error (stop, naming the file and line or row) or skip (count them and report the first)."""
     num_workers: int = 0
-    """Processes that parse and tokenise the corpus in parallel (0: one per CPU core); the output is the same
-    for any number."""
+    """Processes that parse and tokenise the corpus in parallel (0: one per CPU core, or none for a corpus
+    under 16 MB); the output is the same for any number."""
     shard_tokens: int = 100_000_000
     """Training tokens per shard file of the prepared folder (a shard closes at the first work unit past it)."""
     max_in_job_mb: float = 1024.0

@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 # Input per work unit: large enough that sending it to a worker costs little next to encoding it
 # (about a second of one core), small enough that a few per worker in flight stay well under 100 MB.
 CHUNK_BYTES = 1 << 20
+# By default, a corpus up to this size (on disk, or read up to data.max_corpus_mb) is prepared by the
+# calling process alone: spawning workers (which import the caller's main script, torch included, in a
+# training job) takes seconds.
+IN_PROCESS_MAX_BYTES = 16 << 20
 STDLIB_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 BAD_RECORD_CHOICES = ("error", "skip")
 
@@ -93,9 +97,12 @@ class PrepareSettings:
         if self.on_bad_record not in BAD_RECORD_CHOICES:
             raise DataError(f"data.on_bad_record must be one of {', '.join(BAD_RECORD_CHOICES)}, got {self.on_bad_record!r}")
 
-    @property
-    def workers(self) -> int:
-        return self.num_workers or len(os.sched_getaffinity(0))
+    def processes(self, corpus_bytes: int) -> int:
+        """Worker processes to start: num_workers, or by default one per CPU core, or none (this process
+        does the work) for a corpus so small that starting processes would cost more than they save."""
+        if self.num_workers:
+            return self.num_workers
+        return len(os.sched_getaffinity(0)) if corpus_bytes > IN_PROCESS_MAX_BYTES else 0
 
 
 # ---------------------------------------------------------------- the corpus
@@ -119,22 +126,29 @@ class Corpus:
     paths: list[Path]
     name: str  # for messages
     strict: bool  # undecodable bytes are an error (users' files) or replaced (the stdlib)
+    max_mb: float  # data.max_corpus_mb
 
     @classmethod
     def of(cls, settings: PrepareSettings) -> Corpus:
         if not settings.files:
-            return cls(stdlib_source_files(), "the Python stdlib", strict=False)
-        return cls(expand_inputs(list(settings.files)), ", ".join(settings.files), strict=True)
+            return cls(stdlib_source_files(), "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb)
+        return cls(expand_inputs(list(settings.files)), ", ".join(settings.files), strict=True,
+                   max_mb=settings.max_corpus_mb)
 
     @cached_property
     def disk_bytes(self) -> int:
         return sum(path.stat().st_size for path in self.paths)
 
+    @property
+    def read_bytes(self) -> int:
+        """About how much will be read: all of it on disk, or up to data.max_corpus_mb."""
+        return min(self.disk_bytes, int(self.max_mb * 2**20) or self.disk_bytes)
 
-def _chunks(corpus: Corpus, *, text_field: str, max_mb: float, say_cut: bool) -> Iterator[worker.Chunk]:
+
+def _chunks(corpus: Corpus, *, text_field: str, say_cut: bool) -> Iterator[worker.Chunk]:
     """The corpus as numbered chunks of whole pieces, each of at least CHUNK_BYTES but the last. With
-    max_mb (> 0), reading stops at the first line, row or document that reaches it (said in the log)."""
-    max_bytes = int(max_mb * 2**20)
+    data.max_corpus_mb, reading stops at the first line, row or document that reaches it (said in the log)."""
+    max_bytes = int(corpus.max_mb * 2**20)
     pieces: list = []
     num_bytes = read = done_files = 0
     index = 0
@@ -145,7 +159,7 @@ def _chunks(corpus: Corpus, *, text_field: str, max_mb: float, say_cut: bool) ->
                 pieces.append(piece)
                 if say_cut:
                     log.info("data.max_corpus_mb=%g: read the first %.2f MB of the corpus (%.2f MB on disk), "
-                             "stopping in %s", max_mb, (read + piece.num_bytes) / 2**20, corpus.disk_bytes / 2**20, path)
+                             "stopping in %s", corpus.max_mb, (read + piece.num_bytes) / 2**20, corpus.disk_bytes / 2**20, path)
                 yield worker.Chunk(index, pieces, done_files + piece.disk_end)
                 return
             pieces.append(piece)
@@ -194,14 +208,41 @@ def default_dataset_dir(settings: PrepareSettings) -> str:
 # ---------------------------------------------------------------- running chunks on the workers
 
 
-def _worker_pool(settings: PrepareSettings, corpus: Corpus) -> ProcessPoolExecutor:
-    # spawn, not fork: the caller may be a training rank with communication threads running, and a
-    # forked copy of such a process can deadlock.
+def _worker_pool(settings: PrepareSettings, corpus: Corpus, num_workers: int):
+    """num_workers processes, or this process itself for 0."""
     initargs = (worker.WorkerSettings(text_field=settings.text_field, strict=corpus.strict,
                                       skip_bad_records=settings.on_bad_record == "skip",
                                       val_fraction=settings.val_fraction, seed=settings.seed),)
-    return ProcessPoolExecutor(settings.workers, mp_context=multiprocessing.get_context("spawn"),
+    if num_workers == 0:
+        return _InProcess(initargs)
+    # spawn, not fork: the caller may be a training rank with communication threads running, and a
+    # forked copy of such a process can deadlock.
+    return ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=worker.init, initargs=initargs)
+
+
+class _InProcess:
+    """The pool's interface, running each task at once in this process."""
+
+    def __init__(self, initargs: tuple):
+        worker.init(*initargs)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as err:  # noqa: BLE001 - delivered by future.result(), as from a process
+            future.set_exception(err)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+    def __enter__(self) -> _InProcess:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
 
 
 def _in_order(submit: Callable[[worker.Chunk], Future], chunks: Iterator[worker.Chunk], *,
@@ -233,22 +274,15 @@ def _progress_bar(desc: str, total: int, *, initial: int = 0, show: bool) -> tqd
 
 class _Preparation:
     def __init__(self, root: Path, settings: PrepareSettings, corpus: Corpus, fingerprint: str,
-                 pool: ProcessPoolExecutor, *, show_progress: bool):
+                 pool: ProcessPoolExecutor | _InProcess, *, window: int, show_progress: bool):
         self.root, self.settings, self.corpus, self.fingerprint = root, settings, corpus, fingerprint
         self.pool, self.show_progress = pool, show_progress
-        self.window = 2 * settings.workers + 2
-        self.max_bytes = int(settings.max_corpus_mb * 2**20)
+        self.window = window  # chunks in flight: enough to keep every worker busy, few enough to bound memory
         self.seconds: dict[str, float] = {}  # per phase, for the summary
         self.rate_mb_s = 0.0
 
-    @property
-    def total_bytes(self) -> int:
-        """For the progress bars: the corpus on disk, or as much of it as data.max_corpus_mb reads."""
-        return min(self.corpus.disk_bytes, self.max_bytes or self.corpus.disk_bytes)
-
     def chunks(self, *, say_cut: bool = False) -> Iterator[worker.Chunk]:
-        return _chunks(self.corpus, text_field=self.settings.text_field, max_mb=self.settings.max_corpus_mb,
-                       say_cut=say_cut)
+        return _chunks(self.corpus, text_field=self.settings.text_field, say_cut=say_cut)
 
     # -- tokenizer --------------------------------------------------------------------------------
 
@@ -274,7 +308,7 @@ class _Preparation:
 
     def tokenizer_sample(self) -> list[str]:
         sample = TokenizerSample()
-        with _progress_bar("sampling for the tokenizer", self.total_bytes, show=self.show_progress) as bar:
+        with _progress_bar("sampling for the tokenizer", self.corpus.read_bytes, show=self.show_progress) as bar:
             submit = lambda chunk: self.pool.submit(worker.sample_chunk, chunk, sample.threshold)  # noqa: E731
             for result in _in_order(submit, self.chunks(), window=self.window):
                 for key, text in result.sample:
@@ -308,7 +342,7 @@ class _Preparation:
         chunks = (chunk for chunk in self.chunks(say_cut=True) if chunk.index >= next_chunk)
         tokenizer = (writer.progress["tokenizer_kind"], str(self.root / writer.progress["tokenizer_file"]))
         submit = lambda chunk: self.pool.submit(worker.encode_chunk, chunk, tokenizer, writer.dtype.name)  # noqa: E731
-        with _progress_bar("tokenising", self.total_bytes, initial=totals["disk_bytes"], show=self.show_progress) as bar:
+        with _progress_bar("tokenising", self.corpus.read_bytes, initial=totals["disk_bytes"], show=self.show_progress) as bar:
             for result in _in_order(submit, chunks, window=self.window):
                 _add_totals(totals, result)
                 writer.append(result.train, result.val)
@@ -392,7 +426,7 @@ def _add_totals(totals: dict, result: worker.ChunkResult) -> None:
 
 
 def _log_summary(root: Path, totals: dict, meta: dict, *, rate_mb_s: float) -> None:
-    phases = ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in meta["seconds"].items())
+    phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in meta["seconds"].items())
     log.info("prepared %s: %s documents (%s held out), %.1f MB of text -> %s train + %s val tokens in %d shards; "
              "%s (%.1f MB/s)", root, f"{totals['num_documents']:,}", f"{totals['num_val_documents']:,}",
              totals["text_bytes"] / 2**20, f"{meta['num_train_tokens']:,}", f"{meta['num_val_tokens']:,}",
@@ -463,10 +497,13 @@ def prepare_data(dataset_dir: str | Path, settings: PrepareSettings, *, show_pro
                         f"`python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train with "
                         f"--data.dataset_dir=DIR")
     root.mkdir(parents=True, exist_ok=True)
-    log.info("preparing %s into %s with %d worker processes", corpus.name, root, settings.workers)
-    with _worker_pool(settings, corpus) as pool:
+    num_workers = settings.processes(corpus.read_bytes)
+    log.info("preparing %s into %s with %s", corpus.name, root,
+             f"{num_workers} worker processes" if num_workers else "no worker process (a small corpus)")
+    with _worker_pool(settings, corpus, num_workers) as pool:
         try:
-            return _Preparation(root, settings, corpus, fingerprint, pool, show_progress=show_progress).run()
+            return _Preparation(root, settings, corpus, fingerprint, pool, window=2 * num_workers + 2,
+                                show_progress=show_progress).run()
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise

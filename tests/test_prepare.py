@@ -110,12 +110,15 @@ def corpus_2mb(tmp_path_factory) -> Path:
     return path
 
 
-def test_worker_count_does_not_change_the_output(small_chunks, corpus_2mb, tmp_path):
+def test_worker_count_does_not_change_the_output(small_chunks, corpus_2mb, tmp_path, caplog):
     one = prep(tmp_path / "one", [str(corpus_2mb)], num_workers=1, shard_tokens=20_000)
     two = prep(tmp_path / "two", [str(corpus_2mb)], num_workers=2, shard_tokens=20_000)
     again = prep(tmp_path / "again", [str(corpus_2mb)], num_workers=2, shard_tokens=20_000)
+    with caplog.at_level(logging.INFO, logger="data.prepare"):  # the default for a small corpus: no process
+        none = prep(tmp_path / "none", [str(corpus_2mb)], num_workers=0, shard_tokens=20_000)
+    assert "with no worker process (a small corpus)" in caplog.text
     assert len(one.train_files) > 10
-    assert store_files(one) == store_files(two) == store_files(again)
+    assert store_files(one) == store_files(two) == store_files(again) == store_files(none)
     # Shards close at the first work unit past shard_tokens: bounded by it plus one unit (~1k tokens).
     sizes = [path.stat().st_size // 2 for path in one.train_files]
     assert all(20_000 <= size < 22_000 for size in sizes[:-1]), sizes
