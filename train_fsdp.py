@@ -28,7 +28,7 @@ from data import (BatchPrefetcher, DataError, PreparedData, PrepareSettings, def
                   load_prepared, open_datasets, prepare_for_training)
 from model import ModelConfig
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
-from fsdp_utils.distributed import DistEnv, destroy_distributed, init_distributed, read_torchrun_env
+from fsdp_utils.distributed import DistEnv, barrier, destroy_distributed, init_distributed, read_torchrun_env
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
 from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
 from fsdp_utils.preemption import StopSignal
@@ -79,7 +79,7 @@ def prepare_dataset(cfg: Config, env: DistEnv) -> list[tuple[PreparedData, float
         handoff.publish(outcome, error)
     else:
         error = handoff.wait_for(outcome, timeout_s=d.prepare_wait_s)
-    dist.barrier()  # quick too: rank 0 is done, and once all are past it nobody reads the outcome file
+    barrier(env)  # quick too: rank 0 is done, and once all are past it nobody reads the outcome file
     if env.is_main:
         outcome.unlink(missing_ok=True)
     if error is not None:

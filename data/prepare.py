@@ -95,7 +95,8 @@ class PrepareSettings:
         if self.num_workers < 0:
             raise DataError(f"data.num_workers must be >= 0 (0 = one per CPU core), got {self.num_workers}")
         if self.on_bad_record not in BAD_RECORD_CHOICES:
-            raise DataError(f"data.on_bad_record must be one of {', '.join(BAD_RECORD_CHOICES)}, got {self.on_bad_record!r}")
+            raise DataError(f"data.on_bad_record must be one of {', '.join(BAD_RECORD_CHOICES)}, "
+                            f"got {self.on_bad_record!r}")
 
     def processes(self, corpus_bytes: int) -> int:
         """Worker processes to start: num_workers, or by default one per CPU core, or none (this process
@@ -158,8 +159,8 @@ def _chunks(corpus: Corpus, *, text_field: str, say_cut: bool) -> Iterator[worke
                 piece = truncate(piece, max_bytes - read)
                 pieces.append(piece)
                 if say_cut:
-                    log.info("data.max_corpus_mb=%g: read the first %.2f MB of the corpus (%.2f MB on disk), "
-                             "stopping in %s", corpus.max_mb, (read + piece.num_bytes) / 2**20, corpus.disk_bytes / 2**20, path)
+                    log.info("data.max_corpus_mb=%g: read the first %.2f MB of the corpus (%.2f MB on disk), stopping "
+                             "in %s", corpus.max_mb, (read + piece.num_bytes) / 2**20, corpus.disk_bytes / 2**20, path)
                 yield worker.Chunk(index, pieces, done_files + piece.disk_end)
                 return
             pieces.append(piece)
@@ -342,7 +343,8 @@ class _Preparation:
         chunks = (chunk for chunk in self.chunks(say_cut=True) if chunk.index >= next_chunk)
         tokenizer = (writer.progress["tokenizer_kind"], str(self.root / writer.progress["tokenizer_file"]))
         submit = lambda chunk: self.pool.submit(worker.encode_chunk, chunk, tokenizer, writer.dtype.name)  # noqa: E731
-        with _progress_bar("tokenising", self.corpus.read_bytes, initial=totals["disk_bytes"], show=self.show_progress) as bar:
+        bar = _progress_bar("tokenising", self.corpus.read_bytes, initial=totals["disk_bytes"], show=self.show_progress)
+        with bar:
             for result in _in_order(submit, chunks, window=self.window):
                 _add_totals(totals, result)
                 writer.append(result.train, result.val)
@@ -385,8 +387,9 @@ class _Preparation:
             num_train, num_val = num_train - moved, num_val + moved
             log.info("no document was held out for validation (%d documents); its last %d training tokens are "
                      "the validation split instead", totals["num_documents"], moved)
-        if num_val < 2:
-            raise DataError(f"validation split of {self.root} holds {num_val} tokens; raise data.val_fraction or add data")
+        if num_val < 2 or num_train < 2:
+            split, num = ("validation", num_val) if num_val < 2 else ("training", num_train)
+            raise DataError(f"the {split} split of {self.root} holds {num} tokens; change data.val_fraction or add data")
         meta = {
             "format_version": FORMAT_VERSION,
             **progress,

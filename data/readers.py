@@ -141,19 +141,22 @@ def _cut_after_lines(stream: BinaryIO, size: int, *, path: Path, compression: st
     Cuts depend only on the content, never on how reads happened to return, so the pieces (and
     everything derived from them) are the same on every run.
     """
-    buffer = b""
+    buffer = bytearray()
+    searched = size - 1  # no line end in buffer[size - 1 : searched]: a long line is scanned once
     while True:
         block = _read_block(stream, path, compression)
         buffer += block
         while len(buffer) >= size:
-            end = buffer.find(b"\n", size - 1)
+            end = buffer.find(b"\n", searched)
             if end < 0:
+                searched = len(buffer)
                 break
-            yield buffer[: end + 1]
-            buffer = buffer[end + 1 :]
+            yield bytes(buffer[: end + 1])
+            del buffer[: end + 1]
+            searched = size - 1
         if not block:
             if buffer:
-                yield buffer
+                yield bytes(buffer)
             return
 
 

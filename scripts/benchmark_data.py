@@ -6,11 +6,13 @@
 
 Each measurement is one `scripts/prepare_data.py` process, as a user runs it, with a tokenizer trained once
 beforehand (data.tokenizer_model), so the rows time the streaming pass that grows with the corpus: read,
-parse, split, tokenise, write. Peak memory is sampled from /proc every 0.1 s: the sum of the resident
-memory of the prepare process and all its workers (an upper bound: pages they share are counted in
-each), and the largest single process. MB/s and tokens/s are those of the streaming pass itself; the
-wall time adds the process start (imports) and writing meta.json. The load average says how busy the
-machine was (other work skews the figures). Prints a markdown table, then the projected time for 100 GB
+parse, split, tokenise, write. Peak memory is sampled from /proc every 0.1 s: the proportional set
+size summed over the prepare process and all its workers (shared pages counted once), and the largest
+single process's resident size. MB/s and tokens/s are those of the streaming pass itself; the wall time
+adds the process start (imports) and writing meta.json. CPU time is that of all the processes; divided
+by the wall time it says how many cores the run had: with other work on the machine (its load average
+is the last column) the speedup falls short of the workers' count for want of cores, not of
+parallel work. Prints a markdown table, then the projected time for 100 GB
 with all workers: the tokenizer sample pass and the tokenising pass at the measured rates, plus the
 measured tokenizer training (which reads a fixed-size sample, whatever the corpus size).
 """
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -63,14 +66,16 @@ def write_corpus(path: Path, size_mb: float, *, seed: int = 0) -> Path:
 # ---------------------------------------------------------------- measuring one run
 
 
-def tree_rss(pid: int) -> list[int]:
-    """Resident bytes of a process and all its descendants, from /proc."""
+def tree_memory(pid: int) -> list[tuple[int, int]]:
+    """(resident, proportional) bytes of a process and each of its descendants, from /proc. The
+    proportional set size splits pages that processes share among them, so its sum is the memory the
+    tree really uses (a resident sum counts shared pages, and a just-forked child, many times)."""
     found, todo = [], [pid]
     while todo:
         current = todo.pop()
         try:
-            status = Path(f"/proc/{current}/status").read_text()
-            found.append(int(status.split("VmRSS:")[1].split()[0]) * 1024)
+            rollup = Path(f"/proc/{current}/smaps_rollup").read_text()
+            found.append(tuple(int(rollup.split(f"\n{key}:")[1].split()[0]) * 1024 for key in ("Rss", "Pss")))
             for task in Path(f"/proc/{current}/task").iterdir():
                 todo += [int(kid) for kid in (task / "children").read_text().split()]
         except (OSError, IndexError):
@@ -79,24 +84,33 @@ def tree_rss(pid: int) -> list[int]:
 
 
 def prepare(corpus: Path, out: Path, *, workers: int, extra: list[str]) -> dict:
-    """Run scripts/prepare_data.py once; wall time, peak memory and what meta.json says."""
+    """Run scripts/prepare_data.py once: wall and CPU time, peak memory, and what meta.json says."""
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), str(CONFIG), f"--data.files=[{corpus}]",
            f"--data.dataset_dir={out}", f"--data.num_workers={workers}", "--data.max_corpus_mb=0", *extra]
+    cpu_before = _children_cpu_seconds()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak_sum = peak_one = 0
     while proc.poll() is None:
-        rss = tree_rss(proc.pid)
-        peak_sum, peak_one = max(peak_sum, sum(rss)), max([peak_one, *rss])
+        memory = tree_memory(proc.pid)
+        peak_sum = max(peak_sum, sum(pss for _, pss in memory))
+        peak_one = max([peak_one, *(rss for rss, _ in memory)])
         time.sleep(0.1)
     seconds = time.perf_counter() - start
     stderr = proc.stderr.read()
     if proc.returncode != 0:
         raise SystemExit(f"prepare_data.py failed ({proc.returncode}):\n{stderr[-3000:]}")
     meta = json.loads((out / "meta.json").read_text())
-    return {"seconds": seconds, "phases": meta["seconds"], "text_bytes": meta["text_bytes"], "load": os.getloadavg()[0],
-            "tokens": meta["num_train_tokens"] + meta["num_val_tokens"], "peak_sum": peak_sum, "peak_one": peak_one}
+    return {"seconds": seconds, "cpu_seconds": _children_cpu_seconds() - cpu_before, "phases": meta["seconds"],
+            "text_bytes": meta["text_bytes"], "tokens": meta["num_train_tokens"] + meta["num_val_tokens"],
+            "load": os.getloadavg()[0], "peak_sum": peak_sum, "peak_one": peak_one}
+
+
+def _children_cpu_seconds() -> float:
+    """CPU time of the finished child processes and theirs (the workers, reaped by prepare_data.py)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 # ---------------------------------------------------------------- the report
@@ -158,14 +172,15 @@ def report(args, workers: list[int], cores: int, workdir: Path) -> None:
 
     print(f"\n{cpu_name()}, {cores} cores; python {platform.python_version()}; synthetic .jsonl, "
           f"SentencePiece BPE vocabulary {args.vocab_size}, tokenizer trained beforehand\n")
-    print("| corpus | workers | tokenising (wall) | MB/s | tokens/s | speedup (efficiency) | peak RSS, all processes "
-          "| largest process | load avg |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| corpus | workers | tokenising (wall) | MB/s | tokens/s | speedup (efficiency) | CPU time, cores busy "
+          "| peak memory, all processes | largest process | load avg |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size, n, run, rate, base in rows:
         seconds = run["phases"]["tokenising"]
         speedup = f"{rate / base:.2f}x ({rate / base / n:.0%})" if base else "n/a"
         print(f"| {size:g} MB | {n} | {seconds:.0f} s ({run['seconds']:.0f} s) | {rate:.1f} | "
-              f"{run['tokens'] / seconds / 1e6:.2f}M | {speedup} | {run['peak_sum'] / 2**30:.2f} GiB | "
+              f"{run['tokens'] / seconds / 1e6:.2f}M | {speedup} | {run['cpu_seconds']:.0f} s, "
+              f"{run['cpu_seconds'] / run['seconds']:.1f} | {run['peak_sum'] / 2**30:.2f} GiB | "
               f"{run['peak_one'] / 2**30:.2f} GiB | {run['load']:.1f} |")
 
     largest = [row for row in rows if row[0] == sizes[-1] and row[1] == max(workers)][0]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from data import DataError, PrepareSettings, handoff, load_prepared, prepare_data, prepare_for_training
+from data import DataError, PrepareSettings, handoff, load_prepared, prepare_data, prepare_for_training, readers
 from data.store import ShardWriter
 from tests.helpers import ROOT
 from tests.test_data import VOCAB_SIZE, decode_split, held_out, make_documents, prep, split_tokens
@@ -86,6 +86,27 @@ def test_every_format_gives_the_tokens_of_the_plain_jsonl(kind, jsonl_reference,
     assert store_files(prepared) == store_files(jsonl_reference)
     # And the reference holds what it should: every document, whole, in order within its split.
     assert sorted(decode_split(jsonl_reference, "train") + decode_split(jsonl_reference, "val")) == sorted(DOCUMENTS)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json.gz", "jsonl.zst"])
+def test_pieces_do_not_depend_on_read_sizes(kind, tmp_path, monkeypatch):
+    # Cut at the first line end past 500 bytes, whatever sizes reads return; a 2 KB line stays whole.
+    documents = DOCUMENTS[:20] + ["y" * 2000] + DOCUMENTS[20:40]
+    (path,) = write_format(tmp_path, kind, documents)
+    path = next(Path(path).iterdir())
+
+    def pieces(block_bytes: int) -> list[tuple[int, bytes]]:
+        monkeypatch.setattr(readers, "READ_BLOCK_BYTES", block_bytes)
+        return [(piece.first, piece.data) for piece in readers.read_pieces(path, piece_bytes=500, text_field="text")]
+
+    expected = pieces(1 << 20)
+    assert pieces(7) == pieces(499) == expected
+    lines = b"".join(data for _, data in expected).split(b"\n")[:-1]
+    assert [json.loads(line)["text"] for line in lines] == documents
+    assert all(len(data) >= 500 and data.endswith(b"\n") for _, data in expected[:-1])
+    assert [first for first, _ in expected] == [1 + sum(data.count(b"\n") for _, data in expected[:i])
+                                                for i in range(len(expected))]
+    assert any(len(data) > 2000 for _, data in expected)
 
 
 def test_jsonl_text_field(tmp_path, jsonl_reference):
