@@ -528,6 +528,6 @@ def prepare_for_training(dataset_dir: str | Path, settings: PrepareSettings, *, 
         if not settings.files:
             log.info("training on the data prepared in %s (data.files is empty)", root)
             return
-        raise DataError(f"{root} already holds data prepared from other inputs or settings; delete it to prepare "
-                        f"data.files there, or leave data.files empty to train on it as it is")
+        raise DataError(f"{root} already holds data prepared from other inputs or settings (or by an older version); "
+                        f"delete it to prepare data.files there, or leave data.files empty to train on it as it is")
     prepare_data(root, settings, max_input_mb=max_input_mb)

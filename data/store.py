@@ -178,7 +178,9 @@ def clear_folder(root: Path, *, keep_tokenizer: bool) -> None:
     """Remove what an earlier preparation left (meta first, so nothing claims the files that follow)."""
     (root / META_NAME).unlink(missing_ok=True)
     for path in root.iterdir():
-        if path.name.startswith(("train-", "val-")) or path.name in (PROGRESS_NAME, PROGRESS_NAME + ".tmp"):
+        # train.bin / val.bin: the single token files of format 1
+        if path.name.startswith(("train-", "val-")) or path.name in (PROGRESS_NAME, PROGRESS_NAME + ".tmp",
+                                                                   "train.bin", "val.bin"):
             path.unlink()
         elif not keep_tokenizer and path.name.startswith((TOKENIZER_NAME, HF_TOKENIZER_NAME)):
             shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -2,7 +2,7 @@
 
 The sample is drawn across the whole corpus, not from its start: each training document carries a
 pseudo-random key (from its hash, see data/worker.py), and the sample is the documents with the
-smallest keys that fit in MAX_SAMPLE_BYTES. That set depends only on the corpus, not on the order
+smallest keys that fit in MAX_SAMPLE_CHARS characters. That set depends only on the corpus, not on the order
 in which worker processes deliver documents, and it is kept in bounded memory while streaming.
 """
 from __future__ import annotations
@@ -18,19 +18,19 @@ import sentencepiece as spm
 from .errors import DataError
 
 # Text SentencePiece learns from, at most: documents, then lines drawn from them.
-MAX_SAMPLE_BYTES = 32 << 20
+MAX_SAMPLE_CHARS = 32 << 20
 MAX_TOKENIZER_SENTENCES = 300_000
 # Lines longer than this (bytes) are skipped by SentencePiece training, not by encoding.
 MAX_SENTENCE_BYTES = 1 << 16
 
 
 class TokenizerSample:
-    """The documents with the smallest keys whose texts fit in max_bytes, kept while streaming."""
+    """The documents with the smallest keys whose texts fit in max_chars characters, kept while streaming."""
 
-    def __init__(self, max_bytes: int | None = None):
-        self.max_bytes = max_bytes or MAX_SAMPLE_BYTES
+    def __init__(self, max_chars: int | None = None):
+        self.max_chars = max_chars or MAX_SAMPLE_CHARS
         self._heap: list[tuple[int, str]] = []  # (-key, text): the largest key on top, to evict first
-        self._num_bytes = 0
+        self._num_chars = 0
         # No document with a key at or above this can end up in the sample: pass it to the workers so
         # they send back only candidates.
         self.threshold = 1 << 64
@@ -39,10 +39,10 @@ class TokenizerSample:
         if key >= self.threshold:
             return
         heapq.heappush(self._heap, (-key, text))
-        self._num_bytes += len(text)
-        while self._num_bytes > self.max_bytes and len(self._heap) > 1:
+        self._num_chars += len(text)
+        while self._num_chars > self.max_chars and len(self._heap) > 1:
             neg_key, evicted = heapq.heappop(self._heap)
-            self._num_bytes -= len(evicted)
+            self._num_chars -= len(evicted)
             self.threshold = min(self.threshold, -neg_key)
 
     def documents(self) -> list[str]:

@@ -19,6 +19,7 @@ import sentencepiece as spm
 
 from data import DataError, PrepareSettings, handoff, load_prepared, prepare_data, prepare_for_training, readers
 from data.store import ShardWriter
+from data.tokenizer import TokenizerSample
 from tests.helpers import ROOT
 from tests.test_data import VOCAB_SIZE, decode_split, held_out, make_documents, prep, split_tokens
 
@@ -208,7 +209,7 @@ def test_killed_prepare_script_resumes_to_the_same_result(corpus_2mb, tmp_path):
 def test_tokenizer_is_trained_on_the_whole_corpus(tmp_path, monkeypatch):
     # The first half of the corpus speaks one vocabulary, the second another. With a sample of a tenth
     # of the corpus, pieces of both must be learned: the sample spans the whole corpus.
-    monkeypatch.setattr("data.tokenizer.MAX_SAMPLE_BYTES", 6_000)
+    monkeypatch.setattr("data.tokenizer.MAX_SAMPLE_CHARS", 6_000)
     first = [f"alphaword{i % 7} betaword{i % 5} gammaword\n" * 8 for i in range(60)]
     second = [f"zulufrag{i % 7} yankeefrag{i % 5} xrayfrag\n" * 8 for i in range(60)]
     (tmp_path / "c.jsonl").write_text(jsonl_lines(first + second))
@@ -220,6 +221,21 @@ def test_tokenizer_is_trained_on_the_whole_corpus(tmp_path, monkeypatch):
     # A sample from the start (the first 6 KB are all first-half documents) would learn no second-half piece.
     assert [piece for piece in merged if piece in text1 and piece not in text2], merged
     assert [piece for piece in merged if piece in text2 and piece not in text1], merged
+
+
+def test_tokenizer_sample_does_not_depend_on_arrival_order():
+    rng = np.random.default_rng(0)
+    documents = [(int(key), "d" * int(size)) for key, size in zip(rng.integers(0, 2**63, 500), rng.integers(1, 300, 500))]
+    samples = []
+    for order in (documents, documents[::-1], [documents[i] for i in rng.permutation(500)]):
+        sample = TokenizerSample(max_chars=5_000)
+        for key, text in order:
+            sample.offer(key, text)
+        samples.append(sample.documents())
+    # The smallest keys whose texts fit in 5,000 characters, smallest first.
+    by_key = sorted(documents)
+    fits = next(n for n in range(len(by_key) + 1) if n == len(by_key) or sum(len(t) for _, t in by_key[: n + 1]) > 5_000)
+    assert samples[0] == samples[1] == samples[2] == [text for _, text in by_key[:fits]]
 
 
 def test_max_corpus_mb_cuts_at_a_record_and_says_so(tmp_path, caplog):
