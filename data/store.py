@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,36 +209,50 @@ class ShardWriter:
         if not self._files:
             self._open()
         for i, tokens in enumerate((train, val)):
-            self._guarded(lambda: tokens.astype(self.dtype, copy=False).tofile(self._files[i]), self._paths[i])
+            with self._writing(self._paths[i]):
+                # file.write, not ndarray.tofile: tofile reports a full disk without its errno.
+                self._files[i].write(tokens.astype(self.dtype, copy=False).data)
             self.num_tokens[i] += len(tokens)
 
     def _open(self) -> None:
         names = shard_names(len(self.shards))
         self._paths = [self.root / (name + ".tmp") for name in names]
-        self._files = [self._guarded(lambda p=p: open(p, "wb"), p) for p in self._paths]
+        for path in self._paths:
+            with self._writing(path):
+                self._files.append(open(path, "wb"))
 
     def finish_shard(self, *, end_chunk: int, totals: dict) -> None:
         if not self._files:
             return
         names = shard_names(len(self.shards))
         for file, tmp, name in zip(self._files, self._paths, names):
-            self._guarded(lambda: (file.flush(), os.fsync(file.fileno()), file.close()), tmp)
+            with self._writing(tmp):
+                file.flush()
+                os.fsync(file.fileno())  # on disk before progress.json says so
+                file.close()
             os.replace(tmp, self.root / name)
         self.shards.append({"train": names[0], "val": names[1], "num_train_tokens": self.num_tokens[0],
                             "num_val_tokens": self.num_tokens[1], "end_chunk": end_chunk, "totals": totals})
-        self._guarded(lambda: write_json_atomic(self.root / PROGRESS_NAME, self.progress), self.root / PROGRESS_NAME)
+        with self._writing(self.root / PROGRESS_NAME):
+            write_json_atomic(self.root / PROGRESS_NAME, self.progress)
         self._files, self._paths, self.num_tokens = [], [], [0, 0]
 
     def abort(self) -> None:
         """Drop the unfinished shard (its .tmp files); the finished ones stay for a rerun."""
-        for file, path in zip(self._files, self._paths):
-            file.close()
+        for file in self._files:
+            try:
+                file.close()
+            except OSError:
+                pass  # flushing what is buffered fails again on a full disk; the file goes anyway
+        for path in self._paths:
             path.unlink(missing_ok=True)
         self._files, self._paths = [], []
 
-    def _guarded(self, write, path: Path):
+    @contextmanager
+    def _writing(self, path: Path):
+        """A failed write of `path` as one line; the unfinished shard is dropped."""
         try:
-            return write()
+            yield
         except OSError as err:
             self.abort()
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -253,7 +268,8 @@ class ShardWriter:
         train_path, val_path = self.root / shard["train"], self.root / shard["val"]
         keep = shard["num_train_tokens"] - num_tokens
         tail = np.fromfile(train_path, dtype=self.dtype, offset=keep * self.dtype.itemsize)
-        self._guarded(lambda: tail.tofile(val_path), val_path)
+        with self._writing(val_path):
+            val_path.write_bytes(tail.data)
         os.truncate(train_path, keep * self.dtype.itemsize)
         shard.update(num_train_tokens=keep, num_val_tokens=shard["num_val_tokens"] + num_tokens)
         write_json_atomic(self.root / PROGRESS_NAME, self.progress)

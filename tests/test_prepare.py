@@ -326,15 +326,15 @@ def test_unsupported_and_unmatched_inputs(tmp_path):
 
 
 def test_disk_full_while_writing_a_shard(small_chunks, corpus_2mb, tmp_path, monkeypatch):
-    append = ShardWriter.append
+    # The fifth shard's file is /dev/full, where every write fails with ENOSPC, as on a full disk.
+    open_shard = ShardWriter._open
 
-    def no_space_in_shard_4(self, train, val):
+    def fifth_shard_on_a_full_disk(self):
         if len(self.shards) == 4:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        append(self, train, val)
+            (self.root / "train-00004.bin.tmp").symlink_to("/dev/full")
+        open_shard(self)
 
-    monkeypatch.setattr(ShardWriter, "append", lambda self, train, val: self._guarded(
-        lambda: no_space_in_shard_4(self, train, val), self.root / "train-00004.bin.tmp"))
+    monkeypatch.setattr(ShardWriter, "_open", fifth_shard_on_a_full_disk)
     root = tmp_path / "prepared"
     with pytest.raises(DataError) as caught:
         prep(tmp_path, [str(corpus_2mb)], shard_tokens=20_000)
