@@ -266,8 +266,9 @@ def _in_order(submit: Callable[[worker.Chunk], Future], chunks: Iterator[worker.
 
 
 def _progress_bar(desc: str, total: int, *, initial: int = 0, show: bool) -> tqdm:
+    # Into a log file (Slurm, a pipe) rather than a terminal: a line every 30 s, not ten a second.
     return tqdm(total=total, initial=initial, desc=desc, unit="B", unit_scale=True, disable=not show,
-                file=sys.stderr, dynamic_ncols=True, smoothing=0.05)
+                file=sys.stderr, dynamic_ncols=True, smoothing=0.05, mininterval=0.1 if sys.stderr.isatty() else 30)
 
 
 # ---------------------------------------------------------------- the passes

@@ -100,7 +100,8 @@ def encode_chunk(chunk: Chunk, tokenizer: tuple[str, str], dtype: str) -> ChunkR
     result = ChunkResult(chunk.index, chunk.disk_done)
     documents = list(_documents(chunk, result))
     processor = _load(tokenizer)
-    encoded = processor.encode([text for text, _, _ in documents], out_type=int) if documents else []
+    # One thread: the worker processes are the parallelism (SentencePiece would use every core for a list).
+    encoded = processor.encode([text for text, _, _ in documents], out_type=int, num_threads=1) if documents else []
     eos = processor.eos_id()
     for split, held_out in (("train", False), ("val", True)):
         ids = [doc_ids for doc_ids, (_, is_val, _) in zip(encoded, documents) if is_val == held_out]

@@ -6,13 +6,16 @@
 
 Each measurement is one `scripts/prepare_data.py` process, as a user runs it, with a tokenizer trained once
 beforehand (data.tokenizer_model), so the rows time the streaming pass that grows with the corpus: read,
-parse, split, tokenise, write. Peak memory is sampled from /proc every 0.1 s: the proportional set
-size summed over the prepare process and all its workers (shared pages counted once), and the largest
-single process's resident size. MB/s and tokens/s are those of the streaming pass itself; the wall time
+parse, split, tokenise, write. Peak memory is sampled from /proc every 0.1 s over the prepare process
+and all its workers: their anonymous memory (heap: where data would pile up; pages shared after a fork
+counted once), their resident memory (adding the libraries each maps; an upper bound, shared pages are
+counted in every process, and torch, which the prepare process imports with the config, is 0.25 GB of
+it), and the largest single process. MB/s and tokens/s are those of the streaming pass itself; the wall time
 adds the process start (imports) and writing meta.json. CPU time is that of all the processes; divided
 by the wall time it says how many cores the run had: with other work on the machine (its load average
 is the last column) the speedup falls short of the workers' count for want of cores, not of
-parallel work. Prints a markdown table, then the projected time for 100 GB
+parallel work; MB per CPU-second (all processes, the whole run) then shows whether the work itself
+grew with the workers. Prints a markdown table, then the projected time for 100 GB
 with all workers: the tokenizer sample pass and the tokenising pass at the measured rates, plus the
 measured tokenizer training (which reads a fixed-size sample, whatever the corpus size).
 """
@@ -67,15 +70,16 @@ def write_corpus(path: Path, size_mb: float, *, seed: int = 0) -> Path:
 
 
 def tree_memory(pid: int) -> list[tuple[int, int]]:
-    """(resident, proportional) bytes of a process and each of its descendants, from /proc. The
-    proportional set size splits pages that processes share among them, so its sum is the memory the
-    tree really uses (a resident sum counts shared pages, and a just-forked child, many times)."""
+    """(resident, anonymous) bytes of a process and each of its descendants, from /proc. Anonymous memory
+    (heap, what data would fill) is counted proportionally (Pss_Anon), so pages a parent shares with a
+    child it forked count once; the resident size adds the mapped libraries, shared by every process
+    that loads them."""
     found, todo = [], [pid]
     while todo:
         current = todo.pop()
         try:
             rollup = Path(f"/proc/{current}/smaps_rollup").read_text()
-            found.append(tuple(int(rollup.split(f"\n{key}:")[1].split()[0]) * 1024 for key in ("Rss", "Pss")))
+            found.append(tuple(int(rollup.split(f"\n{key}:")[1].split()[0]) * 1024 for key in ("Rss", "Pss_Anon")))
             for task in Path(f"/proc/{current}/task").iterdir():
                 todo += [int(kid) for kid in (task / "children").read_text().split()]
         except (OSError, IndexError):
@@ -90,21 +94,23 @@ def prepare(corpus: Path, out: Path, *, workers: int, extra: list[str]) -> dict:
            f"--data.dataset_dir={out}", f"--data.num_workers={workers}", "--data.max_corpus_mb=0", *extra]
     cpu_before = _children_cpu_seconds()
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak_sum = peak_one = 0
-    while proc.poll() is None:
-        memory = tree_memory(proc.pid)
-        peak_sum = max(peak_sum, sum(pss for _, pss in memory))
-        peak_one = max([peak_one, *(rss for rss, _ in memory)])
-        time.sleep(0.1)
+    log = out.with_name(out.name + ".log")  # a file, not a pipe: a full pipe would stall the progress bar
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
+        peak_anon = peak_rss = peak_one = 0
+        while proc.poll() is None:
+            memory = tree_memory(proc.pid)
+            peak_anon = max(peak_anon, sum(anon for _, anon in memory))
+            peak_rss = max(peak_rss, sum(rss for rss, _ in memory))
+            peak_one = max([peak_one, *(rss for rss, _ in memory)])
+            time.sleep(0.1)
     seconds = time.perf_counter() - start
-    stderr = proc.stderr.read()
     if proc.returncode != 0:
-        raise SystemExit(f"prepare_data.py failed ({proc.returncode}):\n{stderr[-3000:]}")
+        raise SystemExit(f"prepare_data.py failed ({proc.returncode}):\n{log.read_text()[-3000:]}")
     meta = json.loads((out / "meta.json").read_text())
     return {"seconds": seconds, "cpu_seconds": _children_cpu_seconds() - cpu_before, "phases": meta["seconds"],
             "text_bytes": meta["text_bytes"], "tokens": meta["num_train_tokens"] + meta["num_val_tokens"],
-            "load": os.getloadavg()[0], "peak_sum": peak_sum, "peak_one": peak_one}
+            "load": os.getloadavg()[0], "peak_anon": peak_anon, "peak_rss": peak_rss, "peak_one": peak_one}
 
 
 def _children_cpu_seconds() -> float:
@@ -173,15 +179,16 @@ def report(args, workers: list[int], cores: int, workdir: Path) -> None:
     print(f"\n{cpu_name()}, {cores} cores; python {platform.python_version()}; synthetic .jsonl, "
           f"SentencePiece BPE vocabulary {args.vocab_size}, tokenizer trained beforehand\n")
     print("| corpus | workers | tokenising (wall) | MB/s | tokens/s | speedup (efficiency) | CPU time, cores busy "
-          "| peak memory, all processes | largest process | load avg |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| MB per CPU-second | peak heap, all processes | peak RSS, all processes | largest process (RSS) | load avg |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size, n, run, rate, base in rows:
         seconds = run["phases"]["tokenising"]
         speedup = f"{rate / base:.2f}x ({rate / base / n:.0%})" if base else "n/a"
         print(f"| {size:g} MB | {n} | {seconds:.0f} s ({run['seconds']:.0f} s) | {rate:.1f} | "
               f"{run['tokens'] / seconds / 1e6:.2f}M | {speedup} | {run['cpu_seconds']:.0f} s, "
-              f"{run['cpu_seconds'] / run['seconds']:.1f} | {run['peak_sum'] / 2**30:.2f} GiB | "
-              f"{run['peak_one'] / 2**30:.2f} GiB | {run['load']:.1f} |")
+              f"{run['cpu_seconds'] / run['seconds']:.1f} | {run['text_bytes'] / 2**20 / run['cpu_seconds']:.1f} | "
+              f"{run['peak_anon'] / 2**30:.2f} GiB | "
+              f"{run['peak_rss'] / 2**30:.2f} GiB | {run['peak_one'] / 2**30:.2f} GiB | {run['load']:.1f} |")
 
     largest = [row for row in rows if row[0] == sizes[-1] and row[1] == max(workers)][0]
     encode_rate = largest[3]
