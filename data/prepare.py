@@ -431,10 +431,11 @@ def _add_totals(totals: dict, result: worker.ChunkResult) -> None:
 
 def _log_summary(root: Path, totals: dict, meta: dict, *, rate_mb_s: float) -> None:
     phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in meta["seconds"].items())
-    log.info("prepared %s: %s documents (%s held out), %.1f MB of text -> %s train + %s val tokens in %d shards; "
+    num_shards = len(meta["shards"])
+    log.info("prepared %s: %s documents (%s held out), %.1f MB of text -> %s train + %s val tokens in %d shard%s; "
              "%s (%.1f MB/s)", root, f"{totals['num_documents']:,}", f"{totals['num_val_documents']:,}",
              totals["text_bytes"] / 2**20, f"{meta['num_train_tokens']:,}", f"{meta['num_val_tokens']:,}",
-             len(meta["shards"]), phases, rate_mb_s)
+             num_shards, "" if num_shards == 1 else "s", phases, rate_mb_s)
     if totals["num_bad_records"]:
         log.warning("skipped %d bad records (data.on_bad_record=skip); the first: %s",
                     totals["num_bad_records"], totals["first_bad_record"])
