@@ -164,7 +164,9 @@ def _read_block(stream: BinaryIO, path: Path, compression: str | None) -> bytes:
     try:
         return stream.read(READ_BLOCK_BYTES)
     except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
-        kind = {"gz": "gzip", "zst": "zstd"}.get(compression, "data")
+        if compression is None:
+            raise DataError(f"cannot read {path}: {err}") from None
+        kind = {"gz": "gzip", "zst": "zstd"}[compression]
         raise DataError(f"{path}: corrupt or truncated {kind} file ({err})") from None
     except Exception as err:
         if type(err).__name__ == "ZstdError":  # zstandard's own error type, without importing it here

@@ -132,6 +132,7 @@ def corpus_2mb(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_worker_count_does_not_change_the_output(small_chunks, corpus_2mb, tmp_path, caplog):
     one = prep(tmp_path / "one", [str(corpus_2mb)], num_workers=1, shard_tokens=20_000)
     two = prep(tmp_path / "two", [str(corpus_2mb)], num_workers=2, shard_tokens=20_000)
