@@ -9,33 +9,41 @@ Reads top to bottom: config, process group, data, model, optimizer, resume, loop
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 import yaml
 
-from config import Config, ConfigError, check_batch_split, load_config, save_config
+from config import Config, ConfigError, check_batch_split, launch_problems, load_config, save_config
 from data import (BatchPrefetcher, DataError, PreparedData, PrepareSettings, default_dataset_dir, handoff,
                   load_prepared, open_datasets, prepare_for_training)
 from model import ModelConfig
-from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
-from fsdp_utils.distributed import DistEnv, barrier, destroy_distributed, init_distributed, read_torchrun_env
+from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, TrainState
+from fsdp_utils.checkpoint_format import check_structure
+from fsdp_utils.distributed import DistEnv, Launch, barrier, destroy_distributed, init_distributed, read_torchrun_env
+from fsdp_utils.float8 import float8_problems, precompute_float8_scales
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
+from fsdp_utils.microbatch import (OutOfMemory, OutOfMemoryGuard, cache_key, memory_hint, memory_probe,
+                                   resolve_micro_batch, save_to_cache)
 from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
 from fsdp_utils.preemption import StopSignal
-from fsdp_utils.wrap import build_fsdp_model, resolve_precision
+from fsdp_utils.build import build_model
+from fsdp_utils.run_lock import RunLocked, take_run_lock
+from fsdp_utils.step import forward_backward
+from fsdp_utils.wrap import parallelize, resolve_precision
 
 log = logging.getLogger("train")
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -115,34 +123,29 @@ def log_parameter_summary(model_cfg) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, val_data, cfg: Config, env: DistEnv) -> float:
-    """Mean validation loss over the first eval_batches micro-batches of the validation set, whatever the
-    world size: rank r takes batches r, r + W, ...; every rank runs the same number of forward passes
-    (FSDP needs them all), a rank past the end weighting its last one by zero."""
+def evaluate(model, val_data, *, num_samples: int, micro_batch: int, env: DistEnv) -> float:
+    """Mean validation loss over the first num_samples sequences of the validation set, in micro-batches,
+    whatever the world size: rank r takes batches r, r + W, ...; every rank runs the same number of forward
+    passes (FSDP needs them all), a rank past the end weighting its last one by zero. Every batch holds as
+    many tokens, so the mean of the batch means is the same for any micro-batch that divides num_samples."""
     model.eval()
-    mb, n = cfg.train.micro_batch_size, cfg.train.eval_batches
-    total = torch.zeros((), device=env.device)
-    for first in range(0, n, env.world_size):
-        k = first + env.rank
-        x, y = val_data.batch(min(k, n - 1) * mb, mb)
-        loss = model(x.to(env.device), y.to(env.device)).float()
-        total += loss if k < n else 0.0 * loss
-    dist.all_reduce(total)
-    model.train()
+    try:
+        n = num_samples // micro_batch
+        total = torch.zeros((), device=env.device)
+        for first in range(0, n, env.world_size):
+            k = first + env.rank
+            x, y = val_data.batch(min(k, n - 1) * micro_batch, micro_batch)
+            loss = model(x.to(env.device), y.to(env.device)).float()
+            total += loss if k < n else 0.0 * loss
+        dist.all_reduce(total)
+    finally:
+        model.train()
     return total.item() / n
 
 
-def no_grad_sync(model, enabled: bool):
-    """Skip the gradient reduce-scatter on non-final micro-steps (FSDP1 no_sync / FSDP2 requires_gradient_sync)."""
-    if hasattr(model, "no_sync"):
-        return model.no_sync() if enabled else contextlib.nullcontext()
-    model.set_requires_gradient_sync(not enabled)  # FSDP2: set before every micro-step, so the last one syncs
-    return contextlib.nullcontext()
-
-
-def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
+def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) -> dict:
     t = cfg.train
-    grad_accum = check_batch_split(cfg, env.world_size)
+    check_batch_split(cfg, env.world_size)
     out_dir = cfg.output_dir
     torch.manual_seed(cfg.run.seed)
 
@@ -156,7 +159,9 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
 
     # ---- model, optimizer, checkpoints ----------------------------------------------------------
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-    model = build_fsdp_model(cfg, env, precision)
+    built = build_model(cfg, env)  # on the meta device when sharded over several ranks
+    model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
+                        compile=t.compile, env=env, init=built.init, float8=t.float8)
     # The fused AdamW kernel does not accept the sharded grad scaler's inf flag: fp16 uses the foreach one.
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not precision.use_grad_scaler)
@@ -165,8 +170,10 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler()
-    ckpt = CheckpointManager(out_dir, fmt=cfg.checkpoint.format, keep_last_n=cfg.checkpoint.keep_last_n,
-                             model_config=model_signature, env=env)
+    c = cfg.checkpoint
+    ckpt = CheckpointManager(out_dir, fmt=c.format, keep_last_n=c.keep_last_n, model_config=model_signature, env=env,
+                             verify=c.verify, async_save=c.async_save, async_writer=c.async_writer,
+                             on_async_error=c.on_async_error, timeout_s=cfg.run.timeout_s)
 
     if env.is_main:
         log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
@@ -174,13 +181,27 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
             log_parameter_summary(cfg.model)
         else:
             log.info("model: %s from %s", model_signature, cfg.model.hf_path or cfg.model.hf_config)
-        log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, train %s tokens, val %s tokens",
+
+    # Before any resume: the search's trial steps need the optimizer state empty (they leave it so).
+    probe = memory_probe(env.device, env.rank)
+    key = cache_key(cfg, model_signature=model_signature, world_size=env.world_size, gpu=probe.name if probe else "cpu",
+                    precision=precision.name)
+    choice = resolve_micro_batch(cfg, env, model=model, optimizer=optimizer, vocab_size=model_vocab, key=key, probe=probe)
+    mb = choice.micro_batch_size
+    grad_accum = check_batch_split(cfg, env.world_size, micro_batch=mb)
+    if probe is not None:
+        probe.begin(mb)  # the memory figures from here on are the training's
+    if env.is_main:
+        log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, micro-batch %d, train %s tokens, val %s tokens",
                  env.world_size, env.device.type, precision.name, str(precision.reduce).replace("torch.", ""),
-                 cfg.fsdp.version, cfg.fsdp.sharding_strategy, grad_accum,
+                 cfg.fsdp.version, cfg.fsdp.sharding_strategy, grad_accum, mb,
                  f"{train_data.num_tokens:,}", f"{val_data.num_tokens:,}")
 
     state = TrainState()
-    if resume_from is None and cfg.checkpoint.auto_resume and ckpt.complete_checkpoints():
+    if resume_from is None and (existing := ckpt.complete_checkpoints()):
+        if not cfg.checkpoint.auto_resume:  # a fresh start would mix its checkpoints with these, and retention delete them
+            raise CheckpointMismatch(f"{out_dir} already holds checkpoints of an earlier run (newest {existing[0][1].name}); "
+                                     f"resume with --resume_from latest, or give this run another run.output_dir")
         resume_from = "latest"
         log.info("checkpoint.auto_resume: continuing from the newest complete checkpoint in %s", out_dir)
     if resume_from is not None:
@@ -195,17 +216,28 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
             shutil.copytree(prepared.tokenizer_path, out_dir / prepared.tokenizer_path.name, dirs_exist_ok=True)
         else:
             shutil.copyfile(prepared.tokenizer_path, out_dir / "tokenizer.model")
+        if choice.how == "search":
+            save_to_cache(out_dir, key, choice)
+    ckpt.prepare_saving(model, optimizer)  # host memory for the saves checked now, not at the first save
 
     # ---- loop -----------------------------------------------------------------------------------
-    stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s)
     metrics = MetricsWriter(out_dir, tensorboard=cfg.logging.tensorboard) if env.is_main else None
     peak_flops = detect_peak_flops(env.device, cfg.logging.peak_flops)
-    mb, tokens_per_step = t.micro_batch_size, t.global_batch_size * cfg.data.seq_len
-    first_step, first_sample = state.step, state.samples_seen
-    # Global sample index of every micro-batch this rank will read: the order is the same on any world size.
-    indices = (first_sample + (s - first_step) * t.global_batch_size + (m * env.world_size + env.rank) * mb
-               for s in range(first_step, t.max_steps) for m in range(grad_accum))
-    batches = BatchPrefetcher(train_data, indices, num_samples=mb, device=env.device)
+    tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    first_step = state.step
+    num_eval_samples = t.eval_batches * mb  # the same sequences if an out-of-memory retry halves mb
+
+    def open_batches(micro_batch: int) -> BatchPrefetcher:
+        """This rank's micro-batches from the current step on. Global sample index of each: the order is
+        the same on any world size and micro-batch (a step's samples are its global batch, split)."""
+        step0, sample0, accum = state.step, state.samples_seen, t.global_batch_size // (micro_batch * env.world_size)
+        indices = (sample0 + (s - step0) * t.global_batch_size + (m * env.world_size + env.rank) * micro_batch
+                   for s in range(step0, t.max_steps) for m in range(accum))
+        return BatchPrefetcher(train_data, indices, num_samples=micro_batch, device=env.device)
+
+    batches = open_batches(mb)
+    oom = OutOfMemoryGuard(env, probe=probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s, compile=t.compile,
+                           model=model, block_classes=built.block_classes)
     inject_nan_at = int(os.environ.get("FSDP_INJECT_NAN_AT_STEP", 0))  # fault injection for the tests
     start_time = last_log_time = time.perf_counter()
     last_log_step, last, num_bad_steps = first_step, {}, 0
@@ -215,7 +247,15 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
             lr = lr_at(state.step, max_lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum = forward_backward(model, batches, scaler, grad_accum=grad_accum)
+            while True:  # again only after an out-of-memory error, with train.oom_retry_half
+                loss_sum, new_mb = oom.attempt(lambda: forward_backward(model, batches, scaler, grad_accum=grad_accum),
+                                               step=state.step + 1, phase="training", micro_batch=mb, grad_accum=grad_accum,
+                                               model=model, optimizer=optimizer)
+                if new_mb == mb:
+                    break
+                batches.close()
+                mb, grad_accum = new_mb, t.global_batch_size // (new_mb * env.world_size)
+                batches = open_batches(mb)  # this step's samples again, in smaller micro-batches
             if inject_nan_at == state.step + 1 and env.is_main:
                 loss_sum = loss_sum * float("nan")
             if scaler:
@@ -239,10 +279,16 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
                 scaler.update()
             else:
                 optimizer.step()
+            if t.float8 != "none":  # the new weights' FP8 scales, for the next step's FP8 all-gathers
+                precompute_float8_scales(model)
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.samples_seen += t.global_batch_size
             state.tokens_seen += tokens_per_step
+            if state.step == first_step + 2 and t.micro_batch_size != "auto":  # a collective: every rank
+                hint = memory_hint(probe, env, micro_batch=mb, grad_accum=grad_accum)
+                if hint and env.is_main:
+                    log.info("%s", hint)
 
             if state.step % cfg.logging.interval == 0 or state.step == t.max_steps:
                 now = time.perf_counter()
@@ -260,66 +306,110 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None) -> dict:
                 last_log_time, last_log_step = time.perf_counter(), state.step
 
             if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.max_steps):
-                val_loss = evaluate(model, val_data, cfg, env)
+                while True:
+                    val_loss, new_mb = oom.attempt(
+                        lambda: evaluate(model, val_data, num_samples=num_eval_samples, micro_batch=mb, env=env),
+                        step=state.step, phase="evaluation", micro_batch=mb, grad_accum=grad_accum, model=model,
+                        optimizer=optimizer)
+                    if new_mb == mb:
+                        break
+                    batches.close()
+                    mb, grad_accum = new_mb, t.global_batch_size // (new_mb * env.world_size)
+                    batches = open_batches(mb)  # the next steps at the smaller micro-batch too
                 last["val_loss"] = val_loss
                 if env.is_main:
                     log.info("step %d | val_loss %.4f", state.step, val_loss)
                     metrics.write({"step": state.step, "val_loss": val_loss})
 
+            ckpt.poll()  # every step, every rank: commits an asynchronous save once all its writes are done
             interval = cfg.checkpoint.interval
             stopping = shared[1].item() > 0
             if stopping or (interval and state.step % interval == 0) or state.step == t.max_steps:
                 state.grad_scaler = scaler.state_dict() if scaler else None
                 ckpt.save(model, optimizer, state)
             if stopping:
-                log.info("stopped by a signal at step %d after saving; resume with --resume_from latest (or rerun: auto_resume)", state.step)
+                ckpt.finish()
+                if env.is_main:
+                    log.info("stopped by a signal at step %d after saving; rerun the same command to continue "
+                             "(checkpoint.auto_resume), or pass --resume_from latest", state.step)
                 break
+        ckpt.finish()  # a clean end waits for the save in flight
     finally:
+        ckpt.close()
         batches.close()
         if metrics is not None:
             metrics.close()
     return last
 
 
-def forward_backward(model, batches, scaler, *, grad_accum: int) -> torch.Tensor:
-    """Run grad_accum micro-batches, reducing gradients only after the last; return this rank's mean loss."""
-    loss_sum = None
-    for micro in range(grad_accum):
-        x, y = next(batches)
-        with no_grad_sync(model, enabled=micro < grad_accum - 1):
-            loss = model(x, y) / grad_accum
-            (scaler.scale(loss) if scaler else loss).backward()
-        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
-    return loss_sum
-
-
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm stopped being finite."""
+
+
+def early_problems(cfg: Config, launch: Launch, resume_from: str | None) -> list[str]:
+    """Everything that can be checked before the process group starts, beyond the config itself."""
+    problems = launch_problems(cfg, world_size=launch.world_size, local_world_size=launch.local_world_size,
+                               num_gpus=torch.cuda.device_count())
+    if resume_from not in (None, "latest"):
+        try:
+            check_structure(Path(resume_from))  # exists, a torch.save file or a folder with all its files
+        except CheckpointError as err:
+            problems.append(f"--resume_from: {err}")
+    problems += float8_problems(cfg.train.float8, run_device=cfg.run.device, local_rank=launch.local_rank)
+    return problems
+
+
+def exit_early(problems: list[str], launch: Launch) -> int:
+    """Report problems found before the process group as `error:` lines, once: rank 0 prints them.
+
+    Under torchrun the other ranks then wait to be stopped: torchrun stops every worker as soon as one
+    ends, so a rank that ended first could have rank 0 stopped before it printed anything."""
+    if launch.rank == 0:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+    elif launch.under_torchrun:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: os._exit(2))
+        time.sleep(60)
+    return 2
 
 
 @record  # an uncaught error lands in torchrun's error file, reported with its rank
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    # Every config problem is found before any process group starts.
+    launch = read_torchrun_env()
+    # Every problem with the config and the launch is found before any process group starts.
     try:
         cfg = load_config(args.config, overrides)
-        check_batch_split(cfg, read_torchrun_env()[2])
+        problems = early_problems(cfg, launch, args.resume_from)
     except ConfigError as err:
-        for line in err.problems:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+        problems = err.problems
+    if problems:
+        return exit_early(problems, launch)
 
+    stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s)  # Ctrl-C from here on saves
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
+    lock = None
     try:
         setup_logging(env)
-        train(cfg, env, args.resume_from)
+        lock = take_run_lock(cfg.output_dir, env)  # before anything is written into the output directory
+        train(cfg, env, args.resume_from, stop)
         return 0
-    except (*USER_ERRORS, NonFiniteError) as err:
+    except RunLocked as err:
+        if env.is_main:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (*USER_ERRORS, NonFiniteError) as err:  # raised alike on every rank
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # a file this rank could not write (a full disk): said by the rank that met it
+        print(f"error: rank {env.rank}: {err}", file=sys.stderr)
+        return 1
     finally:
         destroy_distributed()
+        if lock is not None:
+            os.close(lock)  # the operating system would release it at exit anyway
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "selective_op")
+FLOAT8 = ("none", "tensorwise", "rowwise")
 
 
 class ConfigError(ValueError):
@@ -43,8 +45,9 @@ class RunConfig:
     """auto (CUDA when available, else CPU), cuda or cpu."""
     timeout_s: int = 600
     """Collective timeout: a hung rank ends the job with an error after this many seconds."""
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals that mean 'save a checkpoint and exit 0' (preemption; Slurm's pre-termination signal)."""
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
+    """Signals that mean 'save a checkpoint after this step and exit 0' (preemption, Slurm's pre-termination
+    signal, Ctrl-C); a second one aborts at once without saving."""
     preemption_grace_s: float = 120.0
     """After a stop signal, exit non-zero if the checkpoint is not saved within this many seconds."""
 
@@ -117,8 +120,17 @@ class TrainConfig:
     """Optimizer steps to run."""
     global_batch_size: int = 32
     """Sequences per optimizer step over all ranks; gradient accumulation is derived from it."""
-    micro_batch_size: int = 8
-    """Sequences per forward pass on each rank."""
+    micro_batch_size: int | str = 8
+    """Sequences per forward pass on each rank, or auto: the largest divisor of the per-rank batch
+    (global_batch_size / world size) that fits in GPU memory, measured by a few trial steps before
+    training and cached in <output_dir>/microbatch_cache.json (the training is the same: same global batch)."""
+    auto_micro_batch_margin: float = 0.1
+    """micro_batch_size=auto: share of the GPU's memory left free (fragmentation, evaluation, the unforeseen)."""
+    auto_micro_batch_cpu: int = 8
+    """micro_batch_size=auto on the CPU (no GPU memory to measure): the largest divisor of the per-rank batch up to this."""
+    oom_retry_half: bool = False
+    """On a CUDA out-of-memory error in a step or an evaluation (every rank alike), redo it with half the
+    micro-batch and twice the accumulation (the same samples), and keep that size; off: stop with the figures."""
     lr: float = 3e-4
     """Peak learning rate, reached after warmup."""
     min_lr_ratio: float = 0.1
@@ -143,6 +155,11 @@ class TrainConfig:
     """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 or fp32."""
     compile: bool = False
     """torch.compile each DecoderBlock."""
+    float8: str = "none"
+    """FP8 matmuls in the blocks' linear layers through torchao (an optional package: torchao 0.17.x for
+    torch 2.11): none, tensorwise (one scale per tensor; FP8 all-gather of the weights) or rowwise (one
+    scale per row). Needs fsdp.version 2 and a GPU of compute capability 8.9 or later (Ada, Hopper).
+    Weights, optimizer state and checkpoints stay in full precision."""
     loss_chunk_tokens: int = 0
     """Compute output logits, loss and their gradients this many tokens at a time (0: all at once).
     The (tokens x vocab) fp32 logits never exist at once: 5 GiB less per GPU at the 1B preset, same speed."""
@@ -190,6 +207,20 @@ class CheckpointConfig:
     """Keep this many newest complete checkpoints (0: keep all)."""
     auto_resume: bool = True
     """Continue from the newest complete checkpoint in the output directory, if any."""
+    verify: bool = True
+    """Before loading a checkpoint, check every file's CRC32 against the one recorded when it was saved
+    (reads the checkpoint once more, spread over the ranks); `latest` falls back past a mismatch."""
+    async_save: bool | str = "auto"
+    """Sharded checkpoints: stage the state in host memory, then write it in the background while training
+    goes on; it counts (checksums, meta.json, rename, retention) once written. auto: on for sharded
+    checkpoints on GPUs; true (also on the CPU); false. Full checkpoints are always written synchronously."""
+    async_writer: str = "thread"
+    """With async_save: write from a thread of the training process, or from a process of its own that
+    torch.distributed.checkpoint starts (no competition for the training process's Python interpreter)."""
+    on_async_error: str = "stop"
+    """A background write that failed (reported at the next step, naming the checkpoint): stop (exit 1,
+    the previous checkpoint stays the newest) or continue training (the next save tries again). A failed
+    final save always ends the run with an error."""
 
 
 @dataclass
@@ -235,7 +266,12 @@ def _coerce(value, hint, where: str, problems: list[str]):
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
-        hint = next(t for t in options if t is not type(None))
+        kinds = [t for t in options if t is not type(None)]
+        if len(kinds) > 1:  # e.g. int | str: a value of one of them, as it is
+            if not any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in kinds):
+                problems.append(f"{where}: expected {' or '.join(t.__name__ for t in kinds)}, got {type(value).__name__} {value!r}")
+            return value
+        hint = kinds[0]
         origin = typing.get_origin(hint)
     if origin is list:
         (item,) = typing.get_args(hint)
@@ -257,9 +293,13 @@ def _coerce(value, hint, where: str, problems: list[str]):
         return value
     if hint is float and isinstance(value, str):
         try:  # YAML reads 3e-4 as a string (YAML 1.1 needs a dot); accept it
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
+        else:  # but not "nan" or "inf", which float() also reads
+            if not math.isfinite(number):
+                problems.append(f"{where}: must be a finite number, got {value!r}")
+            return number
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         problems.append(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
     return value
@@ -302,6 +342,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw: dict = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError([f"{path} is a directory; give a config file, e.g. config/train_tiny_fsdp.yaml"])
         if not path.is_file():
             raise ConfigError([f"config file not found: {path}"])
         try:
@@ -365,9 +407,20 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"data.vocab_size must be at least 16, got {cfg.data.vocab_size}")
     p += _data_problems(cfg.data)
     t = cfg.train
-    for name in ("max_steps", "global_batch_size", "micro_batch_size"):
+    for name in ("max_steps", "global_batch_size"):
         if getattr(t, name) <= 0:
             p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+    if isinstance(t.micro_batch_size, str):
+        if t.micro_batch_size != "auto":
+            p.append(f"train.micro_batch_size must be a positive integer or auto, got '{t.micro_batch_size}'")
+    elif t.micro_batch_size <= 0:
+        p.append(f"train.micro_batch_size must be positive, got {t.micro_batch_size}")
+    elif t.global_batch_size % t.micro_batch_size:
+        p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
+    if not 0 <= t.auto_micro_batch_margin < 1:
+        p.append(f"train.auto_micro_batch_margin must be in [0, 1), got {t.auto_micro_batch_margin}")
+    if t.auto_micro_batch_cpu <= 0:
+        p.append(f"train.auto_micro_batch_cpu must be positive, got {t.auto_micro_batch_cpu}")
     if t.eval_batches <= 0:
         p.append(f"train.eval_batches must be positive, got {t.eval_batches}")
     for name in ("warmup_steps", "eval_interval", "grad_clip", "weight_decay"):
@@ -377,9 +430,11 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"train.lr must be positive, got {t.lr}")
     if not 0 <= t.min_lr_ratio <= 1:
         p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
-        p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
     _choice(p, "train.precision", t.precision, PRECISIONS)
+    _choice(p, "train.float8", t.float8, FLOAT8)
+    if t.float8 != "none" and cfg.fsdp.version == 1:
+        p.append(f"train.float8={t.float8} needs fsdp.version: 2 (torchao's FP8 training, FP8 all-gather of the "
+                 f"sharded weights included, is built for FSDP2's fully_shard)")
     _choice(p, "run.device", cfg.run.device, ("auto", "cuda", "cpu"))
     for name in cfg.run.stop_signals:
         if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"):
@@ -403,6 +458,13 @@ def validate(cfg: Config) -> list[str]:
     for name in ("interval", "keep_last_n"):
         if getattr(cfg.checkpoint, name) < 0:
             p.append(f"checkpoint.{name} must not be negative, got {getattr(cfg.checkpoint, name)}")
+    c = cfg.checkpoint
+    if isinstance(c.async_save, str) and c.async_save != "auto":
+        p.append(f"checkpoint.async_save must be auto, true or false, got '{c.async_save}'")
+    elif c.async_save is True and c.format == "full":
+        p.append("checkpoint.async_save=true needs checkpoint.format=sharded (full checkpoints are written synchronously)")
+    _choice(p, "checkpoint.async_writer", c.async_writer, ("thread", "process"))
+    _choice(p, "checkpoint.on_async_error", c.on_async_error, ("stop", "continue"))
     if cfg.logging.interval <= 0:
         p.append(f"logging.interval must be positive, got {cfg.logging.interval}")
     return p
@@ -428,16 +490,63 @@ def _data_problems(d: DataConfig) -> list[str]:
     return p
 
 
-def check_batch_split(cfg: Config, world_size: int) -> int:
-    """Gradient accumulation steps for this world size; ConfigError when the split is not whole."""
+def check_batch_split(cfg: Config, world_size: int, micro_batch: int | None = None) -> int | None:
+    """Gradient accumulation steps for this world size and micro-batch (train.micro_batch_size unless given);
+    ConfigError when the split is not whole. With micro_batch_size=auto and no micro_batch: only checks that
+    the global batch splits over the ranks, and returns None (the micro-batch is measured later)."""
     t = cfg.train
-    per_step = t.micro_batch_size * world_size
+    if micro_batch is None and t.micro_batch_size == "auto":
+        if t.global_batch_size % world_size:
+            raise ConfigError([
+                f"train.global_batch_size={t.global_batch_size} is not divisible by the world size {world_size} "
+                f"(train.micro_batch_size=auto splits each rank's share of it); pick a multiple of {world_size}"
+            ])
+        return None
+    micro_batch = micro_batch or t.micro_batch_size
+    per_step = micro_batch * world_size
     if t.global_batch_size % per_step:
         raise ConfigError([
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * world size "
-            f"= {t.micro_batch_size} * {world_size} = {per_step}; pick a global batch that is a multiple of {per_step}"
+            f"= {micro_batch} * {world_size} = {per_step}; pick a global batch that is a multiple of {per_step}"
         ])
     return t.global_batch_size // per_step
+
+
+def launch_problems(cfg: Config, *, world_size: int, local_world_size: int, num_gpus: int) -> list[str]:
+    """Checks of the config against the launch (world size, GPUs, the output directory): every problem
+    that can be found before the process group starts."""
+    p: list[str] = []
+    try:
+        check_batch_split(cfg, world_size)
+    except ConfigError as err:
+        p += err.problems
+    f = cfg.fsdp
+    if f.sharding_strategy == "HYBRID_SHARD":
+        group = f.hybrid_shard_group_size or local_world_size
+        if world_size % group:
+            where = f"fsdp.hybrid_shard_group_size={group}" if f.hybrid_shard_group_size else \
+                f"fsdp.hybrid_shard_group_size=0 (the processes per node, {group})"
+            p.append(f"{where} does not divide the world size {world_size}; pick a divisor of {world_size}")
+    if cfg.run.device == "cuda" and num_gpus == 0:
+        p.append("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    elif cfg.run.device != "cpu" and 0 < num_gpus < local_world_size:
+        p.append(f"{local_world_size} processes on this node but only {num_gpus} CUDA devices are visible; "
+                 f"start at most {num_gpus} (--nproc_per_node), or use run.device=cpu")
+    p += output_dir_problems(cfg.output_dir)
+    return p
+
+
+def output_dir_problems(out: Path) -> list[str]:
+    """run.output_dir is a directory (or can be made one) that this user may write into."""
+    existing = out
+    while not os.path.exists(existing) and existing != existing.parent:  # the nearest part that exists
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == out else f"cannot be created: {existing} is a file"
+        return [f"run.output_dir={out} {what}, not a directory"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"run.output_dir={out} is not writable ({existing}: permission denied or a read-only filesystem)"]
+    return []
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -1,8 +1,8 @@
 """Read a training checkpoint's model in one plain process: no process group, no FSDP, no GPU needed.
 
     from fsdp_utils.checkpoint_io import load_model
-    model, meta = load_model("checkpoints/tiny/fsdp_cpt300.pth")             # a full checkpoint file
-    model, meta = load_model("checkpoints/tiny/fsdp_sharded_cpt300", device="cuda")  # or a sharded folder
+    model, meta = load_model("checkpoints/tiny/fsdp_cpt1000.pth")             # a full checkpoint file
+    model, meta = load_model("checkpoints/llama1B/fsdp_sharded_cpt500", device="cuda")  # or a sharded folder
 
 Only the model weights are read (a sharded checkpoint's optimizer state stays on disk). The run's
 tokenizer sits next to its checkpoints: `tokenizer_path(checkpoint)`. Every problem with the input is a
@@ -12,30 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-import zipfile
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from model import ModelConfig, Transformer
 
-from .checkpoint import FORMAT_VERSION, CheckpointError, read_sharded_meta
-
-META_KEYS = ("format_version", "world_size", "model_config", "train_state")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-
-
-def _check_meta(meta: object, where: Path) -> dict:
-    if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS):
-        raise CheckpointError(f"{where}: not a checkpoint of this library (expected keys {', '.join(META_KEYS)})")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(f"{where}: checkpoint format_version {meta['format_version']}, this code reads {FORMAT_VERSION}")
-    return meta
+from .checkpoint_format import (
+    META_KEYS, CheckpointCorrupt, CheckpointError, check_file, check_meta, checksum_records, dcp_load, first_line,
+    load_full, read_sharded_meta)
 
 
 def model_config_of(meta: dict, where: Path) -> ModelConfig:
@@ -60,47 +45,41 @@ def read_meta(path: str | Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if path.is_dir():
-        return _check_meta(read_sharded_meta(path), path / "meta.json")
-    payload = _load_full(path)
+        return check_meta(read_sharded_meta(path), path / "meta.json")
+    payload = load_full(path)
     return {k: payload[k] for k in META_KEYS}
 
 
-def _load_full(path: Path) -> dict:
-    if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"{path}: not a checkpoint (not a file written by torch.save)")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # truncated, corrupt, or not a torch file at all
-        raise CheckpointError(f"{path}: cannot read checkpoint ({_first_line(err)})") from None
-    _check_meta(payload, path)
-    if not isinstance(payload.get("model"), dict):
-        raise CheckpointError(f"{path}: not a checkpoint of this library (no model state)")
-    return payload
+def verify(path: str | Path) -> None:
+    """Check every file of a checkpoint against its recorded size and CRC32 (a full file copied without
+    its checksum record is taken as it is); CheckpointCorrupt naming the first file that differs."""
+    path = Path(path)
+    records = checksum_records(path)
+    folder = path if path.is_dir() else path.parent
+    for name, record in sorted((records or {}).items()):
+        if problem := check_file(folder / name, record):
+            raise CheckpointCorrupt(problem)
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple[Transformer, dict]:
     """(model in eval mode on `device`, the checkpoint's metadata) for a full file or a sharded folder."""
     path = Path(path)
     meta = read_meta(path)
+    verify(path)
     cfg = model_config_of(meta, path)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")  # no random init: every weight is overwritten below
     model.reset_buffers()
-    try:
-        if path.is_dir():
-
-            state = {"model": model.state_dict()}
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "loading in a single process" is what we want
-                dcp.load(state, checkpoint_id=str(path), no_dist=True)  # in place; reads only the model's tensors
-        else:
-            model.load_state_dict(_load_full(path)["model"], strict=True)
-    except CheckpointError:
-        raise
-    # DCP's CheckpointException derives from BaseException, so it is named explicitly.
-    except (Exception, dcp.CheckpointException) as err:  # missing or extra tensors, wrong shapes, undecodable shards
-        raise CheckpointError(f"{path}: does not fit the model its model_config describes ({_first_line(err)})") from None
+    if path.is_dir():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "loading in a single process" is what we want
+            dcp_load({"model": model.state_dict()}, path, no_dist=True)  # in place; reads only the model's tensors
+    else:
+        try:
+            model.load_state_dict(load_full(path)["model"], strict=True)
+        except RuntimeError as err:  # missing or extra tensors, wrong shapes
+            raise CheckpointError(f"{path}: does not fit the model its model_config describes ({first_line(err)})") from None
     return model.to(device).eval(), meta
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +24,30 @@ class DistEnv:
         return self.rank == 0
 
 
-def read_torchrun_env() -> tuple[int, int, int, int]:
-    """(rank, local_rank, world_size, local_world_size) from torchrun's variables; one process without them."""
-    rank = int(os.environ.get("RANK", 0))
+@dataclass(frozen=True)
+class Launch:
+    """How this process was started: its place in the world, and what torchrun provides."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    under_torchrun: bool  # torchrun's agent watches this process (and stops it when another rank fails)
+    agent_store: tuple[str, int] | None  # torchrun's own TCPStore, which it shares with the workers
+
+
+def read_torchrun_env() -> Launch:
+    """This process's place from torchrun's variables; one process without them."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return rank, local_rank, world_size, local_world_size
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return Launch(
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=world_size,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        under_torchrun="TORCHELASTIC_RUN_ID" in os.environ,
+        agent_store=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if shared else None,
+    )
 
 
 def pick_device(preference: str, local_rank: int) -> torch.device:
@@ -45,22 +63,63 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
 def init_distributed(*, device: str = "auto", timeout_s: int = 600) -> DistEnv:
     """Start the process group: NCCL on CUDA, gloo on the CPU; the world is always initialised
     (a single process gets a world of one) so the loop has no special cases."""
-    rank, local_rank, world_size, local_world_size = read_torchrun_env()
-    dev = pick_device(device, local_rank)
+    launch = read_torchrun_env()
+    dev = pick_device(device, launch.local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # plain `python train_fsdp.py`: a world of one on this host
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = None
+        if launch.agent_store is not None:
+            store = _attempt_store(launch, timeout)
+        elif "MASTER_ADDR" not in os.environ:  # plain `python train_fsdp.py`: a world of one on this host
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            store=store,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
         )
-    return DistEnv(rank, local_rank, world_size, local_world_size, dev)
+    return DistEnv(launch.rank, launch.local_rank, launch.world_size, launch.local_world_size, dev)
+
+
+# The key in torchrun's store under which rank 0 publishes its own store's address; every attempt overwrites it.
+_STORE_ADDRESS_KEY = "fsdp_lm/attempt_store"
+
+
+def _attempt_store(launch: Launch, timeout: datetime.timedelta) -> dist.Store:
+    """A store of this attempt's own for the process group, hosted by rank 0 on a free port.
+
+    Since torch 2.5 torchrun shares its TCPStore with the workers, and it outlives a --max-restarts
+    restart: restarted workers then read the previous attempt's keys (peers' addresses) and fail to
+    connect or hang (pytorch/pytorch#135712). The restart count cannot key the attempt on several nodes:
+    each node's agent counts only its own restarts. Instead rank 0 starts a fresh store and publishes its
+    address through torchrun's store; another rank that reads a previous attempt's address finds nobody
+    there (all of that attempt's workers were stopped before this one started) and reads again.
+    """
+    host, port = launch.agent_store
+    agent = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    if launch.rank == 0:
+        store = dist.TCPStore(host, 0, launch.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        agent.set(_STORE_ADDRESS_KEY, f"{host}:{store.port}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        address = agent.get(_STORE_ADDRESS_KEY).decode()  # waits for the first attempt's rank 0
+        store_host, store_port = address.rsplit(":", 1)
+        try:
+            store = dist.TCPStore(store_host, int(store_port), launch.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=2))
+        except (RuntimeError, OSError):  # DistNetworkError / DistStoreError: a previous attempt's address
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
+        store.set_timeout(timeout)
+        return store
 
 
 def _free_port() -> int:

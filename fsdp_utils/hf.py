@@ -2,8 +2,8 @@
 (the model's tokenizer, `data.tokenizer: hf`, lives in data/hf_tokenizer.py).
 
 Loading a pretrained model on many ranks never holds a full copy per rank: rank 0 reads the weights
-into CPU memory, the other ranks build the model on the meta device, and the weights reach them while
-sharding (FSDP1 `sync_module_states`, FSDP2 a rank-0 broadcast of the full state dict).
+into CPU memory, every rank wraps a meta-device skeleton, and once it is sharded (FSDP1 or FSDP2) the
+weights reach every rank's shards by a rank-0 broadcast of the full state dict (Rank0Weights).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .build import BuiltModel, WeightInit
 from .distributed import DistEnv
 
 log = logging.getLogger(__name__)
@@ -86,16 +87,35 @@ def build_hf_model(cfg, env: DistEnv, *, on_meta: bool) -> nn.Module:
     return CausalLMAdapter(lm)
 
 
-def materialise_on_rank(model: CausalLMAdapter, device: torch.device):
-    """FSDP1 param_init_fn for the meta-device ranks: allocate (the values arrive by sync_module_states),
-    then re-tie tied embeddings, which materialising module by module would otherwise split."""
+def build_for_sharding(cfg, env: DistEnv) -> BuiltModel:
+    """A meta-device skeleton on every rank, wrapped per decoder layer (the model's _no_split_modules);
+    its weights arrive from rank 0 once sharded (Rank0Weights)."""
+    model = build_hf_model(cfg, env, on_meta=True)
+    return BuiltModel(model, decoder_layer_classes(model.lm), Rank0Weights(model, cfg, env))
 
-    def init(module: nn.Module) -> None:
+
+class Rank0Weights(WeightInit):
+    """Rank 0 alone reads the real weights into CPU memory and broadcasts them into every rank's shards
+    (FSDP1's sync_module_states would do this only on GPUs)."""
+
+    def __init__(self, model: CausalLMAdapter, cfg, env: DistEnv):
+        self.model, self.cfg, self.env = model, cfg, env
+
+    def init_module(self, module: nn.Module, device: torch.device) -> None:
+        # Allocate only (the values arrive by the broadcast), then re-tie tied embeddings, which
+        # materialising module by module would otherwise split.
         module.to_empty(device=device, recurse=False)
-        if getattr(model.lm.config, "tie_word_embeddings", False):
-            model.lm.tie_weights()
+        if getattr(self.model.lm.config, "tie_word_embeddings", False):
+            self.model.lm.tie_weights()
 
-    return init
+    def init_sharded(self, model: nn.Module, device: torch.device) -> None:
+        if any(p.is_meta for p in model.parameters()):  # FSDP2: shards still unallocated
+            model.to_empty(device=device)
+        full_state = buffers = None
+        if self.env.is_main:
+            real = build_hf_model(self.cfg, self.env, on_meta=False)
+            full_state, buffers = real.state_dict(), dict(real.named_buffers())
+        broadcast_from_rank0(model, full_state, buffers, self.env)
 
 
 @torch.no_grad()

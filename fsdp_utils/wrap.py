@@ -1,7 +1,8 @@
-"""Everything that turns a plain Transformer into a trainable, sharded one, in one fixed order:
+"""`parallelize`: everything that turns a built model (fsdp_utils/build.py) into a trainable, sharded
+one, in one fixed order, for our Transformer and Hugging Face models alike:
 
-    build (meta device for multi-rank runs) -> activation checkpointing -> torch.compile -> FSDP
-    (each DecoderBlock, then the root) -> materialise and initialise weights shard by shard.
+    FP8 linear layers (train.float8) -> activation checkpointing -> torch.compile -> FSDP (each block,
+    then the root) -> materialise and initialise weights shard by shard.
 
 Activation checkpointing and compile are applied in place (the block's forward is replaced,
 `nn.Module.compile` compiles in place), so parameter names never gain wrapper prefixes and
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,13 +28,13 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from model import DecoderBlock, ModelConfig, Transformer, initial_value
-from model.transformer import compile_chunk_loss
-
+from .build import WeightInit
 from .distributed import DistEnv
+
+if TYPE_CHECKING:
+    from config.schema import FSDPConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +66,16 @@ def resolve_precision(precision: str, reduce_dtype: str, device: torch.device) -
 
 def _ops_worth_saving() -> list:
     """Ops whose outputs selective_op keeps: matmuls and attention, the expensive ones to recompute.
-    Everything else in a block (norms, rotary, SwiGLU's activation, residual adds) is elementwise and
-    is recomputed in backward from those."""
+    FP8 matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and compiled
+    (torch 2.13, torchao 0.17); `_scaled_mm`, the op they run, is listed for where the policy sees that
+    instead (torchtitan's list has it too). Everything else in a block (norms, rotary, SwiGLU's activation,
+    residual adds, FP8 casts) is elementwise and is recomputed in backward from those. Also kept: full
+    max reductions, the FP8 scales' amax: a scalar each, and compile's recompute need not reduce again."""
     aten = torch.ops.aten
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    return [aten.mm.default, aten.addmm.default, aten.bmm.default] + [getattr(aten, n).default for n in names if hasattr(aten, n)]
+    return [aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default, aten.max.default] + \
+        [getattr(aten, n).default for n in names if hasattr(aten, n)]
 
 
 def _selective_op_context():
@@ -123,97 +129,42 @@ def _mesh(env: DistEnv, strategy: str, hybrid_group_size: int) -> DeviceMesh:
     return init_device_mesh(device_type, (env.world_size // group, group), mesh_dim_names=("replicate", "shard"))
 
 
-def _materialise_fsdp1(model: Transformer, cfg: ModelConfig, *, seed: int, device: torch.device):
-    """param_init_fn for FSDP1: FSDP calls it once per module still on the meta device."""
-    names = {module: name for name, module in model.named_modules()}
+def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig, precision: Precision, compile: bool,
+                env: DistEnv, init: WeightInit | None = None, float8: str = "none") -> nn.Module:
+    """Make a built model trainable and sharded, in the one documented order:
 
-    @torch.no_grad()
-    def init(module: nn.Module) -> None:
-        module.to_empty(device=device, recurse=False)
-        prefix = names[module]
-        for pname, param in module.named_parameters(recurse=False):
-            full_name = f"{prefix}.{pname}" if prefix else pname
-            param.copy_(initial_value(cfg, full_name, tuple(param.shape), seed=seed, device=device, dtype=param.dtype))
-        if module is model:
-            model.reset_buffers()
+    FP8 linear layers in the blocks (`float8`: none, tensorwise or rowwise; FSDP2 only) -> activation
+    checkpointing (fsdp.activation_checkpointing) -> torch.compile of each block -> FSDP on each block,
+    then the root (fsdp.version 1 or 2, with fsdp's options) -> weights materialised (`init`, for a model
+    built on the meta device). Blocks are the modules of `block_classes`. Returns the model to train:
+    the FSDP1 wrapper, or the same module sharded in place by FSDP2.
+    """
+    blocks = [m for m in model.modules() if type(m) in block_classes]
+    if float8 != "none":
+        # First, as torchtitan does: checkpointing and compile then wrap the FP8 modules' forward,
+        # and FSDP2 shards their weights (FP8 all-gather subclasses included).
+        from .float8 import convert_to_float8
 
-    return init
-
-
-@torch.no_grad()
-def _materialise_fsdp2(model: Transformer, cfg: ModelConfig, *, seed: int, device: torch.device) -> None:
-    """After fully_shard on the meta device: allocate local shards, fill each from its full initial value."""
-    model.to_empty(device=device)
-    for name, param in model.named_parameters():
-        full = initial_value(cfg, name, tuple(param.shape), seed=seed, device=device, dtype=param.dtype)
-        if isinstance(param, DTensor):
-            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
-        else:
-            param.copy_(full)
-    model.reset_buffers()
-
-
-def build_fsdp_model(cfg, env: DistEnv, precision: Precision) -> nn.Module:
-    """Build the model from `cfg.model`, apply AC, compile and FSDP per `cfg.fsdp`; weights initialised."""
-    f = cfg.fsdp
-    seed = cfg.run.seed
-    if cfg.model.type == "hf":
-        return _build_hf_fsdp_model(cfg, env, precision)
-    use_meta = f.meta_init and env.world_size > 1 and not f.sync_module_states
-    with torch.device("meta" if use_meta else env.device):
-        model = Transformer(cfg.model)
-    if not use_meta:
-        model.init_weights(seed)
-    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
-
-    apply_activation_checkpointing(list(model.layers), f.activation_checkpointing, f.ac_every_n_layers)
-    if cfg.train.compile:
-        apply_compile(list(model.layers))
-        compile_chunk_loss()
-
-    offload = f.cpu_offload and env.device.type == "cuda"  # on the CPU the tensors are there already
-    param_init_fn = _materialise_fsdp1(model, cfg.model, seed=seed, device=env.device) if use_meta else None
-    if f.version == 1:
-        return _wrap_fsdp1(model, {DecoderBlock}, cfg, env, precision, offload=offload, param_init_fn=param_init_fn)
-    _wrap_fsdp2(model, list(model.layers), cfg, env, precision, offload=offload)
-    if use_meta:
-        # With CPU offload the sharded parameters live in host memory.
-        _materialise_fsdp2(model, cfg.model, seed=seed, device=torch.device("cpu") if offload else env.device)
-    return model
-
-
-def _build_hf_fsdp_model(cfg, env: DistEnv, precision: Precision) -> nn.Module:
-    """model.type=hf: a transformers causal LM, wrapped per decoder layer (its _no_split_modules)."""
-    from . import hf
-
-    f = cfg.fsdp
-    offload = f.cpu_offload and env.device.type == "cuda"
-    # Every rank wraps a meta-device skeleton; rank 0 alone reads the real weights into CPU memory and
-    # broadcasts them into the shards (FSDP1's sync_module_states would do this only on GPUs).
-    model = hf.build_hf_model(cfg, env, on_meta=True)
-    layer_classes = hf.decoder_layer_classes(model.lm)
-    blocks = [m for m in model.modules() if type(m) in layer_classes]
-    apply_activation_checkpointing(blocks, f.activation_checkpointing, f.ac_every_n_layers)
-    if cfg.train.compile:
+        assert fsdp.version == 2, "train.float8 needs FSDP2 (the config validation says so)"
+        convert_to_float8(blocks, recipe=float8, float8_all_gather=float8 == "tensorwise")
+    apply_activation_checkpointing(blocks, fsdp.activation_checkpointing, fsdp.ac_every_n_layers)
+    if compile:
         apply_compile(blocks)
-    device = torch.device("cpu") if offload else env.device
-    if f.version == 1:
-        model = _wrap_fsdp1(model, layer_classes, cfg, env, precision, offload=offload,
-                            param_init_fn=hf.materialise_on_rank(model, device))
+    offload = fsdp.cpu_offload and env.device.type == "cuda"  # on the CPU the tensors are there already
+    if fsdp.version == 1:
+        param_init_fn = (lambda module: init.init_module(module, env.device)) if init is not None else None
+        model = _wrap_fsdp1(model, block_classes, fsdp, env, precision, offload=offload, compile=compile,
+                            param_init_fn=param_init_fn)
     else:
-        _wrap_fsdp2(model, blocks, cfg, env, precision, offload=offload)
-        model.to_empty(device=device)
-    full_state = buffers = None
-    if env.is_main:
-        real = hf.build_hf_model(cfg, env, on_meta=False)
-        full_state, buffers = real.state_dict(), dict(real.named_buffers())
-    hf.broadcast_from_rank0(model, full_state, buffers, env)
+        _wrap_fsdp2(model, blocks, fsdp, env, precision, offload=offload)
+    if init is not None:
+        # With CPU offload the sharded parameters live in host memory.
+        init.init_sharded(model, torch.device("cpu") if offload else env.device)
     return model
 
 
-def _wrap_fsdp1(model: nn.Module, block_classes: set[type], cfg, env: DistEnv, precision: Precision, *,
-                offload: bool, param_init_fn=None) -> FSDP:
-    f = cfg.fsdp
+def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: DistEnv, precision: Precision, *,
+                offload: bool, compile: bool, param_init_fn=None) -> FSDP:
     mixed = None
     if precision.compute != torch.float32:
         mixed = MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce, buffer_dtype=None)
@@ -227,7 +178,7 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], cfg, env: DistEnv, p
             backward_prefetch=None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch],
             forward_prefetch=f.forward_prefetch,
             limit_all_gathers=f.limit_all_gathers,
-            use_orig_params=f.use_orig_params or cfg.train.compile,
+            use_orig_params=f.use_orig_params or compile,
             sync_module_states=f.sync_module_states,
             device_id=env.device,
             param_init_fn=param_init_fn,
@@ -235,8 +186,7 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], cfg, env: DistEnv, p
         )
 
 
-def _wrap_fsdp2(model: nn.Module, blocks: list[nn.Module], cfg, env: DistEnv, precision: Precision, *, offload: bool) -> None:
-    f = cfg.fsdp
+def _wrap_fsdp2(model: nn.Module, blocks: list[nn.Module], f: FSDPConfig, env: DistEnv, precision: Precision, *, offload: bool) -> None:
     mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size)
     if f.sharding_strategy == "NO_SHARD":
         mesh = init_device_mesh(env.device.type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))

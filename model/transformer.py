@@ -52,12 +52,19 @@ class Attention(nn.Module):
         # q, k and v weights in one parameter: one tensor to shard, gather and checkpoint.
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # False: one matmul per slice of wqkv (below). True: one call of the wqkv module, its output
+        # split afterwards; set from outside when wqkv is a module whose forward must run, e.g. an
+        # FP8 linear (fsdp_utils/float8.py), which slicing its weight would bypass.
+        self.fused_matmul = False
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if self.fused_matmul:
+            q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+            return q, k, v.contiguous()  # attention saves v: a view would keep the whole fused output alive
         # Three matmuls on slices of the one weight, not one matmul split afterwards: faster on
         # H200 (docs/benchmarks.md), and q, k, v are separate tensors, so attention saving v for
         # backward does not keep a fused output buffer alive, and backward concatenates no gradients.
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         return tuple(F.linear(x, w) for w in self.wqkv.weight.split([q_size, kv_size, kv_size]))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -83,8 +90,11 @@ class FeedForward(nn.Module):
         self.hidden_dim = cfg.hidden_dim
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)  # [gate; up]
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+        self.fused_matmul = False  # True: one call of the w13 module, see Attention.fused_matmul
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_matmul:
+            return self.w13(x).chunk(2, dim=-1)
         # Two matmuls on the halves of w13 (see Attention.project_qkv): with one matmul, compile's
         # SwiGLU backward kernel must also concatenate the two gradients and measured twice as slow.
         return tuple(F.linear(x, w) for w in self.w13.weight.chunk(2))
@@ -125,8 +135,11 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Tokens per chunk of the output projection + loss (0: all at once); see chunked_cross_entropy.
+        # Tokens per chunk of the output projection + loss (0: all at once), and the function that turns
+        # one chunk's logits into its loss and gradient; the caller sets both (a compiled function with
+        # train.compile), see chunked_cross_entropy.
         self.loss_chunk_tokens = 0
+        self.chunk_loss_fn = chunk_loss_and_grad
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V); with targets (B, T), the mean cross-entropy instead."""
@@ -141,7 +154,8 @@ class Transformer(nn.Module):
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if targets is None:
             return F.linear(h, weight)  # (B, T, V)
-        return chunked_cross_entropy(h.flatten(0, 1), weight, targets.flatten(), chunk_tokens=self.loss_chunk_tokens)
+        return chunked_cross_entropy(h.flatten(0, 1), weight, targets.flatten(), chunk_tokens=self.loss_chunk_tokens,
+                                     chunk_loss_fn=self.chunk_loss_fn)
 
     # ---- initialisation, separate from construction -------------------------------------------
     def reset_buffers(self) -> None:
@@ -163,38 +177,31 @@ def _cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
 
 
-def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int) -> torch.Tensor:
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int,
+                          chunk_loss_fn=None) -> torch.Tensor:
     """Mean cross-entropy of logits h @ weight.T (h: (N, D), weight: (V, D), targets: (N,)).
 
-    With chunk_tokens > 0 the (N, V) logits never exist at once: see _ChunkedLinearCrossEntropy.
+    With chunk_tokens > 0 the (N, V) logits never exist at once: see _ChunkedLinearCrossEntropy, which
+    calls chunk_loss_fn (default chunk_loss_and_grad; a torch.compile'd copy of it is faster) per chunk.
     """
     if chunk_tokens <= 0 or h.shape[0] <= chunk_tokens:
         return _cross_entropy_sum(h, weight, targets) / targets.numel()
     if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
         total = sum(_cross_entropy_sum(hc, weight, tc) for hc, tc in zip(h.split(chunk_tokens), targets.split(chunk_tokens)))
         return total / targets.numel()
-    return _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens) / targets.numel()
+    return _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens, chunk_loss_fn or chunk_loss_and_grad) / targets.numel()
 
 
-def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of one chunk's logits (n, V), in fp32, and its gradient with respect to
     the logits (softmax - one-hot) in the logits' dtype. Elementwise work only: torch.compile turns it
-    into a couple of kernels that read the logits once (see compile_chunk_loss)."""
+    into a couple of kernels that read the logits once."""
     logits32 = logits.float()
     lse = torch.logsumexp(logits32, dim=-1)
     loss = (lse - logits32.gather(1, targets[:, None]).squeeze(1)).sum()
     is_target = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
     grad = torch.exp(logits32 - lse[:, None]) - is_target.to(torch.float32)
     return loss, grad.to(logits.dtype)
-
-
-_chunk_loss_fn = _chunk_loss_and_grad
-
-
-def compile_chunk_loss() -> None:
-    """Use a torch.compile'd _chunk_loss_and_grad for the chunked loss (with train.compile)."""
-    global _chunk_loss_fn
-    _chunk_loss_fn = torch.compile(_chunk_loss_and_grad, dynamic=False)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -208,13 +215,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk_tokens):
+    def forward(ctx, h, weight, targets, chunk_tokens, chunk_loss_fn):
         grad_h = torch.empty_like(h)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, h.shape[0], chunk_tokens):
             h_chunk, t_chunk = h[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-            loss, grad_logits = _chunk_loss_fn(F.linear(h_chunk, weight), t_chunk)
+            loss, grad_logits = chunk_loss_fn(F.linear(h_chunk, weight), t_chunk)
             total += loss
             grad_h[start:start + chunk_tokens] = grad_logits @ weight
             grad_weight += (grad_logits.t() @ h_chunk).float()
@@ -225,7 +232,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_h, grad_weight = ctx.saved_tensors
-        return grad_h * grad_total.to(grad_h.dtype), (grad_weight * grad_total).to(ctx.weight_dtype), None, None
+        return grad_h * grad_total.to(grad_h.dtype), (grad_weight * grad_total).to(ctx.weight_dtype), None, None, None
 
 
 def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], *, seed: int, device, dtype) -> torch.Tensor:

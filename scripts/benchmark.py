@@ -2,19 +2,43 @@
 
     torchrun --nproc_per_node=2 scripts/benchmark.py config/train300M_fsdp.yaml --peer
     torchrun --nproc_per_node=1 scripts/benchmark.py config/train1B_fsdp.yaml --train.micro_batch_size=2
+    torchrun --nproc_per_node=2 scripts/benchmark.py config/train90M_fsdp.yaml --compare_auto --peer --rounds 2
+    torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 --float8 tensorwise,rowwise --peer
 
 Ours: the exact model, wrapping and step of train_fsdp.py (forward/backward per micro-batch, clipping
 over all shards, fused AdamW, the per-step loss all-reduce), on random tokens so no data is needed.
 `--peer`: transformers' LlamaForCausalLM of the same dimensions, FSDP2 `fully_shard` on each decoder
 layer, bf16 parameters with fp32 reduction, per-layer torch.compile, fused AdamW; same sequence length,
-micro-batch and world size, run in the same invocation after ours. Prints tokens/s per GPU, MFU, step
-time and peak memory per GPU for each, and the ratio.
+micro-batch and world size, run in the same invocation after ours. `--float8 RECIPES`: ours again with
+train.float8 set to each recipe (FP8 matmuls through torchao; needs fsdp.version 2), between ours and
+the reference, which stays bf16. Prints tokens/s per GPU, MFU (against the bf16 peak), step time and peak
+memory per GPU for each, and the ratios: each of ours against the reference, each FP8 run against ours.
+
+Micro-batch and accumulation: a numeric train.micro_batch_size runs `--grad_accum` micro-batches per
+step (default 1). `train.micro_batch_size=auto` runs train_fsdp.py's search (no cache) and then the
+accumulation that train.global_batch_size needs, as training would. `--compare_auto` runs ours twice at
+the config's global batch, at micro-batch `--fixed_micro_batch` (default 8, the former presets) and at
+the auto choice; the reference (`--peer`) runs at the auto choice (or, where that runs it out of memory,
+at half the micro-batch and twice the accumulation, and so on): one invocation, one global batch.
+
+`--save_modes sync,thread[,process,sync_gpu]`: measure sharded checkpoint saves instead, in one invocation:
+after the timed training steps, for each mode, `--saves` saves through the checkpoint manager (sync: as
+train_fsdp.py with checkpoint.async_save=false; thread / process: asynchronous, with that writer;
+sync_gpu: synchronous with FSDP1's state dict left on the GPU, as before issue 15, to measure the GPU
+copy of the state it makes: it may not fit at 8B on 80 GB GPUs), the
+training steps going on while an asynchronous write is in flight. Reports per mode the time the loop was
+blocked by a save (its stall), the whole save's time, the steps that overlapped a save against the
+others, and the peak GPU memory during the save calls and during training. Each checkpoint is deleted
+once measured (an 8B one is ~96 GB) and --save_dir at the end.
+
+    torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --save_modes sync,thread --steps 5
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -27,12 +51,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
-from fsdp_utils.distributed import destroy_distributed, init_distributed  # noqa: E402
+from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
+from fsdp_utils.distributed import destroy_distributed, init_distributed, read_torchrun_env  # noqa: E402
+from fsdp_utils.float8 import float8_problems, precompute_float8_scales  # noqa: E402
 from fsdp_utils.metrics import detect_peak_flops  # noqa: E402
+from fsdp_utils.microbatch import cpu_micro_batch, memory_probe, search_micro_batch  # noqa: E402
 from fsdp_utils.optim import build_optimizer, clip_grad_norm  # noqa: E402
-from fsdp_utils.wrap import build_fsdp_model, resolve_precision  # noqa: E402
+from fsdp_utils.build import build_model  # noqa: E402
+from fsdp_utils.step import forward_backward  # noqa: E402
+from fsdp_utils.wrap import parallelize, resolve_precision  # noqa: E402
 from model.transformer import Attention, FeedForward  # noqa: E402
-from train_fsdp import forward_backward  # noqa: E402
 
 
 def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device, seed: int):
@@ -59,39 +87,69 @@ def time_steps(step_fn, *, warmup: int, steps: int, device) -> list[float]:
     return times
 
 
-def fuse_projections() -> None:
-    """Ablation (--fused_projections): one matmul per fused weight (q/k/v, gate/up), its output split
-    afterwards, instead of the model's one matmul per slice. Same weights and results; patched before build."""
-    def project_qkv(self, x):
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        return q, k, v.contiguous()  # a view would keep the whole fused output alive for backward
-
-    def gate_up(self, x):
-        return self.w13(x).chunk(2, dim=-1)
-
-    Attention.project_qkv, FeedForward.gate_up = project_qkv, gate_up
+def bench_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None) -> dict:
+    """micro_batch "auto": searched as train_fsdp.py does; grad_accum None: what the global batch needs."""
+    step, _, _, micro_batch, grad_accum = build_ours(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+    return {**measure(step, env, args), "micro_batch": micro_batch, "grad_accum": grad_accum}
 
 
-def bench_ours(cfg, env, args) -> dict:
+def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None):
+    """(step function, model, optimizer, micro-batch, accumulation) of train_fsdp.py's model, wrapping and step."""
     t = cfg.train
-    if args.fused_projections:
-        fuse_projections()
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-    model = build_fsdp_model(cfg, env, precision)
+    built = build_model(cfg, env)
+    if args.fused_projections:
+        # Ablation: one matmul per fused weight (q/k/v, gate/up), its output split afterwards, instead of
+        # one matmul per slice. Same weights and results. (FP8 runs use it anyway.)
+        for module in built.module.modules():
+            if isinstance(module, (Attention, FeedForward)):
+                module.fused_matmul = True
+    model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
+                        compile=t.compile, env=env, init=built.init, float8=t.float8)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not args.unfused_adamw)
-    batches = random_batches(cfg.model.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
+    if micro_batch == "auto":
+        per_rank, probe = t.global_batch_size // env.world_size, memory_probe(env.device, env.rank)
+        if probe is None:
+            micro_batch = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu)
+        else:
+            choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len,
+                                        vocab_size=cfg.model.vocab_size, grad_clip=t.grad_clip,
+                                        margin=t.auto_micro_batch_margin, compile=t.compile, env=env, probe=probe)
+            micro_batch = choice.micro_batch_size
+            if env.is_main:
+                print(f"auto: micro-batch {micro_batch} of {per_rank} per rank, trial peaks "
+                      + ", ".join(f"{b}: {m:.2f} GiB" for b, m in choice.measured_gib.items())
+                      + f" (budget {choice.budget_gib:.2f} GiB), {choice.seconds:.0f} s", flush=True)
+    grad_accum = grad_accum or accumulation(cfg, env, micro_batch)
+    batches = random_batches(cfg.model.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
 
     def step():
-        loss = forward_backward(model, batches, None, grad_accum=args.grad_accum)
+        loss = forward_backward(model, batches, None, grad_accum=grad_accum)
         clip_grad_norm(model, t.grad_clip)
         dist.all_reduce(loss)
         optimizer.step()
+        if t.float8 != "none":  # as train_fsdp.py: the new weights' FP8 scales for the next all-gathers
+            precompute_float8_scales(model)
         optimizer.zero_grad(set_to_none=True)
         loss.item()
 
-    return measure(step, env, args)
+    return step, model, optimizer, micro_batch, grad_accum
+
+
+def accumulation(cfg, env, micro_batch: int) -> int:
+    per_step = micro_batch * env.world_size
+    if cfg.train.global_batch_size % per_step:
+        raise SystemExit(f"error: train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+                         f"micro-batch {micro_batch} x {env.world_size} ranks")
+    return cfg.train.global_batch_size // per_step
+
+
+def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """(run, baseline) pairs whose tokens/s ratio is printed: each of ours against the reference, and each
+    FP8 run against ours in bf16."""
+    pairs = [(name, "hf_llama_fsdp2") for name in names if name != "hf_llama_fsdp2" and "hf_llama_fsdp2" in names]
+    return pairs + [(name, "ours") for name in names if name.startswith("ours_fp8") and "ours" in names]
 
 
 def measure(step_fn, env, args) -> dict:
@@ -114,7 +172,7 @@ def profile_steps(step_fn, env, num_steps: int = 3) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
-def bench_peer(cfg, env, args) -> dict:
+def bench_peer(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
     """transformers LlamaForCausalLM + FSDP2 + per-layer compile: what users would otherwise run."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -139,14 +197,14 @@ def bench_peer(cfg, env, args) -> dict:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)
     t = cfg.train
-    batches = random_batches(m.vocab_size, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
+    batches = random_batches(m.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
 
     def step():
         total = None
-        for micro in range(args.grad_accum):
+        for micro in range(grad_accum):
             x, y = next(batches)
-            model.set_requires_gradient_sync(micro == args.grad_accum - 1)
-            loss = model(input_ids=x, labels=y).loss / args.grad_accum
+            model.set_requires_gradient_sync(micro == grad_accum - 1)
+            loss = model(input_ids=x, labels=y).loss / grad_accum
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
@@ -155,7 +213,135 @@ def bench_peer(cfg, env, args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         total.item()
 
-    return measure(step, env, args)
+    return {**measure(step, env, args), "micro_batch": micro_batch, "grad_accum": grad_accum}
+
+
+def bench_peer_fitting(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
+    """The reference at ours' split, or, where that runs out of memory (it keeps more than ours: the
+    whole logits), at half the micro-batch and twice the accumulation, and so on: the same global batch.
+    Its model is rebuilt for each try; the out-of-memory error hits every rank alike (same shapes)."""
+    while True:
+        try:
+            return bench_peer(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+        except torch.OutOfMemoryError:
+            if micro_batch % 2:
+                raise
+        if env.is_main:
+            print(f"reference: out of memory at micro-batch {micro_batch}; trying {micro_batch // 2} x {grad_accum * 2}", flush=True)
+        micro_batch, grad_accum = micro_batch // 2, grad_accum * 2
+        reset_memory(env)
+
+
+def timed_step(step_fn, env) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step_fn()
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+    return time.perf_counter() - start
+
+
+def max_over_ranks(value: float, env) -> float:
+    t = torch.tensor(value, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def reset_peak(env) -> None:
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+        torch.cuda.reset_peak_memory_stats(env.device)
+
+
+def bench_saves(cfg, env, args) -> list[dict]:
+    """Sharded saves of train_fsdp.py's model and optimizer, per mode (see the module docstring)."""
+    step_fn, model, optimizer, _, _ = build_ours(cfg, env, args, micro_batch=cfg.train.micro_batch_size,
+                                                 grad_accum=args.grad_accum or 1)
+    for _ in range(args.warmup):
+        step_fn()
+    reset_peak(env)
+    normal = [timed_step(step_fn, env) for _ in range(args.steps)]
+    train_peak = peak_memory_gib(env)
+    root = Path(args.save_dir)
+    rows = []
+    for mode in args.save_modes.split(","):
+        sync = mode in ("sync", "sync_gpu")
+        manager = CheckpointManager(root / mode, fmt="sharded", keep_last_n=0, model_config={}, env=env,
+                                    async_save=not sync, async_writer="thread" if sync else mode,
+                                    timeout_s=cfg.run.timeout_s)
+        if mode == "sync_gpu":
+            manager._offload = lambda model: False  # measurement only: the state dict as FSDP1 makes it, on the GPU
+        start = time.perf_counter()
+        try:
+            manager.prepare_saving(model, optimizer)  # the staging arena: once per run, before the first save
+        except CheckpointError as err:  # raised on every rank alike (e.g. /dev/shm too small for the process writer)
+            if env.is_main:
+                print(f"{mode}: not measured: {err}")
+            continue
+        prepare_s = max_over_ranks(time.perf_counter() - start, env)
+        for i in range(args.saves):
+            reset_peak(env)
+            manager.save(model, optimizer, TrainState(step=i + 1))
+            save_peak = peak_memory_gib(env)
+            overlapped, overlap_peak = [], None
+            if manager.in_flight:
+                reset_peak(env)
+                while manager.in_flight and len(overlapped) < args.max_overlap_steps:
+                    overlapped.append(timed_step(step_fn, env))
+                    manager.poll()  # as the training loop does after every step
+                overlap_peak = peak_memory_gib(env)
+                manager.finish()  # if the write outlasted --max_overlap_steps
+            saved = manager.stats[-1]
+            size = sum(p.stat().st_size for p in (root / mode / saved["name"]).rglob("*") if p.is_file())
+            rows.append({
+                "mode": mode, "save": i + 1, "stall_s": max_over_ranks(saved["blocked_s"], env),
+                "total_s": max_over_ranks(saved["total_s"], env),
+                "staging_s": max_over_ranks(saved.get("staging_s", 0.0), env), "prepare_s": prepare_s,
+                "normal_step_s": statistics.median(normal),
+                "overlapped_step_s": statistics.median(overlapped) if overlapped else None,
+                "overlapped_steps": len(overlapped), "write_outlasted_steps": len(overlapped) >= args.max_overlap_steps,
+                "train_peak_gib": train_peak, "save_peak_gib": save_peak, "overlap_peak_gib": overlap_peak,
+                "checkpoint_gb": max_over_ranks(size / 1e9, env),  # the whole folder, as its node sees it
+            })
+            if env.is_main:  # measured: delete it (disk space: an 8B checkpoint is ~96 GB)
+                shutil.rmtree(root / mode / saved["name"])
+            dist.barrier()
+        manager.close()
+    if env.is_main:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def print_saves(rows: list[dict], cfg, env, args) -> None:
+    if not rows:
+        return
+    m = cfg.model
+    device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+    print(f"\n{args.config}: {m.num_params() / 1e9:.2f}B params, seq {cfg.data.seq_len}, micro-batch "
+          f"{cfg.train.micro_batch_size} x accum {args.grad_accum or 1}, world {env.world_size} x {device}, "
+          f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
+          f"sharded checkpoint {rows[0]['checkpoint_gb']:.1f} GB")
+    print(f"{'mode':<8}{'save':>5}{'stall s':>9}{'save s':>9}{'staging s':>10}{'prepare s':>10}{'step s':>8}"
+          f"{'overlap step s (n)':>20}{'peak GiB train':>16}{'save':>7}{'overlap':>9}")
+    for r in rows:
+        overlap = f"{r['overlapped_step_s']:.3f} ({r['overlapped_steps']})" if r["overlapped_step_s"] else "-"
+        peak_overlap = f"{r['overlap_peak_gib']:.2f}" if r["overlap_peak_gib"] is not None else "-"
+        print(f"{r['mode']:<8}{r['save']:>5}{r['stall_s']:>9.2f}{r['total_s']:>9.2f}{r['staging_s']:>10.2f}"
+              f"{r['prepare_s']:>10.2f}{r['normal_step_s']:>8.3f}{overlap:>20}{r['train_peak_gib']:>16.2f}"
+              f"{r['save_peak_gib']:>7.2f}{peak_overlap:>9}")
+    sync = [r for r in rows if r["mode"] == "sync"]
+    for r in rows:
+        if r["mode"] == "sync" or not sync:
+            continue
+        ratio = r["stall_s"] / sync[-1]["stall_s"]
+        slow = r["overlapped_step_s"] / r["normal_step_s"] - 1 if r["overlapped_step_s"] else float("nan")
+        print(f"{r['mode']} save {r['save']}: stall {100 * ratio:.1f}% of the synchronous save's (target < 10%), "
+              f"steps during the write {100 * slow:+.1f}% against the others (target within 10%)"
+              + ("; the write outlasted --max_overlap_steps" if r["write_outlasted_steps"] else ""))
+    for r in rows:
+        if r["save_peak_gib"] > r["train_peak_gib"] or (r["overlap_peak_gib"] or 0) > r["train_peak_gib"]:
+            print(f"{r['mode']} save {r['save']}: raised the peak GPU memory above training's "
+                  f"({max(r['save_peak_gib'], r['overlap_peak_gib'] or 0):.2f} > {r['train_peak_gib']:.2f} GiB)")
 
 
 def peak_memory_gib(env) -> float:
@@ -164,11 +350,12 @@ def peak_memory_gib(env) -> float:
     return mem.item()
 
 
-def summarise(name: str, times: list[float], peak_mem_gib: float, cfg, args, peak_flops) -> dict:
+def summarise(name: str, times: list[float], peak_mem_gib: float, split: tuple[int, int], cfg, peak_flops) -> dict:
     step_s = statistics.median(times)
-    tokens_per_gpu = args.grad_accum * cfg.train.micro_batch_size * cfg.data.seq_len / step_s
+    micro_batch, grad_accum = split
+    tokens_per_gpu = grad_accum * micro_batch * cfg.data.seq_len / step_s
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
-    return {"name": name, "step_s": step_s, "tokens_per_sec_per_gpu": tokens_per_gpu,
+    return {"name": name, "micro_batch": micro_batch, "grad_accum": grad_accum, "step_s": step_s, "tokens_per_sec_per_gpu": tokens_per_gpu,
             "mfu": flops * tokens_per_gpu / peak_flops if peak_flops else None, "peak_mem_gib": peak_mem_gib,
             "step_s_min": min(times), "step_s_max": max(times)}
 
@@ -185,64 +372,129 @@ def main() -> int:
     parser.add_argument("config")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator)")
-    parser.add_argument("--grad_accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--grad_accum", type=int, default=None,
+                        help="micro-batches per step (default 1; with auto or --compare_auto: what train.global_batch_size needs)")
+    parser.add_argument("--compare_auto", action="store_true",
+                        help="ours at --fixed_micro_batch and at the auto choice, same global batch (and --peer at the auto choice)")
+    parser.add_argument("--fixed_micro_batch", type=int, default=8, help="--compare_auto's fixed micro-batch (default 8)")
     parser.add_argument("--peer", action="store_true", help="also run the Hugging Face + FSDP2 reference")
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
+    parser.add_argument("--float8", default="", help="also run ours with these train.float8 recipes, e.g. tensorwise,rowwise")
     parser.add_argument("--rounds", type=int, default=1, help="alternate ours and the reference this many times (noisy machines)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of each run")
     parser.add_argument("--fused_projections", action="store_true", help="ablation: one q/k/v and one gate/up matmul, split after")
     parser.add_argument("--unfused_adamw", action="store_true", help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
+    parser.add_argument("--save_modes", default="", help="measure sharded checkpoint saves instead: any of sync, "
+                        "thread, process, sync_gpu, comma-separated (e.g. sync,thread)")
+    parser.add_argument("--saves", type=int, default=1, help="with --save_modes: saves per mode")
+    parser.add_argument("--max_overlap_steps", type=int, default=300,
+                        help="with --save_modes: at most this many steps while an asynchronous write is in flight")
+    parser.add_argument("--save_dir", default=str(ROOT / "checkpoints" / "benchmark-saves"),
+                        help="with --save_modes: where the checkpoints are written (each deleted once measured)")
     args, overrides = parser.parse_known_args()
+    recipes = [r for r in args.float8.split(",") if r]
     try:
         cfg = load_config(args.config, overrides)
+        # Each FP8 run's config: the same overrides plus its recipe, checked as train_fsdp.py checks it.
+        fp8_cfgs = {r: load_config(args.config, [*overrides, f"--train.float8={r}"]) for r in recipes}
+        problems = [p for r in recipes for p in float8_problems(r, run_device=cfg.run.device, local_rank=read_torchrun_env().local_rank)]
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as err:
         for line in err.problems:
             print(f"error: {line}", file=sys.stderr)
         return 2
-    if cfg.model.vocab_size == 0:  # no tokenizer here: random tokens over the configured vocabulary
-        cfg.model.vocab_size = cfg.data.vocab_size
+    for c in [cfg, *fp8_cfgs.values()]:
+        if c.model.vocab_size == 0:  # no tokenizer here: random tokens over the configured vocabulary
+            c.model.vocab_size = c.data.vocab_size
+    auto = cfg.train.micro_batch_size == "auto"
+    if (auto or args.compare_auto) and args.grad_accum is not None:
+        parser.error("--grad_accum goes with a numeric micro-batch; with auto or --compare_auto the accumulation follows train.global_batch_size")
+    if args.peer_only and auto:
+        parser.error("--peer_only needs a numeric train.micro_batch_size (auto is found by our own run)")
+    # (name, function, config, micro-batch, accumulation): accumulation None follows the global batch.
+    runs = []
+    if args.compare_auto and not args.peer_only:
+        runs += [(f"ours_mb{args.fixed_micro_batch}", bench_ours, cfg, args.fixed_micro_batch, None),
+                 ("ours_auto", bench_ours, cfg, "auto", None)]
+    elif not args.peer_only:
+        runs.append(("ours", bench_ours, cfg, cfg.train.micro_batch_size, None if auto else args.grad_accum or 1))
+    if not args.peer_only:
+        runs += [(f"ours_fp8_{r}", bench_ours, c, c.train.micro_batch_size, None if auto else args.grad_accum or 1)
+                 for r, c in fp8_cfgs.items()]
+    if args.peer or args.peer_only:
+        runs.append(("hf_llama_fsdp2", bench_peer, cfg, None, None))  # at the last of ours' micro-batch and accumulation
+    modes = [m for m in args.save_modes.split(",") if m]
+    if unknown := [m for m in modes if m not in ("sync", "thread", "process", "sync_gpu")]:
+        print(f"error: --save_modes: {', '.join(unknown)} is not one of sync, thread, process, sync_gpu", file=sys.stderr)
+        return 2
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
     try:
+        if modes:
+            rows = bench_saves(cfg, env, args)
+            if env.is_main:
+                print_saves(rows, cfg, env, args)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps({"config": args.config, "overrides": overrides, "world_size": env.world_size,
+                                            "fsdp_version": cfg.fsdp.version, "saves": rows}) + "\n")
+            return 0
         peak = detect_peak_flops(env.device, cfg.logging.peak_flops)
-        runs = ([("ours", bench_ours)] if not args.peer_only else []) + \
-            ([("hf_llama_fsdp2", bench_peer)] if args.peer or args.peer_only else [])
-        times = {name: [] for name, _ in runs}
+        times = {name: [] for name, *_ in runs}
         memory = dict.fromkeys(times, 0.0)
+        splits = {}  # name -> (micro-batch, accumulation) as run; auto is searched in the first round only
+        last_split = (cfg.train.micro_batch_size, args.grad_accum or 1) if args.peer_only else None
         round_step_s = {name: [] for name in times}  # each round's median step time
         # Rounds alternate the runs, so a machine whose speed drifts between invocations (seen at
         # short steps) affects both alike; each round builds its model afresh.
         for _ in range(args.rounds):
-            for name, bench in runs:
+            for name, bench, run_cfg, micro_batch, grad_accum in runs:
                 reset_memory(env)
-                round_times = bench(cfg, env, args)["times"]
-                times[name] += round_times
+                if name in splits:
+                    micro_batch, grad_accum = splits[name]
+                elif bench is bench_peer:
+                    micro_batch, grad_accum = last_split
+                if bench is bench_peer:
+                    result = bench_peer_fitting(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+                else:
+                    result = bench(run_cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+                splits[name] = (result["micro_batch"], result["grad_accum"])
+                if bench is bench_ours and run_cfg.train.float8 == "none":
+                    # The bf16 reference runs at our last bf16 split: an FP8 run's larger auto micro-batch
+                    # can run it out of memory on one rank before the other (seen: a hang at 1B on H100).
+                    last_split = splits[name]
+                times[name] += result["times"]
                 memory[name] = max(memory[name], peak_memory_gib(env))
-                round_step_s[name].append(statistics.median(round_times))
+                round_step_s[name].append(statistics.median(result["times"]))
             torch._dynamo.reset()  # recompile from the caches rather than pile up guards on old modules
-        rows = [summarise(name, times[name], memory[name], cfg, args, peak) for name, _ in runs]
+        rows = [summarise(name, times[name], memory[name], splits[name], cfg, peak) for name, *_ in runs]
         ablations = [name for name in ("fused_projections", "unfused_adamw") if getattr(args, name)]
         if env.is_main:
             m = cfg.model
             device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
-            print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, micro-batch "
-                  f"{cfg.train.micro_batch_size} x accum {args.grad_accum}, world {env.world_size} x {device}, "
+            print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, global batch "
+                  f"{max(r['micro_batch'] * r['grad_accum'] for r in rows) * env.world_size}, world {env.world_size} x {device}, "
                   f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
                   f"compile {cfg.train.compile}, cpu_offload {cfg.fsdp.cpu_offload}"
                   + "".join(f", {name}" for name in ablations))
-            print(f"{'run':<16}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
+            print(f"{'run':<22}{'micro x acc':>12}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
             for r in rows:
                 mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-                print(f"{r['name']:<16}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_mem_gib']:>10.2f}")
-            round_ratios = []
-            if len(rows) == 2:
-                round_ratios = [peer / ours for ours, peer in zip(*round_step_s.values())]
-                per_round = f" (all rounds' steps; per round: {', '.join(f'{r:.3f}' for r in round_ratios)})" if args.rounds > 1 else ""
-                print(f"ratio ours / reference tokens/s: {rows[0]['tokens_per_sec_per_gpu'] / rows[1]['tokens_per_sec_per_gpu']:.3f}{per_round}")
+                split = f"{r['micro_batch']} x {r['grad_accum']}"
+                print(f"{r['name']:<22}{split:>12}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_mem_gib']:>10.2f}")
+            ratios = {}
+            by_name = {r["name"]: r for r in rows}
+            for name, base in ratio_pairs(list(by_name)):
+                per_round = [b / n for n, b in zip(round_step_s[name], round_step_s[base])]
+                overall = by_name[name]["tokens_per_sec_per_gpu"] / by_name[base]["tokens_per_sec_per_gpu"]
+                ratios[f"{name} / {base}"] = {"all_rounds": overall, "per_round": per_round}
+                rounds_note = f" (all rounds' steps; per round: {', '.join(f'{x:.3f}' for x in per_round)})" if args.rounds > 1 else ""
+                print(f"ratio {name} / {'reference' if base == 'hf_llama_fsdp2' else base} tokens/s: {overall:.3f}{rounds_note}")
             if args.json:
-                record = {"config": args.config, "overrides": overrides, "world_size": env.world_size, "device": device,
-                          "params": m.num_params(), "ablations": ablations, "rows": rows,
-                          "rounds": args.rounds, "round_ratios": round_ratios}
+                record = {"config": args.config, "overrides": overrides, "float8": recipes, "world_size": env.world_size,
+                          "device": device, "params": m.num_params(), "ablations": ablations, "rows": rows,
+                          "rounds": args.rounds, "ratios": ratios}
                 with open(args.json, "a") as f:
                     f.write(json.dumps(record) + "\n")
         return 0

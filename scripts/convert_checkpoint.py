@@ -1,18 +1,19 @@
 """Turn a sharded checkpoint (fsdp_sharded_cpt{step}/) into a full one (one .pth file), offline.
 
-    python scripts/convert_checkpoint.py checkpoints/tiny/fsdp_sharded_cpt300 tiny_300.pth
-    python scripts/convert_checkpoint.py checkpoints/tiny/fsdp_sharded_cpt300 tiny_300.pth --force   # overwrite
+    python scripts/convert_checkpoint.py checkpoints/llama1B/fsdp_sharded_cpt500 llama1B_500.pth
+    python scripts/convert_checkpoint.py checkpoints/llama1B/fsdp_sharded_cpt500 llama1B_500.pth --force   # overwrite
 
 No process group and no GPU: the shards are read in this one process and assembled into whole tensors,
 so the machine needs memory for the whole model and optimizer state. The output has the layout of a
 full checkpoint written by train_fsdp.py (keys model, optimizer, rng, format_version, world_size,
 model_config, train_state): `torch.load(OUT, weights_only=True)["model"]` gives the plain model's weights,
-and `train_fsdp.py ... --resume_from OUT` continues training from it on any number of ranks.
+and `train_fsdp.py ... --resume_from OUT` continues training from it on any number of ranks. Next to OUT
+goes `.OUT.json`, its size and CRC32, which a resume from OUT checks; the shards are checked against
+their recorded CRC32 before they are read.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -23,10 +24,11 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from torch.distributed.checkpoint import CheckpointException  # noqa: E402
-
 from fsdp_utils import checkpoint_io  # noqa: E402
-from fsdp_utils.checkpoint import TMP_PREFIX, CheckpointError, _first_line  # noqa: E402
+from fsdp_utils.checkpoint_format import (  # noqa: E402
+    META_KEYS, RNG_NAME, TMP_PREFIX, CheckpointError, dcp_load, install_full, load_rng, read_dcp_metadata,
+    save_with_checksum, set_at, write_record)
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
 
 
 class ConvertError(Exception):
@@ -43,13 +45,20 @@ def read_meta(src: Path) -> dict:
 
 
 def load_sharded(src: Path) -> dict:
-    """{"model": ..., "optimizer": ...} with whole tensors, read without a process group."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    """{"model": ..., "optimizer": ...} with whole tensors, read without a process group.
 
+    DCP loads in place, so the state is first laid out from the checkpoint's metadata: an empty tensor
+    of each saved tensor's full size (read into from every shard) or a slot for each plain value, under
+    its flattened name; the saved nesting (DCP's planner data) is restored afterwards."""
+    metadata = read_dcp_metadata(src / ".metadata")
+    flat = {name: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+            for name, md in metadata.state_dict_metadata.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: loading in a single process" is the intent
-        state = _load_state_dict_from_keys(storage_reader=FileSystemReader(str(src)))
+        dcp_load(flat, src, no_dist=True)
+    state: dict = {}
+    for name, value in flat.items():
+        set_at(state, tuple(metadata.planner_data[name]), value)
     missing = [k for k in ("model", "optimizer") if k not in state]
     if missing:
         raise ConvertError(f"{src}: the shards hold no {' or '.join(missing)} state")
@@ -63,23 +72,17 @@ def convert(src: Path, out: Path, *, force: bool = False) -> dict:
     if out.is_dir():
         raise ConvertError(f"{out} is a directory; give the path of the .pth file to write")
     meta = read_meta(src)
-    try:
-        state = load_sharded(src)
-        rng = torch.load(src / "rng.pt", weights_only=True)["rng"] if (src / "rng.pt").is_file() else None
-    except ConvertError:
-        raise
-    except (Exception, CheckpointException) as err:  # a shard that does not decode (DCP's is a BaseException)
-        raise ConvertError(f"{src}: cannot read sharded checkpoint ({_first_line(err)})") from None
-    payload = {"model": state["model"], "optimizer": state["optimizer"], "rng": rng, **{k: meta[k] for k in checkpoint_io.META_KEYS}}
+    checkpoint_io.verify(src)
+    state = load_sharded(src)
+    rng = load_rng(src) if (src / RNG_NAME).is_file() else None
+    payload = {"model": state["model"], "optimizer": state["optimizer"], "rng": rng, **{k: meta[k] for k in META_KEYS}}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
     try:
-        with tmp.open("wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
+        record, _ = save_with_checksum(payload, tmp)
+        install_full(tmp, out)
+        write_record(out, record)  # .OUT.json next to it: a resume from OUT verifies its CRC32
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -1,10 +1,10 @@
 """Export a training checkpoint as a Hugging Face transformers LlamaForCausalLM directory.
 
-    python scripts/export_hf.py checkpoints/tiny/fsdp_cpt300.pth hf/tiny
-    python scripts/export_hf.py checkpoints/tiny/fsdp_sharded_cpt300 hf/tiny --dtype bf16 --force
+    python scripts/export_hf.py checkpoints/tiny/fsdp_cpt1000.pth exported/tiny
+    python scripts/export_hf.py checkpoints/llama1B/fsdp_sharded_cpt500 exported/llama1B --dtype bf16 --force
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model, tok = AutoModelForCausalLM.from_pretrained("hf/tiny"), AutoTokenizer.from_pretrained("hf/tiny")
+    model, tok = AutoModelForCausalLM.from_pretrained("exported/tiny"), AutoTokenizer.from_pretrained("exported/tiny")
 
 OUT_DIR gets config.json, model.safetensors (+ generation_config.json), the run's SentencePiece
 tokenizer.model (found next to the checkpoint, or --tokenizer) and an equivalent Hugging Face tokenizer
@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from fsdp_utils.checkpoint import CheckpointError  # noqa: E402
+from fsdp_utils.checkpoint_format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint_io import find_tokenizer, load_model, read_meta  # noqa: E402
 from model import ModelConfig  # noqa: E402
 

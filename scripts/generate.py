@@ -1,7 +1,7 @@
 """Sample text from a training checkpoint on one device (no process group).
 
-    python scripts/generate.py checkpoints/tiny/fsdp_cpt300.pth --prompt "def main(" --max_new_tokens 60
-    python scripts/generate.py checkpoints/tiny/fsdp_sharded_cpt300 --prompt "import " --temperature 0   # greedy
+    python scripts/generate.py checkpoints/tiny/fsdp_cpt1000.pth --prompt "def main(" --max_new_tokens 60
+    python scripts/generate.py checkpoints/llama1B/fsdp_sharded_cpt500 --prompt "import " --temperature 0   # greedy
     python scripts/generate.py CKPT --prompt "class " --top_k 20 --seed 7 --device cuda --tokenizer my.model
 
 Prints the prompt followed by the continuation. The tokenizer is the run's SentencePiece model, found
@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from fsdp_utils.checkpoint import CheckpointError  # noqa: E402
+from fsdp_utils.checkpoint_format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint_io import find_tokenizer, load_model, read_meta  # noqa: E402
 from model import Transformer  # noqa: E402
 

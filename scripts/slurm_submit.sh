@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Slurm: one torchrun per node (srun), the head node as rendezvous endpoint.
 #   CONFIG=config/train1B_fsdp.yaml GLOBAL_BATCH=512 MICRO_BATCH=4 sbatch scripts/slurm_submit.sh --train.max_steps=20000
+#   CONFIG=config/train1B_fsdp.yaml GLOBAL_BATCH=512 MICRO_BATCH=auto sbatch scripts/slurm_submit.sh   # measured at startup
 # Five minutes before the time limit Slurm sends SIGUSR1 to this script, which forwards it to every
 # training process: they save a complete checkpoint and exit 0. Resubmit the same command to continue
 # (checkpoint.auto_resume picks up the newest complete checkpoint).
@@ -20,21 +21,29 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
 MICRO_BATCH="${MICRO_BATCH:-2}"
 NNODES="${SLURM_NNODES:-1}"
 WORLD=$((NNODES * GPUS_PER_NODE))
-GLOBAL_BATCH="${GLOBAL_BATCH:-$((WORLD * MICRO_BATCH))}"
-if (( GLOBAL_BATCH % (WORLD * MICRO_BATCH) != 0 )); then
-  echo "error: GLOBAL_BATCH=$GLOBAL_BATCH is not a multiple of MICRO_BATCH * GPUs = $MICRO_BATCH * $WORLD" >&2
-  exit 2
+if [[ "$MICRO_BATCH" == auto ]]; then
+  # The largest micro-batch that fits is measured by the training job itself (train.micro_batch_size: auto).
+  if [[ -z "${GLOBAL_BATCH:-}" ]]; then
+    echo "error: MICRO_BATCH=auto needs GLOBAL_BATCH (sequences per optimizer step)" >&2
+    exit 2
+  fi
+  if (( GLOBAL_BATCH % WORLD != 0 )); then
+    echo "error: GLOBAL_BATCH=$GLOBAL_BATCH is not a multiple of the GPU count $WORLD" >&2
+    exit 2
+  fi
+  echo "world $WORLD GPUs, global batch $GLOBAL_BATCH, micro-batch auto (measured by the job), $((GLOBAL_BATCH / WORLD)) sequences per GPU and step"
+else
+  GLOBAL_BATCH="${GLOBAL_BATCH:-$((WORLD * MICRO_BATCH))}"
+  if (( GLOBAL_BATCH % (WORLD * MICRO_BATCH) != 0 )); then
+    echo "error: GLOBAL_BATCH=$GLOBAL_BATCH is not a multiple of MICRO_BATCH * GPUs = $MICRO_BATCH * $WORLD" >&2
+    exit 2
+  fi
+  echo "world $WORLD GPUs, global batch $GLOBAL_BATCH, micro-batch $MICRO_BATCH, gradient accumulation $((GLOBAL_BATCH / (WORLD * MICRO_BATCH)))"
 fi
-echo "world $WORLD GPUs, global batch $GLOBAL_BATCH, micro-batch $MICRO_BATCH, gradient accumulation $((GLOBAL_BATCH / (WORLD * MICRO_BATCH)))"
 # sed, not head: head exits after one line, and under pipefail a long node list that scontrol is still
 # writing would then end the script with SIGPIPE (status 141).
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 PORT="${MASTER_PORT:-29500}"
-
-# Since torch 2.5 the workers share torchrun's rendezvous TCPStore, and it outlives a --max-restarts restart:
-# the restarted workers can read the previous attempt's keys and fail in init_process_group (measured with
-# torch 2.13: 4 restarts in 6; pytorch/pytorch#135712). Opting out gives every attempt a fresh store.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 # Forward Slurm's pre-termination signal to the training processes (not to torchrun, whose default
 # action on SIGUSR1 would be to die): torchrun starts them as "python -u .../train_fsdp.py".

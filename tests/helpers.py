@@ -2,6 +2,7 @@
 what it wrote. Shared by the end-to-end tests."""
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import os
@@ -9,6 +10,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train_fsdp.py"
@@ -35,10 +38,11 @@ def write_corpus(path: Path, num_docs: int = 60) -> Path:
 
 
 def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_dir: Path, extra_env: dict | None = None,
-              check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run one training job; nproc > 1 goes through torchrun. Returns the finished process."""
-    launcher = [sys.executable, str(TRAIN)] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN)]
+              check: bool = True, timeout: float = 300, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run one training job; nproc > 1 goes through torchrun; `prefix` runs it under another command
+    (e.g. prlimit). Returns the finished process."""
+    launcher = [*prefix, sys.executable, str(TRAIN)] if nproc == 1 else [
+        *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN)]
     cmd = launcher + [str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
                       f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
@@ -87,3 +91,15 @@ def kill_tree(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         pass
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops run inside it, by name (e.g. counts["mm"])."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

@@ -10,16 +10,26 @@ The expensive runs (a few seconds each) are made once per module by `Runs` and s
 from __future__ import annotations
 
 import importlib.util
+import io
+import pickle
 import shutil
+import struct
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from fsdp_utils import checkpoint_io
+from fsdp_utils.checkpoint_format import sidecar_of
+from fsdp_utils.run_lock import LOCK_NAME
 from model import ModelConfig, Transformer
 from tests import helpers
 from tests.helpers import ROOT, losses, read_metrics, run_train
+
+pytestmark = pytest.mark.slow  # every test here launches training processes
 
 # 6 steps of global batch 8 = micro-batch 2 x 2 ranks x 2 accumulation steps.
 STEPS = 6
@@ -322,6 +332,15 @@ def test_killed_save_is_ignored_and_cleaned_up(runs, fmt, tmp_path):
 # ---- 4. a corrupt newest checkpoint -----------------------------------------------------------
 
 
+def copy_newest_two(runs: Runs, fmt: str, out: Path, *, copy=copy_checkpoint) -> tuple[Path, Path]:
+    """The saved run's checkpoints SPLIT and STEPS copied into out: (the newest, the file in it to damage:
+    the .pth, or rank 1's shard)."""
+    for step in (SPLIT, STEPS):
+        copy(runs.saved(fmt) / ckpt_name(fmt, step), out)
+    newest = out / ckpt_name(fmt, STEPS)
+    return newest, newest if fmt == "full" else sorted(newest.glob("*.distcp"))[-1]
+
+
 @pytest.mark.parametrize("fmt, damage", [("full", "truncated"), ("sharded", "truncated"), ("sharded", "garbled")])
 def test_corrupt_checkpoint(runs, fmt, damage, tmp_path):
     """A damaged newest checkpoint: loading it by path fails naming it; `latest` warns and falls back to
@@ -330,10 +349,7 @@ def test_corrupt_checkpoint(runs, fmt, damage, tmp_path):
     (which passes meta.json's size check: it is the read that fails)."""
     baseline = runs.baseline()
     out = tmp_path / "run"
-    for step in (SPLIT, STEPS):
-        copy_checkpoint(runs.saved(fmt) / ckpt_name(fmt, step), out)
-    newest = out / ckpt_name(fmt, STEPS)
-    broken = newest if fmt == "full" else sorted(newest.glob("*.distcp"))[-1]
+    newest, broken = copy_newest_two(runs, fmt, out)
     if damage == "truncated":
         truncate_to_half(broken)
     else:
@@ -356,6 +372,56 @@ def test_corrupt_checkpoint(runs, fmt, damage, tmp_path):
         assert_identical(mine[key], theirs[key], key)
 
 
+def copy_with_record(src: Path, dst_dir: Path) -> Path:
+    """copy_checkpoint, with a full checkpoint's checksum record (a sharded one holds it in meta.json)."""
+    dst = copy_checkpoint(src, dst_dir)
+    if src.is_file():
+        shutil.copy2(sidecar_of(src), sidecar_of(dst))
+    return dst
+
+
+def tensor_byte(path: Path) -> int:
+    """The offset of a byte in the middle of the largest tensor's data in a .pth or a .distcp file, where a
+    flipped bit leaves the file readable. Both are torch.save zips (a .distcp, one per tensor), stored
+    uncompressed: a member's data follows its 30-byte local header, name and extra field."""
+    def middle_of_largest_member(blob: bytes) -> int:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            info = max(z.infolist(), key=lambda i: i.file_size)
+        name_len, extra_len = struct.unpack("<HH", blob[info.header_offset + 26:info.header_offset + 30])
+        return info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+
+    data = path.read_bytes()
+    if path.suffix == ".pth":
+        return middle_of_largest_member(data)
+    metadata = pickle.loads((path.parent / ".metadata").read_bytes())  # our own checkpoint: trusted here
+    item = max((i for i in metadata.storage_data.values() if i.relative_path == path.name), key=lambda i: i.length)
+    return item.offset + middle_of_largest_member(data[item.offset:item.offset + item.length])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_flipped_byte_is_caught_and_latest_falls_back(runs, fmt, tmp_path):
+    """One byte flipped inside a tensor's data keeps the file's size and its readability: before checksums
+    it loaded silently, a damaged weight. Now loading it by path is an error naming the file, and `latest`
+    moves the checkpoint aside and resumes exactly from the previous one."""
+    baseline = runs.baseline()
+    out = tmp_path / "run"
+    newest, broken = copy_newest_two(runs, fmt, out, copy=copy_with_record)
+    data = bytearray(broken.read_bytes())
+    data[tensor_byte(broken)] ^= 0x10
+    broken.write_bytes(bytes(data))
+
+    proc = runs.train(tmp_path / "by-path", f"--checkpoint.format={fmt}", f"--resume_from={newest}", nproc=1, check=False)
+    assert_clean_error(proc, f"{broken}: corrupt checkpoint (CRC32")
+
+    proc = runs.train(out, f"--checkpoint.format={fmt}", "--resume_from=latest")
+    assert [line for line in proc.stderr.splitlines() if str(broken) in line and "falling back" in line], proc.stderr[-3000:]
+    assert f"loaded checkpoint {out / ckpt_name(fmt, SPLIT)} " in proc.stderr
+    assert losses(out) == {step: baseline[step] for step in range(SPLIT + 1, STEPS + 1)}
+    assert checkpoint_names(out) == sorted([ckpt_name(fmt, SPLIT), ckpt_name(fmt, STEPS)])
+    assert (out / f"corrupt-{ckpt_name(fmt, STEPS)}").exists()  # moved aside, never deleted
+
+
 # ---- 5. retention ------------------------------------------------------------------------------
 
 
@@ -366,6 +432,88 @@ def test_keep_last_n(runs, fmt, tmp_path):
                       "--checkpoint.keep_last_n=2", nproc=1)
     assert checkpoint_names(out) == sorted([ckpt_name(fmt, 6), ckpt_name(fmt, 8)])
     assert proc.stderr.count("removing old checkpoint") == 2  # 2 (at the save of 6), then 4 (at 8)
+
+
+@pytest.mark.slow
+def test_retention_after_a_fallback_keeps_the_good_checkpoint(corpus, dataset_dir, tmp_path):
+    """The newest checkpoint truncated; `latest` falls back to the previous one; the next save's retention
+    must neither delete that good checkpoint nor count the corrupt one. (Before: the save of step 3 with
+    keep_last_n=2 deleted the good fsdp_cpt2.pth and kept the truncated fsdp_cpt4.pth.)"""
+    out = tmp_path / "run"
+    common = ("--checkpoint.interval=2", "--checkpoint.keep_last_n=2")
+    run_train("--train.max_steps=4", *common, nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    truncate_to_half(out / "fsdp_cpt4.pth")
+    corrupt_size = (out / "fsdp_cpt4.pth").stat().st_size
+
+    # Three steps in all: back to step 2, one step, the final save at step 3.
+    proc = run_train("--train.max_steps=3", *common, "--resume_from=latest", nproc=1, out_dir=out, corpus=corpus,
+                     dataset_dir=dataset_dir)
+    assert "falling back" in proc.stderr and f"loaded checkpoint {out / 'fsdp_cpt2.pth'} " in proc.stderr
+    assert checkpoint_names(out) == ["fsdp_cpt2.pth", "fsdp_cpt3.pth"]
+    assert (out / "corrupt-fsdp_cpt4.pth").stat().st_size == corrupt_size
+
+    # Later saves count only the good ones, and never touch what was moved aside.
+    run_train("--train.max_steps=4", *common, nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    assert checkpoint_names(out) == ["fsdp_cpt3.pth", "fsdp_cpt4.pth"]
+    assert (out / "corrupt-fsdp_cpt4.pth").stat().st_size == corrupt_size
+    for step in (3, 4):
+        checkpoint_io.verify(out / f"fsdp_cpt{step}.pth")
+
+
+# ---- 5b. a full disk ------------------------------------------------------------------------------
+
+# Runs a command with its output directory on a tmpfs of $SIZE (mounted in a user namespace: no root
+# needed), then copies what is left there to $KEEP for the test to look at.
+ON_SMALL_DISK = 'mount -t tmpfs -o size="$SIZE" tmpfs "$OUT" || exit 97; "$@"; status=$?; cp -a "$OUT/." "$KEEP/"; exit $status'
+
+
+def worker_error(proc) -> str:
+    """The one error line of a failed torchrun job whose workers raised no traceback (torchrun reports
+    their failure in a traceback of its own)."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-4000:]
+    assert proc.stderr.count("Traceback") == 1 and "ChildFailedError" in proc.stderr, proc.stderr[-4000:]
+    return errors[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_disk_with_room_for_one_checkpoint(fmt, corpus, dataset_dir, tmp_path):
+    """The second save into a disk with room for one checkpoint (2 ranks): refused before anything is
+    written, with one line saying so; the first checkpoint stays whole and no .tmp- is left. (Before: both
+    ranks crashed half-way through the write, "unexpected pos", with tracebacks.)"""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -rm (a user namespace to mount a small tmpfs in) is not permitted here")
+    out, keep = tmp_path / "small", tmp_path / "after"
+    out.mkdir()
+    keep.mkdir()
+    proc = run_train("--train.max_steps=4", "--checkpoint.interval=2", f"--checkpoint.format={fmt}", nproc=2,
+                     out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False,
+                     prefix=("unshare", "-rm", "sh", "-c", ON_SMALL_DISK, "sh"),
+                     extra_env={"OUT": str(out), "KEEP": str(keep), "SIZE": "3m"})  # a checkpoint is ~1.8 MiB
+    assert proc.returncode != 97, proc.stderr
+    line = worker_error(proc)
+    assert f"{out / ckpt_name(fmt, 4)}: not enough disk space" in line and "stopped before writing" in line, line
+    assert checkpoint_names(keep) == [ckpt_name(fmt, 2)]
+    checkpoint_io.verify(keep / ckpt_name(fmt, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt, limit", [("full", 1_000_000), ("sharded", 500_000)])
+def test_a_write_that_fails_half_way(fmt, limit, corpus, dataset_dir, tmp_path):
+    """A write that fails with the checkpoint partly on disk (here a file size limit, EFBIG, where a full
+    disk gives ENOSPC): one line naming the checkpoint and the cause, the previous checkpoint intact, no
+    .tmp- left behind."""
+    out = tmp_path / "run"
+    run_train("--train.max_steps=2", f"--checkpoint.format={fmt}", nproc=2, out_dir=out, corpus=corpus,
+              dataset_dir=dataset_dir)
+    proc = run_train("--train.max_steps=4", f"--checkpoint.format={fmt}", nproc=2, out_dir=out, corpus=corpus,
+                     dataset_dir=dataset_dir, check=False, prefix=("prlimit", f"--fsize={limit}"))
+    line = worker_error(proc)
+    assert f"{out / ckpt_name(fmt, 4)}: cannot write checkpoint" in line, line
+    assert "File too large" in line or "stopped short" in line, line
+    assert checkpoint_names(out) == [ckpt_name(fmt, 2)]
+    checkpoint_io.verify(out / ckpt_name(fmt, 2))
 
 
 # ---- 6. errors that must never become a fresh start ---------------------------------------------
@@ -480,7 +628,7 @@ def test_convert_errors(runs, tmp_path, capsys):
     truncate_to_half(shard)
     fails(damaged, out, needle=str(shard))
     shard.write_bytes(b"\xff" * (sharded / shard.name).stat().st_size)  # the right size, undecodable
-    fails(damaged, out, needle=f"{damaged}: cannot read sharded checkpoint")
+    fails(damaged, out, needle=f"{shard}: corrupt checkpoint (CRC32")  # its recorded checksum names it
     assert not out.exists()
 
     assert convert.main([str(sharded), str(out)]) == 0
@@ -499,11 +647,39 @@ def test_resuming_an_older_checkpoint_over_newer_work_is_refused(tmp_path, corpu
     out = tmp_path / "run"
     run_train("--train.max_steps=6", "--checkpoint.interval=3", "--checkpoint.keep_last_n=0", nproc=1,
               out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
-    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    # run.lock names the newest run that held the directory: every start rewrites it, refused or not.
+    state = lambda: {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != LOCK_NAME}  # noqa: E731
+    before = state()
     proc = run_train("--train.max_steps=6", "--checkpoint.interval=3", f"--resume_from={out / 'fsdp_cpt3.pth'}",
                      nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False)
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "fsdp_cpt6.pth" in errors[0] and "fresh run.output_dir" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
-    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert state() == before
+
+
+@pytest.mark.slow
+def test_a_fresh_start_over_earlier_checkpoints_is_refused(tmp_path, corpus, dataset_dir):
+    """checkpoint.auto_resume=false into a directory that holds checkpoints: the new run's saves would mix
+    with them and its retention delete them. Refused, with nothing written."""
+    out = tmp_path / "run"
+    run_train("--train.max_steps=2", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != LOCK_NAME}
+    proc = run_train("--train.max_steps=2", "--checkpoint.auto_resume=false", nproc=1, out_dir=out, corpus=corpus,
+                     dataset_dir=dataset_dir, check=False)
+    assert_clean_error(proc, f"{out} already holds checkpoints of an earlier run (newest fsdp_cpt2.pth)")
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != LOCK_NAME} == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_saves_and_loads_print_no_torch_warnings(fmt, tmp_path, corpus, dataset_dir):
+    """FSDP1's state dicts warned at every save and load (ShardedTensor's deprecation, the default device
+    of a group, NO_SHARD at world size 1): silenced where they are called."""
+    for nproc, steps in ((2, 4), (1, 6)):  # two saves; then a resume and two saves on one rank
+        proc = run_train(f"--train.max_steps={steps}", "--checkpoint.interval=2", f"--checkpoint.format={fmt}",
+                         nproc=nproc, out_dir=tmp_path / "run", corpus=corpus, dataset_dir=dataset_dir)
+        warned = [line for line in proc.stderr.splitlines() if "Warning" in line and "NO_SHARD` instead" not in line]
+        assert not warned, warned  # (FSDP's one switch to NO_SHARD at world size 1 is said once, at wrap time)
+

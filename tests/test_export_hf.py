@@ -17,6 +17,8 @@ from model import ModelConfig, Transformer
 from scripts import export_hf
 from tests.helpers import ROOT, run_train
 
+pytestmark = pytest.mark.slow  # trains and exports real checkpoints
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 

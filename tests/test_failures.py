@@ -1,6 +1,6 @@
 """Failures of a running multi-rank job (real torchrun processes, gloo on the CPU): preemption by SIGTERM,
-a worker killed outright under torchrun's restarts, a non-finite loss, HYBRID_SHARD against FULL_SHARD,
-and a rank that stops answering. Every process is started here and killed here, whatever happens."""
+Ctrl-C (SIGINT), a worker killed outright under torchrun's restarts, a non-finite loss, HYBRID_SHARD against
+FULL_SHARD, and a rank that stops answering. Every process is started here and killed here, whatever happens."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, TRAIN, children, kill_tree, losses, read_metrics, run_train
+from tests.helpers import ROOT, TINY, TRAIN, descendants, kill_tree, losses, read_metrics, run_train
+
+pytestmark = pytest.mark.slow  # every test here launches training processes
 
 N = 40  # steps of the preemption/restart runs: ~0.06 s each here, so a signal sent early lands mid-run
 
@@ -47,9 +50,10 @@ class Job:
         return self.err_path.read_text(errors="replace")
 
     def workers(self) -> dict[int, int]:
-        """rank -> pid of the training processes (torchrun's children, each in a session of its own)."""
+        """rank -> pid of the training processes (torchrun's children, each in a session of its own;
+        torchrun is the job itself or, under a launcher script, the script's child)."""
         found = {}
-        for pid in children(self.proc.pid):
+        for pid in descendants(self.proc.pid):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -155,20 +159,77 @@ def test_sigterm_to_one_worker_saves_and_resumes_exactly(reference, corpus, data
     assert losses(out) == reference
 
 
-def test_kill_9_one_worker_torchrun_restarts_from_checkpoint(reference, corpus, dataset_dir, tmp_path):
-    """kill -9 of rank 0 under `torchrun --max-restarts=1`, started as users do: scripts/fsdp_train.sh with
-    MAX_RESTARTS=1. (A bare `torchrun --max-restarts=1` on torch 2.13 fails to restart about 2 times in 3:
-    the restarted workers read the previous attempt's addresses from torchrun's shared rendezvous store and
-    gloo's connectFullMesh is refused, pytorch/pytorch#135712; the script sets
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives each attempt a fresh store.)"""
+@pytest.mark.slow
+def test_ctrl_c_under_bare_torchrun_saves_and_resumes_exactly(reference, corpus, dataset_dir, tmp_path):
+    """Ctrl-C at a terminal signals the foreground process group: torchrun (its workers run in sessions of
+    their own), which sends SIGINT to every worker. They save after the current step and exit 0; torchrun
+    then ends with its own report of the signal it got (its exit status, which we cannot change). Running
+    the same command again continues bit for bit. (Before, SIGINT was no stop signal: no checkpoint, and
+    a KeyboardInterrupt traceback from every worker.)"""
     out = tmp_path / "out"
-    args = (f"--train.max_steps={N}", "--checkpoint.interval=2", "--checkpoint.format=full")
+    args = (f"--train.max_steps={N}", "--checkpoint.keep_last_n=0")
+    job = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir), tmp_path / "run1")
+    try:
+        poll(lambda: len(logged_steps(out)) >= 2, job=job, timeout=180, what="second metrics row")
+        os.killpg(job.proc.pid, signal.SIGINT)  # the job leads its own process group, as torchrun at a terminal
+        job.wait(timeout=120)
+    finally:
+        job.kill()
+    stderr = job.stderr
+    k = logged_steps(out)[-1]
+    assert k < N, f"the signal landed after the run had finished all {N} steps: the test proved nothing"
+    assert checkpoint_steps(out) == [k] and not list(out.glob(".tmp-*"))
+    assert "rank0] SIGINT received" in stderr and "rank1] SIGINT received" in stderr, stderr[-4000:]
+    assert f"stopped by a signal at step {k}" in stderr, stderr[-4000:]
+    # No worker traceback: the one traceback is torchrun's own, reporting the signal.
+    assert stderr.count("Traceback") == 1 and "SignalException: Process" in stderr, stderr[-4000:]
+    assert "KeyboardInterrupt" not in stderr
+
+    proc = run_train(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, timeout=240)
+    assert f"loaded checkpoint {out / f'fsdp_cpt{k}.pth'}" in proc.stderr
+    assert logged_steps(out) == list(range(1, N + 1))
+    assert losses(out) == reference
+
+
+@pytest.mark.slow
+def test_ctrl_c_through_the_launcher_exits_0(corpus, dataset_dir, tmp_path):
+    """scripts/fsdp_train.sh keeps torchrun out of the terminal's process group and passes Ctrl-C to the
+    training processes: they save, and the script ends with status 0 and no traceback at all."""
+    out = tmp_path / "out"
     cmd = [str(ROOT / "scripts/fsdp_train.sh"), *TINY, f"--run.output_dir={out}", f"--data.files=[{corpus}]",
-           f"--data.dataset_dir={dataset_dir}", *args]
+           f"--data.dataset_dir={dataset_dir}", f"--train.max_steps={N}"]
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the script runs `torchrun`
-    job = Job(cmd, tmp_path / "run", extra_env={"NGPU": "2", "MAX_RESTARTS": "1", "PATH": path,
-                                                "CONFIG": str(ROOT / "config/train_tiny_fsdp.yaml"),
-                                                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None})
+    job = Job(cmd, tmp_path / "run", extra_env={"NGPU": "2", "PATH": path, "CONFIG": str(ROOT / "config/train_tiny_fsdp.yaml")})
+    try:
+        poll(lambda: len(logged_steps(out)) >= 2, job=job, timeout=180, what="second metrics row")
+        os.killpg(job.proc.pid, signal.SIGINT)  # the script's process group: what a terminal's Ctrl-C reaches
+        assert job.wait(timeout=120) == 0, job.stderr[-4000:]
+    finally:
+        job.kill()
+    stderr = job.stderr
+    k = logged_steps(out)[-1]
+    assert k < N, f"the signal landed after the run had finished all {N} steps: the test proved nothing"
+    assert checkpoint_steps(out) == [k]
+    assert f"stopped by a signal at step {k}" in stderr and "Traceback" not in stderr, stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_a_second_signal_aborts_at_once():
+    """The first stop signal only sets the flag the loop reads; a second one ends the process at once,
+    with one line and the shell's status for a signal (128 + its number)."""
+    code = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from fsdp_utils.preemption import StopSignal; "
+            "stop = StopSignal(['SIGINT', 'SIGTERM'], grace_s=60); os.kill(os.getpid(), signal.SIGINT); time.sleep(0.5); "
+            "print('first: requested' if stop.requested else 'first: ignored', flush=True); "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(10); print('not aborted')")
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    assert proc.stdout == "first: requested\n"
+    assert "SIGINT after SIGINT: aborting without saving" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def kill_rank0_and_check_restart(job: Job, out: Path, reference: dict[int, float]) -> None:
+    """Kill rank 0 (-9) once a checkpoint is complete and a later step logged; the job must restart from
+    the newest checkpoint, end with status 0, and log the uninterrupted run's losses."""
     try:
         # Kill once step 2's checkpoint is complete and a later step was logged past the newest checkpoint
         # (an odd step: checkpoints are at even ones), so that the restart repeats at least one step.
@@ -194,6 +255,72 @@ def test_kill_9_one_worker_torchrun_restarts_from_checkpoint(reference, corpus, 
     assert first_attempt == list(range(1, len(first_attempt) + 1)) and steps[len(first_attempt):] == list(range(c + 1, N + 1))
     assert 2 <= c <= len(first_attempt) and killed_after <= len(first_attempt), (c, killed_after, steps)
     assert losses(out) == reference  # the last row of each step: the restarted attempt's
+
+
+RESTART_ARGS = (f"--train.max_steps={N}", "--checkpoint.interval=2", "--checkpoint.format=full")
+
+
+def test_kill_9_one_worker_torchrun_restarts_from_checkpoint(reference, corpus, dataset_dir, tmp_path):
+    """kill -9 of rank 0 under `torchrun --max-restarts=1`, started as users do: scripts/fsdp_train.sh with
+    MAX_RESTARTS=1."""
+    out = tmp_path / "out"
+    cmd = [str(ROOT / "scripts/fsdp_train.sh"), *TINY, f"--run.output_dir={out}", f"--data.files=[{corpus}]",
+           f"--data.dataset_dir={dataset_dir}", *RESTART_ARGS]
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the script runs `torchrun`
+    job = Job(cmd, tmp_path / "run", extra_env={"NGPU": "2", "MAX_RESTARTS": "1", "PATH": path,
+                                                "CONFIG": str(ROOT / "config/train_tiny_fsdp.yaml"),
+                                                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None})
+    kill_rank0_and_check_restart(job, out, reference)
+
+
+@pytest.mark.slow
+def test_kill_9_under_bare_torchrun_restarts_from_checkpoint(reference, corpus, dataset_dir, tmp_path):
+    """The same with a bare `torchrun --max-restarts=1` and nothing set in the environment. Since torch 2.5
+    torchrun shares its store with the workers and it outlives a restart: before the workers gave each
+    attempt a store of its own (fsdp_utils/distributed.py), the restarted workers read the previous
+    attempt's addresses and gloo's connectFullMesh was refused, about 2 restarts in 3 (pytorch#135712)."""
+    out = tmp_path / "out"
+    cmd = train_cmd(*RESTART_ARGS, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
+    job = Job(cmd, tmp_path / "run", extra_env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None})
+    kill_rank0_and_check_restart(job, out, reference)
+
+
+# ---- two runs, one output directory ------------------------------------------------------------------------
+
+
+def tree_state(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_second_run_in_the_same_output_directory_is_refused(reference, corpus, dataset_dir, tmp_path):
+    """While a run holds its output directory, a second one started into it (here with 2 ranks) is refused
+    with one line naming the holder, exits non-zero, and touches nothing; the first run ends unharmed.
+    (Before: no lock; each run's retention deleted the other's checkpoints, their files mixed.)"""
+    out = tmp_path / "out"
+    args = (f"--train.max_steps={N}", "--checkpoint.interval=5", "--checkpoint.keep_last_n=1")
+    first = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir), tmp_path / "first")
+    try:
+        poll(lambda: len(logged_steps(out)) >= 2, job=first, timeout=180, what="second metrics row")
+        holder = first.workers()[0]
+        paused = [first.proc.pid, *descendants(first.proc.pid)]
+        for pid in paused:  # hold the first run still, so that any write into its directory would show
+            os.kill(pid, signal.SIGSTOP)
+        before = tree_state(out)
+        second = run_train(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120)
+        assert tree_state(out) == before
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+        assert first.wait(timeout=180) == 0, first.stderr[-4000:]
+    finally:
+        first.kill()
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert second.returncode != 0 and len(errors) == 1, second.stderr[-4000:]
+    assert f"{out} is in use by another run (host {socket.gethostname()}, pid {holder}, started " in errors[0], errors
+    assert "exitcode  : 2" in second.stderr and second.stderr.count("Traceback") == 1  # torchrun's report only
+    assert logged_steps(out) == list(range(1, N + 1)) and losses(out) == reference
+    assert checkpoint_steps(out) == [N]
 
 
 # ---- non-finite loss ------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import pytest
 from scripts import generate
 from tests.helpers import ROOT, run_train
 
+pytestmark = pytest.mark.slow  # samples from a trained checkpoint
+
 pytest.importorskip("sentencepiece")
 PROMPT = "The quick brown"
 

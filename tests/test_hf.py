@@ -8,6 +8,8 @@ import torch
 
 from tests.helpers import losses, run_train
 
+pytestmark = pytest.mark.slow  # every test here launches training processes
+
 transformers = pytest.importorskip("transformers")
 
 TINY_HF = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

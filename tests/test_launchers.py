@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers import ROOT, TINY, kill_tree, losses, run_train
 
+pytestmark = pytest.mark.slow  # the launchers start real processes
+
 SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
 CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
 STEPS = 3
@@ -112,6 +114,35 @@ def test_slurm_rejects_indivisible_batch_before_launching(tmp_path):
     assert not calls.exists()  # neither scontrol nor srun was called
 
 
+@pytest.mark.parametrize("global_batch,error", [
+    ("", "error: MICRO_BATCH=auto needs GLOBAL_BATCH (sequences per optimizer step)"),
+    ("9", "error: GLOBAL_BATCH=9 is not a multiple of the GPU count 2"),
+])
+def test_slurm_auto_micro_batch_checks_the_global_batch_before_launching(global_batch, error, tmp_path):
+    bin_dir, calls = slurm_stubs(tmp_path)
+    env = script_env(SLURM_NNODES="1", GPUS_PER_NODE="2", MICRO_BATCH="auto", SLURM_JOB_ID="1", SLURM_JOB_NODELIST="node17",
+                     **({"GLOBAL_BATCH": global_batch} if global_batch else {}))
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm_submit.sh")], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [error], proc.stderr
+    assert not calls.exists()
+
+
+def test_slurm_auto_micro_batch_is_passed_to_the_job(tmp_path):
+    bin_dir, calls = slurm_stubs(tmp_path)
+    env = script_env(SLURM_NNODES="2", GPUS_PER_NODE="2", MICRO_BATCH="auto", GLOBAL_BATCH="64", SLURM_JOB_ID="7",
+                     SLURM_JOB_NODELIST="node[1-2]", SLURM_SUBMIT_DIR=str(ROOT), TRAIN_STATUS="0")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    (tmp_path / "release").touch()  # the stub training step ends at once
+    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm_submit.sh")], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "world 4 GPUs, global batch 64, micro-batch auto (measured by the job), 16 sequences per GPU and step" in proc.stdout
+    assert "--train.global_batch_size=64 --train.micro_batch_size=auto" in calls.read_text().splitlines()[1]
+
+
 @pytest.mark.parametrize("train_status", [0, 3])
 def test_slurm_launch_and_signal_forwarding(train_status, tmp_path):
     """What the batch script launches, that SIGUSR1 (Slurm's pre-termination signal) is forwarded to the
@@ -148,8 +179,8 @@ def test_slurm_launch_and_signal_forwarding(train_status, tmp_path):
         f"--train.global_batch_size=24 --train.micro_batch_size=3 --train.max_steps=7")
     assert lines[2] == r"srun --overlap --ntasks-per-node=1 pkill -USR1 -f -- -u .*train_fsdp\.py"
     assert len(lines) == 3
-    # torchrun gets a fresh rendezvous store for every restart attempt (see the comment in the script).
-    assert (tmp_path / "train_env.txt").read_text() == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n"
+    # No workaround in the environment: the workers give each restart attempt a store of their own.
+    assert (tmp_path / "train_env.txt").read_text() == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=\n"
 
 
 # ---- real runs -----------------------------------------------------------------------------------------------

@@ -273,6 +273,7 @@ def test_model_package_does_not_import_torch_distributed():
     assert offenders == {}
 
 
+@pytest.mark.slow
 def test_importing_and_running_model_loads_no_new_distributed_modules():
     # `import torch` itself loads part of torch.distributed, so compare against what torch alone loaded:
     # importing model/ and running forward + backward must add no torch.distributed.* module.
@@ -312,3 +313,31 @@ def test_flops_per_token_terms(tie):
     assert cfg.flops_per_token(0) == 6 * matmul_params
     # Attention scores add 3 passes x 2 FLOPs x 2 matmuls (QK^T, AV) x T x D per layer: 12*L*T*D.
     assert cfg.flops_per_token(20) - cfg.flops_per_token(0) == 12 * L * 20 * D
+
+
+# ---- fused projections (set for FP8 layers) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 4], ids=["mqa", "mha"])
+def test_fused_matmul_calls_the_modules_and_keeps_outputs_and_gradients(n_kv_heads):
+    # fused_matmul (fsdp_utils/float8.py sets it on FP8 layers) computes q/k/v and gate/up as one call
+    # of wqkv / w13, so a module replacing the nn.Linear runs; the numbers are those of the per-slice
+    # matmuls up to float32 summation order.
+    cfg = small_cfg(n_kv_heads=n_kv_heads)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
+    results = []
+    for fused in (False, True):
+        model = built(cfg, seed=5)
+        calls = []
+        for layer in model.layers:
+            layer.attention.fused_matmul = layer.feed_forward.fused_matmul = fused
+            for linear in (layer.attention.wqkv, layer.feed_forward.w13):
+                linear.register_forward_hook(lambda *_: calls.append(1))
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        assert len(calls) == (2 * cfg.n_layers if fused else 0)
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (loss_split, grads_split), (loss_fused, grads_fused) = results
+    torch.testing.assert_close(loss_fused, loss_split, rtol=1e-6, atol=0)
+    for g_fused, g_split in zip(grads_fused, grads_split):
+        torch.testing.assert_close(g_fused, g_split, rtol=1e-5, atol=1e-7)

@@ -22,6 +22,8 @@ import pytest
 
 from tests.helpers import read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # every test here launches training processes
+
 REL_TOL = 1e-6  # see the module docstring: measured <= 1.5e-7, bugs >= 2e-5
 COMMON = ("--train.max_steps=5", "--train.lr=1e-3", "--train.weight_decay=1.0")
 

@@ -10,6 +10,8 @@ import pytest
 from config import load_config
 from tests.helpers import read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # every test here reads what a launched training run wrote
+
 STEPS, EVAL_EVERY, LR, WARMUP = 30, 10, 1e-2, 2  # LR and WARMUP are the helper's TINY settings
 
 

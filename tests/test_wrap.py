@@ -5,22 +5,12 @@ import collections
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_utils.wrap import apply_activation_checkpointing
 from model import ModelConfig, Transformer
+from tests.helpers import CountOps
 
 CFG = ModelConfig(vocab_size=97, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=16)
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def backward_ops(mode: str) -> tuple[collections.Counter, list[torch.Tensor], float]:
@@ -63,10 +53,10 @@ def test_each_mode_recomputes_what_it_promises():
     assert by_op["_scaled_dot_product_flash_attention_for_cpu"] == none["_scaled_dot_product_flash_attention_for_cpu"]
 
 
-def compiled_block_saves(mode: str) -> tuple[int, list[str]]:
-    """Compile one block under AC `mode` as train_fsdp.py does; return the activation bytes the
-    compiled forward keeps for backward (compile's partitioner decides, as on GPUs) and the ops of
-    the traced graph."""
+def compiled_block_saves(mode: str, convert=None) -> tuple[int, list[str]]:
+    """Compile one block under AC `mode` as train_fsdp.py does (`convert(block)` first, if given, as
+    parallelize converts to FP8); return the activation bytes the compiled forward keeps for backward
+    (compile's partitioner decides, as on GPUs) and the ops of the traced graph."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -89,6 +79,8 @@ def compiled_block_saves(mode: str) -> tuple[int, list[str]]:
     torch._dynamo.reset()
     cfg = ModelConfig(vocab_size=97, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, max_seq_len=64)
     block = DecoderBlock(cfg)
+    if convert is not None:
+        convert(block)
     apply_activation_checkpointing([block], mode, every_n=1)
     block.compile(backend=record_ops, dynamic=False)
     cos, sin = rotary_tables(cfg.head_dim, 64, cfg.rope_theta)

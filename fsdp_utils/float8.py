@@ -1,0 +1,143 @@
+"""FP8 training of the blocks' linear layers through torchao.float8 (`train.float8`).
+
+torchao is optional: imported only when FP8 is asked for. Its releases are built for one torch release
+each (0.17.x for torch 2.11); `float8_problems` checks for it and for FP8 hardware before any process
+group starts. What is converted: every nn.Linear inside a block (DecoderBlock, or a Hugging Face
+decoder layer) whose dimensions are multiples of 16 (an FP8 matmul's requirement); embeddings, norms
+and the output projection stay in the compute precision.
+
+With FSDP2 and tensorwise scaling the sharded weights are all-gathered in FP8 (half the bytes of bf16)
+and their scales are computed for all weights at once after each optimizer step
+(`precompute_float8_scales`), one small all-reduce instead of one per weight per all-gather. Rowwise
+scaling gathers the weights in the compute precision and casts after (torchao supports no FP8
+all-gather for it).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from model.transformer import Attention, FeedForward
+
+from .distributed import pick_device
+
+log = logging.getLogger(__name__)
+
+# torch release -> the torchao release built for it (torchao's compatibility table).
+TORCHAO_FOR_TORCH = {"2.11": "0.17"}
+# Test-only escape hatch, read in `float8_problems` alone: torch has a CPU reference kernel for FP8
+# matmuls, far too slow to train with but enough for the CPU tests to run the real conversion,
+# FP8 all-gather (gloo) and checkpoint paths. Not a config field: no user should ask for it.
+ALLOW_CPU_ENV = "FSDP_FLOAT8_ALLOW_CPU"
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
+
+
+def torchao_hint(torch_version: str = torch.__version__) -> str:
+    """Which torchao to install for this torch, as one clause."""
+    major_minor = ".".join(torch_version.split("+")[0].split(".")[:2])
+    if major_minor in TORCHAO_FOR_TORCH:
+        return f"pip install 'torchao=={TORCHAO_FOR_TORCH[major_minor]}.*' (the torchao release built for torch {major_minor}, installed here)"
+    pairs = ", ".join(f"torchao {ao}.x for torch {t}" for t, ao in TORCHAO_FOR_TORCH.items())
+    return f"install the torchao release built for torch {major_minor} (installed here; {pairs})"
+
+
+def hardware_problem(recipe: str, *, device_type: str, capability: tuple[int, int] | None, name: str = "",
+                     allow_cpu: bool = False) -> str | None:
+    """Why FP8 training cannot run on this device, or None. Pure: the tests pass fake capabilities."""
+    if device_type == "cpu":
+        if allow_cpu:
+            return None
+        return (f"train.float8={recipe} needs an NVIDIA GPU with FP8 support (compute capability 8.9 or later: "
+                f"Ada, Hopper); this run is on the CPU: set train.float8: none")
+    if capability is None or tuple(capability) < MIN_CAPABILITY:
+        found = ".".join(map(str, capability)) if capability else "unknown"
+        return (f"train.float8={recipe} needs a GPU with FP8 support (compute capability 8.9 or later: Ada, Hopper); "
+                f"{name or 'this GPU'} has {found}: set train.float8: none")
+    return None
+
+
+def float8_problems(recipe: str, *, run_device: str, local_rank: int) -> list[str]:
+    """Environment checks for train.float8 (the config checks are in config/schema.py): torchao is
+    installed and this rank's device runs FP8 matmuls. Empty when FP8 is off or can run."""
+    if recipe == "none":
+        return []
+    problems = []
+    if importlib.util.find_spec("torchao") is None:
+        problems.append(f"train.float8={recipe} needs the torchao package, which is not installed: {torchao_hint()}")
+    try:
+        device = pick_device(run_device, local_rank)
+    except RuntimeError:
+        return problems  # no such device: init_distributed reports that
+    capability = name = None
+    if device.type == "cuda":
+        capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+    problem = hardware_problem(recipe, device_type=device.type, capability=capability, name=name,
+                               allow_cpu=os.environ.get(ALLOW_CPU_ENV) == "1")
+    return problems + ([problem] if problem else [])
+
+
+def _convertible(module: nn.Module, _fqn: str) -> bool:
+    # FP8 matmuls need both dimensions to be multiples of 16.
+    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_to_float8(blocks: list[nn.Module], *, recipe: str, float8_all_gather: bool) -> int:
+    """Swap the blocks' linear layers for torchao's FP8 ones, in place; return how many were swapped.
+
+    float8_all_gather (FSDP2 with tensorwise scaling): the weights become torchao tensor subclasses
+    that FSDP2 all-gathers in FP8; `state_dict` still gives plain tensors (see _plain_weights).
+    """
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if float8_all_gather:
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # the tensorwise recipe, plus that
+    linears_before = sum(type(m) is nn.Linear for block in blocks for m in block.modules())
+    for block in blocks:
+        convert_to_float8_training(block, module_filter_fn=_convertible, config=config)
+        for module in block.modules():
+            # Our fused q/k/v and gate/up weights are applied as matmuls on their slices, which would
+            # bypass the FP8 module: make those modules call it, as one matmul.
+            if isinstance(module, Attention):
+                module.fused_matmul = type(module.wqkv) is not nn.Linear
+            elif isinstance(module, FeedForward):
+                module.fused_matmul = type(module.w13) is not nn.Linear
+        if float8_all_gather:
+            block.register_state_dict_post_hook(_plain_weights)
+    converted = linears_before - sum(type(m) is nn.Linear for block in blocks for m in block.modules())
+    log.info("FP8 training (%s scaling%s): %d of %d linear layers in %d blocks converted; embeddings, norms and "
+             "the output projection keep the compute precision", recipe, ", FP8 all-gather" if float8_all_gather else "",
+             converted, linears_before, len(blocks))
+    return converted
+
+
+def _plain_weights(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict hook: the FP8 all-gather weights (torchao subclasses, inside FSDP2's DTensors) as plain
+    tensors sharing their storage. Checkpoints then hold plain tensors, which load without torchao and
+    into a model without FP8 (a sharded checkpoint would otherwise pickle the subclass). Loading copies
+    into the parameters, which keep their subclass (tests/test_float8.py checks both)."""
+    for key, value in state_dict.items():
+        if not key.startswith(prefix):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if type(local) is torch.Tensor or not hasattr(local, "__tensor_flatten__"):
+            continue
+        inner_names, _ = local.__tensor_flatten__()
+        plain = getattr(local, inner_names[0])  # the weight itself; a second inner tensor would be its scale
+        if isinstance(value, DTensor):
+            plain = DTensor.from_local(plain, value.device_mesh, value.placements, run_check=False,
+                                       shape=value.shape, stride=value.stride())
+        state_dict[key] = plain
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step: the FP8 scales of all FP8 all-gather weights at once (one all-reduce of
+    their maxima), used by the next all-gathers. Does nothing for a model without such weights."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

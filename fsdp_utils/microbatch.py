@@ -1,0 +1,561 @@
+"""The micro-batch of a run: `train.micro_batch_size: auto`, what a step that runs out of GPU memory
+does, and the hint for runs that leave most of the GPU's memory unused.
+
+auto picks the largest divisor of the per-rank batch (global_batch_size / world size) that fits in GPU
+memory: the accumulation stays whole and the global batch, so the training, is the same whatever it picks.
+It measures instead of provoking out-of-memory errors: an error on one rank in the middle of a sharded
+forward leaves the others waiting in a collective until run.timeout_s, and recovering fragments memory.
+
+1. Trial steps, each a training step (forward and backward over at most two micro-batches, the first
+   without gradient sync when the size would accumulate; clipping; the optimizer step) on random tokens
+   from a private generator: the data order and the global RNG are untouched. The first allocates the
+   optimizer state (and compiles); after it, what stays allocated is the resident part (weights,
+   gradients' shards, optimizer state).
+2. Each measured step reads the peak memory the allocator reserved (`max_memory_reserved`, after
+   `empty_cache`), MAX-reduced over the ranks, so every rank sees the same figures and decides the same.
+   The budget is the smallest capacity over the ranks (free memory plus what this process already
+   holds) times 1 - train.auto_micro_batch_margin.
+3. From the smallest candidate it jumps to the largest candidate whose bound fits the budget, measures
+   it, and repeats from there. The bound, resident + (peak(b) - resident) * c / b from the largest
+   measured size b, is an upper bound for c > b as long as the rest grows at most linearly with the
+   micro-batch (activations do) on top of a part that does not (gathered weights, workspaces).
+4. With train.compile, the trial sizes differ from the final one and dynamo would compile the batch
+   dimension as dynamic after the second size (automatic dynamic shapes), a slower graph for the whole
+   run. So after the search `torch.compiler.reset()` drops every graph, and one more trial step at the
+   chosen size compiles the run's own static graph (which training then reuses) and verifies the
+   figure; over the budget, it steps down.
+5. The weights are copied to host memory first and back afterwards, the optimizer state (empty before)
+   is cleared: the run starts from exactly the state it would have had without the search.
+
+The result is cached per model shape, sequence length, batch, world size, GPU, torch version and the
+memory-relevant options in <output_dir>/microbatch_cache.json: a resumed run does not search again.
+
+Test-only seams, each read in one place: FSDP_FAKE_GPU_MEMORY (memory readings from a formula, so the
+search, the agreement across ranks, the cache and the hint run on the CPU; `memory_probe`) and
+FSDP_INJECT_OOM (an out-of-memory error raised at a chosen step; `OOMInjection.from_env`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import DTensor
+
+from .distributed import DistEnv
+from .optim import clip_grad_norm
+from .step import forward_backward
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+CACHE_FILE = "microbatch_cache.json"
+FAKE_MEMORY_ENV = "FSDP_FAKE_GPU_MEMORY"
+INJECT_OOM_ENV = "FSDP_INJECT_OOM"
+
+
+class OutOfMemory(RuntimeError):
+    """A micro-batch does not fit: one line with the figures and what to change."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GiB:.2f}"
+
+
+# ---- memory readings -----------------------------------------------------------------------------
+
+
+class MemoryProbe:
+    """This GPU's memory figures, from torch.cuda. `begin(micro_batch)` starts a phase run at that
+    micro-batch (a trial step, or training): cached blocks are released and the peaks reset."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @property
+    def name(self) -> str:
+        return torch.cuda.get_device_name(self.device)
+
+    def total(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    def capacity(self) -> int:
+        """What this process can use: the free memory plus what its allocator holds already (other
+        processes, the CUDA context and NCCL's buffers are outside both)."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device)
+
+    def begin(self, micro_batch: int) -> None:
+        torch.cuda.synchronize(self.device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_reserved(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def peak_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+
+class FakeProbe(MemoryProbe):
+    """Test-only (FSDP_FAKE_GPU_MEMORY): readings from a formula instead of a GPU. The JSON object has
+    capacity_gib, fixed_gib (the resident part) and per_sample_gib, each a number or a list of one per
+    rank, and optionally table_gib {"micro-batch": GiB} for sizes that do not follow the formula: a
+    phase at micro-batch b reads fixed + per_sample * b."""
+
+    def __init__(self, spec: dict, rank: int):
+        def pick(value):
+            return float(value[rank] if isinstance(value, list) else value) * GiB
+
+        self.capacity_bytes = pick(spec["capacity_gib"])
+        self.fixed, self.per_sample = pick(spec.get("fixed_gib", 0)), pick(spec.get("per_sample_gib", 0))
+        self.table = {int(k): pick(v) for k, v in spec.get("table_gib", {}).items()}
+        self.micro_batch = 0
+
+    @property
+    def name(self) -> str:
+        return "fake"
+
+    def total(self) -> int:
+        return int(self.capacity_bytes)
+
+    def capacity(self) -> int:
+        return int(self.capacity_bytes)
+
+    def begin(self, micro_batch: int) -> None:
+        self.micro_batch = micro_batch
+
+    def peak_reserved(self) -> int:
+        return int(self.table.get(self.micro_batch, self.fixed + self.per_sample * self.micro_batch))
+
+    def peak_allocated(self) -> int:
+        return self.peak_reserved()
+
+    def allocated(self) -> int:
+        return int(self.fixed)
+
+    def reserved(self) -> int:
+        return self.peak_reserved()
+
+
+def memory_probe(device: torch.device, rank: int) -> MemoryProbe | None:
+    """The GPU's figures; None on the CPU. The one place that reads FSDP_FAKE_GPU_MEMORY (tests only)."""
+    fake = os.environ.get(FAKE_MEMORY_ENV)
+    if fake:
+        return FakeProbe(json.loads(fake), rank)
+    return MemoryProbe(device) if device.type == "cuda" else None
+
+
+def _max_over_ranks(value: float, env: DistEnv) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+# ---- the search ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class MicroBatchChoice:
+    micro_batch_size: int
+    how: str  # configured, cpu, search or cache
+    measured_gib: dict[int, float] = dataclasses.field(default_factory=dict)  # micro-batch -> peak GiB, max over ranks
+    capacity_gib: float = 0.0
+    budget_gib: float = 0.0
+    seconds: float = 0.0
+
+
+def climb(candidates: list[int], *, budget: float, resident: float, measure: Callable[[int], float]) -> tuple[int | None, dict[int, float]]:
+    """(largest candidate whose measured peak fits the budget or None, {size: measured peak}).
+
+    Measures the smallest candidate, then the largest one whose bound fits, and so on from there (see
+    the module docstring); `measure(b)` runs a trial step at micro-batch b and returns its peak."""
+    measured: dict[int, float] = {}
+    best, size = None, candidates[0]
+    while True:
+        peak = measured[size] = measure(size)
+        if peak > budget:
+            return best, measured
+        best = size
+        fitting = [c for c in candidates if c > size and resident + (peak - resident) * c / size <= budget]
+        if not fitting:
+            return best, measured
+        size = fitting[-1]
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, per_rank: int, seq_len: int, vocab_size: int,
+                       grad_clip: float, margin: float, compile: bool, env: DistEnv, probe: MemoryProbe) -> MicroBatchChoice:
+    """The largest divisor of `per_rank` whose training step fits in memory with `margin` to spare, the
+    same on every rank. Leaves the weights, the optimizer state and the RNGs as they were."""
+    candidates = divisors(per_rank)
+    assert not optimizer.state, "search before the first optimizer step (or a resume): its state is cleared afterwards"
+    start = time.perf_counter()
+    saved = [_local(p).detach().to("cpu", copy=True) for p in model.parameters()]
+    capacity = -_max_over_ranks(-probe.capacity(), env)
+    budget = capacity * (1 - margin)
+    gen = torch.Generator(device=env.device).manual_seed(20_000 + env.rank)
+    size = candidates[0]
+
+    def trial(micro_batch: int) -> None:
+        nonlocal size
+        size = micro_batch
+        # The accumulation this size would train with, up to two micro-batches: the second one's peak
+        # includes the first's unsharded gradients (FSDP keeps them unsharded under no_sync).
+        num_micro = min(2, per_rank // micro_batch)
+        tokens = (torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=env.device, generator=gen) for _ in range(num_micro))
+        forward_backward(model, ((t[:, :-1], t[:, 1:]) for t in tokens), None, grad_accum=num_micro)
+        clip_grad_norm(model, grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def measure(micro_batch: int) -> float:
+        probe.begin(micro_batch)
+        trial(micro_batch)
+        return _max_over_ranks(probe.peak_reserved(), env)
+
+    def nothing_fits(micro_batch: int) -> OutOfMemory:
+        return OutOfMemory(
+            f"train.micro_batch_size=auto: even micro-batch {micro_batch} peaks at {_gib(measured[micro_batch])} GiB, "
+            f"over the budget of {_gib(budget)} GiB ({_gib(capacity)} GiB usable, train.auto_micro_batch_margin={margin}); "
+            "turn on fsdp.activation_checkpointing, use more GPUs, or shorten data.seq_len")
+
+    rng_devices = [env.device.index] if env.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=rng_devices):
+            probe.begin(size)
+            trial(size)  # allocates the optimizer state, compiles
+            resident = _max_over_ranks(probe.allocated(), env)
+            best, measured = climb(candidates, budget=budget, resident=resident, measure=measure)
+            if best is None:
+                raise nothing_fits(candidates[0])
+            while compile:
+                torch.compiler.reset()  # drop the trial graphs; this step compiles the run's own, static
+                peak = measured[best] = measure(best)
+                if peak <= budget:
+                    break
+                if best == candidates[0]:
+                    raise nothing_fits(best)
+                best = max(c for c in candidates if c < best)
+    except torch.OutOfMemoryError as err:
+        # The run stops: no point restoring the state of a step that an exception interrupted.
+        raise OutOfMemory(f"train.micro_batch_size=auto: a trial step at micro-batch {size} ran out of memory "
+                          f"({str(err).splitlines()[0]}); raise train.auto_micro_batch_margin, or set a smaller "
+                          f"train.micro_batch_size by hand") from None
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), saved):
+            _local(param).copy_(value)
+    optimizer.state.clear()
+    optimizer.zero_grad(set_to_none=True)
+    probe.begin(best)
+    return MicroBatchChoice(best, "search", {b: m / GiB for b, m in sorted(measured.items())}, capacity / GiB,
+                            budget / GiB, time.perf_counter() - start)
+
+
+def cache_key(cfg, *, model_signature: dict, world_size: int, gpu: str, precision: str) -> dict:
+    """What the measured memory depends on. Every fsdp option is in (a few are not memory-relevant; a
+    needless new search costs only a minute)."""
+    t = cfg.train
+    key = {"model": model_signature, "seq_len": cfg.data.seq_len, "global_batch_size": t.global_batch_size,
+           "world_size": world_size, "gpu": gpu, "torch": torch.__version__, "precision": precision,
+           "compile": t.compile, "loss_chunk_tokens": t.loss_chunk_tokens, "float8": getattr(t, "float8", None),
+           "margin": t.auto_micro_batch_margin, "fsdp": dataclasses.asdict(cfg.fsdp)}
+    return json.loads(json.dumps(key))  # as it reads back from the file
+
+
+def read_cache(out_dir: Path, key: dict) -> dict | None:
+    path = out_dir / CACHE_FILE
+    if not path.is_file():
+        return None
+    try:
+        entries = json.loads(path.read_text())["entries"]
+    except (ValueError, KeyError, TypeError) as err:
+        log.warning("ignoring %s (unreadable: %s); searching again", path, err)
+        return None
+    return next((e for e in entries if e.get("key") == key), None)
+
+
+def save_to_cache(out_dir: Path, key: dict, choice: MicroBatchChoice) -> None:
+    """Add (or replace) this key's entry in <out_dir>/microbatch_cache.json; rank 0 only."""
+    path = out_dir / CACHE_FILE
+    entries = []
+    if path.is_file():
+        try:
+            entries = [e for e in json.loads(path.read_text())["entries"] if e.get("key") != key]
+        except (ValueError, KeyError, TypeError):
+            entries = []
+    entries.append({"key": key, "micro_batch_size": choice.micro_batch_size,
+                    "measured_gib": {str(b): round(m, 3) for b, m in choice.measured_gib.items()},
+                    "capacity_gib": round(choice.capacity_gib, 3), "budget_gib": round(choice.budget_gib, 3),
+                    "search_s": round(choice.seconds, 1),
+                    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"entries": entries}, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def cpu_micro_batch(per_rank: int, limit: int) -> int:
+    """auto without GPU memory to measure: the largest divisor of the per-rank batch up to `limit`."""
+    return max(d for d in divisors(per_rank) if d <= limit)
+
+
+def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer, vocab_size: int,
+                        key: dict, probe: MemoryProbe | None) -> MicroBatchChoice:
+    """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice, or a search."""
+    t = cfg.train
+    if t.micro_batch_size != "auto":
+        return MicroBatchChoice(t.micro_batch_size, "configured")
+    per_rank = t.global_batch_size // env.world_size
+    if probe is None:
+        size = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu)
+        log.info("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch %d, the largest divisor "
+                 "of the per-rank batch %d up to train.auto_micro_batch_cpu=%d", size, per_rank, t.auto_micro_batch_cpu)
+        return MicroBatchChoice(size, "cpu")
+    found = [read_cache(cfg.output_dir, key) if env.is_main else None]
+    dist.broadcast_object_list(found, src=0)  # every rank takes rank 0's answer
+    if found[0] is not None:
+        entry = found[0]
+        choice = MicroBatchChoice(entry["micro_batch_size"], "cache", {int(b): m for b, m in entry["measured_gib"].items()},
+                                  entry["capacity_gib"], entry["budget_gib"])
+        log.info("train.micro_batch_size=auto: micro-batch %d (gradient accumulation %d), from %s (measured %s: %s, "
+                 "budget %.2f GiB); no search", choice.micro_batch_size, per_rank // choice.micro_batch_size,
+                 cfg.output_dir / CACHE_FILE, entry.get("date", "?"), _format_measured(choice.measured_gib), choice.budget_gib)
+        return choice
+    log.info("train.micro_batch_size=auto: measuring trial steps on %s to find the largest micro-batch of %s that fits",
+             probe.name, divisors(per_rank))
+    choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
+                                grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env, probe=probe)
+    log.info("train.micro_batch_size=auto: micro-batch %d (gradient accumulation %d on %d ranks); peak memory of the "
+             "trial steps (reserved, max over ranks) %s, against a budget of %.2f GiB (%.2f GiB usable, margin %g); %.0f s",
+             choice.micro_batch_size, per_rank // choice.micro_batch_size, env.world_size,
+             _format_measured(choice.measured_gib), choice.budget_gib, choice.capacity_gib, t.auto_micro_batch_margin,
+             choice.seconds)
+    return choice
+
+
+def _format_measured(measured_gib: dict[int, float]) -> str:
+    return "micro-batch " + ", ".join(f"{b}: {m:.2f} GiB" for b, m in sorted(measured_gib.items()))
+
+
+# ---- the hint ------------------------------------------------------------------------------------
+
+
+def memory_hint(probe: MemoryProbe | None, env: DistEnv, *, micro_batch: int, grad_accum: int) -> str | None:
+    """A line for runs that use under a quarter of the GPU's memory while accumulating gradients. A
+    collective (the peak is MAX-reduced): every rank calls it at the same step."""
+    if probe is None or grad_accum <= 1:
+        return None
+    used, total = _max_over_ranks(probe.peak_allocated(), env), probe.total()
+    if used >= total / 4:
+        return None
+    return (f"hint: the first steps used at most {_gib(used)} GiB of this GPU's {_gib(total)} GiB with micro-batch "
+            f"{micro_batch} and gradient accumulation {grad_accum}: a larger train.micro_batch_size (up to "
+            f"{micro_batch * grad_accum}), or auto, would likely train faster on the same samples")
+
+
+# ---- out of memory during training ---------------------------------------------------------------
+
+
+class OOMInjection:
+    """Test-only (FSDP_INJECT_OOM=STEP:PHASE[:MICRO[:RANK]]): raise a CUDA out-of-memory error once, at
+    optimizer step STEP (1-based), in the middle block's forward (PHASE forward), in its backward
+    (backward) or in an evaluation's forward (eval), at the MICRO-th micro-batch of the step (default 1),
+    on rank RANK only (default: every rank). Not with train.compile (the hooks would be traced)."""
+
+    def __init__(self, step: int, phase: str, micro: int, rank: int | None):
+        self.step, self.phase, self.micro, self.rank = step, phase, micro, rank
+        self.current_step, self.count, self.done = 0, 0, False
+
+    @classmethod
+    def from_env(cls, rank: int) -> OOMInjection | None:
+        spec = os.environ.get(INJECT_OOM_ENV)
+        if not spec:
+            return None
+        step, phase, *rest = spec.split(":")
+        assert phase in ("forward", "backward", "eval"), spec
+        only = int(rest[1]) if len(rest) > 1 else None
+        return cls(int(step), phase, int(rest[0]) if rest else 1, only) if only in (None, rank) else None
+
+    def arm(self, step: int) -> None:
+        self.current_step, self.count = step, 0
+
+    def install(self, model: nn.Module, block_classes: set[type]) -> None:
+        # isinstance: FSDP2 swaps each sharded block's class for a subclass of it.
+        blocks = [m for m in model.modules() if isinstance(m, tuple(block_classes))]
+        block = blocks[len(blocks) // 2]
+        block.register_forward_pre_hook(self._pre_hook)
+        block.register_forward_hook(self._hook)
+
+    def _due(self, module: nn.Module, phase: str) -> bool:
+        if self.done or self.current_step != self.step or self.phase != phase:
+            return False
+        if module.training != (phase != "eval"):
+            return False
+        self.count += 1
+        self.done = self.count == self.micro
+        return self.done
+
+    def _pre_hook(self, module, args):
+        # Inside the block's FSDP unit: its weights are gathered, its forward not run.
+        if self._due(module, "forward") or self._due(module, "eval"):
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_OOM_ENV})")
+
+    def _hook(self, module, args, output):
+        if self._due(module, "backward"):
+            return _RaiseInBackward.apply(output)
+        return output
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_OOM_ENV})")
+
+
+def smaller_micro_batch(micro_batch: int) -> int:
+    """Half the micro-batch; for an odd size the largest divisor below half (it still divides the batch)."""
+    return max([d for d in divisors(micro_batch) if d <= micro_batch // 2] or [0])
+
+
+def end_interrupted_step(model: nn.Module) -> None:
+    """Bring FSDP back to its between-steps state after an exception interrupted a forward or backward.
+
+    FSDP ends every step in a callback queued at the start of backward (reshard what is still gathered,
+    reset each unit's per-step state, hand gradients to the optimizer); an exception skips it, and the
+    next step then silently computes wrong gradients (FSDP2) or fails (FSDP1). There is no public API for
+    this, so this calls FSDP's own end-of-backward callback, after dropping the interrupted step's
+    gradients (sharded or not, accumulated under no_sync or not). Tested bit for bit against an
+    uninterrupted run, for both versions and for errors in forward and backward (tests/test_microbatch.py).
+    """
+    if isinstance(model, FSDP):
+        from torch.distributed.fsdp import _runtime_utils
+
+        for unit in FSDP.fsdp_modules(model):
+            handle = unit._handle
+            if handle is None:
+                continue
+            flat = handle.flat_param
+            flat.grad = None
+            if hasattr(flat, "_saved_grad_shard"):
+                del flat._saved_grad_shard
+            flat._post_backward_called = False  # unset before a unit's first backward
+        _runtime_utils._post_backward_final_callback(model, model)
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(True)
+        root = model._get_fsdp_state()
+        for state in root._state_ctx.all_states:
+            # A list of groups in recent torch versions, one group (or None) before.
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                groups = [g for g in [getattr(state, "_fsdp_param_group")] if g is not None]
+            for group in groups:
+                for param in group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    if hasattr(param, "_unsharded_param"):
+                        param._unsharded_param.grad = None
+        root._root_post_backward_final_callback()
+
+
+class OutOfMemoryGuard:
+    """Runs a training step or an evaluation; on a CUDA out-of-memory error it reports the figures and
+    then stops (OutOfMemory, one line) or, with train.oom_retry_half, lets the caller redo the work at
+    half the micro-batch.
+
+    Memory is symmetric across ranks (same shapes, same shards), so an out-of-memory error normally
+    happens on every rank at the same allocation. Before retrying, the ranks that caught one meet in a
+    side gloo group, bounded by run.timeout_s: if only some ranks ran out (another process on one GPU),
+    the others are already waiting in the step's next collective, the meeting times out, and the run
+    stops with that said, as it would without the retry (never a silent mismatch of collectives)."""
+
+    def __init__(self, env: DistEnv, *, probe: MemoryProbe | None, retry: bool, timeout_s: float, compile: bool,
+                 model: nn.Module, block_classes: set[type]):
+        self.env, self.probe, self.retry, self.compile = env, probe, retry, compile
+        self.timeout_s = timeout_s
+        # Created now, on every rank (creating a group is itself collective).
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) if retry else None
+        self.injection = OOMInjection.from_env(env.rank)
+        if self.injection is not None:
+            self.injection.install(model, block_classes)
+
+    def attempt(self, work: Callable[[], object], *, step: int, phase: str, micro_batch: int, grad_accum: int,
+                model: nn.Module, optimizer: torch.optim.Optimizer):
+        """(work(), micro_batch) normally; after an out-of-memory error that train.oom_retry_half recovered
+        from: (None, the smaller micro-batch to redo it with)."""
+        if self.injection is not None:
+            self.injection.arm(step)
+        try:
+            return work(), micro_batch
+        except torch.OutOfMemoryError as err:
+            report = self._report(err, step=step, phase=phase, micro_batch=micro_batch, grad_accum=grad_accum)
+        # Out of the except block: the interrupted step's tensors, held by the traceback, are freed now.
+        return None, self._recover(report, step=step, phase=phase, micro_batch=micro_batch, grad_accum=grad_accum,
+                                   model=model, optimizer=optimizer)
+
+    def _report(self, err: BaseException, *, step: int, phase: str, micro_batch: int, grad_accum: int) -> str:
+        figures = "no GPU memory figures on the CPU"
+        if self.probe is not None:
+            figures = (f"{_gib(self.probe.allocated())} GiB allocated, {_gib(self.probe.reserved())} GiB reserved "
+                       f"(peak {_gib(self.probe.peak_allocated())} GiB allocated) of {_gib(self.probe.total())} GiB")
+        report = (f"out of memory at step {step} ({phase}, micro-batch {micro_batch} x accumulation {grad_accum}, "
+                  f"rank {self.env.rank}): {figures}; {str(err).splitlines()[0]}")
+        log.warning("%s", report)  # every rank that ran out says so, with its own figures
+        return report
+
+    def _recover(self, report: str, *, step: int, phase: str, micro_batch: int, grad_accum: int, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> int:
+        smaller = smaller_micro_batch(micro_batch)
+        if not self.retry:
+            raise OutOfMemory(f"{report}. Lower train.micro_batch_size (or set it to auto), turn on "
+                              "fsdp.activation_checkpointing, or set train.oom_retry_half=true to redo such steps "
+                              "at half the micro-batch")
+        if smaller == 0:
+            raise OutOfMemory(f"{report}. Already at micro-batch 1: nothing smaller to retry with")
+        try:
+            dist.all_reduce(torch.ones(1), group=self.group)
+        except RuntimeError as err:
+            raise OutOfMemory(f"{report}. Not every rank ran out of memory (the others did not reach the retry within "
+                              f"run.timeout_s={self.timeout_s:g} s: they are waiting in the step's next collective), "
+                              f"so the step cannot be redone; stopping ({str(err).splitlines()[0]})") from None
+        try:
+            end_interrupted_step(model)
+        except AttributeError as err:  # FSDP's internals moved in this torch version
+            raise OutOfMemory(f"{report}. Cannot end the interrupted step with torch {torch.__version__}'s FSDP "
+                              f"({err}); stopping") from None
+        optimizer.zero_grad(set_to_none=True)
+        if self.compile:
+            torch.compiler.reset()  # the new shape compiles static, not as a dynamic batch dimension
+        if self.probe is not None:
+            self.probe.begin(smaller)
+        new_accum = grad_accum * micro_batch // smaller
+        log.warning("train.oom_retry_half: redoing the %s of step %d with micro-batch %d (accumulation %d: the same "
+                    "samples), and keeping that size for the rest of the run", phase, step, smaller, new_accum)
+        return smaller

@@ -1,0 +1,358 @@
+"""FP8 training (train.float8, fsdp_utils/float8.py).
+
+Without torchao (CI): the config checks and the clear errors (no torchao, FSDP1, CPU, GPUs without FP8).
+With torchao (skipped when it is not importable; locally `PYTHONPATH=/path/to/torchao python -m pytest
+tests/test_float8.py`): the conversion, FP8 numerics against fp32, activation checkpointing, and real
+2-rank gloo runs through the test-only FSDP_FLOAT8_ALLOW_CPU=1 (torch's CPU FP8 matmul): training,
+checkpoints in both formats, resume bit for bit, resume with FP8 switched off and on, export_hf.
+The CUDA cases (marked gpu) run the same code on GPUs.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from config import ConfigError, load_config
+from fsdp_utils import float8
+from fsdp_utils.float8 import float8_problems, hardware_problem, torchao_hint
+from model import ModelConfig, Transformer
+from model.transformer import DecoderBlock, rotary_tables
+from tests.helpers import ROOT, losses, run_train
+
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (optional; FP8 only)")
+TINY_CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
+CUDA_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+# ---- configuration and environment checks (no torchao needed) ----------------------------------------
+
+
+def test_float8_is_off_by_default_and_takes_the_recipes():
+    assert load_config(TINY_CONFIG).train.float8 == "none"
+    for recipe in ("tensorwise", "rowwise"):
+        assert load_config(TINY_CONFIG, [f"--train.float8={recipe}", "--fsdp.version=2"]).train.float8 == recipe
+
+
+def test_float8_config_errors_name_the_fix():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY_CONFIG, ["--train.float8=rowwize", "--fsdp.version=2"])
+    assert err.value.problems == ["train.float8='rowwize' is not one of none, tensorwise, rowwise (did you mean 'rowwise'?)"]
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY_CONFIG, ["--train.float8=tensorwise", "--fsdp.version=1"])
+    (line,) = err.value.problems
+    assert line.startswith("train.float8=tensorwise needs fsdp.version: 2")
+
+
+def test_hardware_check_with_fake_devices():
+    # (8, 9) Ada and (9, 0) Hopper have FP8 tensor cores; (8, 0) A100 and (8, 6) Ampere do not.
+    assert hardware_problem("tensorwise", device_type="cuda", capability=(9, 0), name="NVIDIA H100") is None
+    assert hardware_problem("rowwise", device_type="cuda", capability=(8, 9), name="NVIDIA L4") is None
+    assert hardware_problem("tensorwise", device_type="cuda", capability=(10, 0), name="NVIDIA B200") is None
+    for capability in [(8, 0), (8, 6), (7, 0)]:
+        problem = hardware_problem("tensorwise", device_type="cuda", capability=capability, name="NVIDIA A100")
+        assert "NVIDIA A100 has " + ".".join(map(str, capability)) in problem and "8.9 or later" in problem
+    assert "this run is on the CPU" in hardware_problem("rowwise", device_type="cpu", capability=None)
+    assert hardware_problem("rowwise", device_type="cpu", capability=None, allow_cpu=True) is None
+
+
+def test_torchao_hint_names_the_release_for_this_torch():
+    assert "torchao==0.17.*" in torchao_hint("2.11.0+cu130") and "torch 2.11" in torchao_hint("2.11.0+cu130")
+    other = torchao_hint("2.9.1")
+    assert "torch 2.9" in other and "torchao 0.17.x for torch 2.11" in other
+
+
+def test_environment_problems_without_torchao_or_fp8_hardware(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real_find_spec(name, *a))
+    monkeypatch.delenv(float8.ALLOW_CPU_ENV, raising=False)
+    assert float8_problems("none", run_device="cpu", local_rank=0) == []
+    no_torchao, on_cpu = float8_problems("tensorwise", run_device="cpu", local_rank=0)
+    assert no_torchao.startswith("train.float8=tensorwise needs the torchao package, which is not installed: ")
+    assert "this run is on the CPU" in on_cpu
+    # The escape hatch lifts the CPU check only.
+    monkeypatch.setenv(float8.ALLOW_CPU_ENV, "1")
+    assert float8_problems("tensorwise", run_device="cpu", local_rank=0) == [no_torchao]
+    # A visible GPU of capability 8.0 on this rank (LOCAL_RANK 1): the check asks that device.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0) if device.index == 1 else (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"GPU{device.index}")
+    problems = float8_problems("rowwise", run_device="auto", local_rank=1)
+    assert len(problems) == 2 and "GPU1 has 8.0" in problems[1]
+    assert float8_problems("rowwise", run_device="cuda", local_rank=0) == [no_torchao.replace("tensorwise", "rowwise")]
+
+
+@pytest.mark.slow
+def test_cli_float8_on_cpu_exits_2_before_the_process_group(tmp_path):
+    # One error line per problem, exit 2, no process group (which would start gloo and write files).
+    env = {k: v for k, v in os.environ.items() if k != float8.ALLOW_CPU_ENV}
+    proc = subprocess.run([sys.executable, str(ROOT / "train_fsdp.py"), str(TINY_CONFIG), "--train.float8=tensorwise",
+                           "--fsdp.version=2", "--run.device=cpu", f"--run.output_dir={tmp_path / 'out'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors[-1].startswith("error: train.float8=tensorwise needs an NVIDIA GPU with FP8 support")
+    assert len(errors) == (1 if HAS_TORCHAO else 2) and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---- conversion and numerics (torchao) ------------------------------------------------------------
+
+
+def tiny_model(**overrides) -> Transformer:
+    cfg = ModelConfig(**{**dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32), **overrides})
+    model = Transformer(cfg)
+    model.init_weights(seed=1)
+    return model
+
+
+@needs_torchao
+def test_conversion_covers_exactly_the_block_linears():
+    from torchao.float8.float8_linear import Float8Linear  # the type convert_to_float8_training swaps in
+
+    # ffn_hidden_dim=72: w13 is 64 -> 144 (converted), w2 is 72 -> 64 (72 is no multiple of 16: kept).
+    model = tiny_model(tie_embeddings=False, ffn_hidden_dim=72)
+    assert float8.convert_to_float8(list(model.layers), recipe="tensorwise", float8_all_gather=False) == 3 * 2
+    fp8 = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert fp8 == {f"layers.{i}.{n}" for i in range(2) for n in ("attention.wqkv", "attention.wo", "feed_forward.w13")}
+    assert type(model.output) is nn.Linear and type(model.layers[0].feed_forward.w2) is nn.Linear
+    assert type(model.tok_embeddings) is nn.Embedding
+    for layer in model.layers:  # the fused projections now go through the FP8 modules
+        assert layer.attention.fused_matmul and layer.feed_forward.fused_matmul
+
+
+def block_fwd_bwd(block: DecoderBlock, x: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Forward and backward of one block in `dtype`: its two branch outputs (attention and feed-forward,
+    before the residual adds, which would hide their error), the input's and every weight's gradient."""
+    block = block.to(dtype)
+    captured = {}
+    for name in ("attention", "feed_forward"):
+        getattr(block, name).register_forward_hook(lambda _m, _i, out, name=name: captured.__setitem__(name, out.detach()))
+    x = x.detach().to(dtype).requires_grad_()
+    cos, sin = (t.to(x.device, dtype) for t in rotary_tables(block.attention.head_dim, x.shape[1], 10000.0))
+    block(x, cos, sin).backward(grad_out.to(dtype))
+    got = {**captured, "input grad": x.grad, **{f"{n} grad": p.grad for n, p in block.named_parameters()}}
+    return {k: v.double().cpu() for k, v in got.items()}
+
+
+def relative_errors(device: str, recipe: str | None, dtype: torch.dtype) -> dict[str, float]:
+    """Norm-wise relative error of each block_fwd_bwd result against fp32 without FP8."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=64)
+    reference = Transformer(cfg)
+    reference.init_weights(seed=2)  # the model's own initialisation: std 0.02, residual projections smaller
+    block = reference.layers[0].to(device)
+    x, grad_out = torch.randn(4, 64, cfg.dim, device=device), torch.randn(4, 64, cfg.dim, device=device)
+    want = block_fwd_bwd(copy.deepcopy(block), x, grad_out, torch.float32)
+    candidate = copy.deepcopy(block)
+    if recipe:
+        float8.convert_to_float8([candidate], recipe=recipe, float8_all_gather=False)
+    got = block_fwd_bwd(candidate, x, grad_out, dtype)
+    return {k: ((got[k] - want[k]).norm() / want[k].norm()).item() for k in want}
+
+
+# Rounding to e4m3 (3 mantissa bits) has a relative RMS error of 2^-4 / sqrt(3) = 3.6%, to e5m2 (2 bits)
+# 7.2%. A matmul of two rounded operands errs by about their quadrature sum: 5.1% for e4m3 x e4m3 (every
+# forward matmul; rowwise's gradients too) and 8.1% for e5m2 x e4m3 (tensorwise's gradients, whose
+# grad_output is e5m2). Measured on this block (CPU, fp32 and bf16 compute): branch outputs 5.3-6.5%,
+# weight gradients 7-9% (tensorwise) and 5-6.6% (rowwise), the input's gradient 0.3% (the residual
+# path carries most of it); bf16 alone 0.7% at most. Bound: 15% for every result, and each FP8
+# matmul's weight gradient must err by more than 2%, or FP8 did not run (a bypassed FP8 module leaves
+# the plain dtype's error).
+FP8_TOLERANCE, FP8_FLOOR = 0.15, 0.02
+FP8_WEIGHT_GRADS = ("attention.wqkv.weight grad", "attention.wo.weight grad", "feed_forward.w13.weight grad",
+                    "feed_forward.w2.weight grad")
+
+
+@pytest.mark.parametrize("device, dtype", [
+    pytest.param("cpu", torch.float32, id="cpu-fp32"),
+    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not CUDA_FP8, reason="needs a GPU of compute capability 8.9+")]),
+])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@needs_torchao
+def test_fp8_block_matches_fp32_within_fp8_tolerance(device, dtype, recipe):
+    errors = relative_errors(device, recipe, dtype)
+    assert max(errors.values()) < FP8_TOLERANCE, errors
+    assert min(errors[k] for k in FP8_WEIGHT_GRADS) > FP8_FLOOR, errors
+    # For scale: the same block in plain `dtype` errs by far less (fp32: 0; bf16: about 1%).
+    plain = relative_errors(device, None, dtype)
+    assert max(plain.values()) < (1e-6 if dtype == torch.float32 else 0.02), plain
+
+
+@needs_torchao
+def test_selective_op_keeps_the_fp8_matmul_outputs():
+    from tests.helpers import CountOps
+
+    from fsdp_utils.wrap import apply_activation_checkpointing
+
+    def backward(mode: str):
+        model = tiny_model()
+        float8.convert_to_float8(list(model.layers), recipe="tensorwise", float8_all_gather=False)
+        apply_activation_checkpointing(list(model.layers), mode, every_n=1)
+        tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        with CountOps() as counter:
+            loss.backward()
+        return counter.counts, [p.grad for p in model.parameters()]
+
+    (none, grads_none), (by_op, grads_by_op), (full, grads_full) = (backward(m) for m in ("none", "selective_op", "full"))
+    # In eager mode an FP8 matmul is an `mm` on torchao's FP8 tensors (compile traces it down to
+    # `_scaled_mm`, see the compiled test below). Backward runs 2 per FP8 linear (input and weight
+    # gradients), 4 linears per block, plus 2 for the output projection.
+    assert none["mm"] == 2 * 4 * 2 + 2
+    # full reruns the forward of every FP8 linear (its autograd function runs whole); selective_op
+    # kept those outputs, so it runs none again...
+    assert full["mm"] == none["mm"] + 4 * 2
+    assert by_op["mm"] == none["mm"]
+    # ...but it does recompute the elementwise work (norms, casts), except the FP8 scales' amax (kept).
+    assert by_op["rsqrt"] > none["rsqrt"] and by_op["abs"] > none["abs"] and by_op["max"] == none["max"] < full["max"]
+    for g_none, g_by_op, g_full in zip(grads_none, grads_by_op, grads_full):
+        # Recomputed FP8 casts see the same inputs and amax: the same gradients, bit for bit.
+        assert torch.equal(g_by_op, g_none) and torch.equal(g_full, g_none)
+
+
+@needs_torchao
+def test_compiled_fp8_block_keeps_checkpointing_and_its_fp8_matmul_outputs():
+    from tests.test_wrap import compiled_block_saves
+
+    def convert(block):
+        float8.convert_to_float8([block], recipe="tensorwise", float8_all_gather=False)
+
+    unit = 2 * 64 * 64 * 4  # one (B, T, D) fp32 activation, as in tests/test_wrap.py
+    (none, ops_none), (by_op, ops_by_op) = (compiled_block_saves(m, convert) for m in ("none", "selective_op"))
+    # One graph per block (the FP8 autograd functions traced, no graph break), checkpointed as a region.
+    assert len(ops_none) > 40 and "tag_activation_checkpoint" in ops_by_op
+    # selective_op keeps the FP8 matmul outputs (q/k/v 2 units, attention output 1, gate/up 6, down 1)
+    # and attention's: measured 14.3 units against 14.6 without checkpointing, where the partitioner
+    # already keeps FP8 copies (a quarter unit each) in place of several fp32 activations. Had the
+    # policy missed the FP8 matmuls, they would be recomputed and 2.3 units kept (measured).
+    assert 8 * unit < by_op <= none, (none / unit, by_op / unit)
+
+
+# ---- real runs: 2 ranks, FSDP2 with FP8 all-gather, checkpoints (torchao) ------------------------------
+
+FSDP2 = ["--fsdp.version=2", "--train.max_steps=6", "--checkpoint.interval=3"]
+ALLOW_CPU = {float8.ALLOW_CPU_ENV: "1"}  # the test-only escape hatch: torch's CPU FP8 matmul
+# The production path: per-block compile (inductor; about 35 s a run on the CPU) and selective_op
+# checkpointing. On GPUs one case, in bf16, with the fastest recipe and the GPU presets' checkpoint format.
+COMPILED = ["--train.compile=true", "--fsdp.activation_checkpointing=selective_op"]
+GPU_ARGS = ["--run.device=cuda", "--train.precision=bf16", *COMPILED]
+RESUME_CASES = [
+    pytest.param("tensorwise", "sharded", [], id="cpu-tensorwise-sharded"),
+    pytest.param("tensorwise", "full", COMPILED, id="cpu-tensorwise-full-compiled"),
+    pytest.param("rowwise", "sharded", [], id="cpu-rowwise-sharded"),
+    pytest.param("tensorwise", "sharded", GPU_ARGS, id="cuda-tensorwise-sharded", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not CUDA_FP8 or torch.cuda.device_count() < 2, reason="needs 2 GPUs with FP8")]),
+]
+
+
+def checkpoint_path(run_dir: Path, fmt: str, step: int) -> Path:
+    return run_dir / (f"fsdp_cpt{step}.pth" if fmt == "full" else f"fsdp_sharded_cpt{step}")
+
+
+@pytest.mark.slow
+@needs_torchao
+@pytest.mark.parametrize("recipe, fmt, device_args", RESUME_CASES)
+def test_fp8_run_resumes_bit_for_bit_and_in_full_precision(tmp_path, corpus, dataset_dir, recipe, fmt, device_args):
+    kw = dict(nproc=2, corpus=corpus, dataset_dir=dataset_dir, extra_env=ALLOW_CPU)
+    args = [*FSDP2, *device_args, f"--checkpoint.format={fmt}"]
+    run_train(*args, f"--train.float8={recipe}", out_dir=tmp_path / "fp8", **kw)
+    saved = checkpoint_path(tmp_path / "fp8", fmt, 3)
+    run_train(*args, f"--train.float8={recipe}", f"--resume_from={saved}", out_dir=tmp_path / "again", **kw)
+    # Without FP8 (and without compile, to save time): the same weights, full-precision matmuls.
+    plain_args = [a for a in args if a != "--train.compile=true"]
+    run_train(*plain_args, f"--resume_from={saved}", out_dir=tmp_path / "plain", **kw)
+    fp8, again, plain = losses(tmp_path / "fp8"), losses(tmp_path / "again"), losses(tmp_path / "plain")
+    assert sorted(fp8) == list(range(1, 7)) and sorted(again) == sorted(plain) == [4, 5, 6]
+    assert fp8[6] < 0.8 * fp8[1], fp8  # it trains (gradient accumulation: 2 micro-batches per step)
+    # Resumed with FP8: the same run, bit for bit (weights, optimizer state, data position, RNG).
+    assert [again[s] for s in (4, 5, 6)] == [fp8[s] for s in (4, 5, 6)]
+    # Resumed without FP8: step 4's loss is the trained model's (step 1's was 5.76; a model that lost its
+    # weights would be back there) up to FP8's effect on a loss, 4e-5 relative measured on the CPU.
+    assert math.isclose(plain[4], fp8[4], rel_tol=2e-2 if "--run.device=cuda" in device_args else 1e-3), (plain, fp8)
+    if fmt == "full":
+        # Plain tensors only, model and optimizer: the file loads without torchao's classes.
+        payload = torch.load(saved, map_location="cpu", weights_only=True)
+        tensors = [v for v in payload["model"].values()] + \
+            [v for state in payload["optimizer"]["state"].values() for v in state.values() if isinstance(v, torch.Tensor)]
+        assert tensors and {type(t) for t in tensors} == {torch.Tensor}
+
+
+@pytest.mark.slow
+@needs_torchao
+def test_full_precision_checkpoint_resumes_with_fp8(tmp_path, corpus, dataset_dir):
+    kw = dict(nproc=2, corpus=corpus, dataset_dir=dataset_dir, extra_env=ALLOW_CPU)
+    args = [*FSDP2, "--train.max_steps=4", "--checkpoint.format=sharded"]
+    run_train(*args, out_dir=tmp_path / "plain", **kw)
+    run_train(*args, "--train.float8=tensorwise", f"--resume_from={tmp_path / 'plain/fsdp_sharded_cpt3'}",
+              out_dir=tmp_path / "fp8", **kw)
+    plain, fp8 = losses(tmp_path / "plain"), losses(tmp_path / "fp8")
+    assert sorted(fp8) == [4]
+    assert math.isclose(fp8[4], plain[4], rel_tol=1e-3) and fp8[4] != plain[4], (plain, fp8)
+
+
+@pytest.mark.slow
+@needs_torchao
+def test_export_hf_of_an_fp8_checkpoint_gives_our_logits(tmp_path, corpus, dataset_dir):
+    pytest.importorskip("transformers")
+    from fsdp_utils.checkpoint_io import load_model
+    from scripts import export_hf
+    from tests.test_export_hf import assert_same_logits
+
+    run_train("--fsdp.version=2", "--train.float8=tensorwise", "--train.max_steps=2", nproc=1, out_dir=tmp_path / "fp8",
+              corpus=corpus, dataset_dir=dataset_dir, extra_env=ALLOW_CPU)
+    checkpoint = tmp_path / "fp8/fsdp_cpt2.pth"
+    assert export_hf.main([str(checkpoint), str(tmp_path / "hf")]) == 0
+    ours, _ = load_model(checkpoint)
+    assert_same_logits(ours, tmp_path / "hf")
+
+
+@needs_torchao
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
+    # Loading must copy into the parameters, not replace them by plain tensors: that would silently turn
+    # FP8 all-gather off (the matmuls would still be FP8, so nothing else would notice).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_utils.checkpoint import CheckpointManager, TrainState
+    from fsdp_utils.distributed import DistEnv
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = tiny_model()
+        float8.convert_to_float8(list(model.layers), recipe="tensorwise", float8_all_gather=True)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters())
+        tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        weight = model.layers[0].attention.wqkv.weight
+        kind, saved = type(weight.to_local()), weight.full_tensor().clone()
+        assert kind.__module__.startswith("torchao")
+        env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+        manager = CheckpointManager(tmp_path, fmt=fmt, keep_last_n=0, model_config={}, env=env)
+        manager.save(model, optimizer, TrainState(step=1))
+        with torch.no_grad():
+            weight.zero_()
+        manager.load(model, optimizer, "latest")
+        after = model.layers[0].attention.wqkv.weight
+        assert after is weight and type(after.to_local()) is kind
+        assert torch.equal(after.full_tensor(), saved)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,349 @@
+"""train.micro_batch_size: auto, the out-of-memory report and retry, and the memory hint.
+
+GPU memory is injected (FSDP_FAKE_GPU_MEMORY: readings from a formula) and out-of-memory errors too
+(FSDP_INJECT_OOM), so everything but the readings themselves runs for real on the CPU: trial steps,
+agreement across gloo ranks, the restore of the weights, the cache, the retry. tests/test_gpu.py has
+the GPU counterparts."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from config import ConfigError, check_batch_split, load_config
+from fsdp_utils.microbatch import (CACHE_FILE, FakeProbe, MicroBatchChoice, climb, divisors, read_cache,
+                                   save_to_cache, smaller_micro_batch)
+from tests.helpers import ROOT, losses, run_train
+
+TINY_PRESET = ROOT / "config/train_tiny_fsdp.yaml"
+GiB = 2**30
+
+
+def fake_memory(capacity: float, fixed: float, per_sample, **extra) -> dict:
+    return {"FSDP_FAKE_GPU_MEMORY": json.dumps({"capacity_gib": capacity, "fixed_gib": fixed, "per_sample_gib": per_sample, **extra})}
+
+
+def error_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+# ---- the search's arithmetic ------------------------------------------------------------------------
+
+
+def test_divisors_and_halving():
+    assert divisors(32) == [1, 2, 4, 8, 16, 32]
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert [smaller_micro_batch(b) for b in (32, 6, 9, 3, 1)] == [16, 3, 3, 1, 0]  # odd: largest divisor <= half
+
+
+def test_climb_jumps_to_the_largest_bounded_candidate():
+    # Memory 10 + 2 * b GiB with 10 resident, budget 90: the bound from b = 1 is 10 + 2 * c <= 90, c <= 40,
+    # so it jumps straight from 1 to 32, the largest candidate (74 GiB measured), two trial steps in all.
+    calls = []
+
+    def measure(b):
+        calls.append(b)
+        return 10 + 2 * b
+
+    best, measured = climb(divisors(32), budget=90, resident=10, measure=measure)
+    assert best == 32 and calls == [1, 32] and measured == {1: 12, 32: 74}
+
+
+def test_climb_steps_from_measurement_to_measurement():
+    # 10 resident + 10 per sample, budget 100: from b = 1 (20) the bound 10 + 10 c allows c <= 9 -> 8 (90);
+    # from 8 the bound 10 + 80 * c / 8 allows nothing larger. 8 is the largest size that fits.
+    calls = []
+
+    def measure(b):
+        calls.append(b)
+        return 10 + 10 * b
+
+    best, _ = climb(divisors(32), budget=100, resident=10, measure=measure)
+    assert best == 8 and calls == [1, 8]
+
+
+def test_climb_keeps_the_last_size_that_fit_when_a_measurement_surprises():
+    # Resident 1, budget 10. From 1 (3 GiB) the bound 1 + 2 c allows up to 4 (5 GiB); from 4 the bound
+    # 1 + 4 * 8 / 4 = 9 allows 8, which then reads 30 (far above the line): over the budget, so 4 it is.
+    table = {1: 3.0, 4: 5.0, 8: 30.0}
+    best, measured = climb([1, 2, 4, 8], budget=10, resident=1, measure=table.__getitem__)
+    assert best == 4 and measured == table
+
+
+def test_climb_nothing_fits():
+    best, measured = climb([1, 2, 4], budget=10, resident=8, measure=lambda b: 12.0)
+    assert best is None and measured == {1: 12.0}
+
+
+def test_fake_probe_reads_per_rank_values():
+    spec = {"capacity_gib": 8, "fixed_gib": 1, "per_sample_gib": [0.5, 2], "table_gib": {"4": 7}}
+    rank0, rank1 = FakeProbe(spec, 0), FakeProbe(spec, 1)
+    for probe in (rank0, rank1):
+        probe.begin(2)
+    assert rank0.peak_reserved() == 2 * GiB and rank1.peak_reserved() == 5 * GiB  # 1 + 0.5 * 2, 1 + 2 * 2
+    rank1.begin(4)
+    assert rank1.peak_reserved() == 7 * GiB and rank1.allocated() == 1 * GiB and rank1.capacity() == 8 * GiB
+
+
+def test_cache_round_trip_and_replace(tmp_path):
+    key_a, key_b = {"model": {"dim": 64}, "gpu": "H100"}, {"model": {"dim": 64}, "gpu": "H200"}
+    save_to_cache(tmp_path, key_a, MicroBatchChoice(16, "search", {1: 2.0, 16: 30.5}, 79.0, 71.1, 12.0))
+    save_to_cache(tmp_path, key_b, MicroBatchChoice(32, "search", {1: 2.0, 32: 60.0}, 139.0, 125.1, 10.0))
+    save_to_cache(tmp_path, key_a, MicroBatchChoice(8, "search", {1: 2.0, 8: 20.0}, 79.0, 71.1, 9.0))  # replaces
+    entries = json.loads((tmp_path / CACHE_FILE).read_text())["entries"]
+    assert [(e["key"]["gpu"], e["micro_batch_size"]) for e in entries] == [("H200", 32), ("H100", 8)]
+    assert read_cache(tmp_path, key_a)["measured_gib"] == {"1": 2.0, "8": 20.0}
+    assert read_cache(tmp_path, {"gpu": "A100"}) is None
+    (tmp_path / CACHE_FILE).write_text("{not json")
+    assert read_cache(tmp_path, key_a) is None  # unreadable: searched again, not a crash
+
+
+# ---- config -----------------------------------------------------------------------------------------
+
+
+def test_config_accepts_auto_and_rejects_other_words():
+    cfg = load_config(TINY_PRESET, ["--train.micro_batch_size=auto", "--train.global_batch_size=16"])
+    assert cfg.train.micro_batch_size == "auto"
+    assert check_batch_split(cfg, 2) is None  # known after the measurement
+    assert check_batch_split(cfg, 2, micro_batch=4) == 2  # 16 / (4 * 2)
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY_PRESET, ["--train.micro_batch_size=max", "--train.auto_micro_batch_margin=1.5"])
+    assert info.value.problems == ["train.micro_batch_size must be a positive integer or auto, got 'max'",
+                                   "train.auto_micro_batch_margin must be in [0, 1), got 1.5"]
+
+
+def test_auto_needs_a_global_batch_that_splits_over_the_ranks():
+    cfg = load_config(TINY_PRESET, ["--train.micro_batch_size=auto", "--train.global_batch_size=16"])
+    with pytest.raises(ConfigError) as info:
+        check_batch_split(cfg, 3)
+    assert info.value.problems == [
+        "train.global_batch_size=16 is not divisible by the world size 3 (train.micro_batch_size=auto splits each "
+        "rank's share of it); pick a multiple of 3"]
+
+
+# ---- end to end: auto -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", [1, 2])
+def test_auto_agrees_across_ranks_and_trains_like_the_same_micro_batch_by_hand(version, corpus, dataset_dir, tmp_path):
+    # Global batch 16 on 2 ranks: per-rank batch 8, candidates 1, 2, 4, 8. Budget 10 * (1 - 0.1) = 9 GiB.
+    # Rank 0 alone (1 + 1 * b) would take 8 (bound 1 + 1 * 8 = 9); rank 1's readings (1 + 2.5 * b) are
+    # higher, and the MAX over ranks decides for both: from b = 1 (3.5) the bound 1 + 2.5 c <= 9 allows
+    # c = 2 (6.0), and from there 1 + 5 * 2 = 11 > 9 stops: micro-batch 2 on both ranks.
+    common = ["--train.global_batch_size=16", "--train.max_steps=4", f"--fsdp.version={version}"]
+    auto = run_train(*common, "--train.micro_batch_size=auto", nproc=2, out_dir=tmp_path / "auto", corpus=corpus,
+                     dataset_dir=dataset_dir, extra_env=fake_memory(10, 1, [1, 2.5]))
+    assert "train.micro_batch_size=auto: micro-batch 2 (gradient accumulation 4 on 2 ranks)" in auto.stderr
+    assert "micro-batch 1: 3.50 GiB, 2: 6.00 GiB" in auto.stderr  # the max over ranks, as measured
+    run_train(*common, "--train.micro_batch_size=2", nproc=2, out_dir=tmp_path / "by_hand", corpus=corpus,
+              dataset_dir=dataset_dir)
+    # The trial steps ran real optimizer steps; the weights and optimizer state were restored, and the
+    # data order and RNG never touched: bit for bit the same losses.
+    assert losses(tmp_path / "auto") == losses(tmp_path / "by_hand")
+    (entry,) = json.loads((tmp_path / "auto" / CACHE_FILE).read_text())["entries"]
+    assert entry["micro_batch_size"] == 2 and entry["key"]["world_size"] == 2 and entry["key"]["gpu"] == "fake"
+    assert entry["measured_gib"] == {"1": 3.5, "2": 6.0}
+
+
+@pytest.mark.slow
+def test_auto_result_is_cached_and_reused_on_resume(corpus, dataset_dir, tmp_path):
+    out = tmp_path / "out"
+    memory = fake_memory(10, 1, 1)  # 1 + b GiB, budget 9: the largest candidate 8 fits (bound 9 <= 9)
+    args = ["--train.global_batch_size=8", "--train.micro_batch_size=auto", "--checkpoint.interval=2"]
+    first = run_train(*args, "--train.max_steps=2", out_dir=out, corpus=corpus, dataset_dir=dataset_dir, extra_env=memory)
+    assert "measuring trial steps" in first.stderr and "micro-batch 8 (gradient accumulation 1 on 1 ranks)" in first.stderr
+    # Resumed (auto_resume) with different readings: the cache answers, no trial step runs.
+    second = run_train(*args, "--train.max_steps=4", out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
+                       extra_env=fake_memory(10, 1, 5))
+    assert "measuring trial steps" not in second.stderr
+    assert re.search(r"micro-batch 8 \(gradient accumulation 1\), from .*microbatch_cache.json .*; no search", second.stderr)
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+    # A different world size is another entry: searched again.
+    third = run_train(*args, "--train.max_steps=6", nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
+                      extra_env=memory)
+    assert "measuring trial steps" in third.stderr
+    sizes = [e["key"]["world_size"] for e in json.loads((out / CACHE_FILE).read_text())["entries"]]
+    assert sizes == [1, 2]
+
+
+@pytest.mark.slow
+def test_auto_on_the_cpu_uses_the_fallback(corpus, dataset_dir, tmp_path):
+    proc = run_train("--train.global_batch_size=12", "--train.micro_batch_size=auto", "--train.auto_micro_batch_cpu=5",
+                     "--train.max_steps=1", out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir)
+    # Divisors of 12 up to 5: 4.
+    assert ("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch 4, the largest divisor of "
+            "the per-rank batch 12 up to train.auto_micro_batch_cpu=5") in proc.stderr
+    assert "grad accumulation 3, micro-batch 4," in proc.stderr
+    assert not (tmp_path / "out" / CACHE_FILE).exists()
+
+
+@pytest.mark.slow
+def test_auto_when_nothing_fits_is_one_error_line(corpus, dataset_dir, tmp_path):
+    proc = run_train("--train.micro_batch_size=auto", "--train.max_steps=1", out_dir=tmp_path / "out", corpus=corpus,
+                     dataset_dir=dataset_dir, extra_env=fake_memory(4, 3, 1), check=False)
+    assert proc.returncode == 1
+    # 3 + 1 * 1 = 4 GiB at micro-batch 1 against a budget of 4 * 0.9 = 3.6.
+    assert error_lines(proc) == [
+        "error: train.micro_batch_size=auto: even micro-batch 1 peaks at 4.00 GiB, over the budget of 3.60 GiB (4.00 GiB "
+        "usable, train.auto_micro_batch_margin=0.1); turn on fsdp.activation_checkpointing, use more GPUs, or shorten "
+        "data.seq_len"]
+    assert "Traceback" not in proc.stderr
+
+
+# ---- the hint ---------------------------------------------------------------------------------------
+
+HINT = "hint: the first steps used at most"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["low_memory_accumulating", "high_memory", "no_accumulation", "auto"])
+def test_hint_only_when_memory_is_mostly_unused_and_gradients_accumulate(case, corpus, dataset_dir, tmp_path):
+    # One process, global batch 8. Readings 1 + 0.5 * b GiB: micro-batch 2 uses 2 GiB.
+    micro_batch, capacity = {"low_memory_accumulating": (2, 100), "high_memory": (2, 6), "no_accumulation": (8, 100),
+                             "auto": ("auto", 100)}[case]
+    # auto: micro-batch 8 reads 99 GiB (over the 90 GiB budget), so auto keeps 1 with accumulation 8 and
+    # 1.5 GiB used: the hint's condition, but auto measured already; it stays quiet.
+    memory = fake_memory(capacity, 1, 0.5, table_gib={"8": 99} if case == "auto" else {})
+    proc = run_train(f"--train.micro_batch_size={micro_batch}", "--train.max_steps=3", out_dir=tmp_path / "out",
+                     corpus=corpus, dataset_dir=dataset_dir, extra_env=memory)
+    hints = [line for line in proc.stderr.splitlines() if HINT in line]
+    if case == "auto":
+        assert "micro-batch 1 (gradient accumulation 8 on 1 ranks)" in proc.stderr
+    if case == "low_memory_accumulating":  # 2 GiB < 100 / 4, accumulation 4
+        assert len(hints) == 1 and hints[0].endswith(
+            "hint: the first steps used at most 2.00 GiB of this GPU's 100.00 GiB with micro-batch 2 and gradient "
+            "accumulation 4: a larger train.micro_batch_size (up to 8), or auto, would likely train faster on the same samples")
+    else:  # 2 GiB >= 6 / 4; accumulation 1; auto measured already
+        assert hints == []
+
+
+# ---- out of memory during training --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_out_of_memory_without_retry_is_one_error_line(corpus, dataset_dir, tmp_path):
+    proc = run_train("--train.max_steps=4", out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False,
+                     extra_env={"FSDP_INJECT_OOM": "3:backward", **fake_memory(80, 1, 0.5)})
+    assert proc.returncode == 1
+    (line,) = error_lines(proc)
+    # The figures come from the (fake) GPU readings: 1 GiB allocated, 1 + 0.5 * 2 reserved and at peak.
+    assert line.startswith("error: out of memory at step 3 (training, micro-batch 2 x accumulation 4, rank 0): 1.00 GiB "
+                           "allocated, 2.00 GiB reserved (peak 2.00 GiB allocated) of 80.00 GiB; CUDA out of memory")
+    assert "set train.oom_retry_half=true" in line
+    assert "Traceback" not in proc.stderr
+    assert sorted(losses(tmp_path / "out")) == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus, dataset_dir):
+    """Per FSDP version, losses of steps 1-5 on 2 ranks: steps 1-2 at micro-batch 2, then (resumed from the
+    step-2 checkpoint, which resumes exactly) steps 3-5 at micro-batch 1: what a retry at step 3 must give."""
+    def make(version: int) -> dict[int, float]:
+        out = tmp_path_factory.mktemp(f"reference_fsdp{version}")
+        common = [f"--fsdp.version={version}", "--checkpoint.interval=2"]
+        run_train(*common, "--train.max_steps=2", nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+        run_train(*common, "--train.max_steps=5", "--train.micro_batch_size=1", nproc=2, out_dir=out, corpus=corpus,
+                  dataset_dir=dataset_dir)
+        return losses(out)
+
+    made: dict[int, dict[int, float]] = {}
+
+    def get(version: int) -> dict[int, float]:
+        if version not in made:
+            made[version] = make(version)
+        return made[version]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version,where", [(1, "forward:2"), (1, "backward:2"), (2, "backward:2"), (2, "forward:1")])
+def test_out_of_memory_retry_redoes_the_step_with_the_same_samples(version, where, reference, corpus, dataset_dir, tmp_path):
+    # Out of memory at step 3 on both ranks, in the 2nd (or 1st) of the step's micro-batches, in forward or
+    # backward. The retry drops the interrupted step, resets FSDP and redoes step 3 at micro-batch 1 (the
+    # same 8 samples, accumulation 4): bit for bit the reference, so nothing of the interrupted attempt
+    # (gradients accumulated without sync, FSDP's per-step state) leaked into the redone step.
+    proc = run_train(f"--fsdp.version={version}", "--train.max_steps=5", "--train.oom_retry_half=true", nproc=2,
+                     out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir,
+                     extra_env={"FSDP_INJECT_OOM": f"3:{where}"})
+    assert proc.stderr.count("out of memory at step 3 (training, micro-batch 2 x accumulation 2") == 2  # each rank
+    assert "train.oom_retry_half: redoing the training of step 3 with micro-batch 1 (accumulation 4" in proc.stderr
+    assert losses(tmp_path / "out") == reference(version)
+
+
+@pytest.mark.slow
+def test_out_of_memory_retry_in_evaluation(corpus, dataset_dir, tmp_path):
+    common = ["--train.max_steps=4", "--train.eval_interval=2", "--train.eval_batches=2"]
+    run_train(*common, nproc=2, out_dir=tmp_path / "plain", corpus=corpus, dataset_dir=dataset_dir)
+    proc = run_train(*common, "--train.oom_retry_half=true", nproc=2, out_dir=tmp_path / "retry", corpus=corpus,
+                     dataset_dir=dataset_dir, extra_env={"FSDP_INJECT_OOM": "2:eval"})
+    assert "redoing the evaluation of step 2 with micro-batch 1" in proc.stderr
+
+    def val(out):
+        return {r["step"]: r["val_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r}
+
+    # The same 4 validation sequences, as four batches of 1 instead of two of 2: equal up to float rounding.
+    plain, retry = val(tmp_path / "plain"), val(tmp_path / "retry")
+    assert plain.keys() == retry.keys() == {2, 4}
+    assert all(retry[s] == pytest.approx(plain[s], rel=1e-5) for s in plain)
+    # Training went on at micro-batch 1 (steps 3-4): same samples, so the same losses up to rounding.
+    assert losses(tmp_path / "retry") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_out_of_memory_on_one_rank_only_stops_within_the_timeout(corpus, dataset_dir, tmp_path):
+    # Rank 0 alone runs out; rank 1 is already waiting for it in the next all-gather. The retry's meeting
+    # of the ranks times out after run.timeout_s, and the job ends with that said, not hung.
+    proc = run_train("--train.max_steps=4", "--train.oom_retry_half=true", "--run.timeout_s=10", nproc=2,
+                     out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120,
+                     extra_env={"FSDP_INJECT_OOM": "3:forward:1:0"})
+    assert proc.returncode != 0
+    (line,) = error_lines(proc)
+    assert line.startswith("error: out of memory at step 3 (training, micro-batch 2 x accumulation 2, rank 0)")
+    assert "Not every rank ran out of memory" in line and "so the step cannot be redone" in line
+
+
+# ---- benchmark ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
+    # One process, global batch 8: readings 1 + 0.5 * b GiB all fit a 9 GiB budget, so auto takes 8 (x 1);
+    # the fixed micro-batch 2 needs accumulation 4; the reference runs at the auto choice.
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
+                           "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
+                           "--train.global_batch_size=8", "--compare_auto", "--fixed_micro_batch=2", "--peer",
+                           "--steps=1", "--warmup=1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **fake_memory(10, 1, 0.5)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:4] for line in proc.stdout.splitlines() if line.startswith(("ours", "hf_"))}
+    assert rows["ours_mb2"] == ["2", "x", "4"] and rows["ours_auto"] == ["8", "x", "1"] and rows["hf_llama_fsdp2"] == ["8", "x", "1"]
+    assert "auto: micro-batch 8 of 8 per rank" in proc.stdout
+    assert "ratio ours_auto / reference tokens/s:" in proc.stdout
+
+
+def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
+    # The reference keeps the whole logits and may not fit ours' micro-batch: it retries at half the
+    # micro-batch and twice the accumulation (the same global batch) until it fits.
+    from scripts import benchmark
+
+    tried = []
+
+    def fake_peer(cfg, env, args, *, micro_batch, grad_accum):
+        tried.append((micro_batch, grad_accum))
+        if micro_batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"times": [1.0], "micro_batch": micro_batch, "grad_accum": grad_accum}
+
+    monkeypatch.setattr(benchmark, "bench_peer", fake_peer)
+    monkeypatch.setattr(benchmark, "reset_memory", lambda env: None)
+    result = benchmark.bench_peer_fitting(None, SimpleNamespace(is_main=False), None, micro_batch=8, grad_accum=1)
+    assert tried == [(8, 1), (4, 2), (2, 4)] and (result["micro_batch"], result["grad_accum"]) == (2, 4)

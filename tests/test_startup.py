@@ -1,0 +1,142 @@
+"""Problems found before the process group starts (issue 12, case 5): each ends the run with one `error:`
+line, printed once even under torchrun with 2 ranks, every worker's exit status 2, and no traceback from
+the workers (under torchrun the one traceback is torchrun's own report that a worker failed)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, TINY, TRAIN, run_train
+
+CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
+
+
+def launch(*args: str, config: Path = CONFIG, nproc: int, tmp_path: Path, corpus: Path, dataset_dir: Path):
+    """train_fsdp.py as users start it (torchrun for nproc > 1), into tmp_path/out unless args say otherwise."""
+    launcher = [sys.executable, str(TRAIN)] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(TRAIN)]
+    cmd = [*launcher, str(config), *TINY, f"--run.output_dir={tmp_path / 'out'}", f"--data.files=[{corpus}]",
+           f"--data.dataset_dir={dataset_dir}", *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=180)
+    proc.seconds = time.monotonic() - start
+    return proc
+
+
+def assert_refused(proc, needle: str, *, nproc: int) -> str:
+    """One error line holding `needle`, the workers' status 2, no traceback of ours, and no waiting."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr[-4000:]
+    if nproc == 1:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    else:  # torchrun reports the failed workers with their status, in its own traceback
+        assert proc.returncode != 0
+        assert "exitcode  : 2" in proc.stderr and "exitcode  : -" not in proc.stderr, proc.stderr[-4000:]
+        assert proc.stderr.count("Traceback") == 1 and "ChildFailedError" in proc.stderr, proc.stderr[-4000:]
+    # Rank 1 waits for torchrun to stop it once rank 0 has failed, never its full minute.
+    assert proc.seconds < 50, f"took {proc.seconds:.0f} s"
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory, corpus, dataset_dir) -> Path:
+    out = tmp_path_factory.mktemp("sharded")
+    run_train("--train.max_steps=1", "--checkpoint.format=sharded", nproc=1, out_dir=out, corpus=corpus,
+              dataset_dir=dataset_dir)
+    return out / "fsdp_sharded_cpt1"
+
+
+@pytest.fixture
+def read_only_dir(tmp_path) -> Path:
+    """A directory this test's processes cannot create anything in: read-only by its mode, or, for root
+    (whom modes do not stop), by the immutable attribute."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+    elif subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("running as root, and chattr +i (the only way to refuse root a write here) is not available")
+    yield path
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+    path.chmod(0o755)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_output_dir_not_writable(nproc, read_only_dir, corpus, dataset_dir, tmp_path):
+    out = read_only_dir / "run"
+    proc = launch(f"--run.output_dir={out}", nproc=nproc, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+    assert_refused(proc, f"run.output_dir={out} is not writable", nproc=nproc)
+
+
+@pytest.mark.slow
+def test_output_dir_is_a_file(corpus, dataset_dir, tmp_path):
+    out = tmp_path / "a-file"
+    out.write_text("not a directory")
+    proc = launch(f"--run.output_dir={out}", nproc=2, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+    assert_refused(proc, f"run.output_dir={out} is a file", nproc=2)
+    assert out.read_text() == "not a directory"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_a_gpu(corpus, dataset_dir, tmp_path):
+    proc = launch("--run.device=cuda", nproc=2, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+    assert_refused(proc, "run.device=cuda but no CUDA device is visible", nproc=2)
+
+
+@pytest.mark.slow
+def test_hybrid_group_size_not_dividing_the_world(corpus, dataset_dir, tmp_path):
+    proc = launch("--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.hybrid_shard_group_size=3", nproc=2,
+                  tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+    assert_refused(proc, "fsdp.hybrid_shard_group_size=3 does not divide the world size 2", nproc=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", ".nan"])
+def test_non_finite_numbers(value, corpus, dataset_dir, tmp_path):
+    proc = launch(f"--train.lr={value}", nproc=2, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+    assert_refused(proc, "train.lr: must be a finite number", nproc=2)
+
+
+@pytest.mark.slow
+def test_a_directory_as_the_config(corpus, dataset_dir, tmp_path):
+    proc = launch(config=ROOT / "config", nproc=2, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+    assert_refused(proc, f"{ROOT / 'config'} is a directory; give a config file", nproc=2)
+
+
+@pytest.mark.slow
+def test_a_random_file_to_resume_from(corpus, dataset_dir, tmp_path):
+    junk = tmp_path / "notes.pth"
+    junk.write_bytes(os.urandom(4096))
+    proc = launch(f"--resume_from={junk}", nproc=2, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+    assert_refused(proc, f"{junk}: not a checkpoint (not a file written by torch.save)", nproc=2)
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_missing_a_file(sharded_checkpoint, corpus, dataset_dir, tmp_path):
+    damaged = tmp_path / sharded_checkpoint.name
+    shutil.copytree(sharded_checkpoint, damaged)
+    (damaged / "__0_0.distcp").unlink()
+    proc = launch(f"--resume_from={damaged}", nproc=2, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+    assert_refused(proc, f"{damaged / '__0_0.distcp'}: missing", nproc=2)
+
+
+@pytest.mark.slow
+def test_every_launch_problem_at_once(corpus, dataset_dir, tmp_path):
+    """The launch's problems come together, one line each (the config's own, as before, in one list too)."""
+    (tmp_path / "file").write_text("x")
+    proc = launch("--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.hybrid_shard_group_size=3",
+                  f"--run.output_dir={tmp_path / 'file'}", "--resume_from=/no/such/checkpoint",
+                  nproc=1, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
