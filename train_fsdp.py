@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import shutil
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -26,11 +25,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import yaml
 
 from config import Config, ConfigError, check_batch_split, launch_problems, load_config, save_config
-from data import BatchPrefetcher, DataError, TokenDataset, load_prepared, prepare_data
+from data import (BatchPrefetcher, DataError, PreparedData, PrepareSettings, default_dataset_dir, handoff,
+                  load_prepared, open_datasets, prepare_for_training)
 from model import ModelConfig
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, TrainState
 from fsdp_utils.checkpoint_format import check_structure
-from fsdp_utils.distributed import DistEnv, Launch, destroy_distributed, init_distributed, read_torchrun_env
+from fsdp_utils.distributed import DistEnv, Launch, barrier, destroy_distributed, init_distributed, read_torchrun_env
 from fsdp_utils.float8 import float8_problems, precompute_float8_scales
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
 from fsdp_utils.microbatch import (OutOfMemory, OutOfMemoryGuard, cache_key, memory_hint, memory_probe,
@@ -63,37 +63,36 @@ def setup_logging(env: DistEnv) -> None:
     logging.basicConfig(level=level, format=f"[%(asctime)s rank{env.rank}] %(message)s", datefmt="%H:%M:%S", force=True)
 
 
-def prepare_dataset(cfg: Config, env: DistEnv):
-    """Rank 0 prepares the token files once (later runs reuse them); the others wait, then open them.
+def prepare_dataset(cfg: Config, env: DistEnv) -> list[tuple[PreparedData, float]]:
+    """The prepared folders to train on, with their weights: data.sources as they are, or else data.files
+    (the stdlib sources by default), prepared once by rank 0 (later runs reuse them) and opened by all.
 
-    Rank 0's outcome is broadcast so that a data error ends every rank with the same message.
+    The other ranks wait for rank 0 on a file, not in a collective: preparing can outlast run.timeout_s.
+    Rank 0's outcome reaches every rank, so a data error ends them all with the same message.
     """
     d = cfg.data
-    dataset_dir = d.dataset_dir or str(Path("data/cache") / _data_key(cfg))
-    outcome = [None]
+    if d.sources:
+        return [(load_prepared(source.path), source.weight) for source in d.sources]
+    settings = PrepareSettings.from_config(cfg)
+    dataset_dir = d.dataset_dir or default_dataset_dir(settings)
+    job_id = [uuid.uuid4().hex if env.is_main else None]
+    dist.broadcast_object_list(job_id, src=0)  # quick: every rank arrives here straight after startup
+    outcome = handoff.outcome_path(dataset_dir, job_id[0])
     if env.is_main:
+        error = None
         try:
-            external = None
-            if d.tokenizer == "hf":
-                from fsdp_utils.hf import HFTokenizer
-
-                external = HFTokenizer(cfg.model.hf_path)
-            prepare_data(dataset_dir=dataset_dir, files=d.files, tokenizer_model=d.tokenizer_model or None,
-                         vocab_size=d.vocab_size, val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb,
-                         seed=cfg.run.seed, show_progress=True, external_tokenizer=external)
+            prepare_for_training(dataset_dir, settings, named_dir=bool(d.dataset_dir), max_input_mb=d.max_in_job_mb)
         except (DataError, ValueError, OSError) as err:
-            outcome = [str(err)]
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise DataError(outcome[0])
-    return load_prepared(dataset_dir)
-
-
-def _data_key(cfg: Config) -> str:
-    d = cfg.data
-    tokenizer = cfg.model.hf_path if d.tokenizer == "hf" else d.tokenizer_model
-    what = json.dumps([d.files, tokenizer, d.vocab_size, d.val_fraction, d.max_corpus_mb, cfg.run.seed])
-    return ("stdlib" if not d.files else "custom") + "-" + hashlib.sha1(what.encode()).hexdigest()[:10]
+            error = str(err)
+        handoff.publish(outcome, error)
+    else:
+        error = handoff.wait_for(outcome, timeout_s=d.prepare_wait_s)
+    barrier(env)  # quick too: rank 0 is done, and once all are past it nobody reads the outcome file
+    if env.is_main:
+        outcome.unlink(missing_ok=True)
+    if error is not None:
+        raise DataError(error)
+    return [(load_prepared(dataset_dir), 1.0)]
 
 
 def describe_model(cfg: Config, tokenizer_vocab: int) -> tuple[int, dict, float]:
@@ -124,7 +123,7 @@ def log_parameter_summary(model_cfg) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, val_data: TokenDataset, *, num_samples: int, micro_batch: int, env: DistEnv) -> float:
+def evaluate(model, val_data, *, num_samples: int, micro_batch: int, env: DistEnv) -> float:
     """Mean validation loss over the first num_samples sequences of the validation set, in micro-batches,
     whatever the world size: rank r takes batches r, r + W, ...; every rank runs the same number of forward
     passes (FSDP needs them all), a rank past the end weighting its last one by zero. Every batch holds as
@@ -151,12 +150,12 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
     torch.manual_seed(cfg.run.seed)
 
     # ---- data -----------------------------------------------------------------------------------
-    prepared = prepare_dataset(cfg, env)
+    sources = prepare_dataset(cfg, env)
+    prepared = sources[0][0]  # the tokenizer and vocabulary (every source of a mixture shares them)
     model_vocab, model_signature, flops_per_token = describe_model(cfg, prepared.vocab_size)
     if model_vocab < prepared.vocab_size:
         raise ConfigError([f"the model's vocabulary ({model_vocab}) is smaller than the tokenizer's ({prepared.vocab_size})"])
-    train_data = TokenDataset(prepared.train_path, dtype=prepared.dtype, seq_len=cfg.data.seq_len, seed=cfg.run.seed)
-    val_data = TokenDataset(prepared.val_path, dtype=prepared.dtype, seq_len=cfg.data.seq_len, seed=cfg.run.seed, shuffle=False)
+    train_data, val_data = open_datasets(sources, seq_len=cfg.data.seq_len, seed=cfg.run.seed)
 
     # ---- model, optimizer, checkpoints ----------------------------------------------------------
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
@@ -196,7 +195,7 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
         log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, micro-batch %d, train %s tokens, val %s tokens",
                  env.world_size, env.device.type, precision.name, str(precision.reduce).replace("torch.", ""),
                  cfg.fsdp.version, cfg.fsdp.sharding_strategy, grad_accum, mb,
-                 f"{prepared.num_train_tokens:,}", f"{prepared.num_val_tokens:,}")
+                 f"{train_data.num_tokens:,}", f"{val_data.num_tokens:,}")
 
     state = TrainState()
     if resume_from is None and (existing := ckpt.complete_checkpoints()):

@@ -65,11 +65,26 @@ class ModelSection(ModelConfig):
 
 
 @dataclass
+class SourceConfig:
+    """One entry of data.sources."""
+
+    path: str = ""
+    """A folder prepared by scripts/prepare_data.py."""
+    weight: float = 1.0
+    """Its share of the training samples, relative to the other sources' weights."""
+
+
+@dataclass
 class DataConfig:
     files: list[str] = field(default_factory=list)
-    """.txt / .jsonl files or folders to train on; empty means the Python standard library sources."""
+    """.txt, .jsonl, .json.gz/.jsonl.gz, .jsonl.zst/.json.zst and .parquet files, folders of them and glob
+    patterns; empty means the Python standard library sources."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """Train on a mixture of prepared folders instead of data.files: [{path: DIR, weight: 0.7}, ...], all made
+    with the same tokenizer; samples are drawn from each in proportion to its weight (docs/data.md)."""
     dataset_dir: str = ""
-    """Cache for the tokenizer and token files; empty means data/cache/<run.name's data fingerprint>."""
+    """The prepared folder (tokenizer and token shards): written by scripts/prepare_data.py, or by the training
+    job itself for data.files up to data.max_in_job_mb; empty means data/cache/<fingerprint of the data settings>."""
     tokenizer_model: str = ""
     """An existing SentencePiece .model to use instead of training one."""
     tokenizer: str = "sentencepiece"
@@ -77,9 +92,24 @@ class DataConfig:
     vocab_size: int = 4096
     """Vocabulary size of the SentencePiece model trained on the corpus."""
     val_fraction: float = 0.02
-    """Share of documents held out for validation."""
-    max_corpus_mb: float = 8.0
-    """Read at most this many MB of text (0: all)."""
+    """Share of documents held out for validation, chosen by a hash of each document's text."""
+    max_corpus_mb: float = 0.0
+    """Read at most this many MB of the (uncompressed) corpus, logging where it stops (0: all of it)."""
+    text_field: str = "text"
+    """The .jsonl field, or parquet column, that holds each document's text."""
+    on_bad_record: str = "error"
+    """A .jsonl line that is not JSON or lacks the text field, a null parquet value, or text that is not UTF-8:
+    error (stop, naming the file and line or row) or skip (count them and report the first)."""
+    num_workers: int = 0
+    """Processes that parse and tokenise the corpus in parallel (0: one per CPU core, or none for a corpus
+    under 16 MB); the output is the same for any number."""
+    shard_tokens: int = 100_000_000
+    """Training tokens per shard file of the prepared folder (a shard closes at the first work unit past it)."""
+    max_in_job_mb: float = 1024.0
+    """train_fsdp.py prepares data.files itself only up to this many MB on disk; larger corpora are prepared
+    beforehand with scripts/prepare_data.py (0: no limit)."""
+    prepare_wait_s: float = 7200.0
+    """How long the other ranks wait for rank 0 to prepare data inside the job before giving up."""
     seq_len: int = 256
     """Tokens per training sample."""
 
@@ -251,6 +281,11 @@ def _coerce(value, hint, where: str, problems: list[str]):
             problems.append(f"{where}: expected a list, got {value!r}")
             return value
         return [_coerce(v, item, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint):  # a list item that is a section of its own, e.g. data.sources[0]
+        if not isinstance(value, dict):
+            problems.append(f"{where}: expected a mapping, got {value!r}")
+            return hint()
+        return _build(hint, value, where, problems)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, float) and not math.isfinite(value):
@@ -370,6 +405,7 @@ def validate(cfg: Config) -> list[str]:
         p.append(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}")
     if cfg.data.vocab_size < 16 and not cfg.data.tokenizer_model:
         p.append(f"data.vocab_size must be at least 16, got {cfg.data.vocab_size}")
+    p += _data_problems(cfg.data)
     t = cfg.train
     for name in ("max_steps", "global_batch_size"):
         if getattr(t, name) <= 0:
@@ -431,6 +467,26 @@ def validate(cfg: Config) -> list[str]:
     _choice(p, "checkpoint.on_async_error", c.on_async_error, ("stop", "continue"))
     if cfg.logging.interval <= 0:
         p.append(f"logging.interval must be positive, got {cfg.logging.interval}")
+    return p
+
+
+def _data_problems(d: DataConfig) -> list[str]:
+    p: list[str] = []
+    _choice(p, "data.on_bad_record", d.on_bad_record, ("error", "skip"))
+    for name in ("max_corpus_mb", "num_workers", "max_in_job_mb"):
+        if getattr(d, name) < 0:
+            p.append(f"data.{name} must not be negative, got {getattr(d, name)}")
+    for name in ("shard_tokens", "prepare_wait_s"):
+        if getattr(d, name) <= 0:
+            p.append(f"data.{name} must be positive, got {getattr(d, name)}")
+    if not d.text_field:
+        p.append("data.text_field must name the field or column holding the text")
+    if d.sources:
+        if d.files or d.dataset_dir:
+            p.append("data.sources replaces data.files and data.dataset_dir: leave those empty (--data.files=[])")
+        from data.mixture import source_problems  # reads the folders' meta.json; imported only when needed
+
+        p += source_problems([(s.path, s.weight) for s in d.sources])
     return p
 
 

@@ -1,82 +1,165 @@
-"""Fixed-length token windows addressed by a global sample index, plus a background prefetcher.
+"""Fixed-length token windows over a sharded token store, addressed by a global sample index, plus a
+background prefetcher.
 
-The sample order is a pure function of (seed, index), so every rank and every
-resumed run agrees on it without communicating.
+The sample order is a pure function of (seed, index), so every rank and every resumed run agrees on it
+without communicating. Memory per rank does not grow with the corpus: shards are memory-mapped (the OS
+page cache holds what was read), the shuffle is a keyed bijection computed per index rather than a
+permutation array, and the only per-shard state is one offset.
 """
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .prepare import DataError
+from .errors import DataError
+
+_MASK64 = (1 << 64) - 1
+FEISTEL_ROUNDS = 6
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a fast, well-mixed 64-bit hash of an integer."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class RandomPermutation:
+    """A pseudo-random bijection of [0, n) keyed by `key`, in O(1) memory.
+
+    A balanced Feistel network permutes [0, 4**h), the smallest such range holding n (at most 4n); a
+    value that lands outside [0, n) is encrypted again ("cycle walking") until it lands inside, which
+    keeps the map a bijection of [0, n) and takes fewer than 4 rounds of walking on average.
+    """
+
+    def __init__(self, n: int, key: str):
+        if n < 1:
+            raise ValueError(f"cannot permute an empty range (n={n})")
+        self.n = n
+        half_bits = max((n - 1).bit_length() + 1, 2) // 2
+        self._half_bits = half_bits
+        self._half_mask = (1 << half_bits) - 1
+        digest = hashlib.blake2b(key.encode(), digest_size=8 * FEISTEL_ROUNDS).digest()
+        self._round_keys = [int.from_bytes(digest[8 * r : 8 * r + 8], "little") for r in range(FEISTEL_ROUNDS)]
+
+    def _encrypt(self, x: int) -> int:
+        left, right = x >> self._half_bits, x & self._half_mask
+        for round_key in self._round_keys:
+            left, right = right, left ^ (_mix64(right ^ round_key) & self._half_mask)
+        return (left << self._half_bits) | right
+
+    def __call__(self, x: int) -> int:
+        if not 0 <= x < self.n:
+            raise IndexError(f"{x} is outside [0, {self.n})")
+        x = self._encrypt(x)
+        while x >= self.n:
+            x = self._encrypt(x)
+        return x
 
 
 class TokenDataset:
-    """Fixed-length windows over a flat token file, addressed by a GLOBAL sample index."""
+    """Fixed-length windows over the concatenation of token shards, addressed by a GLOBAL sample index.
 
-    def __init__(self, path: Path | str, *, dtype, seq_len: int, seed: int, shuffle: bool = True) -> None:
-        self.path = Path(path)
+    Window w holds tokens [w * seq_len, w * seq_len + seq_len + 1) of the shards read one after the
+    other, so a window may span a shard boundary and no token is dropped at one. Epoch e visits every
+    window once, in the order of a RandomPermutation keyed by (seed, e) (or in order, shuffle=False).
+    """
+
+    def __init__(self, paths: Path | str | Sequence[Path | str], *, dtype, seq_len: int, seed: int,
+                 shuffle: bool = True) -> None:
+        self.paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
         self.dtype = np.dtype(dtype)
         self.seq_len = seq_len
         self.seed = seed
         self.shuffle = shuffle
         if seq_len < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
-        if not self.path.is_file():
-            raise DataError(f"token file not found: {self.path}")
-        num_bytes = self.path.stat().st_size
-        if num_bytes % self.dtype.itemsize:
-            raise DataError(f"{self.path} is {num_bytes} bytes, not a whole number of {self.dtype.name} tokens")
-        self.num_tokens = num_bytes // self.dtype.itemsize
+        sizes = [self._num_tokens(path) for path in self.paths]
+        # Empty shards (a shard's validation part may hold no document) cannot be memory-mapped: skip them.
+        self._files = [path for path, size in zip(self.paths, sizes) if size]
+        # offsets[i] is the global position of the i-th non-empty shard's first token; one int64 per shard.
+        self._offsets = np.concatenate([[0], np.cumsum([size for size in sizes if size], dtype=np.int64)])
+        self._maps: dict[int, np.memmap] = {}
+        self.num_tokens = int(self._offsets[-1])
         # Each window needs seq_len + 1 tokens (inputs plus the shifted target).
         self.num_windows = max(self.num_tokens - 1, 0) // seq_len
         if self.num_windows == 0:
-            raise DataError(
-                f"{self.path} holds {self.num_tokens} tokens, fewer than seq_len+1={seq_len + 1}"
-            )
-        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+            where = self.paths[0] if len(self.paths) == 1 else f"{len(self.paths)} shards from {self.paths[0]}"
+            raise DataError(f"{where} holds {self.num_tokens} tokens, fewer than seq_len+1={seq_len + 1}")
         # (epoch, permutation) kept as one tuple so a reader on another thread sees a matching pair.
-        self._perm_cache: tuple[int, np.ndarray] | None = None
+        self._perm_cache: tuple[int, RandomPermutation] | None = None
+
+    def _num_tokens(self, path: Path) -> int:
+        if not path.is_file():
+            raise DataError(f"token file not found: {path}")
+        num_bytes = path.stat().st_size
+        if num_bytes % self.dtype.itemsize:
+            raise DataError(f"{path} is {num_bytes} bytes, not a whole number of {self.dtype.name} tokens")
+        return num_bytes // self.dtype.itemsize
 
     def __len__(self) -> int:
         return self.num_windows
 
-    def _permutation(self, epoch: int) -> np.ndarray:
+    def _permutation(self, epoch: int) -> RandomPermutation:
         cached = self._perm_cache
         if cached is not None and cached[0] == epoch:
             return cached[1]
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        perm = RandomPermutation(self.num_windows, key=f"windows:{self.seed}:{epoch}")
         self._perm_cache = (epoch, perm)
         return perm
 
     def window_start(self, index: int) -> int:
-        """Token offset of the window that global sample `index` reads."""
+        """Global token offset of the window that global sample `index` reads."""
         if index < 0:
             raise IndexError(f"sample index must be >= 0, got {index}")
         epoch, position = divmod(index, self.num_windows)
-        slot = int(self._permutation(epoch)[position]) if self.shuffle else position
+        slot = self._permutation(epoch)(position) if self.shuffle else position
         return slot * self.seq_len
+
+    def _shard(self, i: int) -> np.memmap:
+        if i not in self._maps:  # mapped on first use; a dict write is atomic under the GIL
+            self._maps[i] = np.memmap(self._files[i], dtype=self.dtype, mode="r")
+        return self._maps[i]
+
+    def tokens(self, start: int, length: int) -> np.ndarray:
+        """Global tokens [start, start + length) as int64, read across shard boundaries."""
+        out = np.empty(length, dtype=np.int64)
+        shard = int(np.searchsorted(self._offsets, start, side="right")) - 1
+        filled = 0
+        while filled < length:
+            begin = start + filled - int(self._offsets[shard])
+            piece = self._shard(shard)[begin : begin + length - filled]
+            out[filled : filled + len(piece)] = piece
+            filled += len(piece)
+            shard += 1
+        return out
 
     def window(self, index: int) -> np.ndarray:
         """seq_len+1 tokens (int64) for global sample `index`."""
-        start = self.window_start(index)
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        return self.tokens(self.window_start(index), self.seq_len + 1)
 
     def batch(self, first_index: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples first_index .. first_index+num_samples-1 as (inputs, targets), each (num_samples, seq_len)."""
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        rows = np.empty((num_samples, self.seq_len + 1), dtype=np.int64)
-        for row, index in enumerate(range(first_index, first_index + num_samples)):
-            rows[row] = self.window(index)
-        windows = torch.from_numpy(rows)
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return windows_to_batch([self.window(i) for i in _sample_range(first_index, num_samples)])
+
+
+def _sample_range(first_index: int, num_samples: int) -> range:
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    return range(first_index, first_index + num_samples)
+
+
+def windows_to_batch(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_samples, seq_len + 1) windows -> (inputs, targets), targets shifted by one token."""
+    rows = torch.from_numpy(np.stack(windows))
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
 class _Failure:

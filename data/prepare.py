@@ -1,54 +1,112 @@
-"""Turn a text corpus into flat token files (train.bin / val.bin) plus a tokenizer.
+"""Prepare a corpus once: text files in, a tokenizer and sharded token files out (see data/store.py).
 
-The prepared directory is a cache: meta.json is written last and carries a
-fingerprint of the inputs, so a later run with the same inputs reuses it.
+Documents stream through in bounded memory and in parallel:
+
+    parent: files --read_pieces--> pieces --_chunks--> chunks of about CHUNK_BYTES, numbered
+    workers (data.num_workers processes): chunk -> documents -> split by hash -> token ids
+    parent: results taken back in chunk order -> ShardWriter -> shards, progress.json, meta.json last
+
+Chunk boundaries depend only on the input, and results are written in chunk order, so the output is
+byte-identical whatever the number of workers, and on a rerun. At most a few chunks per worker are in
+flight, so memory does not grow with the corpus. When a tokenizer is to be trained, a first pass over
+the same chunks collects its sample from the whole corpus (data/tokenizer.py).
+
+The folder is also a cache: meta.json carries a fingerprint of the inputs and settings, so a later
+call with the same ones reuses it, and an interrupted one continues after its last finished shard.
 """
-
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import multiprocessing
 import os
 import shutil
 import sys
 import sysconfig
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
-import numpy as np
-import sentencepiece as spm
 from tqdm import tqdm
 
-# Bump when the on-disk layout or tokenisation recipe changes, so old caches are rebuilt.
-FORMAT_VERSION = 1
-META_NAME = "meta.json"
-TRAIN_NAME = "train.bin"
-VAL_NAME = "val.bin"
-TOKENIZER_NAME = "tokenizer.model"
-EXTERNAL_TOKENIZER_NAME = "hf_tokenizer"  # a folder saved by the external tokenizer
-TEXT_SUFFIXES = (".txt", ".jsonl")
-# Caps how many lines SentencePiece learns from so tokenizer training stays quick.
-MAX_TOKENIZER_SENTENCES = 300_000
-# Lines longer than this (bytes) are skipped by SentencePiece training, not by encoding.
-MAX_SENTENCE_BYTES = 1 << 16
-ENCODE_CHUNK_DOCS = 64
+from . import worker
+from .errors import DataError
+from .readers import expand_inputs, read_pieces, truncate
+from .store import (FORMAT_VERSION, HF_TOKENIZER_NAME, META_NAME, PROGRESS_NAME, TOKENIZER_NAME, PreparedData,
+                    ShardWriter, clear_folder, complete_fingerprint, load_prepared, read_json, resumable_shards,
+                    token_dtype, tokenizer_sha256, write_json_atomic)
+from .tokenizer import (MAX_TOKENIZER_SENTENCES, TokenizerSample, load_tokenizer, sampled_training_lines,
+                        train_tokenizer)
+
+log = logging.getLogger(__name__)
+
+# Input per work unit: large enough that sending it to a worker costs little next to encoding it
+# (about a second of one core), small enough that a few per worker in flight stay well under 100 MB.
+CHUNK_BYTES = 1 << 20
+# By default, a corpus up to this size (on disk, or read up to data.max_corpus_mb) is prepared by the
+# calling process alone: spawning workers (which import the caller's main script, torch included, in a
+# training job) takes seconds.
+IN_PROCESS_MAX_BYTES = 16 << 20
 STDLIB_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+BAD_RECORD_CHOICES = ("error", "skip")
 
 
-class DataError(ValueError):
-    """A problem with the user's data or data settings; the message names the culprit."""
+@dataclass(frozen=True)
+class PrepareSettings:
+    """Everything that decides the prepared folder (plus num_workers, which does not change it)."""
+
+    files: tuple[str, ...] = ()  # empty: the Python standard library sources
+    tokenizer_model: str = ""  # an existing SentencePiece model instead of training one
+    hf_tokenizer: str = ""  # a model folder whose own tokenizer to use instead of SentencePiece
+    vocab_size: int = 4096
+    val_fraction: float = 0.02
+    max_corpus_mb: float = 0.0
+    seed: int = 1234
+    text_field: str = "text"
+    on_bad_record: str = "error"
+    shard_tokens: int = 100_000_000
+    num_workers: int = 0  # 0: one per CPU core
+
+    @classmethod
+    def from_config(cls, cfg) -> PrepareSettings:
+        """From a config.Config (not imported here: data/ does not depend on config/)."""
+        d = cfg.data
+        return cls(files=tuple(d.files), tokenizer_model=d.tokenizer_model,
+                   hf_tokenizer=cfg.model.hf_path if d.tokenizer == "hf" else "", vocab_size=d.vocab_size,
+                   val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb, seed=cfg.run.seed,
+                   text_field=d.text_field, on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens,
+                   num_workers=d.num_workers)
+
+    def check(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise DataError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.max_corpus_mb < 0:
+            raise DataError(f"data.max_corpus_mb must be >= 0 (0 = no cap), got {self.max_corpus_mb}")
+        if self.vocab_size < 1:
+            raise DataError(f"data.vocab_size must be positive, got {self.vocab_size}")
+        if self.shard_tokens < 1:
+            raise DataError(f"data.shard_tokens must be positive, got {self.shard_tokens}")
+        if self.num_workers < 0:
+            raise DataError(f"data.num_workers must be >= 0 (0 = one per CPU core), got {self.num_workers}")
+        if self.on_bad_record not in BAD_RECORD_CHOICES:
+            raise DataError(f"data.on_bad_record must be one of {', '.join(BAD_RECORD_CHOICES)}, "
+                            f"got {self.on_bad_record!r}")
+
+    def processes(self, corpus_bytes: int) -> int:
+        """Worker processes to start: num_workers, or by default one per CPU core, or none (this process
+        does the work) for a corpus so small that starting processes would cost more than they save."""
+        if self.num_workers:
+            return self.num_workers
+        return len(os.sched_getaffinity(0)) if corpus_bytes > IN_PROCESS_MAX_BYTES else 0
 
 
-@dataclass
-class PreparedData:
-    train_path: Path
-    val_path: Path
-    tokenizer_path: Path
-    dtype: np.dtype
-    vocab_size: int
-    num_train_tokens: int
-    num_val_tokens: int
+# ---------------------------------------------------------------- the corpus
 
 
 def stdlib_source_files() -> list[Path]:
@@ -64,226 +122,59 @@ def stdlib_source_files() -> list[Path]:
     return sorted(found)
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype that holds every token id."""
-    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
+@dataclass
+class Corpus:
+    paths: list[Path]
+    name: str  # for messages
+    strict: bool  # undecodable bytes are an error (users' files) or replaced (the stdlib)
+    max_mb: float  # data.max_corpus_mb
+
+    @classmethod
+    def of(cls, settings: PrepareSettings) -> Corpus:
+        if not settings.files:
+            return cls(stdlib_source_files(), "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb)
+        return cls(expand_inputs(list(settings.files)), ", ".join(settings.files), strict=True,
+                   max_mb=settings.max_corpus_mb)
+
+    @cached_property
+    def disk_bytes(self) -> int:
+        return sum(path.stat().st_size for path in self.paths)
+
+    @property
+    def read_bytes(self) -> int:
+        """About how much will be read: all of it on disk, or up to data.max_corpus_mb."""
+        return min(self.disk_bytes, int(self.max_mb * 2**20) or self.disk_bytes)
 
 
-# ---------------------------------------------------------------- input files
+def _chunks(corpus: Corpus, *, text_field: str, say_cut: bool) -> Iterator[worker.Chunk]:
+    """The corpus as numbered chunks of whole pieces, each of at least CHUNK_BYTES but the last. With
+    data.max_corpus_mb, reading stops at the first line, row or document that reaches it (said in the log)."""
+    max_bytes = int(corpus.max_mb * 2**20)
+    pieces: list = []
+    num_bytes = read = done_files = 0
+    index = 0
+    for path in corpus.paths:
+        for piece in read_pieces(path, piece_bytes=CHUNK_BYTES, text_field=text_field):
+            if max_bytes and read + piece.num_bytes >= max_bytes:
+                piece = truncate(piece, max_bytes - read)
+                pieces.append(piece)
+                if say_cut:
+                    log.info("data.max_corpus_mb=%g: read the first %.2f MB of the corpus (%.2f MB on disk), stopping "
+                             "in %s", corpus.max_mb, (read + piece.num_bytes) / 2**20, corpus.disk_bytes / 2**20, path)
+                yield worker.Chunk(index, pieces, done_files + piece.disk_end)
+                return
+            pieces.append(piece)
+            num_bytes += piece.num_bytes
+            read += piece.num_bytes
+            if num_bytes >= CHUNK_BYTES:
+                yield worker.Chunk(index, pieces, done_files + piece.disk_end)
+                pieces, num_bytes, index = [], 0, index + 1
+        done_files += path.stat().st_size
+    if pieces:
+        yield worker.Chunk(index, pieces, done_files)
 
 
-def _expand_inputs(files: list[str]) -> list[Path]:
-    """Resolve user entries (files or directories) to a list of .txt/.jsonl files."""
-    paths: list[Path] = []
-    for entry in files:
-        path = Path(entry).expanduser()
-        if not path.exists():
-            raise DataError(f"data file not found: {path}")
-        if path.is_dir():
-            inside = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-            if not inside:
-                raise DataError(f"no .txt or .jsonl files under directory {path}")
-            paths.extend(inside)
-        elif path.suffix in TEXT_SUFFIXES:
-            paths.append(path)
-        else:
-            raise DataError(
-                f"unsupported data file {path}: expected .txt, .jsonl or a directory of them"
-            )
-    return paths
-
-
-def _read_text(path: Path, *, strict: bool) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="strict" if strict else "replace")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path} is not valid UTF-8 ({err})") from err
-    except OSError as err:
-        raise DataError(f"cannot read data file {path}: {err}") from err
-
-
-def _jsonl_documents(path: Path) -> Iterator[str]:
-    text = _read_text(path, strict=True)
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path} line {line_number}: invalid JSON ({err.msg})") from err
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f"{path} line {line_number}: expected an object with a string 'text' field")
-        yield record["text"]
-
-
-def _file_documents(path: Path, *, strict: bool) -> Iterator[str]:
-    if path.suffix == ".jsonl":
-        yield from _jsonl_documents(path)
-    else:
-        # .txt and stdlib .py files: the whole file is one document.
-        yield _read_text(path, strict=strict)
-
-
-def _read_documents(paths: list[Path], *, max_bytes: int, strict: bool) -> list[str]:
-    """Read documents in order, skipping blank ones, until max_bytes of text (0 = no cap)."""
-    documents: list[str] = []
-    num_bytes = 0
-    for path in paths:
-        for text in _file_documents(path, strict=strict):
-            if not text.strip():
-                continue
-            documents.append(text)
-            num_bytes += len(text.encode("utf-8"))
-            if max_bytes and num_bytes >= max_bytes:
-                return documents
-    return documents
-
-
-# ---------------------------------------------------------------- split
-
-
-def _split_documents(documents: list[str], *, val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Seeded split by document; one document is split by characters instead."""
-    if len(documents) == 1:
-        text = documents[0]
-        if len(text) < 2:
-            raise DataError("corpus is a single one-character document; cannot make train and val sets")
-        cut = min(max(int(len(text) * (1.0 - val_fraction)), 1), len(text) - 1)
-        return [text[:cut]], [text[cut:]]
-    num_val = min(max(round(len(documents) * val_fraction), 1), len(documents) - 1)
-    order = np.random.default_rng(seed).permutation(len(documents))
-    val_ids = set(order[:num_val].tolist())
-    # Keep original order inside each split; the loader shuffles windows anyway.
-    train = [doc for i, doc in enumerate(documents) if i not in val_ids]
-    val = [doc for i, doc in enumerate(documents) if i in val_ids]
-    return train, val
-
-
-# ---------------------------------------------------------------- tokenizer
-
-
-def _training_lines(documents: list[str]) -> Iterator[str]:
-    # SentencePiece learns from lines; newlines themselves are covered by byte fallback.
-    for doc in documents:
-        for line in doc.split("\n"):
-            if line.strip():
-                yield line
-
-
-def _sampled_training_lines(documents: list[str], *, max_lines: int, seed: int) -> Iterator[str]:
-    """At most max_lines lines, drawn with our own seeded RNG.
-
-    SentencePiece's shuffle_input_sentence sampling is not reproducible even with a
-    fixed seed, so we sample here and let it use everything it is given.
-    """
-    num_lines = sum(1 for _ in _training_lines(documents))
-    if num_lines <= max_lines:
-        yield from _training_lines(documents)
-        return
-    keep = np.zeros(num_lines, dtype=bool)
-    keep[np.random.default_rng(seed).choice(num_lines, size=max_lines, replace=False)] = True
-    for line_index, line in enumerate(_training_lines(documents)):
-        if keep[line_index]:
-            yield line
-
-
-def _train_tokenizer(documents: list[str], *, vocab_size: int, seed: int, out_path: Path) -> None:
-    model = _ProtoSink()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=_sampled_training_lines(
-                documents, max_lines=MAX_TOKENIZER_SENTENCES, seed=seed
-            ),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type="bpe",
-            byte_fallback=True,
-            character_coverage=1.0,
-            # Already sampled above; 0 tells SentencePiece to keep every line it gets.
-            input_sentence_size=0,
-            shuffle_input_sentence=False,
-            max_sentence_length=MAX_SENTENCE_BYTES,
-            # Thread count changes only the recorded trainer settings, not the learned pieces.
-            num_threads=os.cpu_count() or 1,
-            split_digits=True,
-            allow_whitespace_only_pieces=True,
-            remove_extra_whitespaces=False,
-            # Identity normalisation and no dummy prefix make decode(encode(text)) == text for code.
-            normalization_rule_name="identity",
-            add_dummy_prefix=False,
-            minloglevel=2,
-        )
-    except RuntimeError as err:
-        raise DataError(
-            f"SentencePiece could not train a vocabulary of {vocab_size} on this corpus ({err}); "
-            f"try a smaller data.vocab_size or more data"
-        ) from err
-    out_path.write_bytes(model.data)
-
-
-class _ProtoSink:
-    """Collects the serialized model SentencePiece writes, so nothing is half-written on disk."""
-
-    def __init__(self) -> None:
-        self.data = b""
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-
-def _load_tokenizer(path: Path) -> spm.SentencePieceProcessor:
-    processor = spm.SentencePieceProcessor()
-    try:
-        processor.load(str(path))
-    except (OSError, RuntimeError) as err:
-        raise DataError(f"cannot load SentencePiece model {path}: {err}") from err
-    if processor.eos_id() < 0:
-        raise DataError(f"SentencePiece model {path} has no EOS piece; documents need one as separator")
-    return processor
-
-
-# ---------------------------------------------------------------- encoding
-
-
-def _encode_to_file(
-    documents: list[str],
-    *,
-    processor: spm.SentencePieceProcessor,
-    dtype: np.dtype,
-    out_path: Path,
-    desc: str,
-    show_progress: bool,
-) -> int:
-    """Encode documents, EOS after each, appending raw ids to out_path; returns the token count."""
-    eos = processor.eos_id()
-    num_tokens = 0
-    with open(out_path, "wb") as out, tqdm(
-        total=len(documents), desc=desc, unit="doc", disable=not show_progress, file=sys.stderr
-    ) as bar:
-        for first in range(0, len(documents), ENCODE_CHUNK_DOCS):
-            chunk = documents[first : first + ENCODE_CHUNK_DOCS]
-            encoded = processor.encode(chunk, out_type=int, num_threads=os.cpu_count() or 1)
-            ids = [token for doc_ids in encoded for token in (*doc_ids, eos)]
-            np.asarray(ids, dtype=dtype).tofile(out)
-            num_tokens += len(ids)
-            bar.update(len(chunk))
-            bar.set_postfix(tokens=f"{num_tokens:,}")
-    return num_tokens
-
-
-# ---------------------------------------------------------------- fingerprint and meta
-
-
-def _fingerprint(
-    paths: list[Path],
-    *,
-    tokenizer_model: Path | None,
-    vocab_size: int,
-    val_fraction: float,
-    max_corpus_mb: float,
-    seed: int,
-    external: str | None = None,
-) -> str:
+def _fingerprint(settings: PrepareSettings, corpus: Corpus) -> str:
     """Hash of everything that determines the prepared files, so a cache hit is safe."""
 
     def describe(path: Path) -> list:
@@ -292,204 +183,353 @@ def _fingerprint(
 
     record = {
         "format_version": FORMAT_VERSION,
-        "inputs": sorted(describe(p) for p in paths),
-        "tokenizer_model": describe(tokenizer_model) if tokenizer_model else None,
-        "vocab_size": vocab_size,
-        "val_fraction": val_fraction,
-        "max_corpus_mb": max_corpus_mb,
-        "seed": seed,
-        "external_tokenizer": external,
+        "inputs": [describe(p) for p in corpus.paths],
+        "settings": {**asdict(settings), "num_workers": None, "files": None},
+        "tokenizer_model": describe(Path(settings.tokenizer_model).expanduser()) if settings.tokenizer_model else None,
+        "hf_tokenizer": _hf_fingerprint(settings.hf_tokenizer) if settings.hf_tokenizer else None,
     }
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def _read_meta(meta_path: Path) -> dict:
+def _hf_fingerprint(path: str) -> str:
+    from .hf_tokenizer import tokenizer_files_digest
+
+    return tokenizer_files_digest(Path(path))
+
+
+def default_dataset_dir(settings: PrepareSettings) -> str:
+    """Where the data of these settings is cached when data.dataset_dir is empty."""
+    tokenizer = settings.hf_tokenizer or settings.tokenizer_model
+    what = json.dumps([list(settings.files), tokenizer, settings.vocab_size, settings.val_fraction,
+                       settings.max_corpus_mb, settings.seed])
+    kind = "stdlib" if not settings.files else "custom"
+    return str(Path("data/cache") / f"{kind}-{hashlib.sha1(what.encode()).hexdigest()[:10]}")
+
+
+# ---------------------------------------------------------------- running chunks on the workers
+
+
+def _worker_pool(settings: PrepareSettings, corpus: Corpus, num_workers: int):
+    """num_workers processes, or this process itself for 0."""
+    initargs = (worker.WorkerSettings(text_field=settings.text_field, strict=corpus.strict,
+                                      skip_bad_records=settings.on_bad_record == "skip",
+                                      val_fraction=settings.val_fraction, seed=settings.seed),)
+    if num_workers == 0:
+        return _InProcess(initargs)
+    # spawn, not fork: the caller may be a training rank with communication threads running, and a
+    # forked copy of such a process can deadlock.
+    return ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=worker.init, initargs=initargs)
+
+
+class _InProcess:
+    """The pool's interface, running each task at once in this process."""
+
+    def __init__(self, initargs: tuple):
+        worker.init(*initargs)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as err:  # noqa: BLE001 - delivered by future.result(), as from a process
+            future.set_exception(err)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+    def __enter__(self) -> _InProcess:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+
+def _in_order(submit: Callable[[worker.Chunk], Future], chunks: Iterator[worker.Chunk], *,
+              window: int) -> Iterator[worker.ChunkResult]:
+    """Submit chunks, keeping at most `window` in flight; yield their results in chunk order."""
+    pending: deque[Future] = deque()
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise DataError(f"cannot read {meta_path}: {err}") from err
-    if not isinstance(meta, dict):
-        raise DataError(f"{meta_path} does not hold a JSON object")
-    return meta
+        for chunk in chunks:
+            pending.append(submit(chunk))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise DataError("a data preparation worker process died (killed, or out of memory?); "
+                        "rerun to continue after the finished shards") from None
+    finally:
+        for future in pending:
+            future.cancel()
 
 
-def _meta_field(meta: dict, name: str, kind: type, meta_path: Path):
-    value = meta.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise DataError(f"{meta_path}: field '{name}' missing or not a {kind.__name__}")
-    return value
+def _progress_bar(desc: str, total: int, *, initial: int = 0, show: bool) -> tqdm:
+    # Into a log file (Slurm, a pipe) rather than a terminal: a line every 30 s, not ten a second.
+    return tqdm(total=total, initial=initial, desc=desc, unit="B", unit_scale=True, disable=not show,
+                file=sys.stderr, dynamic_ncols=True, smoothing=0.05, mininterval=0.1 if sys.stderr.isatty() else 30)
 
 
-def load_prepared(dataset_dir: str) -> PreparedData:
-    """Open a prepared directory, checking that its files exist and match meta.json."""
-    root = Path(dataset_dir)
-    meta_path = root / META_NAME
-    if not meta_path.is_file():
-        raise DataError(f"no prepared data in {root}: {meta_path} not found")
-    meta = _read_meta(meta_path)
-    dtype_name = _meta_field(meta, "dtype", str, meta_path)
-    if dtype_name not in ("uint16", "uint32"):
-        raise DataError(f"{meta_path}: field 'dtype' is {dtype_name!r}, expected uint16 or uint32")
-    prepared = PreparedData(
-        train_path=root / _meta_field(meta, "train_file", str, meta_path),
-        val_path=root / _meta_field(meta, "val_file", str, meta_path),
-        tokenizer_path=root / _meta_field(meta, "tokenizer_file", str, meta_path),
-        dtype=np.dtype(dtype_name),
-        vocab_size=_meta_field(meta, "vocab_size", int, meta_path),
-        num_train_tokens=_meta_field(meta, "num_train_tokens", int, meta_path),
-        num_val_tokens=_meta_field(meta, "num_val_tokens", int, meta_path),
-    )
-    if not prepared.tokenizer_path.exists():
-        raise DataError(f"prepared tokenizer missing: {prepared.tokenizer_path}")
-    for path, num_tokens in (
-        (prepared.train_path, prepared.num_train_tokens),
-        (prepared.val_path, prepared.num_val_tokens),
-    ):
-        if not path.is_file():
-            raise DataError(f"prepared token file missing: {path}")
-        expected = num_tokens * prepared.dtype.itemsize
-        if path.stat().st_size != expected:
-            raise DataError(
-                f"{path} is {path.stat().st_size} bytes but {meta_path} says {num_tokens} tokens "
-                f"({expected} bytes); delete {root} to re-prepare"
-            )
-    return prepared
+# ---------------------------------------------------------------- the passes
 
 
-def _cached(root: Path, fingerprint: str) -> PreparedData | None:
-    meta_path = root / META_NAME
-    if not meta_path.is_file():
-        return None
+class _Preparation:
+    def __init__(self, root: Path, settings: PrepareSettings, corpus: Corpus, fingerprint: str,
+                 pool: ProcessPoolExecutor | _InProcess, *, window: int, show_progress: bool):
+        self.root, self.settings, self.corpus, self.fingerprint = root, settings, corpus, fingerprint
+        self.pool, self.show_progress = pool, show_progress
+        self.window = window  # chunks in flight: enough to keep every worker busy, few enough to bound memory
+        self.seconds: dict[str, float] = {}  # per phase, for the summary
+        self.rate_mb_s = 0.0
+
+    def chunks(self, *, say_cut: bool = False) -> Iterator[worker.Chunk]:
+        return _chunks(self.corpus, text_field=self.settings.text_field, say_cut=say_cut)
+
+    # -- tokenizer --------------------------------------------------------------------------------
+
+    def tokenizer(self) -> tuple[str, Path]:
+        """(kind, path) of the folder's tokenizer, made now: copied, saved or trained."""
+        s = self.settings
+        if s.hf_tokenizer:
+            path = self.root / HF_TOKENIZER_NAME
+            _replace_with(path, lambda tmp: load_tokenizer("hf", Path(s.hf_tokenizer)).save(tmp))
+            return "hf", path
+        path = self.root / TOKENIZER_NAME
+        if s.tokenizer_model:
+            _replace_with(path, lambda tmp: shutil.copyfile(Path(s.tokenizer_model).expanduser(), tmp))
+        else:
+            start = time.perf_counter()
+            documents = self.tokenizer_sample()
+            self.seconds["tokenizer sample"] = time.perf_counter() - start
+            lines = sampled_training_lines(documents, max_lines=MAX_TOKENIZER_SENTENCES, seed=s.seed)
+            _replace_with(path, lambda tmp: train_tokenizer(lines, vocab_size=s.vocab_size, out_path=tmp))
+            self.seconds["tokenizer training"] = time.perf_counter() - start - self.seconds["tokenizer sample"]
+        load_tokenizer("sentencepiece", path)  # checks it loads and has an EOS piece
+        return "sentencepiece", path
+
+    def tokenizer_sample(self) -> list[str]:
+        sample = TokenizerSample()
+        with _progress_bar("sampling for the tokenizer", self.corpus.read_bytes, show=self.show_progress) as bar:
+            submit = lambda chunk: self.pool.submit(worker.sample_chunk, chunk, sample.threshold)  # noqa: E731
+            for result in _in_order(submit, self.chunks(), window=self.window):
+                for key, text in result.sample:
+                    sample.offer(key, text)
+                bar.update(result.disk_done - bar.n)
+        if not sample.documents():
+            raise DataError(f"no text found in {self.corpus.name}")
+        return sample.documents()
+
+    # -- tokens -----------------------------------------------------------------------------------
+
+    def run(self) -> PreparedData:
+        progress = self._resume_or_restart()
+        writer = ShardWriter(self.root, dtype=token_dtype(progress["vocab_size"]), progress=progress)
+        if writer.shards:
+            log.info("continuing an interrupted preparation after its %d finished shards", len(writer.shards))
+        totals = dict(writer.shards[-1]["totals"]) if writer.shards else _zero_totals()
+        start, bytes_before = time.perf_counter(), totals["text_bytes"]
+        try:
+            self._encode(writer, totals)
+        except BaseException:
+            writer.abort()
+            raise
+        self.seconds["tokenising"] = time.perf_counter() - start
+        self.rate_mb_s = (totals["text_bytes"] - bytes_before) / 2**20 / max(self.seconds["tokenising"], 1e-9)
+        return self._finish(writer, totals)
+
+    def _encode(self, writer: ShardWriter, totals: dict) -> None:
+        """Pass 2: every chunk after the finished shards, encoded by the workers, written in order."""
+        next_chunk = writer.shards[-1]["end_chunk"] if writer.shards else 0
+        chunks = (chunk for chunk in self.chunks(say_cut=True) if chunk.index >= next_chunk)
+        tokenizer = (writer.progress["tokenizer_kind"], str(self.root / writer.progress["tokenizer_file"]))
+        submit = lambda chunk: self.pool.submit(worker.encode_chunk, chunk, tokenizer, writer.dtype.name)  # noqa: E731
+        bar = _progress_bar("tokenising", self.corpus.read_bytes, initial=totals["disk_bytes"], show=self.show_progress)
+        with bar:
+            for result in _in_order(submit, chunks, window=self.window):
+                _add_totals(totals, result)
+                writer.append(result.train, result.val)
+                next_chunk = result.index + 1
+                if writer.num_tokens[0] >= self.settings.shard_tokens:
+                    writer.finish_shard(end_chunk=next_chunk, totals=dict(totals))
+                bar.update(totals["disk_bytes"] - bar.n)
+                bar.set_postfix(tokens=f"{totals['num_train_tokens'] + totals['num_val_tokens']:,}", refresh=False)
+        writer.finish_shard(end_chunk=next_chunk, totals=dict(totals))
+
+    def _resume_or_restart(self) -> dict:
+        """progress.json's record: the finished shards of an interrupted run of the same inputs and
+        settings, with its tokenizer; or a fresh start with a new tokenizer and nothing else."""
+        (self.root / META_NAME).unlink(missing_ok=True)  # from now on, the folder is incomplete
+        progress = _read_progress(self.root)
+        if progress.get("source_fingerprint") == self.fingerprint and _tokenizer_intact(self.root, progress):
+            progress["shards"] = resumable_shards(self.root, self.fingerprint, token_dtype(progress["vocab_size"]))
+            _remove_unrecorded_shards(self.root, progress["shards"])
+            return progress
+        clear_folder(self.root, keep_tokenizer=False)
+        kind, path = self.tokenizer()
+        vocab_size = load_tokenizer(kind, path).get_piece_size()
+        progress = {"source_fingerprint": self.fingerprint, "tokenizer_kind": kind, "tokenizer_file": path.name,
+                    "tokenizer_sha256": tokenizer_sha256(path), "vocab_size": vocab_size,
+                    "dtype": token_dtype(vocab_size).name, "shards": []}
+        write_json_atomic(self.root / PROGRESS_NAME, progress)
+        return progress
+
+    def _finish(self, writer: ShardWriter, totals: dict) -> PreparedData:
+        s, progress = self.settings, writer.progress
+        if not totals["num_documents"]:
+            raise DataError(f"no text found in {self.corpus.name}")
+        num_train = sum(shard["num_train_tokens"] for shard in writer.shards)
+        num_val = sum(shard["num_val_tokens"] for shard in writer.shards)
+        if num_val < 2:
+            # Too few documents for any to be held out (a single .txt file, say): hold out the end of
+            # the training tokens instead, as much as val_fraction asks for.
+            wanted = max(2, num_train - int(num_train * (1.0 - s.val_fraction)))
+            moved = writer.hold_out_tail(wanted)
+            num_train, num_val = num_train - moved, num_val + moved
+            log.info("no document was held out for validation (%d documents); its last %d training tokens are "
+                     "the validation split instead", totals["num_documents"], moved)
+        if num_val < 2 or num_train < 2:
+            split, num = ("validation", num_val) if num_val < 2 else ("training", num_train)
+            raise DataError(f"the {split} split of {self.root} holds {num} tokens; change data.val_fraction or add data")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            **progress,
+            "num_train_tokens": num_train,
+            "num_val_tokens": num_val,
+            "num_train_documents": totals["num_train_documents"],
+            "num_val_documents": totals["num_val_documents"],
+            "num_skipped_records": totals["num_bad_records"],
+            "first_skipped_record": totals["first_bad_record"],
+            "text_bytes": totals["text_bytes"],
+            "inputs": "python-stdlib" if not s.files else list(s.files),
+            "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
+            "shards": [{k: shard[k] for k in ("train", "val", "num_train_tokens", "num_val_tokens")}
+                       for shard in writer.shards],
+        }
+        write_json_atomic(self.root / META_NAME, meta)
+        (self.root / PROGRESS_NAME).unlink(missing_ok=True)
+        _log_summary(self.root, totals, meta, rate_mb_s=self.rate_mb_s)
+        return load_prepared(self.root)
+
+
+def _zero_totals() -> dict:
+    return {"num_documents": 0, "num_train_documents": 0, "num_val_documents": 0, "num_train_tokens": 0,
+            "num_val_tokens": 0, "text_bytes": 0, "disk_bytes": 0, "num_bad_records": 0, "first_bad_record": None}
+
+
+def _add_totals(totals: dict, result: worker.ChunkResult) -> None:
+    totals["num_train_documents"] += result.num_train_documents
+    totals["num_val_documents"] += result.num_val_documents
+    totals["num_documents"] += result.num_train_documents + result.num_val_documents
+    totals["num_train_tokens"] += len(result.train)
+    totals["num_val_tokens"] += len(result.val)
+    totals["text_bytes"] += result.num_bytes
+    totals["disk_bytes"] = result.disk_done
+    totals["num_bad_records"] += result.num_bad_records
+    totals["first_bad_record"] = totals["first_bad_record"] or result.first_bad_record
+
+
+def _log_summary(root: Path, totals: dict, meta: dict, *, rate_mb_s: float) -> None:
+    phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in meta["seconds"].items())
+    num_shards = len(meta["shards"])
+    log.info("prepared %s: %s documents (%s held out), %.1f MB of text -> %s train + %s val tokens in %d shard%s; "
+             "%s (%.1f MB/s)", root, f"{totals['num_documents']:,}", f"{totals['num_val_documents']:,}",
+             totals["text_bytes"] / 2**20, f"{meta['num_train_tokens']:,}", f"{meta['num_val_tokens']:,}",
+             num_shards, "" if num_shards == 1 else "s", phases, rate_mb_s)
+    if totals["num_bad_records"]:
+        log.warning("skipped %d bad records (data.on_bad_record=skip); the first: %s",
+                    totals["num_bad_records"], totals["first_bad_record"])
+
+
+def _read_progress(root: Path) -> dict:
     try:
-        if _read_meta(meta_path).get("source_fingerprint") != fingerprint:
-            return None
-        return load_prepared(str(root))
+        return read_json(root / PROGRESS_NAME) if (root / PROGRESS_NAME).is_file() else {}
     except DataError:
-        # A damaged cache is rebuilt rather than reported.
-        return None
+        return {}
 
 
-def _write_json_atomic(path: Path, payload: dict) -> None:
+def _tokenizer_intact(root: Path, progress: dict) -> bool:
+    path = root / str(progress.get("tokenizer_file", ""))
+    return path.exists() and path != root and tokenizer_sha256(path) == progress.get("tokenizer_sha256")
+
+
+def _remove_unrecorded_shards(root: Path, shards: list[dict]) -> None:
+    recorded = {name for shard in shards for name in (shard["train"], shard["val"])}
+    for path in root.iterdir():
+        if path.name.startswith(("train-", "val-")) and path.name not in recorded:
+            path.unlink()
+
+
+def _replace_with(path: Path, write: Callable[[Path], None]) -> None:
+    """Write a file or folder under a .tmp name, then move it into place."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    _remove(tmp)
+    write(tmp)
+    _remove(path)
     os.replace(tmp, path)
 
 
-# ---------------------------------------------------------------- entry point
-
-
-def _check_settings(*, vocab_size: int, val_fraction: float, max_corpus_mb: float) -> None:
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
-    if max_corpus_mb < 0:
-        raise DataError(f"data.max_corpus_mb must be >= 0 (0 = no cap), got {max_corpus_mb}")
-    if vocab_size < 1:
-        raise DataError(f"data.vocab_size must be positive, got {vocab_size}")
-
-
-def prepare_data(
-    *,
-    dataset_dir: str,
-    files: list[str],
-    tokenizer_model: str | None,
-    vocab_size: int,
-    val_fraction: float,
-    max_corpus_mb: float,
-    seed: int,
-    show_progress: bool = True,
-    external_tokenizer=None,
-) -> PreparedData:
-    """Tokenise the corpus into dataset_dir, or reuse what an earlier identical call left there.
-
-    `external_tokenizer` replaces SentencePiece (e.g. a Hugging Face tokenizer, adapted by the caller so
-    this package needs no transformers): it must offer `encode(list[str], out_type=int, num_threads=int)`,
-    `eos_id()`, `get_piece_size()`, `save(path)` (writes what it needs into the file or folder `path`)
-    and a `fingerprint` string identifying it.
-    """
-    _check_settings(vocab_size=vocab_size, val_fraction=val_fraction, max_corpus_mb=max_corpus_mb)
-    use_stdlib = not files
-    paths = stdlib_source_files() if use_stdlib else _expand_inputs(files)
-    given_tokenizer = Path(tokenizer_model).expanduser() if tokenizer_model else None
-    if given_tokenizer is not None and not given_tokenizer.is_file():
-        raise DataError(f"tokenizer model not found: {given_tokenizer}")
-
-    root = Path(dataset_dir)
-    fingerprint = _fingerprint(
-        paths,
-        tokenizer_model=given_tokenizer,
-        vocab_size=vocab_size,
-        val_fraction=val_fraction,
-        max_corpus_mb=max_corpus_mb,
-        seed=seed,
-        external=getattr(external_tokenizer, "fingerprint", None),
-    )
-    cached = _cached(root, fingerprint)
-    if cached is not None:
-        return cached
-
-    root.mkdir(parents=True, exist_ok=True)
-    # Drop the old meta first: if we crash midway, nothing claims the half-rewritten files.
-    (root / META_NAME).unlink(missing_ok=True)
-
-    # Stdlib files are not ours to fix, so undecodable bytes are replaced rather than fatal.
-    documents = _read_documents(paths, max_bytes=int(max_corpus_mb * 2**20), strict=not use_stdlib)
-    if not documents:
-        named = "the Python stdlib" if use_stdlib else ", ".join(str(p) for p in files)
-        raise DataError(f"no text found in {named}")
-    train_docs, val_docs = _split_documents(documents, val_fraction=val_fraction, seed=seed)
-
-    tokenizer_name = TOKENIZER_NAME if external_tokenizer is None else EXTERNAL_TOKENIZER_NAME
-    tmp_tokenizer = root / (tokenizer_name + ".tmp")
-    if external_tokenizer is not None:
-        if tmp_tokenizer.is_dir():
-            shutil.rmtree(tmp_tokenizer)
-        external_tokenizer.save(tmp_tokenizer)
-    elif given_tokenizer is not None:
-        # Copy so the prepared directory is self-contained.
-        shutil.copyfile(given_tokenizer, tmp_tokenizer)
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
     else:
-        _train_tokenizer(train_docs, vocab_size=vocab_size, seed=seed, out_path=tmp_tokenizer)
-    processor = external_tokenizer if external_tokenizer is not None else _load_tokenizer(tmp_tokenizer)
-    actual_vocab = processor.get_piece_size()
-    dtype = token_dtype(actual_vocab)
+        path.unlink(missing_ok=True)
 
-    tmp_train = root / (TRAIN_NAME + ".tmp")
-    tmp_val = root / (VAL_NAME + ".tmp")
-    num_train_tokens = _encode_to_file(
-        train_docs, processor=processor, dtype=dtype, out_path=tmp_train,
-        desc="tokenising train", show_progress=show_progress,
-    )
-    num_val_tokens = _encode_to_file(
-        val_docs, processor=processor, dtype=dtype, out_path=tmp_val,
-        desc="tokenising val", show_progress=show_progress,
-    )
-    if num_val_tokens < 2:
-        raise DataError(
-            f"validation split of {root} holds {num_val_tokens} tokens; raise data.val_fraction or add data"
-        )
 
-    if (root / tokenizer_name).is_dir():
-        shutil.rmtree(root / tokenizer_name)
-    os.replace(tmp_tokenizer, root / tokenizer_name)
-    os.replace(tmp_train, root / TRAIN_NAME)
-    os.replace(tmp_val, root / VAL_NAME)
-    _write_json_atomic(
-        root / META_NAME,
-        {
-            "format_version": FORMAT_VERSION,
-            "source_fingerprint": fingerprint,
-            "dtype": dtype.name,
-            "vocab_size": actual_vocab,
-            "num_train_tokens": num_train_tokens,
-            "num_val_tokens": num_val_tokens,
-            "num_train_documents": len(train_docs),
-            "num_val_documents": len(val_docs),
-            "train_file": TRAIN_NAME,
-            "val_file": VAL_NAME,
-            "tokenizer_file": tokenizer_name,
-            "tokenizer_source": (external_tokenizer.fingerprint if external_tokenizer is not None
-                                 else str(given_tokenizer.resolve()) if given_tokenizer else "trained"),
-            "inputs": "python-stdlib" if use_stdlib else [str(p) for p in files],
-        },
-    )
-    return load_prepared(str(root))
+# ---------------------------------------------------------------- entry points
+
+
+def prepare_data(dataset_dir: str | Path, settings: PrepareSettings, *, show_progress: bool = True,
+                 max_input_mb: float = 0.0) -> PreparedData:
+    """Prepare the corpus into dataset_dir, continue an interrupted preparation of it there, or reuse
+    what an earlier identical call left. max_input_mb (> 0) refuses corpora larger than that on disk."""
+    settings.check()
+    corpus = Corpus.of(settings)
+    if settings.tokenizer_model and not Path(settings.tokenizer_model).expanduser().is_file():
+        raise DataError(f"tokenizer model not found: {Path(settings.tokenizer_model).expanduser()}")
+    fingerprint = _fingerprint(settings, corpus)
+    root = Path(dataset_dir)
+    if complete_fingerprint(root) == fingerprint:
+        try:
+            prepared = load_prepared(root)
+            log.info("using the data prepared earlier in %s", root)
+            return prepared
+        except DataError:
+            pass  # a damaged folder is prepared again rather than reported
+    if max_input_mb and corpus.disk_bytes > max_input_mb * 2**20:
+        raise DataError(f"the corpus is {corpus.disk_bytes / 2**20:,.0f} MB, more than data.max_in_job_mb="
+                        f"{max_input_mb:g} prepares inside a training job: prepare it first with "
+                        f"`python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train with "
+                        f"--data.dataset_dir=DIR")
+    root.mkdir(parents=True, exist_ok=True)
+    num_workers = settings.processes(corpus.read_bytes)
+    log.info("preparing %s into %s with %s", corpus.name, root,
+             f"{num_workers} worker processes" if num_workers else "no worker process (a small corpus)")
+    with _worker_pool(settings, corpus, num_workers) as pool:
+        try:
+            return _Preparation(root, settings, corpus, fingerprint, pool, window=2 * num_workers + 2,
+                                show_progress=show_progress).run()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def prepare_for_training(dataset_dir: str | Path, settings: PrepareSettings, *, named_dir: bool,
+                         max_input_mb: float) -> None:
+    """Rank 0's share of train_fsdp.py: make sure dataset_dir holds the data to train on.
+
+    A complete folder the user named (named_dir) that was prepared from other inputs or settings is
+    trained on as it is when data.files is empty (the `--data.dataset_dir=DIR` of a folder made by
+    scripts/prepare_data.py), and is an error when data.files is set: it is never overwritten by a job.
+    Otherwise the corpus is prepared (or an earlier preparation reused or continued), when no larger
+    than max_input_mb.
+    """
+    root = Path(dataset_dir)
+    found = complete_fingerprint(root)
+    if named_dir and found is not None and found != _fingerprint(settings, Corpus.of(settings)):
+        if not settings.files:
+            log.info("training on the data prepared in %s (data.files is empty)", root)
+            return
+        raise DataError(f"{root} already holds data prepared from other inputs or settings (or by an older version); "
+                        f"delete it to prepare data.files there, or leave data.files empty to train on it as it is")
+    prepare_data(root, settings, max_input_mb=max_input_mb)

@@ -1,4 +1,5 @@
-"""Hugging Face causal LMs (model.type: hf) in the same loop: building, sharding and the tokenizer.
+"""Hugging Face causal LMs (model.type: hf) in the same loop: building and sharding
+(the model's tokenizer, `data.tokenizer: hf`, lives in data/hf_tokenizer.py).
 
 Loading a pretrained model on many ranks never holds a full copy per rank: rank 0 reads the weights
 into CPU memory, every rank wraps a meta-device skeleton, and once it is sharded (FSDP1 or FSDP2) the
@@ -6,7 +7,6 @@ weights reach every rank's shards by a rank-0 broadcast of the full state dict (
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
@@ -132,31 +132,3 @@ def broadcast_from_rank0(model: nn.Module, full_state: dict | None, buffers: dic
             buf.copy_(buffers[name.replace("_fsdp_wrapped_module.", "")])
         dist.broadcast(buf, src=0)
 
-
-class HFTokenizer:
-    """A transformers tokenizer with the small SentencePiece-like surface data.prepare_data expects."""
-
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
-
-        self.path = path
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        if self.tok.eos_token_id is None:
-            raise ValueError(f"tokenizer in {path} has no EOS token; documents need one as separator")
-        files = sorted(p for p in Path(path).iterdir() if p.is_file() and "token" in p.name)
-        digest = hashlib.sha256()
-        for p in files:
-            digest.update(p.name.encode() + p.read_bytes())
-        self.fingerprint = f"hf:{digest.hexdigest()}"
-
-    def encode(self, texts: list[str], out_type=int, num_threads: int = 1) -> list[list[int]]:
-        return [self.tok.encode(t, add_special_tokens=False) for t in texts]
-
-    def eos_id(self) -> int:
-        return self.tok.eos_token_id
-
-    def get_piece_size(self) -> int:
-        return len(self.tok)
-
-    def save(self, path: Path) -> None:
-        self.tok.save_pretrained(str(path))

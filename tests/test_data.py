@@ -1,10 +1,14 @@
-"""Tests for data/: preparation, caching, errors, deterministic windows, prefetching."""
+"""Tests for data/: preparation, caching, errors, deterministic windows, prefetching.
+
+Formats, workers, resuming and bad input of the streaming preparation: tests/test_prepare.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -12,17 +16,25 @@ import pytest
 import sentencepiece as spm
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
+from config import ConfigError, load_config  # noqa: E402
 from data import (  # noqa: E402
     BatchPrefetcher,
     DataError,
+    Mixture,
     PreparedData,
+    PrepareSettings,
     TokenDataset,
     load_prepared,
+    open_datasets,
     prepare_data,
     stdlib_source_files,
 )
+from data.loader import RandomPermutation  # noqa: E402
+from data.mixture import BLOCK as MIX_BLOCK  # noqa: E402
+
 
 VOCAB_SIZE = 320
 WORDS = "alpha beta gamma delta epsilon zeta theta lambda sigma omega return yield class def".split()
@@ -41,46 +53,47 @@ def make_documents(num_docs: int = 40, *, seed: int = 0) -> list[str]:
     return documents
 
 
-def prep(tmp_path: Path, files: list[str], **overrides) -> PreparedData:
-    args = dict(
-        dataset_dir=str(tmp_path / "prepared"),
-        files=files,
-        tokenizer_model=None,
-        vocab_size=VOCAB_SIZE,
-        val_fraction=0.1,
-        max_corpus_mb=0,
-        seed=7,
-        show_progress=False,
-    )
-    args.update(overrides)
-    return prepare_data(**args)
+def prep(tmp_path: Path, files: list[str], *, dataset_dir: Path | None = None, **settings) -> PreparedData:
+    settings = dict(files=tuple(files), vocab_size=VOCAB_SIZE, val_fraction=0.1, seed=7, num_workers=1) | settings
+    return prepare_data(dataset_dir or tmp_path / "prepared", PrepareSettings(**settings), show_progress=False)
 
 
-def decode_documents(prepared: PreparedData) -> list[str]:
-    """Decode train.bin + val.bin back into documents, splitting at EOS."""
+def split_tokens(prepared: PreparedData, split: str) -> np.ndarray:
+    """All tokens of one split, shard after shard."""
+    files = prepared.train_files if split == "train" else prepared.val_files
+    return np.concatenate([np.fromfile(path, dtype=prepared.dtype) for path in files])
+
+
+def decode_split(prepared: PreparedData, split: str) -> list[str]:
+    """Decode one split back into documents, splitting at EOS."""
     processor = spm.SentencePieceProcessor(model_file=str(prepared.tokenizer_path))
     eos = processor.eos_id()
-    documents = []
-    for path in (prepared.train_path, prepared.val_path):
-        ids = np.fromfile(path, dtype=prepared.dtype).tolist()
-        assert ids[-1] == eos
-        current: list[int] = []
-        for token in ids:
-            if token == eos:
-                documents.append(processor.decode(current))
-                current = []
-            else:
-                current.append(token)
+    ids = split_tokens(prepared, split).tolist()
+    assert ids[-1] == eos
+    documents, current = [], []
+    for token in ids:
+        if token == eos:
+            documents.append(processor.decode(current))
+            current = []
+        else:
+            current.append(token)
     return documents
 
 
+def decode_documents(prepared: PreparedData) -> list[str]:
+    return decode_split(prepared, "train") + decode_split(prepared, "val")
+
+
+def held_out(text: str, *, seed: int = 7, val_fraction: float = 0.1) -> bool:
+    """The documented split rule, derived again: the first 8 bytes of blake2b-128 keyed by the seed."""
+    digest = hashlib.blake2b(text.encode(), digest_size=16, key=seed.to_bytes(8, "little", signed=True)).digest()
+    return int.from_bytes(digest[:8], "little") < val_fraction * 2**64
+
+
 def check_token_counts(prepared: PreparedData) -> None:
-    meta = json.loads((prepared.train_path.parent / "meta.json").read_text())
-    itemsize = np.dtype(prepared.dtype).itemsize
-    assert meta["num_train_tokens"] == prepared.num_train_tokens
-    assert meta["num_val_tokens"] == prepared.num_val_tokens
-    assert prepared.train_path.stat().st_size == prepared.num_train_tokens * itemsize
-    assert prepared.val_path.stat().st_size == prepared.num_val_tokens * itemsize
+    meta = json.loads((prepared.root / "meta.json").read_text())
+    assert meta["num_train_tokens"] == prepared.num_train_tokens == len(split_tokens(prepared, "train"))
+    assert meta["num_val_tokens"] == prepared.num_val_tokens == len(split_tokens(prepared, "val"))
     assert prepared.num_val_tokens > 0 and prepared.num_train_tokens > prepared.num_val_tokens
 
 
@@ -103,14 +116,13 @@ def test_txt_directory_roundtrip(txt_prepared):
     prepared, documents, _ = txt_prepared
     assert prepared.dtype == np.uint16
     assert prepared.vocab_size == VOCAB_SIZE
-    assert prepared.tokenizer_path == prepared.train_path.parent / "tokenizer.model"
+    assert prepared.tokenizer_path == prepared.root / "tokenizer.model"
     check_token_counts(prepared)
-    decoded = decode_documents(prepared)
-    assert sorted(decoded) == sorted(documents)
-    # 40 documents at val_fraction 0.1 -> 4 held out, all whole documents.
-    processor = spm.SentencePieceProcessor(model_file=str(prepared.tokenizer_path))
-    val_ids = np.fromfile(prepared.val_path, dtype=prepared.dtype)
-    assert int((val_ids == processor.eos_id()).sum()) == 4
+    # Whole documents, in corpus order within each split; held out by the hash of their text.
+    expected_val = [doc for doc in documents if held_out(doc)]
+    assert 1 <= len(expected_val) <= 8  # 40 documents at val_fraction 0.1: 4 expected
+    assert decode_split(prepared, "val") == expected_val
+    assert decode_split(prepared, "train") == [doc for doc in documents if not held_out(doc)]
 
 
 def test_jsonl_roundtrip(tmp_path):
@@ -121,7 +133,8 @@ def test_jsonl_roundtrip(tmp_path):
     prepared = prep(tmp_path, [str(path)])
     assert prepared.dtype == np.uint16
     check_token_counts(prepared)
-    assert sorted(decode_documents(prepared)) == sorted(documents)
+    assert decode_split(prepared, "train") == [doc for doc in documents if not held_out(doc)]
+    assert decode_split(prepared, "val") == [doc for doc in documents if held_out(doc)]
     assert load_prepared(str(tmp_path / "prepared")) == prepared
 
 
@@ -133,18 +146,22 @@ def test_preparation_is_deterministic(tmp_path, monkeypatch):
     first = prep(tmp_path / "a", [str(path)])
     second = prep(tmp_path / "b", [str(path)])
     assert first.tokenizer_path.read_bytes() == second.tokenizer_path.read_bytes()
-    assert first.val_path.read_bytes() == second.val_path.read_bytes()
-    assert first.train_path.read_bytes() == second.train_path.read_bytes()
+    for a, b in zip(first.train_files + first.val_files, second.train_files + second.val_files, strict=True):
+        assert a.read_bytes() == b.read_bytes()
 
 
-def test_single_document_split_by_characters(tmp_path):
+def test_single_document_split_by_tokens(tmp_path):
+    # One document cannot be held out whole: the last val_fraction of its tokens is the validation split.
     text = "".join(make_documents(20))
     path = tmp_path / "one.txt"
     path.write_text(text, encoding="utf-8")
     prepared = prep(tmp_path, [str(path)], val_fraction=0.25)
-    train_text, val_text = decode_documents(prepared)
-    assert train_text + val_text == text
-    assert len(val_text) == len(text) - int(len(text) * 0.75)
+    train, val = split_tokens(prepared, "train"), split_tokens(prepared, "val")
+    processor = spm.SentencePieceProcessor(model_file=str(prepared.tokenizer_path))
+    assert val[-1] == processor.eos_id() and processor.eos_id() not in train
+    assert processor.decode(train.tolist() + val[:-1].tolist()) == text
+    num_tokens = len(train) + len(val)
+    assert len(val) == num_tokens - int(num_tokens * 0.75)
 
 
 def test_reuse_and_reprepare(tmp_path):
@@ -153,7 +170,7 @@ def test_reuse_and_reprepare(tmp_path):
     corpus.write_text("\n".join(make_documents(12)), encoding="utf-8")
     root = tmp_path
     prepared = prep(root, [str(corpus)])
-    meta_path = prepared.train_path.parent / "meta.json"
+    meta_path = prepared.root / "meta.json"
     before = meta_path.stat().st_mtime_ns
     time.sleep(0.01)
     again = prep(root, [str(corpus)])
@@ -172,6 +189,7 @@ def test_given_tokenizer_model(txt_prepared, tmp_path):
     path.write_text("".join(make_documents(10, seed=3)), encoding="utf-8")
     # vocab_size is ignored in favour of the model's own size.
     reused = prep(tmp_path, [str(path)], tokenizer_model=str(prepared.tokenizer_path), vocab_size=999)
+    assert reused.tokenizer_sha256 == prepared.tokenizer_sha256
     assert reused.vocab_size == VOCAB_SIZE
     assert reused.tokenizer_path.read_bytes() == prepared.tokenizer_path.read_bytes()
     with pytest.raises(DataError, match="missing.model"):
@@ -226,9 +244,12 @@ def test_load_prepared_errors(txt_prepared, tmp_path):
     with pytest.raises(DataError, match="meta.json"):
         load_prepared(str(tmp_path))
     prepared, _, _ = txt_prepared
-    (tmp_path / "meta.json").write_text((prepared.train_path.parent / "meta.json").read_text())
+    (tmp_path / "meta.json").write_text((prepared.root / "meta.json").read_text())
     (tmp_path / "tokenizer.model").write_bytes(prepared.tokenizer_path.read_bytes())
-    with pytest.raises(DataError, match="train.bin"):
+    with pytest.raises(DataError, match="token file missing: .*train-00000.bin"):
+        load_prepared(str(tmp_path))
+    (tmp_path / "train-00000.bin").write_bytes(prepared.train_files[0].read_bytes()[:-2])
+    with pytest.raises(DataError, match="train-00000.bin is .* bytes but meta.json says"):
         load_prepared(str(tmp_path))
 
 
@@ -273,13 +294,77 @@ def test_shuffled_epochs(token_file):
     epoch0, epoch1 = starts(0), starts(num_windows)
     assert sorted(epoch0) == [w * seq_len for w in range(num_windows)]
     assert sorted(epoch1) == sorted(epoch0) and epoch1 != epoch0
-    # Independent re-derivation of the documented order.
+    # The documented order: epoch e is RandomPermutation keyed by "windows:<seed>:<e>".
     for epoch, found in ((0, epoch0), (1, epoch1)):
-        perm = np.random.default_rng([5, epoch]).permutation(num_windows)
-        assert found == (perm * seq_len).tolist()
+        perm = RandomPermutation(num_windows, key=f"windows:5:{epoch}")
+        assert found == [perm(i) * seq_len for i in range(num_windows)]
     k = 4
-    start = int(np.random.default_rng([5, 1]).permutation(num_windows)[k]) * seq_len
+    start = epoch1[k]
     np.testing.assert_array_equal(dataset.window(num_windows + k), tokens[start : start + seq_len + 1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 17, 64, 1000, 4097])
+def test_random_permutation_is_a_bijection(n):
+    perm = RandomPermutation(n, key="k")
+    assert sorted(perm(i) for i in range(n)) == list(range(n))
+    with pytest.raises(IndexError):
+        perm(n)
+
+
+def test_random_permutation_looks_shuffled():
+    n = 10_000
+    values = [RandomPermutation(n, key="a")(i) for i in range(n)]
+    # A uniform random permutation has 1 fixed point and n/2 ascents on average; the identity, a
+    # rotation or a stride would be far off.
+    assert sum(v == i for i, v in enumerate(values)) < 10
+    ascents = sum(b > a for a, b in zip(values, values[1:]))
+    assert abs(ascents - n / 2) < 0.03 * n
+    other = [RandomPermutation(n, key="b")(i) for i in range(n)]
+    assert sum(a == b for a, b in zip(values, other)) < 10
+    # At the scale of 100B tokens: values stay in range and distinct, computed without any table.
+    huge = RandomPermutation(10**12, key="a")
+    sample = [huge(i) for i in range(0, 10**12, 10**8)]
+    assert len(set(sample)) == len(sample) and all(0 <= v < 10**12 for v in sample)
+
+
+def test_windows_span_shard_boundaries(tmp_path, token_file):
+    path, tokens = token_file
+    # The same 1000 tokens cut into shards of 333, 0 (an empty val part, say), 400 and 267 tokens.
+    bounds = [0, 333, 333, 733, 1000]
+    shards = []
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        shards.append(tmp_path / f"shard{i}.bin")
+        tokens[lo:hi].tofile(shards[-1])
+    whole = TokenDataset(path, dtype=np.uint16, seq_len=16, seed=3)
+    sharded = TokenDataset(shards, dtype=np.uint16, seq_len=16, seed=3)
+    assert sharded.num_tokens == 1000 and sharded.num_windows == whole.num_windows
+    for index in range(2 * whole.num_windows):
+        np.testing.assert_array_equal(sharded.window(index), whole.window(index))
+    np.testing.assert_array_equal(sharded.tokens(330, 410), tokens[330:740])
+
+
+def test_loader_memory_does_not_grow_with_the_dataset(tmp_path):
+    # 3 sparse shards of 2**31 tokens each (12 GiB on paper, nothing on disk): 6.4e9 tokens, 25M windows
+    # of 256. A permutation array of the windows would take 200 MB; the loader must not allocate one.
+    shards = []
+    for i in range(3):
+        shards.append(tmp_path / f"big{i}.bin")
+        with open(shards[-1], "wb") as f:
+            f.truncate(2**32)
+    tracemalloc.start()
+    try:
+        np.empty(1_000_000)  # numpy reports its allocations to tracemalloc: this one shows as 8 MB
+        assert tracemalloc.get_traced_memory()[1] > 7_000_000
+        tracemalloc.reset_peak()
+        dataset = TokenDataset(shards, dtype=np.uint16, seq_len=256, seed=0)
+        for epoch in range(3):
+            inputs, _ = dataset.batch(epoch * dataset.num_windows + 12345, 8)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert dataset.num_windows == (3 * 2**31 - 1) // 256
+    assert inputs.shape == (8, 256) and int(inputs.abs().sum()) == 0  # sparse files read as zeros
+    assert peak < 1_000_000, peak
 
 
 def test_order_depends_only_on_seed(token_file):
@@ -330,8 +415,8 @@ def test_too_short_file(tmp_path):
 
 def test_dataset_on_prepared_data(txt_prepared):
     prepared, _, _ = txt_prepared
-    dataset = TokenDataset(prepared.val_path, dtype=prepared.dtype, seq_len=8, seed=0)
-    raw = np.fromfile(prepared.val_path, dtype=prepared.dtype)
+    dataset = TokenDataset(prepared.val_files, dtype=prepared.dtype, seq_len=8, seed=0)
+    raw = split_tokens(prepared, "val")
     assert dataset.num_windows == (len(raw) - 1) // 8
     inputs, _ = dataset.batch(0, 2)
     assert int(inputs.max()) < prepared.vocab_size
@@ -393,3 +478,109 @@ def test_stdlib_source_files():
     assert not any(banned & set(path.parts) for path in files)
     names = {path.name for path in files}
     assert {"os.py", "json", "argparse.py"} & names >= {"os.py", "argparse.py"}
+
+
+# ---------------------------------------------------------------- mixtures
+
+
+@pytest.fixture
+def three_sources(tmp_path) -> list[TokenDataset]:
+    """Three token files whose tokens say which source they are: source s holds s * 10000 + position."""
+    datasets = []
+    for s, num_tokens in enumerate([5000, 3000, 1200]):
+        path = tmp_path / f"source{s}.bin"
+        (s * 10000 + np.arange(num_tokens)).astype(np.uint16).tofile(path)
+        datasets.append(TokenDataset(path, dtype=np.uint16, seq_len=8, seed=s))
+    return datasets
+
+
+def test_mixture_proportions(three_sources):
+    weights = [0.5, 0.3, 0.2]
+    mixture = Mixture(three_sources, weights)
+    # Slots per block of 1024: floor(1024 * cumulative share) differences.
+    assert mixture.slots == [512, 307, 205] and MIX_BLOCK == 1024
+    num_samples = 40 * MIX_BLOCK
+    located = [mixture.locate(i) for i in range(num_samples)]
+    sources = np.array([source for source, _ in located])
+    for s, weight in enumerate(weights):
+        # Every block holds exactly its slots, within 1/1024 of the weight.
+        assert np.count_nonzero(sources == s) == 40 * mixture.slots[s]
+        assert abs(mixture.slots[s] / MIX_BLOCK - weight) <= 1 / MIX_BLOCK
+        # Any aligned run of 64 samples (a global batch, say) holds its share to within 2 samples.
+        per_run = np.bincount(np.flatnonzero(sources == s) // 64, minlength=num_samples // 64)
+        assert np.all(np.abs(per_run - 64 * weight) <= 2), (s, per_run.min(), per_run.max())
+        # A source's own sample indices are used once each, none skipped: 0 .. 40 * slots - 1.
+        assert sorted(local for source, local in located if source == s) == list(range(40 * mixture.slots[s]))
+    # The window is that source's own window for that index: its tokens carry the source number.
+    for index in (0, 1, 2, 1023, 1024, 5000, 40_000):
+        source, local = mixture.locate(index)
+        window = mixture.window(index)
+        np.testing.assert_array_equal(window, three_sources[source].window(local))
+        assert np.all(window // 10000 == source)
+
+
+def global_indices(*, first_step: int, max_steps: int, global_batch: int, micro_batch: int, world_size: int,
+                   rank: int) -> list[int]:
+    """The first global sample index of each micro-batch that `rank` reads, as train_fsdp.py computes it."""
+    grad_accum = global_batch // (micro_batch * world_size)
+    return [s * global_batch + (m * world_size + rank) * micro_batch
+            for s in range(first_step, max_steps) for m in range(grad_accum)]
+
+
+def test_mixture_resumes_exactly_at_any_world_size(three_sources):
+    mixture = Mixture(three_sources, [3.0, 2.0, 1.0])
+
+    def steps(world_size: int, first_step: int) -> list[torch.Tensor]:
+        """Each optimizer step's samples over all ranks, ordered by global index."""
+        per_rank = [global_indices(first_step=first_step, max_steps=8, global_batch=16, micro_batch=2,
+                                   world_size=world_size, rank=rank) for rank in range(world_size)]
+        batches = sorted((first, mixture.batch(first, 2)[0]) for rank in per_rank for first in rank)
+        rows = torch.cat([inputs for _, inputs in batches])
+        return list(rows.split(16))
+
+    uninterrupted = steps(1, 0)
+    for world_size in (2, 4):
+        # Stopped after step 3 and resumed on another number of ranks: steps 4..8 read the same samples.
+        resumed = steps(world_size, 3)
+        assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:], strict=True))
+
+
+def test_mixture_config_checks(txt_prepared, tmp_path):
+    prepared, _, root = txt_prepared
+    same = prep(tmp_path, [str(root / "corpus")], tokenizer_model=str(prepared.tokenizer_path),
+                dataset_dir=tmp_path / "same")
+    other = prep(tmp_path, [str(root / "corpus")], vocab_size=300, dataset_dir=tmp_path / "other")
+
+    def problems(sources: str, *extra: str) -> str:
+        with pytest.raises(ConfigError) as caught:
+            load_config(ROOT / "config/train_tiny_fsdp.yaml", [f"--data.sources={sources}", *extra])
+        return "\n".join(caught.value.problems)
+
+    ok = load_config(ROOT / "config/train_tiny_fsdp.yaml",
+                     [f"--data.sources=[{{path: {prepared.root}, weight: 0.7}}, {{path: {same.root}, weight: 0.3}}]"])
+    assert [(s.path, s.weight) for s in ok.data.sources] == [(str(prepared.root), 0.7), (str(same.root), 0.3)]
+    found = problems(f"[{{path: {prepared.root}}}, {{path: {other.root}, weight: 1}}]")
+    assert "data.sources[1]: " in found and "was prepared with another tokenizer than data.sources[0]" in found
+    found = problems(f"[{{path: {prepared.root}, weight: 0}}, {{path: {tmp_path / 'nope'}, weight: 1}}]")
+    assert "data.sources[0].weight must be a positive number, got 0.0" in found
+    assert f"data.sources[1].path: {tmp_path / 'nope'} is not a prepared folder (no meta.json)" in found
+    found = problems(f"[{{path: {prepared.root}, wieght: 2}}]")
+    assert "unknown key 'data.sources[0].wieght' (did you mean 'data.sources[0].weight'?)" in found
+    found = problems(f"[{{path: {prepared.root}}}]", "--data.files=[x.txt]")
+    assert "data.sources replaces data.files and data.dataset_dir" in found
+    assert "data.sources[0]: expected a mapping" in problems("[just/a/path]")
+
+
+def test_open_datasets_of_a_mixture(txt_prepared, tmp_path):
+    prepared, _, root = txt_prepared
+    same = prep(tmp_path, [str(root / "corpus")], tokenizer_model=str(prepared.tokenizer_path), val_fraction=0.3,
+                dataset_dir=tmp_path / "same")
+    train, val = open_datasets([(prepared, 1.0), (same, 3.0)], seq_len=8, seed=0)
+    assert isinstance(train, Mixture) and train.slots == [256, 768]
+    assert train.num_tokens == prepared.num_train_tokens + same.num_train_tokens
+    # Validation mixes each source's held-out split by the same weights, in order within each source.
+    assert isinstance(val, Mixture) and val.slots == [256, 768]
+    for index in range(6):
+        source, local = val.locate(index)
+        start = local % val.datasets[source].num_windows * 8  # unshuffled: window after window, then again
+        np.testing.assert_array_equal(val.window(index), split_tokens([prepared, same][source], "val")[start : start + 9])

@@ -1,0 +1,128 @@
+"""What each preparation worker process runs: a chunk of pieces -> documents -> split and tokens.
+
+A document's split and its tokenizer-sample key come from a keyed hash of its text, so they depend on
+nothing but the document (and the seed): not on its position, the chunking or the worker count. Equal
+documents always land in the same split, so exact duplicates never leak from train into val.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+from .readers import Piece, piece_documents
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    text_field: str
+    strict: bool  # False for the stdlib corpus: undecodable bytes are replaced
+    skip_bad_records: bool
+    val_fraction: float
+    seed: int
+
+
+@dataclass
+class Chunk:
+    index: int
+    pieces: list[Piece]
+    disk_done: int  # bytes of the corpus on disk read once this chunk is done (for progress)
+
+
+@dataclass
+class ChunkResult:
+    index: int
+    disk_done: int
+    num_train_documents: int = 0
+    num_val_documents: int = 0
+    num_bytes: int = 0  # UTF-8 bytes of the documents' text
+    num_bad_records: int = 0
+    first_bad_record: str | None = None
+    train: np.ndarray | None = None  # token ids, EOS after each document
+    val: np.ndarray | None = None
+    sample: list[tuple[int, str]] = field(default_factory=list)  # (key, text) tokenizer-sample candidates
+
+
+_settings: WorkerSettings | None = None
+_tokenizer: tuple[tuple[str, str], object] | None = None  # ((kind, path), tokenizer), loaded on first use
+
+
+def init(settings: WorkerSettings) -> None:
+    global _settings
+    _settings = settings
+
+
+def document_keys(utf8: bytes, *, seed: int) -> tuple[int, int]:
+    """Two independent 64-bit values from a keyed hash of the text: (split value, sample key)."""
+    digest = hashlib.blake2b(utf8, digest_size=16, key=seed.to_bytes(8, "little", signed=True)).digest()
+    return int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little")
+
+
+def is_held_out(split_value: int, val_fraction: float) -> bool:
+    return split_value < val_fraction * 2.0**64
+
+
+def _documents(chunk: Chunk, result: ChunkResult):
+    """(text, held out?, sample key) of the chunk's non-blank documents; bad records per the setting."""
+    s = _settings
+
+    def bad_record(problem: str) -> None:
+        if not s.skip_bad_records:
+            raise DataError(f"{problem} (data.on_bad_record=skip skips such records)")
+        result.num_bad_records += 1
+        result.first_bad_record = result.first_bad_record or problem
+
+    for piece in chunk.pieces:
+        for text, utf8 in piece_documents(piece, text_field=s.text_field, strict=s.strict, bad_record=bad_record):
+            if not text.strip():
+                continue
+            split_value, sample_key = document_keys(utf8, seed=s.seed)
+            held_out = is_held_out(split_value, s.val_fraction)
+            result.num_bytes += len(utf8)
+            result.num_val_documents += held_out
+            result.num_train_documents += not held_out
+            yield text, held_out, sample_key
+
+
+def sample_chunk(chunk: Chunk, threshold: int) -> ChunkResult:
+    """Pass 1: the chunk's training documents whose sample key is below threshold (tokenizer sample)."""
+    result = ChunkResult(chunk.index, chunk.disk_done)
+    result.sample = [(key, text) for text, held_out, key in _documents(chunk, result)
+                     if not held_out and key < threshold]
+    return result
+
+
+def encode_chunk(chunk: Chunk, tokenizer: tuple[str, str], dtype: str) -> ChunkResult:
+    """Pass 2: the chunk's documents as token ids, EOS after each, split into train and val."""
+    result = ChunkResult(chunk.index, chunk.disk_done)
+    documents = list(_documents(chunk, result))
+    processor = _load(tokenizer)
+    # One thread: the worker processes are the parallelism (SentencePiece would use every core for a list).
+    encoded = processor.encode([text for text, _, _ in documents], out_type=int, num_threads=1) if documents else []
+    eos = processor.eos_id()
+    for split, held_out in (("train", False), ("val", True)):
+        ids = [doc_ids for doc_ids, (_, is_val, _) in zip(encoded, documents) if is_val == held_out]
+        setattr(result, split, _flatten(ids, eos=eos, dtype=np.dtype(dtype)))
+    return result
+
+
+def _load(tokenizer: tuple[str, str]):
+    global _tokenizer
+    if _tokenizer is None or _tokenizer[0] != tokenizer:
+        from .tokenizer import load_tokenizer
+
+        _tokenizer = (tokenizer, load_tokenizer(tokenizer[0], Path(tokenizer[1])))
+    return _tokenizer[1]
+
+
+def _flatten(documents: list[list[int]], *, eos: int, dtype: np.dtype) -> np.ndarray:
+    out = np.empty(sum(len(ids) + 1 for ids in documents), dtype=dtype)
+    position = 0
+    for ids in documents:
+        out[position : position + len(ids)] = ids
+        out[position + len(ids)] = eos
+        position += len(ids) + 1
+    return out

@@ -1,0 +1,60 @@
+"""Prepare a corpus once, outside any training job: tokenizer plus sharded token files in data.dataset_dir.
+
+    python scripts/prepare_data.py config/train1B_fsdp.yaml --data.files=[/corpus/*.jsonl.zst] --data.dataset_dir=/data/c1
+    torchrun --nproc_per_node=8 train_fsdp.py config/train1B_fsdp.yaml --data.dataset_dir=/data/c1
+
+Takes the same config file and --section.key=value overrides as train_fsdp.py. Streams the corpus through
+data.num_workers processes (default: one per CPU core) in bounded memory; rerun the same command after an
+interruption to continue after the last finished shard, or after success to find the folder reused.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+# Imports live in main(): worker processes start by importing this file, and need none of them.
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from config import ConfigError, load_config
+    from data import DataError, PrepareSettings, default_dataset_dir, prepare_data
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="YAML config, e.g. config/train1B_fsdp.yaml")
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "=" in o and "." in o.split("=", 1)[0])]
+    if bad:
+        parser.error(f"unrecognised argument {bad[0]!r}: overrides look like --section.key=value")
+    try:
+        cfg = load_config(args.config, overrides)
+        if cfg.data.sources:
+            raise ConfigError(["data.sources lists folders already prepared: prepare each one with its own "
+                               "data.files and data.dataset_dir"])
+    except ConfigError as err:
+        for line in err.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    settings = PrepareSettings.from_config(cfg)
+    dataset_dir = cfg.data.dataset_dir or default_dataset_dir(settings)
+    try:
+        prepare_data(dataset_dir, settings)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: rerun the same command to continue after the finished shards in {dataset_dir}",
+              file=sys.stderr)
+        return 130
+    print(f"train on it with: --data.dataset_dir={dataset_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Training jobs and data (real processes, gloo on the CPU): in-job preparation that outlasts the collective
+timeout, a corpus too large to prepare in a job, and a mixture of prepared folders that resumes exactly
+on another number of ranks."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from data import PrepareSettings, load_prepared, prepare_data
+from scripts.benchmark_data import write_corpus
+from tests.helpers import ROOT, losses, run_train
+from tests.test_data import make_documents
+from tests.test_prepare import jsonl_lines
+
+pytestmark = pytest.mark.slow
+
+
+def test_in_job_preparation_longer_than_the_collective_timeout_trains(tmp_path):
+    # The reproduction of the old failure: rank 0 prepared a 30 MB corpus inside the job while rank 1
+    # waited in a broadcast, which gave up after run.timeout_s=5 ("Timed out waiting 5000ms"). Now
+    # rank 1 waits on a file. 50 MB, one worker process and a vocabulary of 8192 make the preparation
+    # last about 10 s on one core of the development machine.
+    corpus = write_corpus(tmp_path / "c.jsonl", 50)
+    proc = run_train("--data.max_corpus_mb=0", "--run.timeout_s=5", "--data.num_workers=1", "--data.vocab_size=8192",
+                     "--train.max_steps=2", nproc=2, out_dir=tmp_path / "out", corpus=corpus,
+                     dataset_dir=tmp_path / "prepared", timeout=400)
+    seconds = json.loads((tmp_path / "prepared" / "meta.json").read_text())["seconds"]
+    assert sum(seconds.values()) > 5, f"the preparation must outlast run.timeout_s for the test to mean anything: {seconds}"
+    assert "Timed out" not in proc.stderr and sorted(losses(tmp_path / "out")) == [1, 2]
+
+
+def test_corpus_too_large_for_the_job_is_one_line(tmp_path):
+    corpus = write_corpus(tmp_path / "c.jsonl", 2)
+    proc = run_train("--data.max_in_job_mb=1", nproc=2, out_dir=tmp_path / "out", corpus=corpus,
+                     dataset_dir=tmp_path / "prepared", check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and errors == [
+        f"error: the corpus is {corpus.stat().st_size / 2**20:.0f} MB, more than data.max_in_job_mb=1 prepares inside a training job: prepare it "
+        "first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train with "
+        "--data.dataset_dir=DIR"], proc.stderr[-3000:]
+    assert not (tmp_path / "prepared" / "meta.json").exists()
+
+
+def test_mixture_trains_and_resumes_at_another_world_size(tmp_path, corpus):
+    # Source a: prepared by the command, as users do; source b: another corpus with a's tokenizer.
+    a, b = tmp_path / "a", tmp_path / "b"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/prepare_data.py"), str(ROOT / "config/train_tiny_fsdp.yaml"),
+                           f"--data.files=[{corpus}]", f"--data.dataset_dir={a}", "--data.vocab_size=320"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and f"train on it with: --data.dataset_dir={a}" in proc.stdout, proc.stderr
+    (tmp_path / "b.jsonl").write_text(jsonl_lines(make_documents(300, seed=4)))
+    prepare_data(b, PrepareSettings(files=(str(tmp_path / "b.jsonl"),), tokenizer_model=str(a / "tokenizer.model"),
+                                    num_workers=1), show_progress=False)
+    mixture = [f"--data.sources=[{{path: {a}, weight: 0.7}}, {{path: {b}, weight: 0.3}}]", "--data.files=[]",
+               "--data.dataset_dir=", "--train.max_steps=6", "--train.global_batch_size=12", "--train.eval_interval=6",
+               "--checkpoint.interval=3"]
+    run_train(*mixture, nproc=2, out_dir=tmp_path / "two", corpus=corpus, dataset_dir=tmp_path / "unused")
+    resumed = run_train(*mixture, f"--resume_from={tmp_path / 'two' / 'fsdp_cpt3.pth'}", nproc=3,
+                        out_dir=tmp_path / "three", corpus=corpus, dataset_dir=tmp_path / "unused")
+    num_train = load_prepared(a).num_train_tokens + load_prepared(b).num_train_tokens
+    assert f"train {num_train:,} tokens" in resumed.stderr
+    two, three = losses(tmp_path / "two"), losses(tmp_path / "three")
+    assert sorted(three) == [4, 5, 6]
+    for step in three:
+        # The same samples in the same order on 3 ranks as on 2: equal up to the reduction order.
+        assert three[step] == pytest.approx(two[step], rel=1e-4, abs=0), (step, two, three)

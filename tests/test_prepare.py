@@ -1,0 +1,424 @@
+"""The streaming preparation: formats, worker count, resuming, the tokenizer sample, caps, bad input, and
+the rules of in-job preparation. Small generated corpora; the workers are real spawned processes."""
+from __future__ import annotations
+
+import errno
+import gzip
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from data import DataError, PrepareSettings, handoff, load_prepared, prepare_data, prepare_for_training, readers
+from data.store import ShardWriter
+from data.tokenizer import TokenizerSample
+from tests.helpers import ROOT
+from tests.test_data import VOCAB_SIZE, decode_split, held_out, make_documents, prep, split_tokens
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+zstandard = pytest.importorskip("zstandard")
+
+# Documents with what breaks readers: non-ASCII, blank lines inside, tabs, a one-character document.
+DOCUMENTS = make_documents(60, seed=2) + ["ünïcödé ✓ 日本語\n\n\tindented\n", "x"]
+
+
+def jsonl_lines(documents: list[str], field: str = "text") -> str:
+    return "".join(json.dumps({field: text, "id": i}) + "\n" for i, text in enumerate(documents))
+
+
+def write_format(folder: Path, kind: str, documents: list[str] = DOCUMENTS) -> list[str]:
+    """The documents in one format; returns the data.files entries naming them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    half = len(documents) // 2
+    if kind == "jsonl":
+        (folder / "c.jsonl").write_text(jsonl_lines(documents))
+    elif kind == "json.gz":
+        with gzip.open(folder / "c.json.gz", "wt") as f:
+            f.write(jsonl_lines(documents))
+    elif kind == "jsonl.zst":
+        # Two zstd frames back to back, as streaming compressors write them.
+        frames = [zstandard.ZstdCompressor().compress(jsonl_lines(part).encode())
+                  for part in (documents[:half], documents[half:])]
+        (folder / "c.jsonl.zst").write_bytes(b"".join(frames))
+    elif kind == "parquet":
+        table = pa.table({"id": list(range(len(documents))), "body": documents})
+        pq.write_table(table, folder / "c.parquet", row_group_size=7)
+    elif kind == "txt folder":
+        for i, text in enumerate(documents):
+            (folder / f"doc{i:03d}.txt").write_text(text)
+    elif kind == "glob of parts":
+        with gzip.open(folder / "part-0.jsonl.gz", "wt") as f:
+            f.write(jsonl_lines(documents[:half]))
+        with gzip.open(folder / "part-1.jsonl.gz", "wt") as f:
+            f.write(jsonl_lines(documents[half:]))
+        (folder / "notes.md").write_text("not data")
+        return [str(folder / "part-*.jsonl.gz")]
+    return [str(folder)]
+
+
+def store_files(prepared) -> dict[str, bytes]:
+    """Every file the training reads, by name: the tokenizer and each shard."""
+    files = [prepared.tokenizer_path, *prepared.train_files, *prepared.val_files]
+    return {path.name: path.read_bytes() for path in files}
+
+
+# ---------------------------------------------------------------- formats
+
+
+@pytest.fixture(scope="module")
+def jsonl_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jsonl")
+    return prep(root, write_format(root / "in", "jsonl"))
+
+
+@pytest.mark.parametrize("kind", ["json.gz", "jsonl.zst", "parquet", "txt folder", "glob of parts"])
+def test_every_format_gives_the_tokens_of_the_plain_jsonl(kind, jsonl_reference, tmp_path):
+    extra = {"text_field": "body"} if kind == "parquet" else {}
+    prepared = prep(tmp_path, write_format(tmp_path / "in", kind), **extra)
+    assert store_files(prepared) == store_files(jsonl_reference)
+    # And the reference holds what it should: every document, whole, in order within its split.
+    assert sorted(decode_split(jsonl_reference, "train") + decode_split(jsonl_reference, "val")) == sorted(DOCUMENTS)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json.gz", "jsonl.zst"])
+def test_pieces_do_not_depend_on_read_sizes(kind, tmp_path, monkeypatch):
+    # Cut at the first line end past 500 bytes, whatever sizes reads return; a 2 KB line stays whole.
+    documents = DOCUMENTS[:20] + ["y" * 2000] + DOCUMENTS[20:40]
+    (path,) = write_format(tmp_path, kind, documents)
+    path = next(Path(path).iterdir())
+
+    def pieces(block_bytes: int) -> list[tuple[int, bytes]]:
+        monkeypatch.setattr(readers, "READ_BLOCK_BYTES", block_bytes)
+        return [(piece.first, piece.data) for piece in readers.read_pieces(path, piece_bytes=500, text_field="text")]
+
+    expected = pieces(1 << 20)
+    assert pieces(7) == pieces(499) == expected
+    lines = b"".join(data for _, data in expected).split(b"\n")[:-1]
+    assert [json.loads(line)["text"] for line in lines] == documents
+    assert all(len(data) >= 500 and data.endswith(b"\n") for _, data in expected[:-1])
+    assert [first for first, _ in expected] == [1 + sum(data.count(b"\n") for _, data in expected[:i])
+                                                for i in range(len(expected))]
+    assert any(len(data) > 2000 for _, data in expected)
+
+
+def test_jsonl_text_field(tmp_path, jsonl_reference):
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS, field="content"))
+    prepared = prep(tmp_path, [str(tmp_path / "c.jsonl")], text_field="content")
+    assert store_files(prepared) == store_files(jsonl_reference)
+
+
+# ---------------------------------------------------------------- workers, shards, resuming
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Work units of 4 KB: the 2 MB corpus below becomes ~500 chunks and, at 20k tokens, ~25 shards."""
+    monkeypatch.setattr("data.prepare.CHUNK_BYTES", 4096)
+
+
+@pytest.fixture(scope="module")
+def corpus_2mb(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "c.jsonl"
+    path.write_text(jsonl_lines(make_documents(8000, seed=5)))
+    return path
+
+
+@pytest.mark.slow
+def test_worker_count_does_not_change_the_output(small_chunks, corpus_2mb, tmp_path, caplog):
+    one = prep(tmp_path / "one", [str(corpus_2mb)], num_workers=1, shard_tokens=20_000)
+    two = prep(tmp_path / "two", [str(corpus_2mb)], num_workers=2, shard_tokens=20_000)
+    again = prep(tmp_path / "again", [str(corpus_2mb)], num_workers=2, shard_tokens=20_000)
+    with caplog.at_level(logging.INFO, logger="data.prepare"):  # the default for a small corpus: no process
+        none = prep(tmp_path / "none", [str(corpus_2mb)], num_workers=0, shard_tokens=20_000)
+    assert "with no worker process (a small corpus)" in caplog.text
+    assert len(one.train_files) > 10
+    assert store_files(one) == store_files(two) == store_files(again) == store_files(none)
+    # Shards close at the first work unit past shard_tokens: bounded by it plus one unit (~1k tokens).
+    sizes = [path.stat().st_size // 2 for path in one.train_files]
+    assert all(20_000 <= size < 22_000 for size in sizes[:-1]), sizes
+
+
+def test_interrupted_preparation_resumes_to_the_same_result(small_chunks, corpus_2mb, tmp_path, monkeypatch, caplog):
+    clean = prep(tmp_path / "clean", [str(corpus_2mb)], shard_tokens=20_000)
+    finish_shard = ShardWriter.finish_shard
+
+    def fail_after_three(self, **kwargs):
+        if len(self.shards) == 3:
+            raise KeyboardInterrupt  # as if stopped with Ctrl-C while the fourth shard was being written
+        finish_shard(self, **kwargs)
+
+    monkeypatch.setattr(ShardWriter, "finish_shard", fail_after_three)
+    root = tmp_path / "interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        prep(tmp_path, [str(corpus_2mb)], dataset_dir=root, shard_tokens=20_000)
+    assert not (root / "meta.json").exists()  # a half-prepared folder never claims to be complete
+    assert len(json.loads((root / "progress.json").read_text())["shards"]) == 3
+    assert not list(root.glob("*.tmp"))
+    with pytest.raises(DataError, match="no prepared data"):
+        load_prepared(root)
+    first_shard = (root / "train-00000.bin").stat()
+
+    monkeypatch.setattr(ShardWriter, "finish_shard", finish_shard)
+    with caplog.at_level(logging.INFO, logger="data.prepare"):
+        resumed = prep(tmp_path, [str(corpus_2mb)], dataset_dir=root, shard_tokens=20_000)
+    assert "continuing an interrupted preparation after its 3 finished shards" in caplog.text
+    assert (root / "train-00000.bin").stat().st_mtime_ns == first_shard.st_mtime_ns  # kept, not redone
+    assert store_files(resumed) == store_files(clean)
+    assert not (root / "progress.json").exists()
+
+
+@pytest.mark.slow
+def test_killed_prepare_script_resumes_to_the_same_result(corpus_2mb, tmp_path):
+    # A real interruption: SIGKILL the prepare script (and its workers) once it has finished a shard.
+    big = tmp_path / "big.jsonl"
+    big.write_text(corpus_2mb.read_text() * 3)  # 6 MB: 6 work units of 1 MB, a shard after each
+    args = [sys.executable, str(ROOT / "scripts/prepare_data.py"), str(ROOT / "config/train_tiny_fsdp.yaml"),
+            f"--data.files=[{big}]", "--data.vocab_size=320", "--data.max_corpus_mb=0", "--data.num_workers=1",
+            "--data.shard_tokens=50000"]
+    job = subprocess.Popen([*args, f"--data.dataset_dir={tmp_path / 'killed'}"], cwd=ROOT, start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    progress = tmp_path / "killed" / "progress.json"
+    deadline = time.monotonic() + 120
+    while not (progress.is_file() and json.loads(progress.read_text())["shards"]):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    assert not (tmp_path / "killed" / "meta.json").exists()
+
+    resumed = subprocess.run([*args, f"--data.dataset_dir={tmp_path / 'killed'}"], cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "continuing an interrupted preparation after its" in resumed.stderr
+    clean = subprocess.run([*args, f"--data.dataset_dir={tmp_path / 'clean'}"], cwd=ROOT, capture_output=True, text=True)
+    assert clean.returncode == 0, clean.stderr
+    assert store_files(load_prepared(tmp_path / "killed")) == store_files(load_prepared(tmp_path / "clean"))
+    assert len(load_prepared(tmp_path / "clean").train_files) >= 4
+
+
+# ---------------------------------------------------------------- tokenizer sample, cap
+
+
+def test_tokenizer_is_trained_on_the_whole_corpus(tmp_path, monkeypatch):
+    # The first half of the corpus speaks one vocabulary, the second another. With a sample of a tenth
+    # of the corpus, pieces of both must be learned: the sample spans the whole corpus.
+    monkeypatch.setattr("data.tokenizer.MAX_SAMPLE_CHARS", 6_000)
+    first = [f"alphaword{i % 7} betaword{i % 5} gammaword\n" * 8 for i in range(60)]
+    second = [f"zulufrag{i % 7} yankeefrag{i % 5} xrayfrag\n" * 8 for i in range(60)]
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(first + second))
+    prepared = prep(tmp_path, [str(tmp_path / "c.jsonl")], vocab_size=300)
+    processor = spm.SentencePieceProcessor(model_file=str(prepared.tokenizer_path))
+    pieces = [processor.id_to_piece(i).replace("▁", " ") for i in range(processor.get_piece_size())]
+    merged = [piece for piece in pieces if len(piece) >= 3 and not piece.startswith("<")]
+    text1, text2 = "".join(first), "".join(second)
+    # A sample from the start (the first 6 KB are all first-half documents) would learn no second-half piece.
+    assert [piece for piece in merged if piece in text1 and piece not in text2], merged
+    assert [piece for piece in merged if piece in text2 and piece not in text1], merged
+
+
+def test_tokenizer_sample_does_not_depend_on_arrival_order():
+    rng = np.random.default_rng(0)
+    documents = [(int(key), "d" * int(size)) for key, size in zip(rng.integers(0, 2**63, 500), rng.integers(1, 300, 500))]
+    samples = []
+    for order in (documents, documents[::-1], [documents[i] for i in rng.permutation(500)]):
+        sample = TokenizerSample(max_chars=5_000)
+        for key, text in order:
+            sample.offer(key, text)
+        samples.append(sample.documents())
+    # The smallest keys whose texts fit in 5,000 characters, smallest first.
+    by_key = sorted(documents)
+    fits = next(n for n in range(len(by_key) + 1) if n == len(by_key) or sum(len(t) for _, t in by_key[: n + 1]) > 5_000)
+    assert samples[0] == samples[1] == samples[2] == [text for _, text in by_key[:fits]]
+
+
+def test_max_corpus_mb_cuts_at_a_record_and_says_so(tmp_path, caplog):
+    documents = make_documents(400, seed=9)
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(documents))
+    cap_mb = 0.02  # about 21 KB of the ~75 KB file
+    with caplog.at_level(logging.INFO, logger="data.prepare"):
+        prepared = prep(tmp_path, [str(tmp_path / "c.jsonl")], max_corpus_mb=cap_mb)
+    assert "data.max_corpus_mb=0.02: read the first" in caplog.text and str(tmp_path / "c.jsonl") in caplog.text
+    read = decode_split(prepared, "train") + decode_split(prepared, "val")
+    # The documents of whole lines up to the first line that reaches the cap, and none after.
+    lines = jsonl_lines(documents).encode().split(b"\n")
+    ends = np.cumsum([len(line) + 1 for line in lines])
+    num_read = int(np.searchsorted(ends, cap_mb * 2**20)) + 1
+    assert sorted(read) == sorted(documents[:num_read])
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="data.prepare"):
+        prep(tmp_path / "all", [str(tmp_path / "c.jsonl")])  # no cap: nothing said
+    assert "data.max_corpus_mb=" not in caplog.text
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def corrupt_gzip(path: Path) -> None:
+    path.write_bytes(gzip.compress(jsonl_lines(DOCUMENTS).encode())[:300])
+
+
+BAD_INPUTS = {
+    "truncated gzip": ("c.jsonl.gz", corrupt_gzip, r"c\.jsonl\.gz: corrupt or truncated gzip file"),
+    "not gzip": ("c.json.gz", lambda p: p.write_bytes(b"plain text, not gzip\n" * 9), r"c\.json\.gz: corrupt or truncated gzip"),
+    "not zstd": ("c.jsonl.zst", lambda p: p.write_bytes(os.urandom(500)), r"c\.jsonl\.zst: corrupt or truncated zstd"),
+    "truncated zstd": ("c.jsonl.zst", lambda p: p.write_bytes(zstandard.ZstdCompressor().compress(
+        jsonl_lines(DOCUMENTS).encode())[:-40]), r"c\.jsonl\.zst: corrupt or truncated zstd"),
+    "not parquet": ("c.parquet", lambda p: p.write_bytes(b"PAR1" + os.urandom(200)), r"c\.parquet: not a readable parquet file"),
+    "parquet without text": ("c.parquet", lambda p: pq.write_table(pa.table({"body": DOCUMENTS}), p),
+                             r"c\.parquet has no column 'text' \(it has body\); set data.text_field"),
+    "parquet null": ("c.parquet", lambda p: pq.write_table(pa.table({"text": DOCUMENTS[:5] + [None]}), p),
+                     r"c\.parquet row 5: 'text' is empty \(null\)"),
+    "invalid json": ("c.jsonl", lambda p: p.write_text(jsonl_lines(DOCUMENTS[:3]) + "{not json\n"),
+                     r"c\.jsonl line 4: invalid JSON"),
+    "missing field": ("c.jsonl", lambda p: p.write_text(jsonl_lines(DOCUMENTS[:3]) + '{"body": "x"}\n'),
+                      r"c\.jsonl line 4: expected an object with a string 'text' field"),
+    "jsonl not utf-8": ("c.jsonl", lambda p: p.write_bytes(jsonl_lines(DOCUMENTS[:2]).encode() + b'{"text": "caf\xe9"}\n'),
+                        r"c\.jsonl line 3: not valid UTF-8"),
+    "txt not utf-8": ("c.txt", lambda p: p.write_bytes(b"fine\nline two\nbad \xff byte\n"), r"c\.txt line 3: not valid UTF-8"),
+    "unpaired surrogate": ("c.jsonl", lambda p: p.write_text(jsonl_lines(DOCUMENTS[:2]) + '{"text": "a \\ud800 b"}\n'),
+                           r"c\.jsonl line 3: text holds an unpaired surrogate"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_line_naming_the_file(case, tmp_path):
+    name, write, message = BAD_INPUTS[case]
+    write(tmp_path / name)
+    with pytest.raises(DataError, match=message) as caught:
+        prep(tmp_path, [str(tmp_path / name)])
+    assert "\n" not in str(caught.value) and str(tmp_path / name) in str(caught.value)
+    assert not (tmp_path / "prepared" / "meta.json").exists()
+
+
+def test_bad_records_skipped_and_counted(tmp_path, caplog):
+    bad = '{"body": "no text"}\n{not json\n"a string, not an object"\n'
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS[:30]) + bad + jsonl_lines(DOCUMENTS[30:]))
+    with caplog.at_level(logging.INFO, logger="data.prepare"):
+        prepared = prep(tmp_path, [str(tmp_path / "c.jsonl")], on_bad_record="skip")
+    meta = json.loads((prepared.root / "meta.json").read_text())
+    assert meta["num_skipped_records"] == 3
+    assert meta["first_skipped_record"].endswith("c.jsonl line 31: expected an object with a string 'text' field")
+    assert "skipped 3 bad records (data.on_bad_record=skip); the first:" in caplog.text
+    assert sorted(decode_split(prepared, "train") + decode_split(prepared, "val")) == sorted(DOCUMENTS)
+
+
+def test_missing_format_package_names_it(tmp_path, monkeypatch):
+    write_format(tmp_path, "jsonl.zst")
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as if not installed
+    with pytest.raises(DataError, match="c.jsonl.zst needs the zstandard package: pip install zstandard"):
+        prep(tmp_path, [str(tmp_path / "c.jsonl.zst")])
+
+
+def test_unsupported_and_unmatched_inputs(tmp_path):
+    with pytest.raises(DataError, match=r"no .*files match .*\*\.jsonl"):
+        prep(tmp_path, [str(tmp_path / "*.jsonl")])
+    (tmp_path / "c.json").write_text("[]")
+    with pytest.raises(DataError, match=r"unsupported data file .*c\.json: expected one of \.jsonl\.gz"):
+        prep(tmp_path, [str(tmp_path / "c.json")])
+
+
+def test_disk_full_while_writing_a_shard(small_chunks, corpus_2mb, tmp_path, monkeypatch):
+    # The fifth shard's file is /dev/full, where every write fails with ENOSPC, as on a full disk.
+    open_shard = ShardWriter._open
+
+    def fifth_shard_on_a_full_disk(self):
+        if len(self.shards) == 4:
+            (self.root / "train-00004.bin.tmp").symlink_to("/dev/full")
+        open_shard(self)
+
+    monkeypatch.setattr(ShardWriter, "_open", fifth_shard_on_a_full_disk)
+    root = tmp_path / "prepared"
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path, [str(corpus_2mb)], shard_tokens=20_000)
+    assert str(caught.value) == (f"disk full while writing {root / 'train-00004.bin.tmp'}; free some space and "
+                                 f"rerun to continue after the 4 finished shards")
+    assert not (root / "meta.json").exists() and not list(root.glob("*.tmp"))
+    assert len(json.loads((root / "progress.json").read_text())["shards"]) == 4
+
+
+# ---------------------------------------------------------------- in-job preparation
+
+
+def test_in_job_preparation_rules(tmp_path, caplog):
+    (tmp_path / "a.jsonl").write_text(jsonl_lines(DOCUMENTS))
+    (tmp_path / "b.jsonl").write_text(jsonl_lines(DOCUMENTS[::-1]))
+    settings = PrepareSettings(files=(str(tmp_path / "a.jsonl"),), vocab_size=VOCAB_SIZE, num_workers=1)
+    with pytest.raises(DataError, match=r"more than data\.max_in_job_mb=0\.001 .* scripts/prepare_data\.py"):
+        prepare_for_training(tmp_path / "big", settings, named_dir=False, max_input_mb=0.001)
+    assert not (tmp_path / "big").exists()
+
+    named = tmp_path / "named"
+    prepare_for_training(named, settings, named_dir=True, max_input_mb=1)
+    before = store_files(load_prepared(named))
+    other = PrepareSettings(files=(str(tmp_path / "b.jsonl"),), vocab_size=VOCAB_SIZE, num_workers=1)
+    # A named folder of other data is never overwritten by a job ...
+    with pytest.raises(DataError, match="already holds data prepared from other inputs or settings"):
+        prepare_for_training(named, other, named_dir=True, max_input_mb=1)
+    # ... and is trained on as it is when data.files is empty (a folder from scripts/prepare_data.py).
+    with caplog.at_level(logging.INFO, logger="data.prepare"):
+        prepare_for_training(named, PrepareSettings(), named_dir=True, max_input_mb=1)
+    assert "training on the data prepared in" in caplog.text
+    assert store_files(load_prepared(named)) == before
+    # The default cache folder is a cache: other settings prepare again.
+    prepare_for_training(named, other, named_dir=False, max_input_mb=1)
+    assert store_files(load_prepared(named)) != before
+
+
+def test_handoff_between_ranks(tmp_path):
+    path = handoff.outcome_path(tmp_path / "ds", "job1")
+    with pytest.raises(DataError, match="rank 0 did not finish preparing the data .* data.prepare_wait_s=0.2 s"):
+        handoff.wait_for(path, timeout_s=0.2, poll_s=0.05)
+    handoff.publish(path, None)
+    assert handoff.wait_for(path, timeout_s=1) is None
+    handoff.publish(path, "data file not found: x.txt")
+    assert handoff.wait_for(path, timeout_s=1) == "data file not found: x.txt"
+    assert handoff.wait_for(handoff.outcome_path(tmp_path / "ds", "job1"), timeout_s=1) is not None
+    assert handoff.outcome_path(tmp_path / "ds", "job2") != path
+
+
+# ---------------------------------------------------------------- the command and the HF tokenizer
+
+
+@pytest.mark.slow
+def test_prepare_script_errors_are_one_line(tmp_path):
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS[:40]) + "{not json\n")
+    script = [sys.executable, str(ROOT / "scripts/prepare_data.py"), str(ROOT / "config/train_tiny_fsdp.yaml")]
+    # Raised in a worker process: reaches the user as one line, not a multiprocessing traceback.
+    proc = subprocess.run([*script, f"--data.files=[{tmp_path / 'c.jsonl'}]", f"--data.dataset_dir={tmp_path / 'o'}",
+                           "--data.vocab_size=320"], cwd=ROOT, capture_output=True, text=True)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and errors == [f"error: {tmp_path / 'c.jsonl'} line 41: invalid JSON (Expecting "
+                                               f"property name enclosed in double quotes) (data.on_bad_record=skip "
+                                               f"skips such records)"], proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = subprocess.run([*script, "--data.num_workers=-2", "--data.shard_tokens=0"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: data.num_workers must not be negative, got -2", "error: data.shard_tokens must be positive, got 0"]
+
+
+@pytest.mark.slow
+def test_hf_tokenizer_in_the_workers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf import save_tokenizer
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(jsonl_lines(DOCUMENTS))
+    save_tokenizer(tmp_path / "hf", corpus)
+    prepared = prep(tmp_path, [str(corpus)], hf_tokenizer=str(tmp_path / "hf"), num_workers=2)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+
+    def tokens(documents: list[str]) -> list[int]:
+        return [t for doc in documents for t in (*tok.encode(doc, add_special_tokens=False), tok.eos_token_id)]
+
+    assert split_tokens(prepared, "train").tolist() == tokens([d for d in DOCUMENTS if not held_out(d)])
+    assert split_tokens(prepared, "val").tolist() == tokens([d for d in DOCUMENTS if held_out(d)])
+    assert prepared.tokenizer_path.name == "hf_tokenizer" and prepared.vocab_size == len(tok)
