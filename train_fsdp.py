@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 import yaml
 
-from config import Config, ConfigError, check_batch_split, launch_problems, load_config, save_config
+from config import Config, ConfigError, check_batch_split, launch_problems, load_config, save_config, split_known_args
 from data import (BatchPrefetcher, DataError, PreparedData, PrepareSettings, default_dataset_dir, handoff,
                   load_prepared, open_datasets, prepare_for_training)
 from model import ModelConfig
@@ -50,10 +50,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="YAML config, e.g. config/train_tiny_fsdp.yaml")
     parser.add_argument("--resume_from", default=None, help="checkpoint file, sharded folder, or 'latest'")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not (o.startswith("--") and "=" in o and "." in o.split("=", 1)[0])]
-    if bad:
-        parser.error(f"unrecognised argument {bad[0]!r}: overrides look like --section.key=value")
+    args, overrides = split_known_args(parser, argv)
     return args, overrides
 
 

@@ -328,6 +328,16 @@ def _build(cls, raw: dict, where: str, problems: list[str]):
     return cls(**kwargs)
 
 
+def split_known_args(parser, argv: list[str]):
+    """parser.parse_known_args, the rest being `--section.key=value` overrides; anything else is a usage
+    error (argparse's, exit 2). Shared by train_fsdp.py and the scripts that take the same config."""
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "=" in o and "." in o.split("=", 1)[0])]
+    if bad:
+        parser.error(f"unrecognised argument {bad[0]!r}: overrides look like --section.key=value")
+    return args, overrides
+
+
 def parse_override(arg: str) -> tuple[list[str], object]:
     """'--train.lr=1e-3' -> (['train', 'lr'], 0.001). Values are parsed as YAML scalars."""
     body = arg[2:] if arg.startswith("--") else arg

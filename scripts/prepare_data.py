@@ -21,15 +21,12 @@ sys.path.insert(0, str(ROOT))
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from config import ConfigError, load_config
+    from config import ConfigError, load_config, split_known_args
     from data import DataError, PrepareSettings, default_dataset_dir, prepare_data
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="YAML config, e.g. config/train1B_fsdp.yaml")
-    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    bad = [o for o in overrides if not (o.startswith("--") and "=" in o and "." in o.split("=", 1)[0])]
-    if bad:
-        parser.error(f"unrecognised argument {bad[0]!r}: overrides look like --section.key=value")
+    args, overrides = split_known_args(parser, sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, overrides)
         if cfg.data.sources:
