@@ -2,7 +2,6 @@
 the rules of in-job preparation. Small generated corpora; the workers are real spawned processes."""
 from __future__ import annotations
 
-import errno
 import gzip
 import json
 import logging
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from data import DataError, PrepareSettings, handoff, load_prepared, prepare_data, prepare_for_training, readers
+from data import DataError, PrepareSettings, handoff, load_prepared, prepare_for_training, readers
 from data.store import ShardWriter
 from data.tokenizer import TokenizerSample
 from tests.helpers import ROOT
