@@ -321,9 +321,10 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
             ckpt.poll()  # every step, every rank: commits an asynchronous save once all its writes are done
             interval = cfg.checkpoint.interval
             stopping = shared[1].item() > 0
-            if stopping or (interval and state.step % interval == 0) or state.step == t.max_steps:
+            last = stopping or state.step == t.max_steps
+            if last or (interval and state.step % interval == 0):
                 state.grad_scaler = scaler.state_dict() if scaler else None
-                ckpt.save(model, optimizer, state)
+                ckpt.save(model, optimizer, state, last=last)
             if stopping:
                 ckpt.finish()
                 if env.is_main:

@@ -15,13 +15,10 @@ for the process writer (handed over without a copy). Tensors that the state dict
 the host (FSDP1's offloaded pieces) are a private copy already and go to the writer as they are.
 `check_host_memory` compares what a save will hold in host memory with what the node can give, at the
 start of the run.
-
-The test-only fault hook (`FSDP_TEST_ASYNC_SAVE_FAULT`) is read in `_test_fault` and nowhere else.
 """
 from __future__ import annotations
 
 import dataclasses
-import errno
 import inspect
 import logging
 import os
@@ -38,7 +35,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
@@ -74,14 +70,22 @@ def resolve_async_save(setting: bool | str, *, fmt: str, device: torch.device) -
 # ---- tensors of a state dict -------------------------------------------------------------------------
 
 
-def local_parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding this rank's data of a state-dict entry: a DTensor's local tensor,
-    a ShardedTensor's (FSDP1) local shards, or the tensor itself."""
-    if isinstance(t, DTensor):
-        return [t.to_local()]
+def storage_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold this rank's data of a state-dict entry, in a fixed order: a
+    ShardedTensor's (FSDP1) local shards; for any traceable tensor subclass (DTensor, torchao's FP8
+    weights, a DTensor of those) its inner tensors, recursively; else the tensor itself. Only these
+    have storage: a subclass's own `untyped_storage()` is an invalid placeholder."""
     if hasattr(t, "local_shards"):
-        return [shard.tensor for shard in t.local_shards()]
+        return [p for shard in t.local_shards() for p in storage_tensors(shard.tensor)]
+    if _is_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # names of inner tensors, and of opaque members (a DTensor's mesh)
+        inner = [getattr(t, name) for name in names]
+        return [p for v in inner if isinstance(v, torch.Tensor) for p in storage_tensors(v)]
     return [t]
+
+
+def _is_wrapper_subclass(t: torch.Tensor) -> bool:
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__")
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -94,19 +98,19 @@ def live_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> s
     tensors = [*model.parameters(), *model.buffers()]
     for per_param in optimizer.state.values():
         tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
-    return {_storage(p) for t in tensors for p in local_parts(t) if p.numel()}
+    return {_storage(p) for t in tensors for p in storage_tensors(t) if p.numel()}
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's share of the model and optimizer state, as a sharded checkpoint holds it.
     Before the first optimizer step (no state yet) AdamW's two moments are counted as fp32 copies of
     every parameter."""
-    params = sum(p.numel() * p.element_size() for t in model.parameters() for p in local_parts(t))
+    params = sum(p.numel() * p.element_size() for t in model.parameters() for p in storage_tensors(t))
     if optimizer.state:
         moments = sum(p.numel() * p.element_size() for per_param in optimizer.state.values()
-                      for v in per_param.values() if isinstance(v, torch.Tensor) for p in local_parts(v))
+                      for v in per_param.values() if isinstance(v, torch.Tensor) for p in storage_tensors(v))
     else:
-        moments = 2 * sum(p.numel() * 4 for t in model.parameters() for p in local_parts(t))
+        moments = 2 * sum(p.numel() * 4 for t in model.parameters() for p in storage_tensors(t))
     return params + moments
 
 
@@ -325,13 +329,13 @@ class HostStaging:
         self.last = StageStats()
         leaves: list[tuple[tuple, torch.Tensor]] = []
         skeleton = self._split(state_dict, (), live, leaves)
-        layout = [(path, type(t).__name__, [(p.shape, p.dtype) for p in local_parts(t)]) for path, t in leaves]
+        layout = [(path, type(t).__name__, [(p.shape, p.dtype) for p in storage_tensors(t)]) for path, t in leaves]
         if layout != self._layout:
             self._allocate(leaves)
             self._layout = layout
         on_gpu = False
         for path, t in leaves:
-            for dst, src in zip(local_parts(self._wrappers[path]), local_parts(t)):
+            for dst, src in zip(storage_tensors(self._wrappers[path]), storage_tensors(t)):
                 dst.copy_(src, non_blocking=src.is_cuda)  # GPU -> pinned: queued on the current stream
                 on_gpu |= src.is_cuda
                 self.last.copied += src.numel() * src.element_size()
@@ -349,7 +353,7 @@ class HostStaging:
             items = [self._split(v, (*path, i), live, leaves) for i, v in enumerate(obj)]
             return items if isinstance(obj, list) else tuple(items)
         if isinstance(obj, torch.Tensor):
-            parts = local_parts(obj)
+            parts = storage_tensors(obj)
             if not self.share and all(p.device.type == "cpu" and _storage(p) not in live for p in parts):
                 self.last.passed += sum(p.numel() * p.element_size() for p in parts)
                 return obj  # made for this save (FSDP1's offloaded pieces): already a private copy
@@ -360,8 +364,7 @@ class HostStaging:
     def _allocate(self, leaves: list) -> None:
         """Lay the tensors out in the arena (reserved at the start, or grown here if it is too small)."""
         start = time.perf_counter()
-        sizes = [[p.numel() * p.element_size() for p in local_parts(t)] for _, t in leaves]
-        total = sum(_padded(n) for row in sizes for n in row)
+        total = sum(_padded(p.numel() * p.element_size()) for _, t in leaves for p in storage_tensors(t))
         if self._raw is None or self._raw.numel() < total:
             if self._raw is not None:
                 log.warning("checkpoint staging: the state needs %.2f GiB of host memory, %.2f GiB were reserved; "
@@ -369,16 +372,18 @@ class HostStaging:
             self._reserve(total)
             self.last.allocated = total
         arena, offset = self._raw, 0
-        self._wrappers = {}
-        for (path, t), row in zip(leaves, sizes):
-            wrapper = _host_like(t)
-            for part, nbytes in zip(local_parts(wrapper), row):
-                view = arena[offset:offset + nbytes].view(part.dtype).view(part.shape)
-                part.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-                offset += _padded(nbytes)
-            if not isinstance(t, DTensor) and not hasattr(t, "local_shards"):
-                wrapper = local_parts(wrapper)[0]
-            self._wrappers[path] = wrapper
+
+        def place(like: torch.Tensor) -> torch.Tensor:
+            nonlocal offset
+            nbytes = like.numel() * like.element_size()
+            view = arena[offset:offset + nbytes].view(like.dtype).view(like.shape)
+            offset += _padded(nbytes)
+            # A tensor of its own on the arena's storage, not a view of it: the process writer receives
+            # it through shared memory, and views of the arena crash that transfer.
+            return torch.empty(0, dtype=like.dtype).set_(view.untyped_storage(), view.storage_offset(), view.shape,
+                                                          view.stride())
+
+        self._wrappers = {path: _host_twin(t, place) for path, t in leaves}
         self.last.alloc_seconds = time.perf_counter() - start
 
     def close(self) -> None:
@@ -416,21 +421,32 @@ def _fill(skeleton: Any, wrappers: dict) -> Any:
     return skeleton
 
 
-def _host_like(t: torch.Tensor) -> torch.Tensor:
-    """A host tensor of t's kind (DTensor, ShardedTensor or plain) and shape, whose local parts the
-    arena then backs. For a DTensor, empty_like (no data copied); should this torch refuse a DTensor
-    whose local tensor is on another device than its mesh, a host copy of it (as DCP's own stager does)."""
-    if isinstance(t, DTensor):
-        try:
-            host = torch.empty_like(t, device="cpu")
-            if isinstance(host, DTensor) and host.to_local().device.type == "cpu" and host.to_local().shape == t.to_local().shape:
-                return host
-        except (RuntimeError, NotImplementedError, TypeError):
-            pass
-        return t.to("cpu")
-    if hasattr(t, "local_shards"):
-        return t.to("cpu", copy=True)  # ShardedTensor: no empty_like with a device
-    return torch.empty(t.shape, dtype=t.dtype)
+def _host_twin(t: torch.Tensor, place: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A tensor of t's kind and shape whose plain tensors (storage_tensors, same order) are arena memory
+    from `place`. Tensor subclasses are rebuilt from twins of their inner tensors through the subclass's
+    own flatten/unflatten protocol, so a DTensor stays a DTensor (its local part on the host, its mesh
+    kept) and any wrapper inside it (FP8 weights, say) stays that wrapper: DCP then writes the staged
+    state exactly as it would the original."""
+    if hasattr(t, "local_shards"):  # FSDP1's ShardedTensor: no unflatten; a host copy, re-pointed at the arena
+        host = t.to("cpu", copy=True)
+        for shard, src in zip(host.local_shards(), t.local_shards()):
+            mine = place(src.tensor)
+            shard.tensor.set_(mine.untyped_storage(), mine.storage_offset(), mine.shape, mine.stride())
+        return host
+    if isinstance(t, DTensor) and not _is_wrapper_subclass(t.to_local()):
+        # The common case, built as DTensor's own empty_like builds it: a DTensor rebuilt through unflatten
+        # crashes the process writer's transfer to its process.
+        host = torch.empty_like(t, device="cpu")
+        mine = place(t.to_local())
+        host.to_local().set_(mine.untyped_storage(), mine.storage_offset(), mine.shape, mine.stride())
+        return host
+    if _is_wrapper_subclass(t):
+        names, context = t.__tensor_flatten__()
+        inner = {name: getattr(t, name) for name in names}
+        inner = {name: _host_twin(v, place) if isinstance(v, torch.Tensor) else v for name, v in inner.items()}
+        twin = type(t).__tensor_unflatten__(inner, context, t.size(), t.stride())
+        return twin.detach() if twin.requires_grad else twin  # a parameter's flags come along; a copy needs none
+    return place(t)
 
 
 # ---- the background write ----------------------------------------------------------------------------
@@ -452,33 +468,6 @@ class _AlreadyStaged(AsyncStager):
         pass
 
 
-class _FaultyWriter(FileSystemWriter):
-    """Test hook: DCP's file writer, slowed down or failing inside the write (see _test_fault)."""
-
-    def __init__(self, path: str, *, delay_s: float, fail: bool):
-        super().__init__(path)
-        self.delay_s, self.fail = delay_s, fail
-
-    def write_data(self, plan, planner):
-        time.sleep(self.delay_s)
-        if self.fail:
-            raise OSError(errno.EIO, "injected write failure (test hook)")
-        return super().write_data(plan, planner)
-
-
-def _test_fault(step: int) -> dict | None:
-    """FSDP_TEST_ASYNC_SAVE_FAULT="step=K,delay_s=S,fail=1": the background write of the save at step K
-    (every save without step=) sleeps S seconds before writing, and with fail=1 then fails on every
-    rank. For the tests; never set in a real run."""
-    spec = os.environ.get("FSDP_TEST_ASYNC_SAVE_FAULT")
-    if not spec:
-        return None
-    fields = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-    if "step" in fields and int(fields["step"]) != step:
-        return None
-    return {"delay_s": float(fields.get("delay_s", 0)), "fail": fields.get("fail", "0") == "1"}
-
-
 class BackgroundWriter:
     """Starts DCP's asynchronous save of a staged state dict, then runs `after_write` (this rank's
     checksums) in a thread of its own; the job's future holds its result.
@@ -496,10 +485,8 @@ class BackgroundWriter:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # every rank
         self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
 
-    def start(self, staged: dict, tmp: Path, *, step: int, after_write: Callable[[], Any]) -> Future:
+    def start(self, staged: dict, tmp: Path, *, after_write: Callable[[], Any]) -> Future:
         kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self.group}
-        if (fault := _test_fault(step)) is not None:
-            kwargs["storage_writer"] = _FaultyWriter(str(tmp), **fault)
         if _HAS_STAGER_PARAM:
             kwargs["async_stager"] = _AlreadyStaged()
         if AsyncCheckpointerType is not None and "async_checkpointer_type" in _ASYNC_PARAMS:

@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
@@ -49,14 +50,21 @@ from .checkpoint_format import (  # noqa: F401  (CheckpointError and FORMAT_VERS
     file_record, first_line, full_name, install_full, load_full, load_rng, read_sharded_meta, save_with_checksum, sharded_name,
     sidecar_of, size_of, write_json, write_record)
 from .async_save import (BackgroundWriter, HostStaging, StageStats, arena_bytes, check_host_memory, format_size,
-                         live_storages, resolve_async_save)
+                         live_storages, resolve_async_save, state_bytes, storage_tensors)
 from .distributed import DistEnv, barrier
 
 log = logging.getLogger(__name__)
 
 # Module names that wrappers insert into parameter names; checkpoints hold the plain model's names.
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
-_ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointMismatch, CheckpointCorrupt, CheckpointUnsafe)}
+
+
+class AsyncSaveFailed(CheckpointError):
+    """An asynchronous save could not stage or start its write: the same step is saved synchronously."""
+
+
+_ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointMismatch, CheckpointCorrupt, CheckpointUnsafe,
+                                          AsyncSaveFailed)}
 _DCP_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -190,6 +198,7 @@ class _InFlight:
     start: float
     job: concurrent.futures.Future  # (this rank's checksum records, seconds) once the write is done
     staged: StageStats
+    staged_state: dict  # the host copy being written: a failed write is redone from it, synchronously
     blocked: float = 0.0  # seconds the training loop spent in this save so far (staging, polls, waits, commit)
 
 
@@ -211,6 +220,7 @@ class CheckpointManager:
         self._writer: BackgroundWriter | None = None
         self._staging: HostStaging | None = None
         self._in_flight: _InFlight | None = None
+        self._async_failed = False  # an asynchronous save of this run failed: the last save is synchronous
         self.stats: list[dict] = []  # one row per committed save: what scripts/benchmark.py reports
 
     # ---- agreement between ranks ----------------------------------------------------------------
@@ -251,13 +261,18 @@ class CheckpointManager:
         return self.env.device.type == "cuda" and bool(FullyShardedDataParallel.fsdp_modules(model))
 
     def prepare_saving(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """At the start of the run (every rank; `save` does it if not done): for asynchronous saves, the
-        writer's process group; where saves hold this rank's state in host memory (asynchronous saves,
-        FSDP1's offloaded sharded state dicts), a check that the node has room for it, so that a host
-        too small gets a clear error now rather than an out-of-memory kill at the first save."""
+        """At the start of the run, before the first step (every rank; `save` does it if not done): try
+        whatever could make a save impossible, so that a run that cannot save stops now with one line
+        instead of after hours of training. Checked: every writing rank can create and write files in the
+        output directory, the disk has room for a checkpoint, the node's host memory (and /dev/shm for the
+        process writer) can hold what saves stage there; and for asynchronous saves, this very state
+        dict is staged once (a state the staging cannot copy turns asynchronous saves off, with a warning:
+        synchronous saves still work)."""
         if self._prepared:
             return
         self._prepared = True
+        self._check_writable()
+        self._check_space(self.dir / "(the first checkpoint)", None, estimate=state_bytes(model, optimizer))
         if self.async_save:
             self._writer = BackgroundWriter(writer=self.async_writer, timeout_s=self.timeout_s)
             self._staging = HostStaging(pin=self.env.device.type == "cuda", share=self._writer.writer == "process")
@@ -281,16 +296,87 @@ class CheckpointManager:
                 log.info("checkpoint staging: reserved %s of %shost memory per rank in %.1f s, reused by every save",
                          format_size(self._staging.nbytes), "pinned " if self._staging.pin else "shared " if share else "",
                          seconds)
+        if self.async_save:
+            self._try_staging(model, optimizer)
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
+    def _check_writable(self) -> None:
+        """Every rank that writes checkpoint files (sharded: all; full: rank 0) creates, writes and removes
+        a file of its own in the output directory: a read-only folder, a missing permission or an output
+        directory that another node cannot see (sharded checkpoints need a shared filesystem) shows now."""
+        error = None
+        if self.fmt == "sharded" or self.env.is_main:
+            probe = self.dir / f"{TMP_PREFIX}write-check-rank{self.env.rank}-{os.getpid()}"
+            try:
+                if self.env.is_main:
+                    self.dir.mkdir(parents=True, exist_ok=True)
+                with open(probe, "xb") as f:  # x: never through an existing file or link
+                    f.write(b"checkpoint write check\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as err:
+                hint = "" if self.dir.is_dir() else (" (the folder does not exist here: sharded checkpoints need "
+                                                     "a filesystem every node sees)")
+                error = CheckpointError(f"{self.dir}: checkpoints cannot be written there by rank {self.env.rank} on "
+                                        f"{socket.gethostname()} ({first_line(err)}){hint}; fix the permissions or "
+                                        f"choose another run.output_dir")
+            finally:
+                probe.unlink(missing_ok=True)  # ours: made just above under a name of this process
+        self._agree(error)
+
+    def _try_staging(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Stage this run's state dict once, as a save will. Before the first optimizer step the optimizer
+        holds no state: one moment-like tensor (zeros_like of a parameter, as AdamW makes them) per kind of
+        parameter stands in for it, so a tensor kind the staging cannot copy shows now too."""
+        error = None
+        with _quiet_state_dict_warnings():
+            options = StateDictOptions(cpu_offload=self._offload(model))
+            if optimizer.state:  # resumed
+                model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+            else:  # get_state_dict would initialise the optimizer's state with a step, and change the training
+                model_sd = get_model_state_dict(model, options=options)
+                kinds = {}
+                for name, p in model.named_parameters():
+                    kinds.setdefault(tuple(type(t).__name__ for t in (p, *storage_tensors(p))), (name, p))
+                optim_sd = {"state": {name: {"exp_avg": torch.zeros_like(p.detach())} for name, p in kinds.values()}}
+            try:
+                self._staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
+            except Exception as err:
+                error = first_line(err)
+        errors = [e for e in self._gather(error) if e is not None]
+        del model_sd, optim_sd
+        if errors:
+            self.async_save, self._async_failed = False, True
+            if self.env.is_main:
+                log.warning("checkpoint.async_save: this run's state cannot be staged in host memory (%s); every save "
+                            "of this run is synchronous", errors[0])
+            self._staging.close()
+        elif self.env.is_main:
+            log.info("checkpoint staging tried on this run's state: %.2f s for %s", self._staging.last.seconds,
+                     format_size(self._staging.last.copied))
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
+             last: bool = False) -> Path:
         """Write a complete checkpoint of step state.step; CheckpointError (on every rank) if it cannot
         be written, leaving the previous checkpoints as they were and no `.tmp-` files behind.
 
         Asynchronous saves return once the write has started; the checkpoint is complete once `poll`
-        or `finish` has committed it (a failed write is reported there)."""
+        or `finish` has committed it. An asynchronous save that cannot stage or start is made
+        synchronously at once, and so is a `last` save (the end of the run, a stop signal) once any
+        asynchronous save of this run has failed."""
         self.prepare_saving(model, optimizer)
-        if self.async_save:
-            return self._save_async(model, optimizer, state)
+        if self.async_save and not (last and self._async_failed):
+            try:
+                return self._save_async(model, optimizer, state)
+            except AsyncSaveFailed as err:
+                self._async_failed = True
+                if self.env.is_main:
+                    log.warning("%s; saving step %d synchronously instead", err, state.step)
+        return self._save_sync(model, optimizer, state)
+
+    def _save_sync(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
+        self._wait_in_flight()
+        if self._in_flight is not None:
+            self._complete(last=False)
         start = time.perf_counter()
         state.rng = _gather_rng(self.env)
         if self.env.is_main:
@@ -306,11 +392,15 @@ class CheckpointManager:
         plain.pop("rng")
         return {"format_version": FORMAT_VERSION, "world_size": self.env.world_size, "model_config": self.model_config, "train_state": plain}
 
-    def _check_space(self, final: Path, state_dicts: tuple) -> None:
+    def _check_space(self, final: Path, state_dicts: tuple | None, *, estimate: int | None = None) -> None:
         """Stop before writing when the checkpoint will not fit on the disk: a write that fails half-way
-        costs the time of writing it, and a full disk hurts everything else writing there."""
-        # Full: rank 0 writes what it holds (other ranks may hold a copy too). Sharded: every rank its shard.
-        mine = _tensor_bytes(state_dicts) if self.fmt == "sharded" or self.env.is_main else 0
+        costs the time of writing it, and a full disk hurts everything else writing there. At the start
+        of the run (`estimate`: this rank's share of the state, as state_bytes counts it) the same check
+        stops the run before its first step."""
+        if estimate is not None:  # every rank's share: the full checkpoint holds them all, the sharded one too
+            mine = estimate
+        else:  # full: rank 0 writes what it holds (other ranks may hold a copy too); sharded: every rank its shard
+            mine = _tensor_bytes(state_dicts) if self.fmt == "sharded" or self.env.is_main else 0
         total = torch.tensor([mine], dtype=torch.int64, device=self.env.device)
         dist.all_reduce(total)
         error = None
@@ -321,10 +411,14 @@ class CheckpointManager:
             needed = size_of(previous[0][1]) if previous else int(total.item() * 1.01)
             free = shutil.disk_usage(self.dir).free
             if needed > free:
-                keep = f"{previous[0][1].name} stays the newest checkpoint" if previous else "no checkpoint was written"
+                if estimate is not None:
+                    keep = "stopped before the first training step"
+                else:
+                    keep = "stopped before writing, " + (f"{previous[0][1].name} stays the newest checkpoint" if previous
+                                                         else "no checkpoint was written")
                 error = CheckpointError(
                     f"{final}: not enough disk space to save it ({needed / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB "
-                    f"free in {self.dir}); stopped before writing, {keep}. Free some space and resume with --resume_from latest")
+                    f"free in {self.dir}); {keep}. Free some space and resume with --resume_from latest")
         self._agree(error)
 
     def _write_error(self, final: Path, err: BaseException) -> CheckpointError:
@@ -392,7 +486,7 @@ class CheckpointManager:
         return self._commit_sharded(tmp, final, state, start=start)
 
     def _commit_sharded(self, tmp: Path, final: Path, state: TrainState, *, start: float,
-                        hashed: tuple[dict, float] | None = None) -> Path:
+                        hashed: tuple[dict, float] | None = None, mode: str | None = "sync") -> Path:
         """Once every shard is written: each rank hashes the files it wrote (an asynchronous save did
         that in the background: `hashed`), rank 0 writes rng.pt and meta.json (every file's size and
         CRC32) and renames the folder into place; retention. A collective: an asynchronous save calls it
@@ -420,17 +514,17 @@ class CheckpointManager:
             if error is not None:
                 _remove(tmp)
         self._agree(error)
-        self._finish(final, start=start, crc_s=crc_s)
+        self._finish(final, start=start, crc_s=crc_s, mode=mode)
         return final
 
-    def _finish(self, final: Path, *, start: float, crc_s: float) -> None:
+    def _finish(self, final: Path, *, start: float, crc_s: float, mode: str | None = "sync") -> None:
         barrier(self.env)  # the checkpoint is in place for every rank before anyone deletes older ones
         seconds = time.perf_counter() - start
         if self.env.is_main:
             self._apply_retention(final)
             log.info("saved checkpoint %s (%.1f MiB) in %.2f s (CRC32 %.2f s)", final, size_of(final) / 2**20, seconds, crc_s)
-        if not self.async_save:  # an asynchronous save's row is written by _complete
-            self.stats.append({"name": final.name, "mode": "sync", "blocked_s": seconds, "total_s": seconds})
+        if mode is not None:  # an asynchronous save's row is written by _complete
+            self.stats.append({"name": final.name, "mode": mode, "blocked_s": seconds, "total_s": seconds})
 
     # ---- asynchronous saves --------------------------------------------------------------------
     #
@@ -461,19 +555,20 @@ class CheckpointManager:
             self._check_space(final, (model_sd, optim_sd))
             try:
                 staged = self._staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
-            except (RuntimeError, OSError) as err:  # host memory could not be had
-                error = CheckpointError(f"{final}: cannot stage the checkpoint in host memory ({first_line(err)}); "
-                                        f"nothing was written, set checkpoint.async_save=false to save without staging")
+            except Exception as err:  # host memory could not be had, a tensor this staging cannot copy, ...
+                error = AsyncSaveFailed(f"{final}: cannot stage the checkpoint in host memory ({first_line(err)})")
         del model_sd, optim_sd
         self._agree(error)
         stage = self._staging.last
         try:
-            job = self._writer.start(staged, tmp, step=state.step,
+            job = self._writer.start(staged, tmp,
                                      after_write=lambda: _hash_own_files(tmp, self.env.rank, self.env.world_size))
         except (Exception, dcp.CheckpointException) as err:
-            error = self._write_error(final, err)
+            error = AsyncSaveFailed(f"{final}: cannot start the background write ({first_line(err)})")
+        if error is not None and self.env.is_main:
+            _remove(tmp)  # DCP may have made the folder before it failed
         self._agree(error)
-        self._in_flight = _InFlight(tmp, final, snapshot, start, job, stage, blocked=time.perf_counter() - start)
+        self._in_flight = _InFlight(tmp, final, snapshot, start, job, stage, staged, blocked=time.perf_counter() - start)
         if self.env.is_main:
             log.info("checkpoint %s: staged in host memory in %.2f s (%s copied, %s made for it by the state dict), "
                      "writing it in the background", final.name, stage.seconds, format_size(stage.copied),
@@ -547,6 +642,14 @@ class CheckpointManager:
             barrier(self.env)  # every rank is done with the folder before it is removed
             if self.env.is_main:
                 _remove(flight.tmp)
+            self._async_failed = True
+            if self.env.is_main:
+                log.warning("%s; writing it again synchronously from its copy in host memory", error)
+            try:
+                self._write_staged(flight)
+                return
+            except CheckpointError as err:
+                error = f"{error}; the synchronous retry failed too ({err})"
             if self.on_async_error == "continue" and not last:
                 if self.env.is_main:
                     log.error("%s; training goes on (checkpoint.on_async_error=continue), the next save tries again", error)
@@ -554,7 +657,7 @@ class CheckpointManager:
             if not last:
                 error += "; stopping (checkpoint.on_async_error=stop). Resume with --resume_from latest"
             raise CheckpointError(error)
-        self._commit_sharded(flight.tmp, flight.final, flight.state, start=flight.start, hashed=hashed)
+        self._commit_sharded(flight.tmp, flight.final, flight.state, start=flight.start, hashed=hashed, mode=None)
         now = time.perf_counter()
         flight.blocked += now - begin
         row = {"name": flight.final.name, "mode": "async", "blocked_s": flight.blocked, "total_s": now - flight.start,
@@ -565,6 +668,21 @@ class CheckpointManager:
             log.info("checkpoint %s: written in the background in %.1f s; it held up training for %.2f s in all "
                      "(staging %.2f s, commit %.2f s)", flight.final.name, row["total_s"], flight.blocked,
                      flight.staged.seconds, now - begin)
+
+    def _write_staged(self, flight: _InFlight) -> None:
+        """Write the host copy of a save whose background write failed, in the foreground (every rank), and
+        commit it: the checkpoint of that step, as if the write had succeeded. CheckpointError if it fails."""
+        start = time.perf_counter()
+        error = None
+        try:
+            dcp.save(flight.staged_state, checkpoint_id=str(flight.tmp), process_group=self._writer.group)
+        except (Exception, dcp.CheckpointException) as err:
+            error = self._write_error(flight.final, err)
+        barrier(self.env)
+        if error is not None and self.env.is_main:
+            _remove(flight.tmp)
+        self._agree(error)
+        self._commit_sharded(flight.tmp, flight.final, flight.state, start=start, mode="sync-retry")
 
     def _remove_incomplete(self) -> None:
         for path in self.dir.glob(f"{TMP_PREFIX}*"):

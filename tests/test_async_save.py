@@ -4,8 +4,8 @@ the background write keeps the previous checkpoint as `latest`, a failed write i
 checkpoint's name (stop or continue), a stop signal waits for the save in flight, and a save waits for
 the one in flight (logged).
 
-The background write is slowed down or made to fail by the test-only fault hook
-FSDP_TEST_ASYNC_SAVE_FAULT (fsdp_utils/async_save.py, _test_fault).
+The background write is slowed down or made to fail, and staging made to fail, by the test-only faults
+of tests/fault_injection.py.
 """
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ import torch
 
 from fsdp_utils import checkpoint_io
 from fsdp_utils.async_save import HostStaging, host_memory, resolve_async_save
-from tests.helpers import losses, read_metrics, run_train
+from tests.helpers import fault_env, losses, read_metrics, run_train
 from tests.test_checkpoint import as_full, assert_identical, checkpoint_names
 from tests.test_failures import Job, logged_steps, poll, train_cmd
 
-FAULT = "FSDP_TEST_ASYNC_SAVE_FAULT"
 ASYNC = ("--checkpoint.format=sharded", "--checkpoint.async_save=true")
 
 
@@ -175,6 +174,52 @@ def test_staging_grows_a_reserve_too_small_and_shares_everything_for_the_process
     assert staged["w"].untyped_storage().data_ptr() == staged["piece"].untyped_storage().data_ptr()
 
 
+class WrappedWeight(torch.Tensor):
+    """A tensor subclass built as torchao's FP8 weights are: no storage of its own, its data in an inner
+    tensor, declared through the flatten/unflatten protocol. Staging knows nothing of this class."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device,
+                                                   strides=inner.stride())
+
+    def __init__(self, inner: torch.Tensor):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        return WrappedWeight(inner["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, WrappedWeight) else x  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["thread-writer", "process-writer"])
+def test_staging_copies_tensor_subclasses_it_does_not_know(share):
+    # Such a tensor has no storage to compare or copy (its untyped_storage() raises): the staging finds its
+    # data through the protocol, stages a twin of the same class, and the live-storage check sees the inner
+    # tensor as the training state it is.
+    weight = WrappedWeight(torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    with pytest.raises(RuntimeError):
+        weight.untyped_storage().data_ptr()
+    from fsdp_utils.async_save import storage_tensors
+    (inner,) = storage_tensors(weight)
+    assert inner is weight.inner
+    staging = HostStaging(pin=False, share=share)
+    staged = staging.stage({"w": weight, "plain": torch.ones(2)}, live={inner.untyped_storage().data_ptr()})
+    assert type(staged["w"]) is WrappedWeight and torch.equal(staged["w"].inner, weight.inner)
+    weight.inner.add_(1)  # training goes on: the staged copy keeps the values of the save
+    assert torch.equal(staged["w"].inner, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert staged["w"].inner.untyped_storage().data_ptr() != inner.untyped_storage().data_ptr()
+    again = staging.stage({"w": weight, "plain": torch.ones(2)}, live={inner.untyped_storage().data_ptr()})
+    assert torch.equal(again["w"].inner, weight.inner) and staging.last.allocated == 0  # the arena is reused
+
+
 # ---- real jobs ---------------------------------------------------------------------------------------------
 
 STEPS = 6
@@ -210,7 +255,7 @@ def test_async_save_then_resume_is_bit_identical(version, writer, nproc, baselin
     common = (f"--train.max_steps={STEPS}", *ASYNC, f"--fsdp.version={version}", f"--checkpoint.async_writer={writer}")
     saved = tmp_path / "saved"
     proc = run_train(*common, f"--checkpoint.interval={SPLIT}", nproc=nproc, out_dir=saved, corpus=corpus,
-                     dataset_dir=dataset_dir, extra_env={FAULT: "delay_s=1"})
+                     dataset_dir=dataset_dir, faults={"write": {"delay_s": 1}})
     assert losses(saved) == baseline
     assert checkpoint_names(saved) == ["fsdp_sharded_cpt3", "fsdp_sharded_cpt6"]
     assert "waiting for the save of fsdp_sharded_cpt3, still being written" in proc.stderr, proc.stderr[-3000:]
@@ -240,8 +285,8 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(baselines, c
     reference = baselines(2, steps=N)
     out = tmp_path / "out"
     args = (f"--train.max_steps={N}", *ASYNC, "--checkpoint.interval=4", "--checkpoint.keep_last_n=0")
-    job = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir), tmp_path / "run",
-              extra_env={FAULT: "step=8,delay_s=60"})
+    job = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, faults=True),
+              tmp_path / "run", extra_env=fault_env({"write": {"step": 8, "delay_s": 60}}))
     try:
         # Steps after 8 logged while its write hangs: training did not wait for it.
         poll(lambda: (s := logged_steps(out)) and s[-1] >= 10 and (out / ".tmp-fsdp_sharded_cpt8").is_dir(),
@@ -267,8 +312,8 @@ def test_stop_signal_waits_for_the_save_in_flight(corpus, dataset_dir, tmp_path)
     at, after waiting for the save in flight, and exits 0 with both checkpoints complete and verified."""
     out = tmp_path / "out"
     args = ("--train.max_steps=40", *ASYNC, "--checkpoint.interval=4", "--checkpoint.keep_last_n=0")
-    job = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir), tmp_path / "run",
-              extra_env={FAULT: "step=4,delay_s=5"})
+    job = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, faults=True),
+              tmp_path / "run", extra_env=fault_env({"write": {"step": 4, "delay_s": 5}}))
     try:
         poll(lambda: (s := logged_steps(out)) and s[-1] >= 5, job=job, timeout=180, what="step 5")
         assert (out / ".tmp-fsdp_sharded_cpt4").is_dir() and not (out / "fsdp_sharded_cpt4").exists()
@@ -287,25 +332,88 @@ def test_stop_signal_waits_for_the_save_in_flight(corpus, dataset_dir, tmp_path)
         assert (out / name / "meta.json").is_file()
 
 
+def resumes_exactly(saved: Path, step: int, baseline: dict, *, corpus, dataset_dir, tmp_path) -> None:
+    """A fresh job resumed from `saved` at `step` reproduces the uninterrupted losses after it."""
+    resumed = tmp_path / f"resumed{step}"
+    run_train(f"--train.max_steps={STEPS}", *ASYNC, f"--resume_from={saved}", nproc=2, out_dir=resumed, corpus=corpus,
+              dataset_dir=dataset_dir)
+    assert losses(resumed) == {s: baseline[s] for s in range(step + 1, STEPS + 1)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, how", [
+    ({"stage_fail": [2]}, "cannot stage the checkpoint in host memory (RuntimeError: injected staging failure"),
+    ({"write": {"step": 2, "fail": True}}, "the background write failed (rank 0: OSError: [Errno 5] injected write failure"),
+], ids=["staging", "write"])
+def test_a_failed_async_save_saves_the_same_step_synchronously(fault, how, baselines, corpus, dataset_dir, tmp_path):
+    """The save of step 2 fails in the background machinery (its staging, or its write on every rank): the
+    same step is saved synchronously at once (one warning with the cause), training goes on with the
+    losses of a run without checkpoints, the later interval save is asynchronous again, the final save
+    (step 6) synchronous; resuming from the fallback's checkpoint continues exactly."""
+    out = tmp_path / "out"
+    proc = run_train(f"--train.max_steps={STEPS}", *ASYNC, "--checkpoint.interval=2", "--checkpoint.keep_last_n=0",
+                     nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, faults=fault)
+    assert f"{out / 'fsdp_sharded_cpt2'}: {how}" in proc.stderr, proc.stderr[-4000:]
+    assert "saving step 2 synchronously instead" in proc.stderr or "writing it again synchronously" in proc.stderr
+    assert losses(out) == baselines(2)
+    assert checkpoint_names(out) == ["fsdp_sharded_cpt2", "fsdp_sharded_cpt4", "fsdp_sharded_cpt6"]
+    assert "checkpoint fsdp_sharded_cpt4: written in the background" in proc.stderr
+    assert "checkpoint fsdp_sharded_cpt6: written in the background" not in proc.stderr  # the last save: synchronous
+    for name in checkpoint_names(out):
+        checkpoint_io.verify(out / name)
+    resumes_exactly(out / "fsdp_sharded_cpt2", 2, baselines(2), corpus=corpus, dataset_dir=dataset_dir, tmp_path=tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["stop", "continue"])
-def test_a_failed_background_write_is_reported_with_the_checkpoint_name(policy, baselines, corpus, dataset_dir, tmp_path):
-    """The background write of step 2 fails on every rank. It is reported at the next step (at the latest
-    when the save of step 4 would start), naming the checkpoint; stop: exit 1, nothing half-written left;
+def test_a_save_that_fails_in_the_background_and_again_synchronously(policy, baselines, corpus, dataset_dir, tmp_path):
+    """The write of step 4 fails in the background and its synchronous retry fails too. stop: one error line
+    naming the checkpoint and both causes, exit 1, fsdp_sharded_cpt2 intact and nothing half-written;
     continue: one error line, training and the later saves go on, the losses as without checkpoints."""
     out = tmp_path / "out"
     proc = run_train(f"--train.max_steps={STEPS}", *ASYNC, "--checkpoint.interval=2", f"--checkpoint.on_async_error={policy}",
-                     nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False,
-                     extra_env={FAULT: "step=2,fail=1"})
-    message = f"{out / 'fsdp_sharded_cpt2'}: the background write failed (rank 0: OSError: [Errno 5] injected write failure"
+                     "--checkpoint.keep_last_n=0", nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
+                     check=False, faults={"write": {"step": 4, "fail": True}, "sync_write_fail": [4]})
+    message = f"{out / 'fsdp_sharded_cpt4'}: the background write failed (rank 0: OSError: [Errno 5] injected write failure"
     if policy == "stop":
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-4000:]
-        assert message in errors[0] and "checkpoint.on_async_error=stop" in errors[0], errors
-        assert checkpoint_names(out) == []
-        assert logged_steps(out)[-1] in (3, 4)
+        assert message in errors[0] and "the synchronous retry failed too" in errors[0], errors
+        assert "injected synchronous write failure" in errors[0] and "checkpoint.on_async_error=stop" in errors[0]
+        assert checkpoint_names(out) == ["fsdp_sharded_cpt2"]
+        checkpoint_io.verify(out / "fsdp_sharded_cpt2")
     else:
         assert proc.returncode == 0, proc.stderr[-4000:]
-        assert proc.stderr.count(message) == 1 and "training goes on (checkpoint.on_async_error=continue)" in proc.stderr
-        assert checkpoint_names(out) == ["fsdp_sharded_cpt4", "fsdp_sharded_cpt6"]
+        assert "training goes on (checkpoint.on_async_error=continue)" in proc.stderr
+        assert checkpoint_names(out) == ["fsdp_sharded_cpt2", "fsdp_sharded_cpt6"]
         assert losses(out) == baselines(2)
+
+
+@pytest.mark.slow
+def test_state_that_cannot_be_staged_at_the_start_makes_every_save_synchronous(baselines, corpus, dataset_dir, tmp_path):
+    """The staging tried before step 1 fails: one warning before training, then every save is synchronous,
+    and the run is the same as without checkpoints."""
+    out = tmp_path / "out"
+    proc = run_train(f"--train.max_steps={STEPS}", *ASYNC, "--checkpoint.interval=3", nproc=2, out_dir=out,
+                     corpus=corpus, dataset_dir=dataset_dir, faults={"stage_fail": [0]})
+    warning = "checkpoint.async_save: this run's state cannot be staged in host memory (RuntimeError: injected staging"
+    assert warning in proc.stderr and proc.stderr.index(warning) < proc.stderr.index("step 1/"), proc.stderr[-4000:]
+    assert ": written in the background" not in proc.stderr
+    assert losses(out) == baselines(2)
+    assert checkpoint_names(out) == ["fsdp_sharded_cpt3", "fsdp_sharded_cpt6"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_no_room_for_a_checkpoint_stops_the_run_before_step_1(fmt, corpus, dataset_dir, tmp_path):
+    """A disk without room for one checkpoint (its free space shown as 1 MiB): one error line before the first
+    step, exit 1, no checkpoint and no step trained."""
+    out = tmp_path / "out"
+    proc = run_train(f"--train.max_steps={STEPS}", f"--checkpoint.format={fmt}", "--checkpoint.interval=3", nproc=2,
+                     out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False, faults={"disk_free_bytes": 2**20})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-4000:]
+    assert "not enough disk space to save it" in errors[0] and "stopped before the first training step" in errors[0]
+    assert "step 1/" not in proc.stderr and checkpoint_names(out) == []
+
+

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, TRAIN, descendants, kill_tree, losses, read_metrics, run_train
+from tests.helpers import ROOT, TINY, TRAIN, TRAIN_WITH_FAULTS, descendants, kill_tree, losses, read_metrics, run_train
 
 pytestmark = pytest.mark.slow  # every test here launches training processes
 
@@ -27,10 +27,11 @@ N = 40  # steps of the preemption/restart runs: ~0.06 s each here, so a signal s
 # ---- processes --------------------------------------------------------------------------------------
 
 
-def train_cmd(*args: str, nproc: int, out_dir: Path, corpus: Path, dataset_dir: Path) -> list[str]:
-    """The command tests.helpers.run_train builds for nproc > 1."""
+def train_cmd(*args: str, nproc: int, out_dir: Path, corpus: Path, dataset_dir: Path, faults: bool = False) -> list[str]:
+    """The command tests.helpers.run_train builds for nproc > 1 (`faults`: the launcher that installs the
+    faults given to Job through tests.helpers.fault_env)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(TRAIN), str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
+            str(TRAIN_WITH_FAULTS if faults else TRAIN), str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
             f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
 
 
@@ -59,7 +60,7 @@ class Job:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(part.endswith(b"train_fsdp.py") for part in cmdline):
+            if any(part.endswith((b"train_fsdp.py", b"train_with_faults.py")) for part in cmdline):
                 env = dict(item.split(b"=", 1) for item in environ if b"=" in item)
                 if b"RANK" in env:
                     found[int(env[b"RANK"])] = pid
