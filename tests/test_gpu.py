@@ -62,6 +62,7 @@ def test_checkpoint_saved_on_two_gpus_resumes_on_one(tmp_path, corpus, dataset_d
         assert math.isclose(one[step], two[step], rel_tol=2e-2), (step, one[step], two[step])
 
 
+@pytest.mark.gpu_exclusive  # needs 4 GPUs
 @needs_gpus(4)
 @pytest.mark.parametrize("version", [1, 2])
 def test_sharded_checkpoint_saved_on_four_gpus_resumes_on_two_and_one(tmp_path, corpus, dataset_dir, version):
@@ -108,6 +109,7 @@ def test_compiled_chunked_loss_in_bf16_matches_fp32_reference():
 MODEL_90M = ["--model.dim=768", "--model.n_layers=12", "--model.n_heads=12", "--model.n_kv_heads=12", "--train.lr=6e-4"]
 
 
+@pytest.mark.gpu_exclusive  # measures GPU memory: alone on its GPUs
 @needs_gpus(1)
 def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
     # The 90M shape at sequence 2048, compiled, 64 sequences per GPU, with a budget of 6 GiB whatever the
@@ -142,6 +144,7 @@ def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
     assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.gpu_exclusive  # measures GPU memory: alone on its GPUs
 @needs_gpus(1)
 def test_real_out_of_memory_is_retried_at_half_the_micro_batch(tmp_path):
     # One GPU (no other rank to wait for): micro-batch 256 of the 90M shape at sequence 2048, uncompiled,
