@@ -32,6 +32,7 @@ from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, Checkpoint
 from fsdp_utils.checkpoint_format import check_structure
 from fsdp_utils.distributed import DistEnv, Launch, barrier, destroy_distributed, init_distributed, read_torchrun_env
 from fsdp_utils.float8 import float8_problems, precompute_float8_scales
+from fsdp_utils.hf import HFModelError
 from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
 from fsdp_utils.microbatch import (OutOfMemory, OutOfMemoryGuard, cache_key, memory_hint, memory_probe,
                                    resolve_micro_batch, save_to_cache)
@@ -43,7 +44,7 @@ from fsdp_utils.step import forward_backward
 from fsdp_utils.wrap import parallelize, resolve_precision
 
 log = logging.getLogger("train")
-USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory, HFModelError)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -23,6 +23,15 @@ BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "selective_op")
 FLOAT8 = ("none", "tensorwise", "rowwise")
+# Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order.
+MAX_SEED = 2**63 - 1
+# Waits longer than about 31 years are "never" in practice; the process group's store and time.sleep count
+# in int64 nanoseconds and overflow at 2**63 ns (292 years).
+MAX_SECONDS = 10**9
+# A config file is a few kilobytes: a file far larger is a checkpoint or a corpus given in its place.
+MAX_CONFIG_BYTES = 16 * 2**20
+# Anchors and aliases may repeat a few sections; more than this many repeated values is an attack.
+MAX_ALIAS_VALUES = 10_000
 
 
 class ConfigError(ValueError):
@@ -40,16 +49,16 @@ class RunConfig:
     output_dir: str = ""
     """Where config.yaml, metrics.jsonl, tensorboard/ and checkpoints go; empty means checkpoints/<name>."""
     seed: int = 1234
-    """Seed for the initial weights and the data order (the same on every rank)."""
+    """Seed for the initial weights and the data order (the same on every rank); 0 to 2**63 - 1."""
     device: str = "auto"
     """auto (CUDA when available, else CPU), cuda or cpu."""
     timeout_s: int = 600
-    """Collective timeout: a hung rank ends the job with an error after this many seconds."""
+    """Collective timeout: a hung rank ends the job with an error after this many seconds (at most 10**9)."""
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     """Signals that mean 'save a checkpoint after this step and exit 0' (preemption, Slurm's pre-termination
     signal, Ctrl-C); a second one aborts at once without saving."""
     preemption_grace_s: float = 120.0
-    """After a stop signal, exit non-zero if the checkpoint is not saved within this many seconds."""
+    """After a stop signal, exit non-zero if the checkpoint is not saved within this many seconds (positive, at most 10**9)."""
 
 
 @dataclass
@@ -140,9 +149,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not norms)."""
     beta1: float = 0.9
-    """AdamW first-moment decay."""
+    """AdamW first-moment decay, in [0, 1)."""
     beta2: float = 0.95
-    """AdamW second-moment decay."""
+    """AdamW second-moment decay, in [0, 1)."""
     max_bad_steps: int = 0
     """Non-finite loss or gradient norm: skip up to this many such steps, then stop (0: stop at the first)."""
     grad_clip: float = 1.0
@@ -310,6 +319,9 @@ def _build(cls, raw: dict, where: str, problems: list[str]):
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
+        if not isinstance(key, str):  # YAML keys may be numbers, null or lists
+            problems.append(f"{where.lstrip('.') or 'top level'}: key {key!r} is not a name")
+            continue
         if key not in names:
             problems.append(f"unknown key '{(where + '.' + key).lstrip('.')}'{_closest(key, names, (where + '.').lstrip('.'))}")
             continue
@@ -338,33 +350,103 @@ def split_known_args(parser, argv: list[str]):
     return args, overrides
 
 
+class _AliasBomb(yaml.YAMLError):
+    pass
+
+
+def _expansion(root: yaml.Node) -> int:
+    """How many more values the document holds once every alias (and merge key) is written out than it
+    spells out itself; _AliasBomb when an alias refers to a value that contains it."""
+    sizes: dict[int, int] = {}  # id(node) -> values in it, aliases expanded
+    ancestors: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:  # depth first, without recursion: nesting depth is the document's to choose
+        node, finished = stack.pop()
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = []
+        if finished:
+            ancestors.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
+        elif id(node) in ancestors:
+            raise _AliasBomb("an alias refers to a value that contains it")
+        elif id(node) not in sizes:
+            ancestors.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in children)
+    return sizes[id(root)] - len(sizes)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses documents whose aliases repeat more than MAX_ALIAS_VALUES values: a
+    few hundred bytes of nested aliases ("billion laughs") would grow to gigabytes once the tree is walked."""
+
+    def construct_document(self, node: yaml.Node):
+        if _expansion(node) > MAX_ALIAS_VALUES:
+            raise _AliasBomb(f"its aliases repeat more than {MAX_ALIAS_VALUES:,} values (an alias bomb?); "
+                             f"write the values out instead")
+        return super().construct_document(node)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """One line for a YAML error: what went wrong and, when known, where."""
+    problem = getattr(err, "problem", None)
+    if not problem:
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    mark = getattr(err, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else problem
+
+
 def parse_override(arg: str) -> tuple[list[str], object]:
     """'--train.lr=1e-3' -> (['train', 'lr'], 0.001). Values are parsed as YAML scalars."""
     body = arg[2:] if arg.startswith("--") else arg
     if "=" not in body:
         raise ConfigError([f"override '{arg}' must look like --section.key=value"])
     key, value = body.split("=", 1)
-    return key.split("."), yaml.safe_load(value) if value != "" else ""
+    try:
+        return key.split("."), yaml.load(value, Loader=_BoundedLoader) if value != "" else ""
+    except yaml.YAMLError as err:  # the value itself may be long (a list of files): name the key
+        if isinstance(err, _AliasBomb):
+            raise ConfigError([f"override --{key}: {err}"]) from None
+        raise ConfigError([f"override --{key}: not valid YAML: {_yaml_problem(err)}"]) from None
+
+
+def _read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError([f"{path} is a directory; give a config file, e.g. config/train_tiny_fsdp.yaml"])
+    if not path.is_file():
+        raise ConfigError([f"config file not found: {path}"])
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError([f"{path}: {path.stat().st_size:,} bytes is not a config file (at most "
+                               f"{MAX_CONFIG_BYTES:,}); give the YAML file, e.g. config/train_tiny_fsdp.yaml"])
+        text = path.read_bytes()  # bytes: YAML finds the encoding, and undecodable text is a YAMLError
+    except OSError as err:
+        raise ConfigError([f"{path}: cannot read: {err.strerror or err}"]) from None
+    try:
+        raw = yaml.load(text, Loader=_BoundedLoader) or {}
+    except _AliasBomb as err:
+        raise ConfigError([f"{path}: {err}"]) from None
+    except yaml.YAMLError as err:
+        raise ConfigError([f"{path}: not valid YAML: {_yaml_problem(err)}"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{path}: top level must be a mapping of sections"])
+    return raw
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Read YAML, apply overrides, validate everything; raise ConfigError listing every problem."""
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if path.is_dir():
-            raise ConfigError([f"{path} is a directory; give a config file, e.g. config/train_tiny_fsdp.yaml"])
-        if not path.is_file():
-            raise ConfigError([f"config file not found: {path}"])
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError([f"{path}: not valid YAML: {str(err).splitlines()[0]}"]) from None
-        if not isinstance(raw, dict):
-            raise ConfigError([f"{path}: top level must be a mapping of sections"])
+    raw = {} if path is None else _read_yaml(Path(path))
     problems: list[str] = []
     for arg in overrides:
-        keys, value = parse_override(arg)
+        try:
+            keys, value = parse_override(arg)
+        except ConfigError as err:
+            problems += err.problems
+            continue
         node = raw
         for k in keys[:-1]:
             if node.get(k) is None:
@@ -405,6 +487,10 @@ def validate(cfg: Config) -> list[str]:
         for name in ("hf_path", "hf_config"):
             if getattr(m, name) and not Path(getattr(m, name)).exists():
                 p.append(f"model.{name}: not found: {getattr(m, name)}")
+        if bool(m.hf_path) != bool(m.hf_config) and Path(m.hf_path or m.hf_config).exists():
+            from fsdp_utils.hf import hf_problems  # imports transformers: only for model.type=hf
+
+            p += hf_problems(m)
         if cfg.data.tokenizer == "hf" and not m.hf_path:
             p.append("data.tokenizer=hf needs model.hf_path (a folder with the tokenizer files)")
     if cfg.data.seq_len <= 0:
@@ -438,6 +524,11 @@ def validate(cfg: Config) -> list[str]:
             p.append(f"train.{name} must not be negative, got {getattr(t, name)}")
     if t.lr <= 0:
         p.append(f"train.lr must be positive, got {t.lr}")
+    for name in ("beta1", "beta2"):  # AdamW's decay rates: 1 never forgets, past it the moments diverge
+        if not 0 <= getattr(t, name) < 1:
+            p.append(f"train.{name} must be in [0, 1), got {getattr(t, name)}")
+    if t.loss_chunk_tokens < 0:
+        p.append(f"train.loss_chunk_tokens must be 0 (off) or positive, got {t.loss_chunk_tokens}")
     if not 0 <= t.min_lr_ratio <= 1:
         p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     _choice(p, "train.precision", t.precision, PRECISIONS)
@@ -451,8 +542,12 @@ def validate(cfg: Config) -> list[str]:
             p.append(f"run.stop_signals: '{name}' is not one of SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP")
     if cfg.train.max_bad_steps < 0:
         p.append(f"train.max_bad_steps must not be negative, got {cfg.train.max_bad_steps}")
-    if cfg.run.timeout_s <= 0:
-        p.append(f"run.timeout_s must be positive, got {cfg.run.timeout_s}")
+    r = cfg.run
+    if not 0 <= r.seed <= MAX_SEED:
+        p.append(f"run.seed must be in [0, 2**63 - 1], got {r.seed}")
+    for name in ("timeout_s", "preemption_grace_s"):
+        if not 0 < getattr(r, name) <= MAX_SECONDS:
+            p.append(f"run.{name} must be in (0, 10**9] seconds, got {getattr(r, name)}")
     f = cfg.fsdp
     if f.version not in (1, 2):
         p.append(f"fsdp.version must be 1 or 2, got {f.version}")

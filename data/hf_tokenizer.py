@@ -7,6 +7,7 @@ preparation worker process builds its own from the folder.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -18,7 +19,14 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.path = Path(path)
-        self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        except (OSError, ValueError) as err:  # transformers' own text spans lines and advises trust_remote_code
+            if names_own_code(self.path, "tokenizer_config.json") or names_own_code(self.path, "config.json"):
+                raise ValueError("it needs the folder's own Python code (auto_map), which is never run; "
+                                 "use a tokenizer that transformers includes") from None
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            raise ValueError(f"{type(err).__name__}: {lines[0] if lines else ''}") from None
         if self.tok.eos_token_id is None:
             raise ValueError(f"tokenizer in {path} has no EOS token; documents need one as separator")
         self.fingerprint = f"hf:{tokenizer_files_digest(self.path)}"
@@ -42,3 +50,12 @@ def tokenizer_files_digest(folder: Path) -> str:
     for path in sorted(p for p in folder.iterdir() if p.is_file() and "token" in p.name):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()
+
+
+def names_own_code(folder: Path, json_name: str) -> bool:
+    """Whether a model folder's config.json or tokenizer_config.json points transformers at Python files of the
+    folder (`auto_map`), which it would import: code from a model folder is never run here."""
+    try:
+        return bool(json.loads((folder / json_name).read_text()).get("auto_map"))
+    except (OSError, ValueError, AttributeError):  # no such file, not JSON, or not an object
+        return False

@@ -8,6 +8,7 @@ weights reach every rank's shards by a rank-0 broadcast of the full state dict (
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -15,10 +16,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from data.hf_tokenizer import names_own_code
+
 from .build import BuiltModel, WeightInit
 from .distributed import DistEnv
 
 log = logging.getLogger(__name__)
+
+
+class HFModelError(ValueError):
+    """model.hf_path or model.hf_config cannot be used; the message names which, and why."""
 
 
 class CausalLMAdapter(nn.Module):
@@ -36,12 +43,39 @@ class CausalLMAdapter(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def _field(model_cfg) -> str:
+    return f"model.hf_path={model_cfg.hf_path}" if model_cfg.hf_path else f"model.hf_config={model_cfg.hf_config}"
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def load_hf_config(model_cfg):
+    """The transformers config of model.hf_path (or model.hf_config); HFModelError in one line when it cannot
+    be read or needs the folder's own code (never run, never asked about)."""
     from transformers import AutoConfig
 
-    source = model_cfg.hf_path or model_cfg.hf_config
-    path = Path(source)
-    return AutoConfig.from_pretrained(str(path if path.is_dir() else path.parent), local_files_only=True)
+    path = Path(model_cfg.hf_path or model_cfg.hf_config)
+    folder = path if path.is_dir() else path.parent
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        if names_own_code(folder, "config.json"):
+            raise HFModelError(f"{_field(model_cfg)}: its config.json needs the folder's own Python code (auto_map), "
+                               f"which is never run; use a model type that transformers includes") from None
+        raise HFModelError(f"{_field(model_cfg)}: cannot read its config.json ({_one_line(err)})") from None
+
+
+def hf_problems(model_cfg) -> list[str]:
+    """Config-time check of model.type=hf: the folder's config loads (before any process group starts)."""
+    try:
+        load_hf_config(model_cfg)
+    except HFModelError as err:
+        return [str(err)]
+    return []
 
 
 def config_signature(hf_config) -> dict:
@@ -76,15 +110,31 @@ def build_hf_model(cfg, env: DistEnv, *, on_meta: bool) -> nn.Module:
     hf_config = load_hf_config(cfg.model)
     if on_meta:
         with torch.device("meta"):
-            lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+            lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32, trust_remote_code=False)
     elif cfg.model.hf_path:
-        lm = AutoModelForCausalLM.from_pretrained(cfg.model.hf_path, local_files_only=True, torch_dtype=torch.float32)
+        lm = _load_pretrained(cfg.model)
     else:
         torch.manual_seed(cfg.run.seed)
-        lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+        lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32, trust_remote_code=False)
     lm.config.use_cache = False
     _unify_dtypes(lm)
     return CausalLMAdapter(lm)
+
+
+def _load_pretrained(model_cfg) -> nn.Module:
+    """The weights of model.hf_path on the CPU; HFModelError in one line for missing, damaged or refused files."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_cfg.hf_path, local_files_only=True, torch_dtype=torch.float32,
+                                                    trust_remote_code=False)
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met something other than tensors
+        raise HFModelError(f"{_field(model_cfg)}: its pickled weights (.bin) were refused: they hold something other "
+                           f"than tensors (loading them would run code) or are damaged; use .safetensors weights "
+                           f"from a source you trust") from None
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # missing, truncated, mismatched
+        raise HFModelError(f"{_field(model_cfg)}: cannot load the weights ({_one_line(err)})") from None
 
 
 def build_for_sharding(cfg, env: DistEnv) -> BuiltModel:
@@ -112,9 +162,17 @@ class Rank0Weights(WeightInit):
         if any(p.is_meta for p in model.parameters()):  # FSDP2: shards still unallocated
             model.to_empty(device=device)
         full_state = buffers = None
+        error: list[str | None] = [None]
         if self.env.is_main:
-            real = build_hf_model(self.cfg, self.env, on_meta=False)
-            full_state, buffers = real.state_dict(), dict(real.named_buffers())
+            try:
+                real = build_hf_model(self.cfg, self.env, on_meta=False)
+                full_state, buffers = real.state_dict(), dict(real.named_buffers())
+            except HFModelError as err:
+                error = [str(err)]
+        # Rank 0's failure reaches every rank, which would otherwise wait in the weights' broadcast.
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise HFModelError(error[0])
         broadcast_from_rank0(model, full_state, buffers, self.env)
 
 

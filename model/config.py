@@ -3,13 +3,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Upper bounds that catch a typo (1e9) before it becomes a failed allocation. Real vocabularies reach 2**18
+# (256k pieces); at 2**24 every token id is still exact in fp32 and the embedding (vocab x dim fp32) is
+# 64 MiB per unit of dim, allocatable on a host at the small dims where a typo would otherwise slip through.
+MAX_VOCAB_SIZE = 2**24
+# Contexts of released models reach 2**20 tokens; each rank holds two (max_seq_len x head_dim) fp32 rotary
+# tables, 1 GiB at that length and head_dim 128, and this library has no context parallelism for longer.
+MAX_SEQ_LEN = 2**20
+
 
 @dataclass
 class ModelConfig:
     """Dimensions of a Llama-style decoder. Field names match the `model` section of the YAML."""
 
     vocab_size: int = 4096
-    """Token vocabulary size; 0 in a YAML file means: take it from the tokenizer."""
+    """Token vocabulary size, at most 2**24; 0 in a YAML file means: take it from the tokenizer."""
     dim: int = 256
     """Width of the residual stream."""
     n_layers: int = 4
@@ -21,13 +29,13 @@ class ModelConfig:
     ffn_hidden_dim: int | None = None
     """SwiGLU hidden width; None derives it as in Llama: 2/3 * 4 * dim rounded up to `multiple_of`."""
     multiple_of: int = 256
-    """Rounding for the derived ffn_hidden_dim (keeps matrix shapes GPU friendly)."""
+    """Rounding for the derived ffn_hidden_dim (keeps matrix shapes GPU friendly); positive."""
     max_seq_len: int = 256
-    """Longest sequence the rotary table covers; the data's seq_len must not exceed it."""
+    """Longest sequence the rotary table covers, at most 2**20; the data's seq_len must not exceed it."""
     rope_theta: float = 10000.0
-    """Base of the rotary frequencies."""
+    """Base of the rotary frequencies; greater than 1."""
     norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
+    """RMSNorm epsilon; positive."""
     tie_embeddings: bool = False
     """Share the token embedding with the output projection."""
     init_std: float = 0.02
@@ -62,6 +70,19 @@ class ModelConfig:
             out.append(f"model.n_kv_heads={self.n_kv_heads} must be positive and divide model.n_heads={self.n_heads}")
         if self.ffn_hidden_dim is not None and self.ffn_hidden_dim <= 0:
             out.append(f"model.ffn_hidden_dim must be positive, got {self.ffn_hidden_dim}")
+        if self.multiple_of <= 0:
+            out.append(f"model.multiple_of must be positive (it rounds the derived ffn_hidden_dim), got {self.multiple_of}")
+        if self.vocab_size > MAX_VOCAB_SIZE:
+            out.append(f"model.vocab_size must be at most 2**24 = {MAX_VOCAB_SIZE}, got {self.vocab_size}")
+        if self.max_seq_len > MAX_SEQ_LEN:
+            out.append(f"model.max_seq_len must be at most 2**20 = {MAX_SEQ_LEN}, got {self.max_seq_len}")
+        # theta <= 1 makes the rotary frequencies theta^(-2i/d) grow instead of fall (towards inf at 0: NaN).
+        if not self.rope_theta > 1:
+            out.append(f"model.rope_theta must be greater than 1, got {self.rope_theta}")
+        if not self.norm_eps > 0:  # RMSNorm divides by sqrt(mean(x^2) + eps): NaN at 0 on a zero input, or below
+            out.append(f"model.norm_eps must be positive, got {self.norm_eps}")
+        if not self.init_std > 0:
+            out.append(f"model.init_std must be positive, got {self.init_std}")
         return out
 
     def _block_matmul_params(self) -> int:

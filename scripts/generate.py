@@ -13,6 +13,7 @@ generation stops early at the end-of-document token. An empty prompt starts a fr
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -25,6 +26,9 @@ import torch  # noqa: E402
 from fsdp_utils.checkpoint_format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint_io import find_tokenizer, load_model, read_meta  # noqa: E402
 from model import Transformer  # noqa: E402
+
+
+MIN_TEMPERATURE = 1e-6
 
 
 class GenerateError(Exception):
@@ -64,13 +68,28 @@ def sample(model: Transformer, context: list[int], *, max_new_tokens: int, tempe
     return new
 
 
+def argument_problems(*, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> list[str]:
+    """Every sampling argument outside its range, phrased for the command line."""
+    problems = []
+    if max_new_tokens <= 0:
+        problems.append(f"--max_new_tokens must be positive, got {max_new_tokens}")
+    # Below MIN_TEMPERATURE sampling is greedy in effect, and far below it logits / temperature overflow to inf.
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):  # also refuses nan
+        problems.append(f"--temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE:g}, got {temperature}")
+    if top_k < 0:
+        problems.append(f"--top_k must be 0 (all tokens) or positive, got {top_k}")
+    if not 0 <= seed < 2**63:
+        problems.append(f"--seed must be in [0, 2**63 - 1], got {seed}")
+    return problems
+
+
 def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 50,
              seed: int = 0, device: str = "auto", tokenizer: Path | None = None) -> str:
     """prompt + the sampled continuation."""
     import sentencepiece as spm
 
-    if max_new_tokens < 0 or temperature < 0 or top_k < 0:
-        raise GenerateError("--max_new_tokens, --temperature and --top_k must not be negative")
+    if problems := argument_problems(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed):
+        raise GenerateError("; ".join(problems))
     read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
     tokenizer = find_tokenizer(checkpoint, tokenizer)
     try:

@@ -164,6 +164,98 @@ def test_missing_and_malformed_config_files(tmp_path):
     assert problem.startswith(f"{tmp_path / 'broken.yaml'}: not valid YAML")
 
 
+# Values that passed validation and then failed in the run (a ZeroDivisionError building the model,
+# torch.optim's ValueError, OverflowError in a sleep or a seed, NaN at step 1) or silently changed
+# meaning (a negative grace period or chunk size): each with the field's name and valid range.
+OUT_OF_RANGE = {
+    "--model.multiple_of=0": "model.multiple_of must be positive (it rounds the derived ffn_hidden_dim), got 0",
+    "--model.vocab_size=1000000000": "model.vocab_size must be at most 2**24 = 16777216, got 1000000000",
+    "--model.max_seq_len=100000000": "model.max_seq_len must be at most 2**20 = 1048576, got 100000000",
+    "--model.rope_theta=0": "model.rope_theta must be greater than 1, got 0.0",
+    "--model.norm_eps=-1": "model.norm_eps must be positive, got -1.0",
+    "--model.init_std=-0.02": "model.init_std must be positive, got -0.02",
+    "--train.beta1=2": "train.beta1 must be in [0, 1), got 2.0",
+    "--train.beta2=-1": "train.beta2 must be in [0, 1), got -1.0",
+    "--train.loss_chunk_tokens=-5": "train.loss_chunk_tokens must be 0 (off) or positive, got -5",
+    f"--run.seed={2**64}": f"run.seed must be in [0, 2**63 - 1], got {2**64}",
+    "--run.timeout_s=100000000000": "run.timeout_s must be in (0, 10**9] seconds, got 100000000000",
+    "--run.preemption_grace_s=-1": "run.preemption_grace_s must be in (0, 10**9] seconds, got -1.0",
+}
+
+
+def test_out_of_range_values_are_reported_together():
+    # ffn_hidden_dim=null: the hidden width is derived by rounding to multiple_of (which divided by zero).
+    problems = problems_of("--model.ffn_hidden_dim=null", *OUT_OF_RANGE)
+    assert sorted(problems) == sorted(OUT_OF_RANGE.values())
+
+
+def test_range_limits_themselves_are_accepted():
+    cfg = load_config(TINY, [f"--run.seed={2**63 - 1}", "--run.timeout_s=1000000000", "--run.preemption_grace_s=0.5",
+                             "--train.beta1=0", "--train.beta2=0.999", "--train.loss_chunk_tokens=0",
+                             "--model.vocab_size=16777216", "--model.max_seq_len=1048576", "--model.rope_theta=1.5"])
+    assert cfg.run.seed == 2**63 - 1 and cfg.model.vocab_size == 2**24 and cfg.model.max_seq_len == 2**20
+
+
+def test_bad_yaml_in_overrides_is_one_line_each_with_the_other_problems():
+    problems = problems_of("--data.files=[a", "--run.name=!!python/object/apply:os.system [echo hacked]",
+                           "--train.lrr=1")
+    assert problems == [
+        "override --data.files: not valid YAML: expected ',' or ']', but got '<stream end>' (line 1, column 3)",
+        "override --run.name: not valid YAML: could not determine a constructor for the tag "
+        "'tag:yaml.org,2002:python/object/apply:os.system' (line 1, column 1)",
+        "unknown key 'train.lrr' (did you mean 'train.lr'?)",
+    ]
+
+
+def alias_bomb(levels: int) -> str:
+    """The "billion laughs" document: each level is a list of nine aliases of the level below, so the
+    last one stands for 9 ** (levels + 1) strings (levels=8: 387 million) in a few hundred bytes."""
+    lines = ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + f"\ndata:\n  files: *a{levels}\n"
+
+
+def test_yaml_alias_bomb_is_refused(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    for levels in (4, 8):  # 9**5 = 59,049 values: already past the limit; 9**9, the real bomb, refused as fast
+        path.write_text(alias_bomb(levels))
+        assert problems_of(path=path) == [
+            f"{path}: its aliases repeat more than 10,000 values (an alias bomb?); write the values out instead"]
+    assert len(alias_bomb(8)) < 1000
+    # An override is YAML too.
+    assert problems_of(f"--data.files={alias_bomb(4).replace(chr(10), ', ').join('{}')}") == [
+        "override --data.files: its aliases repeat more than 10,000 values (an alias bomb?); write the values out instead"]
+    # A value that contains itself would make the tree walk recurse forever.
+    path.write_text("run: &r {name: x, seed: *r}\n")
+    assert problems_of(path=path) == [f"{path}: an alias refers to a value that contains it"]
+
+
+def test_modest_anchors_and_aliases_still_work(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    path.write_text("run: {name: &n corpus}\ndata: {text_field: *n, files: &f [a.txt, b.txt]}\n")
+    cfg = load_config(path)
+    assert cfg.data.text_field == "corpus" and cfg.data.files == ["a.txt", "b.txt"]
+
+
+def test_keys_that_are_not_names(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("1: 2\ntrain: {null: 1, 1.5: 2, lr: 0.1}\n")
+    assert problems_of(path=path) == ["top level: key 1 is not a name", "train: key None is not a name",
+                                      "train: key 1.5 is not a name"]
+
+
+def test_config_files_that_are_not_text_or_far_too_large(tmp_path):
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"train:\n  lr: \xff\xfe\xfd\n")  # not UTF-8
+    (problem,) = problems_of(path=binary)
+    assert problem.startswith(f"{binary}: not valid YAML: ") and "\n" not in problem
+    huge = tmp_path / "fsdp_cpt100.pth"
+    with huge.open("wb") as f:  # sparse: 17 MiB by its size, nothing on disk
+        f.truncate(17 * 2**20)
+    assert problems_of(path=huge) == [f"{huge}: 17,825,792 bytes is not a config file (at most 16,777,216); "
+                                      f"give the YAML file, e.g. config/train_tiny_fsdp.yaml"]
+
+
 # ---- batch split ------------------------------------------------------------------------------------
 
 
@@ -226,3 +318,31 @@ def test_cli_batch_split_impossible_for_world_size_exits_before_process_group():
     assert "train.global_batch_size=16" in line and "= 8 * 3 = 24" in line
     assert "Traceback" not in proc.stderr
     assert seconds < 60  # python + torch import is a few seconds; no rendezvous was attempted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_cli_out_of_range_and_bad_yaml_exit_2_before_the_process_group(nproc, tmp_path):
+    """Several bad values at once: one `error:` line each, printed once (rank 0) even under torchrun,
+    exit status 2, and the run never starts (nothing is written to the output directory)."""
+    bad = ["--model.rope_theta=0", "--train.beta1=2", "--model.multiple_of=0", "--model.ffn_hidden_dim=null",
+           "--data.files=[a", "--run.preemption_grace_s=-1"]
+    out = tmp_path / "out"
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, *launcher, str(ROOT / "train_fsdp.py"), str(TINY), f"--run.output_dir={out}",
+                           *bad], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert sorted(error_lines(proc)) == sorted([
+        "error: model.rope_theta must be greater than 1, got 0.0",
+        "error: train.beta1 must be in [0, 1), got 2.0",
+        "error: model.multiple_of must be positive (it rounds the derived ffn_hidden_dim), got 0",
+        "error: override --data.files: not valid YAML: expected ',' or ']', but got '<stream end>' (line 1, column 3)",
+        "error: run.preemption_grace_s must be in (0, 10**9] seconds, got -1.0",
+    ]), proc.stderr[-4000:]
+    if nproc == 1:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    else:  # every worker exits 2; the one traceback is torchrun's own report of that
+        assert "exitcode  : 2" in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr[-4000:]
+    assert not out.exists()
+    assert time.perf_counter() - start < 60  # no rendezvous waited for

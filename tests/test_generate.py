@@ -69,9 +69,25 @@ def test_errors(checkpoint, tmp_path, capsys):
     assert "no such file" in error(str(tmp_path / "missing.pth"), "--prompt", "x")
     (tmp_path / "notes.pth").write_text("hello")
     assert "not a checkpoint" in error(str(tmp_path / "notes.pth"), "--prompt", "x")
-    assert "negative" in error(str(checkpoint), "--prompt", "x", "--temperature", "-1")
+    assert error(str(checkpoint), "--prompt", "x", "--temperature", "-1") == \
+        "error: --temperature must be 0 (greedy) or a finite number of at least 1e-06, got -1.0"
+    # nan reached torch.multinomial with a real checkpoint: a traceback, not an error line.
+    assert error(str(checkpoint), "--prompt", "x", "--temperature", "nan").startswith("error: --temperature must be 0")
     assert "no such tokenizer" in error(str(checkpoint), "--prompt", "x", "--tokenizer", str(tmp_path / "none.model"))
     lone = tmp_path / "lone"
     lone.mkdir()
     shutil.copyfile(checkpoint, lone / checkpoint.name)
     assert "--tokenizer" in error(str(lone / checkpoint.name), "--prompt", "x")
+
+
+def test_sampling_arguments_out_of_range_are_one_line(tmp_path, capsys):
+    """nan passed the old `temperature < 0` test and reached torch.multinomial (a traceback); so did a seed past
+    64 bits (torch's overflow). All problems come in one line, before the checkpoint is even looked at."""
+    for temperature in ("nan", "inf", "-0.5", "1e-30"):
+        assert generate.main([str(tmp_path / "missing.pth"), "--prompt", "x", "--temperature", temperature]) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: --temperature must be 0 (greedy) or a finite number of at least 1e-06, got {float(temperature)}\n"
+    assert generate.main([str(tmp_path / "missing.pth"), "--prompt", "x", "--max_new_tokens", "0", "--top_k", "-1",
+                          "--seed", str(2**64)]) == 1
+    assert capsys.readouterr().err == (f"error: --max_new_tokens must be positive, got 0; --top_k must be 0 (all tokens) "
+                                       f"or positive, got -1; --seed must be in [0, 2**63 - 1], got {2**64}\n")

@@ -1,12 +1,18 @@
 """model.type=hf: transformers causal LMs trained by the same loop, launcher and checkpoints (CPU, gloo)."""
 from __future__ import annotations
 
+import builtins
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import losses, run_train
+from config import ConfigError, load_config
+from data.errors import DataError
+from data.tokenizer import load_tokenizer
+from tests.helpers import ROOT, losses, run_train
 
 pytestmark = pytest.mark.slow  # every test here launches training processes
 
@@ -97,3 +103,79 @@ def test_hf_config_errors(tmp_path, corpus, dataset_dir):
     proc = run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'missing'}", nproc=1, out_dir=tmp_path / "o",
                      corpus=corpus, dataset_dir=dataset_dir, check=False)
     assert proc.returncode == 2 and "not found" in proc.stderr
+
+
+# ---- what a model folder must not make us do: run its code, ask about it, or unpickle code -----------
+
+
+def with_own_code(folder: Path, json_name: str, auto_map: dict, marker: Path) -> None:
+    """Make the saved folder name Python code of its own (as remote-code models do) that touches `marker`."""
+    meta = json.loads((folder / json_name).read_text())
+    meta["auto_map"] = auto_map
+    if json_name == "config.json":
+        meta["model_type"] = "own_llama"  # a type transformers does not include: only the folder's code knows it
+    else:
+        meta["tokenizer_class"] = "OwnTokenizer"
+    (folder / json_name).write_text(json.dumps(meta))
+    (folder / "own_code.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import LlamaConfig, PreTrainedTokenizerFast\n"
+        "class OwnConfig(LlamaConfig):\n    model_type = 'own_llama'\n"
+        "class OwnTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+
+
+def test_a_folder_s_own_code_is_never_run_nor_asked_about(tmp_path, corpus, monkeypatch):
+    """transformers asks on stdin whether to run such code when trust_remote_code is not given, and runs it
+    on 'y': here every answer would be 'y', and no question may be asked."""
+    questions = []
+    monkeypatch.setattr(builtins, "input", lambda prompt="": questions.append(prompt) or "y")
+    marker = tmp_path / "code_ran"
+    save_tiny("llama", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf", corpus)
+    with_own_code(tmp_path / "hf", "config.json", {"AutoConfig": "own_code.OwnConfig"}, marker)
+    with_own_code(tmp_path / "hf", "tokenizer_config.json", {"AutoTokenizer": ["own_code.OwnTokenizer", None]}, marker)
+
+    # The config is checked with the rest of the config, before any process group starts.
+    with pytest.raises(ConfigError) as info:
+        load_config(ROOT / "config/train_tiny_fsdp.yaml", ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}"])
+    assert info.value.problems == [f"model.hf_path={tmp_path / 'hf'}: its config.json needs the folder's own Python "
+                                   f"code (auto_map), which is never run; use a model type that transformers includes"]
+    with pytest.raises(DataError) as info:
+        load_tokenizer("hf", tmp_path / "hf")
+    assert str(info.value) == (f"cannot load the tokenizer in {tmp_path / 'hf'}: it needs the folder's own Python "
+                               f"code (auto_map), which is never run; use a tokenizer that transformers includes")
+    assert questions == [] and not marker.exists()
+
+
+class Payload:
+    """Unpickles by touching `marker`: what a tampered pytorch_model.bin could do with plain torch.load."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return builtins.eval, (f"__import__('pathlib').Path({str(self.marker)!r}).touch()",)
+
+
+def test_refused_or_damaged_weights_end_every_rank_with_one_line(tmp_path, corpus, dataset_dir):
+    """Rank 0 alone reads the weights: its failure must reach rank 1 (which would otherwise wait in the
+    weights' broadcast) and be reported once, in one line, without a traceback."""
+    model = save_tiny("llama", tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    marker = tmp_path / "code_ran"
+    torch.save({**model.state_dict(), "extra": Payload(marker)}, tmp_path / "hf" / "pytorch_model.bin")
+    proc = run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", "--train.max_steps=2", nproc=2,
+                     out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: model.hf_path={tmp_path / 'hf'}: its pickled weights (.bin) were refused: they hold "
+                      f"something other than tensors (loading them would run code) or are damaged; use .safetensors "
+                      f"weights from a source you trust"], proc.stderr[-4000:]
+    assert "exitcode  : 1" in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr[-4000:]  # torchrun's
+    assert not marker.exists()
+
+    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(b"\0" * 100)  # damaged: one process, our own exit
+    proc = run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", "--train.max_steps=2", nproc=1,
+                     out_dir=tmp_path / "out1", corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120)
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: model.hf_path={tmp_path / 'hf'}: ") and proc.returncode == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr
