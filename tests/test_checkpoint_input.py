@@ -439,7 +439,7 @@ def mutated_json(text: str, rng: random.Random) -> str:
     elif action == "drop":
         node.pop(key, None)
     else:
-        node[rng.choice(["../../x", "extra", "files", "step"])] = rng.choice(FIELD_VALUES)
+        node[rng.choice(["../outside.distcp", "extra", "files", "step"])] = rng.choice(FIELD_VALUES)
     return json.dumps(doc)
 
 
