@@ -476,3 +476,32 @@ def test_fuzz_checkpoint_loaders(saved, tmp_path, target):
         assert checkpoint.exists() and path.exists()
     assert outcomes["refused"] > 0, outcomes
 
+
+
+# ---- end to end: a run resumed with another tokenizer ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_training_refuses_another_tokenizer_unless_allowed(corpus, dataset_dir, tmp_path):
+    """train_fsdp.py records the tokenizer's hash; a resume prepared with another corpus (another tokenizer
+    of the same size) is refused with one line, tokenizer.model untouched; allowed, the old tokenizer is
+    kept and generate.py picks each checkpoint's own."""
+    from scripts import generate
+    from tests.helpers import run_train, write_corpus
+
+    out = tmp_path / "run"
+    run_train("--train.max_steps=2", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    first = (out / "tokenizer.model").read_bytes()
+    other_corpus = write_corpus(tmp_path / "other.txt", num_docs=90)
+    other = dict(corpus=other_corpus, dataset_dir=tmp_path / "other-data")
+    proc = run_train("--train.max_steps=4", nproc=1, out_dir=out, check=False, **other)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "trained with another tokenizer" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and (out / "tokenizer.model").read_bytes() == first
+    run_train("--train.max_steps=4", "--checkpoint.allow_tokenizer_change=true", nproc=1, out_dir=out, **other)
+    old_hash = checkpoint_io.read_meta(out / "fsdp_cpt2.pth")["tokenizer_sha256"]
+    assert (out / f"tokenizer.{old_hash[:8]}.model").read_bytes() == first
+    assert (out / "tokenizer.model").read_bytes() != first
+    assert generate.main([str(out / "fsdp_cpt2.pth"), "--prompt", "the", "--max_new_tokens", "2", "--device", "cpu"]) == 0
+    found = checkpoint_io.find_tokenizer(out / "fsdp_cpt2.pth", None, old_hash)
+    assert found.name == f"tokenizer.{old_hash[:8]}.model"
