@@ -171,5 +171,6 @@ def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None, sha256: str |
     for candidate in (current, folder / kept_tokenizer_name(TOKENIZER_NAME, sha256)):
         if candidate.is_file() and tokenizer_sha256(candidate) == sha256:
             return candidate
-    raise CheckpointError(f"{checkpoint}: no tokenizer with its sha256 {sha256[:8]} next to it ({TOKENIZER_NAME} is "
-                          f"another); pass --tokenizer PATH")
+    there = f"{TOKENIZER_NAME} is another" if current.is_file() else f"no {TOKENIZER_NAME} there"
+    raise CheckpointError(f"{checkpoint}: no tokenizer with its sha256 {sha256[:8]} next to it ({there}); "
+                          f"pass --tokenizer PATH")
