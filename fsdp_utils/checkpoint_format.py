@@ -334,7 +334,7 @@ def check_meta(meta: object, where: Path, *, checkpoint: Path | None = None, ext
     does not read or a step that differs from the one in the checkpoint's name is CheckpointMismatch."""
     if not isinstance(meta, dict):
         raise CheckpointCorrupt(f"{where}: not a checkpoint of this library (expected keys {', '.join(META_KEYS)})")
-    if "format_version" in meta and meta["format_version"] != FORMAT_VERSION:
+    if "format_version" in meta and not (_is_int(meta["format_version"], 0) and meta["format_version"] == FORMAT_VERSION):
         raise CheckpointMismatch(f"{where}: checkpoint format_version {meta['format_version']!r}, this code reads {FORMAT_VERSION}")
     if problem := _meta_problem(meta, extra_keys):
         raise CheckpointCorrupt(f"{where}: not a valid checkpoint of this library ({problem})")
@@ -415,7 +415,7 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-# Modules whose globals torch's weights-only unpickler never admits, whatever its allowlist says.
+# Modules a checkpoint never imports from: a refused pickle that names one is unsafe, whatever the refusal says.
 _BLOCKED_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "importlib", "runpy", "shutil", "socket")
 
 

@@ -339,6 +339,7 @@ def save_to_cache(out_dir: Path, key: dict, choice: MicroBatchChoice) -> None:
                     "search_s": round(choice.seconds, 1),
                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
     tmp = path.with_suffix(".json.tmp")
+    tmp.unlink(missing_ok=True)  # a link left there would be written through; renaming replaces one at `path`
     tmp.write_text(json.dumps({"entries": entries}, indent=1) + "\n")
     tmp.replace(path)
 

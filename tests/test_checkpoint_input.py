@@ -24,6 +24,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -32,9 +33,8 @@ import torch.distributed as dist
 from config import Config, save_config
 from fsdp_utils import checkpoint_io
 from fsdp_utils.checkpoint import CheckpointManager, TrainState, _InFlight
-from fsdp_utils.checkpoint_format import (
-    TRAIN_STATE_KEYS, CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointUnsafe, SafeFileSystemReader,
-    file_record, sidecar_of)
+from fsdp_utils.checkpoint_format import (TRAIN_STATE_KEYS, CheckpointCorrupt, CheckpointError, CheckpointMismatch,
+                                          CheckpointUnsafe, SafeFileSystemReader, file_record, sidecar_of)
 from fsdp_utils.distributed import DistEnv
 from fsdp_utils.run_lock import RunLocked, take_run_lock
 from model import ModelConfig, Transformer
@@ -391,7 +391,7 @@ class OpenedOutside:
     this one is armed only inside `watch`)."""
 
     root: Path | None = None
-    seen: list[str] = []
+    seen: ClassVar[list[str]] = []
 
     @classmethod
     def hook(cls, event: str, args: tuple) -> None:
@@ -493,7 +493,7 @@ def test_training_refuses_another_tokenizer_unless_allowed(corpus, dataset_dir, 
     run_train("--train.max_steps=2", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
     first = (out / "tokenizer.model").read_bytes()
     other_corpus = write_corpus(tmp_path / "other.txt", num_docs=90)
-    other = dict(corpus=other_corpus, dataset_dir=tmp_path / "other-data")
+    other = {"corpus": other_corpus, "dataset_dir": tmp_path / "other-data"}
     proc = run_train("--train.max_steps=4", nproc=1, out_dir=out, check=False, **other)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1 and "trained with another tokenizer" in errors[0], proc.stderr[-3000:]
