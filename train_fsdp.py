@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -27,9 +26,11 @@ import yaml
 from config import Config, ConfigError, check_batch_split, launch_problems, load_config, save_config, split_known_args
 from data import (BatchPrefetcher, DataError, PreparedData, PrepareSettings, default_dataset_dir, handoff,
                   load_prepared, open_datasets, prepare_for_training)
+from data.store import tokenizer_sha256
 from model import ModelConfig
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, TrainState
 from fsdp_utils.checkpoint_format import check_structure
+from fsdp_utils.checkpoint_io import install_tokenizer
 from fsdp_utils.distributed import DistEnv, Launch, barrier, destroy_distributed, init_distributed, read_torchrun_env
 from fsdp_utils.float8 import float8_problems, precompute_float8_scales
 from fsdp_utils.hf import HFModelError
@@ -171,7 +172,9 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
     c = cfg.checkpoint
     ckpt = CheckpointManager(out_dir, fmt=c.format, keep_last_n=c.keep_last_n, model_config=model_signature, env=env,
                              verify=c.verify, async_save=c.async_save, async_writer=c.async_writer,
-                             on_async_error=c.on_async_error, timeout_s=cfg.run.timeout_s)
+                             on_async_error=c.on_async_error, timeout_s=cfg.run.timeout_s,
+                             tokenizer_sha256=tokenizer_sha256(prepared.tokenizer_path),
+                             allow_tokenizer_change=c.allow_tokenizer_change)
 
     if env.is_main:
         log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
@@ -210,10 +213,7 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out_dir / "config.yaml")
         # The tokenizer travels with the run, so generate.py and export_hf.py find it next to the checkpoints.
-        if prepared.tokenizer_path.is_dir():
-            shutil.copytree(prepared.tokenizer_path, out_dir / prepared.tokenizer_path.name, dirs_exist_ok=True)
-        else:
-            shutil.copyfile(prepared.tokenizer_path, out_dir / "tokenizer.model")
+        install_tokenizer(prepared.tokenizer_path, out_dir)
         if choice.how == "search":
             save_to_cache(out_dir, key, choice)
     ckpt.prepare_saving(model, optimizer)  # host memory for the saves checked now, not at the first save

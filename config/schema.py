@@ -230,6 +230,9 @@ class CheckpointConfig:
     """A background write that failed (reported at the next step, naming the checkpoint): stop (exit 1,
     the previous checkpoint stays the newest) or continue training (the next save tries again). A failed
     final save always ends the run with an error."""
+    allow_tokenizer_change: bool = False
+    """Resume from a checkpoint trained with another tokenizer (a deliberate vocabulary swap). Off: such a
+    resume is refused. On: the previous tokenizer is kept next to the checkpoints as tokenizer.<hash8>.model."""
 
 
 @dataclass
@@ -655,4 +658,8 @@ def output_dir_problems(out: Path) -> list[str]:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """Write the resolved config, renamed into place: a symbolic link at `path` is replaced, never written through."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.unlink(missing_ok=True)
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)

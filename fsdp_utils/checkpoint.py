@@ -45,7 +45,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from .checkpoint_format import (  # noqa: F401  (CheckpointError and FORMAT_VERSION: this module's public names too)
-    CORRUPT_PREFIX, FORMAT_VERSION, FULL_RE, META_NAME, RNG_NAME, SHARDED_RE, TMP_PREFIX, CheckpointCorrupt,
+    CORRUPT_PREFIX, FORMAT_VERSION, FULL_PAYLOAD_KEYS, FULL_RE, META_NAME, RNG_NAME, SHARDED_RE, TMP_PREFIX, CheckpointCorrupt,
     CheckpointError, CheckpointMismatch, CheckpointUnsafe, check_file, check_structure, checksum_records, dcp_load,
     file_record, first_line, full_name, install_full, load_full, load_rng, read_sharded_meta, save_with_checksum, sharded_name,
     sidecar_of, size_of, write_json, write_record)
@@ -111,6 +111,20 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def _model_kind(model_config: dict) -> str:
+    """llama (our model: its config has no "type"), or hf and which Hugging Face model_type."""
+    kind = str(model_config.get("type", "llama"))
+    return f"{kind} ({model_config['model_type']})" if model_config.get("model_type") is not None else kind
+
+
+def _write_cause(err: BaseException) -> str:
+    """A failed write's first line, with the likely cause where torch's words hide it."""
+    cause = first_line(err)
+    if "unexpected pos" in cause:  # torch.save's only word for a write that stopped short
+        cause = f"{cause}: a write stopped short (a full disk, a quota or a file size limit?)"
+    return cause
 
 
 def _owner(name: str, index: int, world_size: int) -> int:
@@ -205,11 +219,14 @@ class _InFlight:
 class CheckpointManager:
     def __init__(self, output_dir: Path, *, fmt: str, keep_last_n: int, model_config: dict, env: DistEnv,
                  verify: bool = True, async_save: bool | str = False, async_writer: str = "thread",
-                 on_async_error: str = "stop", timeout_s: float = 600):
+                 on_async_error: str = "stop", timeout_s: float = 600, tokenizer_sha256: str | None = None,
+                 allow_tokenizer_change: bool = False):
         self.dir = Path(output_dir)
         self.fmt = fmt
         self.keep_last_n = keep_last_n
         self.model_config = model_config
+        self.tokenizer_sha256 = tokenizer_sha256  # recorded in every checkpoint; a resume with another is refused
+        self.allow_tokenizer_change = allow_tokenizer_change
         self.env = env
         self.verify = verify
         self.async_save = resolve_async_save(async_save, fmt=fmt, device=env.device)
@@ -390,7 +407,9 @@ class CheckpointManager:
     def _metadata(self, state: TrainState) -> dict:
         plain = dataclasses.asdict(state)
         plain.pop("rng")
-        return {"format_version": FORMAT_VERSION, "world_size": self.env.world_size, "model_config": self.model_config, "train_state": plain}
+        tokenizer = {"tokenizer_sha256": self.tokenizer_sha256} if self.tokenizer_sha256 else {}
+        return {"format_version": FORMAT_VERSION, "world_size": self.env.world_size, "model_config": self.model_config,
+                "train_state": plain, **tokenizer}
 
     def _check_space(self, final: Path, state_dicts: tuple | None, *, estimate: int | None = None) -> None:
         """Stop before writing when the checkpoint will not fit on the disk: a write that fails half-way
@@ -422,10 +441,7 @@ class CheckpointManager:
         self._agree(error)
 
     def _write_error(self, final: Path, err: BaseException) -> CheckpointError:
-        cause = first_line(err)
-        if "unexpected pos" in cause:  # torch.save's only word for a write that stopped short
-            cause = f"{cause}: a write stopped short (a full disk, a quota or a file size limit?)"
-        return CheckpointError(f"{final}: cannot write checkpoint ({cause}); nothing was written, the previous "
+        return CheckpointError(f"{final}: cannot write checkpoint ({_write_cause(err)}); nothing was written, the previous "
                                f"checkpoints are as they were")
 
     def _save_full(self, model, optimizer, state: TrainState, start: float) -> Path:
@@ -634,7 +650,7 @@ class CheckpointManager:
         try:
             hashed = flight.job.result()
         except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
-            error = (f"{flight.final}: the background write failed ({first_line(err)}); the previous checkpoints "
+            error = (f"{flight.final}: the background write failed ({_write_cause(err)}); the previous checkpoints "
                      f"are as they were")
         errors = self._gather(error)
         error = next((e for e in errors if e is not None), None)
@@ -803,15 +819,32 @@ class CheckpointManager:
         return time.perf_counter() - start
 
     def _check_model_config(self, saved: dict, path: Path) -> None:
+        """The checkpoint's model is this one: the same type (ours or a Hugging Face one, and which), then
+        the same shape. Checked before anything else, so a foreign model is not blamed on the optimizer."""
+        here, there = _model_kind(self.model_config), _model_kind(saved)
+        if here != there:
+            raise CheckpointMismatch(f"{path}: model type differs from the checkpoint: model.type={here} here, "
+                                     f"{there} in the checkpoint")
         for key, value in self.model_config.items():
-            if key in saved and saved[key] != value:
+            if saved.get(key, value) != value:
                 raise CheckpointMismatch(
                     f"{path}: model shape differs from the checkpoint: model.{key}={value} here, {saved[key]} in the checkpoint")
 
+    def _check_tokenizer(self, meta: dict, path: Path) -> None:
+        """The checkpoint was trained with this run's tokenizer (checkpoints from before tokenizers were
+        recorded say nothing, and load)."""
+        saved = meta.get("tokenizer_sha256")
+        if saved is None or self.tokenizer_sha256 is None or saved == self.tokenizer_sha256 or self.allow_tokenizer_change:
+            return
+        raise CheckpointMismatch(
+            f"{path}: trained with another tokenizer (sha256 {saved[:8]}, this run's is {self.tokenizer_sha256[:8]}); "
+            f"use the run's tokenizer, or set checkpoint.allow_tokenizer_change=true for a deliberate vocabulary swap")
+
     def _load_full(self, model, optimizer, path: Path):
         payload = load_full(path)
-        meta = {k: payload[k] for k in ("format_version", "world_size", "model_config", "train_state")}
+        meta = {k: v for k, v in payload.items() if k not in FULL_PAYLOAD_KEYS}
         self._check_model_config(meta["model_config"], path)
+        self._check_tokenizer(meta, path)
         _check_param_groups(payload["optimizer"], model, optimizer, path)
         try:
             with _quiet_state_dict_warnings():
@@ -824,6 +857,7 @@ class CheckpointManager:
     def _load_sharded(self, model, optimizer, path: Path):
         meta = read_sharded_meta(path)
         self._check_model_config(meta["model_config"], path)
+        self._check_tokenizer(meta, path)
         with _quiet_state_dict_warnings():
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}

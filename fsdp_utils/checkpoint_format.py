@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import pickletools
 import re
 import time
 import zipfile
@@ -42,6 +43,9 @@ META_NAME = "meta.json"
 RNG_NAME = "rng.pt"
 FORMAT_VERSION = 1
 META_KEYS = ("format_version", "world_size", "model_config", "train_state")
+OPTIONAL_META_KEYS = ("tokenizer_sha256",)  # written since tokenizers were recorded; older checkpoints lack it
+FULL_PAYLOAD_KEYS = ("model", "optimizer", "rng")  # a full checkpoint's payload: these besides the metadata
+TRAIN_STATE_KEYS = ("step", "samples_seen", "tokens_seen", "grad_scaler")  # checkpoint.TrainState, less rng
 _CHUNK = 8 << 20  # bytes per read when hashing
 
 
@@ -206,22 +210,30 @@ def write_record(final: Path, record: dict) -> None:
 # ---- metadata -------------------------------------------------------------------------------------
 
 
+def _is_file_name(name: object) -> bool:
+    """A plain file name inside a checkpoint's folder: no path, nothing that leads out of it."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+            and len(name) < 256)
+
+
 def _records(files: object, where: Path) -> dict[str, dict]:
     """meta.json's "files": {name: {"size", "crc32"}}; checkpoints from before checksums hold {name: size}."""
     if not isinstance(files, dict):
         raise CheckpointCorrupt(f"{where}: not a checkpoint's metadata (no list of files)")
     records = {}
     for name, entry in files.items():
-        if isinstance(entry, int):
+        if _is_int(entry, 0):
             entry = {"size": entry, "crc32": None}
-        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or "/" in name:
+        if (not _is_file_name(name) or not isinstance(entry, dict) or not _is_int(entry.get("size"), 0)
+                or not (entry.get("crc32") is None or re.fullmatch(r"[0-9a-f]{8}", str(entry["crc32"])))):
             raise CheckpointCorrupt(f"{where}: not a checkpoint's metadata (bad entry for {name!r})")
         records[name] = entry
     return records
 
 
 def read_sharded_meta(path: Path) -> dict:
-    """meta.json of a complete sharded checkpoint, after checking that every file it lists has its size."""
+    """meta.json of a complete sharded checkpoint, validated, after checking that every file it lists has
+    its size."""
     meta_path = path / META_NAME
     if not meta_path.is_file():
         raise CheckpointCorrupt(f"{path}: not a complete sharded checkpoint (no meta.json: an interrupted save or another folder)")
@@ -229,8 +241,7 @@ def read_sharded_meta(path: Path) -> dict:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointCorrupt(f"{meta_path}: incomplete or corrupt checkpoint ({err})") from None
-    if not isinstance(meta, dict):
-        raise CheckpointCorrupt(f"{meta_path}: not a checkpoint's meta.json")
+    check_meta(meta, meta_path, checkpoint=path, extra_keys=("files",))
     meta["files"] = _records(meta.get("files"), meta_path)
     for name, record in meta["files"].items():
         if problem := check_size(path / name, record):
@@ -248,7 +259,11 @@ def read_full_record(pth: Path) -> dict[str, dict] | None:
         files = json.loads(sidecar.read_text()).get("files")
     except (OSError, ValueError, AttributeError) as err:
         raise CheckpointCorrupt(f"{sidecar}: corrupt checksum record ({err})") from None
-    return _records(files, sidecar)
+    records = _records(files, sidecar)
+    if len(records) != 1:
+        raise CheckpointCorrupt(f"{sidecar}: corrupt checksum record (expected the record of one file)")
+    # The record of this file, whatever name it was saved under (a file renamed with its record keeps its bytes).
+    return {pth.name: next(iter(records.values()))}
 
 
 def checksum_records(path: Path) -> dict[str, dict] | None:
@@ -272,12 +287,62 @@ def check_structure(path: Path) -> None:
         raise CheckpointCorrupt(problem)
 
 
-def check_meta(meta: object, where: Path) -> dict:
-    """The library's metadata keys are present and of the format version this code reads."""
-    if not isinstance(meta, dict) or any(k not in meta for k in META_KEYS):
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
+    """What is wrong with a checkpoint's metadata (every key, type and range), or None."""
+    allowed = {*META_KEYS, *OPTIONAL_META_KEYS, *extra_keys}
+    if missing := [k for k in META_KEYS if k not in meta]:
+        return f"missing {', '.join(missing)}"
+    if unknown := sorted(str(k) for k in meta if k not in allowed):
+        return f"unknown key {', '.join(unknown)}"
+    if not _is_int(meta["world_size"], 1):
+        return f"world_size {meta['world_size']!r} is not a positive integer"
+    config = meta["model_config"]
+    if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+        return "model_config is not a mapping of field names"
+    if bad := [k for k, v in config.items() if v is not None and not isinstance(v, (bool, int, float, str))]:
+        return f"model_config.{bad[0]} is not a plain value"
+    if "tokenizer_sha256" in meta and not re.fullmatch(r"[0-9a-f]{64}", str(meta["tokenizer_sha256"])):
+        return "tokenizer_sha256 is not a sha256 hex digest"
+    state = meta["train_state"]
+    if not isinstance(state, dict):
+        return "train_state is not a mapping"
+    if missing := [k for k in TRAIN_STATE_KEYS[:2] if k not in state]:
+        return f"train_state has no {', '.join(missing)}"
+    if unknown := sorted(str(k) for k in state if k not in TRAIN_STATE_KEYS):
+        return f"train_state has unknown key {', '.join(unknown)}"
+    for key in ("step", "samples_seen", "tokens_seen"):
+        if key in state and not _is_int(state[key], 0):
+            return f"train_state.{key} {state[key]!r} is not a non-negative integer"
+    if state.get("grad_scaler") is not None and not isinstance(state["grad_scaler"], dict):
+        return "train_state.grad_scaler is not a mapping"
+    return None
+
+
+def step_in_name(path: Path) -> int | None:
+    """The step a checkpoint's name says (fsdp_cpt{step}.pth, fsdp_sharded_cpt{step}), None for another name."""
+    found = FULL_RE.match(path.name) or SHARDED_RE.match(path.name)
+    return int(found.group(1)) if found else None
+
+
+def check_meta(meta: object, where: Path, *, checkpoint: Path | None = None, extra_keys: tuple[str, ...] = ()) -> dict:
+    """Validate a checkpoint's metadata: meta.json of a sharded one, the payload of a full one (whose other
+    keys are `extra_keys`). Every reader goes through here: garbage is CheckpointCorrupt, a format this code
+    does not read or a step that differs from the one in the checkpoint's name is CheckpointMismatch."""
+    if not isinstance(meta, dict):
         raise CheckpointCorrupt(f"{where}: not a checkpoint of this library (expected keys {', '.join(META_KEYS)})")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise CheckpointMismatch(f"{where}: checkpoint format_version {meta['format_version']}, this code reads {FORMAT_VERSION}")
+    if "format_version" in meta and not (_is_int(meta["format_version"], 0) and meta["format_version"] == FORMAT_VERSION):
+        raise CheckpointMismatch(f"{where}: checkpoint format_version {meta['format_version']!r}, this code reads {FORMAT_VERSION}")
+    if problem := _meta_problem(meta, extra_keys):
+        raise CheckpointCorrupt(f"{where}: not a valid checkpoint of this library ({problem})")
+    named = step_in_name(checkpoint) if checkpoint is not None else None
+    if named is not None and named != meta["train_state"]["step"]:
+        raise CheckpointMismatch(
+            f"{checkpoint}: holds step {meta['train_state']['step']}, its name says step {named} (a renamed checkpoint?); "
+            f"give it back its name or move it out of the output directory")
     return meta
 
 
@@ -323,6 +388,16 @@ def read_dcp_metadata(path: Path) -> Metadata:
         raise CheckpointCorrupt(f"{path}: cannot read checkpoint metadata ({first_line(err)})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointCorrupt(f"{path}: not DCP checkpoint metadata (a {type(metadata).__name__})")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointCorrupt(f"{path}: not DCP checkpoint metadata (no storage records)")
+    for index, info in storage.items():
+        where = getattr(info, "relative_path", None)
+        if not _is_file_name(where):  # DCP would open it relative to the folder: it must not lead out of it
+            raise CheckpointUnsafe(f"{path}: refused: a storage record points at {where!r}, outside the checkpoint's "
+                                   f"folder (a tampered or foreign file)")
+        if not (_is_int(info.offset, 0) and _is_int(info.length, 0)):
+            raise CheckpointCorrupt(f"{path}: corrupt checkpoint metadata (storage record of {getattr(index, 'fqn', index)!r})")
     return metadata
 
 
@@ -340,14 +415,76 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+# Modules a checkpoint never imports from: a refused pickle that names one is unsafe, whatever the refusal says.
+_BLOCKED_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "importlib", "runpy", "shutil", "socket")
+
+
+def _py3_name(module: str, name: str) -> str:
+    """`module.name` as Python 3 imports it: protocol 2 pickles write builtins as __builtin__."""
+    return f"{ {'__builtin__': 'builtins', 'exceptions': 'builtins'}.get(module, module)}.{name}"
+
+
+def pickle_globals(data: bytes) -> list[str] | None:
+    """`module.name` of every global a pickle imports (GLOBAL and STACK_GLOBAL opcodes, in order), read
+    without unpickling; None when the bytes do not decode as one whole pickle (damage, not a refusal)."""
+    found, strings, memo, last = [], [], {}, None
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            pushed = None  # a string this opcode pushes, for STACK_GLOBAL to take its module and name from
+            if op.name == "GLOBAL":
+                found.append(_py3_name(*arg.split(" ", 1)))
+            elif op.name == "STACK_GLOBAL":
+                found.append(_py3_name(*strings[-2:]) if len(strings) >= 2 else "?")
+            elif isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name):
+                pushed = arg
+            elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                memo[len(memo) if op.name == "MEMOIZE" else arg] = last
+                continue  # the stack is unchanged: its top is still `last`
+            elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                pushed = memo.get(arg)
+            if pushed is not None:
+                strings.append(pushed)
+            last = pushed
+    except ValueError:  # bytes that are not one whole pickle
+        return None
+    return found
+
+
+def _pickle_of(f: Any) -> bytes | None:
+    """The data.pkl of a torch.save file (a path or a file object), None if it is not one."""
+    try:
+        if hasattr(f, "seek"):
+            f.seek(0)
+        with zipfile.ZipFile(f) as archive:
+            name = next((n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")), None)
+            return archive.read(name) if name else None
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):  # not a whole zip
+        return None
+
+
+def _refused(f: Any, err: Exception) -> list[str]:
+    """The globals of a torch.save file that a weights-only load refused: those the refusal names (in
+    whatever words this torch release uses: it writes builtins.eval as `eval`), or whose module is never
+    admitted. [] when the pickle does not decode: then the refusal was damage."""
+    names = pickle_globals(_pickle_of(f) or b"") or []
+    text = str(err)
+
+    def named(name: str) -> bool:
+        short = name.removeprefix("builtins.")
+        return name in text or re.search(rf"(?<![\w.]){re.escape(short)}(?![\w.])", text) is not None
+
+    return list(dict.fromkeys(n for n in names if n.split(".")[0] in _BLOCKED_MODULES or named(n)))
+
+
 def _load_plain(f: Any, where: Path, **kwargs: Any) -> Any:
-    """torch.load(weights_only=True), its refusal of a pickled global turned into CheckpointUnsafe."""
+    """torch.load(weights_only=True), its refusal of a pickled global turned into CheckpointUnsafe (naming
+    the globals, read from the pickle itself, not from the wording of torch's message)."""
     try:
         return torch.load(f, map_location="cpu", weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:
-        if found := re.search(r"Unsupported global: GLOBAL (\S+)", str(err)):
-            raise CheckpointUnsafe(f"{where}: refused: it references {found.group(1)}, which a checkpoint never holds "
-                                   f"(loading it would run code; a tampered or foreign file)") from None
+        if refused := _refused(f, err):
+            raise CheckpointUnsafe(f"{where}: refused: it references {', '.join(refused)}, which a checkpoint never "
+                                   f"holds (loading it would run code; a tampered or foreign file)") from None
         raise
 
 
@@ -425,7 +562,7 @@ def load_full(path: Path) -> dict:
         raise
     except Exception as err:  # truncated, corrupt, or not a torch file at all
         raise CheckpointCorrupt(f"{path}: cannot read checkpoint ({first_line(err)})") from None
-    check_meta(payload, path)
+    check_meta(payload, path, checkpoint=path, extra_keys=FULL_PAYLOAD_KEYS)
     if not isinstance(payload.get("model"), dict):
         raise CheckpointCorrupt(f"{path}: not a checkpoint of this library (no model state)")
     return payload

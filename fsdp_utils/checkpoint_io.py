@@ -5,22 +5,29 @@
     model, meta = load_model("checkpoints/llama1B/fsdp_sharded_cpt500", device="cuda")  # or a sharded folder
 
 Only the model weights are read (a sharded checkpoint's optimizer state stays on disk). The run's
-tokenizer sits next to its checkpoints: `tokenizer_path(checkpoint)`. Every problem with the input is a
+tokenizer sits next to its checkpoints, found by the hash each checkpoint records: `find_tokenizer`;
+`install_tokenizer` puts it there. Every problem with the input is a
 CheckpointError whose message names the path, for scripts to print as one line.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
+from data.store import tokenizer_sha256
 from model import ModelConfig, Transformer
 
 from .checkpoint_format import (
-    META_KEYS, CheckpointCorrupt, CheckpointError, check_file, check_meta, checksum_records, dcp_load, first_line,
-    load_full, read_sharded_meta)
+    META_KEYS, OPTIONAL_META_KEYS, TMP_PREFIX, CheckpointCorrupt, CheckpointError, check_file, checksum_records, dcp_load,
+    first_line, load_full, read_sharded_meta, size_of)
+
+log = logging.getLogger(__name__)
 
 
 def model_config_of(meta: dict, where: Path) -> ModelConfig:
@@ -30,9 +37,20 @@ def model_config_of(meta: dict, where: Path) -> ModelConfig:
     unknown = sorted(set(saved) - known)
     if unknown:
         raise CheckpointError(f"{where}: model_config has fields this code does not know ({', '.join(unknown)})")
+    types = {"int": (int,), "float": (int, float), "bool": (bool,), "None": (type(None),)}
+    for field in dataclasses.fields(ModelConfig):
+        allowed = tuple(t for name in str(field.type).split(" | ") for t in types[name])
+        value = saved.get(field.name, field.default)
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise CheckpointError(f"{where}: invalid model_config ({field.name}={value!r}, expected {field.type})")
     cfg = ModelConfig(**saved)
     if problems := cfg.problems():
         raise CheckpointError(f"{where}: invalid model_config ({'; '.join(problems)})")
+    # Each weight takes at least 2 bytes on disk: a config describing more than the files hold is not theirs
+    # (and building it could exhaust memory).
+    if cfg.num_params() * 2 > size_of(where):
+        raise CheckpointError(f"{where}: model_config describes {cfg.num_params():,} parameters, more than the "
+                              f"checkpoint's {size_of(where):,} bytes hold")
     return cfg
 
 
@@ -45,9 +63,9 @@ def read_meta(path: str | Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if path.is_dir():
-        return check_meta(read_sharded_meta(path), path / "meta.json")
+        return read_sharded_meta(path)
     payload = load_full(path)
-    return {k: payload[k] for k in META_KEYS}
+    return {k: payload[k] for k in (*META_KEYS, *OPTIONAL_META_KEYS) if k in payload}
 
 
 def verify(path: str | Path) -> None:
@@ -83,17 +101,76 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple
     return model.to(device).eval(), meta
 
 
-def tokenizer_path(checkpoint: str | Path) -> Path:
-    """The run's SentencePiece model: train_fsdp.py copies it next to the checkpoints."""
-    return Path(checkpoint).absolute().parent / "tokenizer.model"
+# ---- the run's tokenizer, next to its checkpoints --------------------------------------------------
+#
+# train_fsdp.py copies the run's tokenizer into the output directory (`tokenizer.model`, or an HF
+# tokenizer's folder under its own name), and each checkpoint records its sha256. A run that changes
+# tokenizer (checkpoint.allow_tokenizer_change) keeps the previous one beside it under a name that holds
+# the first 8 hex digits of its hash, so every checkpoint's tokenizer stays findable by its hash.
+TOKENIZER_NAME = "tokenizer.model"
 
 
-def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None) -> Path:
-    """The tokenizer a tool should use: the one given, else the run's, next to the checkpoint."""
-    if tokenizer is None:
-        tokenizer = tokenizer_path(checkpoint)
+def run_tokenizer_name(source: Path) -> str:
+    """The name of a run's tokenizer in its output directory."""
+    return source.name if source.is_dir() else TOKENIZER_NAME
+
+
+def kept_tokenizer_name(name: str, sha256: str) -> str:
+    """The name a replaced tokenizer is kept under: tokenizer.<hash8>.model, or <folder>.<hash8>."""
+    stem, dot, suffix = name.rpartition(".") if name == TOKENIZER_NAME else (name, "", "")
+    return f"{stem}.{sha256[:8]}{dot}{suffix}"
+
+
+def install_tokenizer(source: Path, out_dir: Path) -> None:
+    """Copy the run's tokenizer into the output directory. A different tokenizer already there is kept
+    under its hash's name (the checkpoints trained with it need it), never overwritten; nothing is
+    written through a symbolic link (the copy is renamed into place, which replaces a link itself)."""
+    dest = out_dir / run_tokenizer_name(source)
+    new = tokenizer_sha256(source)
+    if dest.exists():
+        old = tokenizer_sha256(dest)
+        if old == new:
+            return
+        kept = out_dir / kept_tokenizer_name(dest.name, old)
+        if not kept.exists():
+            os.rename(dest, kept)
+        elif tokenizer_sha256(kept) != old:
+            raise CheckpointError(f"{kept}: exists and is not the tokenizer {dest} holds; move one of them away")
+        elif dest.is_dir() and not dest.is_symlink():  # kept already holds this very folder: a copy can go
+            shutil.rmtree(dest)
+        log.warning("%s is another tokenizer than this run's (sha256 %s, now %s): kept as %s for the checkpoints "
+                    "trained with it", dest, old[:8], new[:8], kept.name)
+    elif dest.is_symlink() and source.is_dir():  # a broken link: renaming a folder onto it would fail
+        raise CheckpointError(f"{dest}: a broken symbolic link where the run's tokenizer goes; remove it")
+    tmp = out_dir / f"{TMP_PREFIX}{dest.name}"  # a leftover of an interrupted copy, if any, is ours
+    if tmp.is_dir() and not tmp.is_symlink():
+        shutil.rmtree(tmp)
+    elif tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    if source.is_dir():
+        shutil.copytree(source, tmp)
+    else:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, dest)
+
+
+def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None, sha256: str | None = None) -> Path:
+    """The tokenizer a tool should use: the one given, else the run's next to the checkpoint whose hash is
+    the checkpoint's `sha256` (tokenizer.model, or one kept when the run changed tokenizer); a checkpoint
+    from before tokenizers were recorded takes tokenizer.model."""
+    if tokenizer is not None:
         if not tokenizer.is_file():
-            raise CheckpointError(f"{tokenizer}: no tokenizer next to the checkpoint; pass --tokenizer PATH")
-    elif not tokenizer.is_file():
-        raise CheckpointError(f"{tokenizer}: no such tokenizer file")
-    return tokenizer
+            raise CheckpointError(f"{tokenizer}: no such tokenizer file")
+        return tokenizer
+    folder = Path(checkpoint).absolute().parent
+    current = folder / TOKENIZER_NAME
+    if sha256 is None:
+        if not current.is_file():
+            raise CheckpointError(f"{current}: no tokenizer next to the checkpoint; pass --tokenizer PATH")
+        return current
+    for candidate in (current, folder / kept_tokenizer_name(TOKENIZER_NAME, sha256)):
+        if candidate.is_file() and tokenizer_sha256(candidate) == sha256:
+            return candidate
+    there = f"{TOKENIZER_NAME} is another" if current.is_file() else f"no {TOKENIZER_NAME} there"
+    raise CheckpointError(f"{checkpoint}: no tokenizer with its sha256 {sha256[:8]} next to it ({there}); "
+                          f"pass --tokenizer PATH")

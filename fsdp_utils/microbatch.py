@@ -41,6 +41,7 @@ import datetime
 import gc
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -288,16 +289,39 @@ def cache_key(cfg, *, model_signature: dict, world_size: int, gpu: str, precisio
     return json.loads(json.dumps(key))  # as it reads back from the file
 
 
+def _entry_problem(entry: dict, key: dict) -> str | None:
+    """What makes a cache entry unusable (it is a file anyone can edit), or None."""
+    def number(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+    size = entry.get("micro_batch_size")
+    per_rank = key.get("global_batch_size", 0) // max(key.get("world_size", 1), 1)  # 0: a key without them
+    if not (isinstance(size, int) and not isinstance(size, bool) and size > 0 and per_rank % size == 0):
+        return f"micro_batch_size {size!r} is not a divisor of the per-rank batch {per_rank}"
+    measured = entry.get("measured_gib")
+    if not isinstance(measured, dict) or not all(str(b).isdigit() and int(b) > 0 and number(m) for b, m in measured.items()):
+        return f"measured_gib {measured!r} is not {{micro-batch: GiB}}"
+    if bad := [k for k in ("capacity_gib", "budget_gib") if not number(entry.get(k))]:
+        return f"{bad[0]} {entry.get(bad[0])!r} is not a size in GiB"
+    return None
+
+
 def read_cache(out_dir: Path, key: dict) -> dict | None:
+    """This key's entry of <out_dir>/microbatch_cache.json, or None (no file, no entry, or a bad one: warned
+    about, and the search runs as if there were no cache)."""
     path = out_dir / CACHE_FILE
     if not path.is_file():
         return None
     try:
         entries = json.loads(path.read_text())["entries"]
-    except (ValueError, KeyError, TypeError) as err:
+        entry = next((e for e in entries if e.get("key") == key), None)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         log.warning("ignoring %s (unreadable: %s); searching again", path, err)
         return None
-    return next((e for e in entries if e.get("key") == key), None)
+    if entry is not None and (problem := _entry_problem(entry, key)):
+        log.warning("ignoring %s (its entry for this run: %s); searching again", path, problem)
+        return None
+    return entry
 
 
 def save_to_cache(out_dir: Path, key: dict, choice: MicroBatchChoice) -> None:
@@ -315,6 +339,7 @@ def save_to_cache(out_dir: Path, key: dict, choice: MicroBatchChoice) -> None:
                     "search_s": round(choice.seconds, 1),
                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
     tmp = path.with_suffix(".json.tmp")
+    tmp.unlink(missing_ok=True)  # a link left there would be written through; renaming replaces one at `path`
     tmp.write_text(json.dumps({"entries": entries}, indent=1) + "\n")
     tmp.replace(path)
 

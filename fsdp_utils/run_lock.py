@@ -31,7 +31,12 @@ def _acquire(out_dir: Path) -> int | None:
     """The open, locked lock file's descriptor; RunLocked naming the holder if another process has it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # O_NOFOLLOW: the holder's line is written into run.lock itself, never through a link to another file
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise RunLocked(f"{path} is a symbolic link; refusing to write through it (remove the link)") from None
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:

@@ -14,6 +14,7 @@ their recorded CRC32 before they are read.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -26,8 +27,8 @@ import torch  # noqa: E402
 
 from fsdp_utils import checkpoint_io  # noqa: E402
 from fsdp_utils.checkpoint_format import (  # noqa: E402
-    META_KEYS, RNG_NAME, TMP_PREFIX, CheckpointError, dcp_load, install_full, load_rng, read_dcp_metadata,
-    save_with_checksum, set_at, write_record)
+    META_KEYS, OPTIONAL_META_KEYS, RNG_NAME, TMP_PREFIX, CheckpointCorrupt, CheckpointError, dcp_load, install_full,
+    load_rng, read_dcp_metadata, save_with_checksum, set_at, write_record)
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
 
 
@@ -44,6 +45,43 @@ def read_meta(src: Path) -> dict:
     return checkpoint_io.read_meta(src)  # meta.json, every shard's size, the format version
 
 
+def check_layout(metadata, src: Path) -> None:
+    """The checkpoint's metadata describes what its files can hold, checked before anything is allocated:
+    every tensor's declared size fits in the bytes of its files, its chunks lie inside it, and the planner
+    data (where each entry goes in the nested state) uses list indices no larger than the number of
+    entries. A crafted .metadata could otherwise make this process allocate without bound."""
+    where = src / ".metadata"
+    data_bytes = sum(p.stat().st_size for p in src.iterdir() if p.is_file())
+    entries = metadata.state_dict_metadata
+    for name, md in entries.items():
+        try:
+            problem = _tensor_problem(md, data_bytes) if isinstance(md, TensorStorageMetadata) else None
+        except (TypeError, AttributeError, ValueError):  # fields of the wrong type
+            problem = "its description does not decode"
+        path = metadata.planner_data.get(name) if isinstance(metadata.planner_data, dict) else None
+        if problem is None and (not isinstance(path, (tuple, list)) or not path or any(
+                not isinstance(k, str) and not (type(k) is int and 0 <= k < len(entries)) for k in path)):
+            problem = f"its place in the state, {path!r}, is not a path of names and list indices"
+        if problem:
+            raise CheckpointCorrupt(f"{where}: corrupt checkpoint metadata ({name!r}: {problem})")
+
+
+def _tensor_problem(md: TensorStorageMetadata, data_bytes: int) -> str | None:
+    """What is wrong with a saved tensor's size and chunks, given the checkpoint's bytes on disk."""
+    size = tuple(md.size)
+    if any(type(d) is not int or d < 0 for d in size) or not isinstance(md.properties.dtype, torch.dtype):
+        return f"size {size} of {md.properties.dtype}"
+    nbytes = math.prod(size) * md.properties.dtype.itemsize
+    if nbytes > data_bytes:
+        return f"declares {nbytes:,} bytes, more than the checkpoint's {data_bytes:,}"
+    for chunk in md.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                type(o) is not int or type(n) is not int or not 0 <= o <= o + n <= d for o, n, d in zip(offsets, sizes, size)):
+            return f"a chunk lies outside its size {size}"
+    return None
+
+
 def load_sharded(src: Path) -> dict:
     """{"model": ..., "optimizer": ...} with whole tensors, read without a process group.
 
@@ -51,14 +89,18 @@ def load_sharded(src: Path) -> dict:
     of each saved tensor's full size (read into from every shard) or a slot for each plain value, under
     its flattened name; the saved nesting (DCP's planner data) is restored afterwards."""
     metadata = read_dcp_metadata(src / ".metadata")
+    check_layout(metadata, src)
     flat = {name: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
             for name, md in metadata.state_dict_metadata.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: loading in a single process" is the intent
         dcp_load(flat, src, no_dist=True)
     state: dict = {}
-    for name, value in flat.items():
-        set_at(state, tuple(metadata.planner_data[name]), value)
+    try:
+        for name, value in flat.items():
+            set_at(state, tuple(metadata.planner_data[name]), value)
+    except (TypeError, IndexError, AttributeError) as err:  # paths that disagree (a list where a dict was)
+        raise CheckpointCorrupt(f"{src / '.metadata'}: corrupt checkpoint metadata (planner data: {err})") from None
     missing = [k for k in ("model", "optimizer") if k not in state]
     if missing:
         raise ConvertError(f"{src}: the shards hold no {' or '.join(missing)} state")
@@ -75,7 +117,8 @@ def convert(src: Path, out: Path, *, force: bool = False) -> dict:
     checkpoint_io.verify(src)
     state = load_sharded(src)
     rng = load_rng(src) if (src / RNG_NAME).is_file() else None
-    payload = {"model": state["model"], "optimizer": state["optimizer"], "rng": rng, **{k: meta[k] for k in META_KEYS}}
+    payload = {"model": state["model"], "optimizer": state["optimizer"], "rng": rng,
+               **{k: meta[k] for k in (*META_KEYS, *OPTIONAL_META_KEYS) if k in meta}}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{TMP_PREFIX}{out.name}")

@@ -7,7 +7,7 @@
     model, tok = AutoModelForCausalLM.from_pretrained("exported/tiny"), AutoTokenizer.from_pretrained("exported/tiny")
 
 OUT_DIR gets config.json, model.safetensors (+ generation_config.json), the run's SentencePiece
-tokenizer.model (found next to the checkpoint, or --tokenizer) and an equivalent Hugging Face tokenizer
+tokenizer.model (found next to the checkpoint by the hash it records, or --tokenizer) and an equivalent Hugging Face tokenizer
 (tokenizer.json, tokenizer_config.json): it encodes like the SentencePiece model (no BOS is added, as in
 training) and decodes alike except for invalid UTF-8 byte runs. The fused projections are split: wqkv
 into q/k/v_proj, w13 into gate/up_proj. Our rotary layout is Llama's rotate-half one, so q and k need no
@@ -127,8 +127,8 @@ def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
-    tokenizer = find_tokenizer(checkpoint, tokenizer)
+    meta = read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
+    tokenizer = find_tokenizer(checkpoint, tokenizer, meta.get("tokenizer_sha256"))  # the one it was trained with
     _check_out_dir(out_dir, [checkpoint, tokenizer], force)
     ours, _ = load_model(checkpoint)
     cfg = ours.cfg
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path, help="the Hugging Face model directory to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the saved weights")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="SentencePiece model (default: tokenizer.model next to CHECKPOINT)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
     args = parser.parse_args(argv)
     try:
         export(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force, tokenizer=args.tokenizer)

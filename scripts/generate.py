@@ -5,10 +5,11 @@
     python scripts/generate.py CKPT --prompt "class " --top_k 20 --seed 7 --device cuda --tokenizer my.model
 
 Prints the prompt followed by the continuation. The tokenizer is the run's SentencePiece model, found
-next to the checkpoint (train_fsdp.py copies it there). Sampling: logits / temperature, keep the top_k
-most likely tokens (0: all), draw with a torch.Generator seeded by --seed, so a fixed seed gives the same
-text; --temperature 0 is greedy and ignores the seed. The context is cropped to the model's max_seq_len;
-generation stops early at the end-of-document token. An empty prompt starts a fresh document.
+next to the checkpoint by the hash the checkpoint records (train_fsdp.py copies it there). Sampling:
+logits / temperature, keep the top_k most likely tokens (0: all), draw with a torch.Generator seeded by
+--seed, so a fixed seed gives the same text; --temperature 0 is greedy and ignores the seed. The context
+is cropped to the model's max_seq_len; generation stops early at the end-of-document token. An empty
+prompt starts a fresh document.
 """
 from __future__ import annotations
 
@@ -90,8 +91,8 @@ def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 100, temper
 
     if problems := argument_problems(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed):
         raise GenerateError("; ".join(problems))
-    read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
-    tokenizer = find_tokenizer(checkpoint, tokenizer)
+    meta = read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
+    tokenizer = find_tokenizer(checkpoint, tokenizer, meta.get("tokenizer_sha256"))  # the one it was trained with
     try:
         sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
     except (OSError, RuntimeError) as err:
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="SentencePiece model (default: tokenizer.model next to CHECKPOINT)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
     args = parser.parse_args(argv)
     try:
         text = generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -566,7 +566,8 @@ def test_full_checkpoint_is_a_plain_state_dict(runs, variant, tmp_path):
         runs.train(tmp_path / "run", "--train.max_steps=1", "--fsdp.version=2", "--fsdp.activation_checkpointing=full")
         path = tmp_path / "run" / ckpt_name("full", 1)
     ckpt = torch.load(path, weights_only=True)
-    assert set(ckpt) == {"model", "optimizer", "rng", "format_version", "world_size", "model_config", "train_state"}
+    assert set(ckpt) == {"model", "optimizer", "rng", "format_version", "world_size", "model_config", "train_state",
+                         "tokenizer_sha256"}
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     plain = model.state_dict()
     assert list(ckpt["model"]) == list(plain)

@@ -70,7 +70,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_random_model_logits_match(case, runs, tmp_path):
     cfg = CASES[case]
-    ckpt = tmp_path / "fsdp_cpt7.pth"
+    ckpt = tmp_path / "fsdp_cpt0.pth"
     ours = write_checkpoint(ckpt, cfg)
     tokenizer = runs["full"].parent / "tokenizer.model"  # 320 pieces; "untied-mha" pads the vocabulary past it
     assert export_hf.main([str(ckpt), str(tmp_path / "hf"), "--tokenizer", str(tokenizer)]) == 0
@@ -82,7 +82,7 @@ def test_random_model_logits_match(case, runs, tmp_path):
 
 
 def test_bf16_export(runs, tmp_path):
-    ckpt = tmp_path / "fsdp_cpt1.pth"
+    ckpt = tmp_path / "fsdp_cpt0.pth"
     ours = write_checkpoint(ckpt, CASES["tied-gqa"])
     tokenizer = runs["full"].parent / "tokenizer.model"
     assert export_hf.main([str(ckpt), str(tmp_path / "hf"), "--dtype", "bf16", "--tokenizer", str(tokenizer)]) == 0
@@ -149,7 +149,7 @@ def test_errors(runs, tmp_path, capsys):
     assert "input" in _error(capsys) and ckpt.is_file()
 
     # No tokenizer next to the checkpoint.
-    lone = tmp_path / "lone" / "fsdp_cpt1.pth"
+    lone = tmp_path / "lone" / "fsdp_cpt0.pth"  # step 0, as write_checkpoint saves it
     lone.parent.mkdir()
     write_checkpoint(lone, CASES["tied-gqa"])
     assert export_hf.main([str(lone), str(tmp_path / "b")]) == 1

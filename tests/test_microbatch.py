@@ -104,6 +104,22 @@ def test_cache_round_trip_and_replace(tmp_path):
     assert read_cache(tmp_path, key_a) is None  # unreadable: searched again, not a crash
 
 
+@pytest.mark.parametrize("field, value", [("micro_batch_size", 0), ("micro_batch_size", -4), ("micro_batch_size", "8"),
+                                          ("micro_batch_size", 3), ("measured_gib", {"8": "a lot"}),
+                                          ("measured_gib", {"0": 1.0}), ("budget_gib", -1), ("capacity_gib", None)])
+def test_a_cache_entry_with_bad_values_is_ignored_with_a_warning(tmp_path, caplog, field, value):
+    # per-rank batch 16 // 2 = 8: micro-batch 3 does not divide it
+    key = {"model": {"dim": 64}, "gpu": "H100", "global_batch_size": 16, "world_size": 2}
+    save_to_cache(tmp_path, key, MicroBatchChoice(8, "search", {1: 2.0, 8: 20.0}, 79.0, 71.1, 9.0))
+    assert read_cache(tmp_path, key)["micro_batch_size"] == 8
+    doc = json.loads((tmp_path / CACHE_FILE).read_text())
+    doc["entries"][0][field] = value
+    (tmp_path / CACHE_FILE).write_text(json.dumps(doc))
+    with caplog.at_level("WARNING"):
+        assert read_cache(tmp_path, key) is None  # searched again, as without a cache
+    assert CACHE_FILE in caplog.text and field in caplog.text
+
+
 # ---- config -----------------------------------------------------------------------------------------
 
 

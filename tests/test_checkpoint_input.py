@@ -1,0 +1,507 @@
+"""Hostile and damaged checkpoints, in process (issue 21): each ends in one CheckpointError-family line
+naming the file, or a correct load; nothing the user owns is moved, deleted or written through.
+
+A world-size-1 gloo group and a tiny model make real checkpoints of both formats through the checkpoint
+manager in well under a second; every test works on a copy of them. Covered: unsafe pickles refused (not
+called corrupt) whatever torch's wording; meta.json and payload validation (keys, types, format version,
+the step in the name); DCP storage records that lead out of the folder; the tokenizer each checkpoint
+was trained with; symbolic links in the output directory; a crafted planner index for the converter;
+misleading messages (a Hugging Face checkpoint into a llama run, a failed background write); and a fuzz
+of meta.json, the full checkpoint's checksum record and DCP's .metadata.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from config import Config, save_config
+from fsdp_utils import checkpoint_io
+from fsdp_utils.checkpoint import CheckpointManager, TrainState, _InFlight
+from fsdp_utils.checkpoint_format import (TRAIN_STATE_KEYS, CheckpointCorrupt, CheckpointError, CheckpointMismatch,
+                                          CheckpointUnsafe, SafeFileSystemReader, file_record, sidecar_of)
+from fsdp_utils.distributed import DistEnv
+from fsdp_utils.run_lock import RunLocked, take_run_lock
+from model import ModelConfig, Transformer
+from scripts import convert_checkpoint
+
+CONFIG = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16, multiple_of=16)
+ENV = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+TOKENIZER = hashlib.sha256(b"the run's tokenizer").hexdigest()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def model_and_optimizer(seed: int = 0) -> tuple[Transformer, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Transformer(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 9))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def manager(out: Path, fmt: str, **kwargs) -> CheckpointManager:
+    kwargs = {"model_config": dataclasses.asdict(CONFIG), "tokenizer_sha256": TOKENIZER, **kwargs}
+    return CheckpointManager(out, fmt=fmt, keep_last_n=0, env=ENV, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """Output directories holding checkpoints of steps 1 and 2, one per format."""
+    runs = {}
+    for fmt in ("full", "sharded"):
+        out = tmp_path_factory.mktemp(fmt)
+        model, optimizer = model_and_optimizer()
+        for step in (1, 2):
+            manager(out, fmt).save(model, optimizer, TrainState(step=step, samples_seen=8 * step, tokens_seen=64 * step))
+        runs[fmt] = out
+    return runs
+
+
+def run_copy(saved: dict[str, Path], fmt: str, tmp_path: Path) -> Path:
+    out = tmp_path / f"run-{fmt}"
+    shutil.copytree(saved[fmt], out)
+    return out
+
+
+def newest(out: Path, fmt: str) -> Path:
+    return out / ("fsdp_cpt2.pth" if fmt == "full" else "fsdp_sharded_cpt2")
+
+
+def load(out: Path, fmt: str, resume_from: str = "latest", **kwargs) -> TrainState:
+    model, optimizer = model_and_optimizer(seed=1)
+    return manager(out, fmt, **kwargs).load(model, optimizer, resume_from)
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err)
+    assert text and "\n" not in text, text
+    return text
+
+
+def fix_records(checkpoint: Path) -> None:
+    """Record every file's current size and CRC32, as a save would have: only the checks under test stand
+    in the way."""
+    if checkpoint.is_dir():
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        meta["files"] = {name: file_record(checkpoint / name) for name in meta["files"]}
+        (checkpoint / "meta.json").write_text(json.dumps(meta))
+    else:
+        sidecar_of(checkpoint).write_text(json.dumps({"format_version": 1, "files": {checkpoint.name: file_record(checkpoint)}}))
+
+
+# ---- unsafe pickles ------------------------------------------------------------------------------
+
+
+class Payload:
+    """Unpickles by calling `target` (posix.system or builtins.eval) with code that creates `marker`."""
+
+    def __init__(self, target: str, marker: Path):
+        self.target, self.marker = target, marker
+
+    def __reduce__(self):
+        if self.target == "builtins.eval":
+            import builtins
+            return builtins.eval, (f"__import__('pathlib').Path({str(self.marker)!r}).touch()",)
+        return os.system, (f"touch {self.marker}",)  # pickles as posix.system
+
+
+def torch_save_calling(obj: object, target: str) -> bytes:
+    """torch.save(obj) with its Payload's global written as `target`: os.system is pickled as posix.system,
+    so for os.system the name is rewritten in the archive's data.pkl."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    if target != "os.system":
+        return buf.getvalue()
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(out, "w") as zout:
+        for name in zin.namelist():
+            data = zin.read(name)
+            if name.endswith("data.pkl"):
+                assert b"posix\nsystem\n" in data
+                data = data.replace(b"posix\nsystem\n", b"os\nsystem\n")
+            zout.writestr(name, data)
+    return out.getvalue()
+
+
+def plant(checkpoint: Path, where: str, target: str, marker: Path) -> Path:
+    """Put a Payload calling `target` into the checkpoint; return the file that holds it."""
+    payload = Payload(target, marker)
+    if where == "pth":
+        obj = torch.load(checkpoint, weights_only=True)
+        obj["train_state"] = payload
+        checkpoint.write_bytes(torch_save_calling(obj, target))
+        fix_records(checkpoint)
+        return checkpoint
+    if where == "rng":
+        (checkpoint / "rng.pt").write_bytes(torch_save_calling({"rng": payload}, target))
+        fix_records(checkpoint)
+        return checkpoint / "rng.pt"
+    # a non-tensor entry of a .distcp file (the optimizer's lr), pointed at a payload appended to the shard
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())  # our own checkpoint: trusted here
+    blob = torch_save_calling(payload, target)
+    index = next(i for i in metadata.storage_data if i.fqn == "optimizer.param_groups.0.lr")
+    info = metadata.storage_data[index]
+    shard = checkpoint / info.relative_path
+    offset = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(blob)
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(blob))
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    fix_records(checkpoint)
+    return checkpoint
+
+
+@pytest.mark.parametrize("target", ["os.system", "posix.system", "builtins.eval"])
+@pytest.mark.parametrize("where", ["pth", "rng", "distcp"])
+def test_an_unsafe_checkpoint_is_refused_and_left_alone(saved, tmp_path, where, target):
+    """Refused naming what it asked for, neither moved aside nor skipped for the previous checkpoint (torch
+    words its refusal of os/posix globals otherwise than of builtins.eval; the words must not matter)."""
+    fmt = "full" if where == "pth" else "sharded"
+    out = run_copy(saved, fmt, tmp_path)
+    marker = tmp_path / "ran"
+    checkpoint = newest(out, fmt)
+    named = plant(checkpoint, where, target, marker)
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(CheckpointUnsafe) as caught:
+        load(out, fmt)
+    line = one_line(caught.value)
+    assert str(named) in line and f"refused: it references {target}" in line, line
+    assert sorted(p.name for p in out.iterdir()) == before and not marker.exists()
+
+
+# ---- metadata ------------------------------------------------------------------------------------
+
+
+def mutate_meta(checkpoint: Path, change) -> None:
+    """Apply `change` to a checkpoint's metadata: meta.json, or the payload of a full checkpoint."""
+    if checkpoint.is_dir():
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        change(meta)
+        (checkpoint / "meta.json").write_text(json.dumps(meta))
+    else:
+        payload = torch.load(checkpoint, weights_only=True)
+        change(payload)
+        torch.save(payload, checkpoint)
+        fix_records(checkpoint)
+
+
+META_CASES = {
+    "no train_state": (lambda m: m.pop("train_state"), CheckpointCorrupt, "missing train_state"),
+    "no model_config": (lambda m: m.pop("model_config"), CheckpointCorrupt, "missing model_config"),
+    "an extra key": (lambda m: m.update(surprise=1), CheckpointCorrupt, "unknown key surprise"),
+    "an extra train_state key": (lambda m: m["train_state"].update(epoch=3), CheckpointCorrupt, "unknown key epoch"),
+    "a string step": (lambda m: m["train_state"].update(step="2"), CheckpointCorrupt, "train_state.step '2'"),
+    "negative samples_seen": (lambda m: m["train_state"].update(samples_seen=-8), CheckpointCorrupt, "samples_seen -8"),
+    "format_version 99": (lambda m: m.update(format_version=99), CheckpointMismatch, "format_version 99"),
+    "a step other than the name's": (lambda m: m["train_state"].update(step=7), CheckpointMismatch, "holds step 7"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+@pytest.mark.parametrize("case", sorted(META_CASES))
+def test_invalid_metadata_is_one_line_for_every_reader(saved, tmp_path, fmt, case):
+    change, kind, needle = META_CASES[case]
+    out = run_copy(saved, fmt, tmp_path)
+    checkpoint = newest(out, fmt)
+    mutate_meta(checkpoint, change)
+    for read in (lambda: load(out, fmt, str(checkpoint)), lambda: checkpoint_io.read_meta(checkpoint),
+                 lambda: checkpoint_io.load_model(checkpoint)):
+        with pytest.raises(kind) as caught:
+            read()
+        assert needle in one_line(caught.value) and str(checkpoint) in str(caught.value), caught.value
+    assert checkpoint.exists()
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_checkpoint_renamed_to_a_later_step_is_refused_and_nothing_is_deleted(saved, tmp_path, fmt):
+    out = run_copy(saved, fmt, tmp_path)
+    renamed = newest(out, fmt).with_name(newest(out, fmt).name.replace("2", "9"))
+    os.replace(newest(out, fmt), renamed)
+    if fmt == "full":
+        os.replace(sidecar_of(newest(out, fmt)), sidecar_of(renamed))
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(CheckpointMismatch, match="holds step 2, its name says step 9"):
+        load(out, fmt)
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_train_state_keys_are_the_train_state_fields():
+    assert set(TRAIN_STATE_KEYS) == {f.name for f in dataclasses.fields(TrainState)} - {"rng"}
+
+
+# ---- DCP storage records -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["../outside.distcp", "/etc/hostname", "sub/../../outside.distcp"])
+def test_a_storage_record_outside_the_folder_is_refused(saved, tmp_path, where):
+    out = run_copy(saved, "sharded", tmp_path)
+    checkpoint = newest(out, "sharded")
+    shutil.copy(checkpoint / "__0_0.distcp", out / "outside.distcp")  # real data: only the path is wrong
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())
+    for index, info in metadata.storage_data.items():
+        metadata.storage_data[index] = dataclasses.replace(info, relative_path=where)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    fix_records(checkpoint)
+    for read in (lambda: load(out, "sharded"), lambda: SafeFileSystemReader(str(checkpoint)).read_metadata(),
+                 lambda: convert_checkpoint.convert(checkpoint, tmp_path / "out.pth")):
+        with pytest.raises(CheckpointUnsafe, match="outside the checkpoint's folder") as caught:
+            read()
+        one_line(caught.value)
+    assert checkpoint.exists()
+
+
+# ---- the run's tokenizer -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_resuming_with_another_tokenizer_is_refused_unless_allowed(saved, tmp_path, fmt):
+    out = run_copy(saved, fmt, tmp_path)
+    other = hashlib.sha256(b"another tokenizer").hexdigest()
+    assert checkpoint_io.read_meta(newest(out, fmt))["tokenizer_sha256"] == TOKENIZER
+    with pytest.raises(CheckpointMismatch, match=f"another tokenizer \\(sha256 {TOKENIZER[:8]}, this run's is {other[:8]}\\)"):
+        load(out, fmt, tokenizer_sha256=other)
+    assert load(out, fmt, tokenizer_sha256=other, allow_tokenizer_change=True).step == 2
+    assert load(out, fmt).step == 2
+
+
+def test_a_checkpoint_from_before_tokenizers_were_recorded_still_loads(tmp_path):
+    model, optimizer = model_and_optimizer()
+    manager(tmp_path, "sharded", tokenizer_sha256=None).save(model, optimizer, TrainState(step=3))
+    assert "tokenizer_sha256" not in checkpoint_io.read_meta(tmp_path / "fsdp_sharded_cpt3")
+    assert load(tmp_path, "sharded").step == 3
+
+
+def test_a_changed_tokenizer_is_kept_and_each_checkpoint_finds_its_own(tmp_path):
+    source_a, source_b = tmp_path / "a.model", tmp_path / "b.model"
+    source_a.write_bytes(b"tokenizer A")
+    source_b.write_bytes(b"tokenizer B")
+    out = tmp_path / "run"
+    out.mkdir()
+    model, optimizer = model_and_optimizer()
+    hash_a, hash_b = (hashlib.sha256(p.read_bytes()).hexdigest() for p in (source_a, source_b))
+    checkpoint_io.install_tokenizer(source_a, out)
+    manager(out, "full", tokenizer_sha256=hash_a).save(model, optimizer, TrainState(step=1))
+    checkpoint_io.install_tokenizer(source_b, out)  # a deliberate vocabulary swap
+    manager(out, "full", tokenizer_sha256=hash_b).save(model, optimizer, TrainState(step=2))
+    assert (out / "tokenizer.model").read_bytes() == b"tokenizer B"
+    assert (out / f"tokenizer.{hash_a[:8]}.model").read_bytes() == b"tokenizer A"
+    for step, expected in ((1, b"tokenizer A"), (2, b"tokenizer B")):
+        checkpoint = out / f"fsdp_cpt{step}.pth"
+        found = checkpoint_io.find_tokenizer(checkpoint, None, checkpoint_io.read_meta(checkpoint)["tokenizer_sha256"])
+        assert found.read_bytes() == expected
+    (out / f"tokenizer.{hash_a[:8]}.model").unlink()
+    with pytest.raises(CheckpointError, match=f"no tokenizer with its sha256 {hash_a[:8]}"):
+        checkpoint_io.find_tokenizer(out / "fsdp_cpt1.pth", None, hash_a)
+
+
+# ---- symbolic links in the output directory ------------------------------------------------------
+
+
+def test_nothing_is_written_through_a_symbolic_link(tmp_path):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    for name in ("run.lock", "config.yaml", "tokenizer.model"):
+        (elsewhere / name).write_text("the user's own file")
+        (out / name).symlink_to(elsewhere / name)
+    with pytest.raises(RunLocked, match="run.lock is a symbolic link"):
+        take_run_lock(out, ENV)
+    save_config(Config(), out / "config.yaml")
+    source = tmp_path / "new.model"
+    source.write_bytes(b"the new tokenizer")
+    checkpoint_io.install_tokenizer(source, out)
+    assert all((elsewhere / n).read_text() == "the user's own file" for n in ("run.lock", "config.yaml", "tokenizer.model"))
+    assert not (out / "config.yaml").is_symlink() and "model:" in (out / "config.yaml").read_text()
+    assert (out / "tokenizer.model").read_bytes() == b"the new tokenizer"
+
+
+# ---- the converter and a crafted planner index ---------------------------------------------------
+
+
+@pytest.mark.parametrize("craft", ["list index", "tensor size"])
+def test_convert_refuses_a_layout_that_would_allocate_without_bound(saved, tmp_path, craft, capsys):
+    out = run_copy(saved, "sharded", tmp_path)
+    checkpoint = newest(out, "sharded")
+    metadata = pickle.loads((checkpoint / ".metadata").read_bytes())
+    if craft == "list index":
+        name = next(n for n, path in metadata.planner_data.items() if any(isinstance(k, int) for k in path))
+        metadata.planner_data[name] = tuple(10**12 if isinstance(k, int) else k for k in metadata.planner_data[name])
+    else:
+        name = "model.tok_embeddings.weight"
+        md = metadata.state_dict_metadata[name]
+        metadata.state_dict_metadata[name] = dataclasses.replace(md, size=torch.Size([10**7, 10**7]))
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    fix_records(checkpoint)
+    assert convert_checkpoint.main([str(checkpoint), str(tmp_path / "out.pth")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and name in err[0] and "corrupt checkpoint metadata" in err[0], err
+
+
+# ---- misleading messages -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_hugging_face_checkpoint_into_a_llama_run_names_the_model_type(saved, tmp_path, fmt):
+    out = run_copy(saved, fmt, tmp_path)
+    hf = {"type": "hf", "model_type": "gpt2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": CONFIG.vocab_size, "tie_word_embeddings": True}
+    mutate_meta(newest(out, fmt), lambda m: m.update(model_config=hf))
+    with pytest.raises(CheckpointMismatch, match=r"model type differs from the checkpoint: model.type=llama here, hf \(gpt2\)"):
+        load(out, fmt, str(newest(out, fmt)))
+
+
+def test_a_background_write_that_stopped_short_says_why(tmp_path):
+    ckpt = manager(tmp_path, "sharded")
+    job = concurrent.futures.Future()
+    job.set_exception(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 2048"))
+    ckpt._in_flight = _InFlight(tmp_path / ".tmp-fsdp_sharded_cpt5", tmp_path / "fsdp_sharded_cpt5", TrainState(step=5),
+                                time.perf_counter(), job, staged=None)
+    with pytest.raises(CheckpointError, match="a full disk, a quota or a file size limit"):
+        ckpt.finish()
+
+
+# ---- fuzz -----------------------------------------------------------------------------------------
+
+
+class OpenedOutside:
+    """An audit hook that records every file opened outside `root` while armed (hooks cannot be removed:
+    this one is armed only inside `watch`)."""
+
+    root: Path | None = None
+    seen: ClassVar[list[str]] = []
+
+    @classmethod
+    def hook(cls, event: str, args: tuple) -> None:
+        if cls.root is not None and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = Path(os.fsdecode(args[0])).absolute()
+            if not path.is_relative_to(cls.root) and not path.is_relative_to(sys.prefix) and path.suffix != ".py":
+                cls.seen.append(str(path))
+
+
+sys.addaudithook(OpenedOutside.hook)
+
+
+def damaged(data: bytes, rng: random.Random) -> bytes:
+    """Truncated, bit-flipped, or with a span overwritten by random bytes."""
+    kind = rng.choice(["truncate", "flip", "flip", "span"])
+    if kind == "truncate":
+        return data[:rng.randrange(len(data))]
+    out = bytearray(data)
+    if kind == "flip":
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(out))
+            out[i] ^= 1 << rng.randrange(8)
+    else:
+        i = rng.randrange(len(out))
+        out[i:i + 8] = bytes(rng.randrange(256) for _ in range(8))
+    return bytes(out)
+
+
+FIELD_VALUES = [None, -1, 0, 2, 99, 10**30, "2", "", "../x", "/etc/hostname", [], {}, [1], {"a": 1}, True, 1.5]
+
+
+def mutated_json(text: str, rng: random.Random) -> str:
+    """A field of the JSON set to a hostile value, removed, or a key added."""
+    doc = json.loads(text)
+    node = doc
+    while True:  # walk to a random dict
+        children = [v for v in node.values() if isinstance(v, dict)] if isinstance(node, dict) else []
+        if not children or rng.random() < 0.4:
+            break
+        node = rng.choice(children)
+    key = rng.choice(list(node) or ["x"])
+    action = rng.choice(["set", "set", "drop", "add"])
+    if action == "set":
+        node[key] = rng.choice(FIELD_VALUES)
+    elif action == "drop":
+        node.pop(key, None)
+    else:
+        node[rng.choice(["../outside.distcp", "extra", "files", "step"])] = rng.choice(FIELD_VALUES)
+    return json.dumps(doc)
+
+
+@pytest.mark.parametrize("target", ["meta.json", "sidecar", ".metadata"])
+def test_fuzz_checkpoint_loaders(saved, tmp_path, target):
+    """100 damaged or mutated copies per file: every load ends in a CheckpointError-family error (one line)
+    or loads, and no file outside the run's folder is opened."""
+    fmt = "full" if target == "sidecar" else "sharded"
+    rng = random.Random(f"fuzz-{target}")
+    out = run_copy(saved, fmt, tmp_path)
+    checkpoint = newest(out, fmt)
+    path = sidecar_of(checkpoint) if target == "sidecar" else checkpoint / target
+    original = path.read_bytes()
+    (tmp_path / "outside.distcp").write_bytes(b"a file outside the run")
+    outcomes = {"loaded": 0, "refused": 0}
+    for _ in range(100):
+        if target == ".metadata" or rng.random() < 0.5:
+            data = damaged(original, rng)
+        else:
+            data = mutated_json(original.decode(), rng).encode()
+        path.write_bytes(data)
+        OpenedOutside.root, OpenedOutside.seen = out.absolute(), []
+        try:
+            for read in (lambda: load(out, fmt, str(checkpoint)), lambda: checkpoint_io.load_model(checkpoint)):
+                try:
+                    read()
+                    outcomes["loaded"] += 1
+                except CheckpointError as err:
+                    one_line(err)
+                    outcomes["refused"] += 1
+        finally:
+            OpenedOutside.root = None
+        assert not OpenedOutside.seen, (data, OpenedOutside.seen)
+        assert checkpoint.exists() and path.exists()
+    assert outcomes["refused"] > 0, outcomes
+
+
+
+# ---- end to end: a run resumed with another tokenizer ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_training_refuses_another_tokenizer_unless_allowed(corpus, dataset_dir, tmp_path):
+    """train_fsdp.py records the tokenizer's hash; a resume prepared with another corpus (another tokenizer
+    of the same size) is refused with one line, tokenizer.model untouched; allowed, the old tokenizer is
+    kept and generate.py picks each checkpoint's own."""
+    from scripts import generate
+    from tests.helpers import run_train, write_corpus
+
+    out = tmp_path / "run"
+    run_train("--train.max_steps=2", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    first = (out / "tokenizer.model").read_bytes()
+    other_corpus = write_corpus(tmp_path / "other.txt", num_docs=90)
+    other = {"corpus": other_corpus, "dataset_dir": tmp_path / "other-data"}
+    proc = run_train("--train.max_steps=4", nproc=1, out_dir=out, check=False, **other)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "trained with another tokenizer" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and (out / "tokenizer.model").read_bytes() == first
+    run_train("--train.max_steps=4", "--checkpoint.allow_tokenizer_change=true", nproc=1, out_dir=out, **other)
+    old_hash = checkpoint_io.read_meta(out / "fsdp_cpt2.pth")["tokenizer_sha256"]
+    assert (out / f"tokenizer.{old_hash[:8]}.model").read_bytes() == first
+    assert (out / "tokenizer.model").read_bytes() != first
+    assert generate.main([str(out / "fsdp_cpt2.pth"), "--prompt", "the", "--max_new_tokens", "2", "--device", "cpu"]) == 0
+    found = checkpoint_io.find_tokenizer(out / "fsdp_cpt2.pth", None, old_hash)
+    assert found.name == f"tokenizer.{old_hash[:8]}.model"
