@@ -378,7 +378,7 @@ def test_a_background_write_that_stopped_short_says_why(tmp_path):
     job = concurrent.futures.Future()
     job.set_exception(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 2048"))
     ckpt._in_flight = _InFlight(tmp_path / ".tmp-fsdp_sharded_cpt5", tmp_path / "fsdp_sharded_cpt5", TrainState(step=5),
-                                time.perf_counter(), job, staged=None)
+                                time.perf_counter(), job, staged=None, staged_state={})
     with pytest.raises(CheckpointError, match="a full disk, a quota or a file size limit"):
         ckpt.finish()
 
