@@ -95,9 +95,10 @@ def test_pieces_do_not_depend_on_read_sizes(kind, tmp_path, monkeypatch):
     (path,) = write_format(tmp_path, kind, documents)
     path = next(Path(path).iterdir())
 
-    def pieces(block_bytes: int) -> list[tuple[int, bytes]]:
+    def pieces(block_bytes: int, max_line: int = 1 << 20) -> list[tuple[int, bytes]]:
         monkeypatch.setattr(readers, "READ_BLOCK_BYTES", block_bytes)
-        return [(piece.first, piece.data) for piece in readers.read_pieces(path, piece_bytes=500, text_field="text")]
+        return [(piece.first, piece.data) for piece in readers.read_pieces(
+            path, piece_bytes=500, text_field="text", max_document_bytes=max_line, skip_long=True)]
 
     expected = pieces(1 << 20)
     assert pieces(7) == pieces(499) == expected
@@ -107,6 +108,13 @@ def test_pieces_do_not_depend_on_read_sizes(kind, tmp_path, monkeypatch):
     assert [first for first, _ in expected] == [1 + sum(data.count(b"\n") for _, data in expected[:i])
                                                 for i in range(len(expected))]
     assert any(len(data) > 2000 for _, data in expected)
+    # With a 1,500-byte limit the 2 KB line (line 21) is dropped in place, the same for any read size.
+    short = pieces(1 << 20, max_line=1500)
+    assert pieces(7, max_line=1500) == pieces(499, max_line=1500) == short
+    dropped = [(first, data) for first, data in short if isinstance(data, str)]
+    assert dropped == [(21, f"{path} line 21: a record of more than data.max_document_mb={1500 / 2**20:g} MB")]
+    kept = b"".join(data for _, data in short if isinstance(data, bytes)).split(b"\n")[:-1]
+    assert [json.loads(line)["text"] for line in kept] == documents[:20] + documents[21:]
 
 
 def test_jsonl_text_field(tmp_path, jsonl_reference):
