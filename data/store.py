@@ -255,8 +255,8 @@ def foreign_names(root: Path) -> list[str]:
     """What root holds that the library's records do not name (the user's files), sorted."""
     try:
         return sorted(set(os.listdir(root)) - recorded_names(root))
-    except FileNotFoundError:
-        return []
+    except (FileNotFoundError, NotADirectoryError):
+        return []  # nothing there yet (creating it says why it cannot be)
     except OSError as err:
         raise DataError(f"cannot list {root}: {err.strerror or err}") from None
 

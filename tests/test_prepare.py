@@ -211,6 +211,49 @@ def test_killed_prepare_script_resumes_to_the_same_result(corpus_2mb, tmp_path):
     assert len(load_prepared(tmp_path / "clean").train_files) >= 4
 
 
+@pytest.mark.slow
+def test_two_preparations_of_one_folder_wait_for_each_other(corpus_2mb, tmp_path):
+    # Before the lock, two jobs started together on a fresh folder collided ("No such file or directory:
+    # train-00000.bin.tmp"), and with other settings the loser left an unreferenced shard behind.
+    root = tmp_path / "prepared"
+    args = [sys.executable, str(ROOT / "scripts/prepare_data.py"), str(ROOT / "config/train_tiny_fsdp.yaml"),
+            f"--data.files=[{corpus_2mb}]", f"--data.dataset_dir={root}", "--data.num_workers=1"]
+
+    def start(name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+        log = tmp_path / f"{name}.log"
+        with open(log, "w") as out:
+            return subprocess.Popen([*args, *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True), log
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    first, first_log = start("first", "--data.vocab_size=320")
+    lock = root / "prepare.lock"
+    wait_for(lambda: lock.is_file() and "pid" in lock.read_text(), "the first preparation never took the lock")
+    os.killpg(first.pid, signal.SIGSTOP)  # frozen holding the lock, so that the others surely find it held
+    try:
+        same, same_log = start("same", "--data.vocab_size=320")
+        other, other_log = start("other", "--data.vocab_size=360")
+        for log in (same_log, other_log):
+            wait_for(lambda: "waiting for another preparation of" in log.read_text(), f"{log.name}: never waited")
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=300) == 0, first_log.read_text()
+    assert same.wait(timeout=300) == 0 and "using the data prepared earlier in" in same_log.read_text()
+    assert other.wait(timeout=300) == 1
+    errors = [line for line in other_log.read_text().splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {root} was just prepared by another process from other inputs or settings "
+                      f"(data.vocab_size 320 there, 360 here); give this preparation another data.dataset_dir"]
+    prepared = load_prepared(root)
+    assert prepared.vocab_size == 320
+    assert sorted(path.name for path in root.iterdir()) == sorted(
+        ["meta.json", "prepare.lock", "tokenizer.model", *(p.name for p in prepared.train_files + prepared.val_files)])
+
+
 # ---------------------------------------------------------------- tokenizer sample, cap
 
 
@@ -350,6 +393,92 @@ def test_disk_full_while_writing_a_shard(small_chunks, corpus_2mb, tmp_path, mon
                                  f"rerun to continue after the 4 finished shards")
     assert not (root / "meta.json").exists() and not list(root.glob("*.tmp"))
     assert len(json.loads((root / "progress.json").read_text())["shards"]) == 4
+
+
+# ---------------------------------------------------------------- whose files are whose
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
+
+
+def test_a_folder_of_the_users_files_is_refused_and_left_as_it_was(tmp_path):
+    # The reproduction: the corpus folder itself as data.dataset_dir. Its files carry the names the
+    # preparation used to delete by pattern (Hugging Face names its files train-00000-of-00001.parquet).
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    pq.write_table(pa.table({"text": DOCUMENTS}), corpus / "train-00000-of-00001.parquet")
+    (corpus / "val-notes.txt").write_text("my notes\n")
+    (corpus / "tokenizer.model.bak").write_bytes(b"an old tokenizer")
+    before = snapshot(corpus)
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path, [str(corpus)], dataset_dir=corpus)
+    assert str(caught.value) == (f"{corpus} holds files this library did not write (tokenizer.model.bak, "
+                                 f"train-00000-of-00001.parquet, val-notes.txt): data.dataset_dir must be a new or "
+                                 f"empty folder, or one prepared by this library; nothing was changed there")
+    assert snapshot(corpus) == before  # not even a lock file
+
+
+def test_only_recorded_files_are_replaced(tmp_path):
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
+    root = tmp_path / "prepared"
+    first = prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    # Another vocabulary: everything the first preparation recorded is replaced, in place.
+    second = prep(tmp_path, [str(tmp_path / "c.jsonl")], vocab_size=VOCAB_SIZE + 40)
+    assert second.vocab_size == VOCAB_SIZE + 40 and first.tokenizer_path == second.tokenizer_path
+    # A file of the user's in the prepared folder: still reused as it is for the same inputs ...
+    (root / "train-notes.txt").write_text("mine")
+    assert prep(tmp_path, [str(tmp_path / "c.jsonl")], vocab_size=VOCAB_SIZE + 40) == second
+    # ... never overwritten for others, and never deleted.
+    before = snapshot(root)
+    with pytest.raises(DataError, match=r"prepared holds files this library did not write \(train-notes\.txt\)"):
+        prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    assert snapshot(root) == before
+    # A progress.json edited to claim the user's file is not trusted (its checksum no longer matches).
+    (root / "train-notes.txt").unlink()
+    meta = json.loads((root / "meta.json").read_text())
+    meta["files"].append("c.jsonl")
+    (root / "meta.json").write_text(json.dumps(meta))
+    (root / "c.jsonl").write_text("the user's")
+    with pytest.raises(DataError, match=r"did not write \(c\.jsonl, tokenizer\.model, train-00000\.bin"):
+        prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    assert (root / "c.jsonl").read_text() == "the user's"
+
+
+def test_interrupted_tokenizer_leaves_recorded_names(tmp_path, monkeypatch):
+    # Killed while the tokenizer is written: its .tmp file is recorded, so the rerun may replace it.
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
+
+    def killed(lines, *, vocab_size, out_path):
+        out_path.write_bytes(b"half a model")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("data.prepare.train_tokenizer", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    assert (tmp_path / "prepared" / "tokenizer.model.tmp").exists()
+    monkeypatch.undo()
+    prepared = prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    assert sorted(p.name for p in prepared.root.iterdir()) == ["meta.json", "prepare.lock", "tokenizer.model",
+                                                                "train-00000.bin", "val-00000.bin"]
+
+
+def test_unwritable_dataset_dir_is_one_line(tmp_path):
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
+    (tmp_path / "a_file").write_text("in the way")
+    with pytest.raises(DataError, match=f"cannot create {tmp_path / 'a_file' / 'sub'}: Not a directory"):
+        prep(tmp_path, [str(tmp_path / "c.jsonl")], dataset_dir=tmp_path / "a_file" / "sub")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    try:
+        if os.access(tmp_path / "ro", os.W_OK):
+            pytest.skip("running as root: permissions are not enforced")
+        with pytest.raises(DataError, match=f"cannot write in {tmp_path / 'ro'}: Permission denied"):
+            prep(tmp_path, [str(tmp_path / "c.jsonl")], dataset_dir=tmp_path / "ro")
+        with pytest.raises(DataError, match=f"cannot create {tmp_path / 'ro' / 'sub'}: Permission denied"):
+            prep(tmp_path, [str(tmp_path / "c.jsonl")], dataset_dir=tmp_path / "ro" / "sub")
+    finally:
+        (tmp_path / "ro").chmod(0o755)
 
 
 # ---------------------------------------------------------------- in-job preparation
