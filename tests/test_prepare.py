@@ -510,15 +510,25 @@ def test_in_job_preparation_rules(tmp_path, caplog):
 
 
 def test_handoff_between_ranks(tmp_path):
-    path = handoff.outcome_path(tmp_path / "ds", "job1")
-    with pytest.raises(DataError, match="rank 0 did not finish preparing the data .* data.prepare_wait_s=0.2 s"):
-        handoff.wait_for(path, timeout_s=0.2, poll_s=0.05)
+    path = handoff.outcome_path(tmp_path / "out", "job1")
+
+    def wait(**kwargs) -> str | None:
+        return handoff.wait_for(path, dataset_dir=tmp_path / "ds", **{"timeout_s": 1, "stop_requested": str, **kwargs})
+
+    with pytest.raises(DataError, match="rank 0 did not finish preparing the data in .*ds within data.prepare_wait_s=0.2 s"):
+        wait(timeout_s=0.2, poll_s=0.05)
+    # A stop signal ends the wait at once, however long it may last.
+    signals = iter(["", "", "SIGTERM"])
+    start = time.monotonic()
+    with pytest.raises(DataError, match=f"SIGTERM received while waiting for rank 0 to prepare the data in {tmp_path / 'ds'}"):
+        wait(timeout_s=3600, poll_s=0.05, stop_requested=lambda: next(signals))
+    assert time.monotonic() - start < 5
     handoff.publish(path, None)
-    assert handoff.wait_for(path, timeout_s=1) is None
+    assert wait() is None
     handoff.publish(path, "data file not found: x.txt")
-    assert handoff.wait_for(path, timeout_s=1) == "data file not found: x.txt"
-    assert handoff.wait_for(handoff.outcome_path(tmp_path / "ds", "job1"), timeout_s=1) is not None
-    assert handoff.outcome_path(tmp_path / "ds", "job2") != path
+    assert wait() == "data file not found: x.txt"
+    assert handoff.outcome_path(tmp_path / "out", "job2") != path
+    assert not (tmp_path / "ds").exists()  # nothing is written into the dataset folder
 
 
 # ---------------------------------------------------------------- the command and the HF tokenizer
