@@ -365,14 +365,14 @@ class _Preparation:
         """'no text found', with what was read instead and why none of it is text."""
         num_bad, num_blank = totals["num_bad_records"], totals["num_blank_records"]
         num_docs = totals["num_train_documents"] + totals["num_val_documents"]
-        found = [f"{num_docs} held out for validation"] if num_docs else []
+        found = [f"{num_docs:,} held out for validation (data.val_fraction={self.settings.val_fraction:g})"] if num_docs else []
         found += [f"{num_blank:,} blank"] if num_blank else []
         if num_bad:
             found.append(f"{num_bad:,} skipped as bad (data.on_bad_record=skip; the first: {totals['first_bad_record']})")
         if not found:
             return DataError(f"no text found in {self.corpus.name}")
-        return DataError(f"no text found in {self.corpus.name}: of the {num_docs + num_blank + num_bad:,} records read "
-                         f"(lines, rows or documents), {', '.join(found)}")
+        return DataError(f"no text {'to train on ' if num_docs else ''}found in {self.corpus.name}: of the "
+                         f"{num_docs + num_blank + num_bad:,} records read (lines, rows or documents), {', '.join(found)}")
 
     # -- tokens -----------------------------------------------------------------------------------
 

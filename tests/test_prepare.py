@@ -361,6 +361,16 @@ def test_bad_records_skipped_and_counted(tmp_path, caplog):
     assert sorted(decode_split(prepared, "train") + decode_split(prepared, "val")) == sorted(DOCUMENTS)
 
 
+def test_all_records_skipped_says_how_many_and_why(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"body": "x"}\n' * 3 + "{not json\n" + json.dumps({"text": "  "}) + "\n")
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path, [str(path)], on_bad_record="skip")
+    assert str(caught.value) == (f"no text found in {path}: of the 5 records read (lines, rows or documents), 1 blank, "
+                                 f"4 skipped as bad (data.on_bad_record=skip; the first: {path} line 1: expected an "
+                                 f"object with a string 'text' field)")
+
+
 def test_missing_format_package_names_it(tmp_path, monkeypatch):
     write_format(tmp_path, "jsonl.zst")
     monkeypatch.setitem(sys.modules, "zstandard", None)  # as if not installed
