@@ -164,7 +164,7 @@ def _chunks(corpus: Corpus, *, text_field: str, skip_long: bool, say_cut: bool) 
     index = 0
     for path in corpus.paths:
         for piece in read_pieces(path, piece_bytes=CHUNK_BYTES, text_field=text_field,
-                                 max_document_bytes=int(corpus.max_document_mb * 2**20), skip_long=skip_long,
+                                 max_document_mb=corpus.max_document_mb, skip_long=skip_long,
                                  max_read_bytes=max_bytes - read if max_bytes else 0):
             if max_bytes and read + piece.num_bytes >= max_bytes:
                 piece = truncate(piece, max_bytes - read)
@@ -250,7 +250,7 @@ def _worker_pool(settings: PrepareSettings, corpus: Corpus, num_workers: int):
     """num_workers processes, or this process itself for 0."""
     initargs = (worker.WorkerSettings(text_field=settings.text_field, strict=corpus.strict,
                                       skip_bad_records=settings.on_bad_record == "skip",
-                                      max_document_bytes=int(settings.max_document_mb * 2**20),
+                                      max_document_mb=settings.max_document_mb,
                                       val_fraction=settings.val_fraction, seed=settings.seed),)
     if num_workers == 0:
         return _InProcess(initargs)

@@ -88,11 +88,11 @@ def optional_import(module: str, package: str, path: Path):
 # ---------------------------------------------------------------- parent side: files -> pieces
 
 
-def read_pieces(path: Path, *, piece_bytes: int, text_field: str, max_document_bytes: int, skip_long: bool,
+def read_pieces(path: Path, *, piece_bytes: int, text_field: str, max_document_mb: float, skip_long: bool,
                 max_read_bytes: int = 0) -> Iterator[Piece]:
     """The file's content as pieces of about piece_bytes (one document each for .txt and .py files).
 
-    A line longer than max_document_bytes: a .txt line is cut into documents of at most that size; a JSON
+    A line longer than max_document_mb: a .txt line is cut into documents of at most that size; a JSON
     line is read through without being kept, then given as a "too_long" piece (skip_long), or is an error
     at once. With max_read_bytes (> 0), reading stops after the piece that reaches it.
     """
@@ -100,11 +100,12 @@ def read_pieces(path: Path, *, piece_bytes: int, text_field: str, max_document_b
     if layout == "parquet":
         yield from _parquet_pieces(path, text_field)
         return
+    max_document_bytes = int(max_document_mb * 2**20)
     size = min(TXT_DOCUMENT_BYTES if layout == "text" else piece_bytes, max_document_bytes)
     first_line = 1
 
     def long_line() -> str:
-        problem = f"{path} line {first_line}: a record of more than data.max_document_mb={max_document_bytes / 2**20:g} MB"
+        problem = f"{path} line {first_line}: a record of more than data.max_document_mb={max_document_mb:g} MB"
         if not skip_long:  # said at once, rather than after reading the whole line
             raise DataError(f"{problem} (data.on_bad_record=skip skips such records)")
         return problem
@@ -292,7 +293,7 @@ def truncate(piece: Piece, max_bytes: int) -> Piece:
 Document = tuple[str, bytes]  # the text and its UTF-8 bytes
 
 
-def piece_documents(piece: Piece, *, text_field: str, strict: bool, max_document_bytes: int,
+def piece_documents(piece: Piece, *, text_field: str, strict: bool, max_document_mb: float,
                     bad_record: Callable[[str], None]) -> Iterator[Document]:
     """The documents of a piece, in order. A record that cannot be read is handed to bad_record (which
     raises, or counts it and returns so the record is skipped), with the file and line or row."""
@@ -309,8 +310,8 @@ def piece_documents(piece: Piece, *, text_field: str, strict: bool, max_document
                 bad_record(f"{where}: '{text_field}' is empty (null)")
             elif (utf8 := _utf8(text, where, bad_record)) is None:
                 continue
-            elif len(utf8) > max_document_bytes:
-                bad_record(f"{where}: a record of more than data.max_document_mb={max_document_bytes / 2**20:g} MB")
+            elif len(utf8) > max_document_mb * 2**20:
+                bad_record(f"{where}: a record of more than data.max_document_mb={max_document_mb:g} MB")
             else:
                 yield text, utf8
 

@@ -21,7 +21,7 @@ class WorkerSettings:
     text_field: str
     strict: bool  # False for the stdlib corpus: undecodable bytes are replaced
     skip_bad_records: bool
-    max_document_bytes: int
+    max_document_mb: float
     val_fraction: float
     seed: int
 
@@ -79,7 +79,7 @@ def _documents(chunk: Chunk, result: ChunkResult):
 
     for piece in chunk.pieces:
         for text, utf8 in piece_documents(piece, text_field=s.text_field, strict=s.strict,
-                                          max_document_bytes=s.max_document_bytes, bad_record=bad_record):
+                                          max_document_mb=s.max_document_mb, bad_record=bad_record):
             if not text.strip():
                 result.num_blank_records += 1
                 continue

@@ -98,7 +98,7 @@ def test_pieces_do_not_depend_on_read_sizes(kind, tmp_path, monkeypatch):
     def pieces(block_bytes: int, max_line: int = 1 << 20) -> list[tuple[int, bytes]]:
         monkeypatch.setattr(readers, "READ_BLOCK_BYTES", block_bytes)
         return [(piece.first, piece.data) for piece in readers.read_pieces(
-            path, piece_bytes=500, text_field="text", max_document_bytes=max_line, skip_long=True)]
+            path, piece_bytes=500, text_field="text", max_document_mb=max_line / 2**20, skip_long=True)]
 
     expected = pieces(1 << 20)
     assert pieces(7) == pieces(499) == expected
@@ -307,6 +307,74 @@ def test_max_corpus_mb_cuts_at_a_record_and_says_so(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="data.prepare"):
         prep(tmp_path / "all", [str(tmp_path / "c.jsonl")])  # no cap: nothing said
     assert "data.max_corpus_mb=" not in caplog.text
+
+
+# ---------------------------------------------------------------- memory bounded by data.max_document_mb
+
+
+def test_a_json_line_longer_than_max_document_mb_is_a_bad_record(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(jsonl_lines(DOCUMENTS[:2]) + json.dumps({"text": "z" * 30_000}) + "\n" + jsonl_lines(DOCUMENTS[2:]))
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path, [str(path)], max_document_mb=0.02)  # 20,971 bytes
+    assert str(caught.value) == (f"{path} line 3: a record of more than data.max_document_mb=0.02 MB "
+                                 f"(data.on_bad_record=skip skips such records)")
+    prepared = prep(tmp_path, [str(path)], max_document_mb=0.02, on_bad_record="skip")
+    assert sorted(decode_split(prepared, "train") + decode_split(prepared, "val")) == sorted(DOCUMENTS)
+    assert json.loads((prepared.root / "meta.json").read_text())["num_skipped_records"] == 1
+
+
+def test_a_txt_line_longer_than_max_document_mb_is_cut(tmp_path, jsonl_reference):
+    text = "".join(f"word{i} é " for i in range(20_000))  # ~180 KB on one line, with 2-byte characters
+    (tmp_path / "one.txt").write_text(text)
+    prepared = prep(tmp_path, [str(tmp_path / "one.txt")], max_document_mb=0.05,
+                    tokenizer_model=str(jsonl_reference.tokenizer_path))
+    # Too few documents for one to be held out: the split is by tokens, so decode the two as one stream.
+    processor = spm.SentencePieceProcessor(model_file=str(prepared.tokenizer_path))
+    ids = np.concatenate([split_tokens(prepared, "train"), split_tokens(prepared, "val")]).tolist()
+    ends = [i for i, token in enumerate(ids) if token == processor.eos_id()]
+    documents = [processor.decode(ids[a + 1 : b]) for a, b in zip([-1, *ends], ends)]
+    assert len(documents) >= 4 and all(len(doc.encode()) <= 0.05 * 2**20 for doc in documents)
+    assert sorted(documents) == sorted(text.encode()[i:j].decode() for i, j in _cuts(text.encode(), int(0.05 * 2**20)))
+
+
+def _cuts(data: bytes, size: int) -> list[tuple[int, int]]:
+    """The reference cuts of a line without line ends: every `size` bytes, moved back to a character start."""
+    cuts, start = [], 0
+    while len(data) - start > size:
+        end = start + size
+        while data[end] & 0xC0 == 0x80:
+            end -= 1
+        cuts.append((start, end))
+        start = end
+    return [*cuts, (start, len(data))]
+
+
+def test_a_gzip_bomb_is_read_in_bounded_memory_and_max_corpus_mb_stops_it(tmp_path, monkeypatch):
+    import tracemalloc
+
+    path = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(path, "wb", compresslevel=9) as f:  # one 48 MB line in about 50 KB
+        f.write(b'{"text": "')
+        for _ in range(48):
+            f.write(b"all work and no play " * 49932)
+        f.write(b'"}\n')
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=r"no text found in .*bomb\.jsonl\.gz: of the 1 records read .* 1 skipped as "
+                                            r"bad .*line 1: a record of more than data\.max_document_mb=1 MB"):
+            prep(tmp_path, [str(path)], max_document_mb=1, on_bad_record="skip")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"{peak / 2**20:.1f} MB held for a 48 MB line with data.max_document_mb=1"
+    # data.max_corpus_mb stops reading inside the line, rather than after it.
+    read = []
+    read_block = readers._read_block
+    monkeypatch.setattr(readers, "_read_block", lambda *args: read.append(len(block := read_block(*args))) or block)
+    with pytest.raises(DataError, match="1 skipped as bad"):
+        prep(tmp_path, [str(path)], max_document_mb=1, on_bad_record="skip", max_corpus_mb=2)
+    assert 2 * 2**20 <= sum(read) <= 4 * 2**20
 
 
 # ---------------------------------------------------------------- bad input
