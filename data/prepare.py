@@ -395,7 +395,7 @@ class _Preparation:
     def _encode(self, writer: ShardWriter, totals: dict) -> None:
         """Pass 2: every chunk after the finished shards, encoded by the workers, written in order."""
         next_chunk = writer.shards[-1]["end_chunk"] if writer.shards else 0
-        chunks = (chunk for chunk in self.chunks(say_cut=True) if chunk.index >= next_chunk)
+        chunks = (chunk for chunk in self._after_finished_shards(writer.shards) if chunk.index >= next_chunk)
         tokenizer = (writer.progress["tokenizer_kind"], str(self.root / writer.progress["tokenizer_file"]))
         submit = lambda chunk: self.pool.submit(worker.encode_chunk, chunk, tokenizer, writer.dtype.name)  # noqa: E731
         bar = _progress_bar("tokenising", self.corpus.read_bytes, initial=totals["disk_bytes"], show=self.show_progress)
@@ -410,6 +410,19 @@ class _Preparation:
                 bar.set_postfix(tokens=f"{totals['num_train_tokens'] + totals['num_val_tokens']:,}", refresh=False)
         writer.finish_shard(end_chunk=next_chunk, totals=dict(totals))
 
+    def _after_finished_shards(self, shards: list[dict]) -> Iterator[worker.Chunk]:
+        """The chunks, checking on the way that the last finished shard ends where the corpus says."""
+        end, disk_bytes = (shards[-1]["end_chunk"], shards[-1]["totals"]["disk_bytes"]) if shards else (0, 0)
+        matched = not shards
+        for chunk in self.chunks(say_cut=True):
+            matched = matched or (chunk.index == end - 1 and chunk.disk_done == disk_bytes)
+            if chunk.index >= end - 1 and not matched:
+                break
+            yield chunk
+        if not matched:
+            raise DataError(f"{self.root / PROGRESS_NAME} does not match the corpus (its last finished shard does not "
+                            f"end where a work unit of it ends); delete it to prepare {self.root} again")
+
     def _resume_or_restart(self) -> dict:
         """progress.json's record: the finished shards of an interrupted run of the same inputs and
         settings, with its tokenizer; or a fresh start with a new tokenizer and nothing else. Either way,
@@ -417,7 +430,7 @@ class _Preparation:
         progress = read_record(self.root / PROGRESS_NAME)
         if progress.get("source_fingerprint") == self.source.fingerprint and _resumable(self.root, progress):
             (self.root / META_NAME).unlink(missing_ok=True)  # from now on, the folder is incomplete
-            shards = resumable_shards(self.root, progress, token_dtype(progress["vocab_size"]))
+            shards = _sound_prefix(resumable_shards(self.root, progress, token_dtype(progress["vocab_size"])))
             keep = {progress["tokenizer_file"], *(shard[split] for shard in shards for split in ("train", "val"))}
             remove_names(self.root, recorded_names(self.root) - keep - {META_NAME, PROGRESS_NAME, LOCK_NAME})
             progress.update(shards=shards, files=sorted(keep))
@@ -486,7 +499,7 @@ def _add_totals(totals: dict, result: worker.ChunkResult) -> None:
     totals["num_documents"] += result.num_train_documents + result.num_val_documents
     totals["num_train_tokens"] += 0 if result.train is None else len(result.train)
     totals["num_val_tokens"] += 0 if result.val is None else len(result.val)
-    totals["num_blank_records"] = totals.get("num_blank_records", 0) + result.num_blank_records
+    totals["num_blank_records"] += result.num_blank_records
     totals["text_bytes"] += result.num_bytes
     totals["disk_bytes"] = result.disk_done
     totals["num_bad_records"] += result.num_bad_records
@@ -505,10 +518,27 @@ def _log_summary(root: Path, totals: dict, meta: dict, *, rate_mb_s: float) -> N
                     totals["num_bad_records"], totals["first_bad_record"])
 
 
+def _sound_prefix(shards: list[dict]) -> list[dict]:
+    """The shards up to the first whose chunk number or running totals are not what this code writes."""
+    kept: list[dict] = []
+    for shard in shards:
+        end, totals = shard.get("end_chunk"), shard.get("totals")
+        previous = kept[-1]["end_chunk"] if kept else 0
+        if (not isinstance(end, int) or isinstance(end, bool) or not previous < end < 2**63
+                or not isinstance(totals, dict) or set(totals) != set(_zero_totals())
+                or not all(isinstance(totals[k], int) and not isinstance(totals[k], bool) and totals[k] >= 0
+                           for k in totals if k != "first_bad_record")
+                or not isinstance(totals["first_bad_record"], (str, type(None)))):
+            break
+        kept.append(shard)
+    return kept
+
+
 def _resumable(root: Path, progress: dict) -> bool:
     """A progress record to continue from: its tokenizer intact, its fields of the expected kinds."""
     vocab_size, name = progress.get("vocab_size"), progress.get("tokenizer_file")
     if (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or not 0 < vocab_size < 2**32
+            or progress.get("dtype") != token_dtype(vocab_size).name
             or progress.get("tokenizer_kind") not in ("hf", "sentencepiece") or not is_plain_name(name)
             or not isinstance(progress.get("files"), list)):
         return False

@@ -216,8 +216,7 @@ def complete_fingerprint(root: Path) -> str | None:
 
 def resumable_shards(root: Path, progress: dict, dtype: np.dtype) -> list[dict]:
     """The finished shards an interrupted preparation recorded in progress (read from progress.json, of
-    the same inputs and settings), in order. The prefix stops at the first shard whose files are not whole
-    or whose record is not sound."""
+    the same inputs and settings), in order. The prefix stops at the first shard whose files are not whole."""
     shards = progress.get("shards")
     if progress.get("dtype") != dtype.name or not isinstance(shards, list):
         return []
@@ -226,8 +225,6 @@ def resumable_shards(root: Path, progress: dict, dtype: np.dtype) -> list[dict]:
         try:
             check_shard(root, shard, dtype, where=root / PROGRESS_NAME)
         except DataError:
-            break
-        if not isinstance(shard.get("end_chunk"), int) or not isinstance(shard.get("totals"), dict):
             break
         kept.append(shard)
     return kept

@@ -646,3 +646,176 @@ def test_hf_tokenizer_in_the_workers(tmp_path):
     assert split_tokens(prepared, "train").tolist() == tokens([d for d in DOCUMENTS if not held_out(d)])
     assert split_tokens(prepared, "val").tolist() == tokens([d for d in DOCUMENTS if held_out(d)])
     assert prepared.tokenizer_path.name == "hf_tokenizer" and prepared.vocab_size == len(tok)
+
+
+# ---------------------------------------------------------------- damaged records: a fuzz
+
+
+HOSTILE = ["../outside.bin", "/etc/hostname", "", ".", "..", "a/b", "x\0y", "train-00000.bin", "meta.json", -1, 0,
+           2**70, 1.5, None, True, [], {}, "uint64", "hf", float("nan")]
+
+
+def _leaves(value, path=()):
+    """Every (path, value) inside a JSON value, containers included."""
+    yield path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        yield from _leaves(item, (*path, key))
+
+
+def _mutated(data: bytes, rng, *, reseal: bool) -> bytes:
+    """data (a JSON record) truncated, bit-flipped, or with one field replaced, removed or added."""
+    from data.store import _record_digest
+
+    kind = rng.choice(["truncate", "flip", "field", "field"])
+    if kind == "truncate":
+        return data[: rng.randrange(len(data))]
+    if kind == "flip":
+        flipped = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+        return bytes(flipped)
+    record = json.loads(data)
+    path, _ = rng.choice([leaf for leaf in _leaves(record) if leaf[0]])
+    parent = record
+    for key in path[:-1]:
+        parent = parent[key]
+    action = rng.choice(["replace", "replace", "delete", "add"])
+    if action == "delete":
+        del parent[path[-1]]
+    elif action == "add" and isinstance(parent, list):
+        parent.append(rng.choice(HOSTILE))
+    else:
+        parent[path[-1]] = rng.choice(HOSTILE)
+    if reseal:  # as if written by a buggy or hostile program that knows the checksum: the fields must hold up
+        record["record_sha256"] = _record_digest(record)
+    return json.dumps(record).encode()
+
+
+class _Opens:
+    """Paths opened under a sandbox folder (an audit hook: it sees every open, whoever calls it)."""
+
+    def __init__(self):
+        self.sandbox: Path | None = None
+        self.paths: list[Path] = []
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if event == "open" and self.sandbox is not None and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = Path(os.fsdecode(args[0])).resolve()
+            if path.is_relative_to(self.sandbox):
+                self.paths.append(path)
+
+
+@pytest.fixture(scope="module")
+def opens() -> _Opens:
+    return _Opens()
+
+
+@pytest.fixture(scope="module")
+def fuzz_folders(tmp_path_factory):
+    """A complete prepared folder of several shards, an interrupted one of the same settings (2 shards
+    finished), and the settings, in a sandbox with a file outside the folders that damage must not reach."""
+    sandbox = tmp_path_factory.mktemp("fuzz")
+    corpus = sandbox / "c.jsonl"
+    corpus.write_text(jsonl_lines(make_documents(300, seed=3)))
+    tokenizer = prep(sandbox / "t", [str(corpus)]).tokenizer_path
+    settings = dict(tokenizer_model=str(tokenizer), shard_tokens=1500, num_workers=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("data.prepare.CHUNK_BYTES", 4096)
+        complete = prep(sandbox, [str(corpus)], dataset_dir=sandbox / "complete", **settings)
+        finish_shard = ShardWriter.finish_shard
+
+        def stop_after_two(self, **kwargs):
+            if len(self.shards) == 2:
+                raise KeyboardInterrupt
+            finish_shard(self, **kwargs)
+
+        mp.setattr(ShardWriter, "finish_shard", stop_after_two)
+        with pytest.raises(KeyboardInterrupt):
+            prep(sandbox, [str(corpus)], dataset_dir=sandbox / "interrupted", **settings)
+    assert len(complete.train_files) >= 4
+    (sandbox / "outside.bin").write_bytes(b"not the library's")
+    return sandbox, corpus, settings, complete
+
+
+def _copy_folder(source: Path, target: Path) -> None:
+    target.mkdir()
+    for path in source.iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+
+
+def _outcome(call) -> str:
+    """'ok', or the DataError's message (which must be one line); any other exception fails the test."""
+    try:
+        call()
+    except DataError as err:
+        assert "\n" not in str(err), str(err)
+        return str(err)
+    return "ok"
+
+
+def test_damaged_meta_json_is_one_line_or_loads_correctly(fuzz_folders, opens, tmp_path):
+    import random
+
+    sandbox, _, _, complete = fuzz_folders
+    reference = (complete.train_files, complete.val_files, complete.tokenizer_path, complete.vocab_size,
+                 complete.num_train_tokens, complete.num_val_tokens)
+    outcomes = []
+    for case in range(160):
+        rng = random.Random(case)
+        root = tmp_path / f"case{case}"
+        _copy_folder(complete.root, root)
+        reseal = case % 2 == 1
+        (root / "meta.json").write_bytes(_mutated((complete.root / "meta.json").read_bytes(), rng, reseal=reseal))
+        loaded = []
+        opens.sandbox, opens.paths = sandbox.resolve(), []
+        try:
+            outcome = _outcome(lambda: loaded.append(load_prepared(root)))
+        finally:
+            opens.sandbox = None
+        assert all(path.is_relative_to(root.resolve()) for path in opens.paths), (case, opens.paths)
+        if loaded:  # then it is the data that is there, all of it inside the folder
+            got = loaded[0]
+            assert all(path.parent == root for path in [*got.train_files, *got.val_files, got.tokenizer_path]), case
+            if not reseal:  # an unsealed change never loads as something else
+                assert (got.train_files, got.val_files, got.tokenizer_path, got.vocab_size, got.num_train_tokens,
+                        got.num_val_tokens) == tuple(
+                    [root / p.name for p in x] if isinstance(x, list) else root / x.name if isinstance(x, Path) else x
+                    for x in reference), case
+            assert all(path.is_file() for path in got.train_files + got.val_files), case
+        outcomes.append(outcome)
+    assert (sandbox / "outside.bin").read_bytes() == b"not the library's"
+    # The fuzz reached both ends: damage refused, and harmless changes loaded.
+    assert 5 < outcomes.count("ok") < 150, outcomes
+
+
+def test_damaged_progress_json_is_one_line_or_resumes_correctly(fuzz_folders, opens, tmp_path):
+    import random
+
+    sandbox, corpus, settings, complete = fuzz_folders
+    expected = store_files(complete)
+    outcomes = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("data.prepare.CHUNK_BYTES", 4096)
+        for case in range(60):
+            rng = random.Random(1000 + case)
+            root = tmp_path / f"case{case}"
+            _copy_folder(sandbox / "interrupted", root)
+            progress = (sandbox / "interrupted" / "progress.json").read_bytes()
+            (root / "progress.json").write_bytes(_mutated(progress, rng, reseal=case % 2 == 1))
+            opens.sandbox, opens.paths = sandbox.resolve(), []
+            try:
+                outcome = _outcome(lambda: prep(sandbox, [str(corpus)], dataset_dir=root, **settings))
+            finally:
+                opens.sandbox = None
+            allowed = (root.resolve(), corpus.resolve(), Path(settings["tokenizer_model"]).resolve())
+            assert all(path == corpus.resolve() or path == allowed[2] or path.is_relative_to(root.resolve())
+                       for path in opens.paths), (case, opens.paths)
+            if outcome == "ok":
+                assert store_files(load_prepared(root)) == expected, case
+            else:  # refused: what the interrupted preparation wrote is all still there
+                assert {p.name for p in (sandbox / "interrupted").iterdir()} <= {p.name for p in root.iterdir()}, (case, outcome)
+            outcomes.append(outcome)
+    assert (sandbox / "outside.bin").read_bytes() == b"not the library's"
+    assert 10 < outcomes.count("ok") < 60, outcomes
