@@ -62,12 +62,13 @@ def setup_logging(env: DistEnv) -> None:
     logging.basicConfig(level=level, format=f"[%(asctime)s rank{env.rank}] %(message)s", datefmt="%H:%M:%S", force=True)
 
 
-def prepare_dataset(cfg: Config, env: DistEnv) -> list[tuple[PreparedData, float]]:
+def prepare_dataset(cfg: Config, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedData, float]]:
     """The prepared folders to train on, with their weights: data.sources as they are, or else data.files
     (the stdlib sources by default), prepared once by rank 0 (later runs reuse them) and opened by all.
 
-    The other ranks wait for rank 0 on a file, not in a collective: preparing can outlast run.timeout_s.
-    Rank 0's outcome reaches every rank, so a data error ends them all with the same message.
+    The other ranks wait for rank 0 on a file in the output directory, not in a collective: preparing can
+    outlast run.timeout_s. Rank 0's outcome reaches every rank, so a data error ends them all with the
+    same message; a stop signal ends a waiting rank at once.
     """
     d = cfg.data
     if d.sources:
@@ -76,7 +77,7 @@ def prepare_dataset(cfg: Config, env: DistEnv) -> list[tuple[PreparedData, float
     dataset_dir = d.dataset_dir or default_dataset_dir(settings)
     job_id = [uuid.uuid4().hex if env.is_main else None]
     dist.broadcast_object_list(job_id, src=0)  # quick: every rank arrives here straight after startup
-    outcome = handoff.outcome_path(dataset_dir, job_id[0])
+    outcome = handoff.outcome_path(cfg.output_dir, job_id[0])
     if env.is_main:
         error = None
         try:
@@ -85,7 +86,8 @@ def prepare_dataset(cfg: Config, env: DistEnv) -> list[tuple[PreparedData, float
             error = str(err)
         handoff.publish(outcome, error)
     else:
-        error = handoff.wait_for(outcome, timeout_s=d.prepare_wait_s)
+        error = handoff.wait_for(outcome, dataset_dir=dataset_dir, timeout_s=d.prepare_wait_s,
+                                 stop_requested=lambda: stop.name)
     barrier(env)  # quick too: rank 0 is done, and once all are past it nobody reads the outcome file
     if env.is_main:
         outcome.unlink(missing_ok=True)
@@ -149,7 +151,7 @@ def train(cfg: Config, env: DistEnv, resume_from: str | None, stop: StopSignal) 
     torch.manual_seed(cfg.run.seed)
 
     # ---- data -----------------------------------------------------------------------------------
-    sources = prepare_dataset(cfg, env)
+    sources = prepare_dataset(cfg, env, stop)
     prepared = sources[0][0]  # the tokenizer and vocabulary (every source of a mixture shares them)
     model_vocab, model_signature, flops_per_token = describe_model(cfg, prepared.vocab_size)
     if model_vocab < prepared.vocab_size:

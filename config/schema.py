@@ -104,6 +104,9 @@ class DataConfig:
     """Share of documents held out for validation, chosen by a hash of each document's text."""
     max_corpus_mb: float = 0.0
     """Read at most this many MB of the (uncompressed) corpus, logging where it stops (0: all of it)."""
+    max_document_mb: float = 64.0
+    """Longest document (MB of text) preparation holds, which bounds its memory: a longer .txt line is cut
+    into documents of this size; a longer .jsonl line or parquet value is a bad record (data.on_bad_record)."""
     text_field: str = "text"
     """The .jsonl field, or parquet column, that holds each document's text."""
     on_bad_record: str = "error"
@@ -584,7 +587,7 @@ def _data_problems(d: DataConfig) -> list[str]:
     for name in ("max_corpus_mb", "num_workers", "max_in_job_mb"):
         if getattr(d, name) < 0:
             p.append(f"data.{name} must not be negative, got {getattr(d, name)}")
-    for name in ("shard_tokens", "prepare_wait_s"):
+    for name in ("shard_tokens", "prepare_wait_s", "max_document_mb"):
         if getattr(d, name) <= 0:
             p.append(f"data.{name} must be positive, got {getattr(d, name)}")
     if not d.text_field:

@@ -13,6 +13,8 @@ the same chunks collects its sample from the whole corpus (data/tokenizer.py).
 
 The folder is also a cache: meta.json carries a fingerprint of the inputs and settings, so a later
 call with the same ones reuses it, and an interrupted one continues after its last finished shard.
+Only files the folder's records name are ever deleted; a folder holding anything else is refused, and
+a lock keeps two preparations of one folder from running at once.
 """
 from __future__ import annotations
 
@@ -38,9 +40,10 @@ from tqdm import tqdm
 from . import worker
 from .errors import DataError
 from .readers import expand_inputs, read_pieces, truncate
-from .store import (FORMAT_VERSION, HF_TOKENIZER_NAME, META_NAME, PROGRESS_NAME, TOKENIZER_NAME, PreparedData,
-                    ShardWriter, clear_folder, complete_fingerprint, load_prepared, read_json, resumable_shards,
-                    token_dtype, tokenizer_sha256, write_json_atomic)
+from .store import (FORMAT_VERSION, HF_TOKENIZER_NAME, LOCK_NAME, META_NAME, PROGRESS_NAME, TOKENIZER_NAME,
+                    PreparedData, ShardWriter, clear_folder, complete_fingerprint, folder_lock, foreign_names,
+                    is_plain_name, load_prepared, read_record, recorded_names, remove_names, resumable_shards,
+                    token_dtype, tokenizer_sha256, write_record)
 from .tokenizer import (MAX_TOKENIZER_SENTENCES, TokenizerSample, load_tokenizer, sampled_training_lines,
                         train_tokenizer)
 
@@ -67,6 +70,7 @@ class PrepareSettings:
     vocab_size: int = 4096
     val_fraction: float = 0.02
     max_corpus_mb: float = 0.0
+    max_document_mb: float = 64.0
     seed: int = 1234
     text_field: str = "text"
     on_bad_record: str = "error"
@@ -79,7 +83,8 @@ class PrepareSettings:
         d = cfg.data
         return cls(files=tuple(d.files), tokenizer_model=d.tokenizer_model,
                    hf_tokenizer=cfg.model.hf_path if d.tokenizer == "hf" else "", vocab_size=d.vocab_size,
-                   val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb, seed=cfg.run.seed,
+                   val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb,
+                   max_document_mb=d.max_document_mb, seed=cfg.run.seed,
                    text_field=d.text_field, on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens,
                    num_workers=d.num_workers)
 
@@ -88,6 +93,8 @@ class PrepareSettings:
             raise DataError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.max_corpus_mb < 0:
             raise DataError(f"data.max_corpus_mb must be >= 0 (0 = no cap), got {self.max_corpus_mb}")
+        if self.max_document_mb <= 0:
+            raise DataError(f"data.max_document_mb must be positive, got {self.max_document_mb}")
         if self.vocab_size < 1:
             raise DataError(f"data.vocab_size must be positive, got {self.vocab_size}")
         if self.shard_tokens < 1:
@@ -128,13 +135,15 @@ class Corpus:
     name: str  # for messages
     strict: bool  # undecodable bytes are an error (users' files) or replaced (the stdlib)
     max_mb: float  # data.max_corpus_mb
+    max_document_mb: float
 
     @classmethod
     def of(cls, settings: PrepareSettings) -> Corpus:
         if not settings.files:
-            return cls(stdlib_source_files(), "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb)
+            return cls(stdlib_source_files(), "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb,
+                       max_document_mb=settings.max_document_mb)
         return cls(expand_inputs(list(settings.files)), ", ".join(settings.files), strict=True,
-                   max_mb=settings.max_corpus_mb)
+                   max_mb=settings.max_corpus_mb, max_document_mb=settings.max_document_mb)
 
     @cached_property
     def disk_bytes(self) -> int:
@@ -146,7 +155,7 @@ class Corpus:
         return min(self.disk_bytes, int(self.max_mb * 2**20) or self.disk_bytes)
 
 
-def _chunks(corpus: Corpus, *, text_field: str, say_cut: bool) -> Iterator[worker.Chunk]:
+def _chunks(corpus: Corpus, *, text_field: str, skip_long: bool, say_cut: bool) -> Iterator[worker.Chunk]:
     """The corpus as numbered chunks of whole pieces, each of at least CHUNK_BYTES but the last. With
     data.max_corpus_mb, reading stops at the first line, row or document that reaches it (said in the log)."""
     max_bytes = int(corpus.max_mb * 2**20)
@@ -154,7 +163,9 @@ def _chunks(corpus: Corpus, *, text_field: str, say_cut: bool) -> Iterator[worke
     num_bytes = read = done_files = 0
     index = 0
     for path in corpus.paths:
-        for piece in read_pieces(path, piece_bytes=CHUNK_BYTES, text_field=text_field):
+        for piece in read_pieces(path, piece_bytes=CHUNK_BYTES, text_field=text_field,
+                                 max_document_mb=corpus.max_document_mb, skip_long=skip_long,
+                                 max_read_bytes=max_bytes - read if max_bytes else 0):
             if max_bytes and read + piece.num_bytes >= max_bytes:
                 piece = truncate(piece, max_bytes - read)
                 pieces.append(piece)
@@ -174,21 +185,47 @@ def _chunks(corpus: Corpus, *, text_field: str, say_cut: bool) -> Iterator[worke
         yield worker.Chunk(index, pieces, done_files)
 
 
-def _fingerprint(settings: PrepareSettings, corpus: Corpus) -> str:
-    """Hash of everything that determines the prepared files, so a cache hit is safe."""
+@dataclass(frozen=True)
+class Source:
+    """What the prepared files depend on: the fingerprint (a hash of all of it) and, for messages, a
+    summary (the settings, and digests of the inputs and of a given tokenizer) that the records keep."""
 
-    def describe(path: Path) -> list:
-        stat = path.stat()
-        return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    fingerprint: str
+    summary: dict
 
-    record = {
-        "format_version": FORMAT_VERSION,
-        "inputs": [describe(p) for p in corpus.paths],
-        "settings": {**asdict(settings), "num_workers": None, "files": None},
-        "tokenizer_model": describe(Path(settings.tokenizer_model).expanduser()) if settings.tokenizer_model else None,
-        "hf_tokenizer": _hf_fingerprint(settings.hf_tokenizer) if settings.hf_tokenizer else None,
-    }
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode("utf-8")).hexdigest()
+    @classmethod
+    def of(cls, settings: PrepareSettings, corpus: Corpus) -> Source:
+        def describe(path: Path) -> list:
+            stat = path.stat()
+            return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+        def digest(value: object) -> str:
+            return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
+
+        record = {
+            "format_version": FORMAT_VERSION,
+            "inputs": [describe(p) for p in corpus.paths],
+            "settings": {**asdict(settings), "num_workers": None, "files": None},
+            "tokenizer_model": describe(Path(settings.tokenizer_model).expanduser()) if settings.tokenizer_model else None,
+            "hf_tokenizer": _hf_fingerprint(settings.hf_tokenizer) if settings.hf_tokenizer else None,
+        }
+        summary = {"settings": {k: v for k, v in record["settings"].items() if v is not None},
+                   "inputs": digest(record["inputs"]), "tokenizer": digest([record["tokenizer_model"], record["hf_tokenizer"]])}
+        return cls(digest(record), summary)
+
+    def difference(self, record: dict) -> str:
+        """How the preparation a meta.json or progress.json record describes differs from this one."""
+        theirs = record.get("source")
+        if not isinstance(theirs, dict) or not isinstance(theirs.get("settings"), dict):
+            return "prepared by another version of this library"
+        names = {"seed": "run.seed", "hf_tokenizer": "model.hf_path"}
+        parts = [f"{names.get(key, 'data.' + key)} {theirs['settings'].get(key)!r} there, {value!r} here"
+                 for key, value in self.summary["settings"].items() if theirs["settings"].get(key) != value]
+        if theirs.get("inputs") != self.summary["inputs"]:
+            parts.append("other input files (names, sizes or modification times)")
+        if theirs.get("tokenizer") != self.summary["tokenizer"]:
+            parts.append("another given tokenizer")
+        return "; ".join(parts) or "the same inputs and settings"
 
 
 def _hf_fingerprint(path: str) -> str:
@@ -201,7 +238,7 @@ def default_dataset_dir(settings: PrepareSettings) -> str:
     """Where the data of these settings is cached when data.dataset_dir is empty."""
     tokenizer = settings.hf_tokenizer or settings.tokenizer_model
     what = json.dumps([list(settings.files), tokenizer, settings.vocab_size, settings.val_fraction,
-                       settings.max_corpus_mb, settings.seed])
+                       settings.max_corpus_mb, settings.seed, FORMAT_VERSION])
     kind = "stdlib" if not settings.files else "custom"
     return str(Path("data/cache") / f"{kind}-{hashlib.sha1(what.encode()).hexdigest()[:10]}")
 
@@ -213,6 +250,7 @@ def _worker_pool(settings: PrepareSettings, corpus: Corpus, num_workers: int):
     """num_workers processes, or this process itself for 0."""
     initargs = (worker.WorkerSettings(text_field=settings.text_field, strict=corpus.strict,
                                       skip_bad_records=settings.on_bad_record == "skip",
+                                      max_document_mb=settings.max_document_mb,
                                       val_fraction=settings.val_fraction, seed=settings.seed),)
     if num_workers == 0:
         return _InProcess(initargs)
@@ -275,16 +313,17 @@ def _progress_bar(desc: str, total: int, *, initial: int = 0, show: bool) -> tqd
 
 
 class _Preparation:
-    def __init__(self, root: Path, settings: PrepareSettings, corpus: Corpus, fingerprint: str,
+    def __init__(self, root: Path, settings: PrepareSettings, corpus: Corpus, source: Source,
                  pool: ProcessPoolExecutor | _InProcess, *, window: int, show_progress: bool):
-        self.root, self.settings, self.corpus, self.fingerprint = root, settings, corpus, fingerprint
+        self.root, self.settings, self.corpus, self.source = root, settings, corpus, source
         self.pool, self.show_progress = pool, show_progress
         self.window = window  # chunks in flight: enough to keep every worker busy, few enough to bound memory
         self.seconds: dict[str, float] = {}  # per phase, for the summary
         self.rate_mb_s = 0.0
 
     def chunks(self, *, say_cut: bool = False) -> Iterator[worker.Chunk]:
-        return _chunks(self.corpus, text_field=self.settings.text_field, say_cut=say_cut)
+        return _chunks(self.corpus, text_field=self.settings.text_field,
+                       skip_long=self.settings.on_bad_record == "skip", say_cut=say_cut)
 
     # -- tokenizer --------------------------------------------------------------------------------
 
@@ -309,16 +348,31 @@ class _Preparation:
         return "sentencepiece", path
 
     def tokenizer_sample(self) -> list[str]:
-        sample = TokenizerSample()
+        sample, totals = TokenizerSample(), _zero_totals()
         with _progress_bar("sampling for the tokenizer", self.corpus.read_bytes, show=self.show_progress) as bar:
             submit = lambda chunk: self.pool.submit(worker.sample_chunk, chunk, sample.threshold)  # noqa: E731
             for result in _in_order(submit, self.chunks(), window=self.window):
+                _add_totals(totals, result)
                 for key, text in result.sample:
                     sample.offer(key, text)
                 bar.update(result.disk_done - bar.n)
-        if not sample.documents():
-            raise DataError(f"no text found in {self.corpus.name}")
+        if not totals["num_train_documents"]:
+            # Every document held out (a handful at most) also leaves nothing to train a tokenizer on.
+            raise self._no_text(totals)
         return sample.documents()
+
+    def _no_text(self, totals: dict) -> DataError:
+        """'no text found', with what was read instead and why none of it is text."""
+        num_bad, num_blank = totals["num_bad_records"], totals["num_blank_records"]
+        num_docs = totals["num_train_documents"] + totals["num_val_documents"]
+        found = [f"{num_docs:,} held out for validation (data.val_fraction={self.settings.val_fraction:g})"] if num_docs else []
+        found += [f"{num_blank:,} blank"] if num_blank else []
+        if num_bad:
+            found.append(f"{num_bad:,} skipped as bad (data.on_bad_record=skip; the first: {totals['first_bad_record']})")
+        if not found:
+            return DataError(f"no text found in {self.corpus.name}")
+        return DataError(f"no text {'to train on ' if num_docs else ''}found in {self.corpus.name}: of the "
+                         f"{num_docs + num_blank + num_bad:,} records read (lines, rows or documents), {', '.join(found)}")
 
     # -- tokens -----------------------------------------------------------------------------------
 
@@ -341,7 +395,7 @@ class _Preparation:
     def _encode(self, writer: ShardWriter, totals: dict) -> None:
         """Pass 2: every chunk after the finished shards, encoded by the workers, written in order."""
         next_chunk = writer.shards[-1]["end_chunk"] if writer.shards else 0
-        chunks = (chunk for chunk in self.chunks(say_cut=True) if chunk.index >= next_chunk)
+        chunks = (chunk for chunk in self._after_finished_shards(writer.shards) if chunk.index >= next_chunk)
         tokenizer = (writer.progress["tokenizer_kind"], str(self.root / writer.progress["tokenizer_file"]))
         submit = lambda chunk: self.pool.submit(worker.encode_chunk, chunk, tokenizer, writer.dtype.name)  # noqa: E731
         bar = _progress_bar("tokenising", self.corpus.read_bytes, initial=totals["disk_bytes"], show=self.show_progress)
@@ -356,28 +410,48 @@ class _Preparation:
                 bar.set_postfix(tokens=f"{totals['num_train_tokens'] + totals['num_val_tokens']:,}", refresh=False)
         writer.finish_shard(end_chunk=next_chunk, totals=dict(totals))
 
+    def _after_finished_shards(self, shards: list[dict]) -> Iterator[worker.Chunk]:
+        """The chunks, checking on the way that the last finished shard ends where the corpus says."""
+        end, disk_bytes = (shards[-1]["end_chunk"], shards[-1]["totals"]["disk_bytes"]) if shards else (0, 0)
+        matched = not shards
+        for chunk in self.chunks(say_cut=True):
+            matched = matched or (chunk.index == end - 1 and chunk.disk_done == disk_bytes)
+            if chunk.index >= end - 1 and not matched:
+                break
+            yield chunk
+        if not matched:
+            raise DataError(f"{self.root / PROGRESS_NAME} does not match the corpus (its last finished shard does not "
+                            f"end where a work unit of it ends); delete it to prepare {self.root} again")
+
     def _resume_or_restart(self) -> dict:
         """progress.json's record: the finished shards of an interrupted run of the same inputs and
-        settings, with its tokenizer; or a fresh start with a new tokenizer and nothing else."""
-        (self.root / META_NAME).unlink(missing_ok=True)  # from now on, the folder is incomplete
-        progress = _read_progress(self.root)
-        if progress.get("source_fingerprint") == self.fingerprint and _tokenizer_intact(self.root, progress):
-            progress["shards"] = resumable_shards(self.root, self.fingerprint, token_dtype(progress["vocab_size"]))
-            _remove_unrecorded_shards(self.root, progress["shards"])
+        settings, with its tokenizer; or a fresh start with a new tokenizer and nothing else. Either way,
+        only names the folder's records hold are deleted."""
+        progress = read_record(self.root / PROGRESS_NAME)
+        if progress.get("source_fingerprint") == self.source.fingerprint and _resumable(self.root, progress):
+            (self.root / META_NAME).unlink(missing_ok=True)  # from now on, the folder is incomplete
+            shards = _sound_prefix(resumable_shards(self.root, progress, token_dtype(progress["vocab_size"])))
+            keep = {progress["tokenizer_file"], *(shard[split] for shard in shards for split in ("train", "val"))}
+            remove_names(self.root, recorded_names(self.root) - keep - {META_NAME, PROGRESS_NAME, LOCK_NAME})
+            progress.update(shards=shards, files=sorted(keep))
+            write_record(self.root / PROGRESS_NAME, progress)
             return progress
-        clear_folder(self.root, keep_tokenizer=False)
+        clear_folder(self.root)
+        name = HF_TOKENIZER_NAME if self.settings.hf_tokenizer else TOKENIZER_NAME
+        progress = {"source_fingerprint": self.source.fingerprint, "source": self.source.summary,
+                    "files": [name, name + ".tmp"], "shards": []}
+        write_record(self.root / PROGRESS_NAME, progress)  # the tokenizer's names, before it is written
         kind, path = self.tokenizer()
         vocab_size = load_tokenizer(kind, path).get_piece_size()
-        progress = {"source_fingerprint": self.fingerprint, "tokenizer_kind": kind, "tokenizer_file": path.name,
-                    "tokenizer_sha256": tokenizer_sha256(path), "vocab_size": vocab_size,
-                    "dtype": token_dtype(vocab_size).name, "shards": []}
-        write_json_atomic(self.root / PROGRESS_NAME, progress)
+        progress.update(tokenizer_kind=kind, tokenizer_file=path.name, tokenizer_sha256=tokenizer_sha256(path),
+                        vocab_size=vocab_size, dtype=token_dtype(vocab_size).name)
+        write_record(self.root / PROGRESS_NAME, progress)
         return progress
 
     def _finish(self, writer: ShardWriter, totals: dict) -> PreparedData:
         s, progress = self.settings, writer.progress
         if not totals["num_documents"]:
-            raise DataError(f"no text found in {self.corpus.name}")
+            raise self._no_text(totals)
         num_train = sum(shard["num_train_tokens"] for shard in writer.shards)
         num_val = sum(shard["num_val_tokens"] for shard in writer.shards)
         if num_val < 2:
@@ -405,8 +479,9 @@ class _Preparation:
             "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
             "shards": [{k: shard[k] for k in ("train", "val", "num_train_tokens", "num_val_tokens")}
                        for shard in writer.shards],
+            "files": [progress["tokenizer_file"], *(shard[split] for shard in writer.shards for split in ("train", "val"))],
         }
-        write_json_atomic(self.root / META_NAME, meta)
+        write_record(self.root / META_NAME, meta)
         (self.root / PROGRESS_NAME).unlink(missing_ok=True)
         _log_summary(self.root, totals, meta, rate_mb_s=self.rate_mb_s)
         return load_prepared(self.root)
@@ -414,15 +489,17 @@ class _Preparation:
 
 def _zero_totals() -> dict:
     return {"num_documents": 0, "num_train_documents": 0, "num_val_documents": 0, "num_train_tokens": 0,
-            "num_val_tokens": 0, "text_bytes": 0, "disk_bytes": 0, "num_bad_records": 0, "first_bad_record": None}
+            "num_val_tokens": 0, "text_bytes": 0, "disk_bytes": 0, "num_bad_records": 0, "first_bad_record": None,
+            "num_blank_records": 0}
 
 
 def _add_totals(totals: dict, result: worker.ChunkResult) -> None:
     totals["num_train_documents"] += result.num_train_documents
     totals["num_val_documents"] += result.num_val_documents
     totals["num_documents"] += result.num_train_documents + result.num_val_documents
-    totals["num_train_tokens"] += len(result.train)
-    totals["num_val_tokens"] += len(result.val)
+    totals["num_train_tokens"] += 0 if result.train is None else len(result.train)
+    totals["num_val_tokens"] += 0 if result.val is None else len(result.val)
+    totals["num_blank_records"] += result.num_blank_records
     totals["text_bytes"] += result.num_bytes
     totals["disk_bytes"] = result.disk_done
     totals["num_bad_records"] += result.num_bad_records
@@ -441,23 +518,32 @@ def _log_summary(root: Path, totals: dict, meta: dict, *, rate_mb_s: float) -> N
                     totals["num_bad_records"], totals["first_bad_record"])
 
 
-def _read_progress(root: Path) -> dict:
-    try:
-        return read_json(root / PROGRESS_NAME) if (root / PROGRESS_NAME).is_file() else {}
-    except DataError:
-        return {}
+def _sound_prefix(shards: list[dict]) -> list[dict]:
+    """The shards up to the first whose chunk number or running totals are not what this code writes."""
+    kept: list[dict] = []
+    for shard in shards:
+        end, totals = shard.get("end_chunk"), shard.get("totals")
+        previous = kept[-1]["end_chunk"] if kept else 0
+        if (not isinstance(end, int) or isinstance(end, bool) or not previous < end < 2**63
+                or not isinstance(totals, dict) or set(totals) != set(_zero_totals())
+                or not all(isinstance(totals[k], int) and not isinstance(totals[k], bool) and totals[k] >= 0
+                           for k in totals if k != "first_bad_record")
+                or not isinstance(totals["first_bad_record"], (str, type(None)))):
+            break
+        kept.append(shard)
+    return kept
 
 
-def _tokenizer_intact(root: Path, progress: dict) -> bool:
-    path = root / str(progress.get("tokenizer_file", ""))
-    return path.exists() and path != root and tokenizer_sha256(path) == progress.get("tokenizer_sha256")
-
-
-def _remove_unrecorded_shards(root: Path, shards: list[dict]) -> None:
-    recorded = {name for shard in shards for name in (shard["train"], shard["val"])}
-    for path in root.iterdir():
-        if path.name.startswith(("train-", "val-")) and path.name not in recorded:
-            path.unlink()
+def _resumable(root: Path, progress: dict) -> bool:
+    """A progress record to continue from: its tokenizer intact, its fields of the expected kinds."""
+    vocab_size, name = progress.get("vocab_size"), progress.get("tokenizer_file")
+    if (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or not 0 < vocab_size < 2**32
+            or progress.get("dtype") != token_dtype(vocab_size).name
+            or progress.get("tokenizer_kind") not in ("hf", "sentencepiece") or not is_plain_name(name)
+            or not isinstance(progress.get("files"), list)):
+        return False
+    path = root / name
+    return path.exists() and tokenizer_sha256(path) == progress.get("tokenizer_sha256")
 
 
 def _replace_with(path: Path, write: Callable[[Path], None]) -> None:
@@ -482,36 +568,69 @@ def _remove(path: Path) -> None:
 def prepare_data(dataset_dir: str | Path, settings: PrepareSettings, *, show_progress: bool = True,
                  max_input_mb: float = 0.0) -> PreparedData:
     """Prepare the corpus into dataset_dir, continue an interrupted preparation of it there, or reuse
-    what an earlier identical call left. max_input_mb (> 0) refuses corpora larger than that on disk."""
+    what an earlier identical call left. max_input_mb (> 0) refuses corpora larger than that on disk.
+
+    dataset_dir must be new, empty, or a folder this library prepared: one holding files its records
+    do not name is refused (unless it is already prepared from the same inputs), never cleared. A second
+    call on a folder being prepared waits for the first, then reuses its result or, when that was
+    prepared from other inputs or settings, refuses.
+    """
     settings.check()
     corpus = Corpus.of(settings)
     if settings.tokenizer_model and not Path(settings.tokenizer_model).expanduser().is_file():
         raise DataError(f"tokenizer model not found: {Path(settings.tokenizer_model).expanduser()}")
-    fingerprint = _fingerprint(settings, corpus)
+    source = Source.of(settings, corpus)
     root = Path(dataset_dir)
-    if complete_fingerprint(root) == fingerprint:
-        try:
-            prepared = load_prepared(root)
-            log.info("using the data prepared earlier in %s", root)
-            return prepared
-        except DataError:
-            pass  # a damaged folder is prepared again rather than reported
+    if (prepared := _reuse(root, source)) is not None:
+        return prepared
     if max_input_mb and corpus.disk_bytes > max_input_mb * 2**20:
         raise DataError(f"the corpus is {corpus.disk_bytes / 2**20:,.0f} MB, more than data.max_in_job_mb="
                         f"{max_input_mb:g} prepares inside a training job: prepare it first with "
                         f"`python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train with "
                         f"--data.dataset_dir=DIR")
-    root.mkdir(parents=True, exist_ok=True)
-    num_workers = settings.processes(corpus.read_bytes)
-    log.info("preparing %s into %s with %s", corpus.name, root,
-             f"{num_workers} worker processes" if num_workers else "no worker process (a small corpus)")
-    with _worker_pool(settings, corpus, num_workers) as pool:
-        try:
-            return _Preparation(root, settings, corpus, fingerprint, pool, window=2 * num_workers + 2,
-                                show_progress=show_progress).run()
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+    if not (root / LOCK_NAME).exists():
+        _refuse_foreign(root)  # before the lock file: nothing is written into a folder that is not ours
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"cannot create {root}: {err.strerror or err}") from None
+    with folder_lock(root) as waited:
+        if waited:
+            if (prepared := _reuse(root, source)) is not None:
+                return prepared
+            if (found := read_record(root / META_NAME)):
+                raise DataError(f"{root} was just prepared by another process from other inputs or settings "
+                                f"({source.difference(found)}); give this preparation another data.dataset_dir")
+        _refuse_foreign(root)
+        num_workers = settings.processes(corpus.read_bytes)
+        log.info("preparing %s into %s with %s", corpus.name, root,
+                 f"{num_workers} worker processes" if num_workers else "no worker process (a small corpus)")
+        with _worker_pool(settings, corpus, num_workers) as pool:
+            try:
+                return _Preparation(root, settings, corpus, source, pool, window=2 * num_workers + 2,
+                                    show_progress=show_progress).run()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+
+
+def _reuse(root: Path, source: Source) -> PreparedData | None:
+    """The complete folder of these inputs and settings, or None (a damaged one is prepared again)."""
+    if complete_fingerprint(root) != source.fingerprint:
+        return None
+    try:
+        prepared = load_prepared(root)
+    except DataError:
+        return None
+    log.info("using the data prepared earlier in %s", root)
+    return prepared
+
+
+def _refuse_foreign(root: Path) -> None:
+    if foreign := foreign_names(root):
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise DataError(f"{root} holds files this library did not write ({shown}): data.dataset_dir must be a new "
+                        f"or empty folder, or one prepared by this library; nothing was changed there")
 
 
 def prepare_for_training(dataset_dir: str | Path, settings: PrepareSettings, *, named_dir: bool,
@@ -525,11 +644,14 @@ def prepare_for_training(dataset_dir: str | Path, settings: PrepareSettings, *, 
     than max_input_mb.
     """
     root = Path(dataset_dir)
-    found = complete_fingerprint(root)
-    if named_dir and found is not None and found != _fingerprint(settings, Corpus.of(settings)):
+    found = read_record(root / META_NAME)
+    if named_dir and found:
         if not settings.files:
             log.info("training on the data prepared in %s (data.files is empty)", root)
             return
-        raise DataError(f"{root} already holds data prepared from other inputs or settings (or by an older version); "
-                        f"delete it to prepare data.files there, or leave data.files empty to train on it as it is")
+        source = Source.of(settings, Corpus.of(settings))
+        if found.get("source_fingerprint") != source.fingerprint:
+            raise DataError(f"{root} already holds data prepared from other inputs or settings "
+                            f"({source.difference(found)}); delete it to prepare data.files there, or leave "
+                            f"data.files empty to train on it as it is")
     prepare_data(root, settings, max_input_mb=max_input_mb)

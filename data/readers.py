@@ -2,7 +2,8 @@
 
 The parent process streams each file as *pieces*, a bounded amount of raw input cut where a record ends:
 a block of JSON lines (plain, gzip or zstd), one document of a .txt file, or a batch of a parquet text
-column. Worker processes turn pieces into documents (`piece_documents`), so JSON parsing and UTF-8
+column. No piece holds more than data.max_document_mb of one line: a longer .txt line is cut into
+documents of that size, and a longer JSON line is read through without being kept (a bad record). Worker processes turn pieces into documents (`piece_documents`), so JSON parsing and UTF-8
 decoding run in parallel with everything else. pyarrow and zstandard are imported only when a parquet
 or zstd file is read.
 """
@@ -36,9 +37,11 @@ READ_BLOCK_BYTES = 1 << 20
 
 @dataclass
 class Piece:
-    kind: str  # "jsonl": whole JSON lines; "text": one document; "rows": a pyarrow string array
+    # "jsonl": whole JSON lines; "text": one document; "rows": a pyarrow string array; "too_long": a JSON
+    # line longer than data.max_document_mb, read through and dropped (data: the problem, for bad_record)
+    kind: str
     path: str
-    data: object  # bytes, or a pyarrow array for "rows"
+    data: object  # bytes, a pyarrow array for "rows", a message for "too_long"
     first: int  # number of the first line (jsonl, text; from 1) or row (rows; from 0) in its file
     num_bytes: int  # uncompressed input bytes
     disk_end: int  # bytes of the file on disk read once this piece is done (for progress)
@@ -85,17 +88,38 @@ def optional_import(module: str, package: str, path: Path):
 # ---------------------------------------------------------------- parent side: files -> pieces
 
 
-def read_pieces(path: Path, *, piece_bytes: int, text_field: str) -> Iterator[Piece]:
-    """The file's content as pieces of about piece_bytes (one document each for .txt and .py files)."""
+def read_pieces(path: Path, *, piece_bytes: int, text_field: str, max_document_mb: float, skip_long: bool,
+                max_read_bytes: int = 0) -> Iterator[Piece]:
+    """The file's content as pieces of about piece_bytes (one document each for .txt and .py files).
+
+    A line longer than max_document_mb: a .txt line is cut into documents of at most that size; a JSON
+    line is read through without being kept, then given as a "too_long" piece (skip_long), or is an error
+    at once. With max_read_bytes (> 0), reading stops after the piece that reaches it.
+    """
     layout, compression = format_of(path) or ("text", None)  # the stdlib corpus's .py files are text
     if layout == "parquet":
         yield from _parquet_pieces(path, text_field)
         return
-    size = TXT_DOCUMENT_BYTES if layout == "text" else piece_bytes
+    max_document_bytes = int(max_document_mb * 2**20)
+    size = min(TXT_DOCUMENT_BYTES if layout == "text" else piece_bytes, max_document_bytes)
+    first_line = 1
+
+    def long_line() -> str:
+        problem = f"{path} line {first_line}: a record of more than data.max_document_mb={max_document_mb:g} MB"
+        if not skip_long:  # said at once, rather than after reading the whole line
+            raise DataError(f"{problem} (data.on_bad_record=skip skips such records)")
+        return problem
+
     with open(path, "rb") as raw:
         stream = _decompressed(raw, compression, path)
-        first_line = 1
-        for data in _cut_after_lines(stream, size, path=path, compression=compression):
+        lines = _cut_after_lines(stream, size, path=path, compression=compression, max_line=max_document_bytes,
+                                 cut_long=layout == "text", limit=max_read_bytes, on_long_line=long_line)
+        for data in lines:
+            if isinstance(data, tuple):
+                problem, num_bytes = data
+                yield Piece("too_long", str(path), problem, first_line, num_bytes, raw.tell())
+                first_line += 1
+                continue
             yield Piece(layout, str(path), data, first_line, len(data), raw.tell())
             first_line += data.count(b"\n")
 
@@ -135,29 +159,76 @@ class _ZstdFrames:
                 return b"".join(out)
 
 
-def _cut_after_lines(stream: BinaryIO, size: int, *, path: Path, compression: str | None) -> Iterator[bytes]:
-    """Blocks of whole lines, each cut at the first line end at or after `size` bytes.
+def _cut_after_lines(stream: BinaryIO, size: int, *, path: Path, compression: str | None, max_line: int,
+                     cut_long: bool, limit: int, on_long_line: Callable[[], str]) -> Iterator[bytes | tuple[str, int]]:
+    """Blocks of whole lines, each cut at the first line end at or after `size` bytes (size <= max_line).
 
+    No more than max_line bytes of one line are ever held: with cut_long a block is cut at max_line (at
+    a UTF-8 character boundary); else on_long_line() is called (it may raise), the rest of the line is
+    read through and dropped, and (on_long_line's message, the line's length) is given in its place.
+    With limit (> 0), reading stops after the block that reaches it.
     Cuts depend only on the content, never on how reads happened to return, so the pieces (and
-    everything derived from them) are the same on every run.
+    everything derived from them) are the same on every run. Only the line across `size` can be longer
+    than max_line, so that is the one line checked.
     """
     buffer = bytearray()
     searched = size - 1  # no line end in buffer[size - 1 : searched]: a long line is scanned once
+    done = 0  # bytes of the stream given out or dropped
     while True:
         block = _read_block(stream, path, compression)
         buffer += block
         while len(buffer) >= size:
-            end = buffer.find(b"\n", searched)
-            if end < 0:
+            end = buffer.find(b"\n", searched, max_line if cut_long else len(buffer))
+            if end < 0 and not (cut_long and len(buffer) > max_line):
                 searched = len(buffer)
-                break
-            yield bytes(buffer[: end + 1])
-            del buffer[: end + 1]
+                if cut_long or len(buffer) - (line_start := buffer.rfind(b"\n", 0, size - 1) + 1) <= max_line:
+                    break
+                # The line across `size` is already too long: drop it without waiting for its end.
+                if line_start:
+                    yield bytes(buffer[:line_start])
+                problem, dropped = on_long_line(), len(buffer) - line_start
+                del buffer[:]
+                while not limit or done + line_start + dropped < limit:
+                    block = _read_block(stream, path, compression)
+                    if (newline := block.find(b"\n")) >= 0 or not block:
+                        dropped += newline + 1
+                        buffer += block[newline + 1 :] if block else b""
+                        break
+                    dropped += len(block)
+                yield problem, dropped
+                cut = line_start + dropped
+            elif end < 0:  # cut_long: a document of max_line bytes
+                cut = _utf8_boundary(buffer, max_line)
+                yield bytes(buffer[:cut])
+                del buffer[:cut]
+            elif not cut_long and end + 1 - (line_start := buffer.rfind(b"\n", 0, end) + 1) > max_line:
+                if line_start:  # the long line came whole with one read: dropped all the same
+                    yield bytes(buffer[:line_start])
+                yield on_long_line(), end + 1 - line_start
+                cut = end + 1
+                del buffer[:cut]
+            else:
+                cut = end + 1
+                yield bytes(buffer[:cut])
+                del buffer[:cut]
+            done += cut
             searched = size - 1
+            if limit and done >= limit:
+                return
+            block = block or b"-"  # what a dropped line's read left in buffer is still to be cut
         if not block:
             if buffer:
                 yield bytes(buffer)
             return
+
+
+def _utf8_boundary(data: bytearray, position: int) -> int:
+    """The cut at or up to 3 bytes before position that does not split a UTF-8 character (position itself
+    in text that is not UTF-8 there, which decoding reports)."""
+    for cut in range(position, max(position - 4, 0), -1):
+        if data[cut] & 0xC0 != 0x80:
+            return cut
+    return position
 
 
 def _read_block(stream: BinaryIO, path: Path, compression: str | None) -> bytes:
@@ -202,7 +273,7 @@ def _parquet_pieces(path: Path, field: str) -> Iterator[Piece]:
 def truncate(piece: Piece, max_bytes: int) -> Piece:
     """The start of a piece holding at least max_bytes: whole lines or rows. A "text" piece is one
     document and is kept whole."""
-    if piece.num_bytes <= max_bytes or piece.kind == "text":
+    if piece.num_bytes <= max_bytes or piece.kind in ("text", "too_long"):
         return piece
     if piece.kind == "jsonl":
         end = piece.data.find(b"\n", max_bytes - 1)
@@ -222,11 +293,13 @@ def truncate(piece: Piece, max_bytes: int) -> Piece:
 Document = tuple[str, bytes]  # the text and its UTF-8 bytes
 
 
-def piece_documents(piece: Piece, *, text_field: str, strict: bool,
+def piece_documents(piece: Piece, *, text_field: str, strict: bool, max_document_mb: float,
                     bad_record: Callable[[str], None]) -> Iterator[Document]:
     """The documents of a piece, in order. A record that cannot be read is handed to bad_record (which
     raises, or counts it and returns so the record is skipped), with the file and line or row."""
-    if piece.kind == "text":
+    if piece.kind == "too_long":
+        bad_record(piece.data)
+    elif piece.kind == "text":
         yield from _text_document(piece, strict=strict, bad_record=bad_record)
     elif piece.kind == "jsonl":
         yield from _jsonl_documents(piece, text_field=text_field, bad_record=bad_record)
@@ -235,7 +308,11 @@ def piece_documents(piece: Piece, *, text_field: str, strict: bool,
             where = f"{piece.path} row {piece.first + offset}"
             if not isinstance(text, str):
                 bad_record(f"{where}: '{text_field}' is empty (null)")
-            elif (utf8 := _utf8(text, where, bad_record)) is not None:
+            elif (utf8 := _utf8(text, where, bad_record)) is None:
+                continue
+            elif len(utf8) > max_document_mb * 2**20:
+                bad_record(f"{where}: a record of more than data.max_document_mb={max_document_mb:g} MB")
+            else:
                 yield text, utf8
 
 

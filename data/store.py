@@ -6,18 +6,27 @@
                                              held-out documents of one stretch of the corpus
     DIR/progress.json                        while preparing: the finished shards, for resuming
     DIR/meta.json                            written last: its presence means the folder is complete
+    DIR/prepare.lock                         held (flock) by the process preparing the folder
 
 A shard's files are written under a .tmp name and renamed once complete, then recorded in
 progress.json (written atomically), so an interrupted preparation leaves only whole, recorded shards
 and a rerun continues after the last of them; nothing without meta.json is ever read for training.
+
+Every name a preparation may create is recorded ("files" in progress.json) before the file is made, so
+the folder's records always name everything the library wrote there: only those are ever deleted, and a
+folder holding anything else is not the library's to write into.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
+import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +35,17 @@ import numpy as np
 
 from .errors import DataError
 
+log = logging.getLogger(__name__)
+
 # Bump when the on-disk layout or tokenisation recipe changes, so old folders are rebuilt.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 META_NAME = "meta.json"
 PROGRESS_NAME = "progress.json"
 TOKENIZER_NAME = "tokenizer.model"
 HF_TOKENIZER_NAME = "hf_tokenizer"  # a folder saved by a transformers tokenizer
+LOCK_NAME = "prepare.lock"
+# Written by the library under these names whatever its records say (write_json_atomic, the lock).
+FIXED_NAMES = (META_NAME, META_NAME + ".tmp", PROGRESS_NAME, PROGRESS_NAME + ".tmp", LOCK_NAME)
 
 
 @dataclass
@@ -72,8 +86,8 @@ def tokenizer_sha256(path: Path) -> str:
 def read_json(path: Path) -> dict:
     try:
         payload = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise DataError(f"cannot read {path}: {err}") from err
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or bad UTF-8
+        raise DataError(f"cannot read {path}: {err}") from None
     if not isinstance(payload, dict):
         raise DataError(f"{path} does not hold a JSON object")
     return payload
@@ -85,10 +99,50 @@ def write_json_atomic(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def _record_digest(record: dict) -> str:
+    body = {key: value for key, value in record.items() if key != "record_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def write_record(path: Path, record: dict) -> None:
+    """meta.json or progress.json, sealed with a checksum of its content: a damaged or edited record is
+    never trusted, neither to name files to delete nor to describe the data."""
+    write_json_atomic(path, {**record, "record_sha256": _record_digest(record)})
+
+
+def read_record(path: Path) -> dict:
+    """meta.json or progress.json as written by write_record; {} when missing, unreadable or damaged."""
+    try:
+        record = read_json(path) if path.is_file() else {}
+    except DataError:
+        return {}
+    return record if record.get("record_sha256") == _record_digest(record) else {}
+
+
 def _field(meta: dict, name: str, kind: type, where: Path):
-    value = meta.get(name)
+    value = meta.get(name) if isinstance(meta, dict) else None
     if not isinstance(value, kind) or isinstance(value, bool):
         raise DataError(f"{where}: field '{name}' missing or not a {kind.__name__}")
+    return value
+
+
+def _count(meta: dict, name: str, where: Path) -> int:
+    value = _field(meta, name, int, where)
+    if value < 0:
+        raise DataError(f"{where}: field '{name}' is negative ({value})")
+    return value
+
+
+def is_plain_name(name: object) -> bool:
+    """A file name directly inside the folder: no path separators, no '..', nothing absolute."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def _file_name(meta: dict, name: str, where: Path) -> str:
+    value = _field(meta, name, str, where)
+    if not is_plain_name(value):
+        raise DataError(f"{where}: field '{name}' is {value!r}, not a file name inside the folder")
     return value
 
 
@@ -104,11 +158,16 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
     meta = read_json(meta_path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{root} was prepared by another version of this library (format "
-                        f"{meta.get('format_version')}, expected {FORMAT_VERSION}); prepare it again")
+                        f"{str(meta.get('format_version'))[:20]}, expected {FORMAT_VERSION}); prepare it again")
+    if meta.get("record_sha256") != _record_digest(meta):
+        raise DataError(f"{meta_path} is damaged or was edited (its checksum does not match); prepare {root} again")
     dtype_name = _field(meta, "dtype", str, meta_path)
     if dtype_name not in ("uint16", "uint32"):
         raise DataError(f"{meta_path}: field 'dtype' is {dtype_name!r}, expected uint16 or uint32")
     dtype = np.dtype(dtype_name)
+    vocab_size = _count(meta, "vocab_size", meta_path)
+    if not 0 < vocab_size <= np.iinfo(dtype).max + 1:
+        raise DataError(f"{meta_path}: field 'vocab_size' is {vocab_size}, which {dtype_name} token ids cannot hold")
     shards = _field(meta, "shards", list, meta_path)
     for shard in shards:
         check_shard(root, shard, dtype, where=meta_path)
@@ -116,13 +175,17 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
         root=root,
         train_files=[root / shard["train"] for shard in shards],
         val_files=[root / shard["val"] for shard in shards],
-        tokenizer_path=root / _field(meta, "tokenizer_file", str, meta_path),
+        tokenizer_path=root / _file_name(meta, "tokenizer_file", meta_path),
         tokenizer_sha256=_field(meta, "tokenizer_sha256", str, meta_path),
         dtype=dtype,
-        vocab_size=_field(meta, "vocab_size", int, meta_path),
-        num_train_tokens=_field(meta, "num_train_tokens", int, meta_path),
-        num_val_tokens=_field(meta, "num_val_tokens", int, meta_path),
+        vocab_size=vocab_size,
+        num_train_tokens=_count(meta, "num_train_tokens", meta_path),
+        num_val_tokens=_count(meta, "num_val_tokens", meta_path),
     )
+    for split, files, num in (("train", prepared.train_files, prepared.num_train_tokens),
+                              ("val", prepared.val_files, prepared.num_val_tokens)):
+        if num != sum(shard[f"num_{split}_tokens"] for shard in shards):
+            raise DataError(f"{meta_path}: field 'num_{split}_tokens' ({num}) is not the sum of its shards' tokens")
     if not prepared.tokenizer_path.exists():
         raise DataError(f"prepared tokenizer missing: {prepared.tokenizer_path}")
     return prepared
@@ -130,9 +193,11 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
 
 def check_shard(root: Path, shard: dict, dtype: np.dtype, *, where: Path) -> None:
     """A recorded shard's two files exist with exactly the recorded number of tokens."""
+    if not isinstance(shard, dict):
+        raise DataError(f"{where}: a shard is {type(shard).__name__}, not an object")
     for split in ("train", "val"):
-        path = root / _field(shard, split, str, where)
-        num_tokens = _field(shard, f"num_{split}_tokens", int, where)
+        path = root / _file_name(shard, split, where)
+        num_tokens = _count(shard, f"num_{split}_tokens", where)
         expected = num_tokens * dtype.itemsize
         if not path.is_file():
             raise DataError(f"prepared token file missing: {path}")
@@ -143,48 +208,101 @@ def check_shard(root: Path, shard: dict, dtype: np.dtype, *, where: Path) -> Non
 
 def complete_fingerprint(root: Path) -> str | None:
     """The source fingerprint of a complete folder, None when there is none (or it is unreadable)."""
-    try:
-        return read_json(root / META_NAME).get("source_fingerprint") if (root / META_NAME).is_file() else None
-    except DataError:
-        return None
+    return read_record(root / META_NAME).get("source_fingerprint")
 
 
 # ---------------------------------------------------------------- writing, resumably
 
 
-def resumable_shards(root: Path, fingerprint: str, dtype: np.dtype) -> list[dict]:
-    """The finished shards an interrupted preparation of the same inputs and settings left, in order;
-    [] when there is nothing to continue (other inputs, or no progress). The recorded prefix stops
-    at the first shard whose files are not whole."""
-    path = root / PROGRESS_NAME
-    if not path.is_file():
-        return []
-    try:
-        progress = read_json(path)
-    except DataError:
-        return []
-    if progress.get("source_fingerprint") != fingerprint or progress.get("dtype") != dtype.name:
+def resumable_shards(root: Path, progress: dict, dtype: np.dtype) -> list[dict]:
+    """The finished shards an interrupted preparation recorded in progress (read from progress.json, of
+    the same inputs and settings), in order. The prefix stops at the first shard whose files are not whole."""
+    shards = progress.get("shards")
+    if progress.get("dtype") != dtype.name or not isinstance(shards, list):
         return []
     kept = []
-    for shard in progress.get("shards", []):
+    for shard in shards:
         try:
-            check_shard(root, shard, dtype, where=path)
+            check_shard(root, shard, dtype, where=root / PROGRESS_NAME)
         except DataError:
             break
         kept.append(shard)
     return kept
 
 
-def clear_folder(root: Path, *, keep_tokenizer: bool) -> None:
-    """Remove what an earlier preparation left (meta first, so nothing claims the files that follow)."""
+# ---------------------------------------------------------------- what the library wrote
+
+
+def _names_in(record: dict) -> set[str]:
+    """The file names a meta.json or progress.json record claims (only plain names inside the folder)."""
+    names = [record.get("tokenizer_file")]
+    if isinstance(record.get("files"), list):
+        names += record["files"]
+    if isinstance(record.get("shards"), list):
+        names += [shard.get(split) for shard in record["shards"] if isinstance(shard, dict) for split in ("train", "val")]
+    return {name for name in names if is_plain_name(name)}
+
+
+def recorded_names(root: Path) -> set[str]:
+    """Every name in root that the library can show it wrote: its fixed files and those its records name."""
+    return {*FIXED_NAMES, *_names_in(read_record(root / META_NAME)), *_names_in(read_record(root / PROGRESS_NAME))}
+
+
+def foreign_names(root: Path) -> list[str]:
+    """What root holds that the library's records do not name (the user's files), sorted."""
+    try:
+        return sorted(set(os.listdir(root)) - recorded_names(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []  # nothing there yet (creating it says why it cannot be)
+    except OSError as err:
+        raise DataError(f"cannot list {root}: {err.strerror or err}") from None
+
+
+def remove_names(root: Path, names: set[str]) -> None:
+    """Delete these recorded names (files, or a saved tokenizer folder); missing ones are fine."""
+    for name in sorted(names):
+        path = root / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def clear_folder(root: Path) -> None:
+    """Remove everything an earlier preparation recorded, and nothing else. progress.json first takes
+    over the names meta.json records, so an interruption midway leaves every survivor recorded."""
+    names = recorded_names(root) - set(FIXED_NAMES)
+    write_record(root / PROGRESS_NAME, {"files": sorted(names), "shards": []})
     (root / META_NAME).unlink(missing_ok=True)
-    for path in root.iterdir():
-        # train.bin / val.bin: the single token files of format 1
-        if path.name.startswith(("train-", "val-")) or path.name in (PROGRESS_NAME, PROGRESS_NAME + ".tmp",
-                                                                   "train.bin", "val.bin"):
-            path.unlink()
-        elif not keep_tokenizer and path.name.startswith((TOKENIZER_NAME, HF_TOKENIZER_NAME)):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    remove_names(root, names)
+
+
+@contextmanager
+def folder_lock(root: Path) -> Iterator[bool]:
+    """Hold root's preparation lock (flock: released however the holder ends). Yields True when another
+    process held it first and this one waited for it to finish."""
+    path = root / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise DataError(f"cannot write in {root}: {err.strerror or err}") from None
+    try:
+        waited = False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process starting up"
+            log.info("waiting for another preparation of %s to finish (%s)", root, holder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            waited = True
+        except OSError as err:  # a filesystem without locks
+            log.warning("cannot lock %s (%s): nothing stops a second preparation of %s at the same time",
+                        path, err.strerror, root)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+        yield waited
+    finally:
+        os.close(fd)
 
 
 class ShardWriter:
@@ -217,6 +335,12 @@ class ShardWriter:
     def _open(self) -> None:
         names = shard_names(len(self.shards))
         self._paths = [self.root / (name + ".tmp") for name in names]
+        # Recorded before they exist: whatever happens next, these names are known to be ours.
+        new = [n for name in names for n in (name, name + ".tmp") if n not in self.progress["files"]]
+        if new:
+            self.progress["files"] += new
+            with self._writing(self.root / PROGRESS_NAME):
+                write_record(self.root / PROGRESS_NAME, self.progress)
         for path in self._paths:
             with self._writing(path):
                 self._files.append(open(path, "wb"))
@@ -234,7 +358,7 @@ class ShardWriter:
         self.shards.append({"train": names[0], "val": names[1], "num_train_tokens": self.num_tokens[0],
                             "num_val_tokens": self.num_tokens[1], "end_chunk": end_chunk, "totals": totals})
         with self._writing(self.root / PROGRESS_NAME):
-            write_json_atomic(self.root / PROGRESS_NAME, self.progress)
+            write_record(self.root / PROGRESS_NAME, self.progress)
         self._files, self._paths, self.num_tokens = [], [], [0, 0]
 
     def abort(self) -> None:
@@ -272,5 +396,5 @@ class ShardWriter:
             val_path.write_bytes(tail.data)
         os.truncate(train_path, keep * self.dtype.itemsize)
         shard.update(num_train_tokens=keep, num_val_tokens=shard["num_val_tokens"] + num_tokens)
-        write_json_atomic(self.root / PROGRESS_NAME, self.progress)
+        write_record(self.root / PROGRESS_NAME, self.progress)
         return num_tokens

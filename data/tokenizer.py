@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -100,11 +101,20 @@ def train_tokenizer(lines: Iterable[str], *, vocab_size: int, out_path: Path) ->
             minloglevel=2,
         )
     except RuntimeError as err:
-        raise DataError(
-            f"SentencePiece could not train a vocabulary of {vocab_size} on this corpus ({err}); "
-            f"try a smaller data.vocab_size or more data"
-        ) from err
+        raise DataError(_training_failure(str(err), vocab_size)) from None
     out_path.write_bytes(model.data)
+
+
+def _training_failure(message: str, vocab_size: int) -> str:
+    """SentencePiece's refusal as advice that points the right way for its cause."""
+    if found := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
+        # Every distinct character of the sample, plus the byte and special pieces, needs a piece of its own.
+        return (f"data.vocab_size={vocab_size} is too small for this corpus: its characters plus the byte and "
+                f"special pieces need {found[1]}; set data.vocab_size to at least {found[1]}")
+    if found := re.search(r"too high \(\d+\)\. Please set it to a value <= (\d+)", message):
+        return (f"data.vocab_size={vocab_size} is too large for this corpus, which yields at most {found[1]} "
+                f"pieces; set data.vocab_size to at most {found[1]}, or add data")
+    return f"SentencePiece could not train a vocabulary of {vocab_size} on this corpus: {message.splitlines()[0]}"
 
 
 class _ProtoSink:

@@ -21,6 +21,7 @@ class WorkerSettings:
     text_field: str
     strict: bool  # False for the stdlib corpus: undecodable bytes are replaced
     skip_bad_records: bool
+    max_document_mb: float
     val_fraction: float
     seed: int
 
@@ -41,6 +42,7 @@ class ChunkResult:
     num_bytes: int = 0  # UTF-8 bytes of the documents' text
     num_bad_records: int = 0
     first_bad_record: str | None = None
+    num_blank_records: int = 0
     train: np.ndarray | None = None  # token ids, EOS after each document
     val: np.ndarray | None = None
     sample: list[tuple[int, str]] = field(default_factory=list)  # (key, text) tokenizer-sample candidates
@@ -76,8 +78,10 @@ def _documents(chunk: Chunk, result: ChunkResult):
         result.first_bad_record = result.first_bad_record or problem
 
     for piece in chunk.pieces:
-        for text, utf8 in piece_documents(piece, text_field=s.text_field, strict=s.strict, bad_record=bad_record):
+        for text, utf8 in piece_documents(piece, text_field=s.text_field, strict=s.strict,
+                                          max_document_mb=s.max_document_mb, bad_record=bad_record):
             if not text.strip():
+                result.num_blank_records += 1
                 continue
             split_value, sample_key = document_keys(utf8, seed=s.seed)
             held_out = is_held_out(split_value, s.val_fraction)

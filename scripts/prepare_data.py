@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # a file that could not be read or written, as one line too
+        print(f"error: {err.filename or dataset_dir}: {err.strerror or err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"interrupted: rerun the same command to continue after the finished shards in {dataset_dir}",
               file=sys.stderr)

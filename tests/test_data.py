@@ -233,11 +233,23 @@ def test_unknown_extension(tmp_path):
         prep(tmp_path, [str(path)])
 
 
-def test_vocab_too_large(tmp_path):
+def test_vocab_size_advice_points_the_right_way(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("".join(make_documents(3)))
-    with pytest.raises(DataError, match="vocab_size"):
+    with pytest.raises(DataError, match=r"^data\.vocab_size=5000 is too large for this corpus, which yields at most "
+                                        r"(\d+) pieces; set data\.vocab_size to at most \1, or add data$"):
         prep(tmp_path, [str(path)], vocab_size=5000)
+    # Too small for the characters: the advice is to grow it, to the size SentencePiece asks for
+    # (256 byte pieces, 3 special pieces, and each distinct character).
+    chars = "".join(chr(0x4E00 + i) for i in range(100))  # 100 distinct CJK characters
+    text = next(text for k in range(20) if not held_out(text := (chars + "\n") * (20 + k)))  # a training document
+    path.write_text(text)
+    needed = 256 + 3 + len(set(chars))
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path, [str(path)], vocab_size=300)
+    assert str(caught.value) == (f"data.vocab_size=300 is too small for this corpus: its characters plus the byte and "
+                                 f"special pieces need {needed}; set data.vocab_size to at least {needed}")
+    assert prep(tmp_path, [str(path)], vocab_size=needed).vocab_size == needed
 
 
 def test_load_prepared_errors(txt_prepared, tmp_path):

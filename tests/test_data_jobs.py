@@ -4,14 +4,18 @@ on another number of ranks."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from data import PrepareSettings, load_prepared, prepare_data
 from scripts.benchmark_data import write_corpus
 from tests.helpers import ROOT, losses, run_train
+from tests.test_failures import Job, alive, poll, train_cmd
 from tests.test_data import make_documents
 from tests.test_prepare import jsonl_lines
 
@@ -42,6 +46,43 @@ def test_corpus_too_large_for_the_job_is_one_line(tmp_path):
         "first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train with "
         "--data.dataset_dir=DIR"], proc.stderr[-3000:]
     assert not (tmp_path / "prepared" / "meta.json").exists()
+
+
+def test_unwritable_dataset_dir_ends_every_rank_at_once(tmp_path, corpus):
+    # Rank 0 cannot create the dataset folder. It used to publish its outcome there too, failed to, and
+    # rank 1 waited until torchrun killed it; the outcome now goes to the output directory.
+    (tmp_path / "a_file").write_text("in the way")
+    dataset_dir = tmp_path / "a_file" / "prepared"
+    proc = run_train(nproc=2, out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and errors == [f"error: cannot create {dataset_dir}: Not a directory"], proc.stderr[-3000:]
+    assert "closing signal" not in proc.stderr  # every rank ended by itself: torchrun had no one to stop
+
+
+def test_stop_signal_ends_a_rank_waiting_for_the_data(tmp_path):
+    # Rank 0 prepares a corpus that takes a while; rank 1, waiting for it, gets SIGTERM and must end
+    # at once with one line, not when torchrun finally kills it.
+    corpus = write_corpus(tmp_path / "c.jsonl", 30)
+    job = Job(train_cmd("--data.num_workers=1", "--data.vocab_size=8192", "--data.max_corpus_mb=0", nproc=2,
+                        out_dir=tmp_path / "out", corpus=corpus, dataset_dir=tmp_path / "prepared"), tmp_path / "logs")
+    try:
+        poll(lambda: (tmp_path / "prepared" / "progress.json").exists(), job=job, timeout=120,
+             what="rank 0 preparing the data")
+        ranks = poll(lambda: (found := job.workers()) and len(found) == 2 and found, job=job, timeout=30, what="2 ranks")
+        time.sleep(1)  # rank 1 is past the job-id broadcast, polling for rank 0's outcome
+        sent = time.monotonic()
+        os.kill(ranks[1], signal.SIGTERM)
+        while alive(ranks[1]) and time.monotonic() - sent < 10:
+            time.sleep(0.05)
+        assert not alive(ranks[1]), "rank 1 did not end within 10 s of SIGTERM"
+        assert alive(ranks[0]), "rank 0 ended first: the test did not test a waiting rank"
+        said = [line for line in job.stderr.splitlines() if "rank1]" in line and "waiting for rank 0" in line]
+        assert len(said) == 1 and said[0].endswith(
+            f"SIGTERM received while waiting for rank 0 to prepare the data in {tmp_path / 'prepared'}: stopping (a "
+            f"rerun continues or reuses the preparation)"), job.stderr[-3000:]
+        assert "Traceback" not in job.stderr
+    finally:
+        job.kill()
 
 
 def test_mixture_trains_and_resumes_at_another_world_size(tmp_path, corpus):

@@ -95,9 +95,10 @@ def test_pieces_do_not_depend_on_read_sizes(kind, tmp_path, monkeypatch):
     (path,) = write_format(tmp_path, kind, documents)
     path = next(Path(path).iterdir())
 
-    def pieces(block_bytes: int) -> list[tuple[int, bytes]]:
+    def pieces(block_bytes: int, max_line: int = 1 << 20) -> list[tuple[int, bytes]]:
         monkeypatch.setattr(readers, "READ_BLOCK_BYTES", block_bytes)
-        return [(piece.first, piece.data) for piece in readers.read_pieces(path, piece_bytes=500, text_field="text")]
+        return [(piece.first, piece.data) for piece in readers.read_pieces(
+            path, piece_bytes=500, text_field="text", max_document_mb=max_line / 2**20, skip_long=True)]
 
     expected = pieces(1 << 20)
     assert pieces(7) == pieces(499) == expected
@@ -107,6 +108,13 @@ def test_pieces_do_not_depend_on_read_sizes(kind, tmp_path, monkeypatch):
     assert [first for first, _ in expected] == [1 + sum(data.count(b"\n") for _, data in expected[:i])
                                                 for i in range(len(expected))]
     assert any(len(data) > 2000 for _, data in expected)
+    # With a 1,500-byte limit the 2 KB line (line 21) is dropped in place, the same for any read size.
+    short = pieces(1 << 20, max_line=1500)
+    assert pieces(7, max_line=1500) == pieces(499, max_line=1500) == short
+    dropped = [(first, data) for first, data in short if isinstance(data, str)]
+    assert dropped == [(21, f"{path} line 21: a record of more than data.max_document_mb={1500 / 2**20:g} MB")]
+    kept = b"".join(data for _, data in short if isinstance(data, bytes)).split(b"\n")[:-1]
+    assert [json.loads(line)["text"] for line in kept] == documents[:20] + documents[21:]
 
 
 def test_jsonl_text_field(tmp_path, jsonl_reference):
@@ -203,6 +211,49 @@ def test_killed_prepare_script_resumes_to_the_same_result(corpus_2mb, tmp_path):
     assert len(load_prepared(tmp_path / "clean").train_files) >= 4
 
 
+@pytest.mark.slow
+def test_two_preparations_of_one_folder_wait_for_each_other(corpus_2mb, tmp_path):
+    # Before the lock, two jobs started together on a fresh folder collided ("No such file or directory:
+    # train-00000.bin.tmp"), and with other settings the loser left an unreferenced shard behind.
+    root = tmp_path / "prepared"
+    args = [sys.executable, str(ROOT / "scripts/prepare_data.py"), str(ROOT / "config/train_tiny_fsdp.yaml"),
+            f"--data.files=[{corpus_2mb}]", f"--data.dataset_dir={root}", "--data.num_workers=1"]
+
+    def start(name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
+        log = tmp_path / f"{name}.log"
+        with open(log, "w") as out:
+            return subprocess.Popen([*args, *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True), log
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    first, first_log = start("first", "--data.vocab_size=320")
+    lock = root / "prepare.lock"
+    wait_for(lambda: lock.is_file() and "pid" in lock.read_text(), "the first preparation never took the lock")
+    os.killpg(first.pid, signal.SIGSTOP)  # frozen holding the lock, so that the others surely find it held
+    try:
+        same, same_log = start("same", "--data.vocab_size=320")
+        other, other_log = start("other", "--data.vocab_size=360")
+        for log in (same_log, other_log):
+            wait_for(lambda: "waiting for another preparation of" in log.read_text(), f"{log.name}: never waited")
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=300) == 0, first_log.read_text()
+    assert same.wait(timeout=300) == 0 and "using the data prepared earlier in" in same_log.read_text()
+    assert other.wait(timeout=300) == 1
+    errors = [line for line in other_log.read_text().splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {root} was just prepared by another process from other inputs or settings "
+                      f"(data.vocab_size 320 there, 360 here); give this preparation another data.dataset_dir"]
+    prepared = load_prepared(root)
+    assert prepared.vocab_size == 320
+    assert sorted(path.name for path in root.iterdir()) == sorted(
+        ["meta.json", "prepare.lock", "tokenizer.model", *(p.name for p in prepared.train_files + prepared.val_files)])
+
+
 # ---------------------------------------------------------------- tokenizer sample, cap
 
 
@@ -258,6 +309,74 @@ def test_max_corpus_mb_cuts_at_a_record_and_says_so(tmp_path, caplog):
     assert "data.max_corpus_mb=" not in caplog.text
 
 
+# ---------------------------------------------------------------- memory bounded by data.max_document_mb
+
+
+def test_a_json_line_longer_than_max_document_mb_is_a_bad_record(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(jsonl_lines(DOCUMENTS[:2]) + json.dumps({"text": "z" * 30_000}) + "\n" + jsonl_lines(DOCUMENTS[2:]))
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path, [str(path)], max_document_mb=0.02)  # 20,971 bytes
+    assert str(caught.value) == (f"{path} line 3: a record of more than data.max_document_mb=0.02 MB "
+                                 f"(data.on_bad_record=skip skips such records)")
+    prepared = prep(tmp_path, [str(path)], max_document_mb=0.02, on_bad_record="skip")
+    assert sorted(decode_split(prepared, "train") + decode_split(prepared, "val")) == sorted(DOCUMENTS)
+    assert json.loads((prepared.root / "meta.json").read_text())["num_skipped_records"] == 1
+
+
+def test_a_txt_line_longer_than_max_document_mb_is_cut(tmp_path, jsonl_reference):
+    text = "".join(f"word{i} é " for i in range(20_000))  # ~180 KB on one line, with 2-byte characters
+    (tmp_path / "one.txt").write_text(text)
+    prepared = prep(tmp_path, [str(tmp_path / "one.txt")], max_document_mb=0.05,
+                    tokenizer_model=str(jsonl_reference.tokenizer_path))
+    # Too few documents for one to be held out: the split is by tokens, so decode the two as one stream.
+    processor = spm.SentencePieceProcessor(model_file=str(prepared.tokenizer_path))
+    ids = np.concatenate([split_tokens(prepared, "train"), split_tokens(prepared, "val")]).tolist()
+    ends = [i for i, token in enumerate(ids) if token == processor.eos_id()]
+    documents = [processor.decode(ids[a + 1 : b]) for a, b in zip([-1, *ends], ends)]
+    assert len(documents) >= 4 and all(len(doc.encode()) <= 0.05 * 2**20 for doc in documents)
+    assert sorted(documents) == sorted(text.encode()[i:j].decode() for i, j in _cuts(text.encode(), int(0.05 * 2**20)))
+
+
+def _cuts(data: bytes, size: int) -> list[tuple[int, int]]:
+    """The reference cuts of a line without line ends: every `size` bytes, moved back to a character start."""
+    cuts, start = [], 0
+    while len(data) - start > size:
+        end = start + size
+        while data[end] & 0xC0 == 0x80:
+            end -= 1
+        cuts.append((start, end))
+        start = end
+    return [*cuts, (start, len(data))]
+
+
+def test_a_gzip_bomb_is_read_in_bounded_memory_and_max_corpus_mb_stops_it(tmp_path, monkeypatch):
+    import tracemalloc
+
+    path = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(path, "wb", compresslevel=9) as f:  # one 48 MB line in about 50 KB
+        f.write(b'{"text": "')
+        for _ in range(48):
+            f.write(b"all work and no play " * 49932)
+        f.write(b'"}\n')
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=r"no text found in .*bomb\.jsonl\.gz: of the 1 records read .* 1 skipped as "
+                                            r"bad .*line 1: a record of more than data\.max_document_mb=1 MB"):
+            prep(tmp_path, [str(path)], max_document_mb=1, on_bad_record="skip")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"{peak / 2**20:.1f} MB held for a 48 MB line with data.max_document_mb=1"
+    # data.max_corpus_mb stops reading inside the line, rather than after it.
+    read = []
+    read_block = readers._read_block
+    monkeypatch.setattr(readers, "_read_block", lambda *args: read.append(len(block := read_block(*args))) or block)
+    with pytest.raises(DataError, match="1 skipped as bad"):
+        prep(tmp_path, [str(path)], max_document_mb=1, on_bad_record="skip", max_corpus_mb=2)
+    assert 2 * 2**20 <= sum(read) <= 4 * 2**20
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -310,6 +429,16 @@ def test_bad_records_skipped_and_counted(tmp_path, caplog):
     assert sorted(decode_split(prepared, "train") + decode_split(prepared, "val")) == sorted(DOCUMENTS)
 
 
+def test_all_records_skipped_says_how_many_and_why(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"body": "x"}\n' * 3 + "{not json\n" + json.dumps({"text": "  "}) + "\n")
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path, [str(path)], on_bad_record="skip")
+    assert str(caught.value) == (f"no text found in {path}: of the 5 records read (lines, rows or documents), 1 blank, "
+                                 f"4 skipped as bad (data.on_bad_record=skip; the first: {path} line 1: expected an "
+                                 f"object with a string 'text' field)")
+
+
 def test_missing_format_package_names_it(tmp_path, monkeypatch):
     write_format(tmp_path, "jsonl.zst")
     monkeypatch.setitem(sys.modules, "zstandard", None)  # as if not installed
@@ -344,6 +473,92 @@ def test_disk_full_while_writing_a_shard(small_chunks, corpus_2mb, tmp_path, mon
     assert len(json.loads((root / "progress.json").read_text())["shards"]) == 4
 
 
+# ---------------------------------------------------------------- whose files are whose
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
+
+
+def test_a_folder_of_the_users_files_is_refused_and_left_as_it_was(tmp_path):
+    # The reproduction: the corpus folder itself as data.dataset_dir. Its files carry the names the
+    # preparation used to delete by pattern (Hugging Face names its files train-00000-of-00001.parquet).
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    pq.write_table(pa.table({"text": DOCUMENTS}), corpus / "train-00000-of-00001.parquet")
+    (corpus / "val-notes.txt").write_text("my notes\n")
+    (corpus / "tokenizer.model.bak").write_bytes(b"an old tokenizer")
+    before = snapshot(corpus)
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path, [str(corpus)], dataset_dir=corpus)
+    assert str(caught.value) == (f"{corpus} holds files this library did not write (tokenizer.model.bak, "
+                                 f"train-00000-of-00001.parquet, val-notes.txt): data.dataset_dir must be a new or "
+                                 f"empty folder, or one prepared by this library; nothing was changed there")
+    assert snapshot(corpus) == before  # not even a lock file
+
+
+def test_only_recorded_files_are_replaced(tmp_path):
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
+    root = tmp_path / "prepared"
+    first = prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    # Another vocabulary: everything the first preparation recorded is replaced, in place.
+    second = prep(tmp_path, [str(tmp_path / "c.jsonl")], vocab_size=VOCAB_SIZE + 40)
+    assert second.vocab_size == VOCAB_SIZE + 40 and first.tokenizer_path == second.tokenizer_path
+    # A file of the user's in the prepared folder: still reused as it is for the same inputs ...
+    (root / "train-notes.txt").write_text("mine")
+    assert prep(tmp_path, [str(tmp_path / "c.jsonl")], vocab_size=VOCAB_SIZE + 40) == second
+    # ... never overwritten for others, and never deleted.
+    before = snapshot(root)
+    with pytest.raises(DataError, match=r"prepared holds files this library did not write \(train-notes\.txt\)"):
+        prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    assert snapshot(root) == before
+    # A progress.json edited to claim the user's file is not trusted (its checksum no longer matches).
+    (root / "train-notes.txt").unlink()
+    meta = json.loads((root / "meta.json").read_text())
+    meta["files"].append("c.jsonl")
+    (root / "meta.json").write_text(json.dumps(meta))
+    (root / "c.jsonl").write_text("the user's")
+    with pytest.raises(DataError, match=r"did not write \(c\.jsonl, tokenizer\.model, train-00000\.bin"):
+        prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    assert (root / "c.jsonl").read_text() == "the user's"
+
+
+def test_interrupted_tokenizer_leaves_recorded_names(tmp_path, monkeypatch):
+    # Killed while the tokenizer is written: its .tmp file is recorded, so the rerun may replace it.
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
+
+    def killed(lines, *, vocab_size, out_path):
+        out_path.write_bytes(b"half a model")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("data.prepare.train_tokenizer", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    assert (tmp_path / "prepared" / "tokenizer.model.tmp").exists()
+    monkeypatch.undo()
+    prepared = prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    assert sorted(p.name for p in prepared.root.iterdir()) == ["meta.json", "prepare.lock", "tokenizer.model",
+                                                                "train-00000.bin", "val-00000.bin"]
+
+
+def test_unwritable_dataset_dir_is_one_line(tmp_path):
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
+    (tmp_path / "a_file").write_text("in the way")
+    with pytest.raises(DataError, match=f"cannot create {tmp_path / 'a_file' / 'sub'}: Not a directory"):
+        prep(tmp_path, [str(tmp_path / "c.jsonl")], dataset_dir=tmp_path / "a_file" / "sub")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    try:
+        if os.access(tmp_path / "ro", os.W_OK):
+            pytest.skip("running as root: permissions are not enforced")
+        with pytest.raises(DataError, match=f"cannot write in {tmp_path / 'ro'}: Permission denied"):
+            prep(tmp_path, [str(tmp_path / "c.jsonl")], dataset_dir=tmp_path / "ro")
+        with pytest.raises(DataError, match=f"cannot create {tmp_path / 'ro' / 'sub'}: Permission denied"):
+            prep(tmp_path, [str(tmp_path / "c.jsonl")], dataset_dir=tmp_path / "ro" / "sub")
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+
+
 # ---------------------------------------------------------------- in-job preparation
 
 
@@ -373,15 +588,25 @@ def test_in_job_preparation_rules(tmp_path, caplog):
 
 
 def test_handoff_between_ranks(tmp_path):
-    path = handoff.outcome_path(tmp_path / "ds", "job1")
-    with pytest.raises(DataError, match="rank 0 did not finish preparing the data .* data.prepare_wait_s=0.2 s"):
-        handoff.wait_for(path, timeout_s=0.2, poll_s=0.05)
+    path = handoff.outcome_path(tmp_path / "out", "job1")
+
+    def wait(**kwargs) -> str | None:
+        return handoff.wait_for(path, dataset_dir=tmp_path / "ds", **{"timeout_s": 1, "stop_requested": str, **kwargs})
+
+    with pytest.raises(DataError, match="rank 0 did not finish preparing the data in .*ds within data.prepare_wait_s=0.2 s"):
+        wait(timeout_s=0.2, poll_s=0.05)
+    # A stop signal ends the wait at once, however long it may last.
+    signals = iter(["", "", "SIGTERM"])
+    start = time.monotonic()
+    with pytest.raises(DataError, match=f"SIGTERM received while waiting for rank 0 to prepare the data in {tmp_path / 'ds'}"):
+        wait(timeout_s=3600, poll_s=0.05, stop_requested=lambda: next(signals))
+    assert time.monotonic() - start < 5
     handoff.publish(path, None)
-    assert handoff.wait_for(path, timeout_s=1) is None
+    assert wait() is None
     handoff.publish(path, "data file not found: x.txt")
-    assert handoff.wait_for(path, timeout_s=1) == "data file not found: x.txt"
-    assert handoff.wait_for(handoff.outcome_path(tmp_path / "ds", "job1"), timeout_s=1) is not None
-    assert handoff.outcome_path(tmp_path / "ds", "job2") != path
+    assert wait() == "data file not found: x.txt"
+    assert handoff.outcome_path(tmp_path / "out", "job2") != path
+    assert not (tmp_path / "ds").exists()  # nothing is written into the dataset folder
 
 
 # ---------------------------------------------------------------- the command and the HF tokenizer
@@ -421,3 +646,176 @@ def test_hf_tokenizer_in_the_workers(tmp_path):
     assert split_tokens(prepared, "train").tolist() == tokens([d for d in DOCUMENTS if not held_out(d)])
     assert split_tokens(prepared, "val").tolist() == tokens([d for d in DOCUMENTS if held_out(d)])
     assert prepared.tokenizer_path.name == "hf_tokenizer" and prepared.vocab_size == len(tok)
+
+
+# ---------------------------------------------------------------- damaged records: a fuzz
+
+
+HOSTILE = ["../outside.bin", "/etc/hostname", "", ".", "..", "a/b", "x\0y", "train-00000.bin", "meta.json", -1, 0,
+           2**70, 1.5, None, True, [], {}, "uint64", "hf", float("nan")]
+
+
+def _leaves(value, path=()):
+    """Every (path, value) inside a JSON value, containers included."""
+    yield path, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        yield from _leaves(item, (*path, key))
+
+
+def _mutated(data: bytes, rng, *, reseal: bool) -> bytes:
+    """data (a JSON record) truncated, bit-flipped, or with one field replaced, removed or added."""
+    from data.store import _record_digest
+
+    kind = rng.choice(["truncate", "flip", "field", "field"])
+    if kind == "truncate":
+        return data[: rng.randrange(len(data))]
+    if kind == "flip":
+        flipped = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+        return bytes(flipped)
+    record = json.loads(data)
+    path, _ = rng.choice([leaf for leaf in _leaves(record) if leaf[0]])
+    parent = record
+    for key in path[:-1]:
+        parent = parent[key]
+    action = rng.choice(["replace", "replace", "delete", "add"])
+    if action == "delete":
+        del parent[path[-1]]
+    elif action == "add" and isinstance(parent, list):
+        parent.append(rng.choice(HOSTILE))
+    else:
+        parent[path[-1]] = rng.choice(HOSTILE)
+    if reseal:  # as if written by a buggy or hostile program that knows the checksum: the fields must hold up
+        record["record_sha256"] = _record_digest(record)
+    return json.dumps(record).encode()
+
+
+class _Opens:
+    """Paths opened under a sandbox folder (an audit hook: it sees every open, whoever calls it)."""
+
+    def __init__(self):
+        self.sandbox: Path | None = None
+        self.paths: list[Path] = []
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if event == "open" and self.sandbox is not None and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = Path(os.fsdecode(args[0])).resolve()
+            if path.is_relative_to(self.sandbox):
+                self.paths.append(path)
+
+
+@pytest.fixture(scope="module")
+def opens() -> _Opens:
+    return _Opens()
+
+
+@pytest.fixture(scope="module")
+def fuzz_folders(tmp_path_factory):
+    """A complete prepared folder of several shards, an interrupted one of the same settings (2 shards
+    finished), and the settings, in a sandbox with a file outside the folders that damage must not reach."""
+    sandbox = tmp_path_factory.mktemp("fuzz")
+    corpus = sandbox / "c.jsonl"
+    corpus.write_text(jsonl_lines(make_documents(300, seed=3)))
+    tokenizer = prep(sandbox / "t", [str(corpus)]).tokenizer_path
+    settings = dict(tokenizer_model=str(tokenizer), shard_tokens=1500, num_workers=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("data.prepare.CHUNK_BYTES", 4096)
+        complete = prep(sandbox, [str(corpus)], dataset_dir=sandbox / "complete", **settings)
+        finish_shard = ShardWriter.finish_shard
+
+        def stop_after_two(self, **kwargs):
+            if len(self.shards) == 2:
+                raise KeyboardInterrupt
+            finish_shard(self, **kwargs)
+
+        mp.setattr(ShardWriter, "finish_shard", stop_after_two)
+        with pytest.raises(KeyboardInterrupt):
+            prep(sandbox, [str(corpus)], dataset_dir=sandbox / "interrupted", **settings)
+    assert len(complete.train_files) >= 4
+    (sandbox / "outside.bin").write_bytes(b"not the library's")
+    return sandbox, corpus, settings, complete
+
+
+def _copy_folder(source: Path, target: Path) -> None:
+    target.mkdir()
+    for path in source.iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+
+
+def _outcome(call) -> str:
+    """'ok', or the DataError's message (which must be one line); any other exception fails the test."""
+    try:
+        call()
+    except DataError as err:
+        assert "\n" not in str(err), str(err)
+        return str(err)
+    return "ok"
+
+
+def test_damaged_meta_json_is_one_line_or_loads_correctly(fuzz_folders, opens, tmp_path):
+    import random
+
+    sandbox, _, _, complete = fuzz_folders
+    reference = (complete.train_files, complete.val_files, complete.tokenizer_path, complete.vocab_size,
+                 complete.num_train_tokens, complete.num_val_tokens)
+    outcomes = []
+    for case in range(160):
+        rng = random.Random(case)
+        root = tmp_path / f"case{case}"
+        _copy_folder(complete.root, root)
+        reseal = case % 2 == 1
+        (root / "meta.json").write_bytes(_mutated((complete.root / "meta.json").read_bytes(), rng, reseal=reseal))
+        loaded = []
+        opens.sandbox, opens.paths = sandbox.resolve(), []
+        try:
+            outcome = _outcome(lambda: loaded.append(load_prepared(root)))
+        finally:
+            opens.sandbox = None
+        assert all(path.is_relative_to(root.resolve()) for path in opens.paths), (case, opens.paths)
+        if loaded:  # then it is the data that is there, all of it inside the folder
+            got = loaded[0]
+            assert all(path.parent == root for path in [*got.train_files, *got.val_files, got.tokenizer_path]), case
+            if not reseal:  # an unsealed change never loads as something else
+                assert (got.train_files, got.val_files, got.tokenizer_path, got.vocab_size, got.num_train_tokens,
+                        got.num_val_tokens) == tuple(
+                    [root / p.name for p in x] if isinstance(x, list) else root / x.name if isinstance(x, Path) else x
+                    for x in reference), case
+            assert all(path.is_file() for path in got.train_files + got.val_files), case
+        outcomes.append(outcome)
+    assert (sandbox / "outside.bin").read_bytes() == b"not the library's"
+    # The fuzz reached both ends: damage refused, and harmless changes loaded.
+    assert 5 < outcomes.count("ok") < 150, outcomes
+
+
+def test_damaged_progress_json_is_one_line_or_resumes_correctly(fuzz_folders, opens, tmp_path):
+    import random
+
+    sandbox, corpus, settings, complete = fuzz_folders
+    expected = store_files(complete)
+    outcomes = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("data.prepare.CHUNK_BYTES", 4096)
+        for case in range(60):
+            rng = random.Random(1000 + case)
+            root = tmp_path / f"case{case}"
+            _copy_folder(sandbox / "interrupted", root)
+            progress = (sandbox / "interrupted" / "progress.json").read_bytes()
+            (root / "progress.json").write_bytes(_mutated(progress, rng, reseal=case % 2 == 1))
+            opens.sandbox, opens.paths = sandbox.resolve(), []
+            try:
+                outcome = _outcome(lambda: prep(sandbox, [str(corpus)], dataset_dir=root, **settings))
+            finally:
+                opens.sandbox = None
+            allowed = (root.resolve(), corpus.resolve(), Path(settings["tokenizer_model"]).resolve())
+            assert all(path == corpus.resolve() or path == allowed[2] or path.is_relative_to(root.resolve())
+                       for path in opens.paths), (case, opens.paths)
+            if outcome == "ok":
+                assert store_files(load_prepared(root)) == expected, case
+            else:  # refused: what the interrupted preparation wrote is all still there
+                assert {p.name for p in (sandbox / "interrupted").iterdir()} <= {p.name for p in root.iterdir()}, (case, outcome)
+            outcomes.append(outcome)
+    assert (sandbox / "outside.bin").read_bytes() == b"not the library's"
+    assert 10 < outcomes.count("ok") < 60, outcomes
