@@ -29,20 +29,20 @@ from data import (BatchPrefetcher, DataError, PreparedData, PrepareSettings, def
 from data.store import tokenizer_sha256
 from model import ModelConfig
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, TrainState
-from fsdp_utils.checkpoint_format import check_structure
-from fsdp_utils.checkpoint_io import install_tokenizer
+from fsdp_utils.checkpoint.format import check_structure
+from fsdp_utils.checkpoint.io import install_tokenizer
 from fsdp_utils.distributed import DistEnv, Launch, barrier, destroy_distributed, init_distributed, read_torchrun_env
-from fsdp_utils.float8 import float8_problems, precompute_float8_scales
-from fsdp_utils.hf import HFModelError
-from fsdp_utils.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
-from fsdp_utils.microbatch import (OutOfMemory, OutOfMemoryGuard, cache_key, memory_hint, memory_probe,
+from fsdp_utils.parallel.float8 import float8_problems, precompute_float8_scales
+from fsdp_utils.parallel.hf import HFModelError
+from fsdp_utils.train.metrics import MetricsWriter, detect_peak_flops, format_duration, peak_memory_gib
+from fsdp_utils.train.microbatch import (OutOfMemory, OutOfMemoryGuard, cache_key, memory_hint, memory_probe,
                                    resolve_micro_batch, save_to_cache)
-from fsdp_utils.optim import build_optimizer, clip_grad_norm, lr_at
-from fsdp_utils.preemption import StopSignal
-from fsdp_utils.build import build_model
-from fsdp_utils.run_lock import RunLocked, take_run_lock
-from fsdp_utils.step import forward_backward
-from fsdp_utils.wrap import parallelize, resolve_precision
+from fsdp_utils.train.optim import build_optimizer, clip_grad_norm, lr_at
+from fsdp_utils.train.preemption import StopSignal
+from fsdp_utils.parallel.build import build_model
+from fsdp_utils.train.run_lock import RunLocked, take_run_lock
+from fsdp_utils.train.step import forward_backward
+from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
 
 log = logging.getLogger("train")
 USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory, HFModelError)
@@ -99,7 +99,7 @@ def prepare_dataset(cfg: Config, env: DistEnv, stop: StopSignal) -> list[tuple[P
 def describe_model(cfg: Config, tokenizer_vocab: int) -> tuple[int, dict, float]:
     """(vocabulary size, shape signature stored in checkpoints, training FLOPs per token) of the model."""
     if cfg.model.type == "hf":
-        from fsdp_utils.hf import config_signature, load_hf_config
+        from fsdp_utils.parallel.hf import config_signature, load_hf_config
 
         hf_config = load_hf_config(cfg.model)
         # FLOPs as for the same dimensions of our model (Llama-style layers), for the MFU figure.

@@ -494,7 +494,7 @@ def validate(cfg: Config) -> list[str]:
             if getattr(m, name) and not Path(getattr(m, name)).exists():
                 p.append(f"model.{name}: not found: {getattr(m, name)}")
         if bool(m.hf_path) != bool(m.hf_config) and Path(m.hf_path or m.hf_config).exists():
-            from fsdp_utils.hf import hf_problems  # imports transformers: only for model.type=hf
+            from fsdp_utils.parallel.hf import hf_problems  # imports transformers: only for model.type=hf
 
             p += hf_problems(m)
         if cfg.data.tokenizer == "hf" and not m.hf_path:

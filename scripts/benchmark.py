@@ -53,13 +53,13 @@ import torch.distributed as dist  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed, read_torchrun_env  # noqa: E402
-from fsdp_utils.float8 import float8_problems, precompute_float8_scales  # noqa: E402
-from fsdp_utils.metrics import detect_peak_flops  # noqa: E402
-from fsdp_utils.microbatch import cpu_micro_batch, memory_probe, search_micro_batch  # noqa: E402
-from fsdp_utils.optim import build_optimizer, clip_grad_norm  # noqa: E402
-from fsdp_utils.build import build_model  # noqa: E402
-from fsdp_utils.step import forward_backward  # noqa: E402
-from fsdp_utils.wrap import parallelize, resolve_precision  # noqa: E402
+from fsdp_utils.parallel.float8 import float8_problems, precompute_float8_scales  # noqa: E402
+from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
+from fsdp_utils.train.microbatch import cpu_micro_batch, memory_probe, search_micro_batch  # noqa: E402
+from fsdp_utils.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
+from fsdp_utils.parallel.build import build_model  # noqa: E402
+from fsdp_utils.train.step import forward_backward  # noqa: E402
+from fsdp_utils.parallel.parallelize import parallelize, resolve_precision  # noqa: E402
 from model.transformer import Attention, FeedForward  # noqa: E402
 
 

@@ -25,8 +25,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from fsdp_utils import checkpoint_io  # noqa: E402
-from fsdp_utils.checkpoint_format import (  # noqa: E402
+from fsdp_utils.checkpoint import io as checkpoint_io  # noqa: E402
+from fsdp_utils.checkpoint.format import (  # noqa: E402
     META_KEYS, OPTIONAL_META_KEYS, RNG_NAME, TMP_PREFIX, CheckpointCorrupt, CheckpointError, dcp_load, install_full,
     load_rng, read_dcp_metadata, save_with_checksum, set_at, write_record)
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402

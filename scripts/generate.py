@@ -24,8 +24,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from fsdp_utils.checkpoint_format import CheckpointError  # noqa: E402
-from fsdp_utils.checkpoint_io import find_tokenizer, load_model, read_meta  # noqa: E402
+from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
+from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
 from model import Transformer  # noqa: E402
 
 

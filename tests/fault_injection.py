@@ -46,14 +46,14 @@ class FaultyWriter(FileSystemWriter):
 
 
 def install(spec: dict) -> None:
-    from fsdp_utils import async_save
-    from fsdp_utils.checkpoint import CheckpointManager
+    from fsdp_utils.checkpoint import staging
+    from fsdp_utils.checkpoint.manager import CheckpointManager
 
     current = {"step": 0}  # the step of the save being staged; 0 before any (the start-of-run staging)
 
     if "stage_fail" in spec:
         failing = set(spec["stage_fail"])
-        real_save_async, real_stage = CheckpointManager._save_async, async_save.HostStaging.stage
+        real_save_async, real_stage = CheckpointManager._save_async, staging.HostStaging.stage
 
         @functools.wraps(real_save_async)
         def save_async(self, model, optimizer, state):
@@ -66,7 +66,7 @@ def install(spec: dict) -> None:
                 raise RuntimeError(f"injected staging failure at step {current['step']} (test hook)")
             return real_stage(self, state_dict, live=live)
 
-        CheckpointManager._save_async, async_save.HostStaging.stage = save_async, stage
+        CheckpointManager._save_async, staging.HostStaging.stage = save_async, stage
 
     if "write" in spec:
         fault = spec["write"]
@@ -94,7 +94,7 @@ def install(spec: dict) -> None:
         dcp.save = faulty_save
 
     if "disk_free_bytes" in spec:
-        from fsdp_utils import checkpoint
+        from fsdp_utils.checkpoint import manager
 
         free = spec["disk_free_bytes"]
 
@@ -107,4 +107,4 @@ def install(spec: dict) -> None:
                 real = shutil.disk_usage(path)
                 return type(real)(real.total, real.total - free, free)
 
-        checkpoint.shutil = _Shutil()
+        manager.shutil = _Shutil()

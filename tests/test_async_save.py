@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_utils import checkpoint_io
-from fsdp_utils.async_save import HostStaging, host_memory, resolve_async_save
+from fsdp_utils.checkpoint import io as checkpoint_io
+from fsdp_utils.checkpoint.host_memory import host_memory
+from fsdp_utils.checkpoint.staging import HostStaging
+from fsdp_utils.checkpoint.writer import resolve_async_save
 from tests.helpers import fault_env, losses, read_metrics, run_train
 from tests.test_checkpoint import as_full, assert_identical, checkpoint_names
 from tests.test_failures import Job, logged_steps, poll, train_cmd
@@ -86,35 +88,35 @@ def test_host_memory_hot_plugged_on_demand_is_not_exact(tmp_path):
 
 def test_a_node_too_small_for_the_staging_is_refused_at_the_start(monkeypatch, caplog):
     """Two ranks on one node (the gather faked): 2 x 48 GiB needed against what the node can give."""
-    from fsdp_utils import async_save
-    from fsdp_utils.checkpoint_format import CheckpointError
+    from fsdp_utils.checkpoint import host_memory as host_memory_module
+    from fsdp_utils.checkpoint.format import CheckpointError
     from fsdp_utils.distributed import DistEnv
 
     gib = 2**30
     env = DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"))
-    monkeypatch.setattr(async_save.dist, "all_gather_object", lambda rows, row: rows.__setitem__(slice(None), [row] * len(rows)))
+    monkeypatch.setattr(host_memory_module.dist, "all_gather_object", lambda rows, row: rows.__setitem__(slice(None), [row] * len(rows)))
 
     def machine(available_gib, *, exact=True):
-        mem = async_save.HostMemory(available=available_gib * gib, limit=256 * gib, in_use=4 * gib, source="the test", exact=exact)
-        monkeypatch.setattr(async_save, "host_memory", lambda: mem)
+        mem = host_memory_module.HostMemory(available=available_gib * gib, limit=256 * gib, in_use=4 * gib, source="the test", exact=exact)
+        monkeypatch.setattr(host_memory_module, "host_memory", lambda: mem)
 
     machine(200)
-    assert async_save.check_host_memory(48 * gib, env, what="w").startswith("96.0 GiB on ")
+    assert host_memory_module.check_host_memory(48 * gib, env, what="w").startswith("96.0 GiB on ")
     machine(90)
     with pytest.raises(CheckpointError, match=r"needs 96.0 GiB of host memory on .* \(2 rank\(s\) x 48.0 GiB: w\) but only "
                                               r"90.0 GiB is free \(256.0 GiB from the test, 4.0 GiB in use\); set "
                                               r"checkpoint.async_save=false"):
-        async_save.check_host_memory(48 * gib, env, what="w")
+        host_memory_module.check_host_memory(48 * gib, env, what="w")
     machine(90, exact=False)  # memory plugged in on demand: no ceiling to trust, a warning only
-    async_save.check_host_memory(48 * gib, env, what="w")
+    host_memory_module.check_host_memory(48 * gib, env, what="w")
     assert "adds memory as it is used" in caplog.text
     # The process writer: /dev/shm too small.
     machine(200)
-    monkeypatch.setattr(async_save.shutil, "disk_usage", lambda path: shutil_usage(free=64 * gib))
-    monkeypatch.setattr(async_save.os.path, "isdir", lambda path: True)
+    monkeypatch.setattr(host_memory_module.shutil, "disk_usage", lambda path: shutil_usage(free=64 * gib))
+    monkeypatch.setattr(host_memory_module.os.path, "isdir", lambda path: True)
     with pytest.raises(CheckpointError, match=r"through /dev/shm: 96.0 GiB needed on .*, 64.0 GiB free there; use "
                                               r"checkpoint.async_writer=thread"):
-        async_save.check_host_memory(48 * gib, env, what="w", shm_per_rank=48 * gib)
+        host_memory_module.check_host_memory(48 * gib, env, what="w", shm_per_rank=48 * gib)
 
 
 def shutil_usage(*, free: int):
@@ -207,7 +209,7 @@ def test_staging_copies_tensor_subclasses_it_does_not_know(share):
     weight = WrappedWeight(torch.arange(12, dtype=torch.float32).reshape(3, 4))
     with pytest.raises(RuntimeError):
         weight.untyped_storage().data_ptr()
-    from fsdp_utils.async_save import storage_tensors
+    from fsdp_utils.checkpoint.staging import storage_tensors
     (inner,) = storage_tensors(weight)
     assert inner is weight.inner
     staging = HostStaging(pin=False, share=share)

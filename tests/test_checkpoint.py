@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_utils import checkpoint_io
-from fsdp_utils.checkpoint_format import sidecar_of
-from fsdp_utils.run_lock import LOCK_NAME
+from fsdp_utils.checkpoint import io as checkpoint_io
+from fsdp_utils.checkpoint.format import sidecar_of
+from fsdp_utils.train.run_lock import LOCK_NAME
 from model import ModelConfig, Transformer
 from tests import helpers
 from tests.helpers import ROOT, losses, read_metrics, run_train
@@ -133,7 +133,7 @@ from pathlib import Path
 sys.path.insert(0, {root!r})
 import torch
 import torch.distributed.checkpoint as dcp
-from fsdp_utils import checkpoint as ckpt
+from fsdp_utils.checkpoint import manager as ckpt
 
 kill_at = os.environ.get("KILL_AT_STEP")
 torch_save, dcp_save, load = torch.save, dcp.save, ckpt.CheckpointManager.load

@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 
 from config import Config, save_config
-from fsdp_utils import checkpoint_io
-from fsdp_utils.checkpoint import CheckpointManager, TrainState, _InFlight
-from fsdp_utils.checkpoint_format import (TRAIN_STATE_KEYS, CheckpointCorrupt, CheckpointError, CheckpointMismatch,
+from fsdp_utils.checkpoint import io as checkpoint_io
+from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState, _InFlight
+from fsdp_utils.checkpoint.format import (TRAIN_STATE_KEYS, CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                                           CheckpointUnsafe, SafeFileSystemReader, file_record, sidecar_of)
 from fsdp_utils.distributed import DistEnv
-from fsdp_utils.run_lock import RunLocked, take_run_lock
+from fsdp_utils.train.run_lock import RunLocked, take_run_lock
 from model import ModelConfig, Transformer
 from scripts import convert_checkpoint
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint import FORMAT_VERSION, TrainState
-from fsdp_utils.checkpoint_io import load_model
+from fsdp_utils.checkpoint.io import load_model
 from model import ModelConfig, Transformer
 from scripts import export_hf
 from tests.helpers import ROOT, run_train

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from config import ConfigError, load_config
-from fsdp_utils import float8
-from fsdp_utils.float8 import float8_problems, hardware_problem, torchao_hint
+from fsdp_utils.parallel import float8
+from fsdp_utils.parallel.float8 import float8_problems, hardware_problem, torchao_hint
 from model import ModelConfig, Transformer
 from model.transformer import DecoderBlock, rotary_tables
 from tests.helpers import ROOT, losses, run_train
@@ -194,7 +194,7 @@ def test_fp8_block_matches_fp32_within_fp8_tolerance(device, dtype, recipe):
 def test_selective_op_keeps_the_fp8_matmul_outputs():
     from tests.helpers import CountOps
 
-    from fsdp_utils.wrap import apply_activation_checkpointing
+    from fsdp_utils.parallel.parallelize import apply_activation_checkpointing
 
     def backward(mode: str):
         model = tiny_model()
@@ -306,7 +306,7 @@ def test_full_precision_checkpoint_resumes_with_fp8(tmp_path, corpus, dataset_di
 @needs_torchao
 def test_export_hf_of_an_fp8_checkpoint_gives_our_logits(tmp_path, corpus, dataset_dir):
     pytest.importorskip("transformers")
-    from fsdp_utils.checkpoint_io import load_model
+    from fsdp_utils.checkpoint.io import load_model
     from scripts import export_hf
     from tests.test_export_hf import assert_same_logits
 

@@ -187,7 +187,7 @@ def test_sharded_saves_on_two_gpus_resume(tmp_path, corpus, dataset_dir, mode, v
     # Synchronous (FSDP1: state dict offloaded to the host piece by piece) and asynchronous saves (pinned
     # staging, thread or process writer) on GPUs: both checkpoints complete and verified, and a resume from
     # step 4 continues the run (bf16 on GPUs: close, as in the tests above, not asserted bit for bit).
-    from fsdp_utils import checkpoint_io
+    from fsdp_utils.checkpoint import io as checkpoint_io
 
     save = ["--checkpoint.async_save=false"] if mode == "sync" else ["--checkpoint.async_save=true",
                                                                     f"--checkpoint.async_writer={mode}"]

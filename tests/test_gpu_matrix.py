@@ -64,7 +64,7 @@ def checkpoint_name(save: str, step: int) -> str:
 
 
 def train_save_resume(tmp_path, corpus, dataset_dir, args: list[str], save: str) -> None:
-    from fsdp_utils import checkpoint_io
+    from fsdp_utils.checkpoint import io as checkpoint_io
 
     first = tmp_path / "first"
     proc = run_train(*args, nproc=2, out_dir=first, corpus=corpus, dataset_dir=dataset_dir)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from config import ConfigError, check_batch_split, load_config
-from fsdp_utils.microbatch import (CACHE_FILE, FakeProbe, MicroBatchChoice, climb, divisors, read_cache,
+from fsdp_utils.train.microbatch import (CACHE_FILE, FakeProbe, MicroBatchChoice, climb, divisors, read_cache,
                                    save_to_cache, smaller_micro_batch)
 from tests.helpers import ROOT, losses, run_train
 

@@ -262,7 +262,7 @@ def test_distributed_use_detector_catches_each_form():
     assert distributed_uses("from torch import distributed") == ["torch.distributed"]
     assert distributed_uses("from torch.distributed.fsdp import fully_shard") == ["torch.distributed.fsdp"]
     assert distributed_uses("import torch\ntorch.distributed.all_reduce(x)") == ["torch.distributed"]
-    assert distributed_uses("from fsdp_utils.wrap import unwrap") == ["fsdp_utils.wrap"]
+    assert distributed_uses("from fsdp_utils.parallel.parallelize import unwrap") == ["fsdp_utils.parallel.parallelize"]
     assert distributed_uses("import torch\nfrom torch import nn\n'''no torch.distributed here'''") == []
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_utils.checkpoint_format import META_NAME, file_record, sidecar_of
+from fsdp_utils.checkpoint.format import META_NAME, file_record, sidecar_of
 from scripts import convert_checkpoint, export_hf, generate
 from tests.helpers import run_train
 

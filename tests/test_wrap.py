@@ -6,7 +6,7 @@ import collections
 import pytest
 import torch
 
-from fsdp_utils.wrap import apply_activation_checkpointing
+from fsdp_utils.parallel.parallelize import apply_activation_checkpointing
 from model import ModelConfig, Transformer
 from tests.helpers import CountOps
 

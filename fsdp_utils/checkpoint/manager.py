@@ -44,14 +44,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
-from .checkpoint_format import (  # noqa: F401  (CheckpointError and FORMAT_VERSION: this module's public names too)
+from .format import (
     CORRUPT_PREFIX, FORMAT_VERSION, FULL_PAYLOAD_KEYS, FULL_RE, META_NAME, RNG_NAME, SHARDED_RE, TMP_PREFIX, CheckpointCorrupt,
     CheckpointError, CheckpointMismatch, CheckpointUnsafe, check_file, check_structure, checksum_records, dcp_load,
     file_record, first_line, full_name, install_full, load_full, load_rng, read_sharded_meta, save_with_checksum, sharded_name,
     sidecar_of, size_of, write_json, write_record)
-from .async_save import (BackgroundWriter, HostStaging, StageStats, arena_bytes, check_host_memory, format_size,
-                         live_storages, resolve_async_save, state_bytes, storage_tensors)
-from .distributed import DistEnv, barrier
+from .host_memory import check_host_memory, format_size
+from .staging import HostStaging, StageStats, arena_bytes, live_storages, state_bytes, storage_tensors
+from .writer import BackgroundWriter, resolve_async_save
+from ..distributed import DistEnv, barrier
 
 log = logging.getLogger(__name__)
 

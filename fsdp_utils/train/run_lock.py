@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .distributed import DistEnv
+from ..distributed import DistEnv
 
 log = logging.getLogger(__name__)
 LOCK_NAME = "run.lock"

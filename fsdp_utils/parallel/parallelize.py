@@ -30,8 +30,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from .build import WeightInit
-from .distributed import DistEnv
+from .weights import WeightInit
+from ..distributed import DistEnv
 
 if TYPE_CHECKING:
     from config.schema import FSDPConfig

@@ -5,7 +5,6 @@ a `WeightInit` that `parallelize` calls to materialise the weights once they are
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -14,34 +13,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from model import DecoderBlock, ModelConfig, Transformer, initial_value
 from model.transformer import chunk_loss_and_grad
 
-from .distributed import DistEnv
-
-
-class WeightInit:
-    """How a model built on the meta device gets its weights, whichever FSDP version shards it."""
-
-    def init_module(self, module: nn.Module, device: torch.device) -> None:
-        """FSDP1's param_init_fn: allocate (and fill) one module's own tensors before FSDP1 shards them."""
-        raise NotImplementedError
-
-    def init_sharded(self, model: nn.Module, device: torch.device) -> None:
-        """After sharding: allocate what is still on the meta device (FSDP2 shards), fill every weight."""
-        raise NotImplementedError
-
-
-@dataclass
-class BuiltModel:
-    module: nn.Module
-    block_classes: set[type]  # the units of activation checkpointing, compile and FSDP wrapping
-    init: WeightInit | None  # None: the weights are real already
+from ..distributed import DistEnv
+from . import hf
+from .weights import BuiltModel, WeightInit
 
 
 def build_model(cfg, env: DistEnv) -> BuiltModel:
     """The model of `cfg.model` (our Transformer or model.type=hf), unsharded, on the meta device when
     it will be sharded over several ranks."""
     if cfg.model.type == "hf":
-        from . import hf
-
         return hf.build_for_sharding(cfg, env)
     f = cfg.fsdp
     use_meta = f.meta_init and env.world_size > 1 and not f.sync_module_states

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from model.transformer import Attention, FeedForward
 
-from .distributed import pick_device
+from ..distributed import pick_device
 
 log = logging.getLogger(__name__)
 

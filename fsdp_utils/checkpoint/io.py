@@ -1,6 +1,6 @@
 """Read a training checkpoint's model in one plain process: no process group, no FSDP, no GPU needed.
 
-    from fsdp_utils.checkpoint_io import load_model
+    from fsdp_utils.checkpoint.io import load_model
     model, meta = load_model("checkpoints/tiny/fsdp_cpt1000.pth")             # a full checkpoint file
     model, meta = load_model("checkpoints/llama1B/fsdp_sharded_cpt500", device="cuda")  # or a sharded folder
 
@@ -23,7 +23,7 @@ import torch
 from data.store import tokenizer_sha256
 from model import ModelConfig, Transformer
 
-from .checkpoint_format import (
+from .format import (
     META_KEYS, OPTIONAL_META_KEYS, TMP_PREFIX, CheckpointCorrupt, CheckpointError, check_file, checksum_records, dcp_load,
     first_line, load_full, read_sharded_meta, size_of)
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from data.hf_tokenizer import names_own_code
 
-from .build import BuiltModel, WeightInit
-from .distributed import DistEnv
+from .weights import BuiltModel, WeightInit
+from ..distributed import DistEnv
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
-from .distributed import DistEnv
+from ..distributed import DistEnv
 from .optim import clip_grad_norm
 from .step import forward_backward
 

@@ -1,0 +1,5 @@
+"""Checkpoints: the manager (save, resume, retention), the on-disk format and its safe reader, host
+staging and the background writer of asynchronous saves, and reading checkpoints outside training."""
+from .format import (FORMAT_VERSION, CheckpointCorrupt, CheckpointError, CheckpointMismatch,  # noqa: F401
+                     CheckpointUnsafe)
+from .manager import CheckpointManager, TrainState  # noqa: F401
