@@ -493,10 +493,6 @@ def validate(cfg: Config) -> list[str]:
         for name in ("hf_path", "hf_config"):
             if getattr(m, name) and not Path(getattr(m, name)).exists():
                 p.append(f"model.{name}: not found: {getattr(m, name)}")
-        if bool(m.hf_path) != bool(m.hf_config) and Path(m.hf_path or m.hf_config).exists():
-            from fsdp_utils.parallel.hf import hf_problems  # imports transformers: only for model.type=hf
-
-            p += hf_problems(m)
         if cfg.data.tokenizer == "hf" and not m.hf_path:
             p.append("data.tokenizer=hf needs model.hf_path (a folder with the tokenizer files)")
     if cfg.data.seq_len <= 0:

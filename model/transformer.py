@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,16 +47,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.num_kv_heads, cfg.head_dim
         # q, k and v weights in one parameter: one tensor to shard, gather and checkpoint.
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # False: one matmul per slice of wqkv (below). True: one call of the wqkv module, its output
-        # split afterwards; set from outside when wqkv is a module whose forward must run, e.g. an
-        # FP8 linear (fsdp_utils/float8.py), which slicing its weight would bypass.
-        self.fused_matmul = False
+        # split afterwards; for when wqkv becomes a module whose forward must run, e.g. an FP8 linear,
+        # which slicing its weight would bypass.
+        self.fused_matmul = fused_matmul
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -85,12 +86,12 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); the gate and up weights are one parameter, w13."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False):
         super().__init__()
         self.hidden_dim = cfg.hidden_dim
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)  # [gate; up]
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
-        self.fused_matmul = False  # True: one call of the w13 module, see Attention.fused_matmul
+        self.fused_matmul = fused_matmul  # True: one call of the w13 module, see Attention.fused_matmul
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_matmul:
@@ -107,12 +108,12 @@ class FeedForward(nn.Module):
 class DecoderBlock(nn.Module):
     """Pre-norm transformer block; the unit of FSDP wrapping, activation checkpointing and compile."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, fused_matmul=fused_matmul)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = FeedForward(cfg, fused_matmul=fused_matmul)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -120,14 +121,20 @@ class DecoderBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The decoder-only model. Options that change how it computes, not what it is (never saved with it):
+    `fused_matmul` (see Attention), `loss_chunk_tokens` (tokens per chunk of the output projection and
+    loss, 0: all at once) and `chunk_loss_fn` (one chunk's logits -> its loss and gradient, e.g. a
+    compiled copy of chunk_loss_and_grad); see chunked_cross_entropy."""
+
+    def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False, loss_chunk_tokens: int = 0,
+                 chunk_loss_fn: Callable | None = None):
         super().__init__()
         problems = cfg.problems()
         if problems:
             raise ValueError("; ".join(problems))
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderBlock(cfg, fused_matmul=fused_matmul) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Rotary tables are derived, not learned: non-persistent, so they never enter a checkpoint,
@@ -135,11 +142,8 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Tokens per chunk of the output projection + loss (0: all at once), and the function that turns
-        # one chunk's logits into its loss and gradient; the caller sets both (a compiled function with
-        # train.compile), see chunked_cross_entropy.
-        self.loss_chunk_tokens = 0
-        self.chunk_loss_fn = chunk_loss_and_grad
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.chunk_loss_fn = chunk_loss_fn or chunk_loss_and_grad
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V); with targets (B, T), the mean cross-entropy instead."""

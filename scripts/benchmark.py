@@ -50,17 +50,17 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from config import ConfigError, load_config  # noqa: E402
+from config import ConfigError, check_batch_split, load_config  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed, read_torchrun_env  # noqa: E402
-from fsdp_utils.parallel.float8 import float8_problems, precompute_float8_scales  # noqa: E402
+from fsdp_utils.parallel.float8 import float8_problems  # noqa: E402
+from fsdp_utils.train.batch import BatchSplit  # noqa: E402
 from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
 from fsdp_utils.train.microbatch import cpu_micro_batch, memory_probe, search_micro_batch  # noqa: E402
-from fsdp_utils.train.optim import build_optimizer, clip_grad_norm  # noqa: E402
+from fsdp_utils.train.optim import build_optimizer  # noqa: E402
 from fsdp_utils.parallel.build import build_model  # noqa: E402
-from fsdp_utils.train.step import forward_backward  # noqa: E402
-from fsdp_utils.parallel.parallelize import parallelize, resolve_precision  # noqa: E402
-from model.transformer import Attention, FeedForward  # noqa: E402
+from fsdp_utils.train.step import train_step  # noqa: E402
+from fsdp_utils.parallel.parallelize import model_converters, parallelize, resolve_precision  # noqa: E402
 
 
 def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device, seed: int):
@@ -97,17 +97,16 @@ def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
     """(step function, model, optimizer, micro-batch, accumulation) of train_fsdp.py's model, wrapping and step."""
     t = cfg.train
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-    built = build_model(cfg, env)
-    if args.fused_projections:
-        # Ablation: one matmul per fused weight (q/k/v, gate/up), its output split afterwards, instead of
-        # one matmul per slice. Same weights and results. (FP8 runs use it anyway.)
-        for module in built.module.modules():
-            if isinstance(module, (Attention, FeedForward)):
-                module.fused_matmul = True
+    # --fused_projections: the ablation of one matmul per fused weight (q/k/v, gate/up), its output split
+    # afterwards, instead of one matmul per slice. Same weights and results. (FP8 runs use it anyway.)
+    built = build_model(cfg, env, fused_matmul=True if args.fused_projections else None)
+    converters = model_converters(cfg)
     model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
-                        compile=t.compile, env=env, init=built.init, float8=t.float8)
+                        compile=t.compile, env=env, init=built.init, converters=converters)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not args.unfused_adamw)
+    for converter in converters:
+        converter.register(model, optimizer)
     if micro_batch == "auto":
         per_rank, probe = t.global_batch_size // env.world_size, memory_probe(env.device, env.rank)
         if probe is None:
@@ -125,24 +124,18 @@ def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
     batches = random_batches(cfg.model.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
 
     def step():
-        loss = forward_backward(model, batches, None, grad_accum=grad_accum)
-        clip_grad_norm(model, t.grad_clip)
-        dist.all_reduce(loss)
-        optimizer.step()
-        if t.float8 != "none":  # as train_fsdp.py: the new weights' FP8 scales for the next all-gathers
-            precompute_float8_scales(model)
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()
+        # The training loop's own step (fsdp_utils/train/step.py), its one host sync included.
+        train_step(model, optimizer, batches, grad_accum=grad_accum, grad_clip=t.grad_clip, world_size=env.world_size)
 
     return step, model, optimizer, micro_batch, grad_accum
 
 
 def accumulation(cfg, env, micro_batch: int) -> int:
-    per_step = micro_batch * env.world_size
-    if cfg.train.global_batch_size % per_step:
-        raise SystemExit(f"error: train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
-                         f"micro-batch {micro_batch} x {env.world_size} ranks")
-    return cfg.train.global_batch_size // per_step
+    try:
+        check_batch_split(cfg, env.world_size, micro_batch=micro_batch)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err.problems[0]}") from None
+    return BatchSplit(cfg.train.global_batch_size, env.world_size, micro_batch).grad_accum
 
 
 def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:

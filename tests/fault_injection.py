@@ -1,14 +1,20 @@
 """Test-only faults for real training jobs, kept out of the production code.
 
-`tests/train_with_faults.py` runs train_fsdp.py with the faults of the JSON object in FSDP_TEST_FAULTS
-installed, by wrapping production functions in the training process (`install`). Faults:
+`tests/with_faults.py SCRIPT ARGS` runs train_fsdp.py (or another script) with the faults of the JSON
+object in FSDP_TEST_FAULTS installed, by wrapping production functions in that process (`install`). Faults:
 - "stage_fail": [steps]: staging an asynchronous save of those steps fails (0: the staging tried at
   the start of the run);
 - "write": {"step": K (optional: every save), "delay_s": S, "fail": bool}: the background write of the
   save at step K sleeps S seconds first, then fails on every rank if "fail";
 - "sync_write_fail": [steps]: a synchronous DCP write of those steps fails (the fallback of a failed
   background write, or a synchronous save);
-- "disk_free_bytes": N: the checkpoint manager sees N bytes free on the output directory's disk.
+- "disk_free_bytes": N: the checkpoint manager sees N bytes free on the output directory's disk;
+- "nan_at_step": K: rank 0's loss of training step K (1-based) is NaN;
+- "fake_gpu_memory": {...}: GPU memory readings from a formula (FakeProbe), so the micro-batch search,
+  its agreement across ranks, the cache and the hint run on the CPU;
+- "oom": "STEP:PHASE[:MICRO[:RANK]]": a CUDA out-of-memory error at that step (OOMInjection);
+- "float8_on_cpu": true: FP8 training allowed on the CPU (torch's reference FP8 matmul, far too slow to
+  train with, but it runs the real conversion, FP8 all-gather and checkpoint paths on gloo).
 """
 from __future__ import annotations
 
@@ -18,8 +24,12 @@ import re
 import shutil
 import time
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+
+from fsdp_utils.train.microbatch import MemoryProbe
 
 ENV = "FSDP_TEST_FAULTS"
 _STEP_RE = re.compile(r"cpt(\d+)$")
@@ -43,6 +53,104 @@ class FaultyWriter(FileSystemWriter):
         if self.fail:
             raise OSError(errno.EIO, "injected write failure (test hook)")
         return super().write_data(plan, planner)
+
+
+class FakeProbe(MemoryProbe):
+    """Memory readings from a formula instead of a GPU ("fake_gpu_memory"). The JSON object has
+    capacity_gib, fixed_gib (the resident part) and per_sample_gib, each a number or a list of one per
+    rank, and optionally table_gib {"micro-batch": GiB} for sizes that do not follow the formula: a
+    phase at micro-batch b reads fixed + per_sample * b."""
+
+    def __init__(self, spec: dict, rank: int):
+        def pick(value):
+            return float(value[rank] if isinstance(value, list) else value) * 2**30
+
+        self.capacity_bytes = pick(spec["capacity_gib"])
+        self.fixed, self.per_sample = pick(spec.get("fixed_gib", 0)), pick(spec.get("per_sample_gib", 0))
+        self.table = {int(k): pick(v) for k, v in spec.get("table_gib", {}).items()}
+        self.micro_batch = 0
+
+    @property
+    def name(self) -> str:
+        return "fake"
+
+    def total(self) -> int:
+        return int(self.capacity_bytes)
+
+    def capacity(self) -> int:
+        return int(self.capacity_bytes)
+
+    def begin(self, micro_batch: int) -> None:
+        self.micro_batch = micro_batch
+
+    def peak_reserved(self) -> int:
+        return int(self.table.get(self.micro_batch, self.fixed + self.per_sample * self.micro_batch))
+
+    def peak_allocated(self) -> int:
+        return self.peak_reserved()
+
+    def allocated(self) -> int:
+        return int(self.fixed)
+
+    def reserved(self) -> int:
+        return self.peak_reserved()
+
+
+class OOMInjection:
+    """("oom": "STEP:PHASE[:MICRO[:RANK]]") Raise a CUDA out-of-memory error once, at
+    optimizer step STEP (1-based), in the middle block's forward (PHASE forward), in its backward
+    (backward) or in an evaluation's forward (eval), at the MICRO-th micro-batch of the step (default 1),
+    on rank RANK only (default: every rank). Not with train.compile (the hooks would be traced)."""
+
+    def __init__(self, step: int, phase: str, micro: int, rank: int | None):
+        self.step, self.phase, self.micro, self.rank = step, phase, micro, rank
+        self.current_step, self.count, self.done = 0, 0, False
+
+    @classmethod
+    def parse(cls, spec: str, rank: int) -> OOMInjection | None:
+        step, phase, *rest = spec.split(":")
+        assert phase in ("forward", "backward", "eval"), spec
+        only = int(rest[1]) if len(rest) > 1 else None
+        return cls(int(step), phase, int(rest[0]) if rest else 1, only) if only in (None, rank) else None
+
+    def arm(self, step: int) -> None:
+        self.current_step, self.count = step, 0
+
+    def install(self, model: nn.Module, block_classes: set[type]) -> None:
+        # isinstance: FSDP2 swaps each sharded block's class for a subclass of it.
+        blocks = [m for m in model.modules() if isinstance(m, tuple(block_classes))]
+        block = blocks[len(blocks) // 2]
+        block.register_forward_pre_hook(self._pre_hook)
+        block.register_forward_hook(self._hook)
+
+    def _due(self, module: nn.Module, phase: str) -> bool:
+        if self.done or self.current_step != self.step or self.phase != phase:
+            return False
+        if module.training != (phase != "eval"):
+            return False
+        self.count += 1
+        self.done = self.count == self.micro
+        return self.done
+
+    def _pre_hook(self, module, args):
+        # Inside the block's FSDP unit: its weights are gathered, its forward not run.
+        if self._due(module, "forward") or self._due(module, "eval"):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the tests)")
+
+    def _hook(self, module, args, output):
+        if self._due(module, "backward"):
+            return _RaiseInBackward.apply(output)
+        return output
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected by the tests)")
 
 
 def install(spec: dict) -> None:
@@ -108,3 +216,54 @@ def install(spec: dict) -> None:
                 return type(real)(real.total, real.total - free, free)
 
         manager.shutil = _Shutil()
+
+    if "nan_at_step" in spec:
+        from fsdp_utils.train import step as step_module
+        from fsdp_utils.train.trainer import Trainer
+
+        nan_step = spec["nan_at_step"]
+        real_train_step, real_forward_backward = Trainer.train_step, step_module.forward_backward
+
+        @functools.wraps(real_train_step)
+        def train_step(self):
+            current["step"] = self.state.step + 1 if self.env.is_main else 0
+            return real_train_step(self)
+
+        @functools.wraps(real_forward_backward)
+        def forward_backward(*args, **kwargs):
+            loss = real_forward_backward(*args, **kwargs)
+            return loss * float("nan") if current["step"] == nan_step else loss
+
+        Trainer.train_step, step_module.forward_backward = train_step, forward_backward
+
+    if "fake_gpu_memory" in spec:
+        from fsdp_utils.train import microbatch, trainer
+
+        fake = spec["fake_gpu_memory"]
+        microbatch.memory_probe = trainer.memory_probe = lambda device, rank: FakeProbe(fake, rank)
+
+    if "oom" in spec:
+        from fsdp_utils.train.microbatch import OutOfMemoryGuard
+        from model.transformer import DecoderBlock
+
+        real_attempt = OutOfMemoryGuard.attempt
+
+        @functools.wraps(real_attempt)
+        def attempt(self, work, *, step, phase, split, model, optimizer):
+            if not hasattr(self, "injection"):
+                self.injection = OOMInjection.parse(spec["oom"], self.env.rank)
+                if self.injection is not None:
+                    self.injection.install(model, {DecoderBlock})
+            if self.injection is not None:
+                self.injection.arm(step)
+            return real_attempt(self, work, step=step, phase=phase, split=split, model=model, optimizer=optimizer)
+
+        OutOfMemoryGuard.attempt = attempt
+
+    if spec.get("float8_on_cpu"):
+        from fsdp_utils.parallel import float8
+
+        real_hardware_problem = float8.hardware_problem
+        float8.hardware_problem = lambda recipe, *, device_type, **kw: (
+            None if device_type == "cpu" else real_hardware_problem(recipe, device_type=device_type, **kw))
+

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train_fsdp.py"
-TRAIN_WITH_FAULTS = ROOT / "tests/train_with_faults.py"  # the same, with test-only faults (tests/fault_injection.py)
+WITH_FAULTS = ROOT / "tests/with_faults.py"  # runs a script with test-only faults (tests/fault_injection.py)
 
 # A model small enough that a few steps take about a second on 2 CPU cores.
 TINY = [
@@ -39,7 +39,7 @@ def write_corpus(path: Path, num_docs: int = 60) -> Path:
 
 
 def fault_env(faults: dict | None) -> dict:
-    """The environment that makes tests/train_with_faults.py install `faults`."""
+    """The environment that makes tests/with_faults.py install `faults`."""
     from tests.fault_injection import ENV
 
     return {ENV: json.dumps(faults)} if faults else {}
@@ -51,10 +51,10 @@ def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_d
     """Run one training job; nproc > 1 goes through torchrun; `prefix` runs it under another command
     (e.g. prlimit); `faults` (tests/fault_injection.py) runs it with those faults installed. Returns the
     finished process."""
-    script = str(TRAIN_WITH_FAULTS if faults else TRAIN)
+    script = [str(WITH_FAULTS), str(TRAIN)] if faults else [str(TRAIN)]
     extra_env = {**(extra_env or {}), **fault_env(faults)}
-    launcher = [*prefix, sys.executable, script] if nproc == 1 else [
-        *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+    launcher = [*prefix, sys.executable, *script] if nproc == 1 else [
+        *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
     cmd = launcher + [str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
                       f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}

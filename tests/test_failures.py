@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, TRAIN, TRAIN_WITH_FAULTS, descendants, kill_tree, losses, read_metrics, run_train
+from tests.helpers import ROOT, TINY, TRAIN, WITH_FAULTS, descendants, kill_tree, losses, read_metrics, run_train
 
 pytestmark = pytest.mark.slow  # every test here launches training processes
 
@@ -31,7 +31,7 @@ def train_cmd(*args: str, nproc: int, out_dir: Path, corpus: Path, dataset_dir: 
     """The command tests.helpers.run_train builds for nproc > 1 (`faults`: the launcher that installs the
     faults given to Job through tests.helpers.fault_env)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(TRAIN_WITH_FAULTS if faults else TRAIN), str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
+            *([str(WITH_FAULTS)] if faults else []), str(TRAIN), str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
             f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
 
 
@@ -60,7 +60,7 @@ class Job:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(part.endswith((b"train_fsdp.py", b"train_with_faults.py")) for part in cmdline):
+            if any(part.endswith(b"train_fsdp.py") for part in cmdline):
                 env = dict(item.split(b"=", 1) for item in environ if b"=" in item)
                 if b"RANK" in env:
                     found[int(env[b"RANK"])] = pid
@@ -342,7 +342,7 @@ def test_nan_loss_stops_before_the_update(corpus, dataset_dir, tmp_path):
     out = tmp_path / "out"
     proc = run_train("--train.max_steps=6", "--checkpoint.interval=1", "--checkpoint.keep_last_n=0", nproc=2,
                      out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=180,
-                     extra_env={"FSDP_INJECT_NAN_AT_STEP": "3"})
+                     faults={"nan_at_step": 3})
     assert proc.returncode != 0, proc.stderr[-4000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "non-finite" in errors[0] and "step 3" in errors[0], proc.stderr[-4000:]
@@ -358,7 +358,7 @@ def test_nan_loss_stops_before_the_update(corpus, dataset_dir, tmp_path):
 def test_nan_loss_skipped_with_max_bad_steps(corpus, dataset_dir, tmp_path):
     out = tmp_path / "out"
     proc = run_train("--train.max_steps=6", "--train.max_bad_steps=1", nproc=2, out_dir=out, corpus=corpus,
-                     dataset_dir=dataset_dir, timeout=180, extra_env={"FSDP_INJECT_NAN_AT_STEP": "3"})
+                     dataset_dir=dataset_dir, timeout=180, faults={"nan_at_step": 3})
     # Every rank decides the same way and each logs the warning (ranks other than 0 log warnings too).
     warnings = sorted(line.split("] ", 1) for line in proc.stderr.splitlines() if "non-finite" in line)
     assert [tag.split()[-1] for tag, _ in warnings] == ["rank0", "rank1"], proc.stderr[-4000:]

@@ -3,7 +3,7 @@
 Without torchao (CI): the config checks and the clear errors (no torchao, FSDP1, CPU, GPUs without FP8).
 With torchao (skipped when it is not importable; locally `PYTHONPATH=/path/to/torchao python -m pytest
 tests/test_float8.py`): the conversion, FP8 numerics against fp32, activation checkpointing, and real
-2-rank gloo runs through the test-only FSDP_FLOAT8_ALLOW_CPU=1 (torch's CPU FP8 matmul): training,
+2-rank gloo runs through the test-only fault "float8_on_cpu" (torch's CPU FP8 matmul): training,
 checkpoints in both formats, resume bit for bit, resume with FP8 switched off and on, export_hf.
 The CUDA cases (marked gpu) run the same code on GPUs.
 """
@@ -62,7 +62,6 @@ def test_hardware_check_with_fake_devices():
         problem = hardware_problem("tensorwise", device_type="cuda", capability=capability, name="NVIDIA A100")
         assert "NVIDIA A100 has " + ".".join(map(str, capability)) in problem and "8.9 or later" in problem
     assert "this run is on the CPU" in hardware_problem("rowwise", device_type="cpu", capability=None)
-    assert hardware_problem("rowwise", device_type="cpu", capability=None, allow_cpu=True) is None
 
 
 def test_torchao_hint_names_the_release_for_this_torch():
@@ -74,14 +73,10 @@ def test_torchao_hint_names_the_release_for_this_torch():
 def test_environment_problems_without_torchao_or_fp8_hardware(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real_find_spec(name, *a))
-    monkeypatch.delenv(float8.ALLOW_CPU_ENV, raising=False)
     assert float8_problems("none", run_device="cpu", local_rank=0) == []
     no_torchao, on_cpu = float8_problems("tensorwise", run_device="cpu", local_rank=0)
     assert no_torchao.startswith("train.float8=tensorwise needs the torchao package, which is not installed: ")
     assert "this run is on the CPU" in on_cpu
-    # The escape hatch lifts the CPU check only.
-    monkeypatch.setenv(float8.ALLOW_CPU_ENV, "1")
-    assert float8_problems("tensorwise", run_device="cpu", local_rank=0) == [no_torchao]
     # A visible GPU of capability 8.0 on this rank (LOCAL_RANK 1): the check asks that device.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -95,7 +90,7 @@ def test_environment_problems_without_torchao_or_fp8_hardware(monkeypatch):
 @pytest.mark.slow
 def test_cli_float8_on_cpu_exits_2_before_the_process_group(tmp_path):
     # One error line per problem, exit 2, no process group (which would start gloo and write files).
-    env = {k: v for k, v in os.environ.items() if k != float8.ALLOW_CPU_ENV}
+    env = dict(os.environ)
     proc = subprocess.run([sys.executable, str(ROOT / "train_fsdp.py"), str(TINY_CONFIG), "--train.float8=tensorwise",
                            "--fsdp.version=2", "--run.device=cpu", f"--run.output_dir={tmp_path / 'out'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
@@ -111,7 +106,7 @@ def test_cli_float8_on_cpu_exits_2_before_the_process_group(tmp_path):
 
 def tiny_model(**overrides) -> Transformer:
     cfg = ModelConfig(**{**dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32), **overrides})
-    model = Transformer(cfg)
+    model = Transformer(cfg, fused_matmul=True)  # as build_model makes it for FP8
     model.init_weights(seed=1)
     return model
 
@@ -122,7 +117,7 @@ def test_conversion_covers_exactly_the_block_linears():
 
     # ffn_hidden_dim=72: w13 is 64 -> 144 (converted), w2 is 72 -> 64 (72 is no multiple of 16: kept).
     model = tiny_model(tie_embeddings=False, ffn_hidden_dim=72)
-    assert float8.convert_to_float8(list(model.layers), recipe="tensorwise", float8_all_gather=False) == 3 * 2
+    assert float8.Float8Converter("tensorwise", float8_all_gather=False).convert(list(model.layers)) == 3 * 2
     fp8 = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert fp8 == {f"layers.{i}.{n}" for i in range(2) for n in ("attention.wqkv", "attention.wo", "feed_forward.w13")}
     assert type(model.output) is nn.Linear and type(model.layers[0].feed_forward.w2) is nn.Linear
@@ -149,14 +144,14 @@ def relative_errors(device: str, recipe: str | None, dtype: torch.dtype) -> dict
     """Norm-wise relative error of each block_fwd_bwd result against fp32 without FP8."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=97, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=64)
-    reference = Transformer(cfg)
+    reference = Transformer(cfg, fused_matmul=True)  # as build_model makes it for FP8
     reference.init_weights(seed=2)  # the model's own initialisation: std 0.02, residual projections smaller
     block = reference.layers[0].to(device)
     x, grad_out = torch.randn(4, 64, cfg.dim, device=device), torch.randn(4, 64, cfg.dim, device=device)
     want = block_fwd_bwd(copy.deepcopy(block), x, grad_out, torch.float32)
     candidate = copy.deepcopy(block)
     if recipe:
-        float8.convert_to_float8([candidate], recipe=recipe, float8_all_gather=False)
+        float8.Float8Converter(recipe, float8_all_gather=False).convert([candidate])
     got = block_fwd_bwd(candidate, x, grad_out, dtype)
     return {k: ((got[k] - want[k]).norm() / want[k].norm()).item() for k in want}
 
@@ -198,7 +193,7 @@ def test_selective_op_keeps_the_fp8_matmul_outputs():
 
     def backward(mode: str):
         model = tiny_model()
-        float8.convert_to_float8(list(model.layers), recipe="tensorwise", float8_all_gather=False)
+        float8.Float8Converter("tensorwise", float8_all_gather=False).convert(list(model.layers))
         apply_activation_checkpointing(list(model.layers), mode, every_n=1)
         tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
         loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -227,7 +222,7 @@ def test_compiled_fp8_block_keeps_checkpointing_and_its_fp8_matmul_outputs():
     from tests.test_wrap import compiled_block_saves
 
     def convert(block):
-        float8.convert_to_float8([block], recipe="tensorwise", float8_all_gather=False)
+        float8.Float8Converter("tensorwise", float8_all_gather=False).convert([block])
 
     unit = 2 * 64 * 64 * 4  # one (B, T, D) fp32 activation, as in tests/test_wrap.py
     (none, ops_none), (by_op, ops_by_op) = (compiled_block_saves(m, convert) for m in ("none", "selective_op"))
@@ -243,7 +238,7 @@ def test_compiled_fp8_block_keeps_checkpointing_and_its_fp8_matmul_outputs():
 # ---- real runs: 2 ranks, FSDP2 with FP8 all-gather, checkpoints (torchao) ------------------------------
 
 FSDP2 = ["--fsdp.version=2", "--train.max_steps=6", "--checkpoint.interval=3"]
-ALLOW_CPU = {float8.ALLOW_CPU_ENV: "1"}  # the test-only escape hatch: torch's CPU FP8 matmul
+ALLOW_CPU = {"float8_on_cpu": True}  # the test-only fault: torch's CPU FP8 matmul (tests/fault_injection.py)
 # The production path: per-block compile (inductor; about 35 s a run on the CPU) and selective_op
 # checkpointing. On GPUs one case, in bf16, with the fastest recipe and the GPU presets' checkpoint format.
 COMPILED = ["--train.compile=true", "--fsdp.activation_checkpointing=selective_op"]
@@ -265,7 +260,7 @@ def checkpoint_path(run_dir: Path, fmt: str, step: int) -> Path:
 @needs_torchao
 @pytest.mark.parametrize("recipe, fmt, device_args", RESUME_CASES)
 def test_fp8_run_resumes_bit_for_bit_and_in_full_precision(tmp_path, corpus, dataset_dir, recipe, fmt, device_args):
-    kw = dict(nproc=2, corpus=corpus, dataset_dir=dataset_dir, extra_env=ALLOW_CPU)
+    kw = dict(nproc=2, corpus=corpus, dataset_dir=dataset_dir, faults=ALLOW_CPU)
     args = [*FSDP2, *device_args, f"--checkpoint.format={fmt}"]
     run_train(*args, f"--train.float8={recipe}", out_dir=tmp_path / "fp8", **kw)
     saved = checkpoint_path(tmp_path / "fp8", fmt, 3)
@@ -292,7 +287,7 @@ def test_fp8_run_resumes_bit_for_bit_and_in_full_precision(tmp_path, corpus, dat
 @pytest.mark.slow
 @needs_torchao
 def test_full_precision_checkpoint_resumes_with_fp8(tmp_path, corpus, dataset_dir):
-    kw = dict(nproc=2, corpus=corpus, dataset_dir=dataset_dir, extra_env=ALLOW_CPU)
+    kw = dict(nproc=2, corpus=corpus, dataset_dir=dataset_dir, faults=ALLOW_CPU)
     args = [*FSDP2, "--train.max_steps=4", "--checkpoint.format=sharded"]
     run_train(*args, out_dir=tmp_path / "plain", **kw)
     run_train(*args, "--train.float8=tensorwise", f"--resume_from={tmp_path / 'plain/fsdp_sharded_cpt3'}",
@@ -311,7 +306,7 @@ def test_export_hf_of_an_fp8_checkpoint_gives_our_logits(tmp_path, corpus, datas
     from tests.test_export_hf import assert_same_logits
 
     run_train("--fsdp.version=2", "--train.float8=tensorwise", "--train.max_steps=2", nproc=1, out_dir=tmp_path / "fp8",
-              corpus=corpus, dataset_dir=dataset_dir, extra_env=ALLOW_CPU)
+              corpus=corpus, dataset_dir=dataset_dir, faults=ALLOW_CPU)
     checkpoint = tmp_path / "fp8/fsdp_cpt2.pth"
     assert export_hf.main([str(checkpoint), str(tmp_path / "hf")]) == 0
     ours, _ = load_model(checkpoint)
@@ -333,7 +328,7 @@ def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = tiny_model()
-        float8.convert_to_float8(list(model.layers), recipe="tensorwise", float8_all_gather=True)
+        float8.Float8Converter("tensorwise", float8_all_gather=True).convert(list(model.layers))
         mesh = init_device_mesh("cpu", (1,))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)

@@ -171,7 +171,7 @@ def test_injected_out_of_memory_retry_on_two_gpus_matches_the_reference(tmp_path
     run_train(*GPU, "--checkpoint.interval=2", "--train.max_steps=5", "--train.micro_batch_size=1", nproc=2, out_dir=ref,
               corpus=corpus, dataset_dir=dataset_dir)
     proc = run_train(*GPU, "--train.max_steps=5", "--train.oom_retry_half=true", nproc=2, out_dir=retry, corpus=corpus,
-                     dataset_dir=dataset_dir, extra_env={"FSDP_INJECT_OOM": "3:backward:2"})
+                     dataset_dir=dataset_dir, faults={"oom": "3:backward:2"})
     assert "redoing the training of step 3 with micro-batch 1" in proc.stderr
     norms = {}
     for out in (ref, retry):

@@ -1,7 +1,6 @@
 """train.micro_batch_size: auto, the out-of-memory report and retry, and the memory hint.
 
-GPU memory is injected (FSDP_FAKE_GPU_MEMORY: readings from a formula) and out-of-memory errors too
-(FSDP_INJECT_OOM), so everything but the readings themselves runs for real on the CPU: trial steps,
+GPU memory readings from a formula and out-of-memory errors are injected (tests/fault_injection.py), so everything but the readings themselves runs for real on the CPU: trial steps,
 agreement across gloo ranks, the restore of the weights, the cache, the retry. tests/test_gpu.py has
 the GPU counterparts."""
 from __future__ import annotations
@@ -17,16 +16,18 @@ import pytest
 import torch
 
 from config import ConfigError, check_batch_split, load_config
-from fsdp_utils.train.microbatch import (CACHE_FILE, FakeProbe, MicroBatchChoice, climb, divisors, read_cache,
-                                   save_to_cache, smaller_micro_batch)
-from tests.helpers import ROOT, losses, run_train
+from fsdp_utils.train.batch import BatchSplit, divisors
+from fsdp_utils.train.microbatch import CACHE_FILE, MicroBatchChoice, climb, read_cache, save_to_cache
+from tests.fault_injection import FakeProbe
+from tests.helpers import ROOT, WITH_FAULTS, fault_env, losses, run_train
 
 TINY_PRESET = ROOT / "config/train_tiny_fsdp.yaml"
 GiB = 2**30
 
 
 def fake_memory(capacity: float, fixed: float, per_sample, **extra) -> dict:
-    return {"FSDP_FAKE_GPU_MEMORY": json.dumps({"capacity_gib": capacity, "fixed_gib": fixed, "per_sample_gib": per_sample, **extra})}
+    """The fault (tests/fault_injection.py) that makes GPU memory readings from a formula on the CPU."""
+    return {"fake_gpu_memory": {"capacity_gib": capacity, "fixed_gib": fixed, "per_sample_gib": per_sample, **extra}}
 
 
 def error_lines(proc) -> list[str]:
@@ -39,7 +40,21 @@ def error_lines(proc) -> list[str]:
 def test_divisors_and_halving():
     assert divisors(32) == [1, 2, 4, 8, 16, 32]
     assert divisors(12) == [1, 2, 3, 4, 6, 12]
-    assert [smaller_micro_batch(b) for b in (32, 6, 9, 3, 1)] == [16, 3, 3, 1, 0]  # odd: largest divisor <= half
+    # Halved: half the micro-batch, or for an odd size the largest divisor <= half; the same global batch.
+    halved = [BatchSplit(b * 4, 2, b).halved() for b in (32, 6, 9, 3, 1)]
+    assert [h and h.micro_batch_size for h in halved] == [16, 3, 3, 1, None]
+    assert [h.grad_accum for h in halved[:4]] == [4, 4, 6, 6] and halved[0].global_batch_size == 128
+
+
+def test_batch_split_indices_cover_the_global_batch_once_whatever_the_split():
+    # The samples a step trains on are its global batch, split: the same set of first-sample indices for
+    # any world size and micro-batch (each index is the first of micro_batch_size consecutive samples).
+    def covered(world_size, micro):
+        split = BatchSplit(8, world_size, micro)
+        return sorted(i + k for rank in range(world_size)
+                      for i in split.sample_indices(rank=rank, first_step=2, samples_seen=16, max_steps=4)
+                      for k in range(micro))
+    assert covered(1, 8) == covered(2, 2) == covered(4, 1) == list(range(16, 32))
 
 
 def test_climb_jumps_to_the_largest_bounded_candidate():
@@ -155,7 +170,7 @@ def test_auto_agrees_across_ranks_and_trains_like_the_same_micro_batch_by_hand(v
     # c = 2 (6.0), and from there 1 + 5 * 2 = 11 > 9 stops: micro-batch 2 on both ranks.
     common = ["--train.global_batch_size=16", "--train.max_steps=4", f"--fsdp.version={version}"]
     auto = run_train(*common, "--train.micro_batch_size=auto", nproc=2, out_dir=tmp_path / "auto", corpus=corpus,
-                     dataset_dir=dataset_dir, extra_env=fake_memory(10, 1, [1, 2.5]))
+                     dataset_dir=dataset_dir, faults=fake_memory(10, 1, [1, 2.5]))
     assert "train.micro_batch_size=auto: micro-batch 2 (gradient accumulation 4 on 2 ranks)" in auto.stderr
     assert "micro-batch 1: 3.50 GiB, 2: 6.00 GiB" in auto.stderr  # the max over ranks, as measured
     run_train(*common, "--train.micro_batch_size=2", nproc=2, out_dir=tmp_path / "by_hand", corpus=corpus,
@@ -173,17 +188,17 @@ def test_auto_result_is_cached_and_reused_on_resume(corpus, dataset_dir, tmp_pat
     out = tmp_path / "out"
     memory = fake_memory(10, 1, 1)  # 1 + b GiB, budget 9: the largest candidate 8 fits (bound 9 <= 9)
     args = ["--train.global_batch_size=8", "--train.micro_batch_size=auto", "--checkpoint.interval=2"]
-    first = run_train(*args, "--train.max_steps=2", out_dir=out, corpus=corpus, dataset_dir=dataset_dir, extra_env=memory)
+    first = run_train(*args, "--train.max_steps=2", out_dir=out, corpus=corpus, dataset_dir=dataset_dir, faults=memory)
     assert "measuring trial steps" in first.stderr and "micro-batch 8 (gradient accumulation 1 on 1 ranks)" in first.stderr
     # Resumed (auto_resume) with different readings: the cache answers, no trial step runs.
     second = run_train(*args, "--train.max_steps=4", out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
-                       extra_env=fake_memory(10, 1, 5))
+                       faults=fake_memory(10, 1, 5))
     assert "measuring trial steps" not in second.stderr
     assert re.search(r"micro-batch 8 \(gradient accumulation 1\), from .*microbatch_cache.json .*; no search", second.stderr)
     assert sorted(losses(out)) == [1, 2, 3, 4]
     # A different world size is another entry: searched again.
     third = run_train(*args, "--train.max_steps=6", nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
-                      extra_env=memory)
+                      faults=memory)
     assert "measuring trial steps" in third.stderr
     sizes = [e["key"]["world_size"] for e in json.loads((out / CACHE_FILE).read_text())["entries"]]
     assert sizes == [1, 2]
@@ -203,7 +218,7 @@ def test_auto_on_the_cpu_uses_the_fallback(corpus, dataset_dir, tmp_path):
 @pytest.mark.slow
 def test_auto_when_nothing_fits_is_one_error_line(corpus, dataset_dir, tmp_path):
     proc = run_train("--train.micro_batch_size=auto", "--train.max_steps=1", out_dir=tmp_path / "out", corpus=corpus,
-                     dataset_dir=dataset_dir, extra_env=fake_memory(4, 3, 1), check=False)
+                     dataset_dir=dataset_dir, faults=fake_memory(4, 3, 1), check=False)
     assert proc.returncode == 1
     # 3 + 1 * 1 = 4 GiB at micro-batch 1 against a budget of 4 * 0.9 = 3.6.
     assert error_lines(proc) == [
@@ -228,7 +243,7 @@ def test_hint_only_when_memory_is_mostly_unused_and_gradients_accumulate(case, c
     # 1.5 GiB used: the hint's condition, but auto measured already; it stays quiet.
     memory = fake_memory(capacity, 1, 0.5, table_gib={"8": 99} if case == "auto" else {})
     proc = run_train(f"--train.micro_batch_size={micro_batch}", "--train.max_steps=3", out_dir=tmp_path / "out",
-                     corpus=corpus, dataset_dir=dataset_dir, extra_env=memory)
+                     corpus=corpus, dataset_dir=dataset_dir, faults=memory)
     hints = [line for line in proc.stderr.splitlines() if HINT in line]
     if case == "auto":
         assert "micro-batch 1 (gradient accumulation 8 on 1 ranks)" in proc.stderr
@@ -246,7 +261,7 @@ def test_hint_only_when_memory_is_mostly_unused_and_gradients_accumulate(case, c
 @pytest.mark.slow
 def test_out_of_memory_without_retry_is_one_error_line(corpus, dataset_dir, tmp_path):
     proc = run_train("--train.max_steps=4", out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False,
-                     extra_env={"FSDP_INJECT_OOM": "3:backward", **fake_memory(80, 1, 0.5)})
+                     faults={"oom": "3:backward", **fake_memory(80, 1, 0.5)})
     assert proc.returncode == 1
     (line,) = error_lines(proc)
     # The figures come from the (fake) GPU readings: 1 GiB allocated, 1 + 0.5 * 2 reserved and at peak.
@@ -288,7 +303,7 @@ def test_out_of_memory_retry_redoes_the_step_with_the_same_samples(version, wher
     # (gradients accumulated without sync, FSDP's per-step state) leaked into the redone step.
     proc = run_train(f"--fsdp.version={version}", "--train.max_steps=5", "--train.oom_retry_half=true", nproc=2,
                      out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir,
-                     extra_env={"FSDP_INJECT_OOM": f"3:{where}"})
+                     faults={"oom": f"3:{where}"})
     assert proc.stderr.count("out of memory at step 3 (training, micro-batch 2 x accumulation 2") == 2  # each rank
     assert "train.oom_retry_half: redoing the training of step 3 with micro-batch 1 (accumulation 4" in proc.stderr
     assert losses(tmp_path / "out") == reference(version)
@@ -299,7 +314,7 @@ def test_out_of_memory_retry_in_evaluation(corpus, dataset_dir, tmp_path):
     common = ["--train.max_steps=4", "--train.eval_interval=2", "--train.eval_batches=2"]
     run_train(*common, nproc=2, out_dir=tmp_path / "plain", corpus=corpus, dataset_dir=dataset_dir)
     proc = run_train(*common, "--train.oom_retry_half=true", nproc=2, out_dir=tmp_path / "retry", corpus=corpus,
-                     dataset_dir=dataset_dir, extra_env={"FSDP_INJECT_OOM": "2:eval"})
+                     dataset_dir=dataset_dir, faults={"oom": "2:eval"})
     assert "redoing the evaluation of step 2 with micro-batch 1" in proc.stderr
 
     def val(out):
@@ -319,7 +334,7 @@ def test_out_of_memory_on_one_rank_only_stops_within_the_timeout(corpus, dataset
     # of the ranks times out after run.timeout_s, and the job ends with that said, not hung.
     proc = run_train("--train.max_steps=4", "--train.oom_retry_half=true", "--run.timeout_s=10", nproc=2,
                      out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120,
-                     extra_env={"FSDP_INJECT_OOM": "3:forward:1:0"})
+                     faults={"oom": "3:forward:1:0"})
     assert proc.returncode != 0
     (line,) = error_lines(proc)
     assert line.startswith("error: out of memory at step 3 (training, micro-batch 2 x accumulation 2, rank 0)")
@@ -334,11 +349,11 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
     # One process, global batch 8: readings 1 + 0.5 * b GiB all fit a 9 GiB budget, so auto takes 8 (x 1);
     # the fixed micro-batch 2 needs accumulation 4; the reference runs at the auto choice.
     pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
+    proc = subprocess.run([sys.executable, str(WITH_FAULTS), str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
                            "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
                            "--train.global_batch_size=8", "--compare_auto", "--fixed_micro_batch=2", "--peer",
                            "--steps=1", "--warmup=1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **fake_memory(10, 1, 0.5)})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **fault_env(fake_memory(10, 1, 0.5))})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:4] for line in proc.stdout.splitlines() if line.startswith(("ours", "hf_"))}
     assert rows["ours_mb2"] == ["2", "x", "4"] and rows["ours_auto"] == ["8", "x", "1"] and rows["hf_llama_fsdp2"] == ["8", "x", "1"]

@@ -23,8 +23,8 @@ def small_cfg(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
-def built(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    model = Transformer(cfg)
+def built(cfg: ModelConfig, seed: int = 0, **options) -> Transformer:
+    model = Transformer(cfg, **options)
     model.init_weights(seed)
     return model.eval()
 
@@ -82,8 +82,7 @@ def test_chunked_loss_equals_full_loss_and_gradients(chunk, tie):
     x, y = tokens[:, :-1], tokens[:, 1:]  # 2 x 16 = 32 target tokens: chunks of 7 leave a remainder of 4
 
     def loss_and_grads(chunk_tokens):
-        model = built(cfg, seed=9).train()
-        model.loss_chunk_tokens = chunk_tokens
+        model = built(cfg, seed=9, loss_chunk_tokens=chunk_tokens).train()
         loss = model(x, y)
         (loss * 0.25).backward()  # a scaled loss, as with gradient accumulation
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -320,17 +319,16 @@ def test_flops_per_token_terms(tie):
 
 @pytest.mark.parametrize("n_kv_heads", [1, 4], ids=["mqa", "mha"])
 def test_fused_matmul_calls_the_modules_and_keeps_outputs_and_gradients(n_kv_heads):
-    # fused_matmul (fsdp_utils/float8.py sets it on FP8 layers) computes q/k/v and gate/up as one call
+    # fused_matmul (build_model sets it for FP8 layers) computes q/k/v and gate/up as one call
     # of wqkv / w13, so a module replacing the nn.Linear runs; the numbers are those of the per-slice
     # matmuls up to float32 summation order.
     cfg = small_cfg(n_kv_heads=n_kv_heads)
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
     results = []
     for fused in (False, True):
-        model = built(cfg, seed=5)
+        model = built(cfg, seed=5, fused_matmul=fused)
         calls = []
         for layer in model.layers:
-            layer.attention.fused_matmul = layer.feed_forward.fused_matmul = fused
             for linear in (layer.attention.wqkv, layer.feed_forward.w13):
                 linear.register_forward_hook(lambda *_: calls.append(1))
         loss = model(tokens[:, :-1], tokens[:, 1:])

@@ -5,6 +5,9 @@ a `WeightInit` that `parallelize` calls to materialise the weights once they are
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 
 import torch
 from torch import nn
@@ -17,22 +20,26 @@ from ..distributed import DistEnv
 from . import hf
 from .weights import BuiltModel, WeightInit
 
+log = logging.getLogger("train")
 
-def build_model(cfg, env: DistEnv) -> BuiltModel:
+
+def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None) -> BuiltModel:
     """The model of `cfg.model` (our Transformer or model.type=hf), unsharded, on the meta device when
-    it will be sharded over several ranks."""
+    it will be sharded over several ranks. `fused_matmul` (our model): one matmul per fused q/k/v and
+    gate/up weight instead of one per slice; by default exactly when FP8 converts those layers (an FP8
+    module must be called whole)."""
     if cfg.model.type == "hf":
         return hf.build_for_sharding(cfg, env)
     f = cfg.fsdp
     use_meta = f.meta_init and env.world_size > 1 and not f.sync_module_states
+    fused = cfg.train.float8 != "none" if fused_matmul is None else fused_matmul
+    # The per-chunk softmax work of the chunked loss, compiled into a couple of kernels with train.compile.
+    chunk_loss_fn = torch.compile(chunk_loss_and_grad, dynamic=False) if cfg.train.compile else None
     with torch.device("meta" if use_meta else env.device):
-        model = Transformer(cfg.model)
+        model = Transformer(cfg.model, fused_matmul=fused, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                            chunk_loss_fn=chunk_loss_fn)
     if not use_meta:
         model.init_weights(cfg.run.seed)
-    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
-    if cfg.train.compile:
-        # The per-chunk softmax work of the chunked loss, compiled into a couple of kernels.
-        model.chunk_loss_fn = torch.compile(chunk_loss_and_grad, dynamic=False)
     return BuiltModel(model, {DecoderBlock}, SeededInit(model, cfg.model, seed=cfg.run.seed) if use_meta else None)
 
 
@@ -66,3 +73,28 @@ class SeededInit(WeightInit):
             else:
                 param.copy_(full)
         self.model.reset_buffers()
+
+
+def describe_model(cfg, tokenizer_vocab: int) -> tuple[int, dict, float]:
+    """(vocabulary size, shape signature stored in checkpoints, training FLOPs per token) of the model."""
+    if cfg.model.type == "hf":
+        hf_config = hf.load_hf_config(cfg.model)
+        # FLOPs as for the same dimensions of our model (Llama-style layers), for the MFU figure.
+        shape = ModelConfig(vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
+                            n_heads=hf_config.num_attention_heads,
+                            n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+                            ffn_hidden_dim=hf_config.intermediate_size)
+        return hf_config.vocab_size, hf.config_signature(hf_config), shape.flops_per_token(cfg.data.seq_len)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = tokenizer_vocab
+    plain = ModelConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(ModelConfig)})
+    return plain.vocab_size, dataclasses.asdict(plain), plain.flops_per_token(cfg.data.seq_len)
+
+
+def log_parameter_summary(model_cfg) -> None:
+    n_total = model_cfg.num_params()
+    n_embed = model_cfg.vocab_size * model_cfg.dim * (1 if model_cfg.tie_embeddings else 2)
+    per_block = (n_total - n_embed - model_cfg.dim) // model_cfg.n_layers
+    log.info("model: %s parameters (%s without embeddings), %d blocks of %s, dim %d, heads %d/%d kv, ffn %d, vocab %d",
+             f"{n_total:,}", f"{n_total - n_embed:,}", model_cfg.n_layers, f"{per_block:,}", model_cfg.dim,
+             model_cfg.n_heads, model_cfg.num_kv_heads, model_cfg.hidden_dim, model_cfg.vocab_size)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 
 import torch
 from torch import nn
@@ -30,10 +29,6 @@ log = logging.getLogger(__name__)
 
 # torch release -> the torchao release built for it (torchao's compatibility table).
 TORCHAO_FOR_TORCH = {"2.11": "0.17"}
-# Test-only escape hatch, read in `float8_problems` alone: torch has a CPU reference kernel for FP8
-# matmuls, far too slow to train with but enough for the CPU tests to run the real conversion,
-# FP8 all-gather (gloo) and checkpoint paths. Not a config field: no user should ask for it.
-ALLOW_CPU_ENV = "FSDP_FLOAT8_ALLOW_CPU"
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
 
 
@@ -46,12 +41,9 @@ def torchao_hint(torch_version: str = torch.__version__) -> str:
     return f"install the torchao release built for torch {major_minor} (installed here; {pairs})"
 
 
-def hardware_problem(recipe: str, *, device_type: str, capability: tuple[int, int] | None, name: str = "",
-                     allow_cpu: bool = False) -> str | None:
+def hardware_problem(recipe: str, *, device_type: str, capability: tuple[int, int] | None, name: str = "") -> str | None:
     """Why FP8 training cannot run on this device, or None. Pure: the tests pass fake capabilities."""
     if device_type == "cpu":
-        if allow_cpu:
-            return None
         return (f"train.float8={recipe} needs an NVIDIA GPU with FP8 support (compute capability 8.9 or later: "
                 f"Ada, Hopper); this run is on the CPU: set train.float8: none")
     if capability is None or tuple(capability) < MIN_CAPABILITY:
@@ -76,8 +68,7 @@ def float8_problems(recipe: str, *, run_device: str, local_rank: int) -> list[st
     capability = name = None
     if device.type == "cuda":
         capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
-    problem = hardware_problem(recipe, device_type=device.type, capability=capability, name=name,
-                               allow_cpu=os.environ.get(ALLOW_CPU_ENV) == "1")
+    problem = hardware_problem(recipe, device_type=device.type, capability=capability, name=name)
     return problems + ([problem] if problem else [])
 
 
@@ -86,34 +77,46 @@ def _convertible(module: nn.Module, _fqn: str) -> bool:
     return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def convert_to_float8(blocks: list[nn.Module], *, recipe: str, float8_all_gather: bool) -> int:
-    """Swap the blocks' linear layers for torchao's FP8 ones, in place; return how many were swapped.
+class Float8Converter:
+    """FP8 training as a model converter: `convert(blocks)` before parallelizing swaps the blocks' linear
+    layers for torchao's FP8 ones, in place; `register(model, optimizer)` hooks its post-step work (the
+    FP8 all-gather weights' scales, computed for all weights at once) onto the optimizer's step, so every
+    step that updates the weights, wherever it runs, keeps them current and no loop has to know FP8.
 
-    float8_all_gather (FSDP2 with tensorwise scaling): the weights become torchao tensor subclasses
-    that FSDP2 all-gathers in FP8; `state_dict` still gives plain tensors (see _plain_weights).
-    """
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    Our model must be built with `fused_matmul` (build_model does so for FP8): its fused q/k/v and
+    gate/up weights are then applied by calling the module, which FP8 replaces."""
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    if float8_all_gather:
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # the tensorwise recipe, plus that
-    linears_before = sum(type(m) is nn.Linear for block in blocks for m in block.modules())
-    for block in blocks:
-        convert_to_float8_training(block, module_filter_fn=_convertible, config=config)
-        for module in block.modules():
-            # Our fused q/k/v and gate/up weights are applied as matmuls on their slices, which would
-            # bypass the FP8 module: make those modules call it, as one matmul.
-            if isinstance(module, Attention):
-                module.fused_matmul = type(module.wqkv) is not nn.Linear
-            elif isinstance(module, FeedForward):
-                module.fused_matmul = type(module.w13) is not nn.Linear
-        if float8_all_gather:
-            block.register_state_dict_post_hook(_plain_weights)
-    converted = linears_before - sum(type(m) is nn.Linear for block in blocks for m in block.modules())
-    log.info("FP8 training (%s scaling%s): %d of %d linear layers in %d blocks converted; embeddings, norms and "
-             "the output projection keep the compute precision", recipe, ", FP8 all-gather" if float8_all_gather else "",
-             converted, linears_before, len(blocks))
-    return converted
+    def __init__(self, recipe: str, *, float8_all_gather: bool):
+        self.recipe, self.float8_all_gather = recipe, float8_all_gather
+
+    def convert(self, blocks: list[nn.Module]) -> int:
+        """Swap the blocks' linear layers; return how many were swapped. With float8_all_gather (FSDP2,
+        tensorwise) the weights become torchao tensor subclasses that FSDP2 all-gathers in FP8;
+        `state_dict` still gives plain tensors (see _plain_weights)."""
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(self.recipe)
+        if self.float8_all_gather:
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # the tensorwise recipe, plus that
+        linears_before = sum(type(m) is nn.Linear for block in blocks for m in block.modules())
+        for block in blocks:
+            for module in block.modules():
+                if isinstance(module, (Attention, FeedForward)) and not module.fused_matmul:
+                    raise ValueError("FP8 needs the model built with fused_matmul=True: the slices of its fused "
+                                     "weights would bypass the FP8 modules")
+            convert_to_float8_training(block, module_filter_fn=_convertible, config=config)
+            if self.float8_all_gather:
+                block.register_state_dict_post_hook(_plain_weights)
+        converted = linears_before - sum(type(m) is nn.Linear for block in blocks for m in block.modules())
+        log.info("FP8 training (%s scaling%s): %d of %d linear layers in %d blocks converted; embeddings, norms and "
+                 "the output projection keep the compute precision", self.recipe,
+                 ", FP8 all-gather" if self.float8_all_gather else "", converted, linears_before, len(blocks))
+        return converted
+
+    def register(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """After each optimizer step: the scales the next step's FP8 all-gathers use."""
+        if self.float8_all_gather:
+            optimizer.register_step_post_hook(lambda *_: precompute_float8_scales(model))
 
 
 def _plain_weights(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

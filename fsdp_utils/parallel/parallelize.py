@@ -129,24 +129,32 @@ def _mesh(env: DistEnv, strategy: str, hybrid_group_size: int) -> DeviceMesh:
     return init_device_mesh(device_type, (env.world_size // group, group), mesh_dim_names=("replicate", "shard"))
 
 
+def model_converters(cfg) -> list:
+    """The converters a run applies to its blocks before parallelizing (FP8 with train.float8). Each has
+    `convert(blocks)` and `register(model, optimizer)` for work after every optimizer step."""
+    if cfg.train.float8 == "none":
+        return []
+    from .float8 import Float8Converter
+
+    assert cfg.fsdp.version == 2, "train.float8 needs FSDP2 (the config validation says so)"
+    return [Float8Converter(cfg.train.float8, float8_all_gather=cfg.train.float8 == "tensorwise")]
+
+
 def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig, precision: Precision, compile: bool,
-                env: DistEnv, init: WeightInit | None = None, float8: str = "none") -> nn.Module:
+                env: DistEnv, init: WeightInit | None = None, converters: list = ()) -> nn.Module:
     """Make a built model trainable and sharded, in the one documented order:
 
-    FP8 linear layers in the blocks (`float8`: none, tensorwise or rowwise; FSDP2 only) -> activation
+    model converters on the blocks (`converters`, e.g. FP8 linear layers) -> activation
     checkpointing (fsdp.activation_checkpointing) -> torch.compile of each block -> FSDP on each block,
     then the root (fsdp.version 1 or 2, with fsdp's options) -> weights materialised (`init`, for a model
     built on the meta device). Blocks are the modules of `block_classes`. Returns the model to train:
     the FSDP1 wrapper, or the same module sharded in place by FSDP2.
     """
     blocks = [m for m in model.modules() if type(m) in block_classes]
-    if float8 != "none":
-        # First, as torchtitan does: checkpointing and compile then wrap the FP8 modules' forward,
-        # and FSDP2 shards their weights (FP8 all-gather subclasses included).
-        from .float8 import convert_to_float8
-
-        assert fsdp.version == 2, "train.float8 needs FSDP2 (the config validation says so)"
-        convert_to_float8(blocks, recipe=float8, float8_all_gather=float8 == "tensorwise")
+    for converter in converters:
+        # First: checkpointing and compile then wrap the converted modules' forward, and FSDP2 shards
+        # their weights (FP8 all-gather subclasses included).
+        converter.convert(blocks)
     apply_activation_checkpointing(blocks, fsdp.activation_checkpointing, fsdp.ac_every_n_layers)
     if compile:
         apply_compile(blocks)

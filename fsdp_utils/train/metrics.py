@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("train")
 
 # Dense bf16 peak FLOP/s per GPU, by the vendors' datasheets (SXM parts).
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
@@ -63,3 +67,48 @@ class MetricsWriter:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+class TrainingLog:
+    """Decides for itself when a step is logged (every logging.interval steps and the last): the log line
+    (ending with the elapsed time and an ETA to max_steps), tokens/s per GPU, MFU, peak memory, and the row
+    in metrics.jsonl and TensorBoard (rank 0 writes). Validation losses go the same way."""
+
+    def __init__(self, output_dir: Path | None, *, interval: int, max_steps: int, first_step: int, tokens_per_step: int,
+                 world_size: int, flops_per_token: float, peak_flops: float | None, device: torch.device,
+                 tensorboard: bool):
+        self.interval, self.max_steps, self.device = interval, max_steps, device
+        self.tokens_per_gpu_step = tokens_per_step / world_size
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.writer = MetricsWriter(output_dir, tensorboard=tensorboard) if output_dir is not None else None
+        self.start = self.last_time = time.perf_counter()
+        self.last_step = first_step
+        self.last_row: dict = {}
+
+    def on_step(self, step: int, *, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
+        if step % self.interval and step != self.max_steps:
+            return
+        now = time.perf_counter()
+        step_time = (now - self.last_time) / (step - self.last_step)
+        tok_per_gpu = self.tokens_per_gpu_step / step_time
+        mfu = self.flops_per_token * tok_per_gpu / self.peak_flops if self.peak_flops else None
+        row = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+               "tokens_per_sec_per_gpu": tok_per_gpu, "mfu": mfu, "peak_mem_gib": peak_memory_gib(self.device)}
+        self.last_row = row
+        if self.writer is not None:
+            log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s/gpu | mfu %s | mem %.2f GiB | "
+                     "elapsed %s | eta %s", step, self.max_steps, row["loss"], lr, row["grad_norm"], f"{tok_per_gpu:,.0f}",
+                     f"{100 * mfu:.1f}%" if mfu is not None else "n/a", row["peak_mem_gib"],
+                     format_duration(now - self.start), format_duration(step_time * (self.max_steps - step)))
+            self.writer.write(row)
+        self.last_time, self.last_step = time.perf_counter(), step
+
+    def on_eval(self, step: int, val_loss: float) -> None:
+        self.last_row["val_loss"] = val_loss
+        if self.writer is not None:
+            log.info("step %d | val_loss %.4f", step, val_loss)
+            self.writer.write({"step": step, "val_loss": val_loss})
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

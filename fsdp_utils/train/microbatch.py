@@ -30,9 +30,9 @@ forward leaves the others waiting in a collective until run.timeout_s, and recov
 The result is cached per model shape, sequence length, batch, world size, GPU, torch version and the
 memory-relevant options in <output_dir>/microbatch_cache.json: a resumed run does not search again.
 
-Test-only seams, each read in one place: FSDP_FAKE_GPU_MEMORY (memory readings from a formula, so the
-search, the agreement across ranks, the cache and the hint run on the CPU; `memory_probe`) and
-FSDP_INJECT_OOM (an out-of-memory error raised at a chosen step; `OOMInjection.from_env`).
+The tests replace `memory_probe` with readings from a formula and raise out-of-memory errors at chosen
+steps (tests/fault_injection.py), so the search, the agreement across ranks, the cache, the hint and the
+retry run on the CPU too.
 """
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ import gc
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -54,23 +53,17 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 from ..distributed import DistEnv
-from .optim import clip_grad_norm
-from .step import forward_backward
+from .batch import BatchSplit, divisors
+from .step import train_step
 
 log = logging.getLogger(__name__)
 
 GiB = 2**30
 CACHE_FILE = "microbatch_cache.json"
-FAKE_MEMORY_ENV = "FSDP_FAKE_GPU_MEMORY"
-INJECT_OOM_ENV = "FSDP_INJECT_OOM"
 
 
 class OutOfMemory(RuntimeError):
     """A micro-batch does not fit: one line with the figures and what to change."""
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _gib(num_bytes: float) -> str:
@@ -120,52 +113,8 @@ class MemoryProbe:
         return torch.cuda.memory_reserved(self.device)
 
 
-class FakeProbe(MemoryProbe):
-    """Test-only (FSDP_FAKE_GPU_MEMORY): readings from a formula instead of a GPU. The JSON object has
-    capacity_gib, fixed_gib (the resident part) and per_sample_gib, each a number or a list of one per
-    rank, and optionally table_gib {"micro-batch": GiB} for sizes that do not follow the formula: a
-    phase at micro-batch b reads fixed + per_sample * b."""
-
-    def __init__(self, spec: dict, rank: int):
-        def pick(value):
-            return float(value[rank] if isinstance(value, list) else value) * GiB
-
-        self.capacity_bytes = pick(spec["capacity_gib"])
-        self.fixed, self.per_sample = pick(spec.get("fixed_gib", 0)), pick(spec.get("per_sample_gib", 0))
-        self.table = {int(k): pick(v) for k, v in spec.get("table_gib", {}).items()}
-        self.micro_batch = 0
-
-    @property
-    def name(self) -> str:
-        return "fake"
-
-    def total(self) -> int:
-        return int(self.capacity_bytes)
-
-    def capacity(self) -> int:
-        return int(self.capacity_bytes)
-
-    def begin(self, micro_batch: int) -> None:
-        self.micro_batch = micro_batch
-
-    def peak_reserved(self) -> int:
-        return int(self.table.get(self.micro_batch, self.fixed + self.per_sample * self.micro_batch))
-
-    def peak_allocated(self) -> int:
-        return self.peak_reserved()
-
-    def allocated(self) -> int:
-        return int(self.fixed)
-
-    def reserved(self) -> int:
-        return self.peak_reserved()
-
-
 def memory_probe(device: torch.device, rank: int) -> MemoryProbe | None:
-    """The GPU's figures; None on the CPU. The one place that reads FSDP_FAKE_GPU_MEMORY (tests only)."""
-    fake = os.environ.get(FAKE_MEMORY_ENV)
-    if fake:
-        return FakeProbe(json.loads(fake), rank)
+    """The GPU's figures; None on the CPU. (`rank`: for the tests' probe, which reads per-rank figures.)"""
     return MemoryProbe(device) if device.type == "cuda" else None
 
 
@@ -230,10 +179,9 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
         # includes the first's unsharded gradients (FSDP keeps them unsharded under no_sync).
         num_micro = min(2, per_rank // micro_batch)
         tokens = (torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=env.device, generator=gen) for _ in range(num_micro))
-        forward_backward(model, ((t[:, :-1], t[:, 1:]) for t in tokens), None, grad_accum=num_micro)
-        clip_grad_norm(model, grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        # The training step itself: its optimizer step runs the model converters' hooks (FP8 scales) too.
+        train_step(model, optimizer, ((t[:, :-1], t[:, 1:]) for t in tokens), grad_accum=num_micro, grad_clip=grad_clip,
+                   world_size=env.world_size)
 
     def measure(micro_batch: int) -> float:
         probe.begin(micro_batch)
@@ -406,71 +354,6 @@ def memory_hint(probe: MemoryProbe | None, env: DistEnv, *, micro_batch: int, gr
 # ---- out of memory during training ---------------------------------------------------------------
 
 
-class OOMInjection:
-    """Test-only (FSDP_INJECT_OOM=STEP:PHASE[:MICRO[:RANK]]): raise a CUDA out-of-memory error once, at
-    optimizer step STEP (1-based), in the middle block's forward (PHASE forward), in its backward
-    (backward) or in an evaluation's forward (eval), at the MICRO-th micro-batch of the step (default 1),
-    on rank RANK only (default: every rank). Not with train.compile (the hooks would be traced)."""
-
-    def __init__(self, step: int, phase: str, micro: int, rank: int | None):
-        self.step, self.phase, self.micro, self.rank = step, phase, micro, rank
-        self.current_step, self.count, self.done = 0, 0, False
-
-    @classmethod
-    def from_env(cls, rank: int) -> OOMInjection | None:
-        spec = os.environ.get(INJECT_OOM_ENV)
-        if not spec:
-            return None
-        step, phase, *rest = spec.split(":")
-        assert phase in ("forward", "backward", "eval"), spec
-        only = int(rest[1]) if len(rest) > 1 else None
-        return cls(int(step), phase, int(rest[0]) if rest else 1, only) if only in (None, rank) else None
-
-    def arm(self, step: int) -> None:
-        self.current_step, self.count = step, 0
-
-    def install(self, model: nn.Module, block_classes: set[type]) -> None:
-        # isinstance: FSDP2 swaps each sharded block's class for a subclass of it.
-        blocks = [m for m in model.modules() if isinstance(m, tuple(block_classes))]
-        block = blocks[len(blocks) // 2]
-        block.register_forward_pre_hook(self._pre_hook)
-        block.register_forward_hook(self._hook)
-
-    def _due(self, module: nn.Module, phase: str) -> bool:
-        if self.done or self.current_step != self.step or self.phase != phase:
-            return False
-        if module.training != (phase != "eval"):
-            return False
-        self.count += 1
-        self.done = self.count == self.micro
-        return self.done
-
-    def _pre_hook(self, module, args):
-        # Inside the block's FSDP unit: its weights are gathered, its forward not run.
-        if self._due(module, "forward") or self._due(module, "eval"):
-            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_OOM_ENV})")
-
-    def _hook(self, module, args, output):
-        if self._due(module, "backward"):
-            return _RaiseInBackward.apply(output)
-        return output
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_OOM_ENV})")
-
-
-def smaller_micro_batch(micro_batch: int) -> int:
-    """Half the micro-batch; for an odd size the largest divisor below half (it still divides the batch)."""
-    return max([d for d in divisors(micro_batch) if d <= micro_batch // 2] or [0])
-
-
 def end_interrupted_step(model: nn.Module) -> None:
     """Bring FSDP back to its between-steps state after an exception interrupted a forward or backward.
 
@@ -521,48 +404,41 @@ class OutOfMemoryGuard:
     the others are already waiting in the step's next collective, the meeting times out, and the run
     stops with that said, as it would without the retry (never a silent mismatch of collectives)."""
 
-    def __init__(self, env: DistEnv, *, probe: MemoryProbe | None, retry: bool, timeout_s: float, compile: bool,
-                 model: nn.Module, block_classes: set[type]):
+    def __init__(self, env: DistEnv, *, probe: MemoryProbe | None, retry: bool, timeout_s: float, compile: bool):
         self.env, self.probe, self.retry, self.compile = env, probe, retry, compile
         self.timeout_s = timeout_s
         # Created now, on every rank (creating a group is itself collective).
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) if retry else None
-        self.injection = OOMInjection.from_env(env.rank)
-        if self.injection is not None:
-            self.injection.install(model, block_classes)
 
-    def attempt(self, work: Callable[[], object], *, step: int, phase: str, micro_batch: int, grad_accum: int,
-                model: nn.Module, optimizer: torch.optim.Optimizer):
-        """(work(), micro_batch) normally; after an out-of-memory error that train.oom_retry_half recovered
-        from: (None, the smaller micro-batch to redo it with)."""
-        if self.injection is not None:
-            self.injection.arm(step)
+    def attempt(self, work: Callable[[], object], *, step: int, phase: str, split: BatchSplit, model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> tuple[object, BatchSplit]:
+        """(work(), split) normally; after an out-of-memory error that train.oom_retry_half recovered from:
+        (None, the smaller split to redo it with)."""
         try:
-            return work(), micro_batch
+            return work(), split
         except torch.OutOfMemoryError as err:
-            report = self._report(err, step=step, phase=phase, micro_batch=micro_batch, grad_accum=grad_accum)
+            report = self._report(err, step=step, phase=phase, split=split)
         # Out of the except block: the interrupted step's tensors, held by the traceback, are freed now.
-        return None, self._recover(report, step=step, phase=phase, micro_batch=micro_batch, grad_accum=grad_accum,
-                                   model=model, optimizer=optimizer)
+        return None, self._recover(report, step=step, phase=phase, split=split, model=model, optimizer=optimizer)
 
-    def _report(self, err: BaseException, *, step: int, phase: str, micro_batch: int, grad_accum: int) -> str:
+    def _report(self, err: BaseException, *, step: int, phase: str, split: BatchSplit) -> str:
         figures = "no GPU memory figures on the CPU"
         if self.probe is not None:
             figures = (f"{_gib(self.probe.allocated())} GiB allocated, {_gib(self.probe.reserved())} GiB reserved "
                        f"(peak {_gib(self.probe.peak_allocated())} GiB allocated) of {_gib(self.probe.total())} GiB")
-        report = (f"out of memory at step {step} ({phase}, micro-batch {micro_batch} x accumulation {grad_accum}, "
+        report = (f"out of memory at step {step} ({phase}, micro-batch {split.micro_batch_size} x accumulation {split.grad_accum}, "
                   f"rank {self.env.rank}): {figures}; {str(err).splitlines()[0]}")
         log.warning("%s", report)  # every rank that ran out says so, with its own figures
         return report
 
-    def _recover(self, report: str, *, step: int, phase: str, micro_batch: int, grad_accum: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer) -> int:
-        smaller = smaller_micro_batch(micro_batch)
+    def _recover(self, report: str, *, step: int, phase: str, split: BatchSplit, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> BatchSplit:
+        smaller = split.halved()
         if not self.retry:
             raise OutOfMemory(f"{report}. Lower train.micro_batch_size (or set it to auto), turn on "
                               "fsdp.activation_checkpointing, or set train.oom_retry_half=true to redo such steps "
                               "at half the micro-batch")
-        if smaller == 0:
+        if smaller is None:
             raise OutOfMemory(f"{report}. Already at micro-batch 1: nothing smaller to retry with")
         try:
             dist.all_reduce(torch.ones(1), group=self.group)
@@ -579,8 +455,8 @@ class OutOfMemoryGuard:
         if self.compile:
             torch.compiler.reset()  # the new shape compiles static, not as a dynamic batch dimension
         if self.probe is not None:
-            self.probe.begin(smaller)
-        new_accum = grad_accum * micro_batch // smaller
+            self.probe.begin(smaller.micro_batch_size)
         log.warning("train.oom_retry_half: redoing the %s of step %d with micro-batch %d (accumulation %d: the same "
-                    "samples), and keeping that size for the rest of the run", phase, step, smaller, new_accum)
+                    "samples), and keeping that size for the rest of the run", phase, step, smaller.micro_batch_size,
+                    smaller.grad_accum)
         return smaller

@@ -1,0 +1,44 @@
+"""The batch split of a training step, computed in one place and passed on: each of the world's ranks
+runs `grad_accum` micro-batches of `micro_batch_size` samples, and together they make the global batch."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    global_batch_size: int
+    world_size: int
+    micro_batch_size: int
+
+    def __post_init__(self):
+        # The config's check_batch_split reports an impossible split to the user before any split is made.
+        assert self.global_batch_size % (self.micro_batch_size * self.world_size) == 0, self
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch_size // self.world_size
+
+    @property
+    def grad_accum(self) -> int:
+        return self.per_rank // self.micro_batch_size
+
+    def halved(self) -> BatchSplit | None:
+        """The same samples in smaller micro-batches (for an out-of-memory retry): half the micro-batch, or for
+        an odd size the largest divisor below half, so the accumulation stays whole; None at micro-batch 1."""
+        smaller = [d for d in divisors(self.micro_batch_size) if d <= self.micro_batch_size // 2]
+        return BatchSplit(self.global_batch_size, self.world_size, max(smaller)) if smaller else None
+
+    def sample_indices(self, *, rank: int, first_step: int, samples_seen: int, max_steps: int) -> Iterator[int]:
+        """Global sample index of the first sample of each of this rank's micro-batches, from `first_step`
+        (at data position `samples_seen`) to `max_steps`: a step's samples are its global batch, split, so
+        the order is the same on any world size and micro-batch."""
+        for step in range(first_step, max_steps):
+            start = samples_seen + (step - first_step) * self.global_batch_size
+            for micro in range(self.grad_accum):
+                yield start + (micro * self.world_size + rank) * self.micro_batch_size

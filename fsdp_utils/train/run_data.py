@@ -1,0 +1,47 @@
+"""The data a run trains on: prepared folders as they are (data.sources), or data.files prepared once by
+rank 0 while the other ranks wait for it on a file, not in a collective (preparing can outlast
+run.timeout_s)."""
+from __future__ import annotations
+
+import uuid
+
+import torch.distributed as dist
+
+from data import DataError, PreparedData, PrepareSettings, default_dataset_dir, handoff, load_prepared, prepare_for_training
+
+from ..distributed import DistEnv, barrier
+from .preemption import StopSignal
+
+
+def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedData, float]]:
+    """The prepared folders to train on, with their weights: data.sources as they are, or else data.files
+    (the stdlib sources by default), prepared once by rank 0 (later runs reuse them) and opened by all.
+
+    The other ranks wait for rank 0 on a file in the output directory, not in a collective: preparing can
+    outlast run.timeout_s. Rank 0's outcome reaches every rank, so a data error ends them all with the
+    same message; a stop signal ends a waiting rank at once.
+    """
+    d = cfg.data
+    if d.sources:
+        return [(load_prepared(source.path), source.weight) for source in d.sources]
+    settings = PrepareSettings.from_config(cfg)
+    dataset_dir = d.dataset_dir or default_dataset_dir(settings)
+    job_id = [uuid.uuid4().hex if env.is_main else None]
+    dist.broadcast_object_list(job_id, src=0)  # quick: every rank arrives here straight after startup
+    outcome = handoff.outcome_path(cfg.output_dir, job_id[0])
+    if env.is_main:
+        error = None
+        try:
+            prepare_for_training(dataset_dir, settings, named_dir=bool(d.dataset_dir), max_input_mb=d.max_in_job_mb)
+        except (DataError, ValueError, OSError) as err:
+            error = str(err)
+        handoff.publish(outcome, error)
+    else:
+        error = handoff.wait_for(outcome, dataset_dir=dataset_dir, timeout_s=d.prepare_wait_s,
+                                 stop_requested=lambda: stop.name)
+    barrier(env)  # quick too: rank 0 is done, and once all are past it nobody reads the outcome file
+    if env.is_main:
+        outcome.unlink(missing_ok=True)
+    if error is not None:
+        raise DataError(error)
+    return [(load_prepared(dataset_dir), 1.0)]

@@ -1,0 +1,272 @@
+"""The Trainer: one training run, set up from the config in the documented order (data, model, parallelize,
+optimizer, micro-batch, resume, the save preconditions), then `fit()`: the loop of `train_step` and one call
+per component per step (the log, evaluation, the checkpoint manager), each deciding for itself.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from config import Config, ConfigError, check_batch_split, save_config
+from data import BatchPrefetcher, open_datasets
+from data.store import tokenizer_sha256
+
+from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
+from ..checkpoint.io import install_tokenizer
+from ..distributed import DistEnv
+from ..parallel.build import build_model, describe_model, log_parameter_summary
+from ..parallel.parallelize import model_converters, parallelize, resolve_precision
+from .batch import BatchSplit
+from .metrics import TrainingLog, detect_peak_flops
+from .microbatch import OutOfMemoryGuard, cache_key, memory_hint, memory_probe, resolve_micro_batch, save_to_cache
+from .optim import build_optimizer, lr_at
+from .preemption import StopSignal
+from .run_data import prepare_dataset
+from .step import StepResult, train_step
+
+log = logging.getLogger("train")
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm stopped being finite."""
+
+
+@torch.no_grad()
+def evaluate(model, val_data, *, num_samples: int, micro_batch: int, env: DistEnv) -> float:
+    """Mean validation loss over the first num_samples sequences of the validation set, in micro-batches,
+    whatever the world size: rank r takes batches r, r + W, ...; every rank runs the same number of forward
+    passes (FSDP needs them all), a rank past the end weighting its last one by zero. Every batch holds as
+    many tokens, so the mean of the batch means is the same for any micro-batch that divides num_samples."""
+    model.eval()
+    try:
+        n = num_samples // micro_batch
+        total = torch.zeros((), device=env.device)
+        for first in range(0, n, env.world_size):
+            k = first + env.rank
+            x, y = val_data.batch(min(k, n - 1) * micro_batch, micro_batch)
+            loss = model(x.to(env.device), y.to(env.device)).float()
+            total += loss if k < n else 0.0 * loss
+        dist.all_reduce(total)
+    finally:
+        model.train()
+    return total.item() / n
+
+
+class Trainer:
+    """Every rank builds one and calls `fit()`; rank 0 alone prints and writes the run's files."""
+
+    def __init__(self, cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | None = None):
+        self.cfg, self.env, self.stop = cfg, env, stop
+        check_batch_split(cfg, env.world_size)
+        torch.manual_seed(cfg.run.seed)
+        self._setup_data()
+        self._setup_model()
+        self._choose_micro_batch()  # before any resume: the search's trial steps need the optimizer state empty
+        self.state = self._resume(resume_from)
+        self._write_run_files()
+        self.ckpt.prepare_saving(self.model, self.optimizer)  # a run that cannot save stops now, not at its first save
+        self.num_bad_steps = 0
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def _setup_data(self) -> None:
+        cfg = self.cfg
+        sources = prepare_dataset(cfg, self.env, self.stop)
+        self.prepared = sources[0][0]  # the tokenizer and vocabulary (every source of a mixture shares them)
+        self.vocab_size, self.model_signature, self.flops_per_token = describe_model(cfg, self.prepared.vocab_size)
+        if self.vocab_size < self.prepared.vocab_size:
+            raise ConfigError([f"the model's vocabulary ({self.vocab_size}) is smaller than the tokenizer's "
+                               f"({self.prepared.vocab_size})"])
+        self.train_data, self.val_data = open_datasets(sources, seq_len=cfg.data.seq_len, seed=cfg.run.seed)
+
+    def _setup_model(self) -> None:
+        cfg, env, t = self.cfg, self.env, self.cfg.train
+        self.precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
+        built = build_model(cfg, env)  # on the meta device when sharded over several ranks
+        converters = model_converters(cfg)
+        self.model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=self.precision,
+                                 compile=t.compile, env=env, init=built.init, converters=converters)
+        # The fused AdamW kernel does not accept the sharded grad scaler's inf flag: fp16 uses the foreach one.
+        self.optimizer = build_optimizer(self.model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
+                                         fused=not self.precision.use_grad_scaler)
+        for converter in converters:
+            converter.register(self.model, self.optimizer)  # post-step work runs inside optimizer.step()
+        self.scaler = None
+        if self.precision.use_grad_scaler:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler()
+        c = cfg.checkpoint
+        self.ckpt = CheckpointManager(cfg.output_dir, fmt=c.format, keep_last_n=c.keep_last_n,
+                                      model_config=self.model_signature, env=env, verify=c.verify,
+                                      async_save=c.async_save, async_writer=c.async_writer,
+                                      on_async_error=c.on_async_error, timeout_s=cfg.run.timeout_s,
+                                      tokenizer_sha256=tokenizer_sha256(self.prepared.tokenizer_path),
+                                      allow_tokenizer_change=c.allow_tokenizer_change)
+        if env.is_main:
+            log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+            if cfg.model.type == "llama":
+                log_parameter_summary(cfg.model)
+            else:
+                log.info("model: %s from %s", self.model_signature, cfg.model.hf_path or cfg.model.hf_config)
+
+    def _choose_micro_batch(self) -> None:
+        cfg, env = self.cfg, self.env
+        self.probe = memory_probe(env.device, env.rank)
+        self.cache_key = cache_key(cfg, model_signature=self.model_signature, world_size=env.world_size,
+                                   gpu=self.probe.name if self.probe else "cpu", precision=self.precision.name)
+        self.choice = resolve_micro_batch(cfg, env, model=self.model, optimizer=self.optimizer, vocab_size=self.vocab_size,
+                                          key=self.cache_key, probe=self.probe)
+        check_batch_split(cfg, env.world_size, micro_batch=self.choice.micro_batch_size)
+        self.split = BatchSplit(cfg.train.global_batch_size, env.world_size, self.choice.micro_batch_size)
+        if self.probe is not None:
+            self.probe.begin(self.split.micro_batch_size)  # the memory figures from here on are the training's
+        if env.is_main:
+            p = self.precision
+            log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, micro-batch %d, "
+                     "train %s tokens, val %s tokens", env.world_size, env.device.type, p.name,
+                     str(p.reduce).replace("torch.", ""), cfg.fsdp.version, cfg.fsdp.sharding_strategy,
+                     self.split.grad_accum, self.split.micro_batch_size, f"{self.train_data.num_tokens:,}",
+                     f"{self.val_data.num_tokens:,}")
+
+    def _resume(self, resume_from: str | None) -> TrainState:
+        out_dir = self.cfg.output_dir
+        if resume_from is None and (existing := self.ckpt.complete_checkpoints()):
+            if not self.cfg.checkpoint.auto_resume:  # a fresh start would mix its checkpoints with these, and retention delete them
+                raise CheckpointMismatch(f"{out_dir} already holds checkpoints of an earlier run (newest {existing[0][1].name}); "
+                                         f"resume with --resume_from latest, or give this run another run.output_dir")
+            resume_from = "latest"
+            log.info("checkpoint.auto_resume: continuing from the newest complete checkpoint in %s", out_dir)
+        if resume_from is None:
+            return TrainState()
+        state = self.ckpt.load(self.model, self.optimizer, resume_from)
+        if self.scaler is not None and state.grad_scaler:
+            self.scaler.load_state_dict(state.grad_scaler)
+        return state
+
+    def _write_run_files(self) -> None:
+        """Only now, after a resume, so that a refused resume leaves the output directory as it was."""
+        if not self.env.is_main:
+            return
+        out_dir = self.cfg.output_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, out_dir / "config.yaml")
+        # The tokenizer travels with the run, so generate.py and export_hf.py find it next to the checkpoints.
+        install_tokenizer(self.prepared.tokenizer_path, out_dir)
+        if self.choice.how == "search":
+            save_to_cache(out_dir, self.cache_key, self.choice)
+
+    def _open_batches(self) -> BatchPrefetcher:
+        """This rank's micro-batches from the current step on, at the current split."""
+        indices = self.split.sample_indices(rank=self.env.rank, first_step=self.state.step,
+                                            samples_seen=self.state.samples_seen, max_steps=self.cfg.train.max_steps)
+        return BatchPrefetcher(self.train_data, indices, num_samples=self.split.micro_batch_size, device=self.env.device)
+
+    # ---- the step and the evaluation ---------------------------------------------------------------
+    def _guarded(self, work: Callable[[], object], *, phase: str, step: int) -> object:
+        """work() under the out-of-memory guard; after a recovered out-of-memory error (train.oom_retry_half)
+        the micro-batch is smaller from then on and the work is done again: a training step on the same
+        samples, an evaluation on the same sequences."""
+        while True:
+            result, split = self.oom.attempt(work, step=step, phase=phase, split=self.split, model=self.model,
+                                             optimizer=self.optimizer)
+            if split == self.split:
+                return result
+            self.split = split
+            self.batches.close()
+            self.batches = self._open_batches()
+
+    def train_step(self) -> StepResult:
+        """One optimizer step at the schedule's learning rate (the step counters advance if it was applied)."""
+        t, state = self.cfg.train, self.state
+        self.lr = lr_at(state.step, max_lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+
+        def step() -> StepResult:
+            return train_step(self.model, self.optimizer, self.batches, grad_accum=self.split.grad_accum,
+                              grad_clip=t.grad_clip, world_size=self.env.world_size, scaler=self.scaler,
+                              stop_requested=self.stop.requested)
+
+        result = self._guarded(step, phase="training", step=state.step + 1)
+        if not result.applied:
+            self._skip_bad_step(result)
+        state.step += 1
+        state.samples_seen += t.global_batch_size
+        state.tokens_seen += t.global_batch_size * self.cfg.data.seq_len
+        return result
+
+    def _skip_bad_step(self, result: StepResult) -> None:
+        t = self.cfg.train
+        self.num_bad_steps += 1
+        msg = (f"non-finite loss ({result.loss.item()}) or gradient norm ({result.grad_norm.item()}) at step "
+               f"{self.state.step + 1}")
+        if self.num_bad_steps > t.max_bad_steps:
+            raise NonFiniteError(f"{msg}; stopping before the optimizer step, no checkpoint written "
+                                 f"(train.max_bad_steps={t.max_bad_steps} allows skipping such steps)")
+        log.warning("%s: skipping the update (%d of train.max_bad_steps=%d)", msg, self.num_bad_steps, t.max_bad_steps)
+
+    def evaluate(self) -> float:
+        # The same sequences whatever an out-of-memory retry does to the micro-batch.
+        num_samples = self.cfg.train.eval_batches * self.choice.micro_batch_size
+        return self._guarded(lambda: evaluate(self.model, self.val_data, num_samples=num_samples,
+                                              micro_batch=self.split.micro_batch_size, env=self.env),
+                             phase="evaluation", step=self.state.step)
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Train to train.max_steps (or a stop signal), saving as checkpoint.* says; returns the last logged row."""
+        cfg, env, t = self.cfg, self.env, self.cfg.train
+        first_step = self.state.step
+        self.batches = self._open_batches()
+        self.oom = OutOfMemoryGuard(env, probe=self.probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s,
+                                    compile=t.compile)
+        self.log = TrainingLog(cfg.output_dir if env.is_main else None, interval=cfg.logging.interval,
+                               max_steps=t.max_steps, first_step=first_step,
+                               tokens_per_step=t.global_batch_size * cfg.data.seq_len, world_size=env.world_size,
+                               flops_per_token=self.flops_per_token, device=env.device,
+                               peak_flops=detect_peak_flops(env.device, cfg.logging.peak_flops),
+                               tensorboard=cfg.logging.tensorboard)
+        try:
+            self.model.train()
+            while self.state.step < t.max_steps:
+                result = self.train_step()
+                if self.state.step == first_step + 2:
+                    self._memory_hint()
+                self.log.on_step(self.state.step, loss=result.loss, lr=self.lr, grad_norm=result.grad_norm)
+                if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.max_steps):
+                    self.log.on_eval(self.state.step, self.evaluate())
+                self._checkpoint(stopping=result.stop_requested)
+                if result.stop_requested:
+                    if env.is_main:
+                        log.info("stopped by a signal at step %d after saving; rerun the same command to continue "
+                                 "(checkpoint.auto_resume), or pass --resume_from latest", self.state.step)
+                    break
+            self.ckpt.finish()  # a clean end waits for the save in flight
+        finally:
+            self.ckpt.close()
+            self.batches.close()
+            self.log.close()
+        return self.log.last_row
+
+    def _memory_hint(self) -> None:
+        if self.cfg.train.micro_batch_size == "auto":
+            return
+        hint = memory_hint(self.probe, self.env, micro_batch=self.split.micro_batch_size, grad_accum=self.split.grad_accum)
+        if hint and self.env.is_main:
+            log.info("%s", hint)
+
+    def _checkpoint(self, *, stopping: bool) -> None:
+        """Every rank, every step: commits an asynchronous save once all its writes are done, and saves at
+        checkpoint.interval, on a stop signal and at the last step."""
+        state, interval = self.state, self.cfg.checkpoint.interval
+        self.ckpt.poll()
+        last = stopping or state.step == self.cfg.train.max_steps
+        if last or (interval and state.step % interval == 0):
+            state.grad_scaler = self.scaler.state_dict() if self.scaler else None
+            self.ckpt.save(self.model, self.optimizer, state, last=last)
+        if stopping:
+            self.ckpt.finish()
