@@ -171,13 +171,14 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each DecoderBlock."""
     float8: str = "none"
-    """FP8 matmuls in the blocks' linear layers through torchao (an optional package: torchao 0.17.x for
-    torch 2.11): none, tensorwise (one scale per tensor; FP8 all-gather of the weights) or rowwise (one
+    """FP8 matmuls in the blocks' linear layers through torchao (an optional package: the torchao release
+    built for the installed torch): none, tensorwise (one scale per tensor; FP8 all-gather of the weights) or rowwise (one
     scale per row). Needs fsdp.version 2 and a GPU of compute capability 8.9 or later (Ada, Hopper).
     Weights, optimizer state and checkpoints stay in full precision."""
     loss_chunk_tokens: int = 0
     """Compute output logits, loss and their gradients this many tokens at a time (0: all at once).
-    The (tokens x vocab) fp32 logits never exist at once: 5 GiB less per GPU at the 1B preset, same speed."""
+    The (tokens x vocab) fp32 logits never exist at once: their memory saved at the same speed
+    (docs/benchmarks.md)."""
 
 
 @dataclass

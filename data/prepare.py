@@ -67,8 +67,8 @@ from .tokenizer import MAX_TOKENIZER_SENTENCES, TokenizerSample, load_tokenizer,
 
 log = logging.getLogger(__name__)
 
-# Input per work unit: large enough that sending it to a worker costs little next to encoding it
-# (about a second of one core), small enough that a few per worker in flight stay well under 100 MB.
+# Input per work unit: large enough that sending it to a worker costs little next to encoding it,
+# small enough that the few per worker in flight hold little memory.
 CHUNK_BYTES = 1 << 20
 # By default, a corpus up to this size (on disk, or read up to data.max_corpus_mb) is prepared by the
 # calling process alone: spawning workers (which import the caller's main script, torch included, in a

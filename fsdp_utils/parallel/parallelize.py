@@ -66,9 +66,9 @@ def resolve_precision(precision: str, reduce_dtype: str, device: torch.device) -
 
 def _ops_worth_saving() -> list:
     """Ops whose outputs selective_op keeps: matmuls and attention, the expensive ones to recompute.
-    FP8 matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and compiled
-    (torch 2.13, torchao 0.17); `_scaled_mm`, the op they run, is listed for where the policy sees that
-    instead (torchtitan's list has it too). Everything else in a block (norms, rotary, SwiGLU's activation,
+    FP8 matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and compiled,
+    in the releases tested; `_scaled_mm`, the op they run, is listed for releases where the policy sees
+    that instead (torchtitan's list has it too). Everything else in a block (norms, rotary, SwiGLU's activation,
     residual adds, FP8 casts) is elementwise and is recomputed in backward from those. Also kept: full
     max reductions, the FP8 scales' amax: a scalar each, and compile's recompute need not reduce again."""
     aten = torch.ops.aten
