@@ -1,6 +1,5 @@
 """Hugging Face causal LMs (model.type: hf) in the same loop: building and sharding
-(the model's tokenizer, `data.tokenizer: hf`, lives in data/hf_tokenizer.py, and its config.json is read
-by config/hf.py).
+(the model's tokenizer, `data.tokenizer: hf`, lives in data/hf_tokenizer.py).
 
 Loading a pretrained model on many ranks never holds a full copy per rank: rank 0 reads the weights
 into CPU memory, every rank wraps a meta-device skeleton, and once it is sharded (FSDP1 or FSDP2) the
@@ -10,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,12 +17,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from config.hf import HFModelError, load_hf_config, model_field, one_line
+from data.hf_tokenizer import names_own_code
 
 from ..distributed import DistEnv
 from .weights import BuiltModel, WeightInit
 
 log = logging.getLogger(__name__)
+
+
+class HFModelError(ValueError):
+    """model.hf_path or model.hf_config cannot be used; the message names which, and why."""
 
 
 class CausalLMAdapter(nn.Module):
@@ -40,6 +44,41 @@ class CausalLMAdapter(nn.Module):
             return logits
         # Our targets are already shifted by one; fp32 for a stable log-sum-exp.
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _field(model_cfg) -> str:
+    return f"model.hf_path={model_cfg.hf_path}" if model_cfg.hf_path else f"model.hf_config={model_cfg.hf_config}"
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def load_hf_config(model_cfg):
+    """The transformers config of model.hf_path (or model.hf_config); HFModelError in one line when it cannot
+    be read or needs the folder's own code (never run, never asked about)."""
+    from transformers import AutoConfig
+
+    path = Path(model_cfg.hf_path or model_cfg.hf_config)
+    folder = path if path.is_dir() else path.parent
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        if names_own_code(folder, "config.json"):
+            raise HFModelError(f"{_field(model_cfg)}: its config.json needs the folder's own Python code (auto_map), "
+                               f"which is never run; use a model type that transformers includes") from None
+        raise HFModelError(f"{_field(model_cfg)}: cannot read its config.json ({_one_line(err)})") from None
+
+
+def hf_problems(model_cfg) -> list[str]:
+    """Config-time check of model.type=hf: the folder's config loads (before any process group starts)."""
+    try:
+        load_hf_config(model_cfg)
+    except HFModelError as err:
+        return [str(err)]
+    return []
 
 
 def config_signature(hf_config) -> dict:
@@ -95,11 +134,11 @@ def _load_pretrained(model_cfg) -> nn.Module:
         return AutoModelForCausalLM.from_pretrained(model_cfg.hf_path, local_files_only=True, torch_dtype=torch.float32,
                                                     trust_remote_code=False)
     except pickle.UnpicklingError:  # torch.load(weights_only=True) met something other than tensors
-        raise HFModelError(f"{model_field(model_cfg)}: its pickled weights (.bin) were refused: they hold something "
-                           f"other than tensors (loading them would run code) or are damaged; use .safetensors "
-                           f"weights from a source you trust") from None
+        raise HFModelError(f"{_field(model_cfg)}: its pickled weights (.bin) were refused: they hold something other "
+                           f"than tensors (loading them would run code) or are damaged; use .safetensors weights "
+                           f"from a source you trust") from None
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # missing, truncated, mismatched
-        raise HFModelError(f"{model_field(model_cfg)}: cannot load the weights ({one_line(err)})") from None
+        raise HFModelError(f"{_field(model_cfg)}: cannot load the weights ({_one_line(err)})") from None
 
 
 def build_for_sharding(cfg, env: DistEnv) -> BuiltModel:
