@@ -172,8 +172,8 @@ class TrainConfig:
     """torch.compile each DecoderBlock."""
     float8: str = "none"
     """FP8 matmuls in the blocks' linear layers through torchao (an optional package: the torchao release
-    built for the installed torch): none, tensorwise (one scale per tensor; FP8 all-gather of the weights) or rowwise (one
-    scale per row). Needs fsdp.version 2 and a GPU of compute capability 8.9 or later (Ada, Hopper).
+    built for the installed torch): none, tensorwise (one scale per tensor; FP8 all-gather of the weights)
+    or rowwise (one scale per row). Needs fsdp.version 2 and a GPU of compute capability 8.9 or later (Ada, Hopper).
     Weights, optimizer state and checkpoints stay in full precision."""
     loss_chunk_tokens: int = 0
     """Compute output logits, loss and their gradients this many tokens at a time (0: all at once).
@@ -521,10 +521,6 @@ def _hf_model_problems(cfg: Config) -> list[str]:
     for name in ("hf_path", "hf_config"):
         if getattr(m, name) and not Path(getattr(m, name)).exists():
             p.append(f"model.{name}: not found: {getattr(m, name)}")
-    if bool(m.hf_path) != bool(m.hf_config) and Path(m.hf_path or m.hf_config).exists():
-        from fsdp_utils.parallel.hf import hf_problems  # imports transformers: only for model.type=hf
-
-        p += hf_problems(m)
     if cfg.data.tokenizer == "hf" and not m.hf_path:
         p.append("data.tokenizer=hf needs model.hf_path (a folder with the tokenizer files)")
     return p
