@@ -1,4 +1,13 @@
 """Config schema (schema.py) and YAML presets (*.yaml)."""
-from .schema import Config, ConfigError, check_batch_split, launch_problems, load_config, save_config, split_known_args
+from .schema import (
+    Config,
+    ConfigError,
+    check_batch_split,
+    launch_problems,
+    load_config,
+    save_config,
+    split_known_args,
+)
 
-__all__ = ["Config", "ConfigError", "check_batch_split", "launch_problems", "load_config", "save_config", "split_known_args"]
+__all__ = ["Config", "ConfigError", "check_batch_split", "launch_problems", "load_config", "save_config",
+           "split_known_args"]

@@ -11,6 +11,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +59,8 @@ class RunConfig:
     """Signals that mean 'save a checkpoint after this step and exit 0' (preemption, Slurm's pre-termination
     signal, Ctrl-C); a second one aborts at once without saving."""
     preemption_grace_s: float = 120.0
-    """After a stop signal, exit non-zero if the checkpoint is not saved within this many seconds (positive, at most 10**9)."""
+    """After a stop signal, exit non-zero if the checkpoint is not saved within this many seconds (positive, at
+    most 10**9)."""
 
 
 @dataclass
@@ -139,7 +141,8 @@ class TrainConfig:
     auto_micro_batch_margin: float = 0.1
     """micro_batch_size=auto: share of the GPU's memory left free (fragmentation, evaluation, the unforeseen)."""
     auto_micro_batch_cpu: int = 8
-    """micro_batch_size=auto on the CPU (no GPU memory to measure): the largest divisor of the per-rank batch up to this."""
+    """micro_batch_size=auto on the CPU (no GPU memory to measure): the largest divisor of the per-rank batch up to
+    this."""
     oom_retry_half: bool = False
     """On a CUDA out-of-memory error in a step or an evaluation (every rank alike), redo it with half the
     micro-batch and twice the accumulation (the same samples), and keep that size; off: stop with the figures."""
@@ -168,13 +171,14 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each DecoderBlock."""
     float8: str = "none"
-    """FP8 matmuls in the blocks' linear layers through torchao (an optional package: torchao 0.17.x for
-    torch 2.11): none, tensorwise (one scale per tensor; FP8 all-gather of the weights) or rowwise (one
-    scale per row). Needs fsdp.version 2 and a GPU of compute capability 8.9 or later (Ada, Hopper).
+    """FP8 matmuls in the blocks' linear layers through torchao (an optional package: the torchao release
+    built for the installed torch): none, tensorwise (one scale per tensor; FP8 all-gather of the weights)
+    or rowwise (one scale per row). Needs fsdp.version 2 and a GPU of compute capability 8.9 or later (Ada, Hopper).
     Weights, optimizer state and checkpoints stay in full precision."""
     loss_chunk_tokens: int = 0
     """Compute output logits, loss and their gradients this many tokens at a time (0: all at once).
-    The (tokens x vocab) fp32 logits never exist at once: 5 GiB less per GPU at the 1B preset, same speed."""
+    The (tokens x vocab) fp32 logits never exist at once: their memory saved at the same speed
+    (docs/benchmarks.md)."""
 
 
 @dataclass
@@ -284,7 +288,8 @@ def _coerce(value, hint, where: str, problems: list[str]):
         kinds = [t for t in options if t is not type(None)]
         if len(kinds) > 1:  # e.g. int | str: a value of one of them, as it is
             if not any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in kinds):
-                problems.append(f"{where}: expected {' or '.join(t.__name__ for t in kinds)}, got {type(value).__name__} {value!r}")
+                problems.append(f"{where}: expected {' or '.join(t.__name__ for t in kinds)}, "
+                                f"got {type(value).__name__} {value!r}")
             return value
         hint = kinds[0]
         origin = typing.get_origin(hint)
@@ -296,28 +301,33 @@ def _coerce(value, hint, where: str, problems: list[str]):
             problems.append(f"{where}: expected a list, got {value!r}")
             return value
         return [_coerce(v, item, f"{where}[{i}]", problems) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(hint):  # a list item that is a section of its own, e.g. data.sources[0]
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a section of its own, e.g. data.sources[0]
         if not isinstance(value, dict):
             problems.append(f"{where}: expected a mapping, got {value!r}")
             return hint()
         return _build(hint, value, where, problems)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, float) and not math.isfinite(value):
-        problems.append(f"{where}: must be a finite number, got {value!r}")
-        return value
-    if hint is float and isinstance(value, str):
-        try:  # YAML reads 3e-4 as a string (YAML 1.1 needs a dot); accept it
-            number = float(value)
-        except ValueError:
-            pass
-        else:  # but not "nan" or "inf", which float() also reads
-            if not math.isfinite(number):
-                problems.append(f"{where}: must be a finite number, got {value!r}")
-            return number
+    if hint is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        return _coerce_float(value, where, problems)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         problems.append(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
     return value
+
+
+def _coerce_float(value: int | float | str, where: str, problems: list[str]) -> float | str:
+    """A float field's value: ints become floats; a string that reads as a number is accepted, because
+    YAML reads 3e-4 as a string (YAML 1.1 needs a dot); NaN and infinities are refused."""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            problems.append(f"{where}: expected float, got str {value!r}")
+            return value
+    else:
+        number = float(value)
+    if not math.isfinite(number):
+        problems.append(f"{where}: must be a finite number, got {value!r}")
+        return value if isinstance(value, float) else number
+    return number
 
 
 def _build(cls, raw: dict, where: str, problems: list[str]):
@@ -329,7 +339,8 @@ def _build(cls, raw: dict, where: str, problems: list[str]):
             problems.append(f"{where.lstrip('.') or 'top level'}: key {key!r} is not a name")
             continue
         if key not in names:
-            problems.append(f"unknown key '{(where + '.' + key).lstrip('.')}'{_closest(key, names, (where + '.').lstrip('.'))}")
+            full_key, prefix = (where + "." + key).lstrip("."), (where + ".").lstrip(".")
+            problems.append(f"unknown key '{full_key}'{_closest(key, names, prefix)}")
             continue
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
@@ -443,7 +454,7 @@ def _read_yaml(path: Path) -> dict:
     return raw
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     """Read YAML, apply overrides, validate everything; raise ConfigError listing every problem."""
     raw = {} if path is None else _read_yaml(Path(path))
     problems: list[str] = []
@@ -477,6 +488,14 @@ def _choice(problems: list[str], where: str, value: str, options) -> None:
 
 def validate(cfg: Config) -> list[str]:
     """Value checks that do not depend on the world size (see check_batch_split for that)."""
+    p = _model_problems(cfg) + _data_problems(cfg) + _train_problems(cfg) + _run_problems(cfg.run)
+    p += _fsdp_problems(cfg.fsdp) + _checkpoint_problems(cfg.checkpoint)
+    if cfg.logging.interval <= 0:
+        p.append(f"logging.interval must be positive, got {cfg.logging.interval}")
+    return p
+
+
+def _model_problems(cfg: Config) -> list[str]:
     p: list[str] = []
     m = cfg.model
     if m.vocab_size and m.vocab_size < 0:
@@ -484,101 +503,40 @@ def validate(cfg: Config) -> list[str]:
     _choice(p, "model.type", m.type, ("llama", "hf"))
     _choice(p, "data.tokenizer", cfg.data.tokenizer, ("sentencepiece", "hf"))
     if m.type == "llama":
-        p += ModelConfig(**{f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)} | {"vocab_size": m.vocab_size or 1}).problems()
+        dims = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}
+        p += ModelConfig(**dims | {"vocab_size": m.vocab_size or 1}).problems()
         if cfg.data.tokenizer == "hf":
             p.append("data.tokenizer=hf needs model.type=hf (the tokenizer comes from model.hf_path)")
     elif m.type == "hf":
-        if bool(m.hf_path) == bool(m.hf_config):
-            p.append("model.type=hf needs exactly one of model.hf_path (pretrained folder) or model.hf_config (config.json)")
-        for name in ("hf_path", "hf_config"):
-            if getattr(m, name) and not Path(getattr(m, name)).exists():
-                p.append(f"model.{name}: not found: {getattr(m, name)}")
-        if cfg.data.tokenizer == "hf" and not m.hf_path:
-            p.append("data.tokenizer=hf needs model.hf_path (a folder with the tokenizer files)")
-    if cfg.data.seq_len <= 0:
-        p.append(f"data.seq_len must be positive, got {cfg.data.seq_len}")
-    elif m.type == "llama" and cfg.data.seq_len > m.max_seq_len:
-        p.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if not 0 < cfg.data.val_fraction < 1:
-        p.append(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}")
-    if cfg.data.vocab_size < 16 and not cfg.data.tokenizer_model:
-        p.append(f"data.vocab_size must be at least 16, got {cfg.data.vocab_size}")
-    p += _data_problems(cfg.data)
-    t = cfg.train
-    for name in ("max_steps", "global_batch_size"):
-        if getattr(t, name) <= 0:
-            p.append(f"train.{name} must be positive, got {getattr(t, name)}")
-    if isinstance(t.micro_batch_size, str):
-        if t.micro_batch_size != "auto":
-            p.append(f"train.micro_batch_size must be a positive integer or auto, got '{t.micro_batch_size}'")
-    elif t.micro_batch_size <= 0:
-        p.append(f"train.micro_batch_size must be positive, got {t.micro_batch_size}")
-    elif t.global_batch_size % t.micro_batch_size:
-        p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
-    if not 0 <= t.auto_micro_batch_margin < 1:
-        p.append(f"train.auto_micro_batch_margin must be in [0, 1), got {t.auto_micro_batch_margin}")
-    if t.auto_micro_batch_cpu <= 0:
-        p.append(f"train.auto_micro_batch_cpu must be positive, got {t.auto_micro_batch_cpu}")
-    if t.eval_batches <= 0:
-        p.append(f"train.eval_batches must be positive, got {t.eval_batches}")
-    for name in ("warmup_steps", "eval_interval", "grad_clip", "weight_decay"):
-        if getattr(t, name) < 0:
-            p.append(f"train.{name} must not be negative, got {getattr(t, name)}")
-    if t.lr <= 0:
-        p.append(f"train.lr must be positive, got {t.lr}")
-    for name in ("beta1", "beta2"):  # AdamW's decay rates: 1 never forgets, past it the moments diverge
-        if not 0 <= getattr(t, name) < 1:
-            p.append(f"train.{name} must be in [0, 1), got {getattr(t, name)}")
-    if t.loss_chunk_tokens < 0:
-        p.append(f"train.loss_chunk_tokens must be 0 (off) or positive, got {t.loss_chunk_tokens}")
-    if not 0 <= t.min_lr_ratio <= 1:
-        p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    _choice(p, "train.precision", t.precision, PRECISIONS)
-    _choice(p, "train.float8", t.float8, FLOAT8)
-    if t.float8 != "none" and cfg.fsdp.version == 1:
-        p.append(f"train.float8={t.float8} needs fsdp.version: 2 (torchao's FP8 training, FP8 all-gather of the "
-                 f"sharded weights included, is built for FSDP2's fully_shard)")
-    _choice(p, "run.device", cfg.run.device, ("auto", "cuda", "cpu"))
-    for name in cfg.run.stop_signals:
-        if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"):
-            p.append(f"run.stop_signals: '{name}' is not one of SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP")
-    if cfg.train.max_bad_steps < 0:
-        p.append(f"train.max_bad_steps must not be negative, got {cfg.train.max_bad_steps}")
-    r = cfg.run
-    if not 0 <= r.seed <= MAX_SEED:
-        p.append(f"run.seed must be in [0, 2**63 - 1], got {r.seed}")
-    for name in ("timeout_s", "preemption_grace_s"):
-        if not 0 < getattr(r, name) <= MAX_SECONDS:
-            p.append(f"run.{name} must be in (0, 10**9] seconds, got {getattr(r, name)}")
-    f = cfg.fsdp
-    if f.version not in (1, 2):
-        p.append(f"fsdp.version must be 1 or 2, got {f.version}")
-    _choice(p, "fsdp.sharding_strategy", f.sharding_strategy, SHARDING_STRATEGIES)
-    _choice(p, "fsdp.backward_prefetch", f.backward_prefetch, BACKWARD_PREFETCH)
-    _choice(p, "fsdp.activation_checkpointing", f.activation_checkpointing, ACTIVATION_CHECKPOINTING)
-    _choice(p, "fsdp.reduce_dtype", f.reduce_dtype, ("fp32", "compute"))
-    if f.ac_every_n_layers <= 0:
-        p.append(f"fsdp.ac_every_n_layers must be positive, got {f.ac_every_n_layers}")
-    if f.hybrid_shard_group_size < 0:
-        p.append(f"fsdp.hybrid_shard_group_size must not be negative, got {f.hybrid_shard_group_size}")
-    _choice(p, "checkpoint.format", cfg.checkpoint.format, ("full", "sharded"))
-    for name in ("interval", "keep_last_n"):
-        if getattr(cfg.checkpoint, name) < 0:
-            p.append(f"checkpoint.{name} must not be negative, got {getattr(cfg.checkpoint, name)}")
-    c = cfg.checkpoint
-    if isinstance(c.async_save, str) and c.async_save != "auto":
-        p.append(f"checkpoint.async_save must be auto, true or false, got '{c.async_save}'")
-    elif c.async_save is True and c.format == "full":
-        p.append("checkpoint.async_save=true needs checkpoint.format=sharded (full checkpoints are written synchronously)")
-    _choice(p, "checkpoint.async_writer", c.async_writer, ("thread", "process"))
-    _choice(p, "checkpoint.on_async_error", c.on_async_error, ("stop", "continue"))
-    if cfg.logging.interval <= 0:
-        p.append(f"logging.interval must be positive, got {cfg.logging.interval}")
+        p += _hf_model_problems(cfg)
     return p
 
 
-def _data_problems(d: DataConfig) -> list[str]:
+def _hf_model_problems(cfg: Config) -> list[str]:
     p: list[str] = []
+    m = cfg.model
+    if bool(m.hf_path) == bool(m.hf_config):
+        p.append("model.type=hf needs exactly one of model.hf_path (pretrained folder) or model.hf_config "
+                 "(config.json)")
+    for name in ("hf_path", "hf_config"):
+        if getattr(m, name) and not Path(getattr(m, name)).exists():
+            p.append(f"model.{name}: not found: {getattr(m, name)}")
+    if cfg.data.tokenizer == "hf" and not m.hf_path:
+        p.append("data.tokenizer=hf needs model.hf_path (a folder with the tokenizer files)")
+    return p
+
+
+def _data_problems(cfg: Config) -> list[str]:
+    p: list[str] = []
+    d = cfg.data
+    if d.seq_len <= 0:
+        p.append(f"data.seq_len must be positive, got {d.seq_len}")
+    elif cfg.model.type == "llama" and d.seq_len > cfg.model.max_seq_len:
+        p.append(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    if not 0 < d.val_fraction < 1:
+        p.append(f"data.val_fraction must be between 0 and 1, got {d.val_fraction}")
+    if d.vocab_size < 16 and not d.tokenizer_model:
+        p.append(f"data.vocab_size must be at least 16, got {d.vocab_size}")
     _choice(p, "data.on_bad_record", d.on_bad_record, ("error", "skip"))
     for name in ("max_corpus_mb", "num_workers", "max_in_job_mb"):
         if getattr(d, name) < 0:
@@ -597,6 +555,98 @@ def _data_problems(d: DataConfig) -> list[str]:
     return p
 
 
+def _batch_problems(t: TrainConfig) -> list[str]:
+    p: list[str] = []
+    for name in ("max_steps", "global_batch_size"):
+        if getattr(t, name) <= 0:
+            p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+    if isinstance(t.micro_batch_size, str):
+        if t.micro_batch_size != "auto":
+            p.append(f"train.micro_batch_size must be a positive integer or auto, got '{t.micro_batch_size}'")
+    elif t.micro_batch_size <= 0:
+        p.append(f"train.micro_batch_size must be positive, got {t.micro_batch_size}")
+    elif t.global_batch_size % t.micro_batch_size:
+        p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                 f"train.micro_batch_size={t.micro_batch_size}")
+    if not 0 <= t.auto_micro_batch_margin < 1:
+        p.append(f"train.auto_micro_batch_margin must be in [0, 1), got {t.auto_micro_batch_margin}")
+    if t.auto_micro_batch_cpu <= 0:
+        p.append(f"train.auto_micro_batch_cpu must be positive, got {t.auto_micro_batch_cpu}")
+    if t.eval_batches <= 0:
+        p.append(f"train.eval_batches must be positive, got {t.eval_batches}")
+    return p
+
+
+def _train_problems(cfg: Config) -> list[str]:
+    t = cfg.train
+    p = _batch_problems(t)
+    for name in ("warmup_steps", "eval_interval", "grad_clip", "weight_decay"):
+        if getattr(t, name) < 0:
+            p.append(f"train.{name} must not be negative, got {getattr(t, name)}")
+    if t.lr <= 0:
+        p.append(f"train.lr must be positive, got {t.lr}")
+    for name in ("beta1", "beta2"):  # AdamW's decay rates: 1 never forgets, past it the moments diverge
+        if not 0 <= getattr(t, name) < 1:
+            p.append(f"train.{name} must be in [0, 1), got {getattr(t, name)}")
+    if t.loss_chunk_tokens < 0:
+        p.append(f"train.loss_chunk_tokens must be 0 (off) or positive, got {t.loss_chunk_tokens}")
+    if not 0 <= t.min_lr_ratio <= 1:
+        p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    _choice(p, "train.precision", t.precision, PRECISIONS)
+    _choice(p, "train.float8", t.float8, FLOAT8)
+    if t.float8 != "none" and cfg.fsdp.version == 1:
+        p.append(f"train.float8={t.float8} needs fsdp.version: 2 (torchao's FP8 training, FP8 all-gather of the "
+                 f"sharded weights included, is built for FSDP2's fully_shard)")
+    if t.max_bad_steps < 0:
+        p.append(f"train.max_bad_steps must not be negative, got {t.max_bad_steps}")
+    return p
+
+
+def _run_problems(r: RunConfig) -> list[str]:
+    p: list[str] = []
+    _choice(p, "run.device", r.device, ("auto", "cuda", "cpu"))
+    for name in r.stop_signals:
+        if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"):
+            p.append(f"run.stop_signals: '{name}' is not one of SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP")
+    if not 0 <= r.seed <= MAX_SEED:
+        p.append(f"run.seed must be in [0, 2**63 - 1], got {r.seed}")
+    for name in ("timeout_s", "preemption_grace_s"):
+        if not 0 < getattr(r, name) <= MAX_SECONDS:
+            p.append(f"run.{name} must be in (0, 10**9] seconds, got {getattr(r, name)}")
+    return p
+
+
+def _fsdp_problems(f: FSDPConfig) -> list[str]:
+    p: list[str] = []
+    if f.version not in (1, 2):
+        p.append(f"fsdp.version must be 1 or 2, got {f.version}")
+    _choice(p, "fsdp.sharding_strategy", f.sharding_strategy, SHARDING_STRATEGIES)
+    _choice(p, "fsdp.backward_prefetch", f.backward_prefetch, BACKWARD_PREFETCH)
+    _choice(p, "fsdp.activation_checkpointing", f.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    _choice(p, "fsdp.reduce_dtype", f.reduce_dtype, ("fp32", "compute"))
+    if f.ac_every_n_layers <= 0:
+        p.append(f"fsdp.ac_every_n_layers must be positive, got {f.ac_every_n_layers}")
+    if f.hybrid_shard_group_size < 0:
+        p.append(f"fsdp.hybrid_shard_group_size must not be negative, got {f.hybrid_shard_group_size}")
+    return p
+
+
+def _checkpoint_problems(c: CheckpointConfig) -> list[str]:
+    p: list[str] = []
+    _choice(p, "checkpoint.format", c.format, ("full", "sharded"))
+    for name in ("interval", "keep_last_n"):
+        if getattr(c, name) < 0:
+            p.append(f"checkpoint.{name} must not be negative, got {getattr(c, name)}")
+    if isinstance(c.async_save, str) and c.async_save != "auto":
+        p.append(f"checkpoint.async_save must be auto, true or false, got '{c.async_save}'")
+    elif c.async_save is True and c.format == "full":
+        p.append("checkpoint.async_save=true needs checkpoint.format=sharded (full checkpoints are written "
+                 "synchronously)")
+    _choice(p, "checkpoint.async_writer", c.async_writer, ("thread", "process"))
+    _choice(p, "checkpoint.on_async_error", c.on_async_error, ("stop", "continue"))
+    return p
+
+
 def check_batch_split(cfg: Config, world_size: int, micro_batch: int | None = None) -> int | None:
     """Gradient accumulation steps for this world size and micro-batch (train.micro_batch_size unless given);
     ConfigError when the split is not whole. With micro_batch_size=auto and no micro_batch: only checks that
@@ -609,12 +659,13 @@ def check_batch_split(cfg: Config, world_size: int, micro_batch: int | None = No
                 f"(train.micro_batch_size=auto splits each rank's share of it); pick a multiple of {world_size}"
             ])
         return None
-    micro_batch = micro_batch or t.micro_batch_size
-    per_step = micro_batch * world_size
+    micro = micro_batch or t.micro_batch_size
+    assert isinstance(micro, int), "micro_batch_size=auto returned above"
+    per_step = micro * world_size
     if t.global_batch_size % per_step:
         raise ConfigError([
             f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * world size "
-            f"= {micro_batch} * {world_size} = {per_step}; pick a global batch that is a multiple of {per_step}"
+            f"= {micro} * {world_size} = {per_step}; pick a global batch that is a multiple of {per_step}"
         ])
     return t.global_batch_size // per_step
 

@@ -83,7 +83,7 @@ class TokenDataset:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
         sizes = [self._num_tokens(path) for path in self.paths]
         # Empty shards (a shard's validation part may hold no document) cannot be memory-mapped: skip them.
-        self._files = [path for path, size in zip(self.paths, sizes) if size]
+        self._files = [path for path, size in zip(self.paths, sizes, strict=True) if size]
         # offsets[i] is the global position of the i-th non-empty shard's first token; one int64 per shard.
         self._offsets = np.concatenate([[0], np.cumsum([size for size in sizes if size], dtype=np.int64)])
         self._maps: dict[int, np.memmap] = {}

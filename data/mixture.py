@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .errors import DataError
-from .loader import TokenDataset, windows_to_batch, _sample_range
+from .loader import TokenDataset, _sample_range, windows_to_batch
 from .store import META_NAME, PreparedData, read_json
 
 BLOCK_BITS = 10
@@ -32,7 +32,7 @@ def block_slots(weights: list[float]) -> list[int]:
     """Slots per source in a block of BLOCK: differences of the rounded-down cumulative shares."""
     total = sum(weights)
     bounds = [math.floor(BLOCK * sum(weights[: i + 1]) / total + 1e-9) for i in range(len(weights))]
-    return [hi - lo for lo, hi in zip([0, *bounds[:-1]], bounds)]
+    return [hi - lo for lo, hi in zip([0, *bounds[:-1]], bounds, strict=True)]
 
 
 def _bit_reverse(position: int) -> int:

@@ -40,17 +40,35 @@ from tqdm import tqdm
 from . import worker
 from .errors import DataError
 from .readers import expand_inputs, read_pieces, truncate
-from .store import (FORMAT_VERSION, HF_TOKENIZER_NAME, LOCK_NAME, META_NAME, PROGRESS_NAME, TOKENIZER_NAME,
-                    PreparedData, ShardWriter, clear_folder, complete_fingerprint, folder_lock, foreign_names,
-                    is_plain_name, load_prepared, read_record, recorded_names, remove_names, resumable_shards,
-                    token_dtype, tokenizer_sha256, write_record)
-from .tokenizer import (MAX_TOKENIZER_SENTENCES, TokenizerSample, load_tokenizer, sampled_training_lines,
-                        train_tokenizer)
+from .store import (
+    FORMAT_VERSION,
+    HF_TOKENIZER_NAME,
+    LOCK_NAME,
+    META_NAME,
+    PROGRESS_NAME,
+    TOKENIZER_NAME,
+    PreparedData,
+    ShardWriter,
+    clear_folder,
+    complete_fingerprint,
+    folder_lock,
+    foreign_names,
+    is_plain_name,
+    load_prepared,
+    read_record,
+    recorded_names,
+    remove_names,
+    resumable_shards,
+    token_dtype,
+    tokenizer_sha256,
+    write_record,
+)
+from .tokenizer import MAX_TOKENIZER_SENTENCES, TokenizerSample, load_tokenizer, sampled_training_lines, train_tokenizer
 
 log = logging.getLogger(__name__)
 
-# Input per work unit: large enough that sending it to a worker costs little next to encoding it
-# (about a second of one core), small enough that a few per worker in flight stay well under 100 MB.
+# Input per work unit: large enough that sending it to a worker costs little next to encoding it,
+# small enough that the few per worker in flight hold little memory.
 CHUNK_BYTES = 1 << 20
 # By default, a corpus up to this size (on disk, or read up to data.max_corpus_mb) is prepared by the
 # calling process alone: spawning workers (which import the caller's main script, torch included, in a
@@ -202,15 +220,18 @@ class Source:
         def digest(value: object) -> str:
             return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
 
+        tokenizer_model = Path(settings.tokenizer_model).expanduser() if settings.tokenizer_model else None
+        settings_record = {**asdict(settings), "num_workers": None, "files": None}
         record = {
             "format_version": FORMAT_VERSION,
             "inputs": [describe(p) for p in corpus.paths],
-            "settings": {**asdict(settings), "num_workers": None, "files": None},
-            "tokenizer_model": describe(Path(settings.tokenizer_model).expanduser()) if settings.tokenizer_model else None,
+            "settings": settings_record,
+            "tokenizer_model": describe(tokenizer_model) if tokenizer_model else None,
             "hf_tokenizer": _hf_fingerprint(settings.hf_tokenizer) if settings.hf_tokenizer else None,
         }
-        summary = {"settings": {k: v for k, v in record["settings"].items() if v is not None},
-                   "inputs": digest(record["inputs"]), "tokenizer": digest([record["tokenizer_model"], record["hf_tokenizer"]])}
+        summary = {"settings": {k: v for k, v in settings_record.items() if v is not None},
+                   "inputs": digest(record["inputs"]),
+                   "tokenizer": digest([record["tokenizer_model"], record["hf_tokenizer"]])}
         return cls(digest(record), summary)
 
     def difference(self, record: dict) -> str:
@@ -365,14 +386,19 @@ class _Preparation:
         """'no text found', with what was read instead and why none of it is text."""
         num_bad, num_blank = totals["num_bad_records"], totals["num_blank_records"]
         num_docs = totals["num_train_documents"] + totals["num_val_documents"]
-        found = [f"{num_docs:,} held out for validation (data.val_fraction={self.settings.val_fraction:g})"] if num_docs else []
-        found += [f"{num_blank:,} blank"] if num_blank else []
+        found = []
+        if num_docs:
+            found.append(f"{num_docs:,} held out for validation (data.val_fraction={self.settings.val_fraction:g})")
+        if num_blank:
+            found.append(f"{num_blank:,} blank")
         if num_bad:
-            found.append(f"{num_bad:,} skipped as bad (data.on_bad_record=skip; the first: {totals['first_bad_record']})")
+            found.append(f"{num_bad:,} skipped as bad (data.on_bad_record=skip; the first: "
+                         f"{totals['first_bad_record']})")
         if not found:
             return DataError(f"no text found in {self.corpus.name}")
         return DataError(f"no text {'to train on ' if num_docs else ''}found in {self.corpus.name}: of the "
-                         f"{num_docs + num_blank + num_bad:,} records read (lines, rows or documents), {', '.join(found)}")
+                         f"{num_docs + num_blank + num_bad:,} records read (lines, rows or documents), "
+                         f"{', '.join(found)}")
 
     # -- tokens -----------------------------------------------------------------------------------
 
@@ -402,6 +428,7 @@ class _Preparation:
         with bar:
             for result in _in_order(submit, chunks, window=self.window):
                 _add_totals(totals, result)
+                assert result.train is not None and result.val is not None, "encode_chunk sets both"
                 writer.append(result.train, result.val)
                 next_chunk = result.index + 1
                 if writer.num_tokens[0] >= self.settings.shard_tokens:
@@ -464,7 +491,8 @@ class _Preparation:
                      "the validation split instead", totals["num_documents"], moved)
         if num_val < 2 or num_train < 2:
             split, num = ("validation", num_val) if num_val < 2 else ("training", num_train)
-            raise DataError(f"the {split} split of {self.root} holds {num} tokens; change data.val_fraction or add data")
+            raise DataError(f"the {split} split of {self.root} holds {num} tokens; change data.val_fraction "
+                            "or add data")
         meta = {
             "format_version": FORMAT_VERSION,
             **progress,
@@ -479,7 +507,8 @@ class _Preparation:
             "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
             "shards": [{k: shard[k] for k in ("train", "val", "num_train_tokens", "num_val_tokens")}
                        for shard in writer.shards],
-            "files": [progress["tokenizer_file"], *(shard[split] for shard in writer.shards for split in ("train", "val"))],
+            "files": [progress["tokenizer_file"],
+                      *(shard[split] for shard in writer.shards for split in ("train", "val"))],
         }
         write_record(self.root / META_NAME, meta)
         (self.root / PROGRESS_NAME).unlink(missing_ok=True)
@@ -546,7 +575,7 @@ def _resumable(root: Path, progress: dict) -> bool:
     return path.exists() and tokenizer_sha256(path) == progress.get("tokenizer_sha256")
 
 
-def _replace_with(path: Path, write: Callable[[Path], None]) -> None:
+def _replace_with(path: Path, write: Callable[[Path], object]) -> None:
     """Write a file or folder under a .tmp name, then move it into place."""
     tmp = path.with_name(path.name + ".tmp")
     _remove(tmp)

@@ -3,8 +3,9 @@
 The parent process streams each file as *pieces*, a bounded amount of raw input cut where a record ends:
 a block of JSON lines (plain, gzip or zstd), one document of a .txt file, or a batch of a parquet text
 column. No piece holds more than data.max_document_mb of one line: a longer .txt line is cut into
-documents of that size, and a longer JSON line is read through without being kept (a bad record). Worker processes turn pieces into documents (`piece_documents`), so JSON parsing and UTF-8
-decoding run in parallel with everything else. pyarrow and zstandard are imported only when a parquet
+documents of that size, and a longer JSON line is read through without being kept (a bad record).
+Worker processes turn pieces into documents (`piece_documents`), so JSON parsing and UTF-8 decoding
+run in parallel with everything else. pyarrow and zstandard are imported only when a parquet
 or zstd file is read.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from .errors import DataError
 
@@ -41,7 +42,7 @@ class Piece:
     # line longer than data.max_document_mb, read through and dropped (data: the problem, for bad_record)
     kind: str
     path: str
-    data: object  # bytes, a pyarrow array for "rows", a message for "too_long"
+    data: Any  # bytes, a pyarrow array for "rows" (pyarrow has no type hints), a message for "too_long"
     first: int  # number of the first line (jsonl, text; from 1) or row (rows; from 0) in its file
     num_bytes: int  # uncompressed input bytes
     disk_end: int  # bytes of the file on disk read once this piece is done (for progress)
@@ -124,7 +125,11 @@ def read_pieces(path: Path, *, piece_bytes: int, text_field: str, max_document_m
             first_line += data.count(b"\n")
 
 
-def _decompressed(raw: BinaryIO, compression: str | None, path: Path) -> BinaryIO:
+class _Readable(Protocol):
+    def read(self, size: int, /) -> bytes: ...
+
+
+def _decompressed(raw: BinaryIO, compression: str | None, path: Path) -> _Readable:
     if compression == "gz":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if compression == "zst":
@@ -139,7 +144,7 @@ class _ZstdFrames:
     def __init__(self, raw: BinaryIO, zstandard):
         self.raw = raw
         self.zstd = zstandard.ZstdDecompressor()
-        self.frame = None  # the decompressor of the current frame
+        self.frame: Any = None  # the decompressor of the current frame (zstandard has no type hints)
 
     def read(self, size: int) -> bytes:
         while True:
@@ -159,7 +164,7 @@ class _ZstdFrames:
                 return b"".join(out)
 
 
-def _cut_after_lines(stream: BinaryIO, size: int, *, path: Path, compression: str | None, max_line: int,
+def _cut_after_lines(stream: _Readable, size: int, *, path: Path, compression: str | None, max_line: int,
                      cut_long: bool, limit: int, on_long_line: Callable[[], str]) -> Iterator[bytes | tuple[str, int]]:
     """Blocks of whole lines, each cut at the first line end at or after `size` bytes (size <= max_line).
 
@@ -231,7 +236,7 @@ def _utf8_boundary(data: bytearray, position: int) -> int:
     return position
 
 
-def _read_block(stream: BinaryIO, path: Path, compression: str | None) -> bytes:
+def _read_block(stream: _Readable, path: Path, compression: str | None) -> bytes:
     try:
         return stream.read(READ_BLOCK_BYTES)
     except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError

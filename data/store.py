@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 
@@ -133,7 +134,7 @@ def _count(meta: dict, name: str, where: Path) -> int:
     return value
 
 
-def is_plain_name(name: object) -> bool:
+def is_plain_name(name: object) -> TypeGuard[str]:
     """A file name directly inside the folder: no path separators, no '..', nothing absolute."""
     return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
             and "\0" not in name)
@@ -182,8 +183,7 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
         num_train_tokens=_count(meta, "num_train_tokens", meta_path),
         num_val_tokens=_count(meta, "num_val_tokens", meta_path),
     )
-    for split, files, num in (("train", prepared.train_files, prepared.num_train_tokens),
-                              ("val", prepared.val_files, prepared.num_val_tokens)):
+    for split, num in (("train", prepared.num_train_tokens), ("val", prepared.num_val_tokens)):
         if num != sum(shard[f"num_{split}_tokens"] for shard in shards):
             raise DataError(f"{meta_path}: field 'num_{split}_tokens' ({num}) is not the sum of its shards' tokens")
     if not prepared.tokenizer_path.exists():
@@ -239,7 +239,8 @@ def _names_in(record: dict) -> set[str]:
     if isinstance(record.get("files"), list):
         names += record["files"]
     if isinstance(record.get("shards"), list):
-        names += [shard.get(split) for shard in record["shards"] if isinstance(shard, dict) for split in ("train", "val")]
+        names += [shard.get(split) for shard in record["shards"] if isinstance(shard, dict)
+                  for split in ("train", "val")]
     return {name for name in names if is_plain_name(name)}
 
 
@@ -349,7 +350,7 @@ class ShardWriter:
         if not self._files:
             return
         names = shard_names(len(self.shards))
-        for file, tmp, name in zip(self._files, self._paths, names):
+        for file, tmp, name in zip(self._files, self._paths, names, strict=True):
             with self._writing(tmp):
                 file.flush()
                 os.fsync(file.fileno())  # on disk before progress.json says so

@@ -70,6 +70,7 @@ def is_held_out(split_value: int, val_fraction: float) -> bool:
 def _documents(chunk: Chunk, result: ChunkResult):
     """(text, held out?, sample key) of the chunk's non-blank documents; bad records per the setting."""
     s = _settings
+    assert s is not None, "set by the pool's initializer"
 
     def bad_record(problem: str) -> None:
         if not s.skip_bad_records:
@@ -108,7 +109,7 @@ def encode_chunk(chunk: Chunk, tokenizer: tuple[str, str], dtype: str) -> ChunkR
     encoded = processor.encode([text for text, _, _ in documents], out_type=int, num_threads=1) if documents else []
     eos = processor.eos_id()
     for split, held_out in (("train", False), ("val", True)):
-        ids = [doc_ids for doc_ids, (_, is_val, _) in zip(encoded, documents) if is_val == held_out]
+        ids = [doc_ids for doc_ids, (_, is_val, _) in zip(encoded, documents, strict=True) if is_val == held_out]
         setattr(result, split, _flatten(ids, eos=eos, dtype=np.dtype(dtype)))
     return result
 

@@ -71,7 +71,8 @@ class ModelConfig:
         if self.ffn_hidden_dim is not None and self.ffn_hidden_dim <= 0:
             out.append(f"model.ffn_hidden_dim must be positive, got {self.ffn_hidden_dim}")
         if self.multiple_of <= 0:
-            out.append(f"model.multiple_of must be positive (it rounds the derived ffn_hidden_dim), got {self.multiple_of}")
+            out.append("model.multiple_of must be positive (it rounds the derived ffn_hidden_dim), "
+                       f"got {self.multiple_of}")
         if self.vocab_size > MAX_VOCAB_SIZE:
             out.append(f"model.vocab_size must be at most 2**24 = {MAX_VOCAB_SIZE}, got {self.vocab_size}")
         if self.max_seq_len > MAX_SEQ_LEN:

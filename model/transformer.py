@@ -63,10 +63,11 @@ class Attention(nn.Module):
         if self.fused_matmul:
             q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
             return q, k, v.contiguous()  # attention saves v: a view would keep the whole fused output alive
-        # Three matmuls on slices of the one weight, not one matmul split afterwards: faster on
-        # H200 (docs/benchmarks.md), and q, k, v are separate tensors, so attention saving v for
-        # backward does not keep a fused output buffer alive, and backward concatenates no gradients.
-        return tuple(F.linear(x, w) for w in self.wqkv.weight.split([q_size, kv_size, kv_size]))
+        # Three matmuls on slices of the one weight, not one matmul split afterwards: measured faster
+        # (docs/benchmarks.md), and q, k, v are separate tensors, so attention saving v for backward
+        # does not keep a fused output buffer alive, and backward concatenates no gradients.
+        wq, wk, wv = self.wqkv.weight.split([q_size, kv_size, kv_size])
+        return F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -95,10 +96,13 @@ class FeedForward(nn.Module):
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_matmul:
-            return self.w13(x).chunk(2, dim=-1)
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return gate, up
         # Two matmuls on the halves of w13 (see Attention.project_qkv): with one matmul, compile's
-        # SwiGLU backward kernel must also concatenate the two gradients and measured twice as slow.
-        return tuple(F.linear(x, w) for w in self.w13.weight.chunk(2))
+        # SwiGLU backward kernel must also concatenate the two gradients, and measured slower
+        # (docs/benchmarks.md).
+        w_gate, w_up = self.w13.weight.chunk(2)
+        return F.linear(x, w_gate), F.linear(x, w_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
@@ -125,6 +129,9 @@ class Transformer(nn.Module):
     `fused_matmul` (see Attention), `loss_chunk_tokens` (tokens per chunk of the output projection and
     loss, 0: all at once) and `chunk_loss_fn` (one chunk's logits -> its loss and gradient, e.g. a
     compiled copy of chunk_loss_and_grad); see chunked_cross_entropy."""
+
+    rope_cos: torch.Tensor  # (max_seq_len, Hd), a buffer (declared so type checkers see a Tensor)
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False, loss_chunk_tokens: int = 0,
                  chunk_loss_fn: Callable | None = None):
@@ -158,13 +165,14 @@ class Transformer(nn.Module):
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if targets is None:
             return F.linear(h, weight)  # (B, T, V)
-        return chunked_cross_entropy(h.flatten(0, 1), weight, targets.flatten(), chunk_tokens=self.loss_chunk_tokens,
-                                     chunk_loss_fn=self.chunk_loss_fn)
+        return chunked_cross_entropy(h.flatten(0, 1), weight, targets.flatten(),
+                                     chunk_tokens=self.loss_chunk_tokens, chunk_loss_fn=self.chunk_loss_fn)
 
     # ---- initialisation, separate from construction -------------------------------------------
     def reset_buffers(self) -> None:
         """Recompute the rotary tables on the buffers' current device (after to_empty they are garbage)."""
-        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope_cos.device)
+        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
+                                 device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -172,7 +180,8 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter (see `initial_value`) and the derived buffers."""
         for name, param in self.named_parameters():
-            param.copy_(initial_value(self.cfg, name, tuple(param.shape), seed=seed, device=param.device, dtype=param.dtype))
+            param.copy_(initial_value(self.cfg, name, tuple(param.shape), seed=seed, device=param.device,
+                                      dtype=param.dtype))
         self.reset_buffers()
 
 
@@ -191,9 +200,12 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     if chunk_tokens <= 0 or h.shape[0] <= chunk_tokens:
         return _cross_entropy_sum(h, weight, targets) / targets.numel()
     if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
-        total = sum(_cross_entropy_sum(hc, weight, tc) for hc, tc in zip(h.split(chunk_tokens), targets.split(chunk_tokens)))
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for hc, tc in zip(h.split(chunk_tokens), targets.split(chunk_tokens), strict=True):
+            total = total + _cross_entropy_sum(hc, weight, tc)
         return total / targets.numel()
-    return _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens, chunk_loss_fn or chunk_loss_and_grad) / targets.numel()
+    total = _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens, chunk_loss_fn or chunk_loss_and_grad)
+    return total / targets.numel()
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +262,8 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], *, seed: 
         return torch.ones(shape, device=device, dtype=dtype)
     std = cfg.init_std
     if name.endswith("attention.wo.weight") or name.endswith("feed_forward.w2.weight"):
-        std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual projections: keep the stream's variance flat in depth
+        # Residual projections: keep the stream's variance flat in depth.
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     generator = torch.Generator(device=device)
     generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     value = torch.empty(shape, device=device, dtype=torch.float32)

@@ -4,8 +4,8 @@
 #
 # Each training process then saves a checkpoint after the current step and exits 0, and torchrun ends
 # normally. Had torchrun itself received the signal (a terminal sends Ctrl-C to the whole foreground
-# process group), it would pass it on too, but kill the workers 30 s later (--shutdown-timeout), mid-save
-# for a large model, and end with its own SignalException traceback. A second Ctrl-C aborts at once.
+# process group), it would pass it on too, but kill the workers once its --shutdown-timeout expires,
+# mid-save for a large model, and end with its own SignalException traceback. A second Ctrl-C aborts at once.
 
 run_torchrun() {
   set -m  # torchrun in a process group of its own: a Ctrl-C at the terminal reaches this script only

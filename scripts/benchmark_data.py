@@ -162,7 +162,8 @@ def report(args, workers: list[int], cores: int, workdir: Path) -> None:
         print(f"wrote {corpora[size]} ({size:g} MB) in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
     # The tokenizer, trained once (sample pass + SentencePiece) with all workers on the smallest corpus.
-    first = prepare(corpora[sizes[0]], workdir / "tokenizer", workers=cores, extra=[f"--data.vocab_size={args.vocab_size}"])
+    first = prepare(corpora[sizes[0]], workdir / "tokenizer", workers=cores,
+                    extra=[f"--data.vocab_size={args.vocab_size}"])
     tokenizer = ["--data.tokenizer_model=" + str(workdir / "tokenizer" / "tokenizer.model")]
     sample_rate = first["text_bytes"] / 2**20 / first["phases"]["tokenizer sample"]
 
@@ -179,7 +180,8 @@ def report(args, workers: list[int], cores: int, workdir: Path) -> None:
     print(f"\n{cpu_name()}, {cores} cores; python {platform.python_version()}; synthetic .jsonl, "
           f"SentencePiece BPE vocabulary {args.vocab_size}, tokenizer trained beforehand\n")
     print("| corpus | workers | tokenising (wall) | MB/s | tokens/s | speedup (efficiency) | CPU time, cores busy "
-          "| MB per CPU-second | peak heap, all processes | peak RSS, all processes | largest process (RSS) | load avg |")
+          "| MB per CPU-second | peak heap, all processes | peak RSS, all processes | largest process (RSS) "
+          "| load avg |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size, n, run, rate, base in rows:
         seconds = run["phases"]["tokenising"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +45,9 @@ def field_docs(cls) -> dict[str, str]:
         source = Path(sys.modules[klass.__module__].__file__).read_text()
         for node in ast.parse(source).body:
             if isinstance(node, ast.ClassDef) and node.name == klass.__name__:
-                for stmt, nxt in zip(node.body, node.body[1:]):
-                    if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                for stmt, nxt in pairwise(node.body):
+                    if (isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                            and isinstance(nxt.value, ast.Constant)):
                         docs[stmt.target.id] = " ".join(str(nxt.value.value).split())
     return docs
 

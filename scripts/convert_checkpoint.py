@@ -24,12 +24,24 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
 
 from fsdp_utils.checkpoint import io as checkpoint_io  # noqa: E402
 from fsdp_utils.checkpoint.format import (  # noqa: E402
-    META_KEYS, OPTIONAL_META_KEYS, RNG_NAME, TMP_PREFIX, CheckpointCorrupt, CheckpointError, dcp_load, install_full,
-    load_rng, read_dcp_metadata, save_with_checksum, set_at, write_record)
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
+    META_KEYS,
+    OPTIONAL_META_KEYS,
+    RNG_NAME,
+    TMP_PREFIX,
+    CheckpointCorrupt,
+    CheckpointError,
+    dcp_load,
+    install_full,
+    load_rng,
+    read_dcp_metadata,
+    save_with_checksum,
+    set_at,
+    write_record,
+)
 
 
 class ConvertError(Exception):
@@ -77,7 +89,8 @@ def _tensor_problem(md: TensorStorageMetadata, data_bytes: int) -> str | None:
     for chunk in md.chunks:
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
         if len(offsets) != len(size) or len(sizes) != len(size) or any(
-                type(o) is not int or type(n) is not int or not 0 <= o <= o + n <= d for o, n, d in zip(offsets, sizes, size)):
+                type(o) is not int or type(n) is not int or not 0 <= o <= o + n <= d
+                for o, n, d in zip(offsets, sizes, size, strict=True)):
             return f"a chunk lies outside its size {size}"
     return None
 

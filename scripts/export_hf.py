@@ -7,12 +7,12 @@
     model, tok = AutoModelForCausalLM.from_pretrained("exported/tiny"), AutoTokenizer.from_pretrained("exported/tiny")
 
 OUT_DIR gets config.json, model.safetensors (+ generation_config.json), the run's SentencePiece
-tokenizer.model (found next to the checkpoint by the hash it records, or --tokenizer) and an equivalent Hugging Face tokenizer
-(tokenizer.json, tokenizer_config.json): it encodes like the SentencePiece model (no BOS is added, as in
-training) and decodes alike except for invalid UTF-8 byte runs. The fused projections are split: wqkv
-into q/k/v_proj, w13 into gate/up_proj. Our rotary layout is Llama's rotate-half one, so q and k need no
-permutation. Everything is written into a temporary folder first and moved into place at the end, so a
-failed export leaves OUT_DIR as it was.
+tokenizer.model (found next to the checkpoint by the hash it records, or --tokenizer) and an equivalent
+Hugging Face tokenizer (tokenizer.json, tokenizer_config.json): it encodes like the SentencePiece model
+(no BOS is added, as in training) and decodes alike except for invalid UTF-8 byte runs. The fused
+projections are split: wqkv into q/k/v_proj, w13 into gate/up_proj. Our rotary layout is Llama's
+rotate-half one, so q and k need no permutation. Everything is written into a temporary folder first
+and moved into place at the end, so a failed export leaves OUT_DIR as it was.
 """
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def hf_tokenizer(model_file: Path, max_len: int):
     merges = [(left, right) for *_, left, right in sorted(ranked)]
     special = {name: sp.id_to_piece(i) for name, i in (("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()),
                                                          ("eos_token", sp.eos_id())) if i >= 0}
-    tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=special.get("unk_token"), fuse_unk=True, byte_fallback=True))
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token=special.get("unk_token"), fuse_unk=True,
+                        byte_fallback=True))
     # No normaliser, spaces -> "▁" without a prefix space, and no pre-splitting: no piece joins a word to
     # the space before the next one, so BPE over the whole text splits where SentencePiece's words do.
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
@@ -134,7 +135,8 @@ def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool 
     cfg = ours.cfg
     hf_tok, sp = hf_tokenizer(tokenizer, cfg.max_seq_len)
     if sp.get_piece_size() > cfg.vocab_size:
-        raise ExportError(f"{tokenizer}: {sp.get_piece_size()} pieces, more than the model's vocab_size={cfg.vocab_size}")
+        raise ExportError(f"{tokenizer}: {sp.get_piece_size()} pieces, more than the model's "
+                          f"vocab_size={cfg.vocab_size}")
     weights = {k: v.to(DTYPES[dtype]) for k, v in hf_state_dict(cfg, ours.state_dict()).items()}
     config = hf_config(cfg, DTYPES[dtype], bos_id=hf_tok.bos_token_id, eos_id=hf_tok.eos_token_id)
     with torch.device("meta"):  # no random init: every weight is assigned from ours
@@ -175,14 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path, help="the Hugging Face model directory to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the saved weights")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
     args = parser.parse_args(argv)
     try:
         export(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force, tokenizer=args.tokenizer)
     except (ExportError, CheckpointError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out_dir} ({args.dtype}): load it with AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r})")
+    print(f"wrote {args.out_dir} ({args.dtype}): load it with "
+          f"AutoModelForCausalLM.from_pretrained({str(args.out_dir)!r})")
     return 0
 
 

@@ -28,7 +28,6 @@ from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
 from model import Transformer  # noqa: E402
 
-
 MIN_TEMPERATURE = 1e-6
 
 
@@ -76,7 +75,8 @@ def argument_problems(*, max_new_tokens: int, temperature: float, top_k: int, se
         problems.append(f"--max_new_tokens must be positive, got {max_new_tokens}")
     # Below MIN_TEMPERATURE sampling is greedy in effect, and far below it logits / temperature overflow to inf.
     if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):  # also refuses nan
-        problems.append(f"--temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE:g}, got {temperature}")
+        problems.append(f"--temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE:g}, "
+                        f"got {temperature}")
     if top_k < 0:
         problems.append(f"--top_k must be 0 (all tokens) or positive, got {top_k}")
     if not 0 <= seed < 2**63:
@@ -100,7 +100,8 @@ def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 100, temper
     dev = pick_device(device)
     model, _ = load_model(checkpoint, device=dev)
     if sp.get_piece_size() > model.cfg.vocab_size:
-        raise GenerateError(f"{tokenizer}: {sp.get_piece_size()} pieces, more than the model's vocab_size={model.cfg.vocab_size}")
+        raise GenerateError(f"{tokenizer}: {sp.get_piece_size()} pieces, more than the model's "
+                            f"vocab_size={model.cfg.vocab_size}")
     eos = sp.eos_id() if sp.eos_id() >= 0 else None
     context = sp.encode(prompt) or ([eos] if eos is not None else [])
     if not context:
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
     args = parser.parse_args(argv)
     try:
         text = generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -16,6 +16,7 @@ import math
 import struct
 import sys
 import zlib
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -102,7 +103,7 @@ def val_table(labels: list[str], vals: list[dict[int, float]]) -> tuple[str, dic
     for step in steps:
         cells = [str(step)] + [f"{v[step]:.4f}" if step in v else "-" for v in vals]
         base = vals[0].get(step)
-        for label, v in zip(labels[1:], vals[1:]):
+        for label, v in zip(labels[1:], vals[1:], strict=True):
             if base is None or step not in v:
                 cells.append("-")
                 continue
@@ -156,18 +157,21 @@ class Canvas:
         x = x - width if anchor == "right" else x - width // 2 if anchor == "centre" else x
         for i, ch in enumerate(text.lower()):
             glyph = GLYPHS.get(ch, BLANK)
-            for gy, gx in zip(*np.nonzero(glyph)):
-                self.rect(x + (6 * i + gx) * SCALE, y + gy * SCALE, x + (6 * i + gx + 1) * SCALE, y + (gy + 1) * SCALE, colour)
+            for gy, gx in zip(*np.nonzero(glyph), strict=True):
+                left, top = x + (6 * i + gx) * SCALE, y + gy * SCALE
+                self.rect(left, top, left + SCALE, top + SCALE, colour)
 
     def png(self) -> bytes:
         h, w, _ = self.pixels.shape
         raw = b"".join(b"\x00" + self.pixels[row].tobytes() for row in range(h))  # filter 0 per row
 
         def chunk(kind: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+            crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
 
         header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8-bit RGB
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9))
+                + chunk(b"IEND", b""))
 
 
 def draw_panel(canvas: Canvas, box: tuple[int, int, int, int], title: str, series: list[dict[int, float]],
@@ -180,7 +184,7 @@ def draw_panel(canvas: Canvas, box: tuple[int, int, int, int], title: str, serie
     if not points:
         canvas.text((left + right) // 2, (top + bottom) // 2, "no data", anchor="centre")
         return
-    steps, values = zip(*points)
+    steps, values = zip(*points, strict=True)
     xt, yt = nice_ticks(min(steps), max(steps)), nice_ticks(min(values), max(values))
     to_x = lambda s: left + (s - xt[0]) / (xt[-1] - xt[0]) * (right - left)  # noqa: E731
     to_y = lambda v: bottom - (v - yt[0]) / (yt[-1] - yt[0]) * (bottom - top)  # noqa: E731
@@ -196,7 +200,7 @@ def draw_panel(canvas: Canvas, box: tuple[int, int, int, int], title: str, serie
     for i, curve in enumerate(series):
         colour = COLOURS[(first_colour + i) % len(COLOURS)]
         xy = [(to_x(s), to_y(v)) for s, v in sorted(curve.items()) if math.isfinite(v)]
-        for (xa, ya), (xb, yb) in zip(xy, xy[1:]):
+        for (xa, ya), (xb, yb) in pairwise(xy):
             canvas.line(xa, ya, xb, yb, colour)
         if markers:
             for x, y in xy:
@@ -215,14 +219,17 @@ def plot(labels: list[str], runs: list[tuple[dict[int, float], dict[int, float]]
     diffs = [{s: 100 * (v[s] / vals[0][s] - 1) for s in v if s in vals[0]} for v in vals[1:]]
     draw_panel(canvas, (0, 30, 600, 580), "train loss", [train for train, _ in runs], labels, markers=False)
     draw_panel(canvas, (600, 30, 1200, 580), "validation loss", vals, labels, markers=True)
-    draw_panel(canvas, (1200, 30, 1800, 580), f"validation loss vs {labels[0]} (%)", diffs, labels[1:], markers=True, first_colour=1)
+    draw_panel(canvas, (1200, 30, 1800, 580), f"validation loss vs {labels[0]} (%)", diffs, labels[1:], markers=True,
+               first_colour=1)
     return canvas.png()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="run output directories or metrics.jsonl files; the first is the baseline")
-    parser.add_argument("--labels", default="", help="comma-separated names for the runs (default: the directory names)")
+    parser.add_argument("runs", nargs="+", type=Path,
+                        help="run output directories or metrics.jsonl files; the first is the baseline")
+    parser.add_argument("--labels", default="",
+                        help="comma-separated names for the runs (default: the directory names)")
     parser.add_argument("--title", default="", help="title above the two charts")
     parser.add_argument("--out", type=Path, default=Path("loss.png"), help="the PNG to write")
     args = parser.parse_args(argv)

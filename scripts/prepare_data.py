@@ -1,6 +1,7 @@
-"""Prepare a corpus once, outside any training job: tokenizer plus sharded token files in data.dataset_dir.
+r"""Prepare a corpus once, outside any training job: tokenizer plus sharded token files in data.dataset_dir.
 
-    python scripts/prepare_data.py config/train1B_fsdp.yaml --data.files=[/corpus/*.jsonl.zst] --data.dataset_dir=/data/c1
+    python scripts/prepare_data.py config/train1B_fsdp.yaml --data.files=[/corpus/*.jsonl.zst] \
+        --data.dataset_dir=/data/c1
     torchrun --nproc_per_node=8 train_fsdp.py config/train1B_fsdp.yaml --data.dataset_dir=/data/c1
 
 Takes the same config file and --section.key=value overrides as train_fsdp.py. Streams the corpus through

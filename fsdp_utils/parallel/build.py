@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -57,7 +56,8 @@ class SeededInit(WeightInit):
         prefix = self.names[module]
         for pname, param in module.named_parameters(recurse=False):
             full_name = f"{prefix}.{pname}" if prefix else pname
-            param.copy_(initial_value(self.cfg, full_name, tuple(param.shape), seed=self.seed, device=device, dtype=param.dtype))
+            param.copy_(initial_value(self.cfg, full_name, tuple(param.shape), seed=self.seed, device=device,
+                                      dtype=param.dtype))
         if module is self.model:
             self.model.reset_buffers()
 

@@ -1,7 +1,7 @@
 """FP8 training of the blocks' linear layers through torchao.float8 (`train.float8`).
 
 torchao is optional: imported only when FP8 is asked for. Its releases are built for one torch release
-each (0.17.x for torch 2.11); `float8_problems` checks for it and for FP8 hardware before any process
+each (TORCHAO_FOR_TORCH); `float8_problems` checks for it and for FP8 hardware before any process
 group starts. What is converted: every nn.Linear inside a block (DecoderBlock, or a Hugging Face
 decoder layer) whose dimensions are multiples of 16 (an FP8 matmul's requirement); embeddings, norms
 and the output projection stay in the compute precision.
@@ -36,7 +36,8 @@ def torchao_hint(torch_version: str = torch.__version__) -> str:
     """Which torchao to install for this torch, as one clause."""
     major_minor = ".".join(torch_version.split("+")[0].split(".")[:2])
     if major_minor in TORCHAO_FOR_TORCH:
-        return f"pip install 'torchao=={TORCHAO_FOR_TORCH[major_minor]}.*' (the torchao release built for torch {major_minor}, installed here)"
+        return (f"pip install 'torchao=={TORCHAO_FOR_TORCH[major_minor]}.*' (the torchao release built for "
+                f"torch {major_minor}, installed here)")
     pairs = ", ".join(f"torchao {ao}.x for torch {t}" for t, ao in TORCHAO_FOR_TORCH.items())
     return f"install the torchao release built for torch {major_minor} (installed here; {pairs})"
 
@@ -60,12 +61,13 @@ def float8_problems(recipe: str, *, run_device: str, local_rank: int) -> list[st
         return []
     problems = []
     if importlib.util.find_spec("torchao") is None:
-        problems.append(f"train.float8={recipe} needs the torchao package, which is not installed: {torchao_hint()}")
+        problems.append(f"train.float8={recipe} needs the torchao package, which is not installed: "
+                        f"{torchao_hint()}")
     try:
         device = pick_device(run_device, local_rank)
     except RuntimeError:
         return problems  # no such device: init_distributed reports that
-    capability = name = None
+    capability, name = None, ""
     if device.type == "cuda":
         capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
     problem = hardware_problem(recipe, device_type=device.type, capability=capability, name=name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,8 @@ from torch import nn
 
 from data.hf_tokenizer import names_own_code
 
-from .weights import BuiltModel, WeightInit
 from ..distributed import DistEnv
+from .weights import BuiltModel, WeightInit
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ class HFModelError(ValueError):
 
 class CausalLMAdapter(nn.Module):
     """Gives a transformers causal LM our model's interface: forward(tokens, targets) -> mean loss."""
+
+    lm: Any  # a transformers PreTrainedModel (transformers is imported only for model.type=hf)
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -90,7 +93,8 @@ def decoder_layer_classes(lm: nn.Module) -> set[type]:
     names = set(getattr(lm, "_no_split_modules", None) or [])
     classes = {type(m) for m in lm.modules() if type(m).__name__ in names}
     if not classes:
-        raise ValueError(f"{type(lm).__name__} names no decoder layer class in _no_split_modules; cannot auto-wrap it")
+        raise ValueError(f"{type(lm).__name__} names no decoder layer class in _no_split_modules; "
+                         "cannot auto-wrap it")
     return classes
 
 
@@ -103,7 +107,7 @@ def _unify_dtypes(lm: nn.Module) -> None:
         lm.float()
 
 
-def build_hf_model(cfg, env: DistEnv, *, on_meta: bool) -> nn.Module:
+def build_hf_model(cfg, env: DistEnv, *, on_meta: bool) -> CausalLMAdapter:
     """Rank 0 (or every rank when not on_meta) holds real weights on the CPU; the others a meta-device skeleton."""
     from transformers import AutoModelForCausalLM
 
@@ -182,7 +186,11 @@ def broadcast_from_rank0(model: nn.Module, full_state: dict | None, buffers: dic
     non-persistent, so not in the state dict) from rank 0's model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(model, full_state if env.is_main else {},
+    if env.is_main:
+        assert full_state is not None and buffers is not None, "rank 0 passes its real model's state"
+    else:
+        full_state, buffers = {}, {}
+    set_model_state_dict(model, full_state,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, buf in model.named_buffers():
         if env.is_main:

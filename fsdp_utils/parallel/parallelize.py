@@ -1,4 +1,4 @@
-"""`parallelize`: everything that turns a built model (fsdp_utils/build.py) into a trainable, sharded
+"""`parallelize`: everything that turns a built model (parallel/build.py) into a trainable, sharded
 one, in one fixed order, for our Transformer and Hugging Face models alike:
 
     FP8 linear layers (train.float8) -> activation checkpointing -> torch.compile -> FSDP (each block,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,8 +30,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from .weights import WeightInit
 from ..distributed import DistEnv
+from .weights import WeightInit
 
 if TYPE_CHECKING:
     from config.schema import FSDPConfig
@@ -66,9 +66,9 @@ def resolve_precision(precision: str, reduce_dtype: str, device: torch.device) -
 
 def _ops_worth_saving() -> list:
     """Ops whose outputs selective_op keeps: matmuls and attention, the expensive ones to recompute.
-    FP8 matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and compiled
-    (torch 2.13, torchao 0.17); `_scaled_mm`, the op they run, is listed for where the policy sees that
-    instead (torchtitan's list has it too). Everything else in a block (norms, rotary, SwiGLU's activation,
+    FP8 matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and compiled,
+    in the releases tested; `_scaled_mm`, the op they run, is listed for releases where the policy sees
+    that instead (torchtitan's list has it too). Everything else in a block (norms, rotary, SwiGLU's activation,
     residual adds, FP8 casts) is elementwise and is recomputed in backward from those. Also kept: full
     max reductions, the FP8 scales' amax: a scalar each, and compile's recompute need not reduce again."""
     aten = torch.ops.aten
@@ -194,11 +194,12 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: 
         )
 
 
-def _wrap_fsdp2(model: nn.Module, blocks: list[nn.Module], f: FSDPConfig, env: DistEnv, precision: Precision, *, offload: bool) -> None:
+def _wrap_fsdp2(model: nn.Module, blocks: list[nn.Module], f: FSDPConfig, env: DistEnv, precision: Precision, *,
+                offload: bool) -> None:
     mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size)
     if f.sharding_strategy == "NO_SHARD":
         mesh = init_device_mesh(env.device.type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         mesh=mesh,
         # FULL_SHARD frees gathered weights after forward; SHARD_GRAD_OP keeps them until backward.
         reshard_after_forward=f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
