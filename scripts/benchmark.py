@@ -53,14 +53,14 @@ import torch.distributed as dist  # noqa: E402
 from config import ConfigError, check_batch_split, load_config  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed, read_torchrun_env  # noqa: E402
+from fsdp_utils.parallel.build import build_model  # noqa: E402
 from fsdp_utils.parallel.float8 import float8_problems  # noqa: E402
+from fsdp_utils.parallel.parallelize import model_converters, parallelize, resolve_precision  # noqa: E402
 from fsdp_utils.train.batch import BatchSplit  # noqa: E402
 from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
 from fsdp_utils.train.microbatch import cpu_micro_batch, memory_probe, search_micro_batch  # noqa: E402
 from fsdp_utils.train.optim import build_optimizer  # noqa: E402
-from fsdp_utils.parallel.build import build_model  # noqa: E402
 from fsdp_utils.train.step import train_step  # noqa: E402
-from fsdp_utils.parallel.parallelize import model_converters, parallelize, resolve_precision  # noqa: E402
 
 
 def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device, seed: int):

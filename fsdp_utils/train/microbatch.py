@@ -43,8 +43,9 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ from .batch import BatchSplit, divisors
 from .step import train_step
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GiB = 2**30
 CACHE_FILE = "microbatch_cache.json"
@@ -375,7 +377,7 @@ def end_interrupted_step(model: nn.Module) -> None:
             flat.grad = None
             if hasattr(flat, "_saved_grad_shard"):
                 del flat._saved_grad_shard
-            flat._post_backward_called = False  # unset before a unit's first backward
+            flat._post_backward_called = False  # type: ignore[attr-defined]  # FSDP1 sets it in backward
         _runtime_utils._post_backward_final_callback(model, model)
     elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(True)
@@ -384,7 +386,7 @@ def end_interrupted_step(model: nn.Module) -> None:
             # A list of groups in recent torch versions, one group (or None) before.
             groups = getattr(state, "_fsdp_param_groups", None)
             if groups is None:
-                groups = [g for g in [getattr(state, "_fsdp_param_group")] if g is not None]
+                groups = [g for g in [state._fsdp_param_group] if g is not None]
             for group in groups:
                 for param in group.fsdp_params:
                     param.unsharded_accumulated_grad = None
@@ -410,8 +412,8 @@ class OutOfMemoryGuard:
         # Created now, on every rank (creating a group is itself collective).
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) if retry else None
 
-    def attempt(self, work: Callable[[], object], *, step: int, phase: str, split: BatchSplit, model: nn.Module,
-                optimizer: torch.optim.Optimizer) -> tuple[object, BatchSplit]:
+    def attempt(self, work: Callable[[], T], *, step: int, phase: str, split: BatchSplit, model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> tuple[T | None, BatchSplit]:
         """(work(), split) normally; after an out-of-memory error that train.oom_retry_half recovered from:
         (None, the smaller split to redo it with)."""
         try:

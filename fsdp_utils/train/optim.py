@@ -16,7 +16,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     The split goes by the owning module, not by `param.ndim`: FSDP1 (use_orig_params) shows every
     sharded parameter as a 1-D view of its shard, so an ndim test would decay nothing on several
     ranks and the matrices on one, and the groups would differ with the world size."""
-    decay, no_decay, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
     for module in model.modules():
         is_norm = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
         for name, param in module.named_parameters(recurse=False):

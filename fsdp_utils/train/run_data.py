@@ -7,7 +7,15 @@ import uuid
 
 import torch.distributed as dist
 
-from data import DataError, PreparedData, PrepareSettings, default_dataset_dir, handoff, load_prepared, prepare_for_training
+from data import (
+    DataError,
+    PreparedData,
+    PrepareSettings,
+    default_dataset_dir,
+    handoff,
+    load_prepared,
+    prepare_for_training,
+)
 
 from ..distributed import DistEnv, barrier
 from .preemption import StopSignal
@@ -26,8 +34,9 @@ def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedD
         return [(load_prepared(source.path), source.weight) for source in d.sources]
     settings = PrepareSettings.from_config(cfg)
     dataset_dir = d.dataset_dir or default_dataset_dir(settings)
-    job_id = [uuid.uuid4().hex if env.is_main else None]
+    job_id: list[str | None] = [uuid.uuid4().hex if env.is_main else None]
     dist.broadcast_object_list(job_id, src=0)  # quick: every rank arrives here straight after startup
+    assert job_id[0] is not None
     outcome = handoff.outcome_path(cfg.output_dir, job_id[0])
     if env.is_main:
         error = None

@@ -33,6 +33,7 @@ def forward_backward(model, batches, scaler, *, grad_accum: int) -> torch.Tensor
             loss = model(x, y) / grad_accum
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+    assert loss_sum is not None, "grad_accum must be at least 1"
     return loss_sum
 
 

@@ -5,7 +5,8 @@ per component per step (the log, evaluation, the checkpoint manager), each decid
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from .run_data import prepare_dataset
 from .step import StepResult, train_step
 
 log = logging.getLogger("train")
+T = TypeVar("T")
 
 
 class NonFiniteError(RuntimeError):
@@ -70,6 +72,11 @@ class Trainer:
         self._write_run_files()
         self.ckpt.prepare_saving(self.model, self.optimizer)  # a run that cannot save stops now, not at its first save
         self.num_bad_steps = 0
+        self.lr = cfg.train.lr
+        # Made by fit(): the batches at the current split, the out-of-memory guard, the log.
+        self.batches: BatchPrefetcher
+        self.oom: OutOfMemoryGuard
+        self.log: TrainingLog
 
     # ---- setup -----------------------------------------------------------------------------------
     def _setup_data(self) -> None:
@@ -166,7 +173,7 @@ class Trainer:
         return BatchPrefetcher(self.train_data, indices, num_samples=self.split.micro_batch_size, device=self.env.device)
 
     # ---- the step and the evaluation ---------------------------------------------------------------
-    def _guarded(self, work: Callable[[], object], *, phase: str, step: int) -> object:
+    def _guarded(self, work: Callable[[], T], *, phase: str, step: int) -> T:
         """work() under the out-of-memory guard; after a recovered out-of-memory error (train.oom_retry_half)
         the micro-batch is smaller from then on and the work is done again: a training step on the same
         samples, an evaluation on the same sequences."""
@@ -174,7 +181,7 @@ class Trainer:
             result, split = self.oom.attempt(work, step=step, phase=phase, split=self.split, model=self.model,
                                              optimizer=self.optimizer)
             if split == self.split:
-                return result
+                return result  # type: ignore[return-value]  # work() ran to the end: a T, not None
             self.split = split
             self.batches.close()
             self.batches = self._open_batches()
