@@ -156,7 +156,7 @@ def agree(env: DistEnv, error: Exception | None) -> None:
 def broadcast_decision(env: DistEnv, value: T) -> T:
     """Rank 0's `value` on every rank (a collective): rank 0 decides, every rank follows. Other ranks'
     values are ignored; pass None there."""
-    box = [value if env.is_main else None]
+    box: list = [value if env.is_main else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -112,6 +112,8 @@ class AsyncSaver:
         """Stage this run's state dict once, as a save will. Before the first optimizer step the optimizer
         holds no state: one moment-like tensor (zeros_like of a parameter, as AdamW makes them) per kind of
         parameter stands in for it, so a tensor kind the staging cannot copy shows now too."""
+        staging = self._staging
+        assert staging is not None, "prepare() makes the staging of asynchronous saves"
         error = None
         with quiet_state_dict_warnings():
             options = StateDictOptions(cpu_offload=self.context.offload(model))
@@ -119,12 +121,12 @@ class AsyncSaver:
                 model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
             else:  # get_state_dict would initialise the optimizer's state with a step, and change the training
                 model_sd = get_model_state_dict(model, options=options)
-                kinds = {}
+                kinds: dict[tuple, tuple] = {}
                 for name, p in model.named_parameters():
                     kinds.setdefault(tuple(type(t).__name__ for t in (p, *storage_tensors(p))), (name, p))
                 optim_sd = {"state": {name: {"exp_avg": torch.zeros_like(p.detach())} for name, p in kinds.values()}}
             try:
-                self._staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
+                staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
             except Exception as err:
                 error = AsyncSaveFailed(first_line(err))
         del model_sd, optim_sd
@@ -135,35 +137,37 @@ class AsyncSaver:
             if self.env.is_main:
                 log.warning("checkpoint.async_save: this run's state cannot be staged in host memory (%s); every save "
                             "of this run is synchronous", err)
-            self._staging.close()
+            staging.close()
             return
         if self.env.is_main:
-            log.info("checkpoint staging tried on this run's state: %.2f s for %s", self._staging.last.seconds,
-                     format_size(self._staging.last.copied))
+            log.info("checkpoint staging tried on this run's state: %.2f s for %s", staging.last.seconds,
+                     format_size(staging.last.copied))
 
     # ---- saving --------------------------------------------------------------------------------
     def start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
         """Collective: stage the checkpoint of state.step in host memory and start its background write;
         AsyncSaveFailed (every rank) if it cannot be staged or started."""
+        staging, writer = self._staging, self._writer
+        assert staging is not None and writer is not None, "prepare() makes them when asynchronous saves are on"
         self.settle()  # the previous save, before this one starts (at most one in flight)
         start = time.perf_counter()
         snapshot = dataclasses.replace(state, rng=gather_rng(self.env))
         self.context.begin_save()
         final = self.sharded.path_of(state.step)
         tmp = self.sharded.tmp_of(final)
-        error, staged = None, None
+        error, staged = None, {}
         with quiet_state_dict_warnings():
             model_sd, optim_sd = self.sharded.state_dicts(model, optimizer)
             self.context.check_space(final, (model_sd, optim_sd))
             try:
-                staged = self._staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
+                staged = staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
             except Exception as err:  # host memory could not be had, a tensor this staging cannot copy, ...
                 error = AsyncSaveFailed(f"{final}: cannot stage the checkpoint in host memory ({first_line(err)})")
         del model_sd, optim_sd
         agree(self.env, error)
-        stage = self._staging.last
+        stage = staging.last
         try:
-            job = self._writer.start(staged, tmp,
+            job = writer.start(staged, tmp,
                                      after_write=lambda: hash_own_files(tmp, self.env.rank, self.env.world_size))
         except (Exception, dcp.CheckpointException) as err:
             error = AsyncSaveFailed(f"{final}: cannot start the background write ({first_line(err)})")
@@ -232,6 +236,7 @@ class AsyncSaver:
         """Collective, once every rank's write is done: commit the save in flight, or report its failure
         (then stop, or go on per checkpoint.on_async_error unless `last`)."""
         flight, self._in_flight = self._in_flight, None
+        assert flight is not None, "called with a save in flight"
         begin = time.perf_counter()
         hashed, error = None, None
         try:
@@ -265,9 +270,11 @@ class AsyncSaver:
         self.failed = True
         if self.env.is_main:
             log.warning("%s; writing it again synchronously from its copy in host memory", error)
+        writer = self._writer
+        assert writer is not None, "a save was in flight: prepare() made the writer"
         try:
             start = time.perf_counter()
-            self.sharded.write(flight.staged_state, flight.final, process_group=self._writer.group)
+            self.sharded.write(flight.staged_state, flight.final, process_group=writer.group)
             self.sharded.commit(flight.final, flight.state, start=start, mode="sync-retry")
             return
         except CheckpointError as err:

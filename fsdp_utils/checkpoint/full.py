@@ -52,6 +52,7 @@ class FullCheckpoint(CheckpointFormat):
                 remove(tmp)
                 error = write_error(final, err)
             else:
+                assert record is not None, "rank 0 wrote the file: save_with_checksum returned its record"
                 try:
                     write_record(final, record)
                 except OSError as err:  # the checkpoint is in place, only its record is missing: it loads unverified

@@ -220,6 +220,7 @@ class CheckpointManager:
         except CheckpointError as err:
             error = err
         agree(self.env, error)
+        assert meta is not None, "every rank loaded, or agree() raised"
         state = TrainState(**meta["train_state"])
         state.rng = rng
         restore_rng(rng, self.env)

@@ -109,7 +109,7 @@ class ShardedCheckpoint(CheckpointFormat):
         self.context.check_model(meta, path)
         with quiet_state_dict_warnings():
             model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
+            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
             dcp_load(state, path)  # reads in place, resharding to this world size
             rng = load_rng(path)
             check_param_groups(state["optimizer"], model, optimizer, path)
