@@ -6,6 +6,7 @@ import gc
 import os
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -135,6 +136,29 @@ def barrier(env: DistEnv) -> None:
         dist.barrier(device_ids=[env.device.index])
     else:
         dist.barrier()
+
+
+T = TypeVar("T")
+
+
+def agree(env: DistEnv, error: Exception | None) -> None:
+    """Raise on every rank the first rank's error, if any rank had one (a collective: every rank calls it,
+    with None where it had no error). The error travels as its class and message, so the same class is
+    raised everywhere; it must be importable (module level) and built from its message alone."""
+    errors: list = [None] * env.world_size
+    dist.all_gather_object(errors, None if error is None else (type(error), str(error)))
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        kind, message = first
+        raise kind(message)
+
+
+def broadcast_decision(env: DistEnv, value: T) -> T:
+    """Rank 0's `value` on every rank (a collective): rank 0 decides, every rank follows. Other ranks'
+    values are ignored; pass None there."""
+    box: list = [value if env.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def destroy_distributed() -> None:

@@ -263,7 +263,7 @@ def bench_saves(cfg, env, args) -> list[dict]:
                                     async_save=not sync, async_writer="thread" if sync else mode,
                                     timeout_s=cfg.run.timeout_s)
         if mode == "sync_gpu":
-            manager._offload = lambda model: False  # measurement only: the state dict as FSDP1 makes it, on the GPU
+            manager.context.offload = lambda model: False  # measurement only: the state dict as FSDP1 makes it, on the GPU
         start = time.perf_counter()
         try:
             manager.prepare_saving(model, optimizer)  # the staging arena: once per run, before the first save

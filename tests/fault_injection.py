@@ -155,18 +155,18 @@ class _RaiseInBackward(torch.autograd.Function):
 
 def install(spec: dict) -> None:
     from fsdp_utils.checkpoint import staging
-    from fsdp_utils.checkpoint.manager import CheckpointManager
+    from fsdp_utils.checkpoint.async_save import AsyncSaver
 
     current = {"step": 0}  # the step of the save being staged; 0 before any (the start-of-run staging)
 
     if "stage_fail" in spec:
         failing = set(spec["stage_fail"])
-        real_save_async, real_stage = CheckpointManager._save_async, staging.HostStaging.stage
+        real_start, real_stage = AsyncSaver.start, staging.HostStaging.stage
 
-        @functools.wraps(real_save_async)
-        def save_async(self, model, optimizer, state):
+        @functools.wraps(real_start)
+        def start(self, model, optimizer, state):
             current["step"] = state.step
-            return real_save_async(self, model, optimizer, state)
+            return real_start(self, model, optimizer, state)
 
         @functools.wraps(real_stage)
         def stage(self, state_dict, *, live):
@@ -174,7 +174,7 @@ def install(spec: dict) -> None:
                 raise RuntimeError(f"injected staging failure at step {current['step']} (test hook)")
             return real_stage(self, state_dict, live=live)
 
-        CheckpointManager._save_async, staging.HostStaging.stage = save_async, stage
+        AsyncSaver.start, staging.HostStaging.stage = start, stage
 
     if "write" in spec:
         fault = spec["write"]
@@ -202,11 +202,11 @@ def install(spec: dict) -> None:
         dcp.save = faulty_save
 
     if "disk_free_bytes" in spec:
-        from fsdp_utils.checkpoint import manager
+        from fsdp_utils.checkpoint import base
 
         free = spec["disk_free_bytes"]
 
-        class _Shutil:  # the checkpoint module's view of shutil: the same, but for disk_usage
+        class _Shutil:  # the disk-space check's view of shutil: the same, but for disk_usage
             def __getattr__(self, name):
                 return getattr(shutil, name)
 
@@ -215,7 +215,7 @@ def install(spec: dict) -> None:
                 real = shutil.disk_usage(path)
                 return type(real)(real.total, real.total - free, free)
 
-        manager.shutil = _Shutil()
+        base.shutil = _Shutil()
 
     if "nan_at_step" in spec:
         from fsdp_utils.train import step as step_module

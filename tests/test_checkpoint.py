@@ -2,8 +2,9 @@
 
 What is checked (issue 3): exact stop-and-resume for both formats with gradient accumulation; resume at
 another world size; atomic saves (a killed save is ignored and cleaned up); fallback past a corrupt
-checkpoint; retention; clear errors for a mismatched model, a missing or corrupt path; the full
-checkpoint as plain torch.load-able weights; and scripts/convert_checkpoint.py.
+checkpoint; clear errors for a mismatched model, a missing or corrupt path; the full
+checkpoint as plain torch.load-able weights; and scripts/convert_checkpoint.py. Retention, and the manager
+itself at 2 ranks, are tested in process in tests/test_checkpoint_manager.py.
 
 The expensive runs (a few seconds each) are made once per module by `Runs` and shared by the tests.
 """
@@ -423,41 +424,8 @@ def test_flipped_byte_is_caught_and_latest_falls_back(runs, fmt, tmp_path):
 
 
 # ---- 5. retention ------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_keep_last_n(runs, fmt, tmp_path):
-    out = tmp_path / "run"
-    proc = runs.train(out, "--train.max_steps=8", f"--checkpoint.format={fmt}", "--checkpoint.interval=2",
-                      "--checkpoint.keep_last_n=2", nproc=1)
-    assert checkpoint_names(out) == sorted([ckpt_name(fmt, 6), ckpt_name(fmt, 8)])
-    assert proc.stderr.count("removing old checkpoint") == 2  # 2 (at the save of 6), then 4 (at 8)
-
-
-@pytest.mark.slow
-def test_retention_after_a_fallback_keeps_the_good_checkpoint(corpus, dataset_dir, tmp_path):
-    """The newest checkpoint truncated; `latest` falls back to the previous one; the next save's retention
-    must neither delete that good checkpoint nor count the corrupt one. (Before: the save of step 3 with
-    keep_last_n=2 deleted the good fsdp_cpt2.pth and kept the truncated fsdp_cpt4.pth.)"""
-    out = tmp_path / "run"
-    common = ("--checkpoint.interval=2", "--checkpoint.keep_last_n=2")
-    run_train("--train.max_steps=4", *common, nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
-    truncate_to_half(out / "fsdp_cpt4.pth")
-    corrupt_size = (out / "fsdp_cpt4.pth").stat().st_size
-
-    # Three steps in all: back to step 2, one step, the final save at step 3.
-    proc = run_train("--train.max_steps=3", *common, "--resume_from=latest", nproc=1, out_dir=out, corpus=corpus,
-                     dataset_dir=dataset_dir)
-    assert "falling back" in proc.stderr and f"loaded checkpoint {out / 'fsdp_cpt2.pth'} " in proc.stderr
-    assert checkpoint_names(out) == ["fsdp_cpt2.pth", "fsdp_cpt3.pth"]
-    assert (out / "corrupt-fsdp_cpt4.pth").stat().st_size == corrupt_size
-
-    # Later saves count only the good ones, and never touch what was moved aside.
-    run_train("--train.max_steps=4", *common, nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
-    assert checkpoint_names(out) == ["fsdp_cpt3.pth", "fsdp_cpt4.pth"]
-    assert (out / "corrupt-fsdp_cpt4.pth").stat().st_size == corrupt_size
-    for step in (3, 4):
-        checkpoint_io.verify(out / f"fsdp_cpt{step}.pth")
+# keep_last_n, and retention after `latest` fell back past a damaged checkpoint: in process, at 2 ranks
+# (tests/test_checkpoint_manager.py).
 
 
 # ---- 5b. a full disk ------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import random
 import shutil
 import sys
 import time
+import types
 import zipfile
 from pathlib import Path
 from typing import ClassVar
@@ -32,7 +33,8 @@ import torch.distributed as dist
 
 from config import Config, save_config
 from fsdp_utils.checkpoint import io as checkpoint_io
-from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState, _InFlight
+from fsdp_utils.checkpoint.async_save import _InFlight
+from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
 from fsdp_utils.checkpoint.format import (TRAIN_STATE_KEYS, CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                                           CheckpointUnsafe, SafeFileSystemReader, file_record, sidecar_of)
 from fsdp_utils.distributed import DistEnv
@@ -373,11 +375,17 @@ def test_a_hugging_face_checkpoint_into_a_llama_run_names_the_model_type(saved, 
         load(out, fmt, str(newest(out, fmt)))
 
 
-def test_a_background_write_that_stopped_short_says_why(tmp_path):
+def test_a_background_write_that_stopped_short_says_why(tmp_path, monkeypatch):
     ckpt = manager(tmp_path, "sharded")
     job = concurrent.futures.Future()
     job.set_exception(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 2048"))
-    ckpt._in_flight = _InFlight(tmp_path / ".tmp-fsdp_sharded_cpt5", tmp_path / "fsdp_sharded_cpt5", TrainState(step=5),
+    # The synchronous retry from the staged copy fails too, so the background write's cause ends in the error.
+    def failing_save(*args, **kwargs):
+        raise OSError("injected: the retry fails too")
+
+    monkeypatch.setattr(torch.distributed.checkpoint, "save", failing_save)
+    monkeypatch.setattr(ckpt.background, "_writer", types.SimpleNamespace(group=None))
+    ckpt.background._in_flight = _InFlight(tmp_path / ".tmp-fsdp_sharded_cpt5", tmp_path / "fsdp_sharded_cpt5", TrainState(step=5),
                                 time.perf_counter(), job, staged=None, staged_state={})
     with pytest.raises(CheckpointError, match="a full disk, a quota or a file size limit"):
         ckpt.finish()

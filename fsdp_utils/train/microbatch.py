@@ -53,7 +53,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
-from ..distributed import DistEnv
+from ..distributed import DistEnv, broadcast_decision
 from .batch import BatchSplit, divisors
 from .step import train_step
 
@@ -311,10 +311,8 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
         log.info("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch %d, the largest divisor "
                  "of the per-rank batch %d up to train.auto_micro_batch_cpu=%d", size, per_rank, t.auto_micro_batch_cpu)
         return MicroBatchChoice(size, "cpu")
-    found = [read_cache(cfg.output_dir, key) if env.is_main else None]
-    dist.broadcast_object_list(found, src=0)  # every rank takes rank 0's answer
-    if found[0] is not None:
-        entry = found[0]
+    entry = broadcast_decision(env, read_cache(cfg.output_dir, key) if env.is_main else None)
+    if entry is not None:
         choice = MicroBatchChoice(entry["micro_batch_size"], "cache", {int(b): m for b, m in entry["measured_gib"].items()},
                                   entry["capacity_gib"], entry["budget_gib"])
         log.info("train.micro_batch_size=auto: micro-batch %d (gradient accumulation %d), from %s (measured %s: %s, "

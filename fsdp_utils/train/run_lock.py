@@ -15,9 +15,7 @@ import os
 import socket
 from pathlib import Path
 
-import torch.distributed as dist
-
-from ..distributed import DistEnv
+from ..distributed import DistEnv, agree
 
 log = logging.getLogger(__name__)
 LOCK_NAME = "run.lock"
@@ -58,13 +56,11 @@ def take_run_lock(out_dir: Path, env: DistEnv) -> int | None:
     """Rank 0 locks the output directory before anything is written there; every rank raises RunLocked
     if it is taken (a collective, right after the process group starts). Keep the returned descriptor
     open for the whole run (None on ranks other than 0, or where the filesystem has no locks)."""
-    fd, outcome = None, [None]
+    fd, error = None, None
     if env.is_main:
         try:
             fd = _acquire(out_dir)
         except (RunLocked, OSError) as err:
-            outcome = [str(err)]
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise RunLocked(outcome[0])
+            error = RunLocked(str(err))
+    agree(env, error)
     return fd

@@ -107,7 +107,7 @@ class Trainer:
 
             self.scaler = ShardedGradScaler()
         c = cfg.checkpoint
-        self.ckpt = CheckpointManager(cfg.output_dir, fmt=c.format, keep_last_n=c.keep_last_n,
+        self.ckpt = CheckpointManager(cfg.output_dir, fmt=c.format, keep_last_n=c.keep_last_n, interval=c.interval,
                                       model_config=self.model_signature, env=env, verify=c.verify,
                                       async_save=c.async_save, async_writer=c.async_writer,
                                       on_async_error=c.on_async_error, timeout_s=cfg.run.timeout_s,
@@ -246,7 +246,10 @@ class Trainer:
                 self.log.on_step(self.state.step, loss=result.loss, lr=self.lr, grad_norm=result.grad_norm)
                 if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.max_steps):
                     self.log.on_eval(self.state.step, self.evaluate())
-                self._checkpoint(stopping=result.stop_requested)
+                # The manager decides: commit a save in flight, save at its interval, on a stop, at the end.
+                self.state.grad_scaler = self.scaler.state_dict() if self.scaler else None
+                self.ckpt.on_step_end(self.model, self.optimizer, self.state, stopping=result.stop_requested,
+                                      last=self.state.step == t.max_steps)
                 if result.stop_requested:
                     if env.is_main:
                         log.info("stopped by a signal at step %d after saving; rerun the same command to continue "
@@ -265,15 +268,3 @@ class Trainer:
         hint = memory_hint(self.probe, self.env, micro_batch=self.split.micro_batch_size, grad_accum=self.split.grad_accum)
         if hint and self.env.is_main:
             log.info("%s", hint)
-
-    def _checkpoint(self, *, stopping: bool) -> None:
-        """Every rank, every step: commits an asynchronous save once all its writes are done, and saves at
-        checkpoint.interval, on a stop signal and at the last step."""
-        state, interval = self.state, self.cfg.checkpoint.interval
-        self.ckpt.poll()
-        last = stopping or state.step == self.cfg.train.max_steps
-        if last or (interval and state.step % interval == 0):
-            state.grad_scaler = self.scaler.state_dict() if self.scaler else None
-            self.ckpt.save(self.model, self.optimizer, state, last=last)
-        if stopping:
-            self.ckpt.finish()

@@ -1,0 +1,288 @@
+"""The lifecycle of asynchronous sharded saves (checkpoint.async_save): stage the state in host memory
+(staging.py), start the background write (writer.py), commit it once every rank's write is done, and
+when a background write fails, write the same step again synchronously from its staged copy.
+
+The commit runs collectives (checksum records gathered to rank 0, the agreement on errors, barriers) on
+the default process group, so every rank must run it at the same point of the program, on the main
+thread, in step with the training loop's own collectives. A background write ends at a different moment
+on each rank (a little later on the ranks that wrote more, or on a slower disk), so no rank may commit
+when its own write is done: `poll`, called by every rank at the same point of every step, all-reduces
+"my write is done" (MIN over the ranks) and every rank commits at the first step where the flag is 1
+everywhere. `start` and `finish` wait for their own write first and then commit, which is safe because
+every rank calls them at the same step. At most one save is in flight.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+from ..distributed import agree, barrier
+from .base import TrainState, gather_rng, quiet_state_dict_warnings, write_cause
+from .format import CheckpointError, first_line
+from .host_memory import check_host_memory, format_size
+from .retention import remove
+from .sharded import ShardedCheckpoint
+from .staging import HostStaging, StageStats, arena_bytes, live_storages, storage_tensors
+from .verify import hash_own_files
+from .writer import BackgroundWriter
+
+log = logging.getLogger(__name__)
+
+
+class AsyncSaveFailed(CheckpointError):
+    """An asynchronous save could not stage or start its write: the same step is saved synchronously."""
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """An asynchronous save whose background write has started and that is not committed yet."""
+
+    tmp: Path
+    final: Path
+    state: TrainState  # a copy taken when the save started: the loop goes on changing its own
+    start: float
+    job: concurrent.futures.Future  # (this rank's checksum records, seconds) once the write is done
+    staged: StageStats
+    staged_state: dict  # the host copy being written: a failed write is redone from it, synchronously
+    blocked: float = 0.0  # seconds the training loop spent in this save so far (staging, polls, waits, commit)
+
+
+class AsyncSaver:
+    """Asynchronous saves of one run (sharded format only). `enabled` turns off for good when this run's
+    state cannot be staged; `failed` records that an asynchronous save of this run has failed."""
+
+    def __init__(self, sharded: ShardedCheckpoint, *, enabled: bool, writer: str, on_error: str, timeout_s: float):
+        self.sharded = sharded
+        self.context, self.env = sharded.context, sharded.env
+        self.enabled = enabled
+        self.writer_kind = writer
+        self.on_error = on_error
+        self.timeout_s = timeout_s
+        self.failed = False
+        self._writer: BackgroundWriter | None = None
+        self._staging: HostStaging | None = None
+        self._in_flight: _InFlight | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    # ---- the start of the run ------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Collective, once before the first save: start the writer, check that the node's host memory (and
+        /dev/shm for the process writer) holds what sharded saves stage there, reserve the staging arena and
+        stage this very state dict once (a state the staging cannot copy turns asynchronous saves off, with
+        a warning: synchronous saves still work)."""
+        if self.enabled:
+            self._writer = BackgroundWriter(writer=self.writer_kind, timeout_s=self.timeout_s)
+            self._staging = HostStaging(pin=self.env.device.type == "cuda", share=self._writer.writer == "process")
+        offload = self.context.offload(model)
+        if self.context.fmt != "sharded" or not (self.enabled or offload):
+            return
+        share = self._staging is not None and self._staging.share
+        advice = "set checkpoint.async_save=false" if self.enabled else "use fsdp.version=2 (its saves copy nothing)"
+        # FSDP1 on GPUs with the process writer: FSDP1's offloaded pieces and their copy in the shared arena.
+        copies = 2 if share and offload else 1
+        where = check_host_memory(copies * arena_bytes(model, optimizer), self.env, advice=advice,
+                                  shm_per_rank=arena_bytes(model, optimizer) if share else 0,
+                                  what="its share of the weights and optimizer state" + (", twice" if copies == 2 else ""))
+        how = f"written in the background ({self._writer.writer} writer)" if self._writer else "written synchronously"
+        if self.env.is_main:
+            log.info("sharded checkpoints %s, staged in host memory: %s", how, where)
+        # The arena holds copies of whatever may be live training state. FSDP1 on GPUs makes its pieces
+        # on the host for each save (see CheckpointContext.offload), so there only the process writer needs it.
+        if self._staging is not None and (share or not offload):
+            seconds = self._staging.reserve(arena_bytes(model, optimizer))
+            if self.env.is_main:
+                log.info("checkpoint staging: reserved %s of %shost memory per rank in %.1f s, reused by every save",
+                         format_size(self._staging.nbytes), "pinned " if self._staging.pin else "shared " if share else "",
+                         seconds)
+        if self.enabled:
+            self._try_staging(model, optimizer)
+
+    def _try_staging(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Stage this run's state dict once, as a save will. Before the first optimizer step the optimizer
+        holds no state: one moment-like tensor (zeros_like of a parameter, as AdamW makes them) per kind of
+        parameter stands in for it, so a tensor kind the staging cannot copy shows now too."""
+        staging = self._staging
+        assert staging is not None, "prepare() makes the staging of asynchronous saves"
+        error = None
+        with quiet_state_dict_warnings():
+            options = StateDictOptions(cpu_offload=self.context.offload(model))
+            if optimizer.state:  # resumed
+                model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+            else:  # get_state_dict would initialise the optimizer's state with a step, and change the training
+                model_sd = get_model_state_dict(model, options=options)
+                kinds: dict[tuple, tuple] = {}
+                for name, p in model.named_parameters():
+                    kinds.setdefault(tuple(type(t).__name__ for t in (p, *storage_tensors(p))), (name, p))
+                optim_sd = {"state": {name: {"exp_avg": torch.zeros_like(p.detach())} for name, p in kinds.values()}}
+            try:
+                staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
+            except Exception as err:
+                error = AsyncSaveFailed(first_line(err))
+        del model_sd, optim_sd
+        try:
+            agree(self.env, error)
+        except AsyncSaveFailed as err:
+            self.enabled, self.failed = False, True
+            if self.env.is_main:
+                log.warning("checkpoint.async_save: this run's state cannot be staged in host memory (%s); every save "
+                            "of this run is synchronous", err)
+            staging.close()
+            return
+        if self.env.is_main:
+            log.info("checkpoint staging tried on this run's state: %.2f s for %s", staging.last.seconds,
+                     format_size(staging.last.copied))
+
+    # ---- saving --------------------------------------------------------------------------------
+    def start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
+        """Collective: stage the checkpoint of state.step in host memory and start its background write;
+        AsyncSaveFailed (every rank) if it cannot be staged or started."""
+        staging, writer = self._staging, self._writer
+        assert staging is not None and writer is not None, "prepare() makes them when asynchronous saves are on"
+        self.settle()  # the previous save, before this one starts (at most one in flight)
+        start = time.perf_counter()
+        snapshot = dataclasses.replace(state, rng=gather_rng(self.env))
+        self.context.begin_save()
+        final = self.sharded.path_of(state.step)
+        tmp = self.sharded.tmp_of(final)
+        error, staged = None, {}
+        with quiet_state_dict_warnings():
+            model_sd, optim_sd = self.sharded.state_dicts(model, optimizer)
+            self.context.check_space(final, (model_sd, optim_sd))
+            try:
+                staged = staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
+            except Exception as err:  # host memory could not be had, a tensor this staging cannot copy, ...
+                error = AsyncSaveFailed(f"{final}: cannot stage the checkpoint in host memory ({first_line(err)})")
+        del model_sd, optim_sd
+        agree(self.env, error)
+        stage = staging.last
+        try:
+            job = writer.start(staged, tmp,
+                                     after_write=lambda: hash_own_files(tmp, self.env.rank, self.env.world_size))
+        except (Exception, dcp.CheckpointException) as err:
+            error = AsyncSaveFailed(f"{final}: cannot start the background write ({first_line(err)})")
+        if error is not None and self.env.is_main:
+            remove(tmp)  # DCP may have made the folder before it failed
+        agree(self.env, error)
+        self._in_flight = _InFlight(tmp, final, snapshot, start, job, stage, staged, blocked=time.perf_counter() - start)
+        if self.env.is_main:
+            log.info("checkpoint %s: staged in host memory in %.2f s (%s copied, %s made for it by the state dict), "
+                     "writing it in the background", final.name, stage.seconds, format_size(stage.copied),
+                     format_size(stage.passed))
+        return final
+
+    def poll(self) -> None:
+        """Collective, at the same point of every step: commit the save in flight once every rank's
+        background write is done; a failed write is reported here, naming the checkpoint."""
+        if self._in_flight is None:  # the same on every rank: saves start at the same step everywhere
+            return
+        begin = time.perf_counter()
+        flag = torch.tensor([int(self._in_flight.job.done())], device=self.env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        done = bool(flag.item())
+        self._in_flight.blocked += time.perf_counter() - begin
+        if done:
+            self._complete(last=False)
+
+    def settle(self) -> None:
+        """Collective: wait for the save in flight, if any, and commit it."""
+        self._wait()
+        if self._in_flight is not None:
+            self._complete(last=False)
+
+    def finish(self) -> None:
+        """Collective, at the end of a run: wait for the save in flight and commit it. A failure is raised
+        whatever checkpoint.on_async_error says."""
+        if self._in_flight is not None:
+            self._wait()
+            self._complete(last=True)
+
+    def close(self) -> None:
+        """Release the writer and the staging memory. A save still in flight here (an error ended the run)
+        is not committed: it stays a `.tmp-` folder, which the next save removes."""
+        if self._in_flight is not None and self.env.is_main:
+            log.warning("%s was still being written when the run ended: not committed", self._in_flight.final.name)
+        if self._writer is not None:
+            self._writer.close()
+        if self._staging is not None and self._in_flight is None:
+            self._staging.close()
+
+    def _wait(self) -> None:
+        """Block until this rank's background write is done (logged when it is not done yet)."""
+        flight = self._in_flight
+        if flight is None:
+            return
+        begin = time.perf_counter()
+        if not flight.job.done():
+            if self.env.is_main:
+                log.info("waiting for the save of %s, still being written (started %.1f s ago): one save at a time",
+                         flight.final.name, begin - flight.start)
+            concurrent.futures.wait([flight.job])
+            if self.env.is_main:
+                log.info("waited %.2f s for the save of %s", time.perf_counter() - begin, flight.final.name)
+        flight.blocked += time.perf_counter() - begin
+
+    def _complete(self, *, last: bool) -> None:
+        """Collective, once every rank's write is done: commit the save in flight, or report its failure
+        (then stop, or go on per checkpoint.on_async_error unless `last`)."""
+        flight, self._in_flight = self._in_flight, None
+        assert flight is not None, "called with a save in flight"
+        begin = time.perf_counter()
+        hashed, error = None, None
+        try:
+            hashed = flight.job.result()
+        except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
+            error = CheckpointError(f"{flight.final}: the background write failed ({write_cause(err)}); the previous "
+                                    f"checkpoints are as they were")
+        try:
+            agree(self.env, error)
+        except CheckpointError as err:
+            self._recover(flight, str(err), last=last)
+            return
+        self.sharded.commit(flight.final, flight.state, start=flight.start, hashed=hashed, mode=None)
+        now = time.perf_counter()
+        flight.blocked += now - begin
+        row = {"name": flight.final.name, "mode": "async", "blocked_s": flight.blocked, "total_s": now - flight.start,
+               "staging_s": flight.staged.seconds, "alloc_s": flight.staged.alloc_seconds,
+               "copied_bytes": flight.staged.copied, "passed_bytes": flight.staged.passed}
+        self.context.stats.append(row)
+        if self.env.is_main:
+            log.info("checkpoint %s: written in the background in %.1f s; it held up training for %.2f s in all "
+                     "(staging %.2f s, commit %.2f s)", flight.final.name, row["total_s"], flight.blocked,
+                     flight.staged.seconds, now - begin)
+
+    def _recover(self, flight: _InFlight, error: str, *, last: bool) -> None:
+        """Collective, after a failed background write: write the same step again synchronously from its
+        staged copy; if that fails too, stop (CheckpointError) or go on per checkpoint.on_async_error."""
+        barrier(self.env)  # every rank is done with the folder before it is removed
+        if self.env.is_main:
+            remove(flight.tmp)
+        self.failed = True
+        if self.env.is_main:
+            log.warning("%s; writing it again synchronously from its copy in host memory", error)
+        writer = self._writer
+        assert writer is not None, "a save was in flight: prepare() made the writer"
+        try:
+            start = time.perf_counter()
+            self.sharded.write(flight.staged_state, flight.final, process_group=writer.group)
+            self.sharded.commit(flight.final, flight.state, start=start, mode="sync-retry")
+            return
+        except CheckpointError as err:
+            error = f"{error}; the synchronous retry failed too ({err})"
+        if self.on_error == "continue" and not last:
+            if self.env.is_main:
+                log.error("%s; training goes on (checkpoint.on_async_error=continue), the next save tries again", error)
+            return
+        if not last:
+            error += "; stopping (checkpoint.on_async_error=stop). Resume with --resume_from latest"
+        raise CheckpointError(error)

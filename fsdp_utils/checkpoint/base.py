@@ -1,0 +1,256 @@
+"""What both checkpoint formats share: the training state saved next to model and optimizer, the run's
+checkpoint settings (`CheckpointContext`) with the collective steps around every save and load (the
+disk-space check, the end of a save, the model and tokenizer checks), and the interface the manager
+calls (`CheckpointFormat`)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+
+from ..distributed import DistEnv, agree, barrier
+from .format import FORMAT_VERSION, CheckpointCorrupt, CheckpointError, CheckpointMismatch, first_line, size_of
+from .retention import apply_retention, complete_checkpoints, remove_incomplete
+
+log = logging.getLogger(__name__)
+
+# Module names that wrappers insert into parameter names; checkpoints hold the plain model's names.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything besides model and optimizer that an exact resume needs, as plain data."""
+
+    step: int = 0  # optimizer steps taken
+    samples_seen: int = 0  # global sample index of the next batch (the data position)
+    tokens_seen: int = 0
+    grad_scaler: dict | None = None
+    rng: list | None = None  # per rank: {"cpu": ByteTensor, "cuda": ByteTensor | None}
+
+
+@contextlib.contextmanager
+def quiet_state_dict_warnings() -> Iterator[None]:
+    """FSDP1's state dicts warn on every call, at every save and load: the sharded one (ShardedTensor)
+    that ShardedTensor is deprecated and that `_get_pg_default_device` will be, and at world size 1 that
+    NO_SHARD returns full state dicts. Torch's internals, nothing a user can act on."""
+    with warnings.catch_warnings():
+        for message in ("Please use DTensor instead", "`_get_pg_default_device` will be deprecated",
+                        "Multiple backends are registered with this ProcessGroup",
+                        "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"):  # "will be", "willbe"
+            warnings.filterwarnings("ignore", message=re.escape(message))
+        yield
+
+
+def write_cause(err: BaseException) -> str:
+    """A failed write's first line, with the likely cause where torch's words hide it."""
+    cause = first_line(err)
+    if "unexpected pos" in cause:  # torch.save's only word for a write that stopped short
+        cause = f"{cause}: a write stopped short (a full disk, a quota or a file size limit?)"
+    return cause
+
+
+def write_error(final: Path, err: BaseException) -> CheckpointError:
+    return CheckpointError(f"{final}: cannot write checkpoint ({write_cause(err)}); nothing was written, the previous "
+                           f"checkpoints are as they were")
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensor data this rank holds in a (nested) state dict: what it will write."""
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    if hasattr(obj, "local_shards"):  # FSDP1's ShardedTensor
+        return sum(tensor_bytes(shard.tensor) for shard in obj.local_shards())
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    return 0
+
+
+def _param_group_fqns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Parameter names of each optimizer group, without wrapper prefixes (as in the state dicts)."""
+    names = {}
+    for name, param in model.named_parameters():
+        parts = [p for p in name.split(".") if p not in WRAPPER_PREFIXES]
+        names[id(param)] = ".".join(parts)
+    return [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
+
+
+def check_param_groups(saved_optim_sd: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       path: Path) -> None:
+    """The checkpoint's optimizer groups hold the same parameters as this optimizer's: torch would
+    otherwise load mismatched groups without a word and fail (or train wrongly) at the first step."""
+    try:
+        saved = [list(group["params"]) for group in saved_optim_sd["param_groups"]]
+    except (KeyError, TypeError):
+        raise CheckpointCorrupt(f"{path}: the optimizer state has no parameter groups") from None
+    here = _param_group_fqns(model, optimizer)
+    if saved != here:
+        sizes = lambda groups: "/".join(str(len(g)) for g in groups)  # noqa: E731
+        raise CheckpointMismatch(
+            f"{path}: the optimizer's parameter groups differ from the checkpoint's ({sizes(here)} parameters "
+            f"per group here, {sizes(saved)} in the checkpoint): saved by a different optimizer setup")
+
+
+def _rng_state(device: torch.device) -> dict:
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def gather_rng(env: DistEnv) -> list:
+    """Every rank's RNG states, on every rank (a collective)."""
+    states: list = [None] * env.world_size
+    dist.all_gather_object(states, _rng_state(env.device))
+    return states
+
+
+def restore_rng(states: list | None, env: DistEnv) -> None:
+    # A run resumed on a different world size has no saved state for the new ranks: they keep their seed.
+    if not states or env.rank >= len(states):
+        return
+    torch.set_rng_state(states[env.rank]["cpu"])
+    if env.device.type == "cuda" and states[env.rank]["cuda"] is not None:
+        torch.cuda.set_rng_state(states[env.rank]["cuda"], env.device)
+
+
+def _model_kind(model_config: dict) -> str:
+    """llama (our model: its config has no "type"), or hf and which Hugging Face model_type."""
+    kind = str(model_config.get("type", "llama"))
+    return f"{kind} ({model_config['model_type']})" if model_config.get("model_type") is not None else kind
+
+
+@dataclasses.dataclass
+class CheckpointContext:
+    """The run's checkpoint settings, and the steps every save and load takes whatever the format.
+    Every method that is a collective says so; every rank calls those."""
+
+    dir: Path
+    env: DistEnv
+    fmt: str
+    keep_last_n: int
+    model_config: dict
+    tokenizer_sha256: str | None = None  # recorded in every checkpoint; a resume with another is refused
+    allow_tokenizer_change: bool = False
+    stats: list[dict] = dataclasses.field(default_factory=list)  # one row per committed save (scripts/benchmark.py)
+
+    def offload(self, model: torch.nn.Module) -> bool:
+        """Whether sharded state dicts are taken with cpu_offload. FSDP1 makes a sharded state dict by
+        gathering each flat parameter (and its optimizer state) and cutting this rank's piece anew: new
+        tensors, which on a GPU would pile up until the save is written (the model's and the optimizer's
+        state once more, more than training's own peak leaves free; docs/checkpoints.md has the figures).
+        With cpu_offload each piece goes to host memory as soon as it is made. FSDP2's state dict holds
+        the live sharded tensors (no copies): nothing to offload."""
+        return self.env.device.type == "cuda" and bool(FullyShardedDataParallel.fsdp_modules(model))
+
+    def metadata(self, state: TrainState) -> dict:
+        plain = dataclasses.asdict(state)
+        plain.pop("rng")
+        tokenizer = {"tokenizer_sha256": self.tokenizer_sha256} if self.tokenizer_sha256 else {}
+        return {"format_version": FORMAT_VERSION, "world_size": self.env.world_size, "model_config": self.model_config,
+                "train_state": plain, **tokenizer}
+
+    def begin_save(self) -> None:
+        """Collective, before a save writes: rank 0 makes the folder and removes interrupted saves."""
+        if self.env.is_main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            remove_incomplete(self.dir)
+        barrier(self.env)
+
+    def check_space(self, final: Path, state_dicts: tuple | None, *, estimate: int | None = None) -> None:
+        """Collective: stop before writing when the checkpoint will not fit on the disk: a write that fails
+        half-way costs the time of writing it, and a full disk hurts everything else writing there. At the
+        start of the run (`estimate`: this rank's share of the state, as state_bytes counts it) the same
+        check stops the run before its first step."""
+        if estimate is not None:  # every rank's share: the full checkpoint holds them all, the sharded one too
+            mine = estimate
+        else:  # full: rank 0 writes what it holds (other ranks may hold a copy too); sharded: every rank its shard
+            mine = tensor_bytes(state_dicts) if self.fmt == "sharded" or self.env.is_main else 0
+        total = torch.tensor([mine], dtype=torch.int64, device=self.env.device)
+        dist.all_reduce(total)
+        error = None
+        if self.env.is_main:
+            previous = complete_checkpoints(self.dir)
+            # The previous checkpoint of this run is the best guess; before the first, the tensors plus 1%
+            # for torch.save's framing (an overestimate where HYBRID_SHARD replicas each count their shard).
+            needed = size_of(previous[0][1]) if previous else int(total.item() * 1.01)
+            free = shutil.disk_usage(self.dir).free
+            if needed > free:
+                if estimate is not None:
+                    keep = "stopped before the first training step"
+                else:
+                    keep = "stopped before writing, " + (f"{previous[0][1].name} stays the newest checkpoint" if previous
+                                                         else "no checkpoint was written")
+                error = CheckpointError(
+                    f"{final}: not enough disk space to save it ({needed / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB "
+                    f"free in {self.dir}); {keep}. Free some space and resume with --resume_from latest")
+        agree(self.env, error)
+
+    def end_save(self, final: Path, *, start: float, crc_s: float, mode: str | None = "sync") -> None:
+        """Collective, once `final` is in place: retention, the log line and the save's stats row (an
+        asynchronous save, `mode` None, writes its own row)."""
+        barrier(self.env)  # the checkpoint is in place for every rank before anyone deletes older ones
+        seconds = time.perf_counter() - start
+        if self.env.is_main:
+            apply_retention(self.dir, final, keep_last_n=self.keep_last_n)
+            log.info("saved checkpoint %s (%.1f MiB) in %.2f s (CRC32 %.2f s)", final, size_of(final) / 2**20, seconds, crc_s)
+        if mode is not None:
+            self.stats.append({"name": final.name, "mode": mode, "blocked_s": seconds, "total_s": seconds})
+
+    def check_model(self, meta: dict, path: Path) -> None:
+        """The checkpoint's model is this one: the same type (ours or a Hugging Face one, and which), then
+        the same shape; then the same tokenizer. Checked before anything else, so a foreign model is not
+        blamed on the optimizer."""
+        saved_config = meta["model_config"]
+        here, there = _model_kind(self.model_config), _model_kind(saved_config)
+        if here != there:
+            raise CheckpointMismatch(f"{path}: model type differs from the checkpoint: model.type={here} here, "
+                                     f"{there} in the checkpoint")
+        for key, value in self.model_config.items():
+            if saved_config.get(key, value) != value:
+                raise CheckpointMismatch(f"{path}: model shape differs from the checkpoint: model.{key}={value} here, "
+                                         f"{saved_config[key]} in the checkpoint")
+        self._check_tokenizer(meta, path)
+
+    def _check_tokenizer(self, meta: dict, path: Path) -> None:
+        """The checkpoint was trained with this run's tokenizer (checkpoints from before tokenizers were
+        recorded say nothing, and load)."""
+        saved = meta.get("tokenizer_sha256")
+        if saved is None or self.tokenizer_sha256 is None or saved == self.tokenizer_sha256 or self.allow_tokenizer_change:
+            return
+        raise CheckpointMismatch(
+            f"{path}: trained with another tokenizer (sha256 {saved[:8]}, this run's is {self.tokenizer_sha256[:8]}); "
+            f"use the run's tokenizer, or set checkpoint.allow_tokenizer_change=true for a deliberate vocabulary swap")
+
+
+class CheckpointFormat:
+    """One on-disk format: how a checkpoint of a step is named, written (every rank; a complete checkpoint or
+    a CheckpointError on every rank, the previous checkpoints as they were) and read back."""
+
+    def __init__(self, context: CheckpointContext):
+        self.context = context
+        self.env = context.env
+
+    def path_of(self, step: int) -> Path:
+        raise NotImplementedError
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *, start: float) -> Path:
+        """Write and commit the checkpoint of state.step (state.rng already gathered); `start`: when the
+        save began, for its duration."""
+        raise NotImplementedError
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> tuple[dict, list | None]:
+        """Restore model and optimizer from `path` (already checked); returns its metadata and RNG states."""
+        raise NotImplementedError

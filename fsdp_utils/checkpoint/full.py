@@ -1,0 +1,75 @@
+"""The full format: one `torch.save` file gathered to rank 0 on the CPU, written to `.tmp-fsdp_cpt{step}.pth`
+with its CRC32 computed while writing, renamed into place, then its checksum record written next to it."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from ..distributed import agree
+from .base import CheckpointFormat, TrainState, check_param_groups, quiet_state_dict_warnings, write_error
+from .format import (FULL_PAYLOAD_KEYS, TMP_PREFIX, CheckpointMismatch, first_line, full_name, install_full, load_full,
+                     save_with_checksum, write_record)
+from .retention import remove
+
+log = logging.getLogger(__name__)
+
+
+class FullCheckpoint(CheckpointFormat):
+    def path_of(self, step: int) -> Path:
+        return self.context.dir / full_name(step)
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *, start: float) -> Path:
+        # Gather to rank 0 on the CPU: no GPU memory spike, no other rank holds a copy. On the CPU the
+        # tensors are already in host memory (and FSDP1's offload path fails there), so no offload.
+        on_gpu = self.env.device.type == "cuda"
+        options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+        with quiet_state_dict_warnings():
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        final = self.path_of(state.step)
+        self.context.check_space(final, (model_sd, optim_sd))
+        tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
+        error, record, crc_s = None, None, 0.0
+        if self.env.is_main:
+            payload = {"model": model_sd, "optimizer": optim_sd, "rng": state.rng, **self.context.metadata(state)}
+            try:
+                record, crc_s = save_with_checksum(payload, tmp)
+            except Exception as err:  # disk full, quota, I/O error: agreed with the other ranks below
+                remove(tmp)
+                error = write_error(final, err)
+        agree(self.env, error)
+        return self._commit(tmp, final, record, start=start, crc_s=crc_s)
+
+    def _commit(self, tmp: Path, final: Path, record: dict | None, *, start: float, crc_s: float) -> Path:
+        """Collective: rank 0 renames the written file into place, then writes its checksum record; retention."""
+        error = None
+        if self.env.is_main:
+            try:
+                install_full(tmp, final)
+            except OSError as err:
+                remove(tmp)
+                error = write_error(final, err)
+            else:
+                assert record is not None, "rank 0 wrote the file: save_with_checksum returned its record"
+                try:
+                    write_record(final, record)
+                except OSError as err:  # the checkpoint is in place, only its record is missing: it loads unverified
+                    log.warning("%s: cannot write its checksum record (%s): it will load unverified", final, first_line(err))
+        agree(self.env, error)
+        self.context.end_save(final, start=start, crc_s=crc_s)
+        return final
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> tuple[dict, list | None]:
+        payload = load_full(path)
+        meta = {k: v for k, v in payload.items() if k not in FULL_PAYLOAD_KEYS}
+        self.context.check_model(meta, path)
+        check_param_groups(payload["optimizer"], model, optimizer, path)
+        try:
+            with quiet_state_dict_warnings():
+                set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optimizer"],
+                               options=StateDictOptions(full_state_dict=True, strict=True))
+        except Exception as err:  # readable, but not this model's (missing or extra tensors)
+            raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
+        return meta, payload.get("rng")

@@ -1,0 +1,120 @@
+"""The sharded format: torch.distributed.checkpoint writes one file per rank into
+`.tmp-fsdp_sharded_cpt{step}/`; each rank hashes the files it wrote, rank 0 writes rng.pt and then
+`meta.json` (every file's size and CRC32) last, and renames the folder into place. It reloads at any world
+size. Writing and committing are separate steps, so an asynchronous save (async_save.py) commits its
+background write the same way."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from ..distributed import agree, barrier
+from .base import CheckpointFormat, TrainState, check_param_groups, quiet_state_dict_warnings, write_error
+from .format import (META_NAME, RNG_NAME, TMP_PREFIX, CheckpointMismatch, dcp_load, first_line, load_rng,
+                     read_sharded_meta, save_with_checksum, sharded_name, write_json)
+from .retention import remove
+from .verify import hash_own_files
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Rename folder `src` to `dst`. os.replace cannot replace a non-empty folder, so an existing `dst` is
+    first renamed to a `.tmp-` name, which the next save removes should we stop before deleting it here."""
+    if dst.exists():
+        old = dst.with_name(f"{TMP_PREFIX}replaced-{dst.name}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old)
+    else:
+        os.replace(src, dst)
+
+
+class ShardedCheckpoint(CheckpointFormat):
+    def path_of(self, step: int) -> Path:
+        return self.context.dir / sharded_name(step)
+
+    def tmp_of(self, final: Path) -> Path:
+        return final.with_name(f"{TMP_PREFIX}{final.name}")
+
+    def state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """This rank's (model, optimizer) state dicts as a save writes them (call within
+        quiet_state_dict_warnings)."""
+        return get_state_dict(model, optimizer, options=StateDictOptions(cpu_offload=self.context.offload(model)))
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *, start: float) -> Path:
+        final = self.path_of(state.step)
+        with quiet_state_dict_warnings():
+            model_sd, optim_sd = self.state_dicts(model, optimizer)
+            self.context.check_space(final, (model_sd, optim_sd))
+            self.write({"model": model_sd, "optimizer": optim_sd}, final)
+        return self.commit(final, state, start=start)
+
+    def write(self, state_dict: dict, final: Path, *, process_group: Any = None) -> None:
+        """Collective: DCP writes `state_dict` into final's `.tmp-` folder; CheckpointError on every rank if
+        any rank's write fails, the folder removed."""
+        tmp = self.tmp_of(final)
+        error = None
+        try:
+            dcp.save(state_dict, checkpoint_id=str(tmp), process_group=process_group)
+        except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
+            error = write_error(final, err)
+        barrier(self.env)  # every rank is done with the folder before it is removed
+        if error is not None and self.env.is_main:
+            remove(tmp)
+        agree(self.env, error)
+
+    def commit(self, final: Path, state: TrainState, *, start: float, hashed: tuple[dict, float] | None = None,
+               mode: str | None = "sync") -> Path:
+        """Collective, once every shard is written: each rank hashes the files it wrote (an asynchronous save
+        did that in the background: `hashed`), rank 0 writes rng.pt and meta.json (every file's size and
+        CRC32) and renames the folder into place; retention."""
+        tmp = self.tmp_of(final)
+        error = None
+        if hashed is None:
+            try:
+                hashed = hash_own_files(tmp, self.env.rank, self.env.world_size)
+            except OSError as err:  # a shard that cannot be read back
+                hashed, error = ({}, 0.0), write_error(final, err)
+        mine, seconds = hashed
+        parts: list = [None] * self.env.world_size
+        dist.all_gather_object(parts, (mine, seconds, error))
+        records = {name: record for part, _, _ in parts for name, record in part.items()}
+        crc_s = max(seconds for _, seconds, _ in parts)  # the ranks hash in parallel
+        error = next((e for _, _, e in parts if e is not None), None)
+        if self.env.is_main:
+            try:
+                if error is None:
+                    records[RNG_NAME], rng_crc_s = save_with_checksum({"rng": state.rng}, tmp / RNG_NAME)
+                    crc_s += rng_crc_s
+                    write_json(tmp / META_NAME, {**self.context.metadata(state), "files": dict(sorted(records.items()))})
+                    replace_dir(tmp, final)
+            except Exception as err:  # agreed with the other ranks below
+                error = write_error(final, err)
+            if error is not None:
+                remove(tmp)
+        agree(self.env, error)
+        self.context.end_save(final, start=start, crc_s=crc_s, mode=mode)
+        return final
+
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> tuple[dict, list | None]:
+        meta = read_sharded_meta(path)
+        self.context.check_model(meta, path)
+        with quiet_state_dict_warnings():
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+            dcp_load(state, path)  # reads in place, resharding to this world size
+            rng = load_rng(path)
+            check_param_groups(state["optimizer"], model, optimizer, path)
+            try:
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            except (Exception, dcp.CheckpointException) as err:
+                raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
+        return meta, rng
