@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -479,7 +479,7 @@ def main() -> int:
             ratios = {}
             by_name = {r["name"]: r for r in rows}
             for name, base in ratio_pairs(list(by_name)):
-                per_round = [b / n for n, b in zip(round_step_s[name], round_step_s[base])]
+                per_round = [b / n for n, b in zip(round_step_s[name], round_step_s[base], strict=True)]
                 overall = by_name[name]["tokens_per_sec_per_gpu"] / by_name[base]["tokens_per_sec_per_gpu"]
                 ratios[f"{name} / {base}"] = {"all_rounds": overall, "per_round": per_round}
                 rounds_note = f" (all rounds' steps; per round: {', '.join(f'{x:.3f}' for x in per_round)})" if args.rounds > 1 else ""

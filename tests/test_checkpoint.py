@@ -97,7 +97,7 @@ def assert_identical(a, b, where: str = "") -> None:
         for k in a:
             assert_identical(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_identical(x, y, f"{where}[{i}]")
     elif isinstance(a, torch.Tensor):
         assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"

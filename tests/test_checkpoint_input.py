@@ -34,9 +34,17 @@ import torch.distributed as dist
 from config import Config, save_config
 from fsdp_utils.checkpoint import io as checkpoint_io
 from fsdp_utils.checkpoint.async_save import _InFlight
+from fsdp_utils.checkpoint.format import (
+    TRAIN_STATE_KEYS,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    CheckpointUnsafe,
+    SafeFileSystemReader,
+    file_record,
+    sidecar_of,
+)
 from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
-from fsdp_utils.checkpoint.format import (TRAIN_STATE_KEYS, CheckpointCorrupt, CheckpointError, CheckpointMismatch,
-                                          CheckpointUnsafe, SafeFileSystemReader, file_record, sidecar_of)
 from fsdp_utils.distributed import DistEnv
 from fsdp_utils.train.run_lock import RunLocked, take_run_lock
 from model import ModelConfig, Transformer

@@ -9,6 +9,7 @@ import json
 import sys
 import time
 import tracemalloc
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,6 @@ from data import (  # noqa: E402
 )
 from data.loader import RandomPermutation  # noqa: E402
 from data.mixture import BLOCK as MIX_BLOCK  # noqa: E402
-
 
 VOCAB_SIZE = 320
 WORDS = "alpha beta gamma delta epsilon zeta theta lambda sigma omega return yield class def".split()
@@ -329,10 +329,10 @@ def test_random_permutation_looks_shuffled():
     # A uniform random permutation has 1 fixed point and n/2 ascents on average; the identity, a
     # rotation or a stride would be far off.
     assert sum(v == i for i, v in enumerate(values)) < 10
-    ascents = sum(b > a for a, b in zip(values, values[1:]))
+    ascents = sum(b > a for a, b in pairwise(values))
     assert abs(ascents - n / 2) < 0.03 * n
     other = [RandomPermutation(n, key="b")(i) for i in range(n)]
-    assert sum(a == b for a, b in zip(values, other)) < 10
+    assert sum(a == b for a, b in zip(values, other, strict=True)) < 10
     # At the scale of 100B tokens: values stay in range and distinct, computed without any table.
     huge = RandomPermutation(10**12, key="a")
     sample = [huge(i) for i in range(0, 10**12, 10**8)]
@@ -344,7 +344,7 @@ def test_windows_span_shard_boundaries(tmp_path, token_file):
     # The same 1000 tokens cut into shards of 333, 0 (an empty val part, say), 400 and 267 tokens.
     bounds = [0, 333, 333, 733, 1000]
     shards = []
-    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+    for i, (lo, hi) in enumerate(pairwise(bounds)):
         shards.append(tmp_path / f"shard{i}.bin")
         tokens[lo:hi].tofile(shards[-1])
     whole = TokenDataset(path, dtype=np.uint16, seq_len=16, seed=3)
@@ -445,7 +445,7 @@ def test_prefetcher_matches_direct_batches(token_file):
     got = list(prefetcher)
     prefetcher.close()
     assert len(got) == len(firsts)
-    for (inputs, targets), first in zip(got, firsts):
+    for (inputs, targets), first in zip(got, firsts, strict=True):
         want_inputs, want_targets = dataset.batch(first, 12)
         assert torch.equal(inputs, want_inputs) and torch.equal(targets, want_targets)
 

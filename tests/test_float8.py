@@ -187,9 +187,8 @@ def test_fp8_block_matches_fp32_within_fp8_tolerance(device, dtype, recipe):
 
 @needs_torchao
 def test_selective_op_keeps_the_fp8_matmul_outputs():
-    from tests.helpers import CountOps
-
     from fsdp_utils.parallel.parallelize import apply_activation_checkpointing
+    from tests.helpers import CountOps
 
     def backward(mode: str):
         model = tiny_model()
@@ -212,7 +211,7 @@ def test_selective_op_keeps_the_fp8_matmul_outputs():
     assert by_op["mm"] == none["mm"]
     # ...but it does recompute the elementwise work (norms, casts), except the FP8 scales' amax (kept).
     assert by_op["rsqrt"] > none["rsqrt"] and by_op["abs"] > none["abs"] and by_op["max"] == none["max"] < full["max"]
-    for g_none, g_by_op, g_full in zip(grads_none, grads_by_op, grads_full):
+    for g_none, g_by_op, g_full in zip(grads_none, grads_by_op, grads_full, strict=True):
         # Recomputed FP8 casts see the same inputs and amax: the same gradients, bit for bit.
         assert torch.equal(g_by_op, g_none) and torch.equal(g_full, g_none)
 

@@ -100,7 +100,7 @@ def test_compiled_chunked_loss_in_bf16_matches_fp32_reference():
         return loss.double(), h.grad.double(), w.grad.double()
 
     reference = run(torch.float32, 0)
-    for got, want in zip(run(torch.bfloat16, 2048), reference):
+    for got, want in zip(run(torch.bfloat16, 2048), reference, strict=True):
         assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 

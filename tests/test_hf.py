@@ -12,8 +12,8 @@ import torch
 from config import load_config
 from data.errors import DataError
 from data.tokenizer import load_tokenizer
-from tests.helpers import ROOT, losses, run_train
 from fsdp_utils.parallel.hf import hf_problems
+from tests.helpers import ROOT, losses, run_train
 
 pytestmark = pytest.mark.slow  # every test here launches training processes
 

@@ -111,7 +111,7 @@ def test_chunked_loss_in_bf16_matches_fp32_reference():
         return loss.double(), h.grad.double(), w.grad.double()
 
     reference = run(torch.float32, 0)
-    for got, want in zip(run(torch.bfloat16, 40), reference):
+    for got, want in zip(run(torch.bfloat16, 40), reference, strict=True):
         assert ((got - want).norm() / want.norm()).item() < 1e-2
     # and no-grad evaluation gives the same loss through its own path
     with torch.no_grad():
@@ -223,7 +223,7 @@ def test_to_empty_without_init_leaves_buffers_wrong():
 def test_init_weights_depends_on_seed_only():
     cfg = small_cfg()
     a, b, c = built(cfg, seed=5), built(cfg, seed=5), built(cfg, seed=6)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(pa, pb), name
         if not name.endswith("norm.weight"):  # norms start at ones whatever the seed
             assert not torch.equal(pa, pc), name
@@ -337,5 +337,5 @@ def test_fused_matmul_calls_the_modules_and_keeps_outputs_and_gradients(n_kv_hea
         results.append((loss.detach(), [p.grad for p in model.parameters()]))
     (loss_split, grads_split), (loss_fused, grads_fused) = results
     torch.testing.assert_close(loss_fused, loss_split, rtol=1e-6, atol=0)
-    for g_fused, g_split in zip(grads_fused, grads_split):
+    for g_fused, g_split in zip(grads_fused, grads_split, strict=True):
         torch.testing.assert_close(g_fused, g_split, rtol=1e-5, atol=1e-7)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -276,7 +277,7 @@ def test_tokenizer_is_trained_on_the_whole_corpus(tmp_path, monkeypatch):
 
 def test_tokenizer_sample_does_not_depend_on_arrival_order():
     rng = np.random.default_rng(0)
-    documents = [(int(key), "d" * int(size)) for key, size in zip(rng.integers(0, 2**63, 500), rng.integers(1, 300, 500))]
+    documents = [(int(key), "d" * int(size)) for key, size in zip(rng.integers(0, 2**63, 500), rng.integers(1, 300, 500), strict=True)]
     samples = []
     for order in (documents, documents[::-1], [documents[i] for i in rng.permutation(500)]):
         sample = TokenizerSample(max_chars=5_000)
@@ -333,7 +334,7 @@ def test_a_txt_line_longer_than_max_document_mb_is_cut(tmp_path, jsonl_reference
     processor = spm.SentencePieceProcessor(model_file=str(prepared.tokenizer_path))
     ids = np.concatenate([split_tokens(prepared, "train"), split_tokens(prepared, "val")]).tolist()
     ends = [i for i, token in enumerate(ids) if token == processor.eos_id()]
-    documents = [processor.decode(ids[a + 1 : b]) for a, b in zip([-1, *ends], ends)]
+    documents = [processor.decode(ids[a + 1 : b]) for a, b in pairwise([-1, *ends])]
     assert len(documents) >= 4 and all(len(doc.encode()) <= 0.05 * 2**20 for doc in documents)
     assert sorted(documents) == sorted(text.encode()[i:j].decode() for i, j in _cuts(text.encode(), int(0.05 * 2**20)))
 

@@ -32,7 +32,7 @@ def test_checkpointing_keeps_loss_and_gradients(mode):
     _, grads_ref, loss_ref = backward_ops("none")
     _, grads, loss = backward_ops(mode)
     assert loss == loss_ref
-    for g, g_ref in zip(grads, grads_ref):
+    for g, g_ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-7)
 
 

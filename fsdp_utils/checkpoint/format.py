@@ -26,6 +26,7 @@ import re
 import time
 import zipfile
 import zlib
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -491,7 +492,7 @@ def _load_plain(f: Any, where: Path, **kwargs: Any) -> Any:
 def set_at(root: dict, path: tuple, value: Any) -> None:
     """root[path[0]][path[1]]... = value, creating dicts (str keys) and lists (int keys) on the way."""
     node: Any = root
-    for key, next_key in zip(path, path[1:]):
+    for key, next_key in pairwise(path):
         empty = {} if isinstance(next_key, str) else []
         if isinstance(node, list):
             node.extend([None] * (key + 1 - len(node)))

@@ -10,8 +10,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ..distributed import agree
 from .base import CheckpointFormat, TrainState, check_param_groups, quiet_state_dict_warnings, write_error
-from .format import (FULL_PAYLOAD_KEYS, TMP_PREFIX, CheckpointMismatch, first_line, full_name, install_full, load_full,
-                     save_with_checksum, write_record)
+from .format import (
+    FULL_PAYLOAD_KEYS,
+    TMP_PREFIX,
+    CheckpointMismatch,
+    first_line,
+    full_name,
+    install_full,
+    load_full,
+    save_with_checksum,
+    write_record,
+)
 from .retention import remove
 
 log = logging.getLogger(__name__)

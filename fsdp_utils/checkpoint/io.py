@@ -24,8 +24,19 @@ from data.store import tokenizer_sha256
 from model import ModelConfig, Transformer
 
 from .format import (
-    META_KEYS, OPTIONAL_META_KEYS, TMP_PREFIX, CheckpointCorrupt, CheckpointError, check_file, checksum_records, dcp_load,
-    first_line, load_full, read_sharded_meta, size_of)
+    META_KEYS,
+    OPTIONAL_META_KEYS,
+    TMP_PREFIX,
+    CheckpointCorrupt,
+    CheckpointError,
+    check_file,
+    checksum_records,
+    dcp_load,
+    first_line,
+    load_full,
+    read_sharded_meta,
+    size_of,
+)
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,17 @@ from pathlib import Path
 import torch
 
 from ..distributed import DistEnv, agree, barrier
-from .async_save import AsyncSaver, AsyncSaveFailed
+from .async_save import AsyncSaveFailed, AsyncSaver
 from .base import CheckpointContext, CheckpointFormat, TrainState, gather_rng, restore_rng
-from .format import TMP_PREFIX, CheckpointCorrupt, CheckpointError, CheckpointMismatch, check_structure, first_line, size_of
+from .format import (
+    TMP_PREFIX,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    check_structure,
+    first_line,
+    size_of,
+)
 from .full import FullCheckpoint
 from .retention import complete_checkpoints, move_aside
 from .sharded import ShardedCheckpoint

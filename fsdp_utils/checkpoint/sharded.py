@@ -17,8 +17,19 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ..distributed import agree, barrier
 from .base import CheckpointFormat, TrainState, check_param_groups, quiet_state_dict_warnings, write_error
-from .format import (META_NAME, RNG_NAME, TMP_PREFIX, CheckpointMismatch, dcp_load, first_line, load_rng,
-                     read_sharded_meta, save_with_checksum, sharded_name, write_json)
+from .format import (
+    META_NAME,
+    RNG_NAME,
+    TMP_PREFIX,
+    CheckpointMismatch,
+    dcp_load,
+    first_line,
+    load_rng,
+    read_sharded_meta,
+    save_with_checksum,
+    sharded_name,
+    write_json,
+)
 from .retention import remove
 from .verify import hash_own_files
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -135,7 +136,7 @@ class HostStaging:
             self._layout = layout
         on_gpu = False
         for path, t in leaves:
-            for dst, src in zip(storage_tensors(self._wrappers[path]), storage_tensors(t)):
+            for dst, src in zip(storage_tensors(self._wrappers[path]), storage_tensors(t), strict=True):
                 dst.copy_(src, non_blocking=src.is_cuda)  # GPU -> pinned: queued on the current stream
                 on_gpu |= src.is_cuda
                 self.last.copied += src.numel() * src.element_size()
@@ -229,7 +230,7 @@ def _host_twin(t: torch.Tensor, place: Callable[[torch.Tensor], torch.Tensor]) -
     state exactly as it would the original."""
     if hasattr(t, "local_shards"):  # FSDP1's ShardedTensor: no unflatten; a host copy, re-pointed at the arena
         host = t.to("cpu", copy=True)
-        for shard, src in zip(host.local_shards(), t.local_shards()):
+        for shard, src in zip(host.local_shards(), t.local_shards(), strict=True):
             mine = place(src.tensor)
             shard.tensor.set_(mine.untyped_storage(), mine.storage_offset(), mine.shape, mine.stride())
         return host

@@ -219,7 +219,7 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
                           f"({str(err).splitlines()[0]}); raise train.auto_micro_batch_margin, or set a smaller "
                           f"train.micro_batch_size by hand") from None
     with torch.no_grad():
-        for param, value in zip(model.parameters(), saved):
+        for param, value in zip(model.parameters(), saved, strict=True):
             _local(param).copy_(value)
     optimizer.state.clear()
     optimizer.zero_grad(set_to_none=True)
