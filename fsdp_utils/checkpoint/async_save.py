@@ -93,7 +93,8 @@ class AsyncSaver:
         copies = 2 if share and offload else 1
         where = check_host_memory(copies * arena_bytes(model, optimizer), self.env, advice=advice,
                                   shm_per_rank=arena_bytes(model, optimizer) if share else 0,
-                                  what="its share of the weights and optimizer state" + (", twice" if copies == 2 else ""))
+                                  what="its share of the weights and optimizer state"
+                                  + (", twice" if copies == 2 else ""))
         how = f"written in the background ({self._writer.writer} writer)" if self._writer else "written synchronously"
         if self.env.is_main:
             log.info("sharded checkpoints %s, staged in host memory: %s", how, where)
@@ -103,7 +104,8 @@ class AsyncSaver:
             seconds = self._staging.reserve(arena_bytes(model, optimizer))
             if self.env.is_main:
                 log.info("checkpoint staging: reserved %s of %shost memory per rank in %.1f s, reused by every save",
-                         format_size(self._staging.nbytes), "pinned " if self._staging.pin else "shared " if share else "",
+                         format_size(self._staging.nbytes),
+                         "pinned " if self._staging.pin else "shared " if share else "",
                          seconds)
         if self.enabled:
             self._try_staging(model, optimizer)
@@ -174,7 +176,8 @@ class AsyncSaver:
         if error is not None and self.env.is_main:
             remove(tmp)  # DCP may have made the folder before it failed
         agree(self.env, error)
-        self._in_flight = _InFlight(tmp, final, snapshot, start, job, stage, staged, blocked=time.perf_counter() - start)
+        self._in_flight = _InFlight(tmp, final, snapshot, start, job, stage, staged,
+                                    blocked=time.perf_counter() - start)
         if self.env.is_main:
             log.info("checkpoint %s: staged in host memory in %.2f s (%s copied, %s made for it by the state dict), "
                      "writing it in the background", final.name, stage.seconds, format_size(stage.copied),

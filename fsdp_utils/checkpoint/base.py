@@ -49,7 +49,8 @@ def quiet_state_dict_warnings() -> Iterator[None]:
     with warnings.catch_warnings():
         for message in ("Please use DTensor instead", "`_get_pg_default_device` will be deprecated",
                         "Multiple backends are registered with this ProcessGroup",
-                        "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"):  # "will be", "willbe"
+                        # The prefix common to "will be" and "willbe", both spellings torch has used.
+                        "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"):
             warnings.filterwarnings("ignore", message=re.escape(message))
         yield
 
@@ -192,11 +193,12 @@ class CheckpointContext:
                 if estimate is not None:
                     keep = "stopped before the first training step"
                 else:
-                    keep = "stopped before writing, " + (f"{previous[0][1].name} stays the newest checkpoint" if previous
-                                                         else "no checkpoint was written")
+                    keep = "stopped before writing, " + (f"{previous[0][1].name} stays the newest checkpoint"
+                                                         if previous else "no checkpoint was written")
                 error = CheckpointError(
-                    f"{final}: not enough disk space to save it ({needed / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB "
-                    f"free in {self.dir}); {keep}. Free some space and resume with --resume_from latest")
+                    f"{final}: not enough disk space to save it ({needed / 2**20:,.1f} MiB needed, "
+                    f"{free / 2**20:,.1f} MiB free in {self.dir}); {keep}. Free some space and resume with "
+                    "--resume_from latest")
         agree(self.env, error)
 
     def end_save(self, final: Path, *, start: float, crc_s: float, mode: str | None = "sync") -> None:
@@ -206,7 +208,8 @@ class CheckpointContext:
         seconds = time.perf_counter() - start
         if self.env.is_main:
             apply_retention(self.dir, final, keep_last_n=self.keep_last_n)
-            log.info("saved checkpoint %s (%.1f MiB) in %.2f s (CRC32 %.2f s)", final, size_of(final) / 2**20, seconds, crc_s)
+            log.info("saved checkpoint %s (%.1f MiB) in %.2f s (CRC32 %.2f s)", final, size_of(final) / 2**20, seconds,
+                     crc_s)
         if mode is not None:
             self.stats.append({"name": final.name, "mode": mode, "blocked_s": seconds, "total_s": seconds})
 
@@ -229,7 +232,8 @@ class CheckpointContext:
         """The checkpoint was trained with this run's tokenizer (checkpoints from before tokenizers were
         recorded say nothing, and load)."""
         saved = meta.get("tokenizer_sha256")
-        if saved is None or self.tokenizer_sha256 is None or saved == self.tokenizer_sha256 or self.allow_tokenizer_change:
+        if (saved is None or self.tokenizer_sha256 is None or saved == self.tokenizer_sha256
+                or self.allow_tokenizer_change):
             return
         raise CheckpointMismatch(
             f"{path}: trained with another tokenizer (sha256 {saved[:8]}, this run's is {self.tokenizer_sha256[:8]}); "
@@ -247,7 +251,8 @@ class CheckpointFormat:
     def path_of(self, step: int) -> Path:
         raise NotImplementedError
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *, start: float) -> Path:
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
+             start: float) -> Path:
         """Write and commit the checkpoint of state.step (state.rng already gathered); `start`: when the
         save began, for its duration."""
         raise NotImplementedError

@@ -162,7 +162,8 @@ def check_file(path: Path, record: dict) -> str | None:
         return None
     actual = file_record(path)["crc32"]
     if actual != record["crc32"]:
-        return f"{path}: corrupt checkpoint (CRC32 {actual}, recorded {record['crc32']}: the bytes changed after the save)"
+        return (f"{path}: corrupt checkpoint (CRC32 {actual}, recorded {record['crc32']}: the bytes changed "
+                "after the save)")
     return None
 
 
@@ -237,7 +238,8 @@ def read_sharded_meta(path: Path) -> dict:
     its size."""
     meta_path = path / META_NAME
     if not meta_path.is_file():
-        raise CheckpointCorrupt(f"{path}: not a complete sharded checkpoint (no meta.json: an interrupted save or another folder)")
+        raise CheckpointCorrupt(f"{path}: not a complete sharded checkpoint (no meta.json: an interrupted save or "
+                                "another folder)")
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as err:
@@ -335,15 +337,17 @@ def check_meta(meta: object, where: Path, *, checkpoint: Path | None = None, ext
     does not read or a step that differs from the one in the checkpoint's name is CheckpointMismatch."""
     if not isinstance(meta, dict):
         raise CheckpointCorrupt(f"{where}: not a checkpoint of this library (expected keys {', '.join(META_KEYS)})")
-    if "format_version" in meta and not (_is_int(meta["format_version"], 0) and meta["format_version"] == FORMAT_VERSION):
-        raise CheckpointMismatch(f"{where}: checkpoint format_version {meta['format_version']!r}, this code reads {FORMAT_VERSION}")
+    version = meta.get("format_version", FORMAT_VERSION)
+    if not (_is_int(version, 0) and version == FORMAT_VERSION):
+        raise CheckpointMismatch(f"{where}: checkpoint format_version {meta['format_version']!r}, this code reads "
+                                 f"{FORMAT_VERSION}")
     if problem := _meta_problem(meta, extra_keys):
         raise CheckpointCorrupt(f"{where}: not a valid checkpoint of this library ({problem})")
     named = step_in_name(checkpoint) if checkpoint is not None else None
     if named is not None and named != meta["train_state"]["step"]:
         raise CheckpointMismatch(
-            f"{checkpoint}: holds step {meta['train_state']['step']}, its name says step {named} (a renamed checkpoint?); "
-            f"give it back its name or move it out of the output directory")
+            f"{checkpoint}: holds step {meta['train_state']['step']}, its name says step {named} (a renamed "
+            "checkpoint?); give it back its name or move it out of the output directory")
     return meta
 
 
@@ -371,7 +375,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or is_dtype:
             return super().find_class(module, name)
         raise CheckpointUnsafe(
             f"{self.where}: refused: it references {module}.{name}, which checkpoint metadata never holds "
@@ -398,7 +403,8 @@ def read_dcp_metadata(path: Path) -> Metadata:
             raise CheckpointUnsafe(f"{path}: refused: a storage record points at {where!r}, outside the checkpoint's "
                                    f"folder (a tampered or foreign file)")
         if not (_is_int(info.offset, 0) and _is_int(info.length, 0)):
-            raise CheckpointCorrupt(f"{path}: corrupt checkpoint metadata (storage record of {getattr(index, 'fqn', index)!r})")
+            raise CheckpointCorrupt(f"{path}: corrupt checkpoint metadata (storage record of "
+                                    f"{getattr(index, 'fqn', index)!r})")
     return metadata
 
 

@@ -30,7 +30,8 @@ class FullCheckpoint(CheckpointFormat):
     def path_of(self, step: int) -> Path:
         return self.context.dir / full_name(step)
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *, start: float) -> Path:
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
+             start: float) -> Path:
         # Gather to rank 0 on the CPU: no GPU memory spike, no other rank holds a copy. On the CPU the
         # tensors are already in host memory (and FSDP1's offload path fails there), so no offload.
         on_gpu = self.env.device.type == "cuda"
@@ -65,7 +66,8 @@ class FullCheckpoint(CheckpointFormat):
                 try:
                     write_record(final, record)
                 except OSError as err:  # the checkpoint is in place, only its record is missing: it loads unverified
-                    log.warning("%s: cannot write its checksum record (%s): it will load unverified", final, first_line(err))
+                    log.warning("%s: cannot write its checksum record (%s): it will load unverified", final,
+                                first_line(err))
         agree(self.env, error)
         self.context.end_save(final, start=start, crc_s=crc_s)
         return final
@@ -77,7 +79,8 @@ class FullCheckpoint(CheckpointFormat):
         check_param_groups(payload["optimizer"], model, optimizer, path)
         try:
             with quiet_state_dict_warnings():
-                set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optimizer"],
+                set_state_dict(model, optimizer, model_state_dict=payload["model"],
+                               optim_state_dict=payload["optimizer"],
                                options=StateDictOptions(full_state_dict=True, strict=True))
         except Exception as err:  # readable, but not this model's (missing or extra tensors)
             raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None

@@ -63,7 +63,8 @@ def _cgroup_limit(proc_cgroup: str, root: Path) -> tuple[int, int] | None:
         if limit is None or usage is None or limit >= 1 << 60:  # no limit ("max", or v1's huge number)
             continue
         try:
-            stat = dict(line.split() for line in (folder / stat_name).read_text().splitlines() if len(line.split()) == 2)
+            rows = [line.split() for line in (folder / stat_name).read_text().splitlines()]
+            stat = dict(row for row in rows if len(row) == 2)
             reclaimable = int(stat.get(reclaim_key, 0))
         except (OSError, ValueError):
             reclaimable = 0
@@ -148,8 +149,8 @@ def check_host_memory(per_rank: int, env, *, what: str, advice: str = "set check
         if needed[host] > host_mem.available:
             text = (f"checkpoint staging needs {needed[host] / 2**30:,.1f} GiB of host memory on {host} ({ranks} "
                     f"rank(s) x {nbytes / 2**30:,.1f} GiB: {what}) but only {host_mem.available / 2**30:,.1f} GiB is "
-                    f"free ({host_mem.limit / 2**30:,.1f} GiB from {host_mem.source}, {host_mem.in_use / 2**30:,.1f} GiB "
-                    f"in use)")
+                    f"free ({host_mem.limit / 2**30:,.1f} GiB from {host_mem.source}, "
+                    f"{host_mem.in_use / 2**30:,.1f} GiB in use)")
             if host_mem.exact:
                 problem = f"{text}; {advice}, run fewer ranks per node, or use a node with more memory"
             elif host == here:

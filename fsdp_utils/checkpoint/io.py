@@ -108,7 +108,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple
         try:
             model.load_state_dict(load_full(path)["model"], strict=True)
         except RuntimeError as err:  # missing or extra tensors, wrong shapes
-            raise CheckpointError(f"{path}: does not fit the model its model_config describes ({first_line(err)})") from None
+            raise CheckpointError(
+                f"{path}: does not fit the model its model_config describes ({first_line(err)})") from None
     return model.to(device).eval(), meta
 
 

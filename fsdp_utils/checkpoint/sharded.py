@@ -60,7 +60,8 @@ class ShardedCheckpoint(CheckpointFormat):
         quiet_state_dict_warnings)."""
         return get_state_dict(model, optimizer, options=StateDictOptions(cpu_offload=self.context.offload(model)))
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *, start: float) -> Path:
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
+             start: float) -> Path:
         final = self.path_of(state.step)
         with quiet_state_dict_warnings():
             model_sd, optim_sd = self.state_dicts(model, optimizer)
@@ -105,7 +106,8 @@ class ShardedCheckpoint(CheckpointFormat):
                 if error is None:
                     records[RNG_NAME], rng_crc_s = save_with_checksum({"rng": state.rng}, tmp / RNG_NAME)
                     crc_s += rng_crc_s
-                    write_json(tmp / META_NAME, {**self.context.metadata(state), "files": dict(sorted(records.items()))})
+                    write_json(tmp / META_NAME, {**self.context.metadata(state),
+                                                 "files": dict(sorted(records.items()))})
                     replace_dir(tmp, final)
             except Exception as err:  # agreed with the other ranks below
                 error = write_error(final, err)

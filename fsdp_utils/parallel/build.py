@@ -80,8 +80,8 @@ def describe_model(cfg, tokenizer_vocab: int) -> tuple[int, dict, float]:
     if cfg.model.type == "hf":
         hf_config = hf.load_hf_config(cfg.model)
         # FLOPs as for the same dimensions of our model (Llama-style layers), for the MFU figure.
-        shape = ModelConfig(vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
-                            n_heads=hf_config.num_attention_heads,
+        shape = ModelConfig(vocab_size=hf_config.vocab_size, dim=hf_config.hidden_size,
+                            n_layers=hf_config.num_hidden_layers, n_heads=hf_config.num_attention_heads,
                             n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
                             ffn_hidden_dim=hf_config.intermediate_size)
         return hf_config.vocab_size, hf.config_signature(hf_config), shape.flops_per_token(cfg.data.seq_len)

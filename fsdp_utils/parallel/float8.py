@@ -42,7 +42,8 @@ def torchao_hint(torch_version: str = torch.__version__) -> str:
     return f"install the torchao release built for torch {major_minor} (installed here; {pairs})"
 
 
-def hardware_problem(recipe: str, *, device_type: str, capability: tuple[int, int] | None, name: str = "") -> str | None:
+def hardware_problem(recipe: str, *, device_type: str, capability: tuple[int, int] | None,
+                     name: str = "") -> str | None:
     """Why FP8 training cannot run on this device, or None. Pure: the tests pass fake capabilities."""
     if device_type == "cpu":
         return (f"train.float8={recipe} needs an NVIDIA GPU with FP8 support (compute capability 8.9 or later: "

@@ -97,7 +97,8 @@ class TrainingLog:
         self.last_row = row
         if self.writer is not None:
             log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s/gpu | mfu %s | mem %.2f GiB | "
-                     "elapsed %s | eta %s", step, self.max_steps, row["loss"], lr, row["grad_norm"], f"{tok_per_gpu:,.0f}",
+                     "elapsed %s | eta %s", step, self.max_steps, row["loss"], lr, row["grad_norm"],
+                     f"{tok_per_gpu:,.0f}",
                      f"{100 * mfu:.1f}%" if mfu is not None else "n/a", row["peak_mem_gib"],
                      format_duration(now - self.start), format_duration(step_time * (self.max_steps - step)))
             self.writer.write(row)

@@ -139,7 +139,8 @@ class MicroBatchChoice:
     seconds: float = 0.0
 
 
-def climb(candidates: list[int], *, budget: float, resident: float, measure: Callable[[int], float]) -> tuple[int | None, dict[int, float]]:
+def climb(candidates: list[int], *, budget: float, resident: float,
+          measure: Callable[[int], float]) -> tuple[int | None, dict[int, float]]:
     """(largest candidate whose measured peak fits the budget or None, {size: measured peak}).
 
     Measures the smallest candidate, then the largest one whose bound fits, and so on from there (see
@@ -161,8 +162,9 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, per_rank: int, seq_len: int, vocab_size: int,
-                       grad_clip: float, margin: float, compile: bool, env: DistEnv, probe: MemoryProbe) -> MicroBatchChoice:
+def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, per_rank: int, seq_len: int,
+                       vocab_size: int, grad_clip: float, margin: float, compile: bool, env: DistEnv,
+                       probe: MemoryProbe) -> MicroBatchChoice:
     """The largest divisor of `per_rank` whose training step fits in memory with `margin` to spare, the
     same on every rank. Leaves the weights, the optimizer state and the RNGs as they were."""
     candidates = divisors(per_rank)
@@ -180,7 +182,8 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
         # The accumulation this size would train with, up to two micro-batches: the second one's peak
         # includes the first's unsharded gradients (FSDP keeps them unsharded under no_sync).
         num_micro = min(2, per_rank // micro_batch)
-        tokens = (torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=env.device, generator=gen) for _ in range(num_micro))
+        tokens = (torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=env.device, generator=gen)
+                  for _ in range(num_micro))
         # The training step itself: its optimizer step runs the model converters' hooks (FP8 scales) too.
         train_step(model, optimizer, ((t[:, :-1], t[:, 1:]) for t in tokens), grad_accum=num_micro, grad_clip=grad_clip,
                    world_size=env.world_size)
@@ -193,8 +196,9 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     def nothing_fits(micro_batch: int) -> OutOfMemory:
         return OutOfMemory(
             f"train.micro_batch_size=auto: even micro-batch {micro_batch} peaks at {_gib(measured[micro_batch])} GiB, "
-            f"over the budget of {_gib(budget)} GiB ({_gib(capacity)} GiB usable, train.auto_micro_batch_margin={margin}); "
-            "turn on fsdp.activation_checkpointing, use more GPUs, or shorten data.seq_len")
+            f"over the budget of {_gib(budget)} GiB ({_gib(capacity)} GiB usable, "
+            f"train.auto_micro_batch_margin={margin}); turn on fsdp.activation_checkpointing, use more GPUs, "
+            "or shorten data.seq_len")
 
     rng_devices = [env.device.index] if env.device.type == "cuda" else []
     try:
@@ -249,7 +253,8 @@ def _entry_problem(entry: dict, key: dict) -> str | None:
     if not (isinstance(size, int) and not isinstance(size, bool) and size > 0 and per_rank % size == 0):
         return f"micro_batch_size {size!r} is not a divisor of the per-rank batch {per_rank}"
     measured = entry.get("measured_gib")
-    if not isinstance(measured, dict) or not all(str(b).isdigit() and int(b) > 0 and number(m) for b, m in measured.items()):
+    if not isinstance(measured, dict) or not all(str(b).isdigit() and int(b) > 0 and number(m)
+                                                 for b, m in measured.items()):
         return f"measured_gib {measured!r} is not {{micro-batch: GiB}}"
     if bad := [k for k in ("capacity_gib", "budget_gib") if not number(entry.get(k))]:
         return f"{bad[0]} {entry.get(bad[0])!r} is not a size in GiB"
@@ -308,23 +313,28 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
     per_rank = t.global_batch_size // env.world_size
     if probe is None:
         size = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu)
-        log.info("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch %d, the largest divisor "
-                 "of the per-rank batch %d up to train.auto_micro_batch_cpu=%d", size, per_rank, t.auto_micro_batch_cpu)
+        log.info("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch %d, the largest "
+                 "divisor of the per-rank batch %d up to train.auto_micro_batch_cpu=%d", size, per_rank,
+                 t.auto_micro_batch_cpu)
         return MicroBatchChoice(size, "cpu")
     entry = broadcast_decision(env, read_cache(cfg.output_dir, key) if env.is_main else None)
     if entry is not None:
-        choice = MicroBatchChoice(entry["micro_batch_size"], "cache", {int(b): m for b, m in entry["measured_gib"].items()},
-                                  entry["capacity_gib"], entry["budget_gib"])
+        measured = {int(b): m for b, m in entry["measured_gib"].items()}
+        choice = MicroBatchChoice(entry["micro_batch_size"], "cache", measured, entry["capacity_gib"],
+                                  entry["budget_gib"])
         log.info("train.micro_batch_size=auto: micro-batch %d (gradient accumulation %d), from %s (measured %s: %s, "
                  "budget %.2f GiB); no search", choice.micro_batch_size, per_rank // choice.micro_batch_size,
-                 cfg.output_dir / CACHE_FILE, entry.get("date", "?"), _format_measured(choice.measured_gib), choice.budget_gib)
+                 cfg.output_dir / CACHE_FILE, entry.get("date", "?"), _format_measured(choice.measured_gib),
+                 choice.budget_gib)
         return choice
     log.info("train.micro_batch_size=auto: measuring trial steps on %s to find the largest micro-batch of %s that fits",
              probe.name, divisors(per_rank))
     choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
-                                grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env, probe=probe)
+                                grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env,
+                                probe=probe)
     log.info("train.micro_batch_size=auto: micro-batch %d (gradient accumulation %d on %d ranks); peak memory of the "
-             "trial steps (reserved, max over ranks) %s, against a budget of %.2f GiB (%.2f GiB usable, margin %g); %.0f s",
+             "trial steps (reserved, max over ranks) %s, against a budget of %.2f GiB (%.2f GiB usable, "
+             "margin %g); %.0f s",
              choice.micro_batch_size, per_rank // choice.micro_batch_size, env.world_size,
              _format_measured(choice.measured_gib), choice.budget_gib, choice.capacity_gib, t.auto_micro_batch_margin,
              choice.seconds)
@@ -426,8 +436,8 @@ class OutOfMemoryGuard:
         if self.probe is not None:
             figures = (f"{_gib(self.probe.allocated())} GiB allocated, {_gib(self.probe.reserved())} GiB reserved "
                        f"(peak {_gib(self.probe.peak_allocated())} GiB allocated) of {_gib(self.probe.total())} GiB")
-        report = (f"out of memory at step {step} ({phase}, micro-batch {split.micro_batch_size} x accumulation {split.grad_accum}, "
-                  f"rank {self.env.rank}): {figures}; {str(err).splitlines()[0]}")
+        report = (f"out of memory at step {step} ({phase}, micro-batch {split.micro_batch_size} x accumulation "
+                  f"{split.grad_accum}, rank {self.env.rank}): {figures}; {str(err).splitlines()[0]}")
         log.warning("%s", report)  # every rank that ran out says so, with its own figures
         return report
 

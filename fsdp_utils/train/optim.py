@@ -9,7 +9,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 
-def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float], fused: bool = True) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+                    fused: bool = True) -> torch.optim.AdamW:
     """Decay matrices (embeddings and projections), not norm weights. Needs the original parameters
     (FSDP2, or FSDP1 with use_orig_params=True): a flat parameter mixes both kinds.
 

@@ -48,5 +48,6 @@ class StopSignal:
         time.sleep(self.grace_s)
         # Still running after the grace period: the scheduler will kill us anyway; say so and exit non-zero
         # rather than be killed mid-write (the previous complete checkpoint stays valid either way).
-        log.error("grace period of %.0f s after %s ran out before the checkpoint was saved; exiting", self.grace_s, self.name)
+        log.error("grace period of %.0f s after %s ran out before the checkpoint was saved; exiting", self.grace_s,
+                  self.name)
         os._exit(1)

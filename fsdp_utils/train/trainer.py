@@ -94,8 +94,9 @@ class Trainer:
         self.precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
         built = build_model(cfg, env)  # on the meta device when sharded over several ranks
         converters = model_converters(cfg)
-        self.model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=self.precision,
-                                 compile=t.compile, env=env, init=built.init, converters=converters)
+        self.model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp,
+                                 precision=self.precision, compile=t.compile, env=env, init=built.init,
+                                 converters=converters)
         # The fused AdamW kernel does not accept the sharded grad scaler's inf flag: fp16 uses the foreach one.
         self.optimizer = build_optimizer(self.model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                          fused=not self.precision.use_grad_scaler)
@@ -125,8 +126,8 @@ class Trainer:
         self.probe = memory_probe(env.device, env.rank)
         self.cache_key = cache_key(cfg, model_signature=self.model_signature, world_size=env.world_size,
                                    gpu=self.probe.name if self.probe else "cpu", precision=self.precision.name)
-        self.choice = resolve_micro_batch(cfg, env, model=self.model, optimizer=self.optimizer, vocab_size=self.vocab_size,
-                                          key=self.cache_key, probe=self.probe)
+        self.choice = resolve_micro_batch(cfg, env, model=self.model, optimizer=self.optimizer,
+                                          vocab_size=self.vocab_size, key=self.cache_key, probe=self.probe)
         check_batch_split(cfg, env.world_size, micro_batch=self.choice.micro_batch_size)
         self.split = BatchSplit(cfg.train.global_batch_size, env.world_size, self.choice.micro_batch_size)
         if self.probe is not None:
@@ -142,9 +143,11 @@ class Trainer:
     def _resume(self, resume_from: str | None) -> TrainState:
         out_dir = self.cfg.output_dir
         if resume_from is None and (existing := self.ckpt.complete_checkpoints()):
-            if not self.cfg.checkpoint.auto_resume:  # a fresh start would mix its checkpoints with these, and retention delete them
-                raise CheckpointMismatch(f"{out_dir} already holds checkpoints of an earlier run (newest {existing[0][1].name}); "
-                                         f"resume with --resume_from latest, or give this run another run.output_dir")
+            # A fresh start would mix its checkpoints with these, and retention would delete them.
+            if not self.cfg.checkpoint.auto_resume:
+                raise CheckpointMismatch(f"{out_dir} already holds checkpoints of an earlier run (newest "
+                                         f"{existing[0][1].name}); resume with --resume_from latest, or give this "
+                                         "run another run.output_dir")
             resume_from = "latest"
             log.info("checkpoint.auto_resume: continuing from the newest complete checkpoint in %s", out_dir)
         if resume_from is None:
@@ -170,7 +173,8 @@ class Trainer:
         """This rank's micro-batches from the current step on, at the current split."""
         indices = self.split.sample_indices(rank=self.env.rank, first_step=self.state.step,
                                             samples_seen=self.state.samples_seen, max_steps=self.cfg.train.max_steps)
-        return BatchPrefetcher(self.train_data, indices, num_samples=self.split.micro_batch_size, device=self.env.device)
+        return BatchPrefetcher(self.train_data, indices, num_samples=self.split.micro_batch_size,
+                               device=self.env.device)
 
     # ---- the step and the evaluation ---------------------------------------------------------------
     def _guarded(self, work: Callable[[], T], *, phase: str, step: int) -> T:
@@ -189,7 +193,8 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step at the schedule's learning rate (the step counters advance if it was applied)."""
         t, state = self.cfg.train, self.state
-        self.lr = lr_at(state.step, max_lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
+        self.lr = lr_at(state.step, max_lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
+                        min_lr_ratio=t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
 
@@ -265,6 +270,7 @@ class Trainer:
     def _memory_hint(self) -> None:
         if self.cfg.train.micro_batch_size == "auto":
             return
-        hint = memory_hint(self.probe, self.env, micro_batch=self.split.micro_batch_size, grad_accum=self.split.grad_accum)
+        hint = memory_hint(self.probe, self.env, micro_batch=self.split.micro_batch_size,
+                           grad_accum=self.split.grad_accum)
         if hint and self.env.is_main:
             log.info("%s", hint)
