@@ -101,6 +101,7 @@ def _attempt_store(launch: Launch, timeout: datetime.timedelta) -> dist.Store:
     address through torchrun's store; another rank that reads a previous attempt's address finds nobody
     there (all of that attempt's workers were stopped before this one started) and reads again.
     """
+    assert launch.agent_store is not None, "called only under a torchrun that shares its store"
     host, port = launch.agent_store
     agent = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     if launch.rank == 0:

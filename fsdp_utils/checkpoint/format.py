@@ -173,7 +173,7 @@ def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
     with path.open("wb") as f:
         writer = ChecksumWriter(f)
         try:
-            torch.save(obj, writer)
+            torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save needs only write(); stubs ask for IO
         except RuntimeError:
             if writer.error is not None:  # a full disk, a quota, a file size limit
                 raise writer.error from None
@@ -434,11 +434,15 @@ def _py3_name(module: str, name: str) -> str:
 def pickle_globals(data: bytes) -> list[str] | None:
     """`module.name` of every global a pickle imports (GLOBAL and STACK_GLOBAL opcodes, in order), read
     without unpickling; None when the bytes do not decode as one whole pickle (damage, not a refusal)."""
-    found, strings, memo, last = [], [], {}, None
+    found: list[str] = []
+    strings: list[str] = []  # the strings pushed so far, in order
+    memo: dict[Any, str | None] = {}  # memo index -> the string at the top of the stack when memoized
+    last: str | None = None
     try:
         for op, arg, _ in pickletools.genops(data):
             pushed = None  # a string this opcode pushes, for STACK_GLOBAL to take its module and name from
             if op.name == "GLOBAL":
+                assert isinstance(arg, str)  # pickletools decodes GLOBAL's argument as "module name"
                 found.append(_py3_name(*arg.split(" ", 1)))
             elif op.name == "STACK_GLOBAL":
                 found.append(_py3_name(*strings[-2:]) if len(strings) >= 2 else "?")
@@ -499,7 +503,7 @@ def set_at(root: dict, path: tuple, value: Any) -> None:
     """root[path[0]][path[1]]... = value, creating dicts (str keys) and lists (int keys) on the way."""
     node: Any = root
     for key, next_key in pairwise(path):
-        empty = {} if isinstance(next_key, str) else []
+        empty: dict | list = {} if isinstance(next_key, str) else []
         if isinstance(node, list):
             node.extend([None] * (key + 1 - len(node)))
             if node[key] is None:

@@ -131,7 +131,8 @@ def check_host_memory(per_rank: int, env, *, what: str, advice: str = "set check
     shm_free = None
     if shm_per_rank and os.path.isdir("/dev/shm"):
         shm_free = shutil.disk_usage("/dev/shm").free
-    rows = [None] * env.world_size
+    # One row per rank: (host name, bytes per rank, its host's memory or None, free /dev/shm bytes or None).
+    rows: list[tuple[str, int, HostMemory | None, int | None]] = [("", 0, None, None)] * env.world_size
     dist.all_gather_object(rows, (here, per_rank, mem, shm_free))
     needed: dict[str, int] = {}
     for host, nbytes, _, _ in rows:

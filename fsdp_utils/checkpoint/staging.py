@@ -33,7 +33,9 @@ def storage_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     if hasattr(t, "local_shards"):
         return [p for shard in t.local_shards() for p in storage_tensors(shard.tensor)]
     if _is_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()  # names of inner tensors, and of opaque members (a DTensor's mesh)
+        # The names of its inner tensors, and of opaque members (a DTensor's mesh); the ignore: torch's
+        # stubs do not declare the traceable-subclass protocol.
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
         inner = [getattr(t, name) for name in names]
         return [p for v in inner if isinstance(v, torch.Tensor) for p in storage_tensors(v)]
     return [t]
@@ -173,6 +175,7 @@ class HostStaging:
             self._reserve(total)
             self.last.allocated = total
         arena, offset = self._raw, 0
+        assert arena is not None  # reserved above
 
         def place(like: torch.Tensor) -> torch.Tensor:
             nonlocal offset
@@ -230,6 +233,7 @@ def _host_twin(t: torch.Tensor, place: Callable[[torch.Tensor], torch.Tensor]) -
     state exactly as it would the original."""
     if hasattr(t, "local_shards"):  # FSDP1's ShardedTensor: no unflatten; a host copy, re-pointed at the arena
         host = t.to("cpu", copy=True)
+        assert hasattr(host, "local_shards")  # a copy of a ShardedTensor is one
         for shard, src in zip(host.local_shards(), t.local_shards(), strict=True):
             mine = place(src.tensor)
             shard.tensor.set_(mine.untyped_storage(), mine.storage_offset(), mine.shape, mine.stride())
@@ -238,14 +242,16 @@ def _host_twin(t: torch.Tensor, place: Callable[[torch.Tensor], torch.Tensor]) -
         # The common case, built as DTensor's own empty_like builds it: a DTensor rebuilt through unflatten
         # crashes the process writer's transfer to its process.
         host = torch.empty_like(t, device="cpu")
+        assert isinstance(host, DTensor)  # empty_like keeps the subclass
         mine = place(t.to_local())
         host.to_local().set_(mine.untyped_storage(), mine.storage_offset(), mine.shape, mine.stride())
         return host
     if _is_wrapper_subclass(t):
-        names, context = t.__tensor_flatten__()
+        # The ignores: torch's stubs do not declare the traceable-subclass protocol.
+        names, context = t.__tensor_flatten__()  # type: ignore[attr-defined]
         inner = {name: getattr(t, name) for name in names}
         inner = {name: _host_twin(v, place) if isinstance(v, torch.Tensor) else v for name, v in inner.items()}
-        twin = type(t).__tensor_unflatten__(inner, context, t.size(), t.stride())
+        twin = type(t).__tensor_unflatten__(inner, context, t.size(), t.stride())  # type: ignore[attr-defined]
         return twin.detach() if twin.requires_grad else twin  # a parameter's flags come along; a copy needs none
     return place(t)
 

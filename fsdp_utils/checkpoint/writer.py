@@ -23,11 +23,11 @@ _ASYNC_PARAMS = inspect.signature(dcp.async_save).parameters if hasattr(dcp, "as
 try:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 except ImportError:  # before torch 2.7: thread writer only
-    AsyncCheckpointerType = None
+    AsyncCheckpointerType = None  # type: ignore[assignment,misc]  # a stand-in on torch releases without it
 try:
     from torch.distributed.checkpoint.staging import AsyncStager
 except ImportError:
-    AsyncStager = object
+    AsyncStager = object  # type: ignore[assignment,misc]  # a stand-in on torch releases without it
 HAS_ASYNC_SAVE = bool(_ASYNC_PARAMS)
 HAS_PROCESS_WRITER = (AsyncCheckpointerType is not None and "async_checkpointer_type" in _ASYNC_PARAMS
                       and hasattr(AsyncCheckpointerType, "PROCESS"))

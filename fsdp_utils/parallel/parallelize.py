@@ -11,6 +11,7 @@ checkpoints hold the plain model's names.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -141,7 +142,7 @@ def model_converters(cfg) -> list:
 
 
 def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig, precision: Precision, compile: bool,
-                env: DistEnv, init: WeightInit | None = None, converters: list = ()) -> nn.Module:
+                env: DistEnv, init: WeightInit | None = None, converters: Sequence = ()) -> nn.Module:
     """Make a built model trainable and sharded, in the one documented order:
 
     model converters on the blocks (`converters`, e.g. FP8 linear layers) -> activation
