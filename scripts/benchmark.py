@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=2 scripts/benchmark.py config/train300M_fsdp.yaml --peer
     torchrun --nproc_per_node=1 scripts/benchmark.py config/train1B_fsdp.yaml --train.micro_batch_size=2
     torchrun --nproc_per_node=2 scripts/benchmark.py config/train90M_fsdp.yaml --compare_auto --peer --rounds 2
-    torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 --float8 tensorwise,rowwise --peer
+    torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 \
+        --float8 tensorwise,rowwise --peer
 
 Ours: the exact model, wrapping and step of train_fsdp.py (forward/backward per micro-batch, clipping
 over all shards, fused AdamW, the per-step loss all-reduce), on random tokens so no data is needed.
@@ -121,7 +122,8 @@ def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
                       + ", ".join(f"{b}: {m:.2f} GiB" for b, m in choice.measured_gib.items())
                       + f" (budget {choice.budget_gib:.2f} GiB), {choice.seconds:.0f} s", flush=True)
     grad_accum = grad_accum or accumulation(cfg, env, micro_batch)
-    batches = random_batches(cfg.model.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
+    batches = random_batches(cfg.model.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len,
+                             device=env.device, seed=env.rank)
 
     def step():
         # The training loop's own step (fsdp_utils/train/step.py), its one host sync included.
@@ -173,7 +175,8 @@ def bench_peer(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
 
     m = cfg.model
     hf_cfg = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.hidden_dim,
-                         num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.num_kv_heads,
+                         num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                         num_key_value_heads=m.num_kv_heads,
                          max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
                          tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False)
     hf_cfg._attn_implementation = "sdpa"
@@ -190,7 +193,8 @@ def bench_peer(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)
     t = cfg.train
-    batches = random_batches(m.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len, device=env.device, seed=env.rank)
+    batches = random_batches(m.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len, device=env.device,
+                             seed=env.rank)
 
     def step():
         total = None
@@ -220,7 +224,8 @@ def bench_peer_fitting(cfg, env, args, *, micro_batch: int, grad_accum: int) -> 
             if micro_batch % 2:
                 raise
         if env.is_main:
-            print(f"reference: out of memory at micro-batch {micro_batch}; trying {micro_batch // 2} x {grad_accum * 2}", flush=True)
+            print(f"reference: out of memory at micro-batch {micro_batch}; trying {micro_batch // 2} x "
+                  f"{grad_accum * 2}", flush=True)
         micro_batch, grad_accum = micro_batch // 2, grad_accum * 2
         reset_memory(env)
 
@@ -263,7 +268,8 @@ def bench_saves(cfg, env, args) -> list[dict]:
                                     async_save=not sync, async_writer="thread" if sync else mode,
                                     timeout_s=cfg.run.timeout_s)
         if mode == "sync_gpu":
-            manager.context.offload = lambda model: False  # measurement only: the state dict as FSDP1 makes it, on the GPU
+            # Measurement only: the state dict as FSDP1 makes it, on the GPU.
+            manager.context.offload = lambda model: False
         start = time.perf_counter()
         try:
             manager.prepare_saving(model, optimizer)  # the staging arena: once per run, before the first save
@@ -338,7 +344,8 @@ def print_saves(rows: list[dict], cfg, env, args) -> None:
 
 
 def peak_memory_gib(env) -> float:
-    mem = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0, device=env.device)
+    gib = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0
+    mem = torch.tensor(gib, device=env.device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     return mem.item()
 
@@ -348,7 +355,8 @@ def summarise(name: str, times: list[float], peak_mem_gib: float, split: tuple[i
     micro_batch, grad_accum = split
     tokens_per_gpu = grad_accum * micro_batch * cfg.data.seq_len / step_s
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
-    return {"name": name, "micro_batch": micro_batch, "grad_accum": grad_accum, "step_s": step_s, "tokens_per_sec_per_gpu": tokens_per_gpu,
+    return {"name": name, "micro_batch": micro_batch, "grad_accum": grad_accum, "step_s": step_s,
+            "tokens_per_sec_per_gpu": tokens_per_gpu,
             "mfu": flops * tokens_per_gpu / peak_flops if peak_flops else None, "peak_mem_gib": peak_mem_gib,
             "step_s_min": min(times), "step_s_max": max(times)}
 
@@ -360,23 +368,33 @@ def reset_memory(env) -> None:
         torch.cuda.reset_peak_memory_stats(env.device)
 
 
-def main() -> int:
+SAVE_MODES = ("sync", "thread", "process", "sync_gpu")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator)")
     parser.add_argument("--grad_accum", type=int, default=None,
-                        help="micro-batches per step (default 1; with auto or --compare_auto: what train.global_batch_size needs)")
+                        help="micro-batches per step (default 1; with auto or --compare_auto: what "
+                        "train.global_batch_size needs)")
     parser.add_argument("--compare_auto", action="store_true",
-                        help="ours at --fixed_micro_batch and at the auto choice, same global batch (and --peer at the auto choice)")
-    parser.add_argument("--fixed_micro_batch", type=int, default=8, help="--compare_auto's fixed micro-batch (default 8)")
+                        help="ours at --fixed_micro_batch and at the auto choice, same global batch (and --peer at "
+                        "the auto choice)")
+    parser.add_argument("--fixed_micro_batch", type=int, default=8,
+                        help="--compare_auto's fixed micro-batch (default 8)")
     parser.add_argument("--peer", action="store_true", help="also run the Hugging Face + FSDP2 reference")
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
-    parser.add_argument("--float8", default="", help="also run ours with these train.float8 recipes, e.g. tensorwise,rowwise")
-    parser.add_argument("--rounds", type=int, default=1, help="alternate ours and the reference this many times (noisy machines)")
+    parser.add_argument("--float8", default="",
+                        help="also run ours with these train.float8 recipes, e.g. tensorwise,rowwise")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternate ours and the reference this many times (noisy machines)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of each run")
-    parser.add_argument("--fused_projections", action="store_true", help="ablation: one q/k/v and one gate/up matmul, split after")
-    parser.add_argument("--unfused_adamw", action="store_true", help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
+    parser.add_argument("--fused_projections", action="store_true",
+                        help="ablation: one q/k/v and one gate/up matmul, split after")
+    parser.add_argument("--unfused_adamw", action="store_true",
+                        help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     parser.add_argument("--save_modes", default="", help="measure sharded checkpoint saves instead: any of sync, "
                         "thread, process, sync_gpu, comma-separated (e.g. sync,thread)")
@@ -385,29 +403,29 @@ def main() -> int:
                         help="with --save_modes: at most this many steps while an asynchronous write is in flight")
     parser.add_argument("--save_dir", default=str(ROOT / "checkpoints" / "benchmark-saves"),
                         help="with --save_modes: where the checkpoints are written (each deleted once measured)")
-    args, overrides = parser.parse_known_args()
-    recipes = [r for r in args.float8.split(",") if r]
-    try:
-        cfg = load_config(args.config, overrides)
-        # Each FP8 run's config: the same overrides plus its recipe, checked as train_fsdp.py checks it.
-        fp8_cfgs = {r: load_config(args.config, [*overrides, f"--train.float8={r}"]) for r in recipes}
-        problems = [p for r in recipes for p in float8_problems(r, run_device=cfg.run.device, local_rank=read_torchrun_env().local_rank)]
-        if problems:
-            raise ConfigError(problems)
-    except ConfigError as err:
-        for line in err.problems:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+    return parser
+
+
+def load_configs(args, overrides: list[str], *, recipes: list[str]) -> tuple:
+    """(the config, {FP8 recipe: its config}); each FP8 run's config is the same overrides plus its recipe,
+    checked as train_fsdp.py checks it. Raises ConfigError with every problem."""
+    cfg = load_config(args.config, overrides)
+    fp8_cfgs = {r: load_config(args.config, [*overrides, f"--train.float8={r}"]) for r in recipes}
+    local_rank = read_torchrun_env().local_rank
+    problems = [p for r in recipes for p in float8_problems(r, run_device=cfg.run.device, local_rank=local_rank)]
+    if problems:
+        raise ConfigError(problems)
     for c in [cfg, *fp8_cfgs.values()]:
         if c.model.vocab_size == 0:  # no tokenizer here: random tokens over the configured vocabulary
             c.model.vocab_size = c.data.vocab_size
+    return cfg, fp8_cfgs
+
+
+def plan_runs(args, cfg, fp8_cfgs: dict) -> list[tuple]:
+    """(name, function, config, micro-batch, accumulation) of each run, in order: accumulation None
+    follows the global batch."""
     auto = cfg.train.micro_batch_size == "auto"
-    if (auto or args.compare_auto) and args.grad_accum is not None:
-        parser.error("--grad_accum goes with a numeric micro-batch; with auto or --compare_auto the accumulation follows train.global_batch_size")
-    if args.peer_only and auto:
-        parser.error("--peer_only needs a numeric train.micro_batch_size (auto is found by our own run)")
-    # (name, function, config, micro-batch, accumulation): accumulation None follows the global batch.
-    runs = []
+    runs: list[tuple] = []
     if args.compare_auto and not args.peer_only:
         runs += [(f"ours_mb{args.fixed_micro_batch}", bench_ours, cfg, args.fixed_micro_batch, None),
                  ("ours_auto", bench_ours, cfg, "auto", None)]
@@ -417,79 +435,122 @@ def main() -> int:
         runs += [(f"ours_fp8_{r}", bench_ours, c, c.train.micro_batch_size, None if auto else args.grad_accum or 1)
                  for r, c in fp8_cfgs.items()]
     if args.peer or args.peer_only:
-        runs.append(("hf_llama_fsdp2", bench_peer, cfg, None, None))  # at the last of ours' micro-batch and accumulation
+        # At the last of ours' micro-batch and accumulation.
+        runs.append(("hf_llama_fsdp2", bench_peer, cfg, None, None))
+    return runs
+
+
+def run_saves(cfg, env, args, *, overrides: list[str]) -> None:
+    """The --save_modes mode: measure checkpoint saves, print them and append them to --json."""
+    rows = bench_saves(cfg, env, args)
+    if env.is_main:
+        print_saves(rows, cfg, env, args)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({"config": args.config, "overrides": overrides, "world_size": env.world_size,
+                                    "fsdp_version": cfg.fsdp.version, "saves": rows}) + "\n")
+
+
+def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str, list[float]]]:
+    """Time every run `--rounds` times: (one summary row per run, {run: each round's median step time})."""
+    peak = detect_peak_flops(env.device, cfg.logging.peak_flops)
+    times: dict[str, list[float]] = {name: [] for name, *_ in runs}
+    memory = dict.fromkeys(times, 0.0)
+    splits = {}  # name -> (micro-batch, accumulation) as run; auto is searched in the first round only
+    last_split = (cfg.train.micro_batch_size, args.grad_accum or 1) if args.peer_only else None
+    round_step_s: dict[str, list[float]] = {name: [] for name in times}  # each round's median step time
+    # Rounds alternate the runs, so a machine whose speed drifts between invocations (seen at
+    # short steps) affects both alike; each round builds its model afresh.
+    for _ in range(args.rounds):
+        for name, bench, run_cfg, micro_batch, grad_accum in runs:
+            reset_memory(env)
+            if name in splits:
+                micro_batch, grad_accum = splits[name]
+            elif bench is bench_peer:
+                micro_batch, grad_accum = last_split
+            if bench is bench_peer:
+                result = bench_peer_fitting(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+            else:
+                result = bench(run_cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+            splits[name] = (result["micro_batch"], result["grad_accum"])
+            if bench is bench_ours and run_cfg.train.float8 == "none":
+                # The bf16 reference runs at our last bf16 split: an FP8 run's larger auto micro-batch
+                # can run it out of memory on one rank before the other (seen: a hang at 1B on H100).
+                last_split = splits[name]
+            times[name] += result["times"]
+            memory[name] = max(memory[name], peak_memory_gib(env))
+            round_step_s[name].append(statistics.median(result["times"]))
+        torch._dynamo.reset()  # recompile from the caches rather than pile up guards on old modules
+    rows = [summarise(name, times[name], memory[name], splits[name], cfg, peak) for name, *_ in runs]
+    return rows, round_step_s
+
+
+def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg, env, args, *,
+                  overrides: list[str], recipes: list[str]) -> None:
+    """Rank 0: the table of runs, the tokens/s ratios, and the JSON line of --json."""
+    ablations = [name for name in ("fused_projections", "unfused_adamw") if getattr(args, name)]
+    m = cfg.model
+    device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+    global_batch = max(r["micro_batch"] * r["grad_accum"] for r in rows) * env.world_size
+    print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, global batch "
+          f"{global_batch}, world {env.world_size} x {device}, "
+          f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
+          f"compile {cfg.train.compile}, cpu_offload {cfg.fsdp.cpu_offload}"
+          + "".join(f", {name}" for name in ablations))
+    print(f"{'run':<22}{'micro x acc':>12}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        split = f"{r['micro_batch']} x {r['grad_accum']}"
+        print(f"{r['name']:<22}{split:>12}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}"
+              f"{r['peak_mem_gib']:>10.2f}")
+    ratios = {}
+    by_name = {r["name"]: r for r in rows}
+    for name, base in ratio_pairs(list(by_name)):
+        per_round = [b / n for n, b in zip(round_step_s[name], round_step_s[base], strict=True)]
+        overall = by_name[name]["tokens_per_sec_per_gpu"] / by_name[base]["tokens_per_sec_per_gpu"]
+        ratios[f"{name} / {base}"] = {"all_rounds": overall, "per_round": per_round}
+        rounds_note = ""
+        if args.rounds > 1:
+            rounds_note = f" (all rounds' steps; per round: {', '.join(f'{x:.3f}' for x in per_round)})"
+        print(f"ratio {name} / {'reference' if base == 'hf_llama_fsdp2' else base} tokens/s: "
+              f"{overall:.3f}{rounds_note}")
+    if args.json:
+        record = {"config": args.config, "overrides": overrides, "float8": recipes, "world_size": env.world_size,
+                  "device": device, "params": m.num_params(), "ablations": ablations, "rows": rows,
+                  "rounds": args.rounds, "ratios": ratios}
+        with open(args.json, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def main() -> int:
+    parser = build_parser()
+    args, overrides = parser.parse_known_args()
+    recipes = [r for r in args.float8.split(",") if r]
+    try:
+        cfg, fp8_cfgs = load_configs(args, overrides, recipes=recipes)
+    except ConfigError as err:
+        for line in err.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    auto = cfg.train.micro_batch_size == "auto"
+    if (auto or args.compare_auto) and args.grad_accum is not None:
+        parser.error("--grad_accum goes with a numeric micro-batch; with auto or --compare_auto the accumulation "
+                     "follows train.global_batch_size")
+    if args.peer_only and auto:
+        parser.error("--peer_only needs a numeric train.micro_batch_size (auto is found by our own run)")
+    runs = plan_runs(args, cfg, fp8_cfgs)
     modes = [m for m in args.save_modes.split(",") if m]
-    if unknown := [m for m in modes if m not in ("sync", "thread", "process", "sync_gpu")]:
-        print(f"error: --save_modes: {', '.join(unknown)} is not one of sync, thread, process, sync_gpu", file=sys.stderr)
+    if unknown := [m for m in modes if m not in SAVE_MODES]:
+        print(f"error: --save_modes: {', '.join(unknown)} is not one of {', '.join(SAVE_MODES)}", file=sys.stderr)
         return 2
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
     try:
         if modes:
-            rows = bench_saves(cfg, env, args)
-            if env.is_main:
-                print_saves(rows, cfg, env, args)
-                if args.json:
-                    with open(args.json, "a") as f:
-                        f.write(json.dumps({"config": args.config, "overrides": overrides, "world_size": env.world_size,
-                                            "fsdp_version": cfg.fsdp.version, "saves": rows}) + "\n")
+            run_saves(cfg, env, args, overrides=overrides)
             return 0
-        peak = detect_peak_flops(env.device, cfg.logging.peak_flops)
-        times = {name: [] for name, *_ in runs}
-        memory = dict.fromkeys(times, 0.0)
-        splits = {}  # name -> (micro-batch, accumulation) as run; auto is searched in the first round only
-        last_split = (cfg.train.micro_batch_size, args.grad_accum or 1) if args.peer_only else None
-        round_step_s = {name: [] for name in times}  # each round's median step time
-        # Rounds alternate the runs, so a machine whose speed drifts between invocations (seen at
-        # short steps) affects both alike; each round builds its model afresh.
-        for _ in range(args.rounds):
-            for name, bench, run_cfg, micro_batch, grad_accum in runs:
-                reset_memory(env)
-                if name in splits:
-                    micro_batch, grad_accum = splits[name]
-                elif bench is bench_peer:
-                    micro_batch, grad_accum = last_split
-                if bench is bench_peer:
-                    result = bench_peer_fitting(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
-                else:
-                    result = bench(run_cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
-                splits[name] = (result["micro_batch"], result["grad_accum"])
-                if bench is bench_ours and run_cfg.train.float8 == "none":
-                    # The bf16 reference runs at our last bf16 split: an FP8 run's larger auto micro-batch
-                    # can run it out of memory on one rank before the other (seen: a hang at 1B on H100).
-                    last_split = splits[name]
-                times[name] += result["times"]
-                memory[name] = max(memory[name], peak_memory_gib(env))
-                round_step_s[name].append(statistics.median(result["times"]))
-            torch._dynamo.reset()  # recompile from the caches rather than pile up guards on old modules
-        rows = [summarise(name, times[name], memory[name], splits[name], cfg, peak) for name, *_ in runs]
-        ablations = [name for name in ("fused_projections", "unfused_adamw") if getattr(args, name)]
+        rows, round_step_s = run_rounds(runs, cfg, env, args)
         if env.is_main:
-            m = cfg.model
-            device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
-            print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, global batch "
-                  f"{max(r['micro_batch'] * r['grad_accum'] for r in rows) * env.world_size}, world {env.world_size} x {device}, "
-                  f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
-                  f"compile {cfg.train.compile}, cpu_offload {cfg.fsdp.cpu_offload}"
-                  + "".join(f", {name}" for name in ablations))
-            print(f"{'run':<22}{'micro x acc':>12}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
-            for r in rows:
-                mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-                split = f"{r['micro_batch']} x {r['grad_accum']}"
-                print(f"{r['name']:<22}{split:>12}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}{r['peak_mem_gib']:>10.2f}")
-            ratios = {}
-            by_name = {r["name"]: r for r in rows}
-            for name, base in ratio_pairs(list(by_name)):
-                per_round = [b / n for n, b in zip(round_step_s[name], round_step_s[base], strict=True)]
-                overall = by_name[name]["tokens_per_sec_per_gpu"] / by_name[base]["tokens_per_sec_per_gpu"]
-                ratios[f"{name} / {base}"] = {"all_rounds": overall, "per_round": per_round}
-                rounds_note = f" (all rounds' steps; per round: {', '.join(f'{x:.3f}' for x in per_round)})" if args.rounds > 1 else ""
-                print(f"ratio {name} / {'reference' if base == 'hf_llama_fsdp2' else base} tokens/s: {overall:.3f}{rounds_note}")
-            if args.json:
-                record = {"config": args.config, "overrides": overrides, "float8": recipes, "world_size": env.world_size,
-                          "device": device, "params": m.num_params(), "ablations": ablations, "rows": rows,
-                          "rounds": args.rounds, "ratios": ratios}
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            report_rounds(rows, round_step_s, cfg, env, args, overrides=overrides, recipes=recipes)
         return 0
     finally:
         destroy_distributed()
