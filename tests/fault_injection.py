@@ -153,117 +153,141 @@ class _RaiseInBackward(torch.autograd.Function):
         raise torch.OutOfMemoryError("CUDA out of memory (injected by the tests)")
 
 
-def install(spec: dict) -> None:
+# Each installer takes its fault's value from the spec and `current`, shared by all of one install: the
+# step of the save being staged or of the training step running (0 before any: the start-of-run staging).
+
+
+def _install_stage_fail(steps: list[int], *, current: dict) -> None:
     from fsdp_utils.checkpoint import staging
     from fsdp_utils.checkpoint.async_save import AsyncSaver
 
-    current = {"step": 0}  # the step of the save being staged; 0 before any (the start-of-run staging)
+    failing = set(steps)
+    real_start, real_stage = AsyncSaver.start, staging.HostStaging.stage
 
-    if "stage_fail" in spec:
-        failing = set(spec["stage_fail"])
-        real_start, real_stage = AsyncSaver.start, staging.HostStaging.stage
+    @functools.wraps(real_start)
+    def start(self, model, optimizer, state):
+        current["step"] = state.step
+        return real_start(self, model, optimizer, state)
 
-        @functools.wraps(real_start)
-        def start(self, model, optimizer, state):
-            current["step"] = state.step
-            return real_start(self, model, optimizer, state)
+    @functools.wraps(real_stage)
+    def stage(self, state_dict, *, live):
+        if current["step"] in failing:
+            raise RuntimeError(f"injected staging failure at step {current['step']} (test hook)")
+        return real_stage(self, state_dict, live=live)
 
-        @functools.wraps(real_stage)
-        def stage(self, state_dict, *, live):
-            if current["step"] in failing:
-                raise RuntimeError(f"injected staging failure at step {current['step']} (test hook)")
-            return real_stage(self, state_dict, live=live)
+    AsyncSaver.start, staging.HostStaging.stage = start, stage
 
-        AsyncSaver.start, staging.HostStaging.stage = start, stage
 
-    if "write" in spec:
-        fault = spec["write"]
-        real_async_save = dcp.async_save
+def _install_write(fault: dict, *, current: dict) -> None:
+    real_async_save = dcp.async_save
 
-        @functools.wraps(real_async_save)
-        def faulty_async_save(state_dict, **kwargs):
-            if fault.get("step") in (None, _step_of(kwargs["checkpoint_id"])):
-                kwargs["storage_writer"] = FaultyWriter(kwargs["checkpoint_id"], delay_s=fault.get("delay_s", 0),
-                                                        fail=fault.get("fail", False))
-            return real_async_save(state_dict, **kwargs)
+    @functools.wraps(real_async_save)
+    def faulty_async_save(state_dict, **kwargs):
+        if fault.get("step") in (None, _step_of(kwargs["checkpoint_id"])):
+            kwargs["storage_writer"] = FaultyWriter(kwargs["checkpoint_id"], delay_s=fault.get("delay_s", 0),
+                                                    fail=fault.get("fail", False))
+        return real_async_save(state_dict, **kwargs)
 
-        dcp.async_save = faulty_async_save
+    dcp.async_save = faulty_async_save
 
-    if "sync_write_fail" in spec:
-        failing_sync = set(spec["sync_write_fail"])
-        real_save = dcp.save
 
-        @functools.wraps(real_save)
-        def faulty_save(state_dict, **kwargs):
-            if _step_of(kwargs.get("checkpoint_id")) in failing_sync:
-                raise OSError(errno.EIO, "injected synchronous write failure (test hook)")
-            return real_save(state_dict, **kwargs)
+def _install_sync_write_fail(steps: list[int], *, current: dict) -> None:
+    failing_sync = set(steps)
+    real_save = dcp.save
 
-        dcp.save = faulty_save
+    @functools.wraps(real_save)
+    def faulty_save(state_dict, **kwargs):
+        if _step_of(kwargs.get("checkpoint_id")) in failing_sync:
+            raise OSError(errno.EIO, "injected synchronous write failure (test hook)")
+        return real_save(state_dict, **kwargs)
 
-    if "disk_free_bytes" in spec:
-        from fsdp_utils.checkpoint import base
+    dcp.save = faulty_save
 
-        free = spec["disk_free_bytes"]
 
-        class _Shutil:  # the disk-space check's view of shutil: the same, but for disk_usage
-            def __getattr__(self, name):
-                return getattr(shutil, name)
+def _install_disk_free_bytes(free: int, *, current: dict) -> None:
+    from fsdp_utils.checkpoint import base
 
-            @staticmethod
-            def disk_usage(path):
-                real = shutil.disk_usage(path)
-                return type(real)(real.total, real.total - free, free)
+    class _Shutil:  # the disk-space check's view of shutil: the same, but for disk_usage
+        def __getattr__(self, name):
+            return getattr(shutil, name)
 
-        base.shutil = _Shutil()
+        @staticmethod
+        def disk_usage(path):
+            real = shutil.disk_usage(path)
+            return type(real)(real.total, real.total - free, free)
 
-    if "nan_at_step" in spec:
-        from fsdp_utils.train import step as step_module
-        from fsdp_utils.train.trainer import Trainer
+    base.shutil = _Shutil()
 
-        nan_step = spec["nan_at_step"]
-        real_train_step, real_forward_backward = Trainer.train_step, step_module.forward_backward
 
-        @functools.wraps(real_train_step)
-        def train_step(self):
-            current["step"] = self.state.step + 1 if self.env.is_main else 0
-            return real_train_step(self)
+def _install_nan_at_step(nan_step: int, *, current: dict) -> None:
+    from fsdp_utils.train import step as step_module
+    from fsdp_utils.train.trainer import Trainer
 
-        @functools.wraps(real_forward_backward)
-        def forward_backward(*args, **kwargs):
-            loss = real_forward_backward(*args, **kwargs)
-            return loss * float("nan") if current["step"] == nan_step else loss
+    real_train_step, real_forward_backward = Trainer.train_step, step_module.forward_backward
 
-        Trainer.train_step, step_module.forward_backward = train_step, forward_backward
+    @functools.wraps(real_train_step)
+    def train_step(self):
+        current["step"] = self.state.step + 1 if self.env.is_main else 0
+        return real_train_step(self)
 
-    if "fake_gpu_memory" in spec:
-        from fsdp_utils.train import microbatch, trainer
+    @functools.wraps(real_forward_backward)
+    def forward_backward(*args, **kwargs):
+        loss = real_forward_backward(*args, **kwargs)
+        return loss * float("nan") if current["step"] == nan_step else loss
 
-        fake = spec["fake_gpu_memory"]
-        microbatch.memory_probe = trainer.memory_probe = lambda device, rank: FakeProbe(fake, rank)
+    Trainer.train_step, step_module.forward_backward = train_step, forward_backward
 
-    if "oom" in spec:
-        from fsdp_utils.train.microbatch import OutOfMemoryGuard
-        from model.transformer import DecoderBlock
 
-        real_attempt = OutOfMemoryGuard.attempt
+def _install_fake_gpu_memory(fake: dict, *, current: dict) -> None:
+    from fsdp_utils.train import microbatch, trainer
 
-        @functools.wraps(real_attempt)
-        def attempt(self, work, *, step, phase, split, model, optimizer):
-            if not hasattr(self, "injection"):
-                self.injection = OOMInjection.parse(spec["oom"], self.env.rank)
-                if self.injection is not None:
-                    self.injection.install(model, {DecoderBlock})
+    microbatch.memory_probe = trainer.memory_probe = lambda device, rank: FakeProbe(fake, rank)
+
+
+def _install_oom(oom: str, *, current: dict) -> None:
+    from fsdp_utils.train.microbatch import OutOfMemoryGuard
+    from model.transformer import DecoderBlock
+
+    real_attempt = OutOfMemoryGuard.attempt
+
+    @functools.wraps(real_attempt)
+    def attempt(self, work, *, step, phase, split, model, optimizer):
+        if not hasattr(self, "injection"):
+            self.injection = OOMInjection.parse(oom, self.env.rank)
             if self.injection is not None:
-                self.injection.arm(step)
-            return real_attempt(self, work, step=step, phase=phase, split=split, model=model, optimizer=optimizer)
+                self.injection.install(model, {DecoderBlock})
+        if self.injection is not None:
+            self.injection.arm(step)
+        return real_attempt(self, work, step=step, phase=phase, split=split, model=model, optimizer=optimizer)
 
-        OutOfMemoryGuard.attempt = attempt
+    OutOfMemoryGuard.attempt = attempt
 
-    if spec.get("float8_on_cpu"):
-        from fsdp_utils.parallel import float8
 
-        real_hardware_problem = float8.hardware_problem
-        float8.hardware_problem = lambda recipe, *, device_type, **kw: (
-            None if device_type == "cpu" else real_hardware_problem(recipe, device_type=device_type, **kw))
+def _install_float8_on_cpu(allowed: bool, *, current: dict) -> None:
+    if not allowed:
+        return
+    from fsdp_utils.parallel import float8
 
+    real_hardware_problem = float8.hardware_problem
+    float8.hardware_problem = lambda recipe, *, device_type, **kw: (
+        None if device_type == "cpu" else real_hardware_problem(recipe, device_type=device_type, **kw))
+
+
+_INSTALLERS = {  # in the order they are installed
+    "stage_fail": _install_stage_fail,
+    "write": _install_write,
+    "sync_write_fail": _install_sync_write_fail,
+    "disk_free_bytes": _install_disk_free_bytes,
+    "nan_at_step": _install_nan_at_step,
+    "fake_gpu_memory": _install_fake_gpu_memory,
+    "oom": _install_oom,
+    "float8_on_cpu": _install_float8_on_cpu,
+}
+
+
+def install(spec: dict) -> None:
+    """Install the faults of `spec` (the module docstring lists them) in this process."""
+    current = {"step": 0}
+    for name, installer in _INSTALLERS.items():
+        if name in spec:
+            installer(spec[name], current=current)
