@@ -58,7 +58,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: float =
     results: multiprocessing.Queue = context.Queue()
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         store_file = str(Path(tmp) / "store")
-        procs = [context.Process(target=_rank_main, args=(fn, rank, world_size, store_file, kwargs, results), daemon=True)
+        procs = [context.Process(target=_rank_main, args=(fn, rank, world_size, store_file, kwargs, results),
+                                 daemon=True)
                  for rank in range(world_size)]
         for proc in procs:
             proc.start()

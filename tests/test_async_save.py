@@ -94,16 +94,19 @@ def test_a_node_too_small_for_the_staging_is_refused_at_the_start(monkeypatch, c
 
     gib = 2**30
     env = DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"))
-    monkeypatch.setattr(host_memory_module.dist, "all_gather_object", lambda rows, row: rows.__setitem__(slice(None), [row] * len(rows)))
+    monkeypatch.setattr(host_memory_module.dist, "all_gather_object",
+                        lambda rows, row: rows.__setitem__(slice(None), [row] * len(rows)))
 
     def machine(available_gib, *, exact=True):
-        mem = host_memory_module.HostMemory(available=available_gib * gib, limit=256 * gib, in_use=4 * gib, source="the test", exact=exact)
+        mem = host_memory_module.HostMemory(available=available_gib * gib, limit=256 * gib, in_use=4 * gib,
+                                            source="the test", exact=exact)
         monkeypatch.setattr(host_memory_module, "host_memory", lambda: mem)
 
     machine(200)
     assert host_memory_module.check_host_memory(48 * gib, env, what="w").startswith("96.0 GiB on ")
     machine(90)
-    with pytest.raises(CheckpointError, match=r"needs 96.0 GiB of host memory on .* \(2 rank\(s\) x 48.0 GiB: w\) but only "
+    with pytest.raises(CheckpointError,
+                       match=r"needs 96.0 GiB of host memory on .* \(2 rank\(s\) x 48.0 GiB: w\) but only "
                                               r"90.0 GiB is free \(256.0 GiB from the test, 4.0 GiB in use\); set "
                                               r"checkpoint.async_save=false"):
         host_memory_module.check_host_memory(48 * gib, env, what="w")
@@ -129,8 +132,10 @@ def test_async_save_is_on_by_default_for_sharded_checkpoints_on_gpus():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert resolve_async_save("auto", fmt="sharded", device=cuda)
     assert not resolve_async_save("auto", fmt="sharded", device=cpu)
-    assert not resolve_async_save("auto", fmt="full", device=cuda) and not resolve_async_save(True, fmt="full", device=cpu)
-    assert resolve_async_save(True, fmt="sharded", device=cpu) and not resolve_async_save(False, fmt="sharded", device=cuda)
+    assert not resolve_async_save("auto", fmt="full", device=cuda)
+    assert not resolve_async_save(True, fmt="full", device=cpu)
+    assert resolve_async_save(True, fmt="sharded", device=cpu)
+    assert not resolve_async_save(False, fmt="sharded", device=cuda)
 
 
 # ---- units: staging ------------------------------------------------------------------------------------
@@ -141,7 +146,8 @@ def test_staging_copies_live_tensors_into_one_reused_arena():
     made_for_the_save = torch.randn(4)  # e.g. FSDP1's offloaded piece: no live storage
     state = {"model": {"w": weight}, "optimizer": {"state": {"w": {"exp_avg": moment, "step": step},
                                                              "v": {"piece": made_for_the_save}},
-                                                   "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]}}
+                                                   "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95),
+                                                                     "params": ["w"]}]}}
     live = {t.untyped_storage().data_ptr() for t in (weight, moment, step)}  # what training will change
     staging = HostStaging(pin=False, share=False)
     staging.reserve(1 << 20)
@@ -238,8 +244,8 @@ def baselines(tmp_path_factory, corpus, dataset_dir):
         key = (nproc, version, steps)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"baseline{nproc}-{version}-{steps}")
-            run_train(f"--train.max_steps={steps}", f"--fsdp.version={version}", nproc=nproc, out_dir=out, corpus=corpus,
-                      dataset_dir=dataset_dir)
+            run_train(f"--train.max_steps={steps}", f"--fsdp.version={version}", nproc=nproc, out_dir=out,
+                      corpus=corpus, dataset_dir=dataset_dir)
             cache[key] = losses(out)
         return cache[key]
     return get
@@ -328,7 +334,8 @@ def test_stop_signal_waits_for_the_save_in_flight(corpus, dataset_dir, tmp_path)
     assert k < 40 and f"stopped by a signal at step {k}" in stderr, stderr[-4000:]
     assert "waiting for the save of fsdp_sharded_cpt4, still being written" in stderr, stderr[-4000:]
     names = checkpoint_names(out)
-    assert "fsdp_sharded_cpt4" in names and f"fsdp_sharded_cpt{k}" in names and not any(n.startswith(".tmp-") for n in names)
+    assert "fsdp_sharded_cpt4" in names and f"fsdp_sharded_cpt{k}" in names
+    assert not any(n.startswith(".tmp-") for n in names)
     for name in names:
         checkpoint_io.verify(out / name)
         assert (out / name / "meta.json").is_file()
@@ -345,7 +352,8 @@ def resumes_exactly(saved: Path, step: int, baseline: dict, *, corpus, dataset_d
 @pytest.mark.slow
 @pytest.mark.parametrize("fault, how", [
     ({"stage_fail": [2]}, "cannot stage the checkpoint in host memory (RuntimeError: injected staging failure"),
-    ({"write": {"step": 2, "fail": True}}, "the background write failed (rank 0: OSError: [Errno 5] injected write failure"),
+    ({"write": {"step": 2, "fail": True}},
+     "the background write failed (rank 0: OSError: [Errno 5] injected write failure"),
 ], ids=["staging", "write"])
 def test_a_failed_async_save_saves_the_same_step_synchronously(fault, how, baselines, corpus, dataset_dir, tmp_path):
     """The save of step 2 fails in the background machinery (its staging, or its write on every rank): the
@@ -363,7 +371,8 @@ def test_a_failed_async_save_saves_the_same_step_synchronously(fault, how, basel
     assert "checkpoint fsdp_sharded_cpt6: written in the background" not in proc.stderr  # the last save: synchronous
     for name in checkpoint_names(out):
         checkpoint_io.verify(out / name)
-    resumes_exactly(out / "fsdp_sharded_cpt2", 2, baselines(2), corpus=corpus, dataset_dir=dataset_dir, tmp_path=tmp_path)
+    resumes_exactly(out / "fsdp_sharded_cpt2", 2, baselines(2), corpus=corpus, dataset_dir=dataset_dir,
+                    tmp_path=tmp_path)
 
 
 @pytest.mark.slow
@@ -373,10 +382,12 @@ def test_a_save_that_fails_in_the_background_and_again_synchronously(policy, bas
     naming the checkpoint and both causes, exit 1, fsdp_sharded_cpt2 intact and nothing half-written;
     continue: one error line, training and the later saves go on, the losses as without checkpoints."""
     out = tmp_path / "out"
-    proc = run_train(f"--train.max_steps={STEPS}", *ASYNC, "--checkpoint.interval=2", f"--checkpoint.on_async_error={policy}",
-                     "--checkpoint.keep_last_n=0", nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
-                     check=False, faults={"write": {"step": 4, "fail": True}, "sync_write_fail": [4]})
-    message = f"{out / 'fsdp_sharded_cpt4'}: the background write failed (rank 0: OSError: [Errno 5] injected write failure"
+    proc = run_train(f"--train.max_steps={STEPS}", *ASYNC, "--checkpoint.interval=2",
+                     f"--checkpoint.on_async_error={policy}", "--checkpoint.keep_last_n=0", nproc=2, out_dir=out,
+                     corpus=corpus, dataset_dir=dataset_dir, check=False,
+                     faults={"write": {"step": 4, "fail": True}, "sync_write_fail": [4]})
+    message = (f"{out / 'fsdp_sharded_cpt4'}: the background write failed (rank 0: OSError: [Errno 5] injected "
+               "write failure")
     if policy == "stop":
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-4000:]
@@ -392,7 +403,8 @@ def test_a_save_that_fails_in_the_background_and_again_synchronously(policy, bas
 
 
 @pytest.mark.slow
-def test_state_that_cannot_be_staged_at_the_start_makes_every_save_synchronous(baselines, corpus, dataset_dir, tmp_path):
+def test_state_that_cannot_be_staged_at_the_start_makes_every_save_synchronous(
+        baselines, corpus, dataset_dir, tmp_path):
     """The staging tried before step 1 fails: one warning before training, then every save is synchronous,
     and the run is the same as without checkpoints."""
     out = tmp_path / "out"
@@ -412,7 +424,8 @@ def test_no_room_for_a_checkpoint_stops_the_run_before_step_1(fmt, corpus, datas
     step, exit 1, no checkpoint and no step trained."""
     out = tmp_path / "out"
     proc = run_train(f"--train.max_steps={STEPS}", f"--checkpoint.format={fmt}", "--checkpoint.interval=3", nproc=2,
-                     out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False, faults={"disk_free_bytes": 2**20})
+                     out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False,
+                     faults={"disk_free_bytes": 2**20})
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-4000:]
     assert "not enough disk space to save it" in errors[0] and "stopped before the first training step" in errors[0]

@@ -357,7 +357,8 @@ def test_corrupt_checkpoint(runs, fmt, damage, tmp_path):
         broken.write_bytes(b"\xff" * broken.stat().st_size)
         broken = newest  # DCP does not say which file of the folder failed to decode
 
-    proc = runs.train(tmp_path / "by-path", f"--checkpoint.format={fmt}", f"--resume_from={newest}", nproc=1, check=False)
+    proc = runs.train(tmp_path / "by-path", f"--checkpoint.format={fmt}", f"--resume_from={newest}", nproc=1,
+                      check=False)
     assert_clean_error(proc, str(broken))
     assert not (tmp_path / "by-path" / "metrics.jsonl").exists()
 
@@ -368,7 +369,8 @@ def test_corrupt_checkpoint(runs, fmt, damage, tmp_path):
     assert losses(out) == {step: baseline[step] for step in range(SPLIT + 1, STEPS + 1)}
     # The damaged step-6 checkpoint was replaced by a whole one: the uninterrupted run's final state.
     assert checkpoint_names(out) == sorted([ckpt_name(fmt, SPLIT), ckpt_name(fmt, STEPS)])
-    mine, theirs = as_full(newest, tmp_path / "mine.pth"), as_full(runs.saved(fmt) / ckpt_name(fmt, STEPS), tmp_path / "theirs.pth")
+    mine, theirs = as_full(newest, tmp_path / "mine.pth"), as_full(runs.saved(fmt) / ckpt_name(fmt, STEPS),
+                                                                   tmp_path / "theirs.pth")
     for key in ("model", "optimizer", "train_state"):
         assert_identical(mine[key], theirs[key], key)
 
@@ -412,11 +414,13 @@ def test_flipped_byte_is_caught_and_latest_falls_back(runs, fmt, tmp_path):
     data[tensor_byte(broken)] ^= 0x10
     broken.write_bytes(bytes(data))
 
-    proc = runs.train(tmp_path / "by-path", f"--checkpoint.format={fmt}", f"--resume_from={newest}", nproc=1, check=False)
+    proc = runs.train(tmp_path / "by-path", f"--checkpoint.format={fmt}", f"--resume_from={newest}", nproc=1,
+                      check=False)
     assert_clean_error(proc, f"{broken}: corrupt checkpoint (CRC32")
 
     proc = runs.train(out, f"--checkpoint.format={fmt}", "--resume_from=latest")
-    assert [line for line in proc.stderr.splitlines() if str(broken) in line and "falling back" in line], proc.stderr[-3000:]
+    fallbacks = [line for line in proc.stderr.splitlines() if str(broken) in line and "falling back" in line]
+    assert fallbacks, proc.stderr[-3000:]
     assert f"loaded checkpoint {out / ckpt_name(fmt, SPLIT)} " in proc.stderr
     assert losses(out) == {step: baseline[step] for step in range(SPLIT + 1, STEPS + 1)}
     assert checkpoint_names(out) == sorted([ckpt_name(fmt, SPLIT), ckpt_name(fmt, STEPS)])
@@ -432,7 +436,8 @@ def test_flipped_byte_is_caught_and_latest_falls_back(runs, fmt, tmp_path):
 
 # Runs a command with its output directory on a tmpfs of $SIZE (mounted in a user namespace: no root
 # needed), then copies what is left there to $KEEP for the test to look at.
-ON_SMALL_DISK = 'mount -t tmpfs -o size="$SIZE" tmpfs "$OUT" || exit 97; "$@"; status=$?; cp -a "$OUT/." "$KEEP/"; exit $status'
+ON_SMALL_DISK = ('mount -t tmpfs -o size="$SIZE" tmpfs "$OUT" || exit 97; "$@"; status=$?; '
+                 'cp -a "$OUT/." "$KEEP/"; exit $status')
 
 
 def worker_error(proc) -> str:

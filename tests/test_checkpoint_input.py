@@ -85,7 +85,8 @@ def saved(tmp_path_factory) -> dict[str, Path]:
         out = tmp_path_factory.mktemp(fmt)
         model, optimizer = model_and_optimizer()
         for step in (1, 2):
-            manager(out, fmt).save(model, optimizer, TrainState(step=step, samples_seen=8 * step, tokens_seen=64 * step))
+            manager(out, fmt).save(model, optimizer, TrainState(step=step, samples_seen=8 * step,
+                                                                tokens_seen=64 * step))
         runs[fmt] = out
     return runs
 
@@ -119,7 +120,8 @@ def fix_records(checkpoint: Path) -> None:
         meta["files"] = {name: file_record(checkpoint / name) for name in meta["files"]}
         (checkpoint / "meta.json").write_text(json.dumps(meta))
     else:
-        sidecar_of(checkpoint).write_text(json.dumps({"format_version": 1, "files": {checkpoint.name: file_record(checkpoint)}}))
+        sidecar_of(checkpoint).write_text(json.dumps({"format_version": 1,
+                                                      "files": {checkpoint.name: file_record(checkpoint)}}))
 
 
 # ---- unsafe pickles ------------------------------------------------------------------------------
@@ -291,7 +293,8 @@ def test_resuming_with_another_tokenizer_is_refused_unless_allowed(saved, tmp_pa
     out = run_copy(saved, fmt, tmp_path)
     other = hashlib.sha256(b"another tokenizer").hexdigest()
     assert checkpoint_io.read_meta(newest(out, fmt))["tokenizer_sha256"] == TOKENIZER
-    with pytest.raises(CheckpointMismatch, match=f"another tokenizer \\(sha256 {TOKENIZER[:8]}, this run's is {other[:8]}\\)"):
+    with pytest.raises(CheckpointMismatch,
+                       match=f"another tokenizer \\(sha256 {TOKENIZER[:8]}, this run's is {other[:8]}\\)"):
         load(out, fmt, tokenizer_sha256=other)
     assert load(out, fmt, tokenizer_sha256=other, allow_tokenizer_change=True).step == 2
     assert load(out, fmt).step == 2
@@ -343,7 +346,8 @@ def test_nothing_is_written_through_a_symbolic_link(tmp_path):
     source = tmp_path / "new.model"
     source.write_bytes(b"the new tokenizer")
     checkpoint_io.install_tokenizer(source, out)
-    assert all((elsewhere / n).read_text() == "the user's own file" for n in ("run.lock", "config.yaml", "tokenizer.model"))
+    assert all((elsewhere / n).read_text() == "the user's own file"
+               for n in ("run.lock", "config.yaml", "tokenizer.model"))
     assert not (out / "config.yaml").is_symlink() and "model:" in (out / "config.yaml").read_text()
     assert (out / "tokenizer.model").read_bytes() == b"the new tokenizer"
 
@@ -367,7 +371,8 @@ def test_convert_refuses_a_layout_that_would_allocate_without_bound(saved, tmp_p
     fix_records(checkpoint)
     assert convert_checkpoint.main([str(checkpoint), str(tmp_path / "out.pth")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and name in err[0] and "corrupt checkpoint metadata" in err[0], err
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    assert name in err[0] and "corrupt checkpoint metadata" in err[0], err
 
 
 # ---- misleading messages -------------------------------------------------------------------------
@@ -377,9 +382,11 @@ def test_convert_refuses_a_layout_that_would_allocate_without_bound(saved, tmp_p
 def test_a_hugging_face_checkpoint_into_a_llama_run_names_the_model_type(saved, tmp_path, fmt):
     out = run_copy(saved, fmt, tmp_path)
     hf = {"type": "hf", "model_type": "gpt2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-          "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": CONFIG.vocab_size, "tie_word_embeddings": True}
+          "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": CONFIG.vocab_size,
+          "tie_word_embeddings": True}
     mutate_meta(newest(out, fmt), lambda m: m.update(model_config=hf))
-    with pytest.raises(CheckpointMismatch, match=r"model type differs from the checkpoint: model.type=llama here, hf \(gpt2\)"):
+    with pytest.raises(CheckpointMismatch,
+                       match=r"model type differs from the checkpoint: model.type=llama here, hf \(gpt2\)"):
         load(out, fmt, str(newest(out, fmt)))
 
 
@@ -393,8 +400,8 @@ def test_a_background_write_that_stopped_short_says_why(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.distributed.checkpoint, "save", failing_save)
     monkeypatch.setattr(ckpt.background, "_writer", types.SimpleNamespace(group=None))
-    ckpt.background._in_flight = _InFlight(tmp_path / ".tmp-fsdp_sharded_cpt5", tmp_path / "fsdp_sharded_cpt5", TrainState(step=5),
-                                time.perf_counter(), job, staged=None, staged_state={})
+    ckpt.background._in_flight = _InFlight(tmp_path / ".tmp-fsdp_sharded_cpt5", tmp_path / "fsdp_sharded_cpt5",
+                                           TrainState(step=5), time.perf_counter(), job, staged=None, staged_state={})
     with pytest.raises(CheckpointError, match="a full disk, a quota or a file size limit"):
         ckpt.finish()
 
@@ -512,12 +519,14 @@ def test_training_refuses_another_tokenizer_unless_allowed(corpus, dataset_dir, 
     other = {"corpus": other_corpus, "dataset_dir": tmp_path / "other-data"}
     proc = run_train("--train.max_steps=4", nproc=1, out_dir=out, check=False, **other)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 1 and len(errors) == 1 and "trained with another tokenizer" in errors[0], proc.stderr[-3000:]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert "trained with another tokenizer" in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and (out / "tokenizer.model").read_bytes() == first
     run_train("--train.max_steps=4", "--checkpoint.allow_tokenizer_change=true", nproc=1, out_dir=out, **other)
     old_hash = checkpoint_io.read_meta(out / "fsdp_cpt2.pth")["tokenizer_sha256"]
     assert (out / f"tokenizer.{old_hash[:8]}.model").read_bytes() == first
     assert (out / "tokenizer.model").read_bytes() != first
-    assert generate.main([str(out / "fsdp_cpt2.pth"), "--prompt", "the", "--max_new_tokens", "2", "--device", "cpu"]) == 0
+    args = [str(out / "fsdp_cpt2.pth"), "--prompt", "the", "--max_new_tokens", "2", "--device", "cpu"]
+    assert generate.main(args) == 0
     found = checkpoint_io.find_tokenizer(out / "fsdp_cpt2.pth", None, old_hash)
     assert found.name == f"tokenizer.{old_hash[:8]}.model"

@@ -120,7 +120,8 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
             for i, v in enumerate(obj):
                 walk(v, f"{key}.{i}")
         else:
-            flat[key] = obj if isinstance(obj, torch.Tensor) else torch.tensor(obj) if isinstance(obj, (int, float)) else obj
+            is_number = isinstance(obj, (int, float))
+            flat[key] = obj if isinstance(obj, torch.Tensor) else torch.tensor(obj) if is_number else obj
 
     walk({"model": model_sd, "optimizer": optim_sd}, "")
     return flat
@@ -141,7 +142,8 @@ def new_manager(out: Path, rank: int, world_size: int, fmt: str, **kwargs):
     from fsdp_utils.checkpoint import CheckpointManager
 
     kwargs = {"keep_last_n": 0, **kwargs}
-    return CheckpointManager(out, fmt=fmt, model_config=dataclasses.asdict(CONFIG), env=cpu_env(rank, world_size), **kwargs)
+    return CheckpointManager(out, fmt=fmt, model_config=dataclasses.asdict(CONFIG), env=cpu_env(rank, world_size),
+                             **kwargs)
 
 
 def load_and_compare(out: Path, rank: int, world_size: int, fmt: str, reference: dict, resume_from: str = "latest"):
@@ -214,7 +216,9 @@ def failing_background_write(rank: int, world_size: int, *, out: Path, faults: d
     result = {"error": error}
     if (out / "fsdp_sharded_cpt2").exists():
         _, result["diff"], _ = load_and_compare(out, rank, world_size, "sharded", reference)
-    after = manager.on_step_end(model, optimizer, TrainState(step=3), stopping=False, last=True) if error is None else None
+    after = None
+    if error is None:
+        after = manager.on_step_end(model, optimizer, TrainState(step=3), stopping=False, last=True)
     manager.close()
     return {**result, "modes": [row["mode"] for row in manager.stats], "last": after and after.name}
 
@@ -353,5 +357,6 @@ def raises_on_rank_1(rank: int, world_size: int) -> int:
 @pytest.mark.slow
 def test_the_harness_returns_values_and_reports_a_rank_failure_with_its_traceback():
     assert run_ranks(raises_on_rank_1, world_size=1) == [0]
-    with pytest.raises(RankFailed, match=r"(?s)rank 1 of 2 raised:.*raises_on_rank_1.*ValueError: rank 1's own failure"):
+    with pytest.raises(RankFailed,
+                       match=r"(?s)rank 1 of 2 raised:.*raises_on_rank_1.*ValueError: rank 1's own failure"):
         run_ranks(raises_on_rank_1, world_size=2)

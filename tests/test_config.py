@@ -142,12 +142,14 @@ def test_all_problems_are_reported_together():
     # Four independent mistakes -> four lines, each naming its field (4096 > the tiny model's 128).
     assert len(problems) == 4
     joined = "\n".join(problems)
-    for field in ("train.max_steps", "train.lrr", "fsdp.sharding_strategy", "data.seq_len=4096 exceeds model.max_seq_len=128"):
+    for field in ("train.max_steps", "train.lrr", "fsdp.sharding_strategy",
+                  "data.seq_len=4096 exceeds model.max_seq_len=128"):
         assert field in joined
 
 
 def test_value_checks():
-    problems = problems_of("--model.dim=130", "--train.lr=0", "--train.global_batch_size=12", "--train.micro_batch_size=8")
+    problems = problems_of("--model.dim=130", "--train.lr=0", "--train.global_batch_size=12",
+                           "--train.micro_batch_size=8")
     joined = "\n".join(problems)
     assert "model.dim=130 must be divisible by model.n_heads=4" in joined  # 130 / 4 is not whole
     assert "train.lr must be positive, got 0.0" in joined
@@ -158,7 +160,8 @@ def test_value_checks():
 def test_missing_and_malformed_config_files(tmp_path):
     assert problems_of(path=tmp_path / "nope.yaml") == [f"config file not found: {tmp_path / 'nope.yaml'}"]
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
-    assert problems_of(path=tmp_path / "list.yaml") == [f"{tmp_path / 'list.yaml'}: top level must be a mapping of sections"]
+    assert problems_of(path=tmp_path / "list.yaml") == [
+        f"{tmp_path / 'list.yaml'}: top level must be a mapping of sections"]
     (tmp_path / "broken.yaml").write_text("train: [1, 2\n")
     (problem,) = problems_of(path=tmp_path / "broken.yaml")
     assert problem.startswith(f"{tmp_path / 'broken.yaml'}: not valid YAML")
@@ -224,7 +227,8 @@ def test_yaml_alias_bomb_is_refused(tmp_path):
     assert len(alias_bomb(8)) < 1000
     # An override is YAML too.
     assert problems_of(f"--data.files={alias_bomb(4).replace(chr(10), ', ').join('{}')}") == [
-        "override --data.files: its aliases repeat more than 10,000 values (an alias bomb?); write the values out instead"]
+        "override --data.files: its aliases repeat more than 10,000 values (an alias bomb?); write the values out "
+        "instead"]
     # A value that contains itself would make the tree walk recurse forever.
     path.write_text("run: &r {name: x, seed: *r}\n")
     assert problems_of(path=path) == [f"{path}: an alias refers to a value that contains it"]
@@ -281,7 +285,8 @@ def test_batch_split_that_is_not_whole_is_an_error(world_size):
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     # No torchrun variables unless given: a world of one.
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, str(ROOT / "train_fsdp.py"), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**base, **(env or {})})

@@ -595,4 +595,5 @@ def test_open_datasets_of_a_mixture(txt_prepared, tmp_path):
     for index in range(6):
         source, local = val.locate(index)
         start = local % val.datasets[source].num_windows * 8  # unshuffled: window after window, then again
-        np.testing.assert_array_equal(val.window(index), split_tokens([prepared, same][source], "val")[start : start + 9])
+        want = split_tokens([prepared, same][source], "val")[start : start + 9]
+        np.testing.assert_array_equal(val.window(index), want)

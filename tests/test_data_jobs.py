@@ -32,7 +32,8 @@ def test_in_job_preparation_longer_than_the_collective_timeout_trains(tmp_path):
                      "--train.max_steps=2", nproc=2, out_dir=tmp_path / "out", corpus=corpus,
                      dataset_dir=tmp_path / "prepared", timeout=400)
     seconds = json.loads((tmp_path / "prepared" / "meta.json").read_text())["seconds"]
-    assert sum(seconds.values()) > 5, f"the preparation must outlast run.timeout_s for the test to mean anything: {seconds}"
+    assert sum(seconds.values()) > 5, (f"the preparation must outlast run.timeout_s for the test to mean anything: "
+                                       f"{seconds}")
     assert "Timed out" not in proc.stderr and sorted(losses(tmp_path / "out")) == [1, 2]
 
 
@@ -42,9 +43,9 @@ def test_corpus_too_large_for_the_job_is_one_line(tmp_path):
                      dataset_dir=tmp_path / "prepared", check=False, timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and errors == [
-        f"error: the corpus is {corpus.stat().st_size / 2**20:.0f} MB, more than data.max_in_job_mb=1 prepares inside a training job: prepare it "
-        "first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train with "
-        "--data.dataset_dir=DIR"], proc.stderr[-3000:]
+        f"error: the corpus is {corpus.stat().st_size / 2**20:.0f} MB, more than data.max_in_job_mb=1 prepares inside "
+        "a training job: prepare it first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then "
+        "train with --data.dataset_dir=DIR"], proc.stderr[-3000:]
     assert not (tmp_path / "prepared" / "meta.json").exists()
 
 
@@ -53,9 +54,11 @@ def test_unwritable_dataset_dir_ends_every_rank_at_once(tmp_path, corpus):
     # rank 1 waited until torchrun killed it; the outcome now goes to the output directory.
     (tmp_path / "a_file").write_text("in the way")
     dataset_dir = tmp_path / "a_file" / "prepared"
-    proc = run_train(nproc=2, out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120)
+    proc = run_train(nproc=2, out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False,
+                     timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 1 and errors == [f"error: cannot create {dataset_dir}: Not a directory"], proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert errors == [f"error: cannot create {dataset_dir}: Not a directory"], proc.stderr[-3000:]
     assert "closing signal" not in proc.stderr  # every rank ended by itself: torchrun had no one to stop
 
 
@@ -68,7 +71,8 @@ def test_stop_signal_ends_a_rank_waiting_for_the_data(tmp_path):
     try:
         poll(lambda: (tmp_path / "prepared" / "progress.json").exists(), job=job, timeout=120,
              what="rank 0 preparing the data")
-        ranks = poll(lambda: (found := job.workers()) and len(found) == 2 and found, job=job, timeout=30, what="2 ranks")
+        ranks = poll(lambda: (found := job.workers()) and len(found) == 2 and found, job=job, timeout=30,
+                     what="2 ranks")
         time.sleep(1)  # rank 1 is past the job-id broadcast, polling for rank 0's outcome
         sent = time.monotonic()
         os.kill(ranks[1], signal.SIGTERM)
@@ -88,8 +92,9 @@ def test_stop_signal_ends_a_rank_waiting_for_the_data(tmp_path):
 def test_mixture_trains_and_resumes_at_another_world_size(tmp_path, corpus):
     # Source a: prepared by the command, as users do; source b: another corpus with a's tokenizer.
     a, b = tmp_path / "a", tmp_path / "b"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/prepare_data.py"), str(ROOT / "config/train_tiny_fsdp.yaml"),
-                           f"--data.files=[{corpus}]", f"--data.dataset_dir={a}", "--data.vocab_size=320"],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/prepare_data.py"),
+                           str(ROOT / "config/train_tiny_fsdp.yaml"), f"--data.files=[{corpus}]",
+                           f"--data.dataset_dir={a}", "--data.vocab_size=320"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and f"train on it with: --data.dataset_dir={a}" in proc.stdout, proc.stderr
     (tmp_path / "b.jsonl").write_text(jsonl_lines(make_documents(300, seed=4)))

@@ -29,7 +29,8 @@ def runs(tmp_path_factory, corpus, dataset_dir) -> dict[str, Path]:
     out = {}
     for fmt in ("full", "sharded"):
         run_dir = tmp_path_factory.mktemp(f"run_{fmt}")
-        run_train("--train.max_steps=2", f"--checkpoint.format={fmt}", out_dir=run_dir, corpus=corpus, dataset_dir=dataset_dir)
+        run_train("--train.max_steps=2", f"--checkpoint.format={fmt}", out_dir=run_dir, corpus=corpus,
+                  dataset_dir=dataset_dir)
         out[fmt] = run_dir / ("fsdp_cpt2.pth" if fmt == "full" else "fsdp_sharded_cpt2")
         assert out[fmt].exists()
     return out
@@ -42,7 +43,8 @@ def write_checkpoint(path: Path, cfg: ModelConfig, seed: int = 0) -> Transformer
     model = Transformer(cfg)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(1 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight") else 0.3 * torch.randn_like(param))
+            noise = torch.randn_like(param)
+            param.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.3 * noise)
     payload = {"model": model.state_dict(), "optimizer": {"state": {}, "param_groups": []}, "rng": None,
                "format_version": FORMAT_VERSION, "world_size": 1, "model_config": dataclasses.asdict(cfg),
                "train_state": {k: v for k, v in dataclasses.asdict(TrainState()).items() if k != "rng"}}
@@ -61,9 +63,12 @@ def assert_same_logits(ours: Transformer, out_dir: Path, *, atol: float = 1e-5) 
 
 
 CASES = {
-    "tied-gqa": ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=24, tie_embeddings=True),
-    "untied-mha": ModelConfig(vocab_size=333, dim=48, n_layers=2, n_heads=3, max_seq_len=16, rope_theta=500.0, norm_eps=1e-6),
-    "untied-mqa": ModelConfig(vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=1, ffn_hidden_dim=96, max_seq_len=20),
+    "tied-gqa": ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=24,
+                            tie_embeddings=True),
+    "untied-mha": ModelConfig(vocab_size=333, dim=48, n_layers=2, n_heads=3, max_seq_len=16, rope_theta=500.0,
+                              norm_eps=1e-6),
+    "untied-mqa": ModelConfig(vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=1, ffn_hidden_dim=96,
+                              max_seq_len=20),
 }
 
 
@@ -76,7 +81,8 @@ def test_random_model_logits_match(case, runs, tmp_path):
     assert export_hf.main([str(ckpt), str(tmp_path / "hf"), "--tokenizer", str(tokenizer)]) == 0
     config = json.loads((tmp_path / "hf/config.json").read_text())
     assert config["tie_word_embeddings"] == cfg.tie_embeddings
-    assert (config["num_key_value_heads"], config["intermediate_size"], config["head_dim"]) == (cfg.num_kv_heads, cfg.hidden_dim, cfg.head_dim)
+    assert (config["num_key_value_heads"], config["intermediate_size"], config["head_dim"]) == (
+        cfg.num_kv_heads, cfg.hidden_dim, cfg.head_dim)
     assert config["rope_parameters"]["rope_theta"] == cfg.rope_theta and config["rms_norm_eps"] == cfg.norm_eps
     assert_same_logits(ours, tmp_path / "hf")
 
@@ -89,14 +95,16 @@ def test_bf16_export(runs, tmp_path):
     assert json.loads((tmp_path / "hf/config.json").read_text())["dtype"] == "bfloat16"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
-    torch.testing.assert_close(hf.model.layers[0].mlp.up_proj.weight, ours.layers[0].feed_forward.w13.weight.chunk(2)[1].bfloat16())
+    torch.testing.assert_close(hf.model.layers[0].mlp.up_proj.weight,
+                               ours.layers[0].feed_forward.w13.weight.chunk(2)[1].bfloat16())
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_trained_checkpoint(fmt, runs, corpus, tmp_path):
     ckpt, out = runs[fmt], tmp_path / "hf"
     assert export_hf.main([str(ckpt), str(out)]) == 0
-    assert {"config.json", "model.safetensors", "tokenizer.model", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.model", "tokenizer.json",
+            "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
     ours, _ = load_model(ckpt)
     assert_same_logits(ours, out)
     # The Hugging Face tokenizer encodes and decodes like the run's SentencePiece model.
@@ -104,7 +112,8 @@ def test_trained_checkpoint(fmt, runs, corpus, tmp_path):
 
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
-    texts = [corpus.read_text()[:4000], "  two  spaces\tand\ttabs\n\nnewlines", "ünïcödé 日本 😀 </s> <s>", " lead", ""]
+    texts = [corpus.read_text()[:4000], "  two  spaces\tand\ttabs\n\nnewlines", "ünïcödé 日本 😀 </s> <s>",
+             " lead", ""]
     for text in texts:
         ids = hf_tok(text)["input_ids"]
         assert ids == sp.encode(text), text
@@ -158,6 +167,7 @@ def test_errors(runs, tmp_path, capsys):
 
 
 def test_cli_error_exit_code(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/export_hf.py"), str(tmp_path / "nope.pth"), str(tmp_path / "o")],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/export_hf.py"), str(tmp_path / "nope.pth"),
+                           str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1, proc.stderr

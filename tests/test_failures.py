@@ -27,11 +27,13 @@ N = 40  # steps of the preemption/restart runs: ~0.06 s each here, so a signal s
 # ---- processes --------------------------------------------------------------------------------------
 
 
-def train_cmd(*args: str, nproc: int, out_dir: Path, corpus: Path, dataset_dir: Path, faults: bool = False) -> list[str]:
+def train_cmd(*args: str, nproc: int, out_dir: Path, corpus: Path, dataset_dir: Path,
+              faults: bool = False) -> list[str]:
     """The command tests.helpers.run_train builds for nproc > 1 (`faults`: the launcher that installs the
     faults given to Job through tests.helpers.fault_env)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            *([str(WITH_FAULTS)] if faults else []), str(TRAIN), str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
+            *([str(WITH_FAULTS)] if faults else []), str(TRAIN), str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY,
+            f"--run.output_dir={out_dir}",
             f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
 
 
@@ -200,7 +202,8 @@ def test_ctrl_c_through_the_launcher_exits_0(corpus, dataset_dir, tmp_path):
     cmd = [str(ROOT / "scripts/fsdp_train.sh"), *TINY, f"--run.output_dir={out}", f"--data.files=[{corpus}]",
            f"--data.dataset_dir={dataset_dir}", f"--train.max_steps={N}"]
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the script runs `torchrun`
-    job = Job(cmd, tmp_path / "run", extra_env={"NGPU": "2", "PATH": path, "CONFIG": str(ROOT / "config/train_tiny_fsdp.yaml")})
+    job = Job(cmd, tmp_path / "run", extra_env={"NGPU": "2", "PATH": path,
+                                                "CONFIG": str(ROOT / "config/train_tiny_fsdp.yaml")})
     try:
         poll(lambda: len(logged_steps(out)) >= 2, job=job, timeout=180, what="second metrics row")
         os.killpg(job.proc.pid, signal.SIGINT)  # the script's process group: what a terminal's Ctrl-C reaches
@@ -218,8 +221,10 @@ def test_ctrl_c_through_the_launcher_exits_0(corpus, dataset_dir, tmp_path):
 def test_a_second_signal_aborts_at_once():
     """The first stop signal only sets the flag the loop reads; a second one ends the process at once,
     with one line and the shell's status for a signal (128 + its number)."""
-    code = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from fsdp_utils.train.preemption import StopSignal; "
-            "stop = StopSignal(['SIGINT', 'SIGTERM'], grace_s=60); os.kill(os.getpid(), signal.SIGINT); time.sleep(0.5); "
+    code = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from fsdp_utils.train.preemption import "
+            "StopSignal; "
+            "stop = StopSignal(['SIGINT', 'SIGTERM'], grace_s=60); os.kill(os.getpid(), signal.SIGINT); "
+            "time.sleep(0.5); "
             "print('first: requested' if stop.requested else 'first: ignored', flush=True); "
             "os.kill(os.getpid(), signal.SIGINT); time.sleep(10); print('not aborted')")
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
@@ -253,7 +258,8 @@ def kill_rank0_and_check_restart(job: Job, out: Path, reference: dict[int, float
     steps = logged_steps(out)
     first_attempt = steps[: len(steps) - (N - c)]
     # The first attempt logged 1..x (x >= the step seen at the kill), the restarted one c+1..N, c <= x.
-    assert first_attempt == list(range(1, len(first_attempt) + 1)) and steps[len(first_attempt):] == list(range(c + 1, N + 1))
+    assert first_attempt == list(range(1, len(first_attempt) + 1))
+    assert steps[len(first_attempt):] == list(range(c + 1, N + 1))
     assert 2 <= c <= len(first_attempt) and killed_after <= len(first_attempt), (c, killed_after, steps)
     assert losses(out) == reference  # the last row of each step: the restarted attempt's
 
@@ -309,7 +315,8 @@ def test_a_second_run_in_the_same_output_directory_is_refused(reference, corpus,
         for pid in paused:  # hold the first run still, so that any write into its directory would show
             os.kill(pid, signal.SIGSTOP)
         before = tree_state(out)
-        second = run_train(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120)
+        second = run_train(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False,
+                           timeout=120)
         assert tree_state(out) == before
         for pid in paused:
             os.kill(pid, signal.SIGCONT)

@@ -46,7 +46,8 @@ def test_float8_is_off_by_default_and_takes_the_recipes():
 def test_float8_config_errors_name_the_fix():
     with pytest.raises(ConfigError) as err:
         load_config(TINY_CONFIG, ["--train.float8=rowwize", "--fsdp.version=2"])
-    assert err.value.problems == ["train.float8='rowwize' is not one of none, tensorwise, rowwise (did you mean 'rowwise'?)"]
+    assert err.value.problems == ["train.float8='rowwize' is not one of none, tensorwise, rowwise (did you mean "
+                                  "'rowwise'?)"]
     with pytest.raises(ConfigError) as err:
         load_config(TINY_CONFIG, ["--train.float8=tensorwise", "--fsdp.version=1"])
     (line,) = err.value.problems
@@ -72,7 +73,8 @@ def test_torchao_hint_names_the_release_for_this_torch():
 
 def test_environment_problems_without_torchao_or_fp8_hardware(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name,
+                        *a: None if name == "torchao" else real_find_spec(name, *a))
     assert float8_problems("none", run_device="cpu", local_rank=0) == []
     no_torchao, on_cpu = float8_problems("tensorwise", run_device="cpu", local_rank=0)
     assert no_torchao.startswith("train.float8=tensorwise needs the torchao package, which is not installed: ")
@@ -105,7 +107,8 @@ def test_cli_float8_on_cpu_exits_2_before_the_process_group(tmp_path):
 
 
 def tiny_model(**overrides) -> Transformer:
-    cfg = ModelConfig(**{**dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32), **overrides})
+    cfg = ModelConfig(**{**dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
+                         **overrides})
     model = Transformer(cfg, fused_matmul=True)  # as build_model makes it for FP8
     model.init_weights(seed=1)
     return model
@@ -126,13 +129,15 @@ def test_conversion_covers_exactly_the_block_linears():
         assert layer.attention.fused_matmul and layer.feed_forward.fused_matmul
 
 
-def block_fwd_bwd(block: DecoderBlock, x: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def block_fwd_bwd(block: DecoderBlock, x: torch.Tensor, grad_out: torch.Tensor,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Forward and backward of one block in `dtype`: its two branch outputs (attention and feed-forward,
     before the residual adds, which would hide their error), the input's and every weight's gradient."""
     block = block.to(dtype)
     captured = {}
     for name in ("attention", "feed_forward"):
-        getattr(block, name).register_forward_hook(lambda _m, _i, out, name=name: captured.__setitem__(name, out.detach()))
+        getattr(block, name).register_forward_hook(
+            lambda _m, _i, out, name=name: captured.__setitem__(name, out.detach()))
     x = x.detach().to(dtype).requires_grad_()
     cos, sin = (t.to(x.device, dtype) for t in rotary_tables(block.attention.head_dim, x.shape[1], 10000.0))
     block(x, cos, sin).backward(grad_out.to(dtype))
@@ -200,7 +205,8 @@ def test_selective_op_keeps_the_fp8_matmul_outputs():
             loss.backward()
         return counter.counts, [p.grad for p in model.parameters()]
 
-    (none, grads_none), (by_op, grads_by_op), (full, grads_full) = (backward(m) for m in ("none", "selective_op", "full"))
+    modes = ("none", "selective_op", "full")
+    (none, grads_none), (by_op, grads_by_op), (full, grads_full) = (backward(m) for m in modes)
     # In eager mode an FP8 matmul is an `mm` on torchao's FP8 tensors (compile traces it down to
     # `_scaled_mm`, see the compiled test below). Backward runs 2 per FP8 linear (input and weight
     # gradients), 4 linears per block, plus 2 for the output projection.
@@ -247,7 +253,8 @@ RESUME_CASES = [
     pytest.param("tensorwise", "full", COMPILED, id="cpu-tensorwise-full-compiled"),
     pytest.param("rowwise", "sharded", [], id="cpu-rowwise-sharded"),
     pytest.param("tensorwise", "sharded", GPU_ARGS, id="cuda-tensorwise-sharded", marks=[
-        pytest.mark.gpu, pytest.mark.skipif(not CUDA_FP8 or torch.cuda.device_count() < 2, reason="needs 2 GPUs with FP8")]),
+        pytest.mark.gpu, pytest.mark.skipif(not CUDA_FP8 or torch.cuda.device_count() < 2,
+                                            reason="needs 2 GPUs with FP8")]),
 ]
 
 
@@ -279,7 +286,8 @@ def test_fp8_run_resumes_bit_for_bit_and_in_full_precision(tmp_path, corpus, dat
         # Plain tensors only, model and optimizer: the file loads without torchao's classes.
         payload = torch.load(saved, map_location="cpu", weights_only=True)
         tensors = [v for v in payload["model"].values()] + \
-            [v for state in payload["optimizer"]["state"].values() for v in state.values() if isinstance(v, torch.Tensor)]
+            [v for state in payload["optimizer"]["state"].values() for v in state.values()
+             if isinstance(v, torch.Tensor)]
         assert tensors and {type(t) for t in tensors} == {torch.Tensor}
 
 

@@ -27,7 +27,8 @@ def checkpoint(tmp_path_factory, corpus, dataset_dir) -> Path:
 
 
 def cli(checkpoint: Path, *args: str) -> str:
-    cmd = [sys.executable, str(ROOT / "scripts/generate.py"), str(checkpoint), "--prompt", PROMPT, "--device", "cpu", *args]
+    cmd = [sys.executable, str(ROOT / "scripts/generate.py"), str(checkpoint), "--prompt", PROMPT, "--device", "cpu",
+           *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -44,11 +45,13 @@ def test_seeded_sampling_is_deterministic(checkpoint):
     other = generate.generate(checkpoint, PROMPT, temperature=1.5, top_k=0, max_new_tokens=40, seed=4, device="cpu")
     assert other + "\n" != first
     # The in-process API and the script agree.
-    assert generate.generate(checkpoint, PROMPT, temperature=1.5, top_k=0, max_new_tokens=40, seed=3, device="cpu") + "\n" == first
+    assert generate.generate(checkpoint, PROMPT, temperature=1.5, top_k=0, max_new_tokens=40, seed=3,
+                             device="cpu") + "\n" == first
 
 
 def test_greedy_ignores_the_seed(checkpoint):
-    runs = {generate.generate(checkpoint, PROMPT, temperature=0, max_new_tokens=30, seed=seed, device="cpu") for seed in (0, 1, 2)}
+    runs = {generate.generate(checkpoint, PROMPT, temperature=0, max_new_tokens=30, seed=seed, device="cpu")
+            for seed in (0, 1, 2)}
     assert len(runs) == 1 and runs.pop().startswith(PROMPT)
 
 
@@ -56,7 +59,8 @@ def test_top_k_1_is_greedy_and_long_prompts_are_cropped(checkpoint, corpus):
     prompt = corpus.read_text()[:400]  # well over max_seq_len=32 tokens
     greedy = generate.generate(checkpoint, prompt, temperature=0, max_new_tokens=40, device="cpu")
     assert greedy.startswith(prompt)
-    assert generate.generate(checkpoint, prompt, temperature=0.7, top_k=1, max_new_tokens=40, seed=9, device="cpu") == greedy
+    assert generate.generate(checkpoint, prompt, temperature=0.7, top_k=1, max_new_tokens=40, seed=9,
+                             device="cpu") == greedy
 
 
 def test_errors(checkpoint, tmp_path, capsys):
@@ -86,8 +90,9 @@ def test_sampling_arguments_out_of_range_are_one_line(tmp_path, capsys):
     for temperature in ("nan", "inf", "-0.5", "1e-30"):
         assert generate.main([str(tmp_path / "missing.pth"), "--prompt", "x", "--temperature", temperature]) == 1
         err = capsys.readouterr().err
-        assert err == f"error: --temperature must be 0 (greedy) or a finite number of at least 1e-06, got {float(temperature)}\n"
+        assert err == (f"error: --temperature must be 0 (greedy) or a finite number of at least 1e-06, got "
+                       f"{float(temperature)}\n")
     assert generate.main([str(tmp_path / "missing.pth"), "--prompt", "x", "--max_new_tokens", "0", "--top_k", "-1",
                           "--seed", str(2**64)]) == 1
-    assert capsys.readouterr().err == (f"error: --max_new_tokens must be positive, got 0; --top_k must be 0 (all tokens) "
-                                       f"or positive, got -1; --seed must be in [0, 2**63 - 1], got {2**64}\n")
+    assert capsys.readouterr().err == ("error: --max_new_tokens must be positive, got 0; --top_k must be 0 (all "
+                                       f"tokens) or positive, got -1; --seed must be in [0, 2**63 - 1], got {2**64}\n")

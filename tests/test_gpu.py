@@ -42,7 +42,8 @@ def test_fp16_with_sharded_grad_scaler_trains_90m(tmp_path, corpus, dataset_dir)
               "--model.n_heads=12", "--model.n_kv_heads=12", "--model.max_seq_len=128", "--data.seq_len=128",
               "--train.max_steps=30", "--train.lr=6e-4", "--train.warmup_steps=5",
               "--train.global_batch_size=16", "--train.micro_batch_size=8",
-              nproc=min(2, torch.cuda.device_count()), out_dir=tmp_path / "fp16", corpus=corpus, dataset_dir=dataset_dir)
+              nproc=min(2, torch.cuda.device_count()), out_dir=tmp_path / "fp16", corpus=corpus,
+              dataset_dir=dataset_dir)
     got = losses(tmp_path / "fp16")
     assert all(math.isfinite(v) for v in got.values())
     assert got[30] < 0.7 * got[1], got
@@ -70,11 +71,13 @@ def test_sharded_checkpoint_saved_on_four_gpus_resumes_on_two_and_one(tmp_path, 
     # step at every world size, so the resumed losses continue the 4-GPU run's, up to bf16 reduction order.
     args = [*GPU, f"--fsdp.version={version}", "--checkpoint.format=sharded", "--train.max_steps=8",
             "--checkpoint.interval=4", "--checkpoint.keep_last_n=0", "--train.global_batch_size=8"]
-    run_train(*args, "--train.micro_batch_size=2", nproc=4, out_dir=tmp_path / "four", corpus=corpus, dataset_dir=dataset_dir)
+    run_train(*args, "--train.micro_batch_size=2", nproc=4, out_dir=tmp_path / "four", corpus=corpus,
+              dataset_dir=dataset_dir)
     four = losses(tmp_path / "four")
     for nproc in (2, 1):
         out = tmp_path / f"from_four_on_{nproc}"
-        run_train(*args, f"--train.micro_batch_size={8 // nproc}", f"--resume_from={tmp_path / 'four' / 'fsdp_sharded_cpt4'}",
+        run_train(*args, f"--train.micro_batch_size={8 // nproc}",
+                  f"--resume_from={tmp_path / 'four' / 'fsdp_sharded_cpt4'}",
                   nproc=nproc, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
         resumed = losses(out)
         assert sorted(resumed) == [5, 6, 7, 8], resumed  # continued after step 4, not from scratch
@@ -123,8 +126,8 @@ def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
             f"--train.global_batch_size={64 * nproc}", "--train.micro_batch_size=auto",
             f"--train.auto_micro_batch_margin={margin:.4f}", "--train.eval_interval=2", "--train.eval_batches=2",
             "--checkpoint.interval=2"]
-    first = run_train(*args, "--train.max_steps=4", nproc=nproc, out_dir=out, corpus=corpus, dataset_dir=tmp_path / "data",
-                      timeout=900)
+    first = run_train(*args, "--train.max_steps=4", nproc=nproc, out_dir=out, corpus=corpus,
+                      dataset_dir=tmp_path / "data", timeout=900)
     (entry,) = json.loads((out / "microbatch_cache.json").read_text())["entries"]
     chosen = entry["micro_batch_size"]
     assert f"train.micro_batch_size=auto: micro-batch {chosen} " in first.stderr
@@ -138,8 +141,8 @@ def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
     assert max(r["peak_mem_gib"] for r in rows if "peak_mem_gib" in r) <= entry["budget_gib"], (rows, entry)
     assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
     # Resumed from step 4: the cached choice, no trial steps.
-    second = run_train(*args, "--train.max_steps=6", nproc=nproc, out_dir=out, corpus=corpus, dataset_dir=tmp_path / "data",
-                       timeout=900)
+    second = run_train(*args, "--train.max_steps=6", nproc=nproc, out_dir=out, corpus=corpus,
+                       dataset_dir=tmp_path / "data", timeout=900)
     assert "measuring trial steps" not in second.stderr and "; no search" in second.stderr
     assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
 
@@ -167,15 +170,17 @@ def test_injected_out_of_memory_retry_on_two_gpus_matches_the_reference(tmp_path
     # from the step-2 checkpoint. Gradients left over from the interrupted attempt would show in step 3's
     # gradient norm (on the CPU: +50%); bf16 noise between the two is about 1%.
     ref, retry = tmp_path / "ref", tmp_path / "retry"
-    run_train(*GPU, "--checkpoint.interval=2", "--train.max_steps=2", nproc=2, out_dir=ref, corpus=corpus, dataset_dir=dataset_dir)
-    run_train(*GPU, "--checkpoint.interval=2", "--train.max_steps=5", "--train.micro_batch_size=1", nproc=2, out_dir=ref,
-              corpus=corpus, dataset_dir=dataset_dir)
+    run_train(*GPU, "--checkpoint.interval=2", "--train.max_steps=2", nproc=2, out_dir=ref, corpus=corpus,
+              dataset_dir=dataset_dir)
+    run_train(*GPU, "--checkpoint.interval=2", "--train.max_steps=5", "--train.micro_batch_size=1", nproc=2,
+              out_dir=ref, corpus=corpus, dataset_dir=dataset_dir)
     proc = run_train(*GPU, "--train.max_steps=5", "--train.oom_retry_half=true", nproc=2, out_dir=retry, corpus=corpus,
                      dataset_dir=dataset_dir, faults={"oom": "3:backward:2"})
     assert "redoing the training of step 3 with micro-batch 1" in proc.stderr
     norms = {}
     for out in (ref, retry):
-        norms[out] = {r["step"]: r["grad_norm"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "grad_norm" in r}
+        rows = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        norms[out] = {r["step"]: r["grad_norm"] for r in rows if "grad_norm" in r}
     for step in (3, 4, 5):
         assert math.isclose(norms[retry][step], norms[ref][step], rel_tol=5e-2), (step, norms)
     for step, value in losses(ref).items():

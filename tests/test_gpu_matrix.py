@@ -69,7 +69,8 @@ def train_save_resume(tmp_path, corpus, dataset_dir, args: list[str], save: str)
     first = tmp_path / "first"
     proc = run_train(*args, nproc=2, out_dir=first, corpus=corpus, dataset_dir=dataset_dir)
     if save in ("thread", "process"):
-        assert "written in the background" in proc.stderr and "synchronously instead" not in proc.stderr, proc.stderr[-3000:]
+        assert "written in the background" in proc.stderr, proc.stderr[-3000:]
+        assert "synchronously instead" not in proc.stderr, proc.stderr[-3000:]
     for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY):
         checkpoint_io.verify(first / checkpoint_name(save, step))
     resumed = tmp_path / "resumed"

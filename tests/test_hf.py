@@ -99,7 +99,8 @@ def test_hf_config_builds_random_model_and_hf_tokenizer_prepares_data(tmp_path, 
 
 
 def test_hf_config_errors(tmp_path, corpus, dataset_dir):
-    proc = run_train("--model.type=hf", nproc=1, out_dir=tmp_path / "o", corpus=corpus, dataset_dir=dataset_dir, check=False)
+    proc = run_train("--model.type=hf", nproc=1, out_dir=tmp_path / "o", corpus=corpus, dataset_dir=dataset_dir,
+                     check=False)
     assert proc.returncode == 2 and "model.hf_path" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'missing'}", nproc=1, out_dir=tmp_path / "o",
                      corpus=corpus, dataset_dir=dataset_dir, check=False)
@@ -139,7 +140,8 @@ def test_a_folder_s_own_code_is_never_run_nor_asked_about(tmp_path, corpus, monk
     # The folder is checked with the launch, before any process group starts (train_fsdp.early_problems).
     cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}"])
     assert hf_problems(cfg.model) == [f"model.hf_path={tmp_path / 'hf'}: its config.json needs the folder's own Python "
-                                      f"code (auto_map), which is never run; use a model type that transformers includes"]
+                                      "code (auto_map), which is never run; use a model type that transformers "
+                                      "includes"]
     with pytest.raises(DataError) as info:
         load_tokenizer("hf", tmp_path / "hf")
     assert str(info.value) == (f"cannot load the tokenizer in {tmp_path / 'hf'}: it needs the folder's own Python "

@@ -38,7 +38,8 @@ def script_env(**extra: str) -> dict:
 
 def train_args(out_dir: Path, corpus: Path, dataset_dir: Path, *args: str) -> list[str]:
     """What run_train passes after the config path (the scripts add the config themselves)."""
-    return [*TINY, f"--run.output_dir={out_dir}", f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
+    return [*TINY, f"--run.output_dir={out_dir}", f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}",
+            *args]
 
 
 def free_port() -> int:
@@ -120,8 +121,8 @@ def test_slurm_rejects_indivisible_batch_before_launching(tmp_path):
 ])
 def test_slurm_auto_micro_batch_checks_the_global_batch_before_launching(global_batch, error, tmp_path):
     bin_dir, calls = slurm_stubs(tmp_path)
-    env = script_env(SLURM_NNODES="1", GPUS_PER_NODE="2", MICRO_BATCH="auto", SLURM_JOB_ID="1", SLURM_JOB_NODELIST="node17",
-                     **({"GLOBAL_BATCH": global_batch} if global_batch else {}))
+    env = script_env(SLURM_NNODES="1", GPUS_PER_NODE="2", MICRO_BATCH="auto", SLURM_JOB_ID="1",
+                     SLURM_JOB_NODELIST="node17", **({"GLOBAL_BATCH": global_batch} if global_batch else {}))
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     proc = subprocess.run(["bash", str(ROOT / "scripts/slurm_submit.sh")], env=env, capture_output=True, text=True,
                           timeout=30)
@@ -139,7 +140,8 @@ def test_slurm_auto_micro_batch_is_passed_to_the_job(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "scripts/slurm_submit.sh")], env=env, capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 0, proc.stderr
-    assert "world 4 GPUs, global batch 64, micro-batch auto (measured by the job), 16 sequences per GPU and step" in proc.stdout
+    assert ("world 4 GPUs, global batch 64, micro-batch auto (measured by the job), 16 sequences per GPU and step"
+            in proc.stdout)
     assert "--train.global_batch_size=64 --train.micro_batch_size=auto" in calls.read_text().splitlines()[1]
 
 
@@ -188,7 +190,8 @@ def test_slurm_launch_and_signal_forwarding(train_status, tmp_path):
 
 def test_fsdp_train_sh_two_processes(reference, corpus, dataset_dir, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([str(ROOT / "scripts/fsdp_train.sh"), *train_args(out, corpus, dataset_dir, f"--train.max_steps={STEPS}")],
+    args = train_args(out, corpus, dataset_dir, f"--train.max_steps={STEPS}")
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_train.sh"), *args],
                           cwd=tmp_path, env=script_env(NGPU="2", CONFIG=str(CONFIG)), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -205,8 +208,9 @@ def test_multi_node_two_nodes_match_one_node(reference, corpus, dataset_dir, tmp
         for node_rank in (0, 1):
             log = open(tmp_path / f"node{node_rank}.log", "w+")
             logs.append(log)
-            nodes.append(subprocess.Popen([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", str(node_rank), "2", *args],
-                                          cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            cmd = [str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", str(node_rank), "2", *args]
+            nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
         codes = [node.wait(timeout=240) for node in nodes]
     finally:
         for node in nodes:

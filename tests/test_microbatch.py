@@ -1,8 +1,8 @@
 """train.micro_batch_size: auto, the out-of-memory report and retry, and the memory hint.
 
-GPU memory readings from a formula and out-of-memory errors are injected (tests/fault_injection.py), so everything but the readings themselves runs for real on the CPU: trial steps,
-agreement across gloo ranks, the restore of the weights, the cache, the retry. tests/test_gpu.py has
-the GPU counterparts."""
+GPU memory readings from a formula and out-of-memory errors are injected (tests/fault_injection.py), so
+everything but the readings themselves runs for real on the CPU: trial steps, agreement across gloo ranks,
+the restore of the weights, the cache, the retry. tests/test_gpu.py has the GPU counterparts."""
 from __future__ import annotations
 
 import json
@@ -189,12 +189,14 @@ def test_auto_result_is_cached_and_reused_on_resume(corpus, dataset_dir, tmp_pat
     memory = fake_memory(10, 1, 1)  # 1 + b GiB, budget 9: the largest candidate 8 fits (bound 9 <= 9)
     args = ["--train.global_batch_size=8", "--train.micro_batch_size=auto", "--checkpoint.interval=2"]
     first = run_train(*args, "--train.max_steps=2", out_dir=out, corpus=corpus, dataset_dir=dataset_dir, faults=memory)
-    assert "measuring trial steps" in first.stderr and "micro-batch 8 (gradient accumulation 1 on 1 ranks)" in first.stderr
+    assert "measuring trial steps" in first.stderr
+    assert "micro-batch 8 (gradient accumulation 1 on 1 ranks)" in first.stderr
     # Resumed (auto_resume) with different readings: the cache answers, no trial step runs.
     second = run_train(*args, "--train.max_steps=4", out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
                        faults=fake_memory(10, 1, 5))
     assert "measuring trial steps" not in second.stderr
-    assert re.search(r"micro-batch 8 \(gradient accumulation 1\), from .*microbatch_cache.json .*; no search", second.stderr)
+    assert re.search(r"micro-batch 8 \(gradient accumulation 1\), from .*microbatch_cache.json .*; no search",
+                     second.stderr)
     assert sorted(losses(out)) == [1, 2, 3, 4]
     # A different world size is another entry: searched again.
     third = run_train(*args, "--train.max_steps=6", nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
@@ -222,9 +224,9 @@ def test_auto_when_nothing_fits_is_one_error_line(corpus, dataset_dir, tmp_path)
     assert proc.returncode == 1
     # 3 + 1 * 1 = 4 GiB at micro-batch 1 against a budget of 4 * 0.9 = 3.6.
     assert error_lines(proc) == [
-        "error: train.micro_batch_size=auto: even micro-batch 1 peaks at 4.00 GiB, over the budget of 3.60 GiB (4.00 GiB "
-        "usable, train.auto_micro_batch_margin=0.1); turn on fsdp.activation_checkpointing, use more GPUs, or shorten "
-        "data.seq_len"]
+        "error: train.micro_batch_size=auto: even micro-batch 1 peaks at 4.00 GiB, over the budget of 3.60 GiB "
+        "(4.00 GiB usable, train.auto_micro_batch_margin=0.1); turn on fsdp.activation_checkpointing, use more GPUs, "
+        "or shorten data.seq_len"]
     assert "Traceback" not in proc.stderr
 
 
@@ -250,7 +252,8 @@ def test_hint_only_when_memory_is_mostly_unused_and_gradients_accumulate(case, c
     if case == "low_memory_accumulating":  # 2 GiB < 100 / 4, accumulation 4
         assert len(hints) == 1 and hints[0].endswith(
             "hint: the first steps used at most 2.00 GiB of this GPU's 100.00 GiB with micro-batch 2 and gradient "
-            "accumulation 4: a larger train.micro_batch_size (up to 8), or auto, would likely train faster on the same samples")
+            "accumulation 4: a larger train.micro_batch_size (up to 8), or auto, would likely train faster on the same "
+            "samples")
     else:  # 2 GiB >= 6 / 4; accumulation 1; auto measured already
         assert hints == []
 
@@ -260,13 +263,14 @@ def test_hint_only_when_memory_is_mostly_unused_and_gradients_accumulate(case, c
 
 @pytest.mark.slow
 def test_out_of_memory_without_retry_is_one_error_line(corpus, dataset_dir, tmp_path):
-    proc = run_train("--train.max_steps=4", out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False,
-                     faults={"oom": "3:backward", **fake_memory(80, 1, 0.5)})
+    proc = run_train("--train.max_steps=4", out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir,
+                     check=False, faults={"oom": "3:backward", **fake_memory(80, 1, 0.5)})
     assert proc.returncode == 1
     (line,) = error_lines(proc)
     # The figures come from the (fake) GPU readings: 1 GiB allocated, 1 + 0.5 * 2 reserved and at peak.
-    assert line.startswith("error: out of memory at step 3 (training, micro-batch 2 x accumulation 4, rank 0): 1.00 GiB "
-                           "allocated, 2.00 GiB reserved (peak 2.00 GiB allocated) of 80.00 GiB; CUDA out of memory")
+    assert line.startswith("error: out of memory at step 3 (training, micro-batch 2 x accumulation 4, rank 0): "
+                           "1.00 GiB allocated, 2.00 GiB reserved (peak 2.00 GiB allocated) of 80.00 GiB; "
+                           "CUDA out of memory")
     assert "set train.oom_retry_half=true" in line
     assert "Traceback" not in proc.stderr
     assert sorted(losses(tmp_path / "out")) == [1, 2]
@@ -296,7 +300,8 @@ def reference(tmp_path_factory, corpus, dataset_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version,where", [(1, "forward:2"), (1, "backward:2"), (2, "backward:2"), (2, "forward:1")])
-def test_out_of_memory_retry_redoes_the_step_with_the_same_samples(version, where, reference, corpus, dataset_dir, tmp_path):
+def test_out_of_memory_retry_redoes_the_step_with_the_same_samples(version, where, reference, corpus, dataset_dir,
+                                                                   tmp_path):
     # Out of memory at step 3 on both ranks, in the 2nd (or 1st) of the step's micro-batches, in forward or
     # backward. The retry drops the interrupted step, resets FSDP and redoes step 3 at micro-batch 1 (the
     # same 8 samples, accumulation 4): bit for bit the reference, so nothing of the interrupted attempt
@@ -318,7 +323,8 @@ def test_out_of_memory_retry_in_evaluation(corpus, dataset_dir, tmp_path):
     assert "redoing the evaluation of step 2 with micro-batch 1" in proc.stderr
 
     def val(out):
-        return {r["step"]: r["val_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r}
+        rows = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
 
     # The same 4 validation sequences, as four batches of 1 instead of two of 2: equal up to float rounding.
     plain, retry = val(tmp_path / "plain"), val(tmp_path / "retry")
@@ -349,14 +355,16 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
     # One process, global batch 8: readings 1 + 0.5 * b GiB all fit a 9 GiB budget, so auto takes 8 (x 1);
     # the fixed micro-batch 2 needs accumulation 4; the reference runs at the auto choice.
     pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, str(WITH_FAULTS), str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
-                           "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
+    proc = subprocess.run([sys.executable, str(WITH_FAULTS), str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET),
+                           "--run.device=cpu", "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32",
+                           "--data.seq_len=32",
                            "--train.global_batch_size=8", "--compare_auto", "--fixed_micro_batch=2", "--peer",
                            "--steps=1", "--warmup=1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **fault_env(fake_memory(10, 1, 0.5))})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:4] for line in proc.stdout.splitlines() if line.startswith(("ours", "hf_"))}
-    assert rows["ours_mb2"] == ["2", "x", "4"] and rows["ours_auto"] == ["8", "x", "1"] and rows["hf_llama_fsdp2"] == ["8", "x", "1"]
+    assert rows["ours_mb2"] == ["2", "x", "4"]
+    assert rows["ours_auto"] == ["8", "x", "1"] and rows["hf_llama_fsdp2"] == ["8", "x", "1"]
     assert "auto: micro-batch 8 of 8 per rank" in proc.stdout
     assert "ratio ours_auto / reference tokens/s:" in proc.stdout
 

@@ -115,7 +115,8 @@ def test_chunked_loss_in_bf16_matches_fp32_reference():
         assert ((got - want).norm() / want.norm()).item() < 1e-2
     # and no-grad evaluation gives the same loss through its own path
     with torch.no_grad():
-        assert chunked_cross_entropy(h32, w32, targets, chunk_tokens=40).item() == pytest.approx(reference[0].item(), rel=1e-6)
+        chunked = chunked_cross_entropy(h32, w32, targets, chunk_tokens=40).item()
+        assert chunked == pytest.approx(reference[0].item(), rel=1e-6)
 
 
 # ---- parameter count --------------------------------------------------------------------------------
@@ -284,7 +285,8 @@ def test_importing_and_running_model_loads_no_new_distributed_modules():
         "m.init_weights(0)\n"
         "x = torch.randint(0, 32, (1, 8))\n"
         "m(x, x).backward()\n"
-        "print(json.dumps(sorted(n for n in set(sys.modules) - before if n.startswith(('torch.distributed', 'fsdp_utils')))))\n"
+        "print(json.dumps(sorted(n for n in set(sys.modules) - before if n.startswith(('torch.distributed', "
+        "'fsdp_utils')))))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -40,7 +40,8 @@ def train_rows(tmp_path_factory, corpus, dataset_dir, name: str, *args: str, npr
 
 
 def assert_same_training(rows: list[dict], ref: list[dict]) -> None:
-    diffs = {key: [abs(r[key] - q[key]) / abs(q[key]) for r, q in zip(rows, ref, strict=True)] for key in ("loss", "grad_norm")}
+    diffs = {key: [abs(r[key] - q[key]) / abs(q[key]) for r, q in zip(rows, ref, strict=True)]
+             for key in ("loss", "grad_norm")}
     report = "\n".join(f"{key}: " + " ".join(f"{d:.1e}" for d in values) for key, values in diffs.items())
     report += "\nlosses here: " + " ".join(f"{r['loss']:.6f}" for r in rows)
     report += "\nreference:   " + " ".join(f"{q['loss']:.6f}" for q in ref)

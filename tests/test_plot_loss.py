@@ -13,7 +13,8 @@ from scripts import plot_loss
 
 def write_metrics(run_dir: Path, train: dict[int, float], val: dict[int, float], extra_rows: list[dict] = ()) -> Path:
     run_dir.mkdir(parents=True)
-    rows = [{"step": s, "loss": v, "lr": 1e-3} for s, v in train.items()] + [{"step": s, "val_loss": v} for s, v in val.items()]
+    rows = ([{"step": s, "loss": v, "lr": 1e-3} for s, v in train.items()]
+            + [{"step": s, "val_loss": v} for s, v in val.items()])
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, *extra_rows]))
     return run_dir
 

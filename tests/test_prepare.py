@@ -203,10 +203,12 @@ def test_killed_prepare_script_resumes_to_the_same_result(corpus_2mb, tmp_path):
     job.wait()
     assert not (tmp_path / "killed" / "meta.json").exists()
 
-    resumed = subprocess.run([*args, f"--data.dataset_dir={tmp_path / 'killed'}"], cwd=ROOT, capture_output=True, text=True)
+    resumed = subprocess.run([*args, f"--data.dataset_dir={tmp_path / 'killed'}"], cwd=ROOT, capture_output=True,
+                             text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert "continuing an interrupted preparation after its" in resumed.stderr
-    clean = subprocess.run([*args, f"--data.dataset_dir={tmp_path / 'clean'}"], cwd=ROOT, capture_output=True, text=True)
+    clean = subprocess.run([*args, f"--data.dataset_dir={tmp_path / 'clean'}"], cwd=ROOT, capture_output=True,
+                           text=True)
     assert clean.returncode == 0, clean.stderr
     assert store_files(load_prepared(tmp_path / "killed")) == store_files(load_prepared(tmp_path / "clean"))
     assert len(load_prepared(tmp_path / "clean").train_files) >= 4
@@ -277,7 +279,8 @@ def test_tokenizer_is_trained_on_the_whole_corpus(tmp_path, monkeypatch):
 
 def test_tokenizer_sample_does_not_depend_on_arrival_order():
     rng = np.random.default_rng(0)
-    documents = [(int(key), "d" * int(size)) for key, size in zip(rng.integers(0, 2**63, 500), rng.integers(1, 300, 500), strict=True)]
+    keys, sizes = rng.integers(0, 2**63, 500), rng.integers(1, 300, 500)
+    documents = [(int(key), "d" * int(size)) for key, size in zip(keys, sizes, strict=True)]
     samples = []
     for order in (documents, documents[::-1], [documents[i] for i in rng.permutation(500)]):
         sample = TokenizerSample(max_chars=5_000)
@@ -286,7 +289,8 @@ def test_tokenizer_sample_does_not_depend_on_arrival_order():
         samples.append(sample.documents())
     # The smallest keys whose texts fit in 5,000 characters, smallest first.
     by_key = sorted(documents)
-    fits = next(n for n in range(len(by_key) + 1) if n == len(by_key) or sum(len(t) for _, t in by_key[: n + 1]) > 5_000)
+    fits = next(n for n in range(len(by_key) + 1)
+                if n == len(by_key) or sum(len(t) for _, t in by_key[: n + 1]) > 5_000)
     assert samples[0] == samples[1] == samples[2] == [text for _, text in by_key[:fits]]
 
 
@@ -362,7 +366,8 @@ def test_a_gzip_bomb_is_read_in_bounded_memory_and_max_corpus_mb_stops_it(tmp_pa
         f.write(b'"}\n')
     tracemalloc.start()
     try:
-        with pytest.raises(DataError, match=r"no text found in .*bomb\.jsonl\.gz: of the 1 records read .* 1 skipped as "
+        with pytest.raises(DataError,
+                           match=r"no text found in .*bomb\.jsonl\.gz: of the 1 records read .* 1 skipped as "
                                             r"bad .*line 1: a record of more than data\.max_document_mb=1 MB"):
             prep(tmp_path, [str(path)], max_document_mb=1, on_bad_record="skip")
         peak = tracemalloc.get_traced_memory()[1]
@@ -387,11 +392,13 @@ def corrupt_gzip(path: Path) -> None:
 
 BAD_INPUTS = {
     "truncated gzip": ("c.jsonl.gz", corrupt_gzip, r"c\.jsonl\.gz: corrupt or truncated gzip file"),
-    "not gzip": ("c.json.gz", lambda p: p.write_bytes(b"plain text, not gzip\n" * 9), r"c\.json\.gz: corrupt or truncated gzip"),
+    "not gzip": ("c.json.gz", lambda p: p.write_bytes(b"plain text, not gzip\n" * 9),
+                 r"c\.json\.gz: corrupt or truncated gzip"),
     "not zstd": ("c.jsonl.zst", lambda p: p.write_bytes(os.urandom(500)), r"c\.jsonl\.zst: corrupt or truncated zstd"),
     "truncated zstd": ("c.jsonl.zst", lambda p: p.write_bytes(zstandard.ZstdCompressor().compress(
         jsonl_lines(DOCUMENTS).encode())[:-40]), r"c\.jsonl\.zst: corrupt or truncated zstd"),
-    "not parquet": ("c.parquet", lambda p: p.write_bytes(b"PAR1" + os.urandom(200)), r"c\.parquet: not a readable parquet file"),
+    "not parquet": ("c.parquet", lambda p: p.write_bytes(b"PAR1" + os.urandom(200)),
+                    r"c\.parquet: not a readable parquet file"),
     "parquet without text": ("c.parquet", lambda p: pq.write_table(pa.table({"body": DOCUMENTS}), p),
                              r"c\.parquet has no column 'text' \(it has body\); set data.text_field"),
     "parquet null": ("c.parquet", lambda p: pq.write_table(pa.table({"text": DOCUMENTS[:5] + [None]}), p),
@@ -400,9 +407,11 @@ BAD_INPUTS = {
                      r"c\.jsonl line 4: invalid JSON"),
     "missing field": ("c.jsonl", lambda p: p.write_text(jsonl_lines(DOCUMENTS[:3]) + '{"body": "x"}\n'),
                       r"c\.jsonl line 4: expected an object with a string 'text' field"),
-    "jsonl not utf-8": ("c.jsonl", lambda p: p.write_bytes(jsonl_lines(DOCUMENTS[:2]).encode() + b'{"text": "caf\xe9"}\n'),
+    "jsonl not utf-8": ("c.jsonl",
+                        lambda p: p.write_bytes(jsonl_lines(DOCUMENTS[:2]).encode() + b'{"text": "caf\xe9"}\n'),
                         r"c\.jsonl line 3: not valid UTF-8"),
-    "txt not utf-8": ("c.txt", lambda p: p.write_bytes(b"fine\nline two\nbad \xff byte\n"), r"c\.txt line 3: not valid UTF-8"),
+    "txt not utf-8": ("c.txt", lambda p: p.write_bytes(b"fine\nline two\nbad \xff byte\n"),
+                      r"c\.txt line 3: not valid UTF-8"),
     "unpaired surrogate": ("c.jsonl", lambda p: p.write_text(jsonl_lines(DOCUMENTS[:2]) + '{"text": "a \\ud800 b"}\n'),
                            r"c\.jsonl line 3: text holds an unpaired surrogate"),
 }
@@ -594,12 +603,14 @@ def test_handoff_between_ranks(tmp_path):
     def wait(**kwargs) -> str | None:
         return handoff.wait_for(path, dataset_dir=tmp_path / "ds", **{"timeout_s": 1, "stop_requested": str, **kwargs})
 
-    with pytest.raises(DataError, match="rank 0 did not finish preparing the data in .*ds within data.prepare_wait_s=0.2 s"):
+    with pytest.raises(DataError,
+                       match="rank 0 did not finish preparing the data in .*ds within data.prepare_wait_s=0.2 s"):
         wait(timeout_s=0.2, poll_s=0.05)
     # A stop signal ends the wait at once, however long it may last.
     signals = iter(["", "", "SIGTERM"])
     start = time.monotonic()
-    with pytest.raises(DataError, match=f"SIGTERM received while waiting for rank 0 to prepare the data in {tmp_path / 'ds'}"):
+    with pytest.raises(DataError,
+                       match=f"SIGTERM received while waiting for rank 0 to prepare the data in {tmp_path / 'ds'}"):
         wait(timeout_s=3600, poll_s=0.05, stop_requested=lambda: next(signals))
     assert time.monotonic() - start < 5
     handoff.publish(path, None)
@@ -625,7 +636,8 @@ def test_prepare_script_errors_are_one_line(tmp_path):
                                                f"property name enclosed in double quotes) (data.on_bad_record=skip "
                                                f"skips such records)"], proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = subprocess.run([*script, "--data.num_workers=-2", "--data.shard_tokens=0"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([*script, "--data.num_workers=-2", "--data.shard_tokens=0"], cwd=ROOT, capture_output=True,
+                          text=True)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         "error: data.num_workers must not be negative, got -2", "error: data.shard_tokens must be positive, got 0"]
 
@@ -816,7 +828,8 @@ def test_damaged_progress_json_is_one_line_or_resumes_correctly(fuzz_folders, op
             if outcome == "ok":
                 assert store_files(load_prepared(root)) == expected, case
             else:  # refused: what the interrupted preparation wrote is all still there
-                assert {p.name for p in (sandbox / "interrupted").iterdir()} <= {p.name for p in root.iterdir()}, (case, outcome)
+                left = {p.name for p in (sandbox / "interrupted").iterdir()}
+                assert left <= {p.name for p in root.iterdir()}, (case, outcome)
             outcomes.append(outcome)
     assert (sandbox / "outside.bin").read_bytes() == b"not the library's"
     assert 10 < outcomes.count("ok") < 60, outcomes

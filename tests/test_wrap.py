@@ -97,7 +97,8 @@ def boxed(gm, _inputs):
 
 def test_compiled_blocks_keep_checkpointing_and_selective_op_saves_less():
     unit = 2 * 64 * 64 * 4  # one (B, T, D) fp32 activation
-    (none, ops_none), (by_op, ops_by_op), (full, ops_full) = (compiled_block_saves(m) for m in ("none", "selective_op", "full"))
+    modes = ("none", "selective_op", "full")
+    (none, ops_none), (by_op, ops_by_op), (full, ops_full) = (compiled_block_saves(m) for m in modes)
     # The checkpointed block is compiled (once it silently ran uncompiled), as one checkpointed region.
     assert "tag_activation_checkpoint" not in ops_none and len(ops_none) > 10
     assert "tag_activation_checkpoint" in ops_by_op and "tag_activation_checkpoint" in ops_full
