@@ -25,12 +25,12 @@ at half the micro-batch and twice the accumulation, and so on): one invocation, 
 `--save_modes sync,thread[,process,sync_gpu]`: measure sharded checkpoint saves instead, in one invocation:
 after the timed training steps, for each mode, `--saves` saves through the checkpoint manager (sync: as
 train_fsdp.py with checkpoint.async_save=false; thread / process: asynchronous, with that writer;
-sync_gpu: synchronous with FSDP1's state dict left on the GPU, as before issue 15, to measure the GPU
-copy of the state it makes: it may not fit at 8B on 80 GB GPUs), the
-training steps going on while an asynchronous write is in flight. Reports per mode the time the loop was
+sync_gpu: synchronous with FSDP1's state dict left on the GPU instead of offloaded piece by piece, to
+measure the GPU copy of the state it makes, which may not fit beside a large model), the training steps
+going on while an asynchronous write is in flight. Reports per mode the time the loop was
 blocked by a save (its stall), the whole save's time, the steps that overlapped a save against the
 others, and the peak GPU memory during the save calls and during training. Each checkpoint is deleted
-once measured (an 8B one is ~96 GB) and --save_dir at the end.
+once measured (a large model's is many GB) and --save_dir at the end.
 
     torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --save_modes sync,thread --steps 5
 """
@@ -475,7 +475,7 @@ def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str,
             splits[name] = (result["micro_batch"], result["grad_accum"])
             if bench is bench_ours and run_cfg.train.float8 == "none":
                 # The bf16 reference runs at our last bf16 split: an FP8 run's larger auto micro-batch
-                # can run it out of memory on one rank before the other (seen: a hang at 1B on H100).
+                # can run it out of memory on one rank before the other, which hangs the job.
                 last_split = splits[name]
             times[name] += result["times"]
             memory[name] = max(memory[name], peak_memory_gib(env))

@@ -466,6 +466,7 @@ def mutated_json(text: str, rng: random.Random) -> str:
     return json.dumps(doc)
 
 
+@pytest.mark.slow  # a few hundred cases: the slow tier
 @pytest.mark.parametrize("target", ["meta.json", "sidecar", ".metadata"])
 def test_fuzz_checkpoint_loaders(saved, tmp_path, target):
     """100 damaged or mutated copies per file: every load ends in a CheckpointError-family error (one line)

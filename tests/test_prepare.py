@@ -155,6 +155,7 @@ def test_worker_count_does_not_change_the_output(small_chunks, corpus_2mb, tmp_p
     assert all(20_000 <= size < 22_000 for size in sizes[:-1]), sizes
 
 
+@pytest.mark.slow  # prepares a 2 MB corpus several times
 def test_interrupted_preparation_resumes_to_the_same_result(small_chunks, corpus_2mb, tmp_path, monkeypatch, caplog):
     clean = prep(tmp_path / "clean", [str(corpus_2mb)], shard_tokens=20_000)
     finish_shard = ShardWriter.finish_shard
@@ -768,6 +769,7 @@ def _outcome(call) -> str:
     return "ok"
 
 
+@pytest.mark.slow  # a few hundred cases: the slow tier
 def test_damaged_meta_json_is_one_line_or_loads_correctly(fuzz_folders, opens, tmp_path):
     import random
 
@@ -803,6 +805,7 @@ def test_damaged_meta_json_is_one_line_or_loads_correctly(fuzz_folders, opens, t
     assert 5 < outcomes.count("ok") < 150, outcomes
 
 
+@pytest.mark.slow  # a few hundred cases: the slow tier
 def test_damaged_progress_json_is_one_line_or_resumes_correctly(fuzz_folders, opens, tmp_path):
     import random
 

@@ -353,7 +353,7 @@ def check_meta(meta: object, where: Path, *, checkpoint: Path | None = None, ext
 
 # ---- safe reading ----------------------------------------------------------------------------------
 
-# What DCP's .metadata holds (torch 2.13 and 2.11, FSDP1 and FSDP2 saves): its metadata dataclasses, the
+# What DCP's .metadata holds (FSDP1 and FSDP2 saves): its metadata dataclasses, the
 # file-system writer's storage records, torch.Size, dtypes, layouts (by name), and the checkpoint's
 # path. Each of these only builds data when unpickled.
 _METADATA_GLOBALS = {
