@@ -117,6 +117,8 @@ def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
                                         vocab_size=cfg.model.vocab_size, grad_clip=t.grad_clip,
                                         margin=t.auto_micro_batch_margin, compile=t.compile, env=env, probe=probe)
             micro_batch = choice.micro_batch_size
+            for converter in converters:  # the trial steps' weights were put back: their FP8 scales too
+                converter.refresh(model)
             if env.is_main:
                 print(f"auto: micro-batch {micro_batch} of {per_rank} per rank, trial peaks "
                       + ", ".join(f"{b}: {m:.2f} GiB" for b, m in choice.measured_gib.items())

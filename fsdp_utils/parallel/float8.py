@@ -119,7 +119,13 @@ class Float8Converter:
     def register(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """After each optimizer step: the scales the next step's FP8 all-gathers use."""
         if self.float8_all_gather:
-            optimizer.register_step_post_hook(lambda *_: precompute_float8_scales(model))
+            optimizer.register_step_post_hook(lambda *_: self.refresh(model))
+
+    def refresh(self, model: nn.Module) -> None:
+        """After the weights changed outside an optimizer step (a checkpoint loaded, the micro-batch search's
+        trial weights put back): scales of the weights as they are now, not of those before."""
+        if self.float8_all_gather:
+            precompute_float8_scales(model)
 
 
 def _plain_weights(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -132,7 +132,8 @@ def _mesh(env: DistEnv, strategy: str, hybrid_group_size: int) -> DeviceMesh:
 
 def model_converters(cfg) -> list:
     """The converters a run applies to its blocks before parallelizing (FP8 with train.float8). Each has
-    `convert(blocks)` and `register(model, optimizer)` for work after every optimizer step."""
+    `convert(blocks)`, `register(model, optimizer)` for work after every optimizer step, and
+    `refresh(model)` for the same work after the weights changed otherwise (a checkpoint loaded)."""
     if cfg.train.float8 == "none":
         return []
     from .float8 import Float8Converter

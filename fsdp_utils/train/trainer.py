@@ -69,6 +69,8 @@ class Trainer:
         self._setup_model()
         self._choose_micro_batch()  # before any resume: the search's trial steps need the optimizer state empty
         self.state = self._resume(resume_from)
+        for converter in self.converters:  # the weights changed outside an optimizer step (search, resume)
+            converter.refresh(self.model)
         self._write_run_files()
         self.ckpt.prepare_saving(self.model, self.optimizer)  # a run that cannot save stops now, not at its first save
         self.num_bad_steps = 0
@@ -93,7 +95,7 @@ class Trainer:
         cfg, env, t = self.cfg, self.env, self.cfg.train
         self.precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
         built = build_model(cfg, env)  # on the meta device when sharded over several ranks
-        converters = model_converters(cfg)
+        self.converters = converters = model_converters(cfg)
         self.model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp,
                                  precision=self.precision, compile=t.compile, env=env, init=built.init,
                                  converters=converters)
