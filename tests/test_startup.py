@@ -1,5 +1,5 @@
 """Problems found before the process group starts: each ends the run with one `error:`
-line, printed once even under torchrun with 2 ranks, every worker's exit status 2, and no traceback from
+line, printed once even under torchrun with 2 ranks, exit status 2, and no traceback from
 the workers (under torchrun the one traceback is torchrun's own report that a worker failed)."""
 from __future__ import annotations
 
