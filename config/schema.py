@@ -24,6 +24,8 @@ BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "selective_op")
 FLOAT8 = ("none", "tensorwise", "rowwise")
+LR_SCHEDULES = ("cosine", "wsd", "constant")
+DECAY_SHAPES = ("linear", "1-sqrt")
 # Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order.
 MAX_SEED = 2**63 - 1
 # Waits longer than about 31 years are "never" in practice; the process group's store and time.sleep count
@@ -148,10 +150,23 @@ class TrainConfig:
     micro-batch and twice the accumulation (the same samples), and keep that size; off: stop with the figures."""
     lr: float = 3e-4
     """Peak learning rate, reached after warmup."""
-    min_lr_ratio: float = 0.1
-    """The cosine schedule decays to lr * min_lr_ratio at max_steps."""
+    lr_schedule: str = "cosine"
+    """After warmup: cosine (down to the floor at max_steps), wsd (warmup-stable-decay: lr until the final
+    decay_fraction of max_steps, then down to the floor; a resume with a larger max_steps keeps the stable phase
+    going) or constant (lr to the end). A pure function of the step: a resume continues it exactly
+    (docs/training.md)."""
+    decay_fraction: float = 0.2
+    """lr_schedule=wsd: the final decay's share of max_steps, in (0, 1]; the decay starts at step
+    max_steps - round(decay_fraction * max_steps) and its last step runs at the floor."""
+    decay_shape: str = "linear"
+    """lr_schedule=wsd: the final decay's shape, linear or 1-sqrt (lr falls with 1 - sqrt(progress): fast first,
+    then slowly)."""
+    min_lr: float | None = None
+    """The floor that cosine and wsd decay to, absolute (at most lr). Give this or min_lr_ratio, not both."""
+    min_lr_ratio: float | None = None
+    """The floor as a fraction of lr, in [0, 1]; neither this nor min_lr given: 0.1."""
     warmup_steps: int = 100
-    """Linear warmup steps."""
+    """Linear warmup steps (every schedule)."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not norms)."""
     beta1: float = 0.9
@@ -179,6 +194,13 @@ class TrainConfig:
     """Compute output logits, loss and their gradients this many tokens at a time (0: all at once).
     The (tokens x vocab) fp32 logits never exist at once: their memory saved at the same speed
     (docs/benchmarks.md)."""
+
+    @property
+    def resolved_min_lr_ratio(self) -> float:
+        """The schedule's floor as a fraction of lr: from min_lr, else min_lr_ratio, else 0.1."""
+        if self.min_lr is not None:
+            return self.min_lr / self.lr
+        return 0.1 if self.min_lr_ratio is None else self.min_lr_ratio
 
 
 @dataclass
@@ -590,8 +612,7 @@ def _train_problems(cfg: Config) -> list[str]:
             p.append(f"train.{name} must be in [0, 1), got {getattr(t, name)}")
     if t.loss_chunk_tokens < 0:
         p.append(f"train.loss_chunk_tokens must be 0 (off) or positive, got {t.loss_chunk_tokens}")
-    if not 0 <= t.min_lr_ratio <= 1:
-        p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    p += _schedule_problems(t)
     _choice(p, "train.precision", t.precision, PRECISIONS)
     _choice(p, "train.float8", t.float8, FLOAT8)
     if t.float8 != "none" and cfg.fsdp.version == 1:
@@ -599,6 +620,33 @@ def _train_problems(cfg: Config) -> list[str]:
                  f"sharded weights included, is built for FSDP2's fully_shard)")
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps must not be negative, got {t.max_bad_steps}")
+    return p
+
+
+def wsd_decay_steps(max_steps: int, decay_fraction: float) -> int:
+    """Steps in WSD's final decay: decay_fraction of max_steps, rounded, at least one."""
+    return max(1, round(decay_fraction * max_steps))
+
+
+def _schedule_problems(t: TrainConfig) -> list[str]:
+    p: list[str] = []
+    _choice(p, "train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    _choice(p, "train.decay_shape", t.decay_shape, DECAY_SHAPES)
+    if t.min_lr is not None and t.min_lr_ratio is not None:
+        p.append(f"train.min_lr={t.min_lr} and train.min_lr_ratio={t.min_lr_ratio} are both set: give one (min_lr is "
+                 "the floor itself, min_lr_ratio the floor as a fraction of train.lr)")
+    elif t.min_lr is not None and not 0 <= t.min_lr <= t.lr:
+        p.append(f"train.min_lr must be in [0, train.lr={t.lr}], got {t.min_lr}")
+    elif t.min_lr_ratio is not None and not 0 <= t.min_lr_ratio <= 1:
+        p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if not 0 < t.decay_fraction <= 1:
+        p.append(f"train.decay_fraction must be in (0, 1], got {t.decay_fraction}")
+    elif t.lr_schedule == "wsd" and t.max_steps > 0 and t.warmup_steps >= 0:
+        decay = wsd_decay_steps(t.max_steps, t.decay_fraction)
+        if t.warmup_steps + decay > t.max_steps:
+            p.append(f"train.lr_schedule=wsd: train.warmup_steps={t.warmup_steps} plus the decay's "
+                     f"{decay} steps (train.decay_fraction={t.decay_fraction} of train.max_steps={t.max_steps}) "
+                     f"exceed train.max_steps; shorten the warmup or the decay")
     return p
 
 

@@ -38,6 +38,7 @@ class TrainState:
     samples_seen: int = 0  # global sample index of the next batch (the data position)
     tokens_seen: int = 0
     grad_scaler: dict | None = None
+    lr: float | None = None  # the learning rate of the last step taken: a resume checks the schedule continues
     rng: list | None = None  # per rank: {"cpu": ByteTensor, "cuda": ByteTensor | None}
 
 

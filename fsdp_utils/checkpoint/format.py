@@ -46,7 +46,7 @@ FORMAT_VERSION = 1
 META_KEYS = ("format_version", "world_size", "model_config", "train_state")
 OPTIONAL_META_KEYS = ("tokenizer_sha256",)  # written since tokenizers were recorded; older checkpoints lack it
 FULL_PAYLOAD_KEYS = ("model", "optimizer", "rng")  # a full checkpoint's payload: these besides the metadata
-TRAIN_STATE_KEYS = ("step", "samples_seen", "tokens_seen", "grad_scaler")  # checkpoint.TrainState, less rng
+TRAIN_STATE_KEYS = ("step", "samples_seen", "tokens_seen", "grad_scaler", "lr")  # checkpoint.TrainState, less rng
 _CHUNK = 8 << 20  # bytes per read when hashing
 
 
@@ -322,6 +322,8 @@ def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
             return f"train_state.{key} {state[key]!r} is not a non-negative integer"
     if state.get("grad_scaler") is not None and not isinstance(state["grad_scaler"], dict):
         return "train_state.grad_scaler is not a mapping"
+    if state.get("lr") is not None and (isinstance(state["lr"], bool) or not isinstance(state["lr"], (int, float))):
+        return "train_state.lr is not a number"
     return None
 
 

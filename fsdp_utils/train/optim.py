@@ -1,12 +1,16 @@
-"""AdamW with weight decay on matrices only, the warmup-cosine schedule and global-norm clipping."""
+"""AdamW with weight decay on matrices only, the learning-rate schedules (warmup, then cosine, WSD or constant)
+and global-norm clipping."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
+
+from config.schema import wsd_decay_steps
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -33,16 +37,63 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused and on_gpu)
 
 
-def lr_at(step: int, *, max_lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine down to max_lr * min_lr_ratio.
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning rate as a pure function of the optimizer step and the config, nothing else: a resumed
+    run, given the step it saved, continues the curve exactly, and a run whose train.max_steps grew on
+    resume follows the new curve from there (no scheduler object whose state could drift).
 
-    A pure function of the step, so resuming needs nothing but the step counter.
-    """
-    if step < warmup_steps:
-        return max_lr * (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return max_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * cosine)
+    Every schedule warms up linearly over `warmup_steps`, then:
+      cosine: half a cosine from max_lr down to the floor at max_steps;
+      wsd: stable at max_lr, then the final `decay_fraction` of max_steps decays to the floor (linear or
+           1-sqrt), the last step at the floor exactly;
+      constant: max_lr to the end.
+    The floor is max_lr * min_lr_ratio (train.min_lr given: min_lr / max_lr as that ratio)."""
+
+    kind: str = "cosine"
+    max_lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    max_steps: int = 1
+    decay_fraction: float = 0.2
+    decay_shape: str = "linear"
+
+    @classmethod
+    def from_config(cls, t) -> LRSchedule:
+        """From the `train` section (config.TrainConfig)."""
+        return cls(kind=t.lr_schedule, max_lr=t.lr, min_lr_ratio=t.resolved_min_lr_ratio, warmup_steps=t.warmup_steps,
+                   max_steps=t.max_steps, decay_fraction=t.decay_fraction, decay_shape=t.decay_shape)
+
+    @property
+    def decay_start(self) -> int:
+        """wsd: the first step (0-based) of the decay; it moves with max_steps."""
+        return self.max_steps - wsd_decay_steps(self.max_steps, self.decay_fraction)
+
+    def describe(self) -> str:
+        warmup = f"linear warmup over {self.warmup_steps} steps, then " if self.warmup_steps else ""
+        floor = self.max_lr * self.min_lr_ratio
+        if self.kind == "constant":
+            return f"{warmup}constant {self.max_lr:g}"
+        if self.kind == "wsd":
+            return (f"{warmup}wsd: {self.max_lr:g} until step {self.decay_start}, then a {self.decay_shape} decay to "
+                    f"{floor:g} at step {self.max_steps}")
+        return f"{warmup}cosine from {self.max_lr:g} to {floor:g} at step {self.max_steps}"
+
+    def __call__(self, step: int) -> float:
+        """Learning rate for optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return self.max_lr * (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return self.max_lr
+        if self.kind == "wsd":
+            if step < self.decay_start:
+                return self.max_lr
+            progress = min(1.0, (step - self.decay_start + 1) / (self.max_steps - self.decay_start))
+            remaining = 1.0 - (progress if self.decay_shape == "linear" else math.sqrt(progress))
+            return self.max_lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * remaining)
+        progress = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return self.max_lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:

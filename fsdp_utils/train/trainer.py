@@ -5,6 +5,7 @@ per component per step (the log, evaluation, the checkpoint manager), each decid
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -24,7 +25,7 @@ from ..parallel.parallelize import model_converters, parallelize, resolve_precis
 from .batch import BatchSplit
 from .metrics import TrainingLog, detect_peak_flops
 from .microbatch import OutOfMemoryGuard, cache_key, memory_hint, memory_probe, resolve_micro_batch, save_to_cache
-from .optim import build_optimizer, lr_at
+from .optim import LRSchedule, build_optimizer
 from .preemption import StopSignal
 from .run_data import prepare_dataset
 from .step import StepResult, train_step
@@ -68,6 +69,9 @@ class Trainer:
         self._setup_data()
         self._setup_model()
         self._choose_micro_batch()  # before any resume: the search's trial steps need the optimizer state empty
+        self.schedule = LRSchedule.from_config(cfg.train)
+        if env.is_main:
+            log.info("lr schedule: %s", self.schedule.describe())
         self.state = self._resume(resume_from)
         for converter in self.converters:  # the weights changed outside an optimizer step (search, resume)
             converter.refresh(self.model)
@@ -157,7 +161,28 @@ class Trainer:
         state = self.ckpt.load(self.model, self.optimizer, resume_from)
         if self.scaler is not None and state.grad_scaler:
             self.scaler.load_state_dict(state.grad_scaler)
+        if self.env.is_main:
+            self._check_schedule_continues(state)
         return state
+
+    def _check_schedule_continues(self, state: TrainState) -> None:
+        """Warn when the schedule, under this run's config, gives the last step taken another learning rate than
+        the one it ran at: the curve jumps there (a changed train.lr, warmup, schedule or train.max_steps; for wsd,
+        a larger max_steps after the decay had begun takes the run back up to its stable phase)."""
+        s = self.schedule
+        if state.lr is None or state.step == 0:
+            return  # saved before checkpoints recorded the learning rate
+        now = s(state.step - 1)
+        if math.isclose(now, state.lr, rel_tol=1e-9, abs_tol=0.0):
+            return
+        msg = (f"the schedule does not continue the checkpoint's: step {state.step} ran at lr {state.lr:.6g}, which "
+               f"this run's train.* settings give as {now:.6g}, so the learning rate jumps")
+        if s.kind == "wsd" and state.lr < s.max_lr and now > state.lr and state.step <= s.decay_start:
+            msg += (f". The checkpoint was taken during its WSD decay; with train.max_steps={s.max_steps} the decay "
+                    f"starts at step {s.decay_start}, so the run goes back to its stable phase. To finish the decay, "
+                    f"resume with the train.max_steps it was saved under; to extend a WSD run, resume from a "
+                    f"checkpoint taken before its decay began")
+        log.warning("%s", msg)
 
     def _write_run_files(self) -> None:
         """Only now, after a resume, so that a refused resume leaves the output directory as it was."""
@@ -195,8 +220,7 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step at the schedule's learning rate (the step counters advance if it was applied)."""
         t, state = self.cfg.train, self.state
-        self.lr = lr_at(state.step, max_lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
-                        min_lr_ratio=t.min_lr_ratio)
+        self.lr = state.lr = self.schedule(state.step)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
 
