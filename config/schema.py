@@ -75,6 +75,10 @@ class ModelSection(ModelConfig):
     """model.type=hf: a local folder with a pretrained model (config.json + weights); nothing is downloaded."""
     hf_config: str = ""
     """model.type=hf without weights: a config.json (or a folder holding one) to build with random init."""
+    init_from: str = ""
+    """Start from the weights of this checkpoint (a full .pth, a sharded folder, or scripts/import_hf.py's output)
+    with a fresh optimizer at step 0; its model must have this section's dimensions (max_seq_len may differ). A run
+    that resumes (checkpoint.auto_resume, --resume_from) continues from its own checkpoint instead."""
 
 
 @dataclass
@@ -101,7 +105,11 @@ class DataConfig:
     tokenizer_model: str = ""
     """An existing SentencePiece .model to use instead of training one."""
     tokenizer: str = "sentencepiece"
-    """sentencepiece (train one, or data.tokenizer_model) or hf (model.hf_path's own tokenizer)."""
+    """sentencepiece (train one, or data.tokenizer_model) or hf (a Hugging Face tokenizer: data.hf_tokenizer, or
+    model.hf_path's own)."""
+    hf_tokenizer: str = ""
+    """data.tokenizer=hf: a local folder with a Hugging Face tokenizer (e.g. the Llama model imported for
+    model.init_from); empty: model.hf_path's."""
     vocab_size: int = 4096
     """Vocabulary size of the SentencePiece model trained on the corpus."""
     val_fraction: float = 0.02
@@ -527,10 +535,14 @@ def _model_problems(cfg: Config) -> list[str]:
     if m.type == "llama":
         dims = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}
         p += ModelConfig(**dims | {"vocab_size": m.vocab_size or 1}).problems()
-        if cfg.data.tokenizer == "hf":
-            p.append("data.tokenizer=hf needs model.type=hf (the tokenizer comes from model.hf_path)")
+        if cfg.data.tokenizer == "hf" and not cfg.data.hf_tokenizer:
+            p.append("data.tokenizer=hf with model.type=llama needs data.hf_tokenizer (a folder with a Hugging Face "
+                     "tokenizer)")
     elif m.type == "hf":
         p += _hf_model_problems(cfg)
+    for where, path in (("model.init_from", m.init_from), ("data.hf_tokenizer", cfg.data.hf_tokenizer)):
+        if path and not Path(path).exists():
+            p.append(f"{where}: not found: {path}")
     return p
 
 
@@ -543,8 +555,8 @@ def _hf_model_problems(cfg: Config) -> list[str]:
     for name in ("hf_path", "hf_config"):
         if getattr(m, name) and not Path(getattr(m, name)).exists():
             p.append(f"model.{name}: not found: {getattr(m, name)}")
-    if cfg.data.tokenizer == "hf" and not m.hf_path:
-        p.append("data.tokenizer=hf needs model.hf_path (a folder with the tokenizer files)")
+    if cfg.data.tokenizer == "hf" and not m.hf_path and not cfg.data.hf_tokenizer:
+        p.append("data.tokenizer=hf needs data.hf_tokenizer or model.hf_path (a folder with the tokenizer files)")
     return p
 
 

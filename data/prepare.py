@@ -100,7 +100,8 @@ class PrepareSettings:
         """From a config.Config (not imported here: data/ does not depend on config/)."""
         d = cfg.data
         return cls(files=tuple(d.files), tokenizer_model=d.tokenizer_model,
-                   hf_tokenizer=cfg.model.hf_path if d.tokenizer == "hf" else "", vocab_size=d.vocab_size,
+                   hf_tokenizer=(d.hf_tokenizer or cfg.model.hf_path) if d.tokenizer == "hf" else "",
+                   vocab_size=d.vocab_size,
                    val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb,
                    max_document_mb=d.max_document_mb, seed=cfg.run.seed,
                    text_field=d.text_field, on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens,
@@ -239,7 +240,7 @@ class Source:
         theirs = record.get("source")
         if not isinstance(theirs, dict) or not isinstance(theirs.get("settings"), dict):
             return "prepared by another version of this library"
-        names = {"seed": "run.seed", "hf_tokenizer": "model.hf_path"}
+        names = {"seed": "run.seed", "hf_tokenizer": "data.hf_tokenizer (or model.hf_path)"}
         parts = [f"{names.get(key, 'data.' + key)} {theirs['settings'].get(key)!r} there, {value!r} here"
                  for key, value in self.summary["settings"].items() if theirs["settings"].get(key) != value]
         if theirs.get("inputs") != self.summary["inputs"]:

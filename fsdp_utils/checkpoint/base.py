@@ -20,8 +20,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
+from model import ModelConfig
+
 from ..distributed import DistEnv, agree, barrier
 from .format import FORMAT_VERSION, CheckpointCorrupt, CheckpointError, CheckpointMismatch, first_line, size_of
+from .io import model_config_of
 from .retention import apply_retention, complete_checkpoints, remove_incomplete
 
 log = logging.getLogger(__name__)
@@ -135,6 +138,14 @@ def _model_kind(model_config: dict) -> str:
     return f"{kind} ({model_config['model_type']})" if model_config.get("model_type") is not None else kind
 
 
+def _weight_shape(cfg: ModelConfig) -> dict:
+    """What our model's weights, and the function they compute, depend on: its dimensions resolved (n_kv_heads
+    None is n_heads, ffn_hidden_dim None is derived), without max_seq_len and init_std."""
+    return {"vocab_size": cfg.vocab_size, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+            "n_kv_heads": cfg.num_kv_heads, "ffn_hidden_dim": cfg.hidden_dim, "rope_theta": cfg.rope_theta,
+            "norm_eps": cfg.norm_eps, "tie_embeddings": cfg.tie_embeddings}
+
+
 @dataclasses.dataclass
 class CheckpointContext:
     """The run's checkpoint settings, and the steps every save and load takes whatever the format.
@@ -229,6 +240,24 @@ class CheckpointContext:
                                          f"{saved_config[key]} in the checkpoint")
         self._check_tokenizer(meta, path)
 
+    def check_weights(self, meta: dict, path: Path) -> None:
+        """model.init_from: the checkpoint's weights fit this model. Only what they depend on must agree (for our
+        model: not max_seq_len, init_std, or how the MLP width is given), then the tokenizer as for a resume."""
+        where = f"model.init_from={path}"
+        saved_config = meta["model_config"]
+        here, there = _model_kind(self.model_config), _model_kind(saved_config)
+        if here != there:
+            raise CheckpointMismatch(f"{where}: model.type={here} here, {there} in the checkpoint")
+        mine, theirs = self.model_config, saved_config
+        if here == "llama":
+            mine, theirs = _weight_shape(ModelConfig(**mine)), _weight_shape(model_config_of(meta, path))
+        for key, value in mine.items():
+            if theirs.get(key, value) != value:
+                hint = " (0 takes the tokenizer's; give the checkpoint's)" if key == "vocab_size" else ""
+                raise CheckpointMismatch(f"{where}: the model differs from the checkpoint's: model.{key}={value} "
+                                         f"here{hint}, {theirs[key]} in the checkpoint")
+        self._check_tokenizer(meta, path)
+
     def _check_tokenizer(self, meta: dict, path: Path) -> None:
         """The checkpoint was trained with this run's tokenizer (checkpoints from before tokenizers were
         recorded say nothing, and load)."""
@@ -260,4 +289,8 @@ class CheckpointFormat:
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> tuple[dict, list | None]:
         """Restore model and optimizer from `path` (already checked); returns its metadata and RNG states."""
+        raise NotImplementedError
+
+    def load_weights(self, model: torch.nn.Module, path: Path) -> dict:
+        """Only the model's weights from `path` (already checked; model.init_from); returns its metadata."""
         raise NotImplementedError

@@ -6,7 +6,12 @@ import logging
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from ..distributed import agree
 from .base import CheckpointFormat, TrainState, check_param_groups, quiet_state_dict_warnings, write_error
@@ -77,6 +82,9 @@ class FullCheckpoint(CheckpointFormat):
         meta = {k: v for k, v in payload.items() if k not in FULL_PAYLOAD_KEYS}
         self.context.check_model(meta, path)
         check_param_groups(payload["optimizer"], model, optimizer, path)
+        if not payload["optimizer"].get("state"):  # no step taken yet (scripts/import_hf.py): a fresh optimizer
+            self._set_model(model, payload["model"], path)
+            return meta, payload.get("rng")
         try:
             with quiet_state_dict_warnings():
                 set_state_dict(model, optimizer, model_state_dict=payload["model"],
@@ -85,3 +93,18 @@ class FullCheckpoint(CheckpointFormat):
         except Exception as err:  # readable, but not this model's (missing or extra tensors)
             raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
         return meta, payload.get("rng")
+
+    def load_weights(self, model: torch.nn.Module, path: Path) -> dict:
+        payload = load_full(path)
+        meta = {k: v for k, v in payload.items() if k not in FULL_PAYLOAD_KEYS}
+        self.context.check_weights(meta, path)
+        self._set_model(model, payload["model"], path)
+        return meta
+
+    @staticmethod
+    def _set_model(model: torch.nn.Module, state_dict: dict, path: Path) -> None:
+        try:
+            with quiet_state_dict_warnings():
+                set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
+        except Exception as err:  # readable, but not this model's (missing or extra tensors, other shapes)
+            raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None

@@ -213,6 +213,28 @@ class CheckpointManager:
                 barrier(self.env)
         raise AssertionError("unreachable")
 
+    def load_weights(self, model: torch.nn.Module, init_from: str) -> None:
+        """model.init_from: only the model's weights from a checkpoint (full, sharded, or written by
+        scripts/import_hf.py), checked like a resume's; the optimizer, step, data position and RNG stay fresh."""
+        path = Path(init_from)
+        start = time.perf_counter()
+        error = None
+        try:
+            check_structure(path)
+        except CheckpointError as err:
+            error = err
+        agree(self.env, error)
+        crc_s = verify(path, self.env) if self.verify else 0.0
+        error = None
+        try:
+            (self._sharded if path.is_dir() else self._full).load_weights(model, path)
+        except CheckpointError as err:
+            error = err
+        agree(self.env, error)
+        if self.env.is_main:
+            log.info("model.init_from: loaded the weights of %s (%.1f MiB) in %.2f s (CRC32 check %.2f s); optimizer "
+                     "and step start fresh", path, size_of(path) / 2**20, time.perf_counter() - start, crc_s)
+
     def _load_one(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> TrainState:
         start = time.perf_counter()
         error = None

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from ..distributed import agree, barrier
 from .base import CheckpointFormat, TrainState, check_param_groups, quiet_state_dict_warnings, write_error
@@ -131,3 +137,15 @@ class ShardedCheckpoint(CheckpointFormat):
             except (Exception, dcp.CheckpointException) as err:
                 raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
         return meta, rng
+
+    def load_weights(self, model: torch.nn.Module, path: Path) -> dict:
+        meta = read_sharded_meta(path)
+        self.context.check_weights(meta, path)
+        with quiet_state_dict_warnings():
+            state: dict[str, Any] = {"model": get_model_state_dict(model)}
+            dcp_load(state, path)  # only the model's tensors are read, resharded to this world size
+            try:
+                set_model_state_dict(model, state["model"])
+            except (Exception, dcp.CheckpointException) as err:
+                raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
+        return meta

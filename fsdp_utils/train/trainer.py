@@ -157,6 +157,8 @@ class Trainer:
             resume_from = "latest"
             log.info("checkpoint.auto_resume: continuing from the newest complete checkpoint in %s", out_dir)
         if resume_from is None:
+            if self.cfg.model.init_from:  # a resume (above) continues the run's own weights instead
+                self.ckpt.load_weights(self.model, self.cfg.model.init_from)
             return TrainState()
         state = self.ckpt.load(self.model, self.optimizer, resume_from)
         if self.scaler is not None and state.grad_scaler:

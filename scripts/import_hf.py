@@ -1,0 +1,237 @@
+"""Import a local Hugging Face LlamaForCausalLM checkpoint as a full checkpoint of ours (the reverse of export_hf.py).
+
+    python scripts/import_hf.py /models/Llama-3.2-1B llama1B.pth
+    torchrun --nproc_per_node=8 train_fsdp.py config/train1B_fsdp.yaml --model.init_from=llama1B.pth \\
+        --data.tokenizer=hf --data.hf_tokenizer=/models/Llama-3.2-1B  --model.dim=2048 ...  (the printed section)
+
+HF_DIR holds config.json and model.safetensors, or shards listed in model.safetensors.index.json; nothing is
+downloaded and no code of the folder runs (only the JSON and safetensors files are read). The weights are
+converted to our names and fused layouts (q/k/v_proj into wqkv, gate/up_proj into w13; both use Llama's
+rotate-half rotary layout, so q and k need no permutation), in fp32 (our training keeps fp32 weights; bf16 to
+fp32 is exact). OUT is a full checkpoint at step 0 with no optimizer state: `model.init_from=OUT` (weights
+only) or `--resume_from OUT` start from it; the model section it needs is printed. A configuration our model
+cannot compute exactly (biases, another activation, a rope_scaling type, a head_dim of its own, ...) is
+refused with one line naming the config.json field.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from fsdp_utils.checkpoint.format import (  # noqa: E402
+    FORMAT_VERSION,
+    TMP_PREFIX,
+    CheckpointError,
+    install_full,
+    save_with_checksum,
+    write_record,
+)
+from fsdp_utils.train.optim import build_optimizer  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+from model.config import MAX_SEQ_LEN  # noqa: E402
+
+# Tensors that older checkpoints carry and that are derived, not learned (our rotary tables are recomputed).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFImportError(Exception):
+    """The folder cannot be imported; the message names the file or config field, in one line."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HFImportError(f"{path}: not found (HF_DIR must be a local Hugging Face model folder)") from None
+    except (OSError, ValueError) as err:
+        raise HFImportError(f"{path}: cannot read ({err})") from None
+    if not isinstance(value, dict):
+        raise HFImportError(f"{path}: not a JSON object")
+    return value
+
+
+def _rope(hf: dict, where: Path) -> float:
+    """rope_theta, from transformers 5's rope_parameters or the older rope_theta / rope_scaling fields."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for field, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise HFImportError(f"{where}: {field}={value!r} is not a mapping")
+        kind = value.get("rope_type", value.get("type", "default"))
+        if kind not in (None, "default"):
+            raise HFImportError(f"{where}: {field} rope_type={kind!r}: our model has plain rotary embeddings only "
+                               "(rope_type default, no scaling)")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+        raise HFImportError(f"{where}: rope_theta={theta!r} is not a number")
+    return float(theta)
+
+
+def model_config_of(hf: dict, where: Path) -> ModelConfig:
+    """Our ModelConfig for a LlamaForCausalLM config.json; HFImportError naming the first field our model cannot
+    express."""
+    if hf.get("model_type") != "llama":
+        raise HFImportError(f"{where}: model_type={hf.get('model_type')!r}: only LlamaForCausalLM (model_type "
+                           "'llama') is imported")
+    refusals = {
+        "hidden_act": ("silu", "our MLP is SwiGLU (silu)"),
+        "attention_bias": (False, "our attention projections have no bias"),
+        "mlp_bias": (False, "our MLP projections have no bias"),
+        "attention_dropout": (0.0, "our attention has no dropout"),
+    }
+    for field, (ours, why) in refusals.items():
+        if field in hf and hf[field] != ours:
+            raise HFImportError(f"{where}: {field}={hf[field]!r}: {why}")
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(hf.get(field), int) or isinstance(hf.get(field), bool) or hf[field] <= 0:
+            raise HFImportError(f"{where}: {field}={hf.get(field)!r} is not a positive integer")
+    dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    if dim % n_heads:
+        raise HFImportError(f"{where}: hidden_size={dim} is not a multiple of num_attention_heads={n_heads}")
+    if hf.get("head_dim") not in (None, dim // n_heads):
+        raise HFImportError(f"{where}: head_dim={hf['head_dim']}: our model's head_dim is hidden_size / "
+                           f"num_attention_heads = {dim // n_heads}")
+    n_kv = hf.get("num_key_value_heads") or n_heads
+    cfg = ModelConfig(vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+                      n_kv_heads=n_kv, ffn_hidden_dim=hf["intermediate_size"],
+                      max_seq_len=min(int(hf.get("max_position_embeddings", 2048)), MAX_SEQ_LEN),
+                      rope_theta=_rope(hf, where), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    if problems := cfg.problems():
+        raise HFImportError(f"{where}: our model cannot take these dimensions ({problems[0]})")
+    return cfg
+
+
+def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and "/" not in f
+                                                       for f in weight_map.values()):
+            raise HFImportError(f"{index}: no weight_map of tensor names to shard files")
+        files = sorted(set(weight_map.values()))
+    elif (hf_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        other = " (only .safetensors weights are read)" if any(hf_dir.glob("*.bin")) else ""
+        raise HFImportError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json{other}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            tensors |= load_file(hf_dir / name)
+        except (OSError, SafetensorError) as err:
+            raise HFImportError(f"{hf_dir / name}: cannot read ({err})") from None
+    return tensors
+
+
+def ours_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's names and separate projections -> ours, fused (export_hf.hf_state_dict reversed)."""
+    hf = {k: v for k, v in hf.items() if not k.endswith(IGNORED_SUFFIXES)}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise HFImportError(f"{where}: the weights have no {name}")
+        used.add(name)
+        return hf[name].to(torch.float32)
+
+    ours = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not cfg.tie_embeddings:
+        ours["output.weight"] = take("lm_head.weight")
+    elif "lm_head.weight" in hf:  # a tied model saved with its (shared) head: it must be the embedding
+        if not torch.equal(take("lm_head.weight"), ours["tok_embeddings.weight"]):
+            raise HFImportError(f"{where}: tie_word_embeddings=true but lm_head.weight differs from the embedding")
+    for i in range(cfg.n_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        ours |= {
+            dst + "attention.wqkv.weight": torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"]),
+            dst + "attention.wo.weight": take(attn + "o_proj.weight"),
+            dst + "feed_forward.w13.weight": torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+            dst + "feed_forward.w2.weight": take(mlp + "down_proj.weight"),
+            dst + "attention_norm.weight": take(src + "input_layernorm.weight"),
+            dst + "ffn_norm.weight": take(src + "post_attention_layernorm.weight"),
+        }
+    if extra := sorted(set(hf) - used):
+        raise HFImportError(f"{where}: tensors our model has no place for, e.g. {extra[0]} ({len(extra)} in all)")
+    return ours
+
+
+def checkpoint_payload(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: Path) -> dict:
+    """The full checkpoint of step 0 for these weights: the payload FullCheckpoint writes, with an optimizer
+    that has parameter groups (named as the training's optimizer names them) and no state yet."""
+    with torch.device("meta"):  # no random init: every weight is assigned below
+        model = Transformer(cfg)
+    try:
+        model.load_state_dict(weights, strict=True, assign=True)
+    except RuntimeError as err:  # a tensor of another shape than config.json describes
+        lines = [line.strip() for line in str(err).splitlines() if "size mismatch" in line] or [str(err)]
+        raise HFImportError(f"{where}: the weights do not fit config.json ({lines[0]})") from None
+    optimizer = build_optimizer(model, lr=0.0, weight_decay=0.0, betas=(0.9, 0.95), fused=False)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+              for group in optimizer.param_groups]
+    return {"model": model.state_dict(), "optimizer": {"state": {}, "param_groups": groups}, "rng": None,
+            "format_version": FORMAT_VERSION, "world_size": 1, "model_config": dataclasses.asdict(cfg),
+            "train_state": {"step": 0, "samples_seen": 0, "tokens_seen": 0, "grad_scaler": None, "lr": None}}
+
+
+def import_hf(hf_dir: Path, out: Path, *, force: bool = False) -> ModelConfig:
+    """Write the full checkpoint for the LlamaForCausalLM in `hf_dir` to `out` (atomically); return its config."""
+    if out.exists() and not force:
+        raise HFImportError(f"{out} exists; pass --force to overwrite it")
+    if out.is_dir():
+        raise HFImportError(f"{out} is a directory; give the path of the .pth file to write")
+    where = hf_dir / "config.json"
+    cfg = model_config_of(_read_json(where), where)
+    payload = checkpoint_payload(cfg, ours_state_dict(cfg, read_safetensors(hf_dir), hf_dir), hf_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
+    try:
+        record, _ = save_with_checksum(payload, tmp)
+        install_full(tmp, out)
+        write_record(out, record)  # .OUT.json next to it: a load from OUT verifies its CRC32
+    finally:
+        tmp.unlink(missing_ok=True)
+    return cfg
+
+
+def model_section(cfg: ModelConfig) -> str:
+    """The `model` section (YAML) that describes the imported model."""
+    fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len", "rope_theta",
+              "norm_eps", "tie_embeddings")
+    return "model:\n" + "".join(f"  {name}: {json.dumps(getattr(cfg, name))}\n" for name in fields)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("hf_dir", type=Path, help="a local LlamaForCausalLM folder (config.json + safetensors)")
+    parser.add_argument("out", type=Path, help="the full checkpoint file to write, e.g. llama.pth")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    args = parser.parse_args(argv)
+    try:
+        cfg = import_hf(args.hf_dir, args.out, force=args.force)
+    except (HFImportError, CheckpointError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({cfg.num_params():,} parameters, {args.out.stat().st_size / 2**20:.1f} MiB); train "
+          f"from it with --model.init_from={args.out} and this model section (max_seq_len may be smaller):\n"
+          f"{model_section(cfg)}", end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

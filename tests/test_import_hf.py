@@ -1,0 +1,255 @@
+"""scripts/import_hf.py and model.init_from: a Hugging Face LlamaForCausalLM imported into our Transformer computes
+the HF model's logits; export then import gives back the same tensors; what our model cannot express is refused
+with one line naming the config.json field; model.init_from loads the weights (full, sharded, imported) under
+FSDP1 and FSDP2 with meta init and a fresh optimizer; and a run starts from an imported Llama with its HF tokenizer."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from config import load_config
+from fsdp_utils.checkpoint.format import CheckpointMismatch
+from fsdp_utils.checkpoint.io import load_model
+from model import ModelConfig, Transformer
+from scripts import import_hf
+from tests.helpers import ROOT, TINY, read_metrics, run_train
+from tests.test_step import world_of_one  # noqa: F401  # a fixture
+
+transformers = pytest.importorskip("transformers")
+
+TINY_CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
+# The dimensions of the TINY training args (tests/helpers.py), as a Hugging Face Llama.
+TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=500000.0)
+TINY_MODEL_ARGS = ["--model.ffn_hidden_dim=128", "--model.vocab_size=320", "--model.norm_eps=1e-6",
+                   "--model.rope_theta=500000.0"]
+
+
+def save_llama(path: Path, *, seed: int = 0, dtype=torch.float32, max_shard_size: str | None = None, **config):
+    """A LlamaForCausalLM with every weight random (norms too, so a swapped norm would show), saved as safetensors."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight") else
+                        0.3 * torch.randn_like(param))
+    model.to(dtype).save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return model
+
+
+CASES = {
+    # GQA, untied, rope_theta 5e5, eps 1e-6, the weights in several safetensors shards.
+    "gqa-untied-sharded": dict(TINY_LLAMA, max_shard_size="40KB"),
+    # Plain multi-head attention, tied embeddings, bf16 weights on disk.
+    "mha-tied-bf16": dict(vocab_size=333, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                          num_attention_heads=3, max_position_embeddings=16, tie_word_embeddings=True,
+                          dtype=torch.bfloat16),
+    # Multi-query attention.
+    "mqa": dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, max_position_embeddings=20, rope_theta=1000.0),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_imported_llama_computes_the_hf_logits(case, tmp_path):
+    """The real test of the mapping (names, fusing, the rotary layout): our Transformer with the imported weights
+    gives the HF model's logits, both in fp32 (the HF model reloaded from what it saved)."""
+    args = dict(CASES[case])
+    save_llama(tmp_path / "hf", **args)
+    if case.endswith("sharded"):
+        assert (tmp_path / "hf/model.safetensors.index.json").is_file()
+    import_hf.import_hf(tmp_path / "hf", tmp_path / "llama.pth")
+    ours, meta = load_model(tmp_path / "llama.pth")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, ours.cfg.vocab_size, (2, ours.cfg.max_seq_len), generator=generator)
+    with torch.no_grad():
+        expected, actual = hf(tokens).logits, ours(tokens)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
+    assert meta["train_state"]["step"] == 0 and ours.cfg.tie_embeddings == bool(args.get("tie_word_embeddings"))
+
+
+def test_export_then_import_gives_the_same_tensors(tmp_path, corpus):
+    """Our checkpoint -> scripts/export_hf.py -> scripts/import_hf.py: bit-identical weights, the same model."""
+    from data.tokenizer import train_tokenizer
+    from fsdp_utils.checkpoint import FORMAT_VERSION, TrainState
+    from scripts import export_hf
+
+    cfg = ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96, max_seq_len=32,
+                      rope_theta=20000.0, norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param))
+    run = tmp_path / "run"
+    run.mkdir()
+    train_tokenizer(corpus.read_text().splitlines(), vocab_size=320, out_path=run / "tokenizer.model")
+    payload = {"model": model.state_dict(), "optimizer": {"state": {}, "param_groups": []}, "rng": None,
+               "format_version": FORMAT_VERSION, "world_size": 1, "model_config": dataclasses.asdict(cfg),
+               "train_state": {k: v for k, v in dataclasses.asdict(TrainState()).items() if k != "rng"}}
+    torch.save(payload, run / "fsdp_cpt0.pth")
+    export_hf.export(run / "fsdp_cpt0.pth", tmp_path / "hf", tokenizer=run / "tokenizer.model")
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "back.pth")]) == 0
+    back = torch.load(tmp_path / "back.pth", weights_only=True)
+    assert back["model"].keys() == payload["model"].keys()
+    for name, tensor in payload["model"].items():
+        assert torch.equal(back["model"][name], tensor), name
+    assert ModelConfig(**back["model_config"]) == cfg
+
+
+def edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+REFUSED = {
+    "attention bias": (dict(attention_bias=True), "attention_bias=True"),
+    "mlp bias": (dict(mlp_bias=True), "mlp_bias=True"),
+    "activation": (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    "rope scaling": (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
+                     "rope_parameters rope_type='llama3'"),
+    "old rope scaling": (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}),
+                         "rope_scaling rope_type='linear'"),
+    "own head_dim": (dict(head_dim=32), "head_dim=32"),
+    "another model": (dict(model_type="mistral"), "model_type='mistral'"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_our_model_cannot_express_is_refused_in_one_line(case, tmp_path, capsys):
+    save_llama(tmp_path / "hf", **TINY_LLAMA)
+    changes, field = REFUSED[case]
+    edit_config(tmp_path / "hf", **changes)
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out.pth")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], lines
+    assert not (tmp_path / "out.pth").exists()
+
+
+def test_bad_weights_are_refused_in_one_line(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    save_llama(tmp_path / "hf", **TINY_LLAMA)
+    weights = load_file(tmp_path / "hf/model.safetensors")
+    weights.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(weights, tmp_path / "hf/model.safetensors")
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out.pth")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {tmp_path / 'hf'}: the weights have no model.layers.1.mlp.up_proj.weight"]
+    (tmp_path / "hf/model.safetensors").unlink()
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out.pth")]) == 1
+    assert "no model.safetensors or model.safetensors.index.json" in capsys.readouterr().err
+
+
+# ---- model.init_from -----------------------------------------------------------------------------------
+
+
+def _full_weights(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def _init_from_ranks(rank: int, world_size: int, *, tmp: str, corpus: str, dataset_dir: str) -> None:
+    """Two ranks, meta init: FSDP1 starts from an import and saves a sharded checkpoint; FSDP2 starts from that;
+    a rerun of the first resumes its own checkpoint instead of starting again from the import."""
+    from fsdp_utils.train.preemption import StopSignal
+    from fsdp_utils.train.trainer import Trainer
+    from tests.distributed_harness import cpu_env
+
+    env = cpu_env(rank, world_size)
+    imported = torch.load(Path(tmp) / "llama.pth", weights_only=True)["model"]
+
+    def trainer(out: str, *extra: str) -> Trainer:
+        cfg = load_config(TINY_CONFIG, [*TINY, *TINY_MODEL_ARGS, f"--run.output_dir={Path(tmp) / out}",
+                                        f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *extra])
+        assert cfg.fsdp.meta_init
+        return Trainer(cfg, env, stop=StopSignal([], grace_s=60))
+
+    first = trainer("a", "--fsdp.version=1", f"--model.init_from={Path(tmp) / 'llama.pth'}", "--train.max_steps=1",
+                    "--checkpoint.format=sharded", "--checkpoint.async_save=false")
+    weights = _full_weights(first.model)
+    assert first.state.step == 0 and not first.optimizer.state
+    assert weights.keys() == imported.keys() and all(torch.equal(weights[k], imported[k]) for k in imported)
+    first.fit()
+    trained = _full_weights(first.model)
+
+    second = trainer("b", "--fsdp.version=2", f"--model.init_from={Path(tmp) / 'a/fsdp_sharded_cpt1'}")
+    weights = _full_weights(second.model)
+    assert second.state.step == 0 and not second.optimizer.state
+    assert all(torch.equal(weights[k], trained[k]) for k in trained)
+    second.ckpt.close()
+
+    again = trainer("a", "--fsdp.version=1", f"--model.init_from={Path(tmp) / 'llama.pth'}", "--train.max_steps=2",
+                    "--checkpoint.format=sharded")
+    assert again.state.step == 1 and torch.equal(_full_weights(again.model)["norm.weight"], trained["norm.weight"])
+    again.ckpt.close()
+
+
+@pytest.mark.slow  # spawns two ranks
+def test_init_from_on_two_ranks(tmp_path, corpus, dataset_dir):
+    from tests.distributed_harness import run_ranks
+
+    save_llama(tmp_path / "hf", **TINY_LLAMA)
+    import_hf.import_hf(tmp_path / "hf", tmp_path / "llama.pth")
+    run_ranks(_init_from_ranks, world_size=2, timeout_s=240, tmp=str(tmp_path), corpus=str(corpus),
+              dataset_dir=str(dataset_dir))
+
+
+def test_init_from_a_model_of_other_dimensions_is_one_error(tmp_path, corpus, dataset_dir, world_of_one):  # noqa: F811
+    from fsdp_utils.train.preemption import StopSignal
+    from fsdp_utils.train.trainer import Trainer
+
+    save_llama(tmp_path / "hf", **TINY_LLAMA)
+    import_hf.import_hf(tmp_path / "hf", tmp_path / "llama.pth")
+    cfg = load_config(TINY_CONFIG, [*TINY, *TINY_MODEL_ARGS, "--model.n_kv_heads=4", "--fsdp.version=2",
+                                    f"--run.output_dir={tmp_path / 'out'}", f"--data.files=[{corpus}]",
+                                    f"--data.dataset_dir={dataset_dir}", f"--model.init_from={tmp_path / 'llama.pth'}"])
+    with pytest.raises(CheckpointMismatch) as err:
+        Trainer(cfg, world_of_one, stop=StopSignal([], grace_s=60))
+    assert str(err.value) == (f"model.init_from={tmp_path / 'llama.pth'}: the model differs from the checkpoint's: "
+                              "model.n_kv_heads=4 here, 2 in the checkpoint")
+
+
+# ---- end to end: continued pretraining of an imported Llama with its own tokenizer ---------------------
+
+
+@pytest.mark.slow  # launches a training job
+def test_continue_pretraining_an_imported_llama_with_its_tokenizer(tmp_path, corpus):
+    """train_fsdp.py with model.init_from=<import> and the Llama folder's HF tokenizer: the loss of step 1, taken
+    on the imported weights, is the HF model's own loss on that step's batch (read back from the prepared data)."""
+    from data import load_prepared
+    from data.mixture import open_datasets
+    from tests.test_hf import save_tokenizer
+
+    hf_dir = tmp_path / "hf"
+    save_llama(hf_dir, **TINY_LLAMA)
+    save_tokenizer(hf_dir, corpus)
+    assert import_hf.main([str(hf_dir), str(tmp_path / "llama.pth")]) == 0
+    out, data_dir = tmp_path / "out", tmp_path / "data"
+    run_train("--train.max_steps=2", *TINY_MODEL_ARGS, f"--model.init_from={tmp_path / 'llama.pth'}",
+              "--data.tokenizer=hf", f"--data.hf_tokenizer={hf_dir}", out_dir=out, corpus=corpus,
+              dataset_dir=data_dir)
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["loss"]) for row in rows)
+
+    prepared = load_prepared(data_dir)
+    assert prepared.vocab_size == len(transformers.AutoTokenizer.from_pretrained(hf_dir))
+    train, _ = open_datasets([(prepared, 1.0)], seq_len=32, seed=1234)
+    x, y = train.batch(0, 8)  # step 1's global batch: samples 0-7 (global batch 8)
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    assert rows[0]["loss"] == pytest.approx(expected, rel=1e-5)
