@@ -27,7 +27,7 @@ TINY_CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
 TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=500000.0)
 TINY_MODEL_ARGS = ["--model.ffn_hidden_dim=128", "--model.vocab_size=320", "--model.norm_eps=1e-6",
-                   "--model.rope_theta=500000.0"]
+                   "--model.rope_theta=500000.0", "--model.tie_embeddings=false"]
 
 
 def save_llama(path: Path, *, seed: int = 0, dtype=torch.float32, max_shard_size: str | None = None, **config):
@@ -208,17 +208,33 @@ def test_init_from_on_two_ranks(tmp_path, corpus, dataset_dir):
               dataset_dir=str(dataset_dir))
 
 
-def test_init_from_a_model_of_other_dimensions_is_one_error(tmp_path, corpus, dataset_dir, world_of_one):  # noqa: F811
+def test_resume_from_an_import_and_init_from_other_dimensions(tmp_path, corpus, dataset_dir, world_of_one):  # noqa: F811
+    """--resume_from an import: its weights, step 0, a fresh optimizer, and training goes on (the model section
+    must be the import's exactly, max_seq_len included). model.init_from a model of other dimensions: one error
+    naming the field."""
     from fsdp_utils.train.preemption import StopSignal
     from fsdp_utils.train.trainer import Trainer
 
     save_llama(tmp_path / "hf", **TINY_LLAMA)
     import_hf.import_hf(tmp_path / "hf", tmp_path / "llama.pth")
-    cfg = load_config(TINY_CONFIG, [*TINY, *TINY_MODEL_ARGS, "--model.n_kv_heads=4", "--fsdp.version=2",
-                                    f"--run.output_dir={tmp_path / 'out'}", f"--data.files=[{corpus}]",
-                                    f"--data.dataset_dir={dataset_dir}", f"--model.init_from={tmp_path / 'llama.pth'}"])
+    imported = torch.load(tmp_path / "llama.pth", weights_only=True)["model"]
+
+    def config(out: str, *extra: str):
+        return load_config(TINY_CONFIG, [*TINY, *TINY_MODEL_ARGS, "--fsdp.version=2", f"--data.files=[{corpus}]",
+                                         f"--run.output_dir={tmp_path / out}", f"--data.dataset_dir={dataset_dir}",
+                                         *extra])
+
+    run = Trainer(config("a", "--model.max_seq_len=64", "--train.max_steps=1"), world_of_one,
+                  stop=StopSignal([], grace_s=60), resume_from=str(tmp_path / "llama.pth"))
+    weights = _full_weights(run.model)
+    assert run.state.step == 0 and not run.optimizer.state
+    assert all(torch.equal(weights[k], imported[k]) for k in imported)
+    run.fit()
+    assert run.state.step == 1 and run.optimizer.state
+
     with pytest.raises(CheckpointMismatch) as err:
-        Trainer(cfg, world_of_one, stop=StopSignal([], grace_s=60))
+        Trainer(config("b", "--model.n_kv_heads=4", f"--model.init_from={tmp_path / 'llama.pth'}"), world_of_one,
+                stop=StopSignal([], grace_s=60))
     assert str(err.value) == (f"model.init_from={tmp_path / 'llama.pth'}: the model differs from the checkpoint's: "
                               "model.n_kv_heads=4 here, 2 in the checkpoint")
 
