@@ -181,8 +181,8 @@ class Trainer:
                f"this run's train.* settings give as {now:.6g}, so the learning rate jumps")
         if s.kind == "wsd" and state.lr < s.max_lr and now > state.lr and state.step <= s.decay_start:
             msg += (f". The checkpoint was taken during its WSD decay; with train.max_steps={s.max_steps} the decay "
-                    f"starts at step {s.decay_start}, so the run goes back to its stable phase. To finish the decay, "
-                    f"resume with the train.max_steps it was saved under; to extend a WSD run, resume from a "
+                    f"begins after step {s.decay_start}, so the run goes back to its stable phase. To finish the "
+                    f"decay, resume with the train.max_steps it was saved under; to extend a WSD run, resume from a "
                     f"checkpoint taken before its decay began")
         log.warning("%s", msg)
 
