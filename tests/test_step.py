@@ -8,6 +8,7 @@ does, and the Trainer trains in-process.
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 import torch
@@ -31,6 +32,10 @@ def world_of_one(monkeypatch):
     env = init_distributed(device="cpu", timeout_s=60)
     yield env
     destroy_distributed()
+    # init_distributed chose an address for the world of one; a training job this test process starts later
+    # must not inherit it (its port may still be taken). monkeypatch then restores any that were set before.
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
 
 
 def tiny_cfg(tmp_path, corpus, dataset_dir, *extra: str):
