@@ -244,7 +244,8 @@ def test_trainer_builds_the_masked_model_with_the_tokenizer_eos(tmp_path, monkey
         monkeypatch.delenv(name, raising=False)
     cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", [
         *TINY, f"--run.output_dir={tmp_path / 'out'}", f"--data.files=[{short_documents(tmp_path / 'docs.jsonl')}]",
-        f"--data.dataset_dir={tmp_path / 'ds'}", "--fsdp.version=2", "--train.max_steps=2", "--data.document_masking=true", "--model.reset_positions=true"])
+        f"--data.dataset_dir={tmp_path / 'ds'}", "--fsdp.version=2", "--train.max_steps=2",
+        "--data.document_masking=true", "--model.reset_positions=true"])
     env = init_distributed(device="cpu", timeout_s=60)
     try:
         run = Trainer(cfg, env, stop=StopSignal([], grace_s=60))
@@ -319,7 +320,8 @@ def test_masked_model_on_two_ranks_matches_one_process():
     assert want[-1] < want[0]  # the steps changed the weights: the later losses test the gradients
     # The mask matters on this batch: without it every loss differs by far more than the tolerance below
     # (measured: 9e-4 relative at the first, 1% after the steps).
-    assert all(not math.isclose(u, w, rel_tol=1e-4) for u, w in zip(unsharded_losses(masking=False), want))
+    unmasked = unsharded_losses(masking=False)
+    assert all(not math.isclose(u, w, rel_tol=1e-4) for u, w in zip(unmasked, want, strict=True))
     combos = [(1, "full"), (2, "selective_op")]
     results = run_ranks(masked_losses_on_ranks, combos=combos)
     assert results[0] == results[1]
