@@ -360,3 +360,19 @@ def test_compiled_flex_attention_in_bf16_keeps_documents_apart():
         targets = torch.roll(packed, -1, dims=1)
         model(packed, targets).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_hf_model_trains_with_document_masking_on_two_ranks(tmp_path):
+    # The whole job under torchrun: the config checks, the tokenizer's EOS reaching the HF adapter, and
+    # transformers' packed-sequence mask inside FSDP-wrapped decoder layers.
+    pytest.importorskip("transformers")
+    from tests.helpers import losses, run_train
+    from tests.test_hf import save_tiny
+
+    save_tiny("llama", tmp_path / "hf")
+    run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", "--fsdp.version=2", "--train.max_steps=4",
+              "--data.document_masking=true", "--model.reset_positions=true", nproc=2, out_dir=tmp_path / "out",
+              corpus=short_documents(tmp_path / "docs.jsonl"), dataset_dir=tmp_path / "ds")
+    got = losses(tmp_path / "out")
+    assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1], got
