@@ -59,7 +59,7 @@ def early_problems(cfg: Config, launch: Launch, resume_from: str | None) -> list
             problems.append(f"--resume_from: {err}")
     problems += float8_problems(cfg.train.float8, run_device=cfg.run.device, local_rank=launch.local_rank)
     if cfg.model.type == "hf" and not problems:  # the folder exists (launch_problems): can it be used?
-        problems += hf_problems(cfg.model)
+        problems += hf_problems(cfg.model, document_masking=cfg.data.document_masking)
     return problems
 
 

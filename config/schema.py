@@ -79,6 +79,10 @@ class ModelSection(ModelConfig):
     """Start from the weights of this checkpoint (a full .pth, a sharded folder, or scripts/import_hf.py's output)
     with a fresh optimizer at step 0; its model must have this section's dimensions (max_seq_len may differ). A run
     that resumes (checkpoint.auto_resume, --resume_from) continues from its own checkpoint instead."""
+    reset_positions: bool = False
+    """Rotary positions restart at 0 at each document of a packed window (the token after an EOS starts one),
+    instead of counting across the window. model.type=hf: goes with data.document_masking (transformers finds
+    the documents from the restarting positions), so both are on or both off (docs/training.md)."""
 
 
 @dataclass
@@ -136,6 +140,10 @@ class DataConfig:
     """How long the other ranks wait for rank 0 to prepare data inside the job before giving up."""
     seq_len: int = 256
     """Tokens per training sample."""
+    document_masking: bool = False
+    """Inside a packed window of data.seq_len tokens, each token attends only to its own document (documents are
+    joined by EOS; the token after an EOS starts a new one), through FlexAttention's block-sparse kernel;
+    model.type=hf: through transformers' packed-sequence mask, with model.reset_positions (docs/training.md)."""
 
 
 @dataclass
@@ -580,6 +588,10 @@ def _data_problems(cfg: Config) -> list[str]:
             p.append(f"data.{name} must be positive, got {getattr(d, name)}")
     if not d.text_field:
         p.append("data.text_field must name the field or column holding the text")
+    if cfg.model.type == "hf" and d.document_masking != cfg.model.reset_positions:
+        # transformers detects packed documents only where position_ids restart, and masks at every restart.
+        p.append(f"model.type=hf: data.document_masking={d.document_masking} needs model.reset_positions="
+                 f"{d.document_masking} (transformers masks documents exactly where their positions restart)")
     if d.sources:
         if d.files or d.dataset_dir:
             p.append("data.sources replaces data.files and data.dataset_dir: leave those empty (--data.files=[])")

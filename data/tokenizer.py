@@ -148,3 +148,9 @@ def load_tokenizer(kind: str, path: Path):
         except (OSError, ValueError) as err:
             raise DataError(f"cannot load the tokenizer in {path}: {err}") from err
     return load_sentencepiece(path)
+
+
+def prepared_eos_id(tokenizer_path: Path) -> int:
+    """The EOS id of a prepared folder's tokenizer: the token that separates its documents. An HF tokenizer is
+    saved there as a folder, a SentencePiece model as a file."""
+    return load_tokenizer("hf" if tokenizer_path.is_dir() else "sentencepiece", tokenizer_path).eos_id()

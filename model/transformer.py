@@ -1,7 +1,8 @@
 """Llama-style decoder-only transformer: RMSNorm, rotary embeddings, (grouped-query) causal attention
-through scaled_dot_product_attention, SwiGLU MLP. Imports torch only: parallelism is applied from
-outside (fsdp_utils/), and weights are initialised by `init_weights`, separately from construction, so
-the model can be built on the meta device and materialised after sharding.
+through scaled_dot_product_attention (or, with document masking, attention inside each packed document:
+model/documents.py), SwiGLU MLP. Imports torch only: parallelism is applied from outside (fsdp_utils/),
+and weights are initialised by `init_weights`, separately from construction, so the model can be built
+on the meta device and materialised after sharding.
 
 Shapes: B batch, T sequence, D dim, H query heads, K key/value heads, Hd head dim, V vocabulary.
 """
@@ -14,8 +15,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .config import ModelConfig
+from .documents import Documents, document_block_mask, document_dense_mask, document_ids, document_positions
 
 
 class RMSNorm(nn.Module):
@@ -40,14 +43,14 @@ def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) ->
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, Hd) by position; cos/sin are (T, Hd)."""
+    """Rotate x (B, heads, T, Hd) by position; cos/sin are (T, Hd), or (B, 1, T, Hd) for per-token positions."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).type_as(x)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False):
+    def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False, flex_attention_fn: Callable | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.num_kv_heads, cfg.head_dim
         # q, k and v weights in one parameter: one tensor to shard, gather and checkpoint.
@@ -57,6 +60,9 @@ class Attention(nn.Module):
         # split afterwards; for when wqkv becomes a module whose forward must run, e.g. an FP8 linear,
         # which slicing its weight would bypass.
         self.fused_matmul = fused_matmul
+        # Used only with a block mask (document masking); a torch.compile'd flex_attention on GPUs, where
+        # the uncompiled one materialises every score.
+        self.flex_attention = flex_attention_fn or flex_attention
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -69,18 +75,26 @@ class Attention(nn.Module):
         wq, wk, wv = self.wqkv.weight.split([q_size, kv_size, kv_size])
         return F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: BlockMask | torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal), a FlexAttention BlockMask, or a (B, 1, T, T) boolean mask (True: attend)."""
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Hd)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, Hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            # Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads.
-            repeats = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Hd)
+        if isinstance(mask, BlockMask):  # FlexAttention shares the kv heads itself
+            out = self.flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
+        else:
+            if self.n_kv_heads != self.n_heads:
+                # Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads.
+                repeats = self.n_heads // self.n_kv_heads
+                k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+            if mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, Hd)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -112,15 +126,16 @@ class FeedForward(nn.Module):
 class DecoderBlock(nn.Module):
     """Pre-norm transformer block; the unit of FSDP wrapping, activation checkpointing and compile."""
 
-    def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False):
+    def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False, flex_attention_fn: Callable | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, fused_matmul=fused_matmul)
+        self.attention = Attention(cfg, fused_matmul=fused_matmul, flex_attention_fn=flex_attention_fn)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg, fused_matmul=fused_matmul)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: BlockMask | torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -128,20 +143,24 @@ class Transformer(nn.Module):
     """The decoder-only model. Options that change how it computes, not what it is (never saved with it):
     `fused_matmul` (see Attention), `loss_chunk_tokens` (tokens per chunk of the output projection and
     loss, 0: all at once) and `chunk_loss_fn` (one chunk's logits -> its loss and gradient, e.g. a
-    compiled copy of chunk_loss_and_grad); see chunked_cross_entropy."""
+    compiled copy of chunk_loss_and_grad); see chunked_cross_entropy. `documents`: attention kept inside
+    each EOS-separated document of a window and/or positions restarted at each (model/documents.py),
+    through `flex_attention_fn` (default: torch's flex_attention, uncompiled)."""
 
     rope_cos: torch.Tensor  # (max_seq_len, Hd), a buffer (declared so type checkers see a Tensor)
     rope_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False, loss_chunk_tokens: int = 0,
-                 chunk_loss_fn: Callable | None = None):
+                 chunk_loss_fn: Callable | None = None, documents: Documents | None = None,
+                 flex_attention_fn: Callable | None = None):
         super().__init__()
         problems = cfg.problems()
         if problems:
             raise ValueError("; ".join(problems))
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(DecoderBlock(cfg, fused_matmul=fused_matmul) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderBlock(cfg, fused_matmul=fused_matmul, flex_attention_fn=flex_attention_fn)
+                                    for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Rotary tables are derived, not learned: non-persistent, so they never enter a checkpoint,
@@ -151,6 +170,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.loss_chunk_tokens = loss_chunk_tokens
         self.chunk_loss_fn = chunk_loss_fn or chunk_loss_and_grad
+        self.documents = documents
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V); with targets (B, T), the mean cross-entropy instead."""
@@ -158,15 +178,34 @@ class Transformer(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        mask = None
+        if self.documents is not None:
+            cos, sin, mask = self._document_inputs(tokens, self.documents)
         h = self.tok_embeddings(tokens)  # (B, T, D)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            # Without document masking the blocks are called exactly as before (no mask argument).
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if targets is None:
             return F.linear(h, weight)  # (B, T, V)
         return chunked_cross_entropy(h.flatten(0, 1), weight, targets.flatten(),
                                      chunk_tokens=self.loss_chunk_tokens, chunk_loss_fn=self.chunk_loss_fn)
+
+    def _document_inputs(self, tokens: torch.Tensor, documents: Documents):
+        """The rotary tables and attention mask of a batch with documents: computed once per forward, here,
+        and passed to every block (activation checkpointing's recompute reuses them too)."""
+        T = tokens.shape[1]
+        doc_ids = document_ids(tokens, documents.eos_id)  # (B, T)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if documents.reset_positions:
+            positions = document_positions(doc_ids)  # (B, T)
+            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, Hd)
+        mask: BlockMask | torch.Tensor | None = None
+        if documents.mask_attention:
+            flex = documents.kernel == "flex" or (documents.kernel == "auto" and tokens.device.type == "cuda")
+            mask = document_block_mask(doc_ids) if flex else document_dense_mask(doc_ids)
+        return cos, sin, mask
 
     # ---- initialisation, separate from construction -------------------------------------------
     def reset_buffers(self) -> None:

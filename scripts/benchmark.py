@@ -5,6 +5,8 @@
     torchrun --nproc_per_node=2 scripts/benchmark.py config/train90M_fsdp.yaml --compare_auto --peer --rounds 2
     torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 \
         --float8 tensorwise,rowwise --peer
+    torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 \
+        --float8 tensorwise --document_masking --doc_len 1024
 
 Ours: the exact model, wrapping and step of train_fsdp.py (forward/backward per micro-batch, clipping
 over all shards, fused AdamW, the per-step loss all-reduce), on random tokens so no data is needed.
@@ -12,8 +14,12 @@ over all shards, fused AdamW, the per-step loss all-reduce), on random tokens so
 layer, bf16 parameters with fp32 reduction, per-layer torch.compile, fused AdamW; same sequence length,
 micro-batch and world size, run in the same invocation after ours. `--float8 RECIPES`: ours again with
 train.float8 set to each recipe (FP8 matmuls through torchao; needs fsdp.version 2), between ours and
-the reference, which stays bf16. Prints tokens/s per GPU, MFU (against the bf16 peak), step time and peak
-memory per GPU for each, and the ratios: each of ours against the reference, each FP8 run against ours.
+the reference, which stays bf16. `--document_masking`: each of ours again with data.document_masking and
+model.reset_positions, right after it (its name ends in `_docmask`); every run then gets the same random
+tokens with an EOS drawn at each position with probability 1 / `--doc_len` (documents of that mean
+length). Prints tokens/s per GPU, MFU (against the bf16 peak; attention counted as full causal attention,
+masked or not), step time and peak memory per GPU for each, and the ratios: each of ours against the
+reference, each FP8 run against ours, each masked run against the same run unmasked.
 
 Micro-batch and accumulation: a numeric train.micro_batch_size runs `--grad_accum` micro-batches per
 step (default 1). `train.micro_batch_size=auto` runs train_fsdp.py's search (no cache) and then the
@@ -37,6 +43,7 @@ once measured (a large model's is many GB) and --save_dir at the end.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import shutil
@@ -63,12 +70,19 @@ from fsdp_utils.train.microbatch import cpu_micro_batch, memory_probe, search_mi
 from fsdp_utils.train.optim import build_optimizer  # noqa: E402
 from fsdp_utils.train.step import train_step  # noqa: E402
 
+# The document separator of the random tokens (--doc_len); any id serves.
+EOS_ID = 0
 
-def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device, seed: int):
-    """An endless stream of random (inputs, targets) batches, generated on the device."""
+
+def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device, seed: int, doc_len: int = 0):
+    """An endless stream of random (inputs, targets) batches, generated on the device; with doc_len, an
+    EOS_ID at each position with probability 1 / doc_len (geometric document lengths of that mean)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     while True:
         tokens = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=device, generator=gen)
+        if doc_len:
+            ends = torch.rand(tokens.shape, device=device, generator=gen) < 1 / doc_len
+            tokens = tokens.masked_fill(ends, EOS_ID)
         yield tokens[:, :-1], tokens[:, 1:]
 
 
@@ -100,7 +114,7 @@ def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
     # --fused_projections: the ablation of one matmul per fused weight (q/k/v, gate/up), its output split
     # afterwards, instead of one matmul per slice. Same weights and results. (FP8 runs use it anyway.)
-    built = build_model(cfg, env, fused_matmul=True if args.fused_projections else None)
+    built = build_model(cfg, env, fused_matmul=True if args.fused_projections else None, eos_id=EOS_ID)
     converters = model_converters(cfg)
     model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
                         compile=t.compile, env=env, init=built.init, converters=converters)
@@ -125,7 +139,7 @@ def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
                       + f" (budget {choice.budget_gib:.2f} GiB), {choice.seconds:.0f} s", flush=True)
     grad_accum = grad_accum or accumulation(cfg, env, micro_batch)
     batches = random_batches(cfg.model.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len,
-                             device=env.device, seed=env.rank)
+                             device=env.device, seed=env.rank, doc_len=args.doc_len)
 
     def step():
         # The training loop's own step (fsdp_utils/train/step.py), its one host sync included.
@@ -143,10 +157,12 @@ def accumulation(cfg, env, micro_batch: int) -> int:
 
 
 def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
-    """(run, baseline) pairs whose tokens/s ratio is printed: each of ours against the reference, and each
-    FP8 run against ours in bf16."""
+    """(run, baseline) pairs whose tokens/s ratio is printed: each of ours against the reference, each
+    FP8 run against ours in bf16, and each masked run against the same run unmasked."""
     pairs = [(name, "hf_llama_fsdp2") for name in names if name != "hf_llama_fsdp2" and "hf_llama_fsdp2" in names]
-    return pairs + [(name, "ours") for name in names if name.startswith("ours_fp8") and "ours" in names]
+    pairs += [(name, "ours") for name in names if name.startswith("ours_fp8") and "ours" in names]
+    return pairs + [(name, name.removesuffix(DOCMASK)) for name in names
+                    if name.endswith(DOCMASK) and name.removesuffix(DOCMASK) in names]
 
 
 def measure(step_fn, env, args) -> dict:
@@ -390,6 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
     parser.add_argument("--float8", default="",
                         help="also run ours with these train.float8 recipes, e.g. tensorwise,rowwise")
+    parser.add_argument("--document_masking", action="store_true",
+                        help="also run each of ours with data.document_masking and model.reset_positions")
+    parser.add_argument("--doc_len", type=int, default=None,
+                        help="mean document length of the random tokens (an EOS with probability 1/doc_len); "
+                        "default 1024 with --document_masking, else no EOS")
     parser.add_argument("--rounds", type=int, default=1,
                         help="alternate ours and the reference this many times (noisy machines)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of each run")
@@ -436,10 +457,22 @@ def plan_runs(args, cfg, fp8_cfgs: dict) -> list[tuple]:
     if not args.peer_only:
         runs += [(f"ours_fp8_{r}", bench_ours, c, c.train.micro_batch_size, None if auto else args.grad_accum or 1)
                  for r, c in fp8_cfgs.items()]
+    if args.document_masking:  # each of ours, then the same masked
+        runs = [twin for run in runs for twin in (run, (run[0] + DOCMASK, run[1], with_documents(run[2]), *run[3:]))]
     if args.peer or args.peer_only:
         # At the last of ours' micro-batch and accumulation.
         runs.append(("hf_llama_fsdp2", bench_peer, cfg, None, None))
     return runs
+
+
+DOCMASK = "_docmask"
+
+
+def with_documents(cfg):
+    """The config with document masking and positions restarting at each document."""
+    masked = copy.deepcopy(cfg)
+    masked.data.document_masking = masked.model.reset_positions = True
+    return masked
 
 
 def run_saves(cfg, env, args, *, overrides: list[str]) -> None:
@@ -498,6 +531,7 @@ def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg, e
           f"{global_batch}, world {env.world_size} x {device}, "
           f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
           f"compile {cfg.train.compile}, cpu_offload {cfg.fsdp.cpu_offload}"
+          + (f", documents of {args.doc_len} tokens on average" if args.doc_len else "")
           + "".join(f", {name}" for name in ablations))
     print(f"{'run':<22}{'micro x acc':>12}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
     for r in rows:
@@ -519,6 +553,7 @@ def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg, e
     if args.json:
         record = {"config": args.config, "overrides": overrides, "float8": recipes, "world_size": env.world_size,
                   "device": device, "params": m.num_params(), "ablations": ablations, "rows": rows,
+                  "document_masking": args.document_masking, "doc_len": args.doc_len,
                   "rounds": args.rounds, "ratios": ratios}
         with open(args.json, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -540,6 +575,10 @@ def main() -> int:
                      "follows train.global_batch_size")
     if args.peer_only and auto:
         parser.error("--peer_only needs a numeric train.micro_batch_size (auto is found by our own run)")
+    if args.doc_len is None:
+        args.doc_len = 1024 if args.document_masking else 0
+    elif args.doc_len < 1:
+        parser.error("--doc_len must be at least 1")
     runs = plan_runs(args, cfg, fp8_cfgs)
     modes = [m for m in args.save_modes.split(",") if m]
     if unknown := [m for m in modes if m not in SAVE_MODES]:

@@ -8,6 +8,11 @@ job must continue the uninterrupted one: step 3's loss (the forward pass of the 
 restored data position) bit for bit, the later steps within the run-to-run variation of GPU kernels.
 The same matrix runs for a Hugging Face model (`model.type=hf`) in bf16. Combinations that cannot run
 (FP8 with FSDP1) are refused before any process starts: that part runs on the CPU too.
+
+Document masking (data.document_masking with model.reset_positions) crosses FSDP version x precision x
+activation checkpointing, with torch.compile and asynchronous sharded saves (the GPU presets' settings),
+on a corpus of short documents (most windows cross a boundary); for the Hugging Face model, FSDP version x
+activation checkpointing in bf16.
 """
 from __future__ import annotations
 
@@ -59,6 +64,15 @@ def test_invalid_combinations_are_refused_with_one_line(version, precision, save
     assert line.startswith(f"train.float8={precision} needs fsdp.version: 2"), line
 
 
+def masked_combos():
+    for version, precision, ac in itertools.product([1, 2], PRECISIONS, ACS):
+        if precision == "bf16" or version == 2:
+            yield pytest.param(version, precision, ac, id=f"fsdp{version}-{precision}-{ac}")
+
+
+MASKING = ["--data.document_masking=true", "--model.reset_positions=true"]
+
+
 def checkpoint_name(save: str, step: int) -> str:
     return f"fsdp_cpt{step}.pth" if save == "full" else f"fsdp_sharded_cpt{step}"
 
@@ -106,3 +120,34 @@ def test_hf_combination_saves_and_resumes(tmp_path, corpus, dataset_dir, version
     save_tiny("llama", tmp_path / "hf")
     args = ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", *matrix_args(version, precision, save, ac)]
     train_save_resume(tmp_path, corpus, dataset_dir, args, save)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@TWO_GPUS
+@pytest.mark.parametrize("version, precision, ac", list(masked_combos()))
+def test_document_masking_combination_saves_and_resumes(tmp_path, version, precision, ac):
+    from tests.test_documents import short_documents
+
+    if precision != "bf16":
+        pytest.importorskip("torchao")
+        if torch.cuda.get_device_capability() < (8, 9):
+            pytest.skip("needs GPUs with FP8 (compute capability 8.9+)")
+    corpus = short_documents(tmp_path / "docs.jsonl")
+    args = [*matrix_args(version, precision, "thread", ac), *MASKING, "--train.compile=true"]
+    train_save_resume(tmp_path, corpus, tmp_path / "ds", args, "thread")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@TWO_GPUS
+@pytest.mark.parametrize("version, ac", list(itertools.product([1, 2], ACS)))
+def test_hf_document_masking_combination_saves_and_resumes(tmp_path, version, ac):
+    from tests.test_documents import short_documents
+    from tests.test_hf import save_tiny
+
+    save_tiny("llama", tmp_path / "hf")
+    corpus = short_documents(tmp_path / "docs.jsonl")
+    args = ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", *matrix_args(version, "bf16", "thread", ac),
+            *MASKING]
+    train_save_resume(tmp_path, corpus, tmp_path / "ds", args, "thread")

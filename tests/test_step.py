@@ -101,7 +101,7 @@ def test_benchmark_step_is_train_step(tmp_path, corpus, dataset_dir, world_of_on
     from scripts import benchmark
 
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.micro_batch_size=2", "--model.vocab_size=320")
-    args = argparse.Namespace(fused_projections=False, unfused_adamw=True)
+    args = argparse.Namespace(fused_projections=False, unfused_adamw=True, doc_len=0)
     spy = Spy()
     monkeypatch.setattr(benchmark, "train_step", spy)
     step_fn, model, optimizer, micro_batch, grad_accum = benchmark.build_ours(cfg, world_of_one, args, micro_batch=2,

@@ -11,8 +11,9 @@ import logging
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention.flex_attention import flex_attention
 
-from model import DecoderBlock, ModelConfig, Transformer, initial_value
+from model import DecoderBlock, Documents, ModelConfig, Transformer, initial_value
 from model.transformer import chunk_loss_and_grad
 
 from ..distributed import DistEnv
@@ -22,24 +23,37 @@ from .weights import BuiltModel, WeightInit
 log = logging.getLogger("train")
 
 
-def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None) -> BuiltModel:
+def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: int | None = None) -> BuiltModel:
     """The model of `cfg.model` (our Transformer or model.type=hf), unsharded, on the meta device when
     it will be sharded over several ranks. `fused_matmul` (our model): one matmul per fused q/k/v and
     gate/up weight instead of one per slice; by default exactly when FP8 converts those layers (an FP8
-    module must be called whole)."""
+    module must be called whole). `eos_id`: the tokenizer's EOS, which separates documents; needed with
+    data.document_masking or model.reset_positions."""
+    documents = model_documents(cfg, eos_id)
     if cfg.model.type == "hf":
-        return hf.build_for_sharding(cfg, env)
+        return hf.build_for_sharding(cfg, env, eos_id=documents.eos_id if documents else None)
     f = cfg.fsdp
     use_meta = f.meta_init and env.world_size > 1 and not f.sync_module_states
     fused = cfg.train.float8 != "none" if fused_matmul is None else fused_matmul
     # The per-chunk softmax work of the chunked loss, compiled into a couple of kernels with train.compile.
     chunk_loss_fn = torch.compile(chunk_loss_and_grad, dynamic=False) if cfg.train.compile else None
+    # FlexAttention (document masking) compiled on GPUs: uncompiled, it materialises every score.
+    flex_fn = torch.compile(flex_attention, dynamic=False) if documents and env.device.type == "cuda" else None
     with torch.device("meta" if use_meta else env.device):
         model = Transformer(cfg.model, fused_matmul=fused, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-                            chunk_loss_fn=chunk_loss_fn)
+                            chunk_loss_fn=chunk_loss_fn, documents=documents, flex_attention_fn=flex_fn)
     if not use_meta:
         model.init_weights(cfg.run.seed)
     return BuiltModel(model, {DecoderBlock}, SeededInit(model, cfg.model, seed=cfg.run.seed) if use_meta else None)
+
+
+def model_documents(cfg, eos_id: int | None) -> Documents | None:
+    """What the model does at document boundaries (data.document_masking, model.reset_positions); None: nothing."""
+    if not (cfg.data.document_masking or cfg.model.reset_positions):
+        return None
+    assert eos_id is not None, "document masking and reset positions need the tokenizer's EOS id"
+    return Documents(eos_id=eos_id, mask_attention=cfg.data.document_masking,
+                     reset_positions=cfg.model.reset_positions)
 
 
 class SeededInit(WeightInit):

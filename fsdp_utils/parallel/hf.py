@@ -7,8 +7,10 @@ weights reach every rank's shards by a rank-0 broadcast of the full state dict (
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import pickle
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data.hf_tokenizer import names_own_code
+from model.documents import document_ids, document_positions
 
 from ..distributed import DistEnv
 from .weights import BuiltModel, WeightInit
@@ -30,16 +33,20 @@ class HFModelError(ValueError):
 
 
 class CausalLMAdapter(nn.Module):
-    """Gives a transformers causal LM our model's interface: forward(tokens, targets) -> mean loss."""
+    """Gives a transformers causal LM our model's interface: forward(tokens, targets) -> mean loss.
+    With `eos_id` (data.document_masking), position ids restart after each EOS: transformers then treats
+    the window as packed sequences and masks attention at their boundaries."""
 
     lm: Any  # a transformers PreTrainedModel (transformers is imported only for model.type=hf)
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, *, eos_id: int | None = None):
         super().__init__()
         self.lm = lm
+        self.eos_id = eos_id
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.lm(input_ids=tokens, use_cache=False).logits  # (B, T, V)
+        position_ids = None if self.eos_id is None else document_positions(document_ids(tokens, self.eos_id))
+        logits = self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits  # (B, T, V)
         if targets is None:
             return logits
         # Our targets are already shifted by one; fp32 for a stable log-sum-exp.
@@ -72,13 +79,37 @@ def load_hf_config(model_cfg):
         raise HFModelError(f"{_field(model_cfg)}: cannot read its config.json ({_one_line(err)})") from None
 
 
-def hf_problems(model_cfg) -> list[str]:
-    """Config-time check of model.type=hf: the folder's config loads (before any process group starts)."""
+def hf_problems(model_cfg, *, document_masking: bool = False) -> list[str]:
+    """Config-time check of model.type=hf: the folder's config loads, and with data.document_masking the
+    model can mask packed documents (before any process group starts)."""
     try:
-        load_hf_config(model_cfg)
+        hf_config = load_hf_config(model_cfg)
     except HFModelError as err:
         return [str(err)]
+    if document_masking and (reason := packed_sequences_unsupported(hf_config)):
+        return [f"data.document_masking: {_field(model_cfg)} {reason}; turn data.document_masking off for it"]
     return []
+
+
+def packed_sequences_unsupported(hf_config) -> str | None:
+    """Why transformers cannot mask this model's packed documents from restarting position ids, or None when
+    it can: its forward takes position_ids, its module builds masks with masking_utils (which finds packed
+    sequences in them), and its attention implementation is one masking_utils knows."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    try:
+        cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]  # a model class (its stubs say otherwise)
+    except KeyError:
+        return f"({type(hf_config).__name__}) is not a causal LM that transformers includes"
+    if "position_ids" not in inspect.signature(cls.forward).parameters:
+        return f"({cls.__name__}) takes no position_ids, from which transformers finds packed documents"
+    if not hasattr(sys.modules[cls.__module__], "create_causal_mask"):
+        return f"({cls.__name__}) does not build its mask with transformers' masking_utils"
+    impl = getattr(hf_config, "_attn_implementation", None) or "sdpa"
+    if impl not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return f"has attention implementation {impl}, for which transformers builds no packed-sequence mask"
+    return None
 
 
 def config_signature(hf_config) -> dict:
@@ -107,7 +138,7 @@ def _unify_dtypes(lm: nn.Module) -> None:
         lm.float()
 
 
-def build_hf_model(cfg, env: DistEnv, *, on_meta: bool) -> CausalLMAdapter:
+def build_hf_model(cfg, env: DistEnv, *, on_meta: bool, eos_id: int | None = None) -> CausalLMAdapter:
     """Rank 0 (or every rank when not on_meta) holds real weights on the CPU; the others a meta-device skeleton."""
     from transformers import AutoModelForCausalLM
 
@@ -122,7 +153,7 @@ def build_hf_model(cfg, env: DistEnv, *, on_meta: bool) -> CausalLMAdapter:
         lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32, trust_remote_code=False)
     lm.config.use_cache = False
     _unify_dtypes(lm)
-    return CausalLMAdapter(lm)
+    return CausalLMAdapter(lm, eos_id=eos_id)
 
 
 def _load_pretrained(model_cfg) -> nn.Module:
@@ -141,10 +172,10 @@ def _load_pretrained(model_cfg) -> nn.Module:
         raise HFModelError(f"{_field(model_cfg)}: cannot load the weights ({_one_line(err)})") from None
 
 
-def build_for_sharding(cfg, env: DistEnv) -> BuiltModel:
+def build_for_sharding(cfg, env: DistEnv, *, eos_id: int | None = None) -> BuiltModel:
     """A meta-device skeleton on every rank, wrapped per decoder layer (the model's _no_split_modules);
-    its weights arrive from rank 0 once sharded (Rank0Weights)."""
-    model = build_hf_model(cfg, env, on_meta=True)
+    its weights arrive from rank 0 once sharded (Rank0Weights). `eos_id`: see CausalLMAdapter."""
+    model = build_hf_model(cfg, env, on_meta=True, eos_id=eos_id)
     return BuiltModel(model, decoder_layer_classes(model.lm), Rank0Weights(model, cfg, env))
 
 

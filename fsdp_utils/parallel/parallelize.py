@@ -71,12 +71,14 @@ def _ops_worth_saving() -> list:
     in the releases tested; `_scaled_mm`, the op they run, is listed for releases where the policy sees
     that instead (torchtitan's list has it too). Everything else in a block (norms, rotary, SwiGLU's activation,
     residual adds, FP8 casts) is elementwise and is recomputed in backward from those. Also kept: full
-    max reductions, the FP8 scales' amax: a scalar each, and compile's recompute need not reduce again."""
+    max reductions, the FP8 scales' amax: a scalar each, and compile's recompute need not reduce again.
+    Document masking's FlexAttention is a higher-order op; its block mask is built outside the blocks
+    and reaches the recompute as an input, so it is never rebuilt there."""
     aten = torch.ops.aten
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
     return [aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default, aten.max.default] + \
-        [getattr(aten, n).default for n in names if hasattr(aten, n)]
+        [getattr(aten, n).default for n in names if hasattr(aten, n)] + [torch.ops.higher_order.flex_attention]
 
 
 def _selective_op_context():

@@ -16,6 +16,7 @@ import yaml
 from config import Config, ConfigError, check_batch_split, save_config
 from data import BatchPrefetcher, open_datasets
 from data.store import tokenizer_sha256
+from data.tokenizer import prepared_eos_id
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
 from ..checkpoint.io import install_tokenizer
@@ -94,11 +95,14 @@ class Trainer:
             raise ConfigError([f"the model's vocabulary ({self.vocab_size}) is smaller than the tokenizer's "
                                f"({self.prepared.vocab_size})"])
         self.train_data, self.val_data = open_datasets(sources, seq_len=cfg.data.seq_len, seed=cfg.run.seed)
+        # The token that separates documents, for the model's document masking and restarting positions.
+        needs_eos = cfg.data.document_masking or cfg.model.reset_positions
+        self.eos_id = prepared_eos_id(self.prepared.tokenizer_path) if needs_eos else None
 
     def _setup_model(self) -> None:
         cfg, env, t = self.cfg, self.env, self.cfg.train
         self.precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-        built = build_model(cfg, env)  # on the meta device when sharded over several ranks
+        built = build_model(cfg, env, eos_id=self.eos_id)  # on the meta device when sharded over several ranks
         self.converters = converters = model_converters(cfg)
         self.model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp,
                                  precision=self.precision, compile=t.compile, env=env, init=built.init,
