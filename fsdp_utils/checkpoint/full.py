@@ -6,10 +6,18 @@ import logging
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..distributed import agree
-from .base import CheckpointFormat, TrainState, check_param_groups, quiet_state_dict_warnings, write_error
+from .base import (
+    CheckpointFormat,
+    TrainState,
+    check_loaded,
+    check_param_groups,
+    quiet_state_dict_warnings,
+    state_dict_options,
+    write_error,
+)
 from .format import (
     FULL_PAYLOAD_KEYS,
     TMP_PREFIX,
@@ -35,7 +43,7 @@ class FullCheckpoint(CheckpointFormat):
         # Gather to rank 0 on the CPU: no GPU memory spike, no other rank holds a copy. On the CPU the
         # tensors are already in host memory (and FSDP1's offload path fails there), so no offload.
         on_gpu = self.env.device.type == "cuda"
-        options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+        options = state_dict_options(model, full_state_dict=True, cpu_offload=on_gpu)
         with quiet_state_dict_warnings():
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         final = self.path_of(state.step)
@@ -79,9 +87,10 @@ class FullCheckpoint(CheckpointFormat):
         check_param_groups(payload["optimizer"], model, optimizer, path)
         try:
             with quiet_state_dict_warnings():
-                set_state_dict(model, optimizer, model_state_dict=payload["model"],
-                               optim_state_dict=payload["optimizer"],
-                               options=StateDictOptions(full_state_dict=True, strict=True))
+                loaded = set_state_dict(model, optimizer, model_state_dict=payload["model"],
+                                        optim_state_dict=payload["optimizer"],
+                                        options=state_dict_options(model, full_state_dict=True))
         except Exception as err:  # readable, but not this model's (missing or extra tensors)
             raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
+        check_loaded(loaded, model, path)
         return meta, payload.get("rng")

@@ -13,10 +13,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..distributed import agree, barrier
-from .base import CheckpointFormat, TrainState, check_param_groups, quiet_state_dict_warnings, write_error
+from .base import (
+    CheckpointFormat,
+    TrainState,
+    check_loaded,
+    check_param_groups,
+    quiet_state_dict_warnings,
+    state_dict_options,
+    write_error,
+)
 from .format import (
     META_NAME,
     RNG_NAME,
@@ -58,7 +66,8 @@ class ShardedCheckpoint(CheckpointFormat):
     def state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """This rank's (model, optimizer) state dicts as a save writes them (call within
         quiet_state_dict_warnings)."""
-        return get_state_dict(model, optimizer, options=StateDictOptions(cpu_offload=self.context.offload(model)))
+        return get_state_dict(model, optimizer,
+                              options=state_dict_options(model, cpu_offload=self.context.offload(model)))
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
              start: float) -> Path:
@@ -121,13 +130,16 @@ class ShardedCheckpoint(CheckpointFormat):
         meta = read_sharded_meta(path)
         self.context.check_model(meta, path)
         with quiet_state_dict_warnings():
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            options = state_dict_options(model)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
             dcp_load(state, path)  # reads in place, resharding to this world size
             rng = load_rng(path)
             check_param_groups(state["optimizer"], model, optimizer, path)
             try:
-                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+                loaded = set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                        optim_state_dict=state["optimizer"], options=options)
             except (Exception, dcp.CheckpointException) as err:
                 raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
+            check_loaded(loaded, model, path)
         return meta, rng

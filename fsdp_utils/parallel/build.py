@@ -17,6 +17,8 @@ from model.transformer import chunk_loss_and_grad
 
 from ..distributed import DistEnv
 from . import hf
+from .lora import apply_lora
+from .parallelize import resolve_precision
 from .weights import BuiltModel, WeightInit
 
 log = logging.getLogger("train")
@@ -24,14 +26,20 @@ log = logging.getLogger("train")
 
 def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None) -> BuiltModel:
     """The model of `cfg.model` (our Transformer or model.type=hf), unsharded, on the meta device when
-    it will be sharded over several ranks. `fused_matmul` (our model): one matmul per fused q/k/v and
-    gate/up weight instead of one per slice; by default exactly when FP8 converts those layers (an FP8
-    module must be called whole)."""
+    it will be sharded over several ranks, with train.lora's adapters when set (the base then frozen in
+    the compute dtype). `fused_matmul` (our model): one matmul per fused q/k/v and gate/up weight instead
+    of one per slice; by default exactly when FP8 or LoRA changes those layers (an FP8 module must be
+    called whole, and an adapter adds to the layer's output)."""
+    base_dtype = resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device).compute
     if cfg.model.type == "hf":
-        return hf.build_for_sharding(cfg, env)
+        return apply_lora(hf.build_for_sharding(cfg, env), cfg, base_dtype=base_dtype)
+    return apply_lora(_build_ours(cfg, env, fused_matmul), cfg, base_dtype=base_dtype)
+
+
+def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None) -> BuiltModel:
     f = cfg.fsdp
     use_meta = f.meta_init and env.world_size > 1 and not f.sync_module_states
-    fused = cfg.train.float8 != "none" if fused_matmul is None else fused_matmul
+    fused = cfg.train.float8 != "none" or cfg.train.lora.rank > 0 if fused_matmul is None else fused_matmul
     # The per-chunk softmax work of the chunked loss, compiled into a couple of kernels with train.compile.
     chunk_loss_fn = torch.compile(chunk_loss_and_grad, dynamic=False) if cfg.train.compile else None
     with torch.device("meta" if use_meta else env.device):
