@@ -43,9 +43,10 @@ class LoRAAdapter(nn.Module):
     their B matrices stacked."""
 
     def __init__(self, in_features: int, out_features: int, slices: list[tuple[int, int]], *, rank: int,
-                 alpha: float, dropout: float, device=None):
+                 alpha: float, dropout: float, device=None, names: list[str] | None = None):
         super().__init__()
         self.out_features, self.slices, self.rank = out_features, slices, rank  # slices: (start, size), ascending
+        self.names = names or [""] * len(slices)  # each slice's target (q, k, ...): the export's PEFT names
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.Parameter(torch.empty(len(slices) * rank, in_features, device=device))
@@ -117,7 +118,7 @@ def settings_of(cfg) -> LoRASettings | None:
     return LoRASettings(lora.rank, float(lora.alpha), float(lora.dropout), tuple(lora_targets(lora.targets)))
 
 
-def _our_slices(module: nn.Module, leaf: str, targets: tuple[str, ...]) -> list[tuple[int, int]]:
+def _our_slices(module: nn.Module, leaf: str, targets: tuple[str, ...]) -> list[tuple[str, tuple[int, int]]]:
     """The chosen output slices of one of our model's linear layers (named `leaf` in its parent)."""
     from model.transformer import Attention, FeedForward
 
@@ -132,13 +133,13 @@ def _our_slices(module: nn.Module, leaf: str, targets: tuple[str, ...]) -> list[
         parts = {"down": (0, module.w2.out_features)}
     else:
         return []
-    return [parts[t] for t in parts if t in targets]
+    return [(t, parts[t]) for t in parts if t in targets]
 
 
-def adapted_layers(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, nn.Linear, list[tuple[int, int]]]]:
-    """(name, linear layer, chosen output slices) of every layer that gets an adapter: our model's
-    wqkv/wo/w13/w2, or a Hugging Face model's q_proj ... down_proj (whole outputs)."""
-    hf_leaves = {HF_NAMES[t] for t in targets}
+def adapted_layers(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, nn.Linear, list]]:
+    """(name, linear layer, [(target, (start, size)) of each chosen output slice]) of every layer that gets
+    an adapter: our model's wqkv/wo/w13/w2, or a Hugging Face model's q_proj ... down_proj (whole outputs)."""
+    hf_leaves = {HF_NAMES[t]: t for t in targets}
     found = []
     for parent_name, parent in model.named_modules():
         for leaf, child in parent.named_children():
@@ -146,7 +147,7 @@ def adapted_layers(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str
                 continue
             slices = _our_slices(parent, leaf, targets)
             if not slices and leaf in hf_leaves:
-                slices = [(0, child.out_features)]
+                slices = [(hf_leaves[leaf], (0, child.out_features))]
             if slices:
                 found.append((f"{parent_name}.{leaf}" if parent_name else leaf, child, slices))
     return found
@@ -169,8 +170,9 @@ def attach_adapters(model: nn.Module, settings: LoRASettings, *, seed: int, base
         raise ValueError(f"train.lora.targets={list(settings.targets)}: no such linear layer in this model "
                          f"(our wqkv/wo/w13/w2, or a Hugging Face model's {', '.join(HF_NAMES.values())})")
     for name, linear, slices in layers:
-        adapter = LoRAAdapter(linear.in_features, linear.out_features, slices, rank=settings.rank,
-                              alpha=settings.alpha, dropout=settings.dropout, device=linear.weight.device)
+        adapter = LoRAAdapter(linear.in_features, linear.out_features, [s for _, s in slices], rank=settings.rank,
+                              alpha=settings.alpha, dropout=settings.dropout, device=linear.weight.device,
+                              names=[t for t, _ in slices])
         if not linear.weight.is_meta:
             with torch.no_grad():
                 for pname, param in adapter.named_parameters():
@@ -182,6 +184,21 @@ def attach_adapters(model: nn.Module, settings: LoRASettings, *, seed: int, base
     if embedding is not None:
         embedding.register_forward_hook(_output_requires_grad)
     return len(layers)
+
+
+def adapters_of(model: nn.Module) -> list[tuple[str, nn.Module, LoRAAdapter]]:
+    """(layer name, layer, its adapter) of every adapted layer of an unwrapped model."""
+    return [(name, m, m.lora) for name, m in model.named_modules() if isinstance(getattr(m, "lora", None), LoRAAdapter)]
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base's state dict with every adapter merged into its layer's weight (fp32: W + scale * B A per
+    slice), the adapters' own tensors left out: a plain model of the same kind loads it."""
+    merged = {name: t.float() for name, t in model.state_dict().items() if ".lora." not in f".{name}"}
+    for name, layer, adapter in adapters_of(model):
+        merged[f"{name}.weight"] = layer.weight.float() + adapter.delta_weight()
+    return merged
 
 
 class LoRAInit(WeightInit):
@@ -260,10 +277,11 @@ def base_reference(cfg, model_signature: dict) -> dict:
     return {**source, "fingerprint": fingerprint}
 
 
-def lora_record(cfg, model_signature: dict) -> dict | None:
-    """What a LoRA run's checkpoints record about it: the adapters' settings and the base (None: LoRA off)."""
+def lora_record(cfg, model_signature: dict, *, base_dtype: torch.dtype) -> dict | None:
+    """What a LoRA run's checkpoints record about it: the adapters' settings, the base and the dtype it was
+    frozen in (an export merges into the same rounded weights); None when LoRA is off."""
     settings = settings_of(cfg)
     if settings is None:
         return None
     return {"rank": settings.rank, "alpha": settings.alpha, "targets": list(settings.targets),
-            "base": base_reference(cfg, model_signature)}
+            "base": base_reference(cfg, model_signature), "base_dtype": str(base_dtype).replace("torch.", "")}

@@ -117,7 +117,7 @@ class Trainer:
                                       on_async_error=c.on_async_error, timeout_s=cfg.run.timeout_s,
                                       tokenizer_sha256=tokenizer_sha256(self.prepared.tokenizer_path),
                                       allow_tokenizer_change=c.allow_tokenizer_change,
-                                      lora=lora_record(cfg, self.model_signature))
+                                      lora=lora_record(cfg, self.model_signature, base_dtype=self.precision.compute))
         if env.is_main:
             log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
             if cfg.model.type == "llama":
