@@ -10,6 +10,7 @@ import torch
 
 from config import ConfigError, load_config
 from fsdp_utils.checkpoint import CheckpointMismatch
+from fsdp_utils.distributed import destroy_distributed, init_distributed
 from fsdp_utils.parallel.lora import (
     LoRASettings,
     adapter_initial_value,
@@ -23,10 +24,20 @@ from fsdp_utils.train.preemption import StopSignal
 from model import ModelConfig, Transformer
 from tests.distributed_harness import cpu_env, run_ranks
 from tests.helpers import ROOT, TINY, read_metrics
-from tests.test_step import tiny_cfg, world_of_one  # noqa: F401  # the fixture
+from tests.test_step import tiny_cfg
 
 LORA = ["--train.lora.rank=4", "--train.lora.alpha=8"]
 SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    env = init_distributed(device="cpu", timeout_s=60)
+    yield env
+    destroy_distributed()
 
 
 def _randomise_b(model: torch.nn.Module, seed: int = 0) -> None:
@@ -68,7 +79,7 @@ def test_adapters_start_at_zero_and_merge_into_the_weights():
     # here slice by slice from the stacked A and B (q and v of wqkv; k left alone).
     merged = {k: v.clone() for k, v in plain.state_dict().items()}
     q, kv = SMALL.n_heads * SMALL.head_dim, SMALL.num_kv_heads * SMALL.head_dim
-    for name, layer, adapter in adapters_of(adapted):
+    for name, _, adapter in adapters_of(adapted):
         a, b = adapter.lora_A.detach(), adapter.lora_B.detach()
         if name.endswith("wqkv"):
             merged[f"{name}.weight"][:q] += 2.0 * b[:q] @ a[:4]

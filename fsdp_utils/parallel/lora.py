@@ -21,6 +21,7 @@ import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,7 @@ class LoRAAdapter(nn.Module):
 
 
 def _add_adapter_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    return output + module.lora(args[0])
+    return output + cast(LoRAAdapter, module.lora)(args[0])
 
 
 def _output_requires_grad(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -197,7 +198,7 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     slice), the adapters' own tensors left out: a plain model of the same kind loads it."""
     merged = {name: t.float() for name, t in model.state_dict().items() if ".lora." not in f".{name}"}
     for name, layer, adapter in adapters_of(model):
-        merged[f"{name}.weight"] = layer.weight.float() + adapter.delta_weight()
+        merged[f"{name}.weight"] = cast(torch.Tensor, layer.weight).float() + adapter.delta_weight()
     return merged
 
 
@@ -221,8 +222,9 @@ class LoRAInit(WeightInit):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         self.inner.init_sharded(model, device)
-        values = {name: adapter_initial_value(name, shape, rank=self.rank, seed=self.seed, device=device)
-                  for name, shape in self.shapes.items()}
+        values: dict[str, Any] = {
+            name: adapter_initial_value(name, shape, rank=self.rank, seed=self.seed, device=device)
+            for name, shape in self.shapes.items()}
         set_model_state_dict(model, values, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
