@@ -26,6 +26,9 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "selective_op")
 FLOAT8 = ("none", "tensorwise", "rowwise")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
+# train.lora.targets: one name per projection of a Llama-style block, and the groups of them.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"), "all": LORA_TARGETS}
 # Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order.
 MAX_SEED = 2**63 - 1
 # Waits longer than about 31 years are "never" in practice; the process group's store and time.sleep count
@@ -147,6 +150,22 @@ class DataConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """train.lora: low-rank adapters on the blocks' linear layers, the base model frozen (docs/training.md)."""
+
+    rank: int = 0
+    """Rank r of each adapter (0: LoRA off, every weight trains)."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input (training only), in [0, 1)."""
+    targets: list[str] = field(default_factory=lambda: ["all"])
+    """Which projections get adapters: q, k, v, o, gate, up, down, or the groups attention (q, k, v, o), mlp
+    (gate, up, down) and all. Our model's fused wqkv and w13 weights get one adapter per chosen slice; a
+    Hugging Face model's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj and down_proj layers one each."""
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps to run."""
@@ -206,6 +225,8 @@ class TrainConfig:
     built for the installed torch): none, tensorwise (one scale per tensor; FP8 all-gather of the weights)
     or rowwise (one scale per row). Needs fsdp.version 2 and a GPU of compute capability 8.9 or later (Ada, Hopper).
     Weights, optimizer state and checkpoints stay in full precision."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA fine-tuning: {rank, alpha, dropout, targets}; rank 0 (the default) trains every weight."""
     loss_chunk_tokens: int = 0
     """Compute output logits, loss and their gradients this many tokens at a time (0: all at once).
     The (tokens x vocab) fp32 logits never exist at once: their memory saved at the same speed
@@ -644,6 +665,36 @@ def _train_problems(cfg: Config) -> list[str]:
                  f"sharded weights included, is built for FSDP2's fully_shard)")
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps must not be negative, got {t.max_bad_steps}")
+    return p + _lora_problems(cfg)
+
+
+def lora_targets(names: Sequence[str]) -> list[str]:
+    """train.lora.targets with the groups written out, in LORA_TARGETS order."""
+    chosen = {t for name in names for t in LORA_GROUPS.get(name, (name,))}
+    return [t for t in LORA_TARGETS if t in chosen]
+
+
+def _lora_problems(cfg: Config) -> list[str]:
+    lora, p = cfg.train.lora, []
+    if lora.rank < 0:
+        p.append(f"train.lora.rank must be 0 (off) or positive, got {lora.rank}")
+    if lora.rank <= 0:
+        return p
+    if lora.alpha <= 0:
+        p.append(f"train.lora.alpha must be positive, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        p.append(f"train.lora.dropout must be in [0, 1), got {lora.dropout}")
+    options = (*LORA_TARGETS, *LORA_GROUPS)
+    for name in lora.targets:
+        _choice(p, "train.lora.targets", name, options)
+    if not lora.targets:
+        p.append("train.lora.targets is empty: name the projections to adapt, e.g. [all] or [q, v]")
+    if cfg.train.float8 != "none":
+        p.append(f"train.float8={cfg.train.float8} cannot be combined with train.lora (the FP8 converter replaces the "
+                 f"linear layers that carry the adapters): set train.float8: none for LoRA fine-tuning")
+    if cfg.fsdp.version == 1 and not cfg.fsdp.use_orig_params:
+        p.append("train.lora needs fsdp.use_orig_params: true with fsdp.version 1 (frozen and trainable "
+                 "parameters are told apart by their original names)")
     return p
 
 

@@ -160,7 +160,7 @@ def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
     """(run, baseline) pairs whose tokens/s ratio is printed: each of ours against the reference, each
     FP8 run against ours in bf16, and each masked run against the same run unmasked."""
     pairs = [(name, "hf_llama_fsdp2") for name in names if name != "hf_llama_fsdp2" and "hf_llama_fsdp2" in names]
-    pairs += [(name, "ours") for name in names if name.startswith("ours_fp8") and "ours" in names]
+    pairs += [(name, "ours") for name in names if name.startswith(("ours_fp8", "ours_lora")) and "ours" in names]
     return pairs + [(name, name.removesuffix(DOCMASK)) for name in names
                     if name.endswith(DOCMASK) and name.removesuffix(DOCMASK) in names]
 
@@ -411,6 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--doc_len", type=int, default=None,
                         help="mean document length of the random tokens (an EOS with probability 1/doc_len); "
                         "default 1024 with --document_masking, else no EOS")
+    parser.add_argument("--lora", default="",
+                        help="also run ours with LoRA at these ranks (train.lora.rank; --train.lora.* sets the rest), "
+                             "e.g. 16,64: LoRA against full fine-tuning in one invocation")
+    parser.add_argument("--lora_only", action="store_true",
+                        help="with --lora: leave out the full fine-tuning run (for a model it cannot fit)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="alternate ours and the reference this many times (noisy machines)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of each run")
@@ -433,7 +438,9 @@ def load_configs(args, overrides: list[str], *, recipes: list[str]) -> tuple:
     """(the config, {FP8 recipe: its config}); each FP8 run's config is the same overrides plus its recipe,
     checked as train_fsdp.py checks it. Raises ConfigError with every problem."""
     cfg = load_config(args.config, overrides)
-    fp8_cfgs = {r: load_config(args.config, [*overrides, f"--train.float8={r}"]) for r in recipes}
+    fp8_cfgs = {f"ours_fp8_{r}": load_config(args.config, [*overrides, f"--train.float8={r}"]) for r in recipes}
+    for rank in [int(r) for r in args.lora.split(",") if r.strip()]:
+        fp8_cfgs[f"ours_lora_r{rank}"] = load_config(args.config, [*overrides, f"--train.lora.rank={rank}"])
     local_rank = read_torchrun_env().local_rank
     problems = [p for r in recipes for p in float8_problems(r, run_device=cfg.run.device, local_rank=local_rank)]
     if problems:
@@ -452,11 +459,11 @@ def plan_runs(args, cfg, fp8_cfgs: dict) -> list[tuple]:
     if args.compare_auto and not args.peer_only:
         runs += [(f"ours_mb{args.fixed_micro_batch}", bench_ours, cfg, args.fixed_micro_batch, None),
                  ("ours_auto", bench_ours, cfg, "auto", None)]
-    elif not args.peer_only:
+    elif not args.peer_only and not args.lora_only:
         runs.append(("ours", bench_ours, cfg, cfg.train.micro_batch_size, None if auto else args.grad_accum or 1))
-    if not args.peer_only:
-        runs += [(f"ours_fp8_{r}", bench_ours, c, c.train.micro_batch_size, None if auto else args.grad_accum or 1)
-                 for r, c in fp8_cfgs.items()]
+    if not args.peer_only:  # FP8 recipes and LoRA ranks, each named by its variant
+        runs += [(name, bench_ours, c, c.train.micro_batch_size, None if auto else args.grad_accum or 1)
+                 for name, c in fp8_cfgs.items()]
     if args.document_masking:  # each of ours, then the same masked
         runs = [twin for run in runs for twin in (run, (run[0] + DOCMASK, run[1], with_documents(run[2]), *run[3:]))]
     if args.peer or args.peer_only:

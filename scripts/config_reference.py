@@ -58,10 +58,21 @@ def render() -> str:
         cls = section.default_factory
         docs, defaults = field_docs(cls), cls()
         parts.append(f"## `{section.name}`\n\n| key | default | meaning |\n| --- | --- | --- |")
-        for f in dataclasses.fields(cls):
-            parts.append(f"| `{section.name}.{f.name}` | `{getattr(defaults, f.name)!r}` | {docs.get(f.name, '')} |")
+        parts += _rows(section.name, cls, docs, defaults)
         parts.append("")
     return "\n".join(parts)
+
+
+def _rows(prefix: str, cls, docs: dict[str, str], defaults) -> list[str]:
+    """One row per field; a nested section (e.g. train.lora) gives a row per field of its own."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            rows += _rows(f"{prefix}.{f.name}", type(value), field_docs(type(value)), value)
+        else:
+            rows.append(f"| `{prefix}.{f.name}` | `{value!r}` | {docs.get(f.name, '')} |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -13,15 +13,30 @@ Hugging Face tokenizer (tokenizer.json, tokenizer_config.json): it encodes like 
 projections are split: wqkv into q/k/v_proj, w13 into gate/up_proj. Our rotary layout is Llama's
 rotate-half one, so q and k need no permutation. Everything is written into a temporary folder first
 and moved into place at the end, so a failed export leaves OUT_DIR as it was.
+
+A LoRA checkpoint (train.lora) holds adapters, not a model; its base is found where the checkpoint says
+(model.hf_path, model.init_from, or the seed of a randomly initialised base) and checked against the
+fingerprint it recorded:
+
+    python scripts/export_hf.py checkpoints/ft/fsdp_cpt200.pth exported/ft --merge_lora
+    python scripts/export_hf.py checkpoints/ft/fsdp_cpt200.pth exported/ft-adapter --lora_adapter_only
+
+--merge_lora writes the base with the adapters merged into its weights (a Hugging Face model's own class
+and tokenizer for model.type=hf; LlamaForCausalLM for ours). --lora_adapter_only writes a PEFT adapter
+folder (adapter_config.json, adapter_model.safetensors with PEFT's names) that
+`peft.PeftModel.from_pretrained(base, folder)` loads on the base: the Hugging Face folder of
+model.hf_path, or for our model the export of the base.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -29,9 +44,17 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
-from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
-from model import ModelConfig  # noqa: E402
+from fsdp_utils.checkpoint.format import CheckpointError, dcp_load, load_full  # noqa: E402
+from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta, verify  # noqa: E402
+from fsdp_utils.parallel.lora import (  # noqa: E402
+    HF_NAMES,
+    LoRASettings,
+    adapters_of,
+    attach_adapters,
+    base_reference,
+    merged_state_dict,
+)
+from model import ModelConfig, Transformer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -110,47 +133,95 @@ def hf_tokenizer(model_file: Path, max_len: int):
                                    model_max_length=max_len, **special), sp
 
 
-def _check_out_dir(out_dir: Path, inputs: list[Path], force: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"{out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise ExportError(f"{out_dir} exists and is not empty; pass --force to replace it")
-    resolved = out_dir.resolve()
-    for path in inputs:
-        if path.resolve() == resolved or resolved in path.resolve().parents:
-            raise ExportError(f"{out_dir} holds the input {path}; choose another output directory")
+# ---- LoRA checkpoints ---------------------------------------------------------------------------------
 
 
-def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool = False,
-           tokenizer: Path | None = None) -> Path:
-    """Write the Hugging Face directory for `checkpoint` to `out_dir`; return out_dir."""
-    from transformers import LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+def _lora_base(meta: dict, checkpoint: Path) -> torch.nn.Module:
+    """The base model a LoRA checkpoint's adapters belong to, in fp32 on the CPU, checked against the
+    fingerprint the checkpoint recorded."""
+    base, config = meta["lora"]["base"], meta["model_config"]
+    if config.get("type") == "hf":
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_logging.disable_progress_bar()
-    meta = read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
-    tokenizer = find_tokenizer(checkpoint, tokenizer, meta.get("tokenizer_sha256"))  # the one it was trained with
-    _check_out_dir(out_dir, [checkpoint, tokenizer], force)
-    ours, _ = load_model(checkpoint)
-    cfg = ours.cfg
-    hf_tok, sp = hf_tokenizer(tokenizer, cfg.max_seq_len)
-    if sp.get_piece_size() > cfg.vocab_size:
-        raise ExportError(f"{tokenizer}: {sp.get_piece_size()} pieces, more than the model's "
-                          f"vocab_size={cfg.vocab_size}")
-    weights = {k: v.to(DTYPES[dtype]) for k, v in hf_state_dict(cfg, ours.state_dict()).items()}
-    config = hf_config(cfg, DTYPES[dtype], bos_id=hf_tok.bos_token_id, eos_id=hf_tok.eos_token_id)
-    with torch.device("meta"):  # no random init: every weight is assigned from ours
-        model = LlamaForCausalLM(config)
-    model.load_state_dict(weights, strict=True, assign=True)
-    if cfg.tie_embeddings:
-        model.tie_weights()
+        from fsdp_utils.parallel.hf import CausalLMAdapter
 
+        if "hf_path" in base:
+            lm = AutoModelForCausalLM.from_pretrained(base["hf_path"], local_files_only=True, dtype=torch.float32)
+        else:  # as the training built it: seeded, then from the config
+            torch.manual_seed(base["seed"])
+            lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base["hf_config"]), dtype=torch.float32)
+        model: torch.nn.Module = CausalLMAdapter(lm.float())
+        source = SimpleNamespace(type="hf", hf_path=base.get("hf_path", ""), hf_config=base.get("hf_config", ""))
+    else:
+        model = Transformer(ModelConfig(**config), fused_matmul=True)
+        if "init_from" in base:
+            model.load_state_dict(load_model(base["init_from"])[0].state_dict())
+        else:
+            model.init_weights(base["seed"])
+        source = SimpleNamespace(type="llama", init_from=base.get("init_from", ""), hf_path="", hf_config="")
+    run = SimpleNamespace(model=source, run=SimpleNamespace(seed=base.get("seed")))
+    if base_reference(run, config)["fingerprint"] != base["fingerprint"]:
+        raise ExportError(f"{checkpoint}: its base ({', '.join(f'{k}={v}' for k, v in base.items())}) has changed "
+                          "since training: the adapters belong to other weights")
+    return model
+
+
+def load_lora_model(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
+    """(base model with the checkpoint's adapters, the checkpoint's metadata) on the CPU; the base is rounded
+    to the dtype it was frozen in during training, the adapters are the trained fp32 ones."""
+    meta = read_meta(checkpoint)
+    verify(checkpoint)
+    lora = meta["lora"]
+    model = _lora_base(meta, checkpoint)
+    settings = LoRASettings(lora["rank"], float(lora["alpha"]), 0.0, tuple(lora["targets"]))
+    attach_adapters(model, settings, seed=0, base_dtype=getattr(torch, lora.get("base_dtype", "float32")))
+    model.float()  # computes in fp32 from here (the rounded base values stay as they were)
+    adapters = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    if checkpoint.is_dir():
+        dcp_load({"model": adapters}, checkpoint, no_dist=True)  # in place, only the adapters
+    else:
+        saved = load_full(checkpoint)["model"]
+        if sorted(saved) != sorted(adapters):
+            raise CheckpointError(f"{checkpoint}: its tensors are not the adapters train.lora={lora} makes")
+        with torch.no_grad():
+            for name, tensor in adapters.items():
+                tensor.copy_(saved[name])
+    return model.eval(), meta
+
+
+def peft_adapter(model: torch.nn.Module, meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors under PEFT's names, adapter_config) of a LoRA model: our fused layers' adapters are split
+    per slice into the q_proj, k_proj, ... of the exported LlamaForCausalLM."""
+    lora, hf = meta["lora"], meta["model_config"].get("type") == "hf"
+    tensors: dict[str, torch.Tensor] = {}
+    for name, _, adapter in adapters_of(model):
+        row, r = 0, adapter.rank
+        for i, ((_, size), target) in enumerate(zip(adapter.slices, adapter.names, strict=True)):
+            if hf:
+                module = name.removeprefix("lm.")
+            else:
+                layer = name.split(".")[1]
+                part = "self_attn" if target in ("q", "k", "v", "o") else "mlp"
+                module = f"model.layers.{layer}.{part}.{HF_NAMES[target]}"
+            prefix = f"base_model.model.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = adapter.lora_A[i * r:(i + 1) * r].detach().float().contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = adapter.lora_B[row:row + size].detach().float().contiguous()
+            row += size
+    base = lora["base"]
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "target_modules": sorted(HF_NAMES[t] for t in lora["targets"]), "inference_mode": True,
+              "base_model_name_or_path": base.get("hf_path") or base.get("hf_config") or None}
+    return tensors, config
+
+
+def _write_folder(out_dir: Path, fill) -> None:
+    """fill(tmp) writes the folder's files into a temporary folder beside out_dir, which is then moved into
+    place (replacing an empty or --force'd out_dir): a failed export leaves out_dir as it was."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
     try:
-        model.save_pretrained(tmp)
-        hf_tok.save_pretrained(tmp)
-        shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+        fill(tmp)
         umask = os.umask(0)
         os.umask(umask)
         for path in [tmp, *tmp.iterdir()]:  # mkdtemp's folder (and the weights file) are private: as usual instead
@@ -168,6 +239,98 @@ def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool 
             os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_lora(checkpoint: Path, out_dir: Path, *, adapter_only: bool, dtype: str = "fp32",
+                force: bool = False) -> Path:
+    """A LoRA checkpoint as a PEFT adapter folder (adapter_only) or, merged into its Hugging Face base, as
+    that model's folder; returns out_dir. (A merged model of ours goes through `export`.)"""
+    from safetensors.torch import save_file
+
+    _check_out_dir(out_dir, [checkpoint], force)
+    model, meta = load_lora_model(checkpoint)
+    if adapter_only:
+        tensors, config = peft_adapter(model, meta)
+
+        def fill(tmp: Path) -> None:
+            save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+        _write_folder(out_dir, fill)
+        return out_dir
+    base = meta["lora"]["base"]
+    lm = model.lm  # type: ignore[union-attr]  # model.type=hf: ours is merged by export()
+    merged = {k.removeprefix("lm."): v.to(DTYPES[dtype]) for k, v in merged_state_dict(model).items()}
+    with torch.device("meta"):
+        plain = type(lm)(lm.config)
+    plain.load_state_dict(merged, strict=False, assign=True)
+    plain.tie_weights()
+
+    def fill_model(tmp: Path) -> None:
+        plain.save_pretrained(tmp)
+        if "hf_path" in base:  # the base's tokenizer files, as they are
+            for name in os.listdir(base["hf_path"]):
+                if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
+                    shutil.copyfile(Path(base["hf_path"]) / name, tmp / name)
+
+    _write_folder(out_dir, fill_model)
+    return out_dir
+
+
+def _check_out_dir(out_dir: Path, inputs: list[Path], force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"{out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise ExportError(f"{out_dir} exists and is not empty; pass --force to replace it")
+    resolved = out_dir.resolve()
+    for path in inputs:
+        if path.resolve() == resolved or resolved in path.resolve().parents:
+            raise ExportError(f"{out_dir} holds the input {path}; choose another output directory")
+
+
+def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool = False,
+           tokenizer: Path | None = None, merge_lora: bool = False) -> Path:
+    """Write the Hugging Face directory for `checkpoint` to `out_dir`; return out_dir. A LoRA checkpoint
+    needs merge_lora (or export_lora for an adapter folder)."""
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    meta = read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
+    if "lora" in meta and not merge_lora:
+        raise ExportError(f"{checkpoint}: holds LoRA adapters, not a model: pass --merge_lora (merged into the base) "
+                          "or --lora_adapter_only (a PEFT adapter folder)")
+    if merge_lora and "lora" not in meta:
+        raise ExportError(f"{checkpoint}: --merge_lora, but it holds no LoRA adapters (trained without train.lora)")
+    if merge_lora and meta["model_config"].get("type") == "hf":
+        return export_lora(checkpoint, out_dir, adapter_only=False, dtype=dtype, force=force)
+    tokenizer = find_tokenizer(checkpoint, tokenizer, meta.get("tokenizer_sha256"))  # the one it was trained with
+    _check_out_dir(out_dir, [checkpoint, tokenizer], force)
+    if merge_lora:
+        lora_model, _ = load_lora_model(checkpoint)
+        ours = Transformer(ModelConfig(**meta["model_config"]))
+        ours.load_state_dict(merged_state_dict(lora_model))
+    else:
+        ours, _ = load_model(checkpoint)
+    cfg = ours.cfg
+    hf_tok, sp = hf_tokenizer(tokenizer, cfg.max_seq_len)
+    if sp.get_piece_size() > cfg.vocab_size:
+        raise ExportError(f"{tokenizer}: {sp.get_piece_size()} pieces, more than the model's "
+                          f"vocab_size={cfg.vocab_size}")
+    weights = {k: v.to(DTYPES[dtype]) for k, v in hf_state_dict(cfg, ours.state_dict()).items()}
+    config = hf_config(cfg, DTYPES[dtype], bos_id=hf_tok.bos_token_id, eos_id=hf_tok.eos_token_id)
+    with torch.device("meta"):  # no random init: every weight is assigned from ours
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(weights, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.tie_weights()
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        hf_tok.save_pretrained(tmp)
+        shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+
+    _write_folder(out_dir, fill)
     return out_dir
 
 
@@ -179,9 +342,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument("--merge_lora", action="store_true",
+                      help="a LoRA checkpoint: merge its adapters into the base and write the model")
+    lora.add_argument("--lora_adapter_only", action="store_true",
+                      help="a LoRA checkpoint: write a PEFT adapter folder (adapter_config.json, "
+                           "adapter_model.safetensors) for peft.PeftModel.from_pretrained")
     args = parser.parse_args(argv)
     try:
-        export(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force, tokenizer=args.tokenizer)
+        if args.lora_adapter_only:
+            if "lora" not in read_meta(args.checkpoint):
+                raise ExportError(f"{args.checkpoint}: --lora_adapter_only, but it holds no LoRA adapters")
+            export_lora(args.checkpoint, args.out_dir, adapter_only=True, force=args.force)
+            print(f"wrote {args.out_dir}: load it with peft.PeftModel.from_pretrained(base_model, "
+                  f"{str(args.out_dir)!r})")
+            return 0
+        export(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force, tokenizer=args.tokenizer,
+               merge_lora=args.merge_lora)
     except (ExportError, CheckpointError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -6,13 +6,14 @@ writer) x activation checkpointing (none, selective_op), a small model trains 6 
 and 4; a fresh job resumes from step 2. Both checkpoints must be complete and verified, and the resumed
 job must continue the uninterrupted one: step 3's loss (the forward pass of the restored weights on the
 restored data position) bit for bit, the later steps within the run-to-run variation of GPU kernels.
-The same matrix runs for a Hugging Face model (`model.type=hf`) in bf16. Combinations that cannot run
-(FP8 with FSDP1) are refused before any process starts: that part runs on the CPU too.
-
 Document masking (data.document_masking with model.reset_positions) crosses FSDP version x precision x
 activation checkpointing, with torch.compile and asynchronous sharded saves (the GPU presets' settings),
 on a corpus of short documents (most windows cross a boundary); for the Hugging Face model, FSDP version x
 activation checkpointing in bf16.
+The same matrix runs for a Hugging Face model (`model.type=hf`) in bf16, and LoRA (train.lora, base frozen
+in bf16, fp32 adapters) for both models, with torch.compile where activation checkpointing is on.
+Combinations that cannot run (FP8 with FSDP1, FP8 with LoRA) are refused before any process starts: that
+part runs on the CPU too.
 """
 from __future__ import annotations
 
@@ -151,3 +152,32 @@ def test_hf_document_masking_combination_saves_and_resumes(tmp_path, version, ac
     args = ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", *matrix_args(version, "bf16", "thread", ac),
             *MASKING]
     train_save_resume(tmp_path, corpus, tmp_path / "ds", args, "thread")
+LORA_ARGS = ["--train.lora.rank=8", "--train.lora.alpha=16", "--train.lora.targets=[all]"]
+
+
+def lora_combos():
+    for model, version, save, ac in itertools.product(["ours", "hf"], [1, 2], SAVES, ACS):
+        yield pytest.param(model, version, save, ac, id=f"lora-{model}-fsdp{version}-{save}-{ac}")
+
+
+def test_lora_with_float8_is_refused_with_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "config/train_tiny_fsdp.yaml", [*LORA_ARGS, *matrix_args(2, "tensorwise", "full", "none")])
+    (line,) = err.value.problems
+    assert line.startswith("train.float8=tensorwise cannot be combined with train.lora"), line
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@TWO_GPUS
+@pytest.mark.parametrize("model, version, save, ac", list(lora_combos()))
+def test_lora_combination_saves_and_resumes(tmp_path, corpus, dataset_dir, model, version, save, ac):
+    args = [*LORA_ARGS, *matrix_args(version, "bf16", save, ac)]
+    if ac != "none":
+        args.append("--train.compile=true")
+    if model == "hf":
+        from tests.test_hf import save_tiny
+
+        save_tiny("llama", tmp_path / "hf")
+        args = ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", *args]
+    train_save_resume(tmp_path, corpus, dataset_dir, args, save)

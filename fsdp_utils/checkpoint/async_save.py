@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from ..distributed import agree, barrier
-from .base import TrainState, gather_rng, quiet_state_dict_warnings, write_cause
+from .base import TrainState, gather_rng, quiet_state_dict_warnings, state_dict_options, write_cause
 from .format import CheckpointError, first_line
 from .host_memory import check_host_memory, format_size
 from .retention import remove
 from .sharded import ShardedCheckpoint
-from .staging import HostStaging, StageStats, arena_bytes, live_storages, storage_tensors
+from .staging import HostStaging, StageStats, arena_bytes, live_storages, storage_tensors, trainable_parameters
 from .verify import hash_own_files
 from .writer import BackgroundWriter
 
@@ -118,13 +118,13 @@ class AsyncSaver:
         assert staging is not None, "prepare() makes the staging of asynchronous saves"
         error = None
         with quiet_state_dict_warnings():
-            options = StateDictOptions(cpu_offload=self.context.offload(model))
+            options = state_dict_options(model, cpu_offload=self.context.offload(model))
             if optimizer.state:  # resumed
                 model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
             else:  # get_state_dict would initialise the optimizer's state with a step, and change the training
                 model_sd = get_model_state_dict(model, options=options)
                 kinds: dict[tuple, tuple] = {}
-                for name, p in model.named_parameters():
+                for name, p in trainable_parameters(model):
                     kinds.setdefault(tuple(type(t).__name__ for t in (p, *storage_tensors(p))), (name, p))
                 optim_sd = {"state": {name: {"exp_avg": torch.zeros_like(p.detach())} for name, p in kinds.values()}}
             try:

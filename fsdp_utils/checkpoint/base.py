@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
@@ -46,6 +47,12 @@ class TrainState:
 
 
 @contextlib.contextmanager
+def is_adapter_key(name: str) -> bool:
+    """A LoRA adapter's tensor (parallel/lora.py puts each under a `lora` child of its layer): a base
+    checkpoint (model.init_from) does not hold it."""
+    return ".lora." in f".{name}"
+
+
 def quiet_state_dict_warnings() -> Iterator[None]:
     """FSDP1's state dicts warn on every call, at every save and load: the sharded one (ShardedTensor)
     that ShardedTensor is deprecated and that `_get_pg_default_device` will be, and at world size 1 that
@@ -89,10 +96,7 @@ def tensor_bytes(obj: Any) -> int:
 
 def _param_group_fqns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """Parameter names of each optimizer group, without wrapper prefixes (as in the state dicts)."""
-    names = {}
-    for name, param in model.named_parameters():
-        parts = [p for p in name.split(".") if p not in WRAPPER_PREFIXES]
-        names[id(param)] = ".".join(parts)
+    names = {id(param): _plain_name(name) for name, param in model.named_parameters()}
     return [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
 
 
@@ -110,6 +114,35 @@ def check_param_groups(saved_optim_sd: dict, model: torch.nn.Module, optimizer: 
         raise CheckpointMismatch(
             f"{path}: the optimizer's parameter groups differ from the checkpoint's ({sizes(here)} parameters "
             f"per group here, {sizes(saved)} in the checkpoint): saved by a different optimizer setup")
+
+
+def _plain_name(name: str) -> str:
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_PREFIXES)
+
+
+def has_frozen(model: torch.nn.Module) -> bool:
+    """Whether some parameters do not train (a LoRA run's base): checkpoints then hold only the others."""
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def state_dict_options(model: torch.nn.Module, **kwargs: Any) -> StateDictOptions:
+    """The options of every state dict a checkpoint saves or loads: frozen parameters (a LoRA run's base,
+    which the run loads from its own source) are left out, and loading is strict about the others
+    (check_loaded; torch's strict mode would ask for the frozen ones too)."""
+    return StateDictOptions(ignore_frozen_params=True, strict=not has_frozen(model), **kwargs)
+
+
+def check_loaded(result: Any, model: torch.nn.Module, path: Path) -> None:
+    """After a non-strict load (a model with frozen parameters): every trainable tensor came from the
+    checkpoint, and the checkpoint held nothing else."""
+    if result is None:
+        return
+    frozen = {_plain_name(n) for n, p in model.named_parameters() if not p.requires_grad}
+    missing = [k for k in getattr(result, "missing_keys", []) if _plain_name(k) not in frozen]
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    if missing or unexpected:
+        what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
+        raise CheckpointMismatch(f"{path}: does not fit this model ({what})")
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -158,6 +191,7 @@ class CheckpointContext:
     model_config: dict
     tokenizer_sha256: str | None = None  # recorded in every checkpoint; a resume with another is refused
     allow_tokenizer_change: bool = False
+    lora: dict | None = None  # a LoRA run: its adapters' settings and base (parallel/lora.py lora_record)
     stats: list[dict] = dataclasses.field(default_factory=list)  # one row per committed save (scripts/benchmark.py)
 
     def offload(self, model: torch.nn.Module) -> bool:
@@ -173,8 +207,9 @@ class CheckpointContext:
         plain = dataclasses.asdict(state)
         plain.pop("rng")
         tokenizer = {"tokenizer_sha256": self.tokenizer_sha256} if self.tokenizer_sha256 else {}
+        lora = {"lora": self.lora} if self.lora else {}
         return {"format_version": FORMAT_VERSION, "world_size": self.env.world_size, "model_config": self.model_config,
-                "train_state": plain, **tokenizer}
+                "train_state": plain, **tokenizer, **lora}
 
     def begin_save(self) -> None:
         """Collective, before a save writes: rank 0 makes the folder and removes interrupted saves."""
@@ -238,6 +273,7 @@ class CheckpointContext:
             if saved_config.get(key, value) != value:
                 raise CheckpointMismatch(f"{path}: model shape differs from the checkpoint: model.{key}={value} here, "
                                          f"{saved_config[key]} in the checkpoint")
+        self._check_lora(meta.get("lora"), path)
         self._check_tokenizer(meta, path)
 
     def check_weights(self, meta: dict, path: Path) -> None:
@@ -257,6 +293,28 @@ class CheckpointContext:
                 raise CheckpointMismatch(f"{where}: the model differs from the checkpoint's: model.{key}={value} "
                                          f"here{hint}, {theirs[key]} in the checkpoint")
         self._check_tokenizer(meta, path)
+    def _check_lora(self, saved: dict | None, path: Path) -> None:
+        """A LoRA checkpoint resumes only as LoRA, with the same adapters, on the same base."""
+        here = self.lora
+        if saved is None and here is None:
+            return
+        if here is None:
+            assert saved is not None
+            raise CheckpointMismatch(f"{path}: holds LoRA adapters (train.lora.rank={saved.get('rank')}) and no base "
+                                     "weights; resume it with the same train.lora, or merge it with "
+                                     "scripts/export_hf.py --merge_lora")
+        if saved is None:
+            raise CheckpointMismatch(f"{path}: a checkpoint of a whole model, not of LoRA adapters; resume it without "
+                                     "train.lora, or fine-tune from it as the base (model.init_from)")
+        for key in ("rank", "alpha", "targets"):
+            if saved.get(key) != here[key]:
+                raise CheckpointMismatch(f"{path}: train.lora.{key}={here[key]} here, {saved.get(key)} in the "
+                                         "checkpoint")
+        base, saved_base = here["base"], saved.get("base") or {}
+        if saved_base.get("fingerprint") != base["fingerprint"]:
+            where = lambda b: ", ".join(f"{k}={v}" for k, v in b.items())  # noqa: E731
+            raise CheckpointMismatch(f"{path}: its adapters belong to another base model ({where(saved_base)}; this "
+                                     f"run's base: {where(base)}); resume on the base it was trained on")
 
     def _check_tokenizer(self, meta: dict, path: Path) -> None:
         """The checkpoint was trained with this run's tokenizer (checkpoints from before tokenizers were

@@ -14,7 +14,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..distributed import agree
-from .base import CheckpointFormat, TrainState, check_param_groups, quiet_state_dict_warnings, write_error
+from .base import (
+    CheckpointFormat,
+    TrainState,
+    check_loaded,
+    check_param_groups,
+    is_adapter_key,
+    quiet_state_dict_warnings,
+    state_dict_options,
+    write_error,
+)
 from .format import (
     FULL_PAYLOAD_KEYS,
     TMP_PREFIX,
@@ -40,7 +49,7 @@ class FullCheckpoint(CheckpointFormat):
         # Gather to rank 0 on the CPU: no GPU memory spike, no other rank holds a copy. On the CPU the
         # tensors are already in host memory (and FSDP1's offload path fails there), so no offload.
         on_gpu = self.env.device.type == "cuda"
-        options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+        options = state_dict_options(model, full_state_dict=True, cpu_offload=on_gpu)
         with quiet_state_dict_warnings():
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         final = self.path_of(state.step)
@@ -87,18 +96,28 @@ class FullCheckpoint(CheckpointFormat):
             return meta, payload.get("rng")
         try:
             with quiet_state_dict_warnings():
-                set_state_dict(model, optimizer, model_state_dict=payload["model"],
-                               optim_state_dict=payload["optimizer"],
-                               options=StateDictOptions(full_state_dict=True, strict=True))
+                loaded = set_state_dict(model, optimizer, model_state_dict=payload["model"],
+                                        optim_state_dict=payload["optimizer"],
+                                        options=state_dict_options(model, full_state_dict=True))
         except Exception as err:  # readable, but not this model's (missing or extra tensors)
             raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
+        check_loaded(loaded, model, path)
         return meta, payload.get("rng")
 
     def load_weights(self, model: torch.nn.Module, path: Path) -> dict:
         payload = load_full(path)
         meta = {k: v for k, v in payload.items() if k not in FULL_PAYLOAD_KEYS}
         self.context.check_weights(meta, path)
-        self._set_model(model, payload["model"], path)
+        try:
+            with quiet_state_dict_warnings():
+                result = set_model_state_dict(model, payload["model"],
+                                              options=StateDictOptions(full_state_dict=True, strict=False))
+        except Exception as err:  # readable, but not this model's (other shapes)
+            raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
+        missing = [k for k in result.missing_keys if not is_adapter_key(k)]  # LoRA's adapters start fresh
+        if missing or result.unexpected_keys:
+            raise CheckpointMismatch(f"{path}: does not fit this model (missing {missing[:3]}, unexpected "
+                                     f"{list(result.unexpected_keys)[:3]})")
         return meta
 
     @staticmethod

@@ -51,13 +51,13 @@ class CheckpointManager:
     def __init__(self, output_dir: Path, *, fmt: str, keep_last_n: int, model_config: dict, env: DistEnv,
                  interval: int = 0, verify: bool = True, async_save: bool | str = False, async_writer: str = "thread",
                  on_async_error: str = "stop", timeout_s: float = 600, tokenizer_sha256: str | None = None,
-                 allow_tokenizer_change: bool = False):
+                 allow_tokenizer_change: bool = False, lora: dict | None = None):
         self.dir = Path(output_dir)
         self.env = env
         self.interval = interval  # save every `interval` steps (0: only at a stop signal and the last step)
         self.verify = verify
         self.context = CheckpointContext(self.dir, env, fmt, keep_last_n, model_config, tokenizer_sha256,
-                                         allow_tokenizer_change)
+                                         allow_tokenizer_change, lora)
         self.stats = self.context.stats  # one row per committed save: what scripts/benchmark.py reports
         self._full, self._sharded = FullCheckpoint(self.context), ShardedCheckpoint(self.context)
         self.format: CheckpointFormat = self._sharded if fmt == "sharded" else self._full

@@ -22,7 +22,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..distributed import agree, barrier
-from .base import CheckpointFormat, TrainState, check_param_groups, quiet_state_dict_warnings, write_error
+from .base import (
+    CheckpointFormat,
+    TrainState,
+    check_loaded,
+    check_param_groups,
+    is_adapter_key,
+    quiet_state_dict_warnings,
+    state_dict_options,
+    write_error,
+)
 from .format import (
     META_NAME,
     RNG_NAME,
@@ -64,7 +73,8 @@ class ShardedCheckpoint(CheckpointFormat):
     def state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """This rank's (model, optimizer) state dicts as a save writes them (call within
         quiet_state_dict_warnings)."""
-        return get_state_dict(model, optimizer, options=StateDictOptions(cpu_offload=self.context.offload(model)))
+        return get_state_dict(model, optimizer,
+                              options=state_dict_options(model, cpu_offload=self.context.offload(model)))
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
              start: float) -> Path:
@@ -127,25 +137,30 @@ class ShardedCheckpoint(CheckpointFormat):
         meta = read_sharded_meta(path)
         self.context.check_model(meta, path)
         with quiet_state_dict_warnings():
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            options = state_dict_options(model)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
             state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
             dcp_load(state, path)  # reads in place, resharding to this world size
             rng = load_rng(path)
             check_param_groups(state["optimizer"], model, optimizer, path)
             try:
-                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+                loaded = set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                        optim_state_dict=state["optimizer"], options=options)
             except (Exception, dcp.CheckpointException) as err:
                 raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
+            check_loaded(loaded, model, path)
         return meta, rng
 
     def load_weights(self, model: torch.nn.Module, path: Path) -> dict:
         meta = read_sharded_meta(path)
         self.context.check_weights(meta, path)
         with quiet_state_dict_warnings():
-            state: dict[str, Any] = {"model": get_model_state_dict(model)}
-            dcp_load(state, path)  # only the model's tensors are read, resharded to this world size
+            # Only the model's tensors are read, resharded to this world size; LoRA's adapters start fresh.
+            weights = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter_key(k)}
+            state: dict[str, Any] = {"model": weights}
+            dcp_load(state, path)
             try:
-                set_model_state_dict(model, state["model"])
+                set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
             except (Exception, dcp.CheckpointException) as err:
                 raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
         return meta

@@ -58,16 +58,22 @@ def live_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> s
     return {_storage(p) for t in tensors for p in storage_tensors(t) if p.numel()}
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a checkpoint holds: all but the frozen ones (a LoRA run's base, see base.py)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's share of the model and optimizer state, as a sharded checkpoint holds it.
     Before the first optimizer step (no state yet) AdamW's two moments are counted as fp32 copies of
     every parameter."""
-    params = sum(p.numel() * p.element_size() for t in model.parameters() for p in storage_tensors(t))
+    saved = [t for _, t in trainable_parameters(model)]
+    params = sum(p.numel() * p.element_size() for t in saved for p in storage_tensors(t))
     if optimizer.state:
         moments = sum(p.numel() * p.element_size() for per_param in optimizer.state.values()
                       for v in per_param.values() if isinstance(v, torch.Tensor) for p in storage_tensors(v))
     else:
-        moments = 2 * sum(p.numel() * 4 for t in model.parameters() for p in storage_tensors(t))
+        moments = 2 * sum(p.numel() * 4 for t in saved for p in storage_tensors(t))
     return params + moments
 
 
@@ -205,7 +211,7 @@ def _padded(nbytes: int) -> int:
 def arena_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """The arena for a copy of this rank's whole state: state_bytes plus a page per tensor for alignment
     (AdamW: the parameter, two moments and a step per parameter)."""
-    return state_bytes(model, optimizer) + 4 * _ALIGN * sum(1 for _ in model.parameters())
+    return state_bytes(model, optimizer) + 4 * _ALIGN * len(trainable_parameters(model))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,8 @@ from model.transformer import chunk_loss_and_grad
 
 from ..distributed import DistEnv
 from . import hf
+from .lora import apply_lora
+from .parallelize import resolve_precision
 from .weights import BuiltModel, WeightInit
 
 log = logging.getLogger("train")
@@ -25,16 +27,23 @@ log = logging.getLogger("train")
 
 def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: int | None = None) -> BuiltModel:
     """The model of `cfg.model` (our Transformer or model.type=hf), unsharded, on the meta device when
-    it will be sharded over several ranks. `fused_matmul` (our model): one matmul per fused q/k/v and
-    gate/up weight instead of one per slice; by default exactly when FP8 converts those layers (an FP8
-    module must be called whole). `eos_id`: the tokenizer's EOS, which separates documents; needed with
-    data.document_masking or model.reset_positions."""
+    it will be sharded over several ranks, with train.lora's adapters when set (the base then frozen in
+    the compute dtype). `fused_matmul` (our model): one matmul per fused q/k/v and gate/up weight instead
+    of one per slice; by default exactly when FP8 or LoRA changes those layers (an FP8 module must be
+    called whole, and an adapter adds to the layer's output). `eos_id`: the tokenizer's EOS, which
+    separates documents; needed with data.document_masking or model.reset_positions."""
     documents = model_documents(cfg, eos_id)
+    base_dtype = resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device).compute
     if cfg.model.type == "hf":
-        return hf.build_for_sharding(cfg, env, eos_id=documents.eos_id if documents else None)
+        built = hf.build_for_sharding(cfg, env, eos_id=documents.eos_id if documents else None)
+        return apply_lora(built, cfg, base_dtype=base_dtype)
+    return apply_lora(_build_ours(cfg, env, fused_matmul, documents), cfg, base_dtype=base_dtype)
+
+
+def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None, documents: Documents | None) -> BuiltModel:
     f = cfg.fsdp
     use_meta = f.meta_init and env.world_size > 1 and not f.sync_module_states
-    fused = cfg.train.float8 != "none" if fused_matmul is None else fused_matmul
+    fused = cfg.train.float8 != "none" or cfg.train.lora.rank > 0 if fused_matmul is None else fused_matmul
     # The per-chunk softmax work of the chunked loss, compiled into a couple of kernels with train.compile.
     chunk_loss_fn = torch.compile(chunk_loss_and_grad, dynamic=False) if cfg.train.compile else None
     # FlexAttention (document masking) compiled on GPUs: uncompiled, it materialises every score.

@@ -23,6 +23,7 @@ from data.hf_tokenizer import names_own_code
 from model.documents import document_ids, document_positions
 
 from ..distributed import DistEnv
+from .lora import has_adapters
 from .weights import BuiltModel, WeightInit
 
 log = logging.getLogger(__name__)
@@ -221,8 +222,9 @@ def broadcast_from_rank0(model: nn.Module, full_state: dict | None, buffers: dic
         assert full_state is not None and buffers is not None, "rank 0 passes its real model's state"
     else:
         full_state, buffers = {}, {}
-    set_model_state_dict(model, full_state,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # With LoRA adapters (train.lora) the base's state dict lacks them: LoRAInit fills them afterwards.
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                     strict=not has_adapters(model)))
     for name, buf in model.named_buffers():
         if env.is_main:
             # FSDP1 prefixes wrapped modules' names; rank 0's plain model has none.

@@ -32,6 +32,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..distributed import DistEnv
+from .lora import LoRAAdapter, has_adapters
 from .weights import WeightInit
 
 if TYPE_CHECKING:
@@ -181,9 +182,18 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: 
     if precision.compute != torch.float32:
         mixed = MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce, buffer_dtype=None)
     mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size) if f.sharding_strategy == "HYBRID_SHARD" else None
+    # Adapters (train.lora) are units of their own: a unit is one flat tensor of one dtype, and the
+    # frozen base is stored in the compute dtype, the adapters in fp32.
+    wrap_classes = set(block_classes) | ({LoRAAdapter} if has_adapters(model) else set())
+    ignored = None
+    if has_adapters(model) and (f.sharding_strategy == "NO_SHARD" or env.world_size == 1):
+        # Unsharded (NO_SHARD, or any strategy on one rank), a frozen unit is never handed its parameters
+        # back after backward (torch reshards such units only when they are sharded). Unsharded, FSDP
+        # would only hold the same full copy on every rank: the frozen base is left to the ranks instead.
+        ignored = [p for p in model.parameters() if not p.requires_grad]
     return FSDP(
             model,
-            auto_wrap_policy=ModuleWrapPolicy(block_classes),
+            auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
             sharding_strategy=ShardingStrategy[f.sharding_strategy],
             mixed_precision=mixed,
             cpu_offload=CPUOffload(offload_params=True) if offload else None,
@@ -195,6 +205,7 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: 
             device_id=env.device,
             param_init_fn=param_init_fn,
             device_mesh=mesh,
+            ignored_states=ignored,
         )
 
 

@@ -240,6 +240,8 @@ def cache_key(cfg, *, model_signature: dict, world_size: int, gpu: str, precisio
            "world_size": world_size, "gpu": gpu, "torch": torch.__version__, "precision": precision,
            "compile": t.compile, "loss_chunk_tokens": t.loss_chunk_tokens, "float8": getattr(t, "float8", None),
            "margin": t.auto_micro_batch_margin, "fsdp": dataclasses.asdict(cfg.fsdp)}
+    if t.lora.rank > 0:  # adapters instead of gradients and optimizer state for every weight
+        key["lora"] = dataclasses.asdict(t.lora)
     return json.loads(json.dumps(key))  # as it reads back from the file
 
 

@@ -22,6 +22,7 @@ from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
 from ..checkpoint.io import install_tokenizer
 from ..distributed import DistEnv
 from ..parallel.build import build_model, describe_model, log_parameter_summary
+from ..parallel.lora import lora_record
 from ..parallel.parallelize import model_converters, parallelize, resolve_precision
 from .batch import BatchSplit
 from .metrics import TrainingLog, detect_peak_flops
@@ -123,13 +124,26 @@ class Trainer:
                                       async_save=c.async_save, async_writer=c.async_writer,
                                       on_async_error=c.on_async_error, timeout_s=cfg.run.timeout_s,
                                       tokenizer_sha256=tokenizer_sha256(self.prepared.tokenizer_path),
-                                      allow_tokenizer_change=c.allow_tokenizer_change)
+                                      allow_tokenizer_change=c.allow_tokenizer_change,
+                                      lora=lora_record(cfg, self.model_signature, base_dtype=self.precision.compute))
         if env.is_main:
             log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
             if cfg.model.type == "llama":
                 log_parameter_summary(cfg.model)
             else:
                 log.info("model: %s from %s", self.model_signature, cfg.model.hf_path or cfg.model.hf_config)
+            self._log_trainable()
+
+    def _log_trainable(self) -> None:
+        lora = self.cfg.train.lora
+        if lora.rank <= 0:
+            return
+        # Counted over this rank's shards, so the share is the model's whatever the sharding.
+        sizes = [(p.numel(), p.requires_grad) for p in self.model.parameters()]
+        trainable, total = sum(n for n, g in sizes if g), sum(n for n, _ in sizes)
+        log.info("LoRA rank %d, alpha %g on %s: %.3f%% of the parameters train (%s of %s on this rank), the base is "
+                 "frozen in %s", lora.rank, lora.alpha, ", ".join(lora.targets), 100 * trainable / max(total, 1),
+                 f"{trainable:,}", f"{total:,}", str(self.precision.compute).replace("torch.", ""))
 
     def _choose_micro_batch(self) -> None:
         cfg, env = self.cfg, self.env

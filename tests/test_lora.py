@@ -1,0 +1,269 @@
+"""LoRA (train.lora, fsdp_utils/parallel/lora.py): the adapters' arithmetic, training in-process (a world of
+one) and on 2 gloo ranks with FSDP1 and FSDP2, checkpoints that resume exactly and refuse another base, and
+the exports (merged, and a PEFT adapter folder that peft loads)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from config import ConfigError, load_config
+from fsdp_utils.checkpoint import CheckpointMismatch
+from fsdp_utils.distributed import destroy_distributed, init_distributed
+from fsdp_utils.parallel.lora import (
+    LoRASettings,
+    adapter_initial_value,
+    adapters_of,
+    attach_adapters,
+    lora_record,
+    merged_state_dict,
+)
+from fsdp_utils.train import trainer
+from fsdp_utils.train.preemption import StopSignal
+from model import ModelConfig, Transformer
+from tests.distributed_harness import cpu_env, run_ranks
+from tests.helpers import ROOT, TINY, read_metrics
+from tests.test_step import tiny_cfg
+
+LORA = ["--train.lora.rank=4", "--train.lora.alpha=8"]
+SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    env = init_distributed(device="cpu", timeout_s=60)
+    yield env
+    destroy_distributed()
+
+
+def _randomise_b(model: torch.nn.Module, seed: int = 0) -> None:
+    """B starts at zero; a random B makes the adapters' contribution visible."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, _, adapter in adapters_of(model):
+            adapter.lora_B.copy_(torch.randn(adapter.lora_B.shape, generator=generator) * 0.1)
+
+
+def test_config_checks_name_the_field():
+    config = ROOT / "config/train_tiny_fsdp.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(config, [*LORA, "--train.lora.targets=[q, vv]", "--train.lora.dropout=1.5"])
+    assert any("train.lora.targets='vv'" in p and "did you mean 'v'" in p for p in err.value.problems), err.value
+    assert any(p.startswith("train.lora.dropout must be in [0, 1)") for p in err.value.problems)
+    with pytest.raises(ConfigError) as err:
+        load_config(config, [*LORA, "--fsdp.version=2", "--train.float8=tensorwise"])
+    (line,) = err.value.problems
+    assert line.startswith("train.float8=tensorwise cannot be combined with train.lora"), line
+    assert load_config(config, []).train.lora.rank == 0  # off by default
+
+
+def test_adapters_start_at_zero_and_merge_into_the_weights():
+    torch.manual_seed(0)
+    plain = Transformer(SMALL, fused_matmul=True)
+    plain.init_weights(seed=3)
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 16))
+    want = plain(tokens)
+    adapted = Transformer(SMALL, fused_matmul=True)
+    adapted.load_state_dict(plain.state_dict())
+    attach_adapters(adapted, LoRASettings(4, 8.0, 0.0, ("q", "v", "down")), seed=1, base_dtype=torch.float32)
+    assert torch.equal(adapted(tokens), want)  # B = 0: exactly the base
+    assert [p.requires_grad for p in adapted.parameters()].count(True) == 2 * 2 * 2  # A and B, 2 layers x 2 modules
+    _randomise_b(adapted)
+    got = adapted(tokens)
+    assert not torch.allclose(got, want)
+    # The reference: a plain model whose weights are W + (alpha / r) B_s A_s on each chosen slice s, built
+    # here slice by slice from the stacked A and B (q and v of wqkv; k left alone).
+    merged = {k: v.clone() for k, v in plain.state_dict().items()}
+    q, kv = SMALL.n_heads * SMALL.head_dim, SMALL.num_kv_heads * SMALL.head_dim
+    for name, _, adapter in adapters_of(adapted):
+        a, b = adapter.lora_A.detach(), adapter.lora_B.detach()
+        if name.endswith("wqkv"):
+            merged[f"{name}.weight"][:q] += 2.0 * b[:q] @ a[:4]
+            merged[f"{name}.weight"][q + kv:] += 2.0 * b[q:] @ a[4:]
+        else:
+            merged[f"{name}.weight"] += 2.0 * b @ a
+    reference = Transformer(SMALL)
+    reference.load_state_dict(merged)
+    torch.testing.assert_close(got, reference(tokens), rtol=1e-5, atol=1e-5)
+    # merged_state_dict (what --merge_lora writes) computes the same weights.
+    for key, value in merged_state_dict(adapted).items():
+        torch.testing.assert_close(value, merged[key], rtol=1e-6, atol=1e-6)
+
+
+def test_initial_values_are_a_function_of_seed_and_name():
+    a = adapter_initial_value("layers.0.attention.wqkv.lora.lora_A", (8, 32), rank=4, seed=5)
+    assert torch.equal(a, adapter_initial_value("layers.0.attention.wqkv.lora.lora_A", (8, 32), rank=4, seed=5))
+    assert not torch.equal(a, adapter_initial_value("layers.1.attention.wqkv.lora.lora_A", (8, 32), rank=4, seed=5))
+    assert abs(a.std().item() - 1 / 4) < 0.05  # std 1/r
+    assert not adapter_initial_value("x.lora.lora_B", (32, 4), rank=4, seed=5).any()
+
+
+def _base_weights(run) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to_local().clone() for n, p in run.model.named_parameters() if not p.requires_grad}
+
+
+def _new_trainer(cfg, env, resume_from=None):
+    return trainer.Trainer(cfg, env, stop=StopSignal([], grace_s=60), resume_from=resume_from)
+
+
+def test_lora_trains_only_adapters_from_the_base_loss_and_resumes_exactly(tmp_path, corpus, dataset_dir,
+                                                                         world_of_one, monkeypatch):
+    env = world_of_one
+    args = [*LORA, "--train.max_steps=4", "--checkpoint.interval=2", "--checkpoint.format=sharded",
+            "--checkpoint.async_save=true", "--model.vocab_size=320"]
+    cfg = tiny_cfg(tmp_path, corpus, dataset_dir, *args)
+    run = _new_trainer(cfg, env)
+    base_before = _base_weights(run)
+    # Step 1's loss is the model before any update. The base model alone (a plain Transformer of the same
+    # seed, no adapters), on the same 4 micro-batches, must give it: the adapters start at exactly zero.
+    batches = run._open_batches()
+    plain = Transformer(cfg.model)
+    plain.init_weights(cfg.run.seed)
+    with torch.no_grad():
+        base_loss = sum(plain(*next(batches)).item() for _ in range(4)) / 4
+    batches.close()
+    run.fit()
+    losses = {row["step"]: row["loss"] for row in read_metrics(cfg.output_dir) if "loss" in row}
+    assert math.isclose(losses[1], base_loss, rel_tol=1e-5), (losses, base_loss)
+    assert losses[4] < losses[1]
+    for name, value in _base_weights(run).items():
+        assert torch.equal(value, base_before[name]), name  # bit for bit
+    assert all(p.grad is None for p in run.model.parameters() if not p.requires_grad)
+    trainable = {id(p) for p in run.model.parameters() if p.requires_grad}
+    assert {id(p) for g in run.optimizer.param_groups for p in g["params"]} == trainable
+    # The checkpoint holds the adapters only, and its optimizer state only theirs.
+    ckpt = cfg.output_dir / "fsdp_sharded_cpt2"
+    size = sum(f.stat().st_size for f in ckpt.rglob("*.distcp"))
+    assert size < 4 * 4 * sum(p.numel() for p in run.model.parameters() if p.requires_grad) + 200_000
+
+    # Resumed from step 2 in a fresh output directory: steps 3 and 4 as the uninterrupted run.
+    resumed_cfg = tiny_cfg(tmp_path / "b", corpus, dataset_dir, *args)
+    _new_trainer(resumed_cfg, env, resume_from=str(ckpt)).fit()
+    resumed = {row["step"]: row["loss"] for row in read_metrics(resumed_cfg.output_dir) if "loss" in row}
+    assert resumed == {3: losses[3], 4: losses[4]}
+
+    # Another base (its fingerprint differs), or no LoRA: refused with one line.
+    def other_base(*a, **kw):
+        record = lora_record(*a, **kw)
+        return {**record, "base": {**record["base"], "fingerprint": "0" * 16}}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "lora_record", other_base)
+        with pytest.raises(CheckpointMismatch, match="belong to another base model"):
+            _new_trainer(tiny_cfg(tmp_path / "c", corpus, dataset_dir, *args), env, resume_from=str(ckpt))
+    without = tiny_cfg(tmp_path / "d", corpus, dataset_dir, "--train.max_steps=4", "--model.vocab_size=320")
+    with pytest.raises(CheckpointMismatch, match="holds LoRA adapters"):
+        _new_trainer(without, env, resume_from=str(ckpt))
+
+    # --merge_lora: the exported LlamaForCausalLM computes our LoRA model's logits.
+    from transformers import LlamaForCausalLM
+
+    from scripts.export_hf import export, load_lora_model
+
+    final = cfg.output_dir / "fsdp_sharded_cpt4"
+    ours, _ = load_lora_model(final)
+    export(final, tmp_path / "merged", merge_lora=True)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+    tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_hf_model_lora_and_peft_round_trip(tmp_path, corpus, dataset_dir, world_of_one):
+    """An HF Llama fine-tuned with LoRA: its adapters exported as a PEFT folder load with peft onto the base
+    folder and give our model's logits; merged, they give the same logits."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from scripts.export_hf import export, export_lora, load_lora_model
+    from tests.test_hf import save_tiny
+
+    save_tiny("llama", tmp_path / "hf")
+    cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}",
+                   "--train.lora.rank=4", "--train.lora.targets=[attention, down]", "--train.max_steps=2",
+                   "--checkpoint.format=full")
+    run = _new_trainer(cfg, world_of_one)
+    base_before = _base_weights(run)
+    run.fit()
+    for name, value in _base_weights(run).items():
+        assert torch.equal(value, base_before[name]), name
+    final = cfg.output_dir / "fsdp_cpt2.pth"
+    ours, _ = load_lora_model(final)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours(tokens)
+    export_lora(final, tmp_path / "adapter", adapter_only=True)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        assert not torch.allclose(base(tokens).logits, want, atol=1e-4)  # the adapters changed something
+        peft_model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        torch.testing.assert_close(peft_model(input_ids=tokens).logits, want, rtol=1e-5, atol=1e-5)
+    export(final, tmp_path / "merged", merge_lora=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def _train_on_ranks(rank: int, world_size: int, runs: list[tuple[int, str]], steps: int) -> list[dict]:
+    return [_train_lora(rank, world_size, version, precision, steps) for version, precision in runs]
+
+
+def _train_lora(rank: int, world_size: int, version: int, precision: str, steps: int) -> dict:
+    """Build, shard and train a tiny LoRA model for `steps` steps on fixed random batches (global batch 4:
+    2 per rank on 2 ranks, 2 micro-batches of 2 on 1); its losses and full adapter values."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fsdp_utils.parallel.build import build_model
+    from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
+    from fsdp_utils.train.optim import build_optimizer
+    from fsdp_utils.train.step import train_step
+
+    env = cpu_env(rank, world_size)
+    cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml",
+                      [*TINY, *LORA, f"--fsdp.version={version}", f"--train.precision={precision}",
+                       "--model.vocab_size=320", "--train.lora.dropout=0.0"])
+    built = build_model(cfg, env)
+    prec = resolve_precision(precision, "fp32", env.device)
+    model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=prec,
+                        compile=False, env=env, init=built.init)
+    optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=False)
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 320, (4, 33), generator=generator) for _ in range(steps)]
+    losses = []
+    for batch in data:
+        mine = batch[2 * rank:2 * rank + 2] if world_size == 2 else batch
+        micro = [(m[:, :-1], m[:, 1:]) for m in mine.split(2)]
+        result = train_step(model, optimizer, iter(micro), grad_accum=len(micro), grad_clip=1.0,
+                            world_size=world_size)
+        losses.append(result.loss.item())
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+    frozen = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    dtypes = sorted({str(v.dtype) for k, v in frozen.items() if k not in full})
+    assert {str(v.dtype) for v in full.values()} == {"torch.float32"}, "adapters are stored in fp32"
+    # numpy arrays cross the process boundary by value (tensors would by shared memory of an ended process).
+    return {"losses": losses, "adapters": {k: v.float().numpy() for k, v in full.items()}, "base_dtypes": dtypes}
+
+
+@pytest.mark.slow
+def test_two_ranks_fsdp1_and_fsdp2_match_one_process():
+    steps = 3
+    (reference,) = run_ranks(_train_on_ranks, world_size=1, runs=[(2, "fp32")], steps=steps)[0]
+    runs = [(1, "fp32"), (2, "fp32"), (1, "bf16"), (2, "bf16")]
+    for per_rank in run_ranks(_train_on_ranks, world_size=2, runs=runs, steps=steps):
+        for (version, precision), got in zip(runs, per_rank, strict=True):
+            if precision == "bf16":
+                # The frozen base is stored in bf16, the adapters stay fp32 (FSDP1: units of their own).
+                assert got["base_dtypes"] == ["torch.bfloat16"], got["base_dtypes"]
+                assert all(math.isfinite(x) for x in got["losses"])
+                assert got["losses"][0] == pytest.approx(reference["losses"][0], rel=2e-2)  # the base's loss
+                continue
+            # The same global batch on 1 and 2 ranks: the same steps, up to the reduction order.
+            assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5), (version, got["losses"])
+            assert sorted(got["adapters"]) == sorted(reference["adapters"])
+            for name, value in got["adapters"].items():
+                torch.testing.assert_close(torch.from_numpy(value), torch.from_numpy(reference["adapters"][name]),
+                                           rtol=1e-4, atol=1e-5)
