@@ -285,9 +285,50 @@ def test_profile_trace_renders_to_a_png(tracked, tmp_path):
     from scripts import render_profile
 
     out, _ = tracked
-    png = tmp_path / "timeline.png"
-    assert render_profile.main(["trace", str(out / "profile/steps2-3/rank0.pt.trace.json"), "--out", str(png)]) == 0
+    path, png = out / "profile/steps2-3/rank0.pt.trace.json", tmp_path / "timeline.png"
+    assert render_profile.main(["trace", str(path), "--out", str(png), "--step", "3"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A CPU trace is drawn per thread from its ops: the matmul lane time is the sum of the step's aten::mm
+    # durations (from the first step's range to the end of the trace, step 3 being the last one profiled).
+    events = render_profile.load_trace(path)
+    name, start, end = render_profile.step_window(events, 3)
+    what, lanes = render_profile.lanes_of(events, start, end)
+    step3 = next(e for e in events if e["name"] == "train_step#3")
+    mm_ms = sum(e["dur"] for e in events if e["name"] in ("aten::mm", "aten::addmm") and e.get("cat") == "cpu_op"
+                and e["ts"] >= step3["ts"]) / 1e3
+    drawn = sum(d for spans in lanes.values() for _, d, kind in spans if kind == "matmul")
+    assert (name, what) == ("train_step#3", "cpu") and mm_ms > 0
+    assert drawn >= mm_ms  # the matmul kind also counts bmm, and the backward's matmuls
+    assert drawn == pytest.approx(sum(e["dur"] for e in events if e.get("cat") == "cpu_op" and e["ts"] >= start
+                                      and render_profile.kind_of(e["name"]) == "matmul") / 1e3)
+
+
+def test_memory_snapshot_replayed_by_category(tmp_path):
+    from scripts import render_profile
+
+    mib = 2**20
+    fwd = [{"filename": "/repo/model/transformer.py", "name": "forward", "line": 1}]
+    opt = [{"filename": "/venv/torch/optim/adamw.py", "name": "_init_group", "line": 1}]
+    # A hand-made snapshot in torch.cuda.memory._dump_snapshot's format: 10 MiB were live before the recording
+    # started; then the optimizer allocates 4 MiB, the forward 8 MiB (freed) and 2 MiB, and 1 MiB from before
+    # is freed. At the end 10 - 1 + 4 + 2 = 15 MiB are live, which the segments say.
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 4 * mib, "frames": opt, "time_us": 1_000_000},
+        {"action": "alloc", "addr": 2, "size": 8 * mib, "frames": fwd, "time_us": 1_500_000},
+        {"action": "free_requested", "addr": 2, "size": 8 * mib, "frames": fwd, "time_us": 1_900_000},
+        {"action": "free_completed", "addr": 2, "size": 8 * mib, "frames": fwd, "time_us": 2_000_000},
+        {"action": "alloc", "addr": 3, "size": 2 * mib, "frames": fwd, "time_us": 2_500_000},
+        {"action": "free_completed", "addr": 99, "size": 1 * mib, "frames": [], "time_us": 3_000_000},
+    ]
+    snapshot = {"segments": [{"device": 0, "allocated_size": 15 * mib, "blocks": []}], "device_traces": [trace]}
+    times, series = render_profile.memory_timeline(snapshot)
+    assert times == [0.0, 0.5, 1.0, 1.5, 2.0]  # the free request changes nothing until it completes
+    assert [v / mib for v in series["before recording"]] == [10, 10, 10, 10, 9]
+    assert [v / mib for v in series["optimizer state and step"]] == [4, 4, 4, 4, 4]
+    assert [v / mib for v in series["forward (activations)"]] == [0, 8, 0, 2, 2]
+    path, png = tmp_path / "snap.pickle", tmp_path / "memory.png"
+    path.write_bytes(pickle.dumps(snapshot))
+    assert render_profile.main(["snapshot", str(path), "--out", str(png)]) == 0 and png.stat().st_size > 0
 
 
 def test_metrics_writer_sends_any_metric_to_every_tracker(tmp_path):

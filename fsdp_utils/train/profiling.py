@@ -31,8 +31,9 @@ def profile_path(out_dir: Path, *, start: int, end: int, rank: int) -> Path:
 
 class StepProfiler:
     """Profiles training steps start..end (1-based, both included): the profiler starts after step start-1
-    ends and stops after step end, each step inside a `train_step#N` range, then writes a chrome trace
-    (CPU ops, and CUDA kernels and memory copies on GPUs)."""
+    ends and stops after step end, each step inside a `train_step#N` range (the step, then its log line,
+    evaluation and checkpoint save, if any), then writes a chrome trace (CPU ops, and CUDA kernels and
+    memory copies on GPUs)."""
 
     def __init__(self, out_dir: Path, *, steps: list[int], ranks: str, rank: int, device: torch.device,
                  first_step: int):

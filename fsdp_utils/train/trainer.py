@@ -248,7 +248,6 @@ class Trainer:
                 result = self.train_step()
                 if self.state.step == first_step + 2:
                     self._memory_hint()
-                self.profiler.on_step_end(self.state.step)
                 self.memory.on_step_end(self.state.step)
                 self.log.on_step(self.state.step, loss=result.loss, lr=self.lr, grad_norm=result.grad_norm)
                 if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.max_steps):
@@ -257,6 +256,7 @@ class Trainer:
                 self.state.grad_scaler = self.scaler.state_dict() if self.scaler else None
                 self.ckpt.on_step_end(self.model, self.optimizer, self.state, stopping=result.stop_requested,
                                       last=self.state.step == t.max_steps)
+                self.profiler.on_step_end(self.state.step)  # a profiled step's range holds its log, eval and save
                 if result.stop_requested:
                     if env.is_main:
                         log.info("stopped by a signal at step %d after saving; rerun the same command to continue "
