@@ -387,9 +387,10 @@ def test_memory_snapshot_on_an_injected_oom_and_at_a_step(tmp_path, corpus, data
     # Step 2 dumps a snapshot; step 3's backward runs out of memory (injected), which dumps another, and
     # train.oom_retry_half carries the run on at half the micro-batch to the end.
     out = tmp_path / "out"
-    proc = run_train("--run.device=cuda", "--train.precision=bf16", "--train.max_steps=4",
-                     "--train.oom_retry_half=true", "--logging.memory_snapshot=true", "--logging.memory_snapshot_step=2",
-                     nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, faults={"oom": "3:backward"})
+    args = ["--run.device=cuda", "--train.precision=bf16", "--train.max_steps=4", "--train.oom_retry_half=true",
+            "--logging.memory_snapshot=true", "--logging.memory_snapshot_step=2"]
+    proc = run_train(*args, nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
+                     faults={"oom": "3:backward"})
     at_step, on_oom = out / "memory/step2_rank0.pickle", out / "memory/oom_step3_training_rank0.pickle"
     assert f"memory snapshot written to {at_step}" in proc.stderr
     assert f"memory snapshot written to {on_oom}" in proc.stderr
