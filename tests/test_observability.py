@@ -193,6 +193,9 @@ def jsonl_scalars(out: Path) -> dict[int, dict]:
 
 # ---- a run tracked by all three, profiled, then resumed --------------------------------------------------------
 
+TRACKED = pytest.mark.slow  # W&B starts its service process; the two jobs with three trackers: 20-30 s on 2 cores
+
+
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory, corpus, dataset_dir):
     """4 steps (validation at 2 and 4) tracked by TensorBoard, W&B offline and MLflow's local store, steps
@@ -220,6 +223,7 @@ def tracked(tmp_path_factory, corpus, dataset_dir):
     return first.output_dir, ids_first
 
 
+@TRACKED
 def test_wandb_offline_receives_metrics_config_and_resumes_the_same_run(tracked):
     out, ids_first = tracked
     runs = sorted((out / "wandb").glob("offline-run-*"))
@@ -236,6 +240,7 @@ def test_wandb_offline_receives_metrics_config_and_resumes_the_same_run(tracked)
     assert "val/loss" in hist_a[2] and "val/loss" in hist_b[6]
 
 
+@TRACKED
 def test_mlflow_local_store_receives_metrics_params_and_resumes_the_same_run(tracked, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -257,6 +262,7 @@ def test_mlflow_local_store_receives_metrics_params_and_resumes_the_same_run(tra
     assert config["train"]["max_steps"] == 6  # the artifact is the latest job's resolved config
 
 
+@TRACKED
 def test_tensorboard_holds_both_jobs_scalars(tracked):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -268,6 +274,7 @@ def test_tensorboard_holds_both_jobs_scalars(tracked):
     assert losses == pytest.approx({s: expected[s]["train/loss"] for s in losses}, rel=1e-6)
 
 
+@TRACKED
 def test_profile_trace_of_the_chosen_steps(tracked):
     out, _ = tracked
     path = out / "profile/steps2-3/rank0.pt.trace.json"
@@ -282,6 +289,7 @@ def test_profile_trace_of_the_chosen_steps(tracked):
         assert any(name.startswith("Optimizer.step#") for name in inside)
 
 
+@TRACKED
 def test_profile_trace_renders_to_a_png(tracked, tmp_path):
     from scripts import render_profile
 
