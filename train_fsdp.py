@@ -29,6 +29,7 @@ from fsdp_utils.parallel.hf import HFModelError, hf_problems
 from fsdp_utils.train.microbatch import OutOfMemory
 from fsdp_utils.train.preemption import StopSignal
 from fsdp_utils.train.run_lock import RunLocked, take_run_lock
+from fsdp_utils.train.trackers import tracker_problems
 from fsdp_utils.train.trainer import NonFiniteError, Trainer
 
 # Errors of the user's input or the run's state, raised alike on every rank: one line, exit 1.
@@ -58,6 +59,8 @@ def early_problems(cfg: Config, launch: Launch, resume_from: str | None) -> list
         except CheckpointError as err:
             problems.append(f"--resume_from: {err}")
     problems += float8_problems(cfg.train.float8, run_device=cfg.run.device, local_rank=launch.local_rank)
+    if launch.rank == 0:  # the trackers live on rank 0 only
+        problems += tracker_problems(cfg.logging.tracker_names)
     if cfg.model.type == "hf" and not problems:  # the folder exists (launch_problems): can it be used?
         problems += hf_problems(cfg.model, document_masking=cfg.data.document_masking)
     return problems

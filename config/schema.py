@@ -29,6 +29,7 @@ DECAY_SHAPES = ("linear", "1-sqrt")
 # train.lora.targets: one name per projection of a Llama-style block, and the groups of them.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 LORA_GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"), "all": LORA_TARGETS}
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 # Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order.
 MAX_SEED = 2**63 - 1
 # Waits longer than about 31 years are "never" in practice; the process group's store and time.sleep count
@@ -304,11 +305,59 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     interval: int = 10
-    """Log a line, a metrics.jsonl row and TensorBoard scalars every this many steps."""
-    tensorboard: bool = True
-    """Write TensorBoard events to <output_dir>/tensorboard/."""
+    """Log a line, a metrics.jsonl row and a row to every tracker every this many steps."""
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers that receive every metrics.jsonl row, the resolved config and the run name (rank 0
+    only): any of tensorboard (<output_dir>/tensorboard/), wandb, mlflow; [] for metrics.jsonl alone. Each
+    package is imported only when named here; a resumed run continues the same tracked run."""
+    tensorboard: bool | None = None
+    """Deprecated, kept for older configs: false removes tensorboard from logging.trackers, true adds it.
+    Prefer logging.trackers."""
+    wandb_project: str = "fsdp-lm"
+    """Weights & Biases project (logging.trackers: [wandb]); the W&B run is named after run.name."""
+    wandb_entity: str = ""
+    """Weights & Biases entity (user or team); empty: the logged-in user's default."""
+    wandb_mode: str = ""
+    """online, offline (files under <output_dir>/wandb/, `wandb sync` them later) or disabled; empty: the
+    WANDB_MODE environment variable, else W&B's default (online)."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking URI (a server, or sqlite:///path.db with the full mlflow package); empty: the
+    MLFLOW_TRACKING_URI environment variable, else a local file store in <output_dir>/mlruns
+    (`mlflow ui --backend-store-uri <output_dir>/mlruns`), which needs only mlflow-skinny."""
+    mlflow_experiment: str = "fsdp-lm"
+    """MLflow experiment that holds the run (created if missing); the MLflow run is named after run.name."""
+    peak_tflops: float = 0.0
+    """Per-GPU dense bf16 peak in TFLOP/s for MFU; 0: the GPU's row in the table of docs/observability.md
+    (an unknown GPU, or the CPU, gets no MFU, and the log says so)."""
     peak_flops: float = 0.0
-    """Per-GPU dense bf16 peak FLOP/s for MFU (0: detect A100/H100/H200)."""
+    """Deprecated, kept for older configs: the same peak in FLOP/s (989e12); use logging.peak_tflops (989)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """[start, end]: record a torch.profiler trace of training steps start..end (1-based, both included) into
+    <output_dir>/profile/steps<start>-<end>/rank<r>.pt.trace.json (Perfetto, chrome://tracing, TensorBoard's
+    profiler plugin); [] for none."""
+    profile_ranks: str = "rank0"
+    """Which ranks write profiles and memory snapshots: rank0 or all."""
+    memory_snapshot: bool = False
+    """Record the CUDA allocator's history and dump a snapshot (<output_dir>/memory/*.pickle, for
+    pytorch.org/memory_viz) on an out-of-memory error and at logging.memory_snapshot_step. GPU runs only: a
+    CPU run says so in one warning and records nothing."""
+    memory_snapshot_step: int = 0
+    """Dump a memory snapshot after this training step (1-based); 0: only on out-of-memory."""
+    memory_snapshot_max_entries: int = 100_000
+    """Allocation events kept in the recorded history (the oldest are dropped first)."""
+
+    @property
+    def tracker_names(self) -> list[str]:
+        """logging.trackers with the deprecated logging.tensorboard applied: the trackers this run opens."""
+        names = [n for n in self.trackers if n != "tensorboard" or self.tensorboard is not False]
+        if self.tensorboard and "tensorboard" not in names:
+            names.insert(0, "tensorboard")
+        return names
+
+    @property
+    def peak_override_flops(self) -> float:
+        """The configured peak in FLOP/s (0: look the GPU up)."""
+        return self.peak_tflops * 1e12 if self.peak_tflops else self.peak_flops
 
 
 @dataclass
@@ -549,8 +598,43 @@ def validate(cfg: Config) -> list[str]:
     """Value checks that do not depend on the world size (see check_batch_split for that)."""
     p = _model_problems(cfg) + _data_problems(cfg) + _train_problems(cfg) + _run_problems(cfg.run)
     p += _fsdp_problems(cfg.fsdp) + _checkpoint_problems(cfg.checkpoint)
-    if cfg.logging.interval <= 0:
-        p.append(f"logging.interval must be positive, got {cfg.logging.interval}")
+    p += _logging_problems(cfg.logging, max_steps=cfg.train.max_steps)
+    return p
+
+
+def _logging_problems(lg: LoggingConfig, *, max_steps: int) -> list[str]:
+    p: list[str] = []
+    if lg.interval <= 0:
+        p.append(f"logging.interval must be positive, got {lg.interval}")
+    for name in lg.trackers:
+        _choice(p, "logging.trackers", name, TRACKERS)
+    if len(set(lg.trackers)) < len(lg.trackers):
+        p.append(f"logging.trackers names a tracker twice: {lg.trackers}")
+    _choice(p, "logging.wandb_mode", lg.wandb_mode, ("", "online", "offline", "disabled"))
+    for name in ("peak_tflops", "peak_flops"):
+        if getattr(lg, name) < 0:
+            p.append(f"logging.{name} must not be negative, got {getattr(lg, name)}")
+    if lg.peak_tflops and lg.peak_flops:
+        p.append("logging.peak_flops (deprecated, FLOP/s) and logging.peak_tflops are both set: keep only "
+                 f"logging.peak_tflops={lg.peak_flops / 1e12:g}")
+    elif 0 < lg.peak_flops < 1e9:
+        p.append(f"logging.peak_flops={lg.peak_flops:g} is in FLOP/s (989e12 for an H100); for TFLOP/s use "
+                 f"logging.peak_tflops={lg.peak_flops:g}")
+    if lg.profile_steps:
+        if len(lg.profile_steps) != 2 or not 1 <= lg.profile_steps[0] <= lg.profile_steps[1]:
+            p.append(f"logging.profile_steps must be [start, end] with 1 <= start <= end, got {lg.profile_steps}")
+        elif lg.profile_steps[1] > max_steps:
+            p.append(f"logging.profile_steps={lg.profile_steps} ends after train.max_steps={max_steps}")
+    _choice(p, "logging.profile_ranks", lg.profile_ranks, ("rank0", "all"))
+    if lg.memory_snapshot_step < 0:
+        p.append(f"logging.memory_snapshot_step must not be negative, got {lg.memory_snapshot_step}")
+    elif lg.memory_snapshot_step and not lg.memory_snapshot:
+        p.append("logging.memory_snapshot_step needs logging.memory_snapshot: true (the history is recorded "
+                 "from the start of training)")
+    elif lg.memory_snapshot_step > max_steps:
+        p.append(f"logging.memory_snapshot_step={lg.memory_snapshot_step} is after train.max_steps={max_steps}")
+    if lg.memory_snapshot_max_entries <= 0:
+        p.append(f"logging.memory_snapshot_max_entries must be positive, got {lg.memory_snapshot_max_entries}")
     return p
 
 

@@ -495,7 +495,7 @@ def run_saves(cfg, env, args, *, overrides: list[str]) -> None:
 
 def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str, list[float]]]:
     """Time every run `--rounds` times: (one summary row per run, {run: each round's median step time})."""
-    peak = detect_peak_flops(env.device, cfg.logging.peak_flops)
+    peak = detect_peak_flops(env.device, cfg.logging.peak_override_flops)
     times: dict[str, list[float]] = {name: [] for name, *_ in runs}
     memory = dict.fromkeys(times, 0.0)
     splits = {}  # name -> (micro-batch, accumulation) as run; auto is searched in the first round only

@@ -22,7 +22,7 @@ TINY = [
     "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.max_seq_len=32",
     "--data.seq_len=32", "--data.vocab_size=320",
     "--train.global_batch_size=8", "--train.micro_batch_size=2", "--train.lr=1e-2", "--train.warmup_steps=2",
-    "--train.eval_interval=0", "--logging.interval=1", "--logging.tensorboard=false",
+    "--train.eval_interval=0", "--logging.interval=1", "--logging.trackers=[]",
     "--checkpoint.interval=0", "--run.device=cpu",
 ]
 

@@ -3,7 +3,8 @@
 For each valid combination of FSDP version x precision (bf16, FP8 tensorwise with the FP8 all-gather, FP8
 rowwise) x checkpoint (full; sharded synchronous; sharded asynchronous with the thread or the process
 writer) x activation checkpointing (none, selective_op), a small model trains 6 steps, saving at steps 2
-and 4; a fresh job resumes from step 2. Both checkpoints must be complete and verified, and the resumed
+and 4; a fresh job resumes from step 2, profiled (steps 4-5) and recording its memory history on both
+ranks. Both checkpoints must be complete and verified, and the resumed
 job must continue the uninterrupted one: step 3's loss (the forward pass of the restored weights on the
 restored data position) bit for bit, the later steps within the run-to-run variation of GPU kernels.
 Document masking (data.document_masking with model.reset_positions) crosses FSDP version x precision x
@@ -89,8 +90,14 @@ def train_save_resume(tmp_path, corpus, dataset_dir, args: list[str], save: str)
     for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY):
         checkpoint_io.verify(first / checkpoint_name(save, step))
     resumed = tmp_path / "resumed"
-    run_train(*args, f"--resume_from={first / checkpoint_name(save, SAVE_EVERY)}", nproc=2, out_dir=resumed,
+    # The resumed job is also profiled and records its memory history (every rank): neither may change a loss.
+    observe = ["--logging.profile_steps=[4, 5]", "--logging.profile_ranks=all", "--logging.memory_snapshot=true",
+               "--logging.memory_snapshot_step=4"]
+    run_train(*args, *observe, f"--resume_from={first / checkpoint_name(save, SAVE_EVERY)}", nproc=2, out_dir=resumed,
               corpus=corpus, dataset_dir=dataset_dir)
+    for rank in (0, 1):
+        assert (resumed / f"profile/steps4-5/rank{rank}.pt.trace.json").stat().st_size > 0
+        assert (resumed / f"memory/step4_rank{rank}.pickle").stat().st_size > 0
     want, got = losses(first), losses(resumed)
     assert sorted(got) == list(range(SAVE_EVERY + 1, STEPS + 1)), got
     assert got[SAVE_EVERY + 1] == want[SAVE_EVERY + 1], (got, want)

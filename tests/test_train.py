@@ -20,7 +20,7 @@ def short_run(tmp_path_factory, corpus, dataset_dir):
     """30 steps of the helper's tiny model as ONE plain process (no torchrun), eval and TensorBoard on."""
     out = tmp_path_factory.mktemp("short_run")
     proc = run_train(f"--train.max_steps={STEPS}", f"--train.eval_interval={EVAL_EVERY}", "--train.eval_batches=2",
-                     "--logging.tensorboard=true", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+                     "--logging.trackers=[tensorboard]", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
     return out, proc
 
 
@@ -60,7 +60,7 @@ def test_metrics_rows(short_run):
         assert set(row) == keys
         assert row["grad_norm"] > 0 and math.isfinite(row["grad_norm"])
         assert row["tokens_per_sec_per_gpu"] > 0
-        assert row["mfu"] is None  # no known peak FLOP/s on the CPU (logging.peak_flops=0)
+        assert row["mfu"] is None  # no peak FLOP/s for a CPU (logging.peak_tflops=0)
         assert 0.01 < row["peak_mem_gib"] < 16  # the process's peak RSS: ~0.3 GiB measured
     # Warmup-cosine: step 1 runs at LR * 1/WARMUP, step 2 at the peak, the last step near LR * min_lr_ratio.
     assert rows[0]["lr"] == pytest.approx(LR * 1 / WARMUP)

@@ -46,13 +46,13 @@ class TrainState:
     rng: list | None = None  # per rank: {"cpu": ByteTensor, "cuda": ByteTensor | None}
 
 
-@contextlib.contextmanager
 def is_adapter_key(name: str) -> bool:
     """A LoRA adapter's tensor (parallel/lora.py puts each under a `lora` child of its layer): a base
     checkpoint (model.init_from) does not hold it."""
     return ".lora." in f".{name}"
 
 
+@contextlib.contextmanager
 def quiet_state_dict_warnings() -> Iterator[None]:
     """FSDP1's state dicts warn on every call, at every save and load: the sharded one (ShardedTensor)
     that ShardedTensor is deprecated and that `_get_pg_default_device` will be, and at world size 1 that

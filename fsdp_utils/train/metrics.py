@@ -1,33 +1,27 @@
-"""Throughput, MFU and memory figures, and the writers for metrics.jsonl and TensorBoard (rank 0 only)."""
+"""Throughput, MFU and memory figures, and the writer of metrics.jsonl that forwards every row to the
+experiment trackers (rank 0 only)."""
 from __future__ import annotations
 
 import json
 import logging
-import math
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger("train")
+from .peak_flops import resolve_peak_flops
+from .trackers import Tracker, scalars
 
-# Dense bf16 peak FLOP/s per GPU, by the vendors' datasheets (SXM parts).
-PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+log = logging.getLogger("train")
 
 
 def detect_peak_flops(device: torch.device, override: float = 0.0) -> float | None:
-    """Peak bf16 FLOP/s of this GPU, or None when unknown (CPU, or a GPU not in the table)."""
-    if override > 0:
-        return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return flops
-    return None
+    """Dense bf16 peak FLOP/s of this GPU (peak_flops.GPU_PEAKS), the override when positive, or None when
+    unknown (the CPU, or a GPU not in the table)."""
+    return resolve_peak_flops(device, override_flops=override)[0]
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -44,43 +38,44 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to metrics.jsonl and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per logged row to metrics.jsonl and hands its finite numbers to every tracker,
+    so any metric written here (training, validation, an evaluation's accuracy) reaches all of them."""
 
-    def __init__(self, output_dir: Path, *, tensorboard: bool):
+    def __init__(self, output_dir: Path, *, trackers: Sequence[Tracker] = ()):
         self.path = output_dir / "metrics.jsonl"
         self.file = self.path.open("a")
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+        self.trackers = list(trackers)
 
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tb.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss", value, row["step"])
+        metrics = scalars(row)
+        if metrics:
+            for tracker in self.trackers:
+                tracker.log_metrics(metrics, row["step"])
 
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as err:  # one tracker's failure to close must not hide the others' or the run's
+                log.warning("closing the %s tracker failed: %s", tracker.name, err)
 
 
 class TrainingLog:
     """Decides for itself when a step is logged (every logging.interval steps and the last): the log line
     (ending with the elapsed time and an ETA to max_steps), tokens/s per GPU, MFU, peak memory, and the row
-    in metrics.jsonl and TensorBoard (rank 0 writes). Validation losses go the same way."""
+    in metrics.jsonl and every tracker (rank 0 writes). Validation losses and any other metrics
+    (`log_metrics`) go the same way."""
 
     def __init__(self, output_dir: Path | None, *, interval: int, max_steps: int, first_step: int, tokens_per_step: int,
                  world_size: int, flops_per_token: float, peak_flops: float | None, device: torch.device,
-                 tensorboard: bool):
+                 trackers: Sequence[Tracker] = ()):
         self.interval, self.max_steps, self.device = interval, max_steps, device
         self.tokens_per_gpu_step = tokens_per_step / world_size
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.writer = MetricsWriter(output_dir, tensorboard=tensorboard) if output_dir is not None else None
+        self.writer = MetricsWriter(output_dir, trackers=trackers) if output_dir is not None else None
         self.start = self.last_time = time.perf_counter()
         self.last_step = first_step
         self.last_row: dict = {}
@@ -105,10 +100,16 @@ class TrainingLog:
         self.last_time, self.last_step = time.perf_counter(), step
 
     def on_eval(self, step: int, val_loss: float) -> None:
-        self.last_row["val_loss"] = val_loss
+        self.log_metrics(step, {"val_loss": val_loss})
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """A row of other metrics at this step (every rank calls it, rank 0 writes): metrics.jsonl, the log
+        line and every tracker; keys with a '/' keep their name in the trackers, e.g. 'eval/arc_easy_acc'."""
+        self.last_row.update(metrics)
         if self.writer is not None:
-            log.info("step %d | val_loss %.4f", step, val_loss)
-            self.writer.write({"step": step, "val_loss": val_loss})
+            log.info("step %d | %s", step, " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                      for k, v in metrics.items()))
+            self.writer.write({"step": step, **metrics})
 
     def close(self) -> None:
         if self.writer is not None:

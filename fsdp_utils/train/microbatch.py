@@ -416,8 +416,10 @@ class OutOfMemoryGuard:
     the others are already waiting in the step's next collective, the meeting times out, and the run
     stops with that said, as it would without the retry (never a silent mismatch of collectives)."""
 
-    def __init__(self, env: DistEnv, *, probe: MemoryProbe | None, retry: bool, timeout_s: float, compile: bool):
+    def __init__(self, env: DistEnv, *, probe: MemoryProbe | None, retry: bool, timeout_s: float, compile: bool,
+                 on_oom: Callable[[int, str], None] | None = None):
         self.env, self.probe, self.retry, self.compile = env, probe, retry, compile
+        self.on_oom = on_oom  # (step, phase): called while the error is handled, e.g. to dump a memory snapshot
         self.timeout_s = timeout_s
         # Created now, on every rank (creating a group is itself collective).
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) if retry else None
@@ -430,6 +432,8 @@ class OutOfMemoryGuard:
             return work(), split
         except torch.OutOfMemoryError as err:
             report = self._report(err, step=step, phase=phase, split=split)
+            if self.on_oom is not None:
+                self.on_oom(step, phase)
         # Out of the except block: the interrupted step's tensors, held by the traceback, are freed now.
         return None, self._recover(report, step=step, phase=phase, split=split, model=model, optimizer=optimizer)
 

@@ -25,12 +25,15 @@ from ..parallel.build import build_model, describe_model, log_parameter_summary
 from ..parallel.lora import lora_record
 from ..parallel.parallelize import model_converters, parallelize, resolve_precision
 from .batch import BatchSplit
-from .metrics import TrainingLog, detect_peak_flops
+from .metrics import TrainingLog
 from .microbatch import OutOfMemoryGuard, cache_key, memory_hint, memory_probe, resolve_micro_batch, save_to_cache
 from .optim import LRSchedule, build_optimizer
+from .peak_flops import resolve_peak_flops
 from .preemption import StopSignal
+from .profiling import MemorySnapshots, StepProfiler
 from .run_data import prepare_dataset
 from .step import StepResult, train_step
+from .trackers import open_trackers
 
 log = logging.getLogger("train")
 T = TypeVar("T")
@@ -81,10 +84,12 @@ class Trainer:
         self.ckpt.prepare_saving(self.model, self.optimizer)  # a run that cannot save stops now, not at its first save
         self.num_bad_steps = 0
         self.lr = cfg.train.lr
-        # Made by fit(): the batches at the current split, the out-of-memory guard, the log.
+        # Made by fit(): the batches at the current split, the out-of-memory guard, the log, the profilers.
         self.batches: BatchPrefetcher
         self.oom: OutOfMemoryGuard
         self.log: TrainingLog
+        self.profiler: StepProfiler
+        self.memory: MemorySnapshots
 
     # ---- setup -----------------------------------------------------------------------------------
     def _setup_data(self) -> None:
@@ -277,23 +282,17 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------------------
     def fit(self) -> dict:
         """Train to train.max_steps (or a stop signal), saving as checkpoint.* says; returns the last logged row."""
-        cfg, env, t = self.cfg, self.env, self.cfg.train
+        env, t = self.env, self.cfg.train
         first_step = self.state.step
+        self._open_observers(first_step)
         self.batches = self._open_batches()
-        self.oom = OutOfMemoryGuard(env, probe=self.probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s,
-                                    compile=t.compile)
-        self.log = TrainingLog(cfg.output_dir if env.is_main else None, interval=cfg.logging.interval,
-                               max_steps=t.max_steps, first_step=first_step,
-                               tokens_per_step=t.global_batch_size * cfg.data.seq_len, world_size=env.world_size,
-                               flops_per_token=self.flops_per_token, device=env.device,
-                               peak_flops=detect_peak_flops(env.device, cfg.logging.peak_flops),
-                               tensorboard=cfg.logging.tensorboard)
         try:
             self.model.train()
             while self.state.step < t.max_steps:
                 result = self.train_step()
                 if self.state.step == first_step + 2:
                     self._memory_hint()
+                self.memory.on_step_end(self.state.step)
                 self.log.on_step(self.state.step, loss=result.loss, lr=self.lr, grad_norm=result.grad_norm)
                 if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.max_steps):
                     self.log.on_eval(self.state.step, self.evaluate())
@@ -301,6 +300,7 @@ class Trainer:
                 self.state.grad_scaler = self.scaler.state_dict() if self.scaler else None
                 self.ckpt.on_step_end(self.model, self.optimizer, self.state, stopping=result.stop_requested,
                                       last=self.state.step == t.max_steps)
+                self.profiler.on_step_end(self.state.step)  # a profiled step's range holds its log, eval and save
                 if result.stop_requested:
                     if env.is_main:
                         log.info("stopped by a signal at step %d after saving; rerun the same command to continue "
@@ -310,8 +310,30 @@ class Trainer:
         finally:
             self.ckpt.close()
             self.batches.close()
+            self.profiler.close()
+            self.memory.close()
             self.log.close()
         return self.log.last_row
+
+    def _open_observers(self, first_step: int) -> None:
+        """The out-of-memory guard, the memory snapshots it dumps into, the profiler and the log with its
+        trackers (rank 0's), for a loop that starts after step first_step."""
+        cfg, env, t, lg = self.cfg, self.env, self.cfg.train, self.cfg.logging
+        self.memory = MemorySnapshots(cfg.output_dir, enabled=lg.memory_snapshot, at_step=lg.memory_snapshot_step,
+                                      max_entries=lg.memory_snapshot_max_entries, ranks=lg.profile_ranks,
+                                      rank=env.rank, device=env.device)
+        self.oom = OutOfMemoryGuard(env, probe=self.probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s,
+                                    compile=t.compile, on_oom=self.memory.on_oom)
+        self.profiler = StepProfiler(cfg.output_dir, steps=lg.profile_steps, ranks=lg.profile_ranks, rank=env.rank,
+                                     device=env.device, first_step=first_step)
+        peak_flops, peak_note = resolve_peak_flops(env.device, override_flops=lg.peak_override_flops)
+        if env.is_main:
+            log.info("%s", peak_note)
+        trackers = open_trackers(cfg, resumed=first_step > 0) if env.is_main else []
+        self.log = TrainingLog(cfg.output_dir if env.is_main else None, interval=lg.interval, max_steps=t.max_steps,
+                               first_step=first_step, tokens_per_step=t.global_batch_size * cfg.data.seq_len,
+                               world_size=env.world_size, flops_per_token=self.flops_per_token, device=env.device,
+                               peak_flops=peak_flops, trackers=trackers)
 
     def _memory_hint(self) -> None:
         if self.cfg.train.micro_batch_size == "auto":

@@ -1,0 +1,187 @@
+"""Experiment trackers (logging.trackers): TensorBoard, Weights & Biases, MLflow, one small class each behind
+one interface. Each receives every row written to metrics.jsonl, the resolved config and the run name; each
+package is imported only when its tracker is asked for. Rank 0 alone opens them.
+
+A tracked run's id is kept in <output_dir>/trackers.json, so a resumed training run continues the same W&B
+run (resume="allow" with its id) and the same MLflow run (its run_id) instead of starting another.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from config import Config
+
+log = logging.getLogger("train")
+
+# tracker -> (the module it imports, the package that provides it)
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+            "mlflow": ("mlflow", "mlflow-skinny (or mlflow)")}
+IDS_FILE = "trackers.json"
+
+
+def tracker_problems(names: Iterable[str]) -> list[str]:
+    """One line per tracker whose package is not installed (checked before the process group starts)."""
+    problems = []
+    for name in names:
+        module, package = PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            problems.append(f"logging.trackers names {name}, but the {module} package is not installed: "
+                            f"pip install {package.split(' ')[0]} (or remove {name} from logging.trackers)")
+    return problems
+
+
+def tracker_key(key: str) -> str:
+    """A metrics.jsonl key as trackers show it: val_loss -> val/loss, a key with a '/' as it is (an
+    evaluation's 'eval/<task>_acc'), anything else under train/."""
+    if key == "val_loss":
+        return "val/loss"
+    return key if "/" in key else f"train/{key}"
+
+
+def scalars(row: dict) -> dict[str, float]:
+    """The finite numbers of a metrics row, under their trackers' names (the step itself excluded)."""
+    return {tracker_key(k): float(v) for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class Tracker(Protocol):
+    name: str
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Scalars (already named by tracker_key) at a training step."""
+
+    def close(self) -> None: ...
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 1e-3}} -> {'train.lr': 1e-3}."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class TensorBoardTracker:
+    name = "tensorboard"
+
+    def __init__(self, out_dir: Path, *, run_name: str, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(out_dir / "tensorboard"))
+        text = yaml.safe_dump(config, sort_keys=False)
+        self.writer.add_text("config", f"run {run_name}\n\n```yaml\n{text}```".replace("\n", "  \n"))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    name = "wandb"
+
+    def __init__(self, out_dir: Path, *, cfg: Config, config: dict, run_id: str | None):
+        import wandb
+
+        lg = cfg.logging
+        # resume="allow": the run of run_id continues if W&B knows it, and starts under that id otherwise.
+        self.run = wandb.init(project=lg.wandb_project, entity=lg.wandb_entity or None, name=cfg.run.name,
+                              id=run_id, resume="allow", dir=str(out_dir),
+                              mode=lg.wandb_mode or None,  # type: ignore[arg-type]  # checked by the config
+                              config=config, allow_val_change=True)
+        self.run_id = self.run.id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MLflowTracker:
+    name = "mlflow"
+
+    def __init__(self, uri: str, *, cfg: Config, config: dict, run_id: str | None):
+        lg = cfg.logging
+        if uri.startswith("file:") or "://" not in uri:
+            # MLflow refuses its file store unless told otherwise; it is the one store that needs nothing but
+            # mlflow-skinny, and the default one is the run's own folder, so this opt-out is ours to give.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+
+        self._metric, self.client, self.uri = Metric, MlflowClient(tracking_uri=uri), uri
+        if run_id is None:
+            experiment = self.client.get_experiment_by_name(lg.mlflow_experiment)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else self.client.create_experiment(lg.mlflow_experiment))
+            run_id = self.client.create_run(experiment_id, run_name=cfg.run.name).info.run_id
+            known: dict[str, str] = {}
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+            known = self.client.get_run(run_id).data.params
+        self.run_id = run_id
+        # A parameter cannot change once logged: a resume that changed the config logs only the new keys
+        # (the whole resolved config is the config.yaml artifact, rewritten each time).
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items() if k not in known]
+        for first in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
+            self.client.log_batch(run_id, params=params[first:first + 100])
+        self.client.log_dict(run_id, config, "config.yaml")
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in metrics.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def mlflow_uri(cfg: Config) -> str:
+    """logging.mlflow_tracking_uri, else MLFLOW_TRACKING_URI, else a file store in <output_dir>/mlruns."""
+    return (cfg.logging.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+            or (cfg.output_dir / "mlruns").resolve().as_uri())
+
+
+def open_trackers(cfg: Config, *, resumed: bool) -> list[Tracker]:
+    """The trackers of logging.trackers, on rank 0. A resumed run reuses the run ids kept in trackers.json;
+    a fresh one starts new tracked runs and records their ids there."""
+    out_dir = cfg.output_dir
+    ids_path = out_dir / IDS_FILE
+    ids = json.loads(ids_path.read_text()) if resumed and ids_path.is_file() else {}
+    config = cfg.to_dict()
+    trackers: list[Tracker] = []
+    for name in cfg.logging.tracker_names:
+        if name == "tensorboard":
+            trackers.append(TensorBoardTracker(out_dir, run_name=cfg.run.name, config=config))
+        elif name == "wandb":
+            tracker = WandbTracker(out_dir, cfg=cfg, config=config, run_id=ids.get("wandb"))
+            ids["wandb"] = tracker.run_id
+            trackers.append(tracker)
+        elif name == "mlflow":
+            uri = mlflow_uri(cfg)
+            same_store = ids.get("mlflow_tracking_uri") == uri  # a run id means nothing in another store
+            mlflow = MLflowTracker(uri, cfg=cfg, config=config, run_id=ids.get("mlflow") if same_store else None)
+            ids["mlflow"], ids["mlflow_tracking_uri"] = mlflow.run_id, mlflow.uri
+            trackers.append(mlflow)
+        if name != "tensorboard":
+            log.info("%s: tracking run %s", name, ids[name])
+    if ids:
+        tmp = ids_path.with_name(f".tmp-{IDS_FILE}")
+        tmp.write_text(json.dumps(ids, indent=1) + "\n")
+        os.replace(tmp, ids_path)
+    return trackers

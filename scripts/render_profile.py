@@ -1,0 +1,240 @@
+"""Draw a training run's profile trace and CUDA memory snapshot as PNGs (matplotlib), for docs and reviews.
+
+    # one step of a profile (logging.profile_steps): the kernels on each CUDA stream, coloured by kind
+    python scripts/render_profile.py trace RUN_DIR/profile/steps3-5/rank0.pt.trace.json --step 4 --out timeline.png
+    # a memory snapshot (logging.memory_snapshot): live memory over time, stacked by what allocated it
+    python scripts/render_profile.py snapshot RUN_DIR/memory/step5_rank0.pickle --out memory.png
+
+A trace without GPU kernels (a CPU run) is drawn per thread from its CPU ops instead. Both print a small
+table of the figures drawn. The interactive views stay the better tools for digging: Perfetto
+(ui.perfetto.dev) for traces, pytorch.org/memory_viz for snapshots.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+GIB = 2**30
+# Kernel (or op) names -> kind, the first match wins: NCCL before matmuls (NCCL kernels are not GEMMs),
+# attention before matmuls (flash kernels contain 'gemm'-like names in some builds).
+KINDS = [
+    ("communication (NCCL)", re.compile(r"nccl|all_?gather|reduce_?scatter|all_?reduce|broadcast", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient_attention", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|sm\d\d_xmma|cublas|matmul|aten::mm|aten::addmm|aten::bmm|nvjet", re.I)),
+    ("memory copy", re.compile(r"memcpy|memset|aten::copy_|aten::to\b", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
+]
+OTHER = "elementwise / other"
+COLOURS = {"communication (NCCL)": "tab:red", "attention": "tab:purple", "matmul": "tab:blue",
+           "memory copy": "tab:gray", "optimizer": "tab:green", OTHER: "tab:orange"}
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if pattern.search(name):
+            return kind
+    return OTHER
+
+
+def load_trace(path: Path) -> list[dict]:
+    """The complete ('X') events of a chrome trace (torch.profiler's export_chrome_trace)."""
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+
+
+def step_window(events: list[dict], step: int | None) -> tuple[str, float, float]:
+    """(name, start, end) in microseconds of a profiled step's range ('train_step#N'): the chosen step, or
+    the second one when there are several (the first can carry the profiler's start-up). A step's GPU work
+    may end after its CPU range: the window runs to the next step's start, or to the end of the trace."""
+    steps = sorted((e["ts"], e["name"]) for e in events if e["name"].startswith("train_step#"))
+    if not steps:
+        raise ValueError("no train_step#N ranges in the trace: was it written by logging.profile_steps?")
+    names = [name for _, name in steps]
+    if step is None:
+        index = 1 if len(steps) > 1 else 0
+    elif f"train_step#{step}" in names:
+        index = names.index(f"train_step#{step}")
+    else:
+        raise ValueError(f"step {step} is not in the trace (it holds {', '.join(names)})")
+    start = steps[index][0]
+    end = steps[index + 1][0] if index + 1 < len(steps) else max(e["ts"] + e["dur"] for e in events)
+    return steps[index][1], start, end
+
+
+def lanes_of(events: list[dict], start: float, end: float) -> tuple[str, dict[str, list[tuple[float, float, str]]]]:
+    """('gpu' or 'cpu', lane -> [(start ms from the window's start, duration ms, kind)]): GPU kernels, copies
+    and memsets per (device, stream) when the trace has any, else CPU ops per thread."""
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    chosen, what = (gpu, "gpu") if gpu else ([e for e in events if e.get("cat") == "cpu_op"], "cpu")
+    lanes: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in chosen:
+        if start <= e["ts"] < end:
+            lane = f"GPU {e['pid']} stream {e['tid']}" if what == "gpu" else f"thread {e['tid']}"
+            lanes[lane].append(((e["ts"] - start) / 1e3, e["dur"] / 1e3, kind_of(e["name"])))
+    return what, dict(sorted(lanes.items()))
+
+
+def render_trace(path: Path, out: Path, step: int | None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = load_trace(path)
+    name, start, end = step_window(events, step)
+    what, lanes = lanes_of(events, start, end)
+    fig, ax = plt.subplots(figsize=(15, 1.6 + 0.5 * max(3, len(lanes))), dpi=120)
+    # Kernels on a stream never overlap; CPU ops nest, and each is counted in its kind's total.
+    table = ["| lane | ms | " + " | ".join(COLOURS) + " |", "|" + " --- |" * (len(COLOURS) + 2)]
+    for y, (lane, spans) in enumerate(lanes.items()):
+        # Longest first: CPU ops nest (aten::linear holds aten::mm), so the inner ones are drawn on top.
+        ordered = sorted(spans, key=lambda span: -span[1])
+        ax.broken_barh([(s, d) for s, d, _ in ordered], (y - 0.4, 0.8),
+                       facecolors=[COLOURS[k] for _, _, k in ordered], linewidth=0)
+        totals = {kind: sum(d for _, d, k in spans if k == kind) for kind in COLOURS}
+        table.append(f"| {lane} | {sum(totals.values()):.2f} | " + " | ".join(f"{v:.2f}" for v in totals.values())
+                     + " |")
+    ax.set_yticks(range(len(lanes)), list(lanes))
+    ax.invert_yaxis()
+    ax.set_xlim(0, (end - start) / 1e3)
+    ax.set_xlabel(f"ms from the start of {name}")
+    unit = "kernels per CUDA stream" if what == "gpu" else "CPU ops per thread (no GPU kernels in this trace)"
+    ax.set_title(f"{path.name}: {name}, {unit}")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
+    ax.legend(handles, list(COLOURS), loc="upper left", bbox_to_anchor=(1.005, 1), frameon=False, fontsize="small")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return "\n".join(table)
+
+
+# ---- memory snapshots ----------------------------------------------------------------------------------------
+
+CATEGORIES = ("before recording", "parameters (init, load)", "FSDP gathered weights and gradient buffers",
+              "optimizer state and step", "forward (activations)", "backward (gradients, temporaries)", "other")
+
+
+def category_of(frames: list[dict]) -> str:
+    """What allocated a block, from its Python stack (innermost frame first): the optimizer, FSDP's
+    communication buffers, the backward pass, the forward pass, weight initialisation, or other."""
+    files = [f.get("filename", "") for f in frames]
+    names = [f.get("name", "") for f in frames]
+    if any("torch/optim/" in f for f in files):
+        return "optimizer state and step"
+    if any("/fsdp/" in f or "_fully_shard" in f for f in files):
+        return "FSDP gathered weights and gradient buffers"
+    if any(n in ("backward", "_engine_run_backward") for n in names):
+        return "backward (gradients, temporaries)"
+    if any(n == "forward" for n in names):
+        return "forward (activations)"
+    if any(n in ("init_weights", "materialise", "load", "reset_parameters") for n in names):
+        return "parameters (init, load)"
+    return "other"
+
+
+def memory_timeline(snapshot: dict, device: int = 0) -> tuple[list[float], dict[str, list[float]]]:
+    """(times in s from the first event, category -> live bytes after each event) of one device's
+    allocation history. Blocks still live from before the recording started (or whose allocation fell out
+    of the history) are 'before recording': the live total at the end, from the snapshot's segments, minus
+    what the history adds up to."""
+    trace = device_trace(snapshot, device)
+    live: dict[int, tuple[str, int]] = {}
+    current = dict.fromkeys(CATEGORIES, 0)
+    times: list[float] = []
+    series: dict[str, list[float]] = {c: [] for c in CATEGORIES}
+    for i, event in enumerate(trace):
+        action = event["action"]
+        if action == "alloc":
+            category = category_of(event.get("frames", []))
+            live[event["addr"]] = (category, event["size"])
+            current[category] += event["size"]
+        elif action == "free_completed":
+            category, size = live.pop(event["addr"], ("before recording", event["size"]))
+            current[category] -= size
+        else:
+            continue
+        times.append(event_time(event, trace, i))
+        for c in CATEGORIES:
+            series[c].append(current[c])
+    end_live = sum(s["allocated_size"] for s in snapshot["segments"] if s.get("device", device) == device)
+    before = end_live - sum(current.values())  # live at the end, not accounted for by the history
+    series["before recording"] = [v + before for v in series["before recording"]]
+    return times, series
+
+
+def device_trace(snapshot: dict, device: int) -> list[dict]:
+    traces = snapshot.get("device_traces") or []
+    return traces[device] if device < len(traces) else []
+
+
+def event_time(event: dict, trace: list[dict], index: int) -> float:
+    """Seconds from the first recorded event (its index where the snapshot has no times)."""
+    if "time_us" in event and "time_us" in trace[0]:
+        return (event["time_us"] - trace[0]["time_us"]) / 1e6
+    return float(index)
+
+
+def render_snapshot(path: Path, out: Path, device: int) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with path.open("rb") as f:
+        snapshot = pickle.load(f)  # a file this run wrote: torch.cuda.memory._dump_snapshot
+    times, series = memory_timeline(snapshot, device)
+    shown = [c for c in CATEGORIES if any(series[c])]
+    fig, ax = plt.subplots(figsize=(14, 5), dpi=120)
+    ax.stackplot(times, [[v / GIB for v in series[c]] for c in shown], labels=shown, step="post")
+    totals = [sum(series[c][i] for c in CATEGORIES) for i in range(len(times))]
+    table = ["| what | GiB at the peak | largest GiB |", "| --- | --- | --- |"]
+    if totals:
+        peak = max(range(len(totals)), key=totals.__getitem__)
+        ax.axvline(times[peak], color="black", linewidth=0.8, linestyle="--")
+        ax.annotate(f"peak {totals[peak] / GIB:.2f} GiB", (times[peak], totals[peak] / GIB), xytext=(5, 5),
+                    textcoords="offset points")
+        table += [f"| {c} | {series[c][peak] / GIB:.3f} | {max(series[c]) / GIB:.3f} |" for c in shown]
+    trace = device_trace(snapshot, device)
+    for i, event in enumerate(trace):
+        if event["action"] == "oom":
+            ax.axvline(event_time(event, trace, i), color="red", label="out of memory")
+    ax.set_xlabel("seconds from the first recorded allocation" if trace and "time_us" in trace[0] else "event")
+    ax.set_ylabel("live GiB (allocated tensors)")
+    ax.set_title(f"{path.name}: GPU {device} memory over time, by what allocated it")
+    ax.legend(loc="upper left", fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return "\n".join(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=("trace", "snapshot"), help="a profile trace (json) or a memory snapshot")
+    parser.add_argument("path", type=Path, help="the .pt.trace.json or .pickle file")
+    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    parser.add_argument("--step", type=int, default=None, help="trace: the step to draw (default: the second)")
+    parser.add_argument("--device", type=int, default=0, help="snapshot: the device index whose history to draw")
+    args = parser.parse_args(argv)
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        if args.kind == "trace":
+            table = render_trace(args.path, args.out, args.step)
+        else:
+            table = render_snapshot(args.path, args.out, args.device)
+    except (OSError, ValueError, KeyError, pickle.UnpicklingError) as err:
+        print(f"error: {args.path}: {err}", file=sys.stderr)
+        return 1
+    print(table)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
