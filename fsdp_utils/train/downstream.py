@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import io
 import logging
 import random
 import time
@@ -80,11 +81,19 @@ def task_problems(names: Sequence[str], include_path: Sequence[str] = (), *, whe
     return problems
 
 
-def load_tasks(manager, names: Sequence[str]) -> dict:
-    """lm_eval's task dict for `names`, datasets loaded, defaults as lm_eval's simple_evaluate sets them."""
-    loaded = manager.load(list(names))
+def load_tasks(manager, names: Sequence[str], *, num_fewshot: int | None = None) -> dict:
+    """lm_eval's task dict for `names`, datasets loaded, few-shot settings as lm_eval's simple_evaluate makes
+    them (num_fewshot: instead of each task's own); DownstreamError in one line if a task cannot load."""
+    try:
+        loaded = manager.load(list(names))
+    except Exception as err:  # lm_eval and datasets raise many kinds (no network, a bad YAML): say which and why
+        text = str(err).strip().splitlines()
+        raise DownstreamError(f"cannot load the lm-eval task(s) {', '.join(names)}: {type(err).__name__}: "
+                              f"{text[0] if text else ''}") from None
     for task in loaded["tasks"].values():
-        if task.get_config("num_fewshot") is None:
+        if num_fewshot is not None and task.get_config("num_fewshot") != 0:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
     return loaded
@@ -140,9 +149,9 @@ def quiet_lm_eval() -> None:
 
 
 class DownstreamEvaluator:
-    """train.eval_tasks in training: the tasks are loaded at construction (before step 1, so a task that
-    cannot load stops the run then); `run` evaluates the model as it is (sharded: every rank takes part),
-    in eval mode, and puts it back in train mode."""
+    """train.eval_tasks in training: the tasks (and their datasets) are loaded at construction (before step 1,
+    so a task that cannot load stops the run then); `run` evaluates the model as it is (sharded: every rank
+    takes part), in eval mode, and puts it back in train mode."""
 
     def __init__(self, names: Sequence[str], *, include_path: Sequence[str], limit: int, tokenizer_kind: str,
                  tokenizer_path: Path, max_length: int, env: DistEnv):
@@ -150,12 +159,8 @@ class DownstreamEvaluator:
 
         quiet_lm_eval()
         self.names, self.limit, self.max_length, self.env = list(names), limit, max_length, env
-        self.manager = task_manager(self.names, include_path)
-        try:
-            load_tasks(self.manager, self.names)
-        except Exception as err:  # lm_eval and datasets raise many kinds; the task and the reason matter
-            raise DownstreamError(f"train.eval_tasks: cannot load {', '.join(self.names)}: "
-                                  f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+        # Loaded once: lm_eval rebuilds a task's requests at every evaluation.
+        self.tasks = load_tasks(task_manager(self.names, include_path), self.names)
         self.codec = open_codec(tokenizer_kind, tokenizer_path)
 
     def run(self, model: nn.Module, *, batch_size: int) -> dict[str, Any]:
@@ -166,7 +171,8 @@ class DownstreamEvaluator:
         model.eval()
         try:
             lm = ModelLM(model, self.codec, device=self.env.device, batch_size=batch_size, max_length=self.max_length)
-            results = run_tasks(lm, load_tasks(self.manager, self.names), limit=self.limit)
+            with contextlib.redirect_stderr(io.StringIO()):  # lm_eval's progress bars, on every rank
+                results = run_tasks(lm, self.tasks, limit=self.limit)
         finally:
             model.train()
         return flat_metrics(results) | {"downstream_time_s": time.perf_counter() - started}

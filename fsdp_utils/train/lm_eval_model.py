@@ -77,7 +77,9 @@ class HFCodec:
         return self.tok.encode(text, **kwargs)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str), "one sequence of ids decodes to one string"
+        return text
 
 
 Codec = SentencePieceCodec | HFCodec

@@ -43,6 +43,13 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def scalar_tag(key: str) -> str:
+    """The TensorBoard tag of a metrics.jsonl key: val/loss, eval/<task>/<metric> as it is, else train/<key>."""
+    if key == "val_loss":
+        return "val/loss"
+    return key if key.startswith("eval/") else f"train/{key}"
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and mirrors scalars to TensorBoard."""
 
@@ -61,7 +68,7 @@ class MetricsWriter:
         if self.tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tb.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss", value, row["step"])
+                    self.tb.add_scalar(scalar_tag(key), value, row["step"])
 
     def close(self) -> None:
         self.file.close()
@@ -104,11 +111,17 @@ class TrainingLog:
             self.writer.write(row)
         self.last_time, self.last_step = time.perf_counter(), step
 
-    def on_eval(self, step: int, val_loss: float) -> None:
-        self.last_row["val_loss"] = val_loss
+    def on_eval(self, step: int, metrics: dict, *, seconds: float = 0.0) -> None:
+        """metrics: val_loss, and the eval/<task>/<metric> scores of train.eval_tasks with downstream_time_s.
+        The evaluation's `seconds` are not training time: the next throughput figure leaves them out."""
+        row = {"step": step, **metrics, "eval_time_s": seconds}
+        self.last_row |= metrics
+        self.last_time += seconds
         if self.writer is not None:
-            log.info("step %d | val_loss %.4f", step, val_loss)
-            self.writer.write({"step": step, "val_loss": val_loss})
+            scores = "".join(f" | {key.removeprefix('eval/')} {value:.4f}" for key, value in metrics.items()
+                             if key.startswith("eval/"))
+            log.info("step %d | val_loss %.4f%s | evaluated in %.1f s", step, metrics["val_loss"], scores, seconds)
+            self.writer.write(row)
 
     def close(self) -> None:
         if self.writer is not None:

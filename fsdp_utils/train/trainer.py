@@ -5,6 +5,7 @@ per component per step (the log, evaluation, the checkpoint manager), each decid
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -22,6 +23,7 @@ from ..distributed import DistEnv
 from ..parallel.build import build_model, describe_model, log_parameter_summary
 from ..parallel.parallelize import model_converters, parallelize, resolve_precision
 from .batch import BatchSplit
+from .downstream import DownstreamEvaluator
 from .metrics import TrainingLog, detect_peak_flops
 from .microbatch import OutOfMemoryGuard, cache_key, memory_hint, memory_probe, resolve_micro_batch, save_to_cache
 from .optim import build_optimizer, lr_at
@@ -66,6 +68,7 @@ class Trainer:
         check_batch_split(cfg, env.world_size)
         torch.manual_seed(cfg.run.seed)
         self._setup_data()
+        self.downstream = self._setup_downstream()
         self._setup_model()
         self._choose_micro_batch()  # before any resume: the search's trial steps need the optimizer state empty
         self.state = self._resume(resume_from)
@@ -90,6 +93,15 @@ class Trainer:
             raise ConfigError([f"the model's vocabulary ({self.vocab_size}) is smaller than the tokenizer's "
                                f"({self.prepared.vocab_size})"])
         self.train_data, self.val_data = open_datasets(sources, seq_len=cfg.data.seq_len, seed=cfg.run.seed)
+
+    def _setup_downstream(self) -> DownstreamEvaluator | None:
+        """train.eval_tasks' tasks loaded now, so that one that cannot load stops the run before step 1."""
+        t = self.cfg.train
+        if not t.eval_tasks:
+            return None
+        return DownstreamEvaluator(t.eval_tasks, include_path=t.eval_tasks_path, limit=t.eval_tasks_limit,
+                                   tokenizer_kind=self.cfg.data.tokenizer, tokenizer_path=self.prepared.tokenizer_path,
+                                   max_length=self.cfg.data.seq_len, env=self.env)
 
     def _setup_model(self) -> None:
         cfg, env, t = self.cfg, self.env, self.cfg.train
@@ -230,6 +242,16 @@ class Trainer:
                                               micro_batch=self.split.micro_batch_size, env=self.env),
                              phase="evaluation", step=self.state.step)
 
+    def evaluate_all(self) -> None:
+        """The validation loss and train.eval_tasks, logged together; their time is left out of tokens/s."""
+        started = time.perf_counter()
+        row: dict = {"val_loss": self.evaluate()}
+        if self.downstream is not None:
+            downstream = self.downstream
+            row |= self._guarded(lambda: downstream.run(self.model, batch_size=self.split.micro_batch_size),
+                                 phase="downstream evaluation", step=self.state.step)
+        self.log.on_eval(self.state.step, row, seconds=time.perf_counter() - started)
+
     # ---- the loop --------------------------------------------------------------------------------------
     def fit(self) -> dict:
         """Train to train.max_steps (or a stop signal), saving as checkpoint.* says; returns the last logged row."""
@@ -252,7 +274,7 @@ class Trainer:
                     self._memory_hint()
                 self.log.on_step(self.state.step, loss=result.loss, lr=self.lr, grad_norm=result.grad_norm)
                 if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.max_steps):
-                    self.log.on_eval(self.state.step, self.evaluate())
+                    self.evaluate_all()
                 # The manager decides: commit a save in flight, save at its interval, on a stop, at the end.
                 self.state.grad_scaler = self.scaler.state_dict() if self.scaler else None
                 self.ckpt.on_step_end(self.model, self.optimizer, self.state, stopping=result.stop_requested,
