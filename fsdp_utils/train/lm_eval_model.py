@@ -12,6 +12,7 @@ results are gathered to every rank.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 # Inputs are right-padded to a multiple of this many tokens: fewer shapes for torch.compile to specialise
 # on, and FP8 matmuls need token counts divisible by 16. Right padding cannot change a causal model's
@@ -100,7 +103,8 @@ class _Generation:
 
 class ModelLM(TemplateLM):
     """lm_eval's LM over `model` (in eval mode, on `device`) and `codec`. Contexts longer than max_length
-    lose tokens on the left, as in lm_eval's own models; generation is greedy, without a KV cache (each new
+    lose tokens on the left, as in lm_eval's own models (so does a continuation longer than max_length, which
+    those refuse: a training run should not stop for one); generation is greedy, without a KV cache (each new
     token runs the model over the whole sequence), for the short answers of evaluation tasks."""
 
     def __init__(self, model: nn.Module, codec: Codec, *, device: torch.device, batch_size: int, max_length: int,
@@ -151,17 +155,21 @@ class ModelLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        jobs = []
+        jobs, notes = [], set()
         for i, (context, gen_kwargs) in enumerate(req.args for req in requests):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             if kwargs.get("do_sample") and kwargs.get("temperature", 0.0) > 0:
-                raise ValueError("generation with sampling (do_sample) is not supported: greedy only")
+                notes.add("sampling (do_sample) was asked for: decoded greedily instead")
             max_new = int(kwargs["max_gen_toks"])
             if max_new >= self.max_length:
-                raise ValueError(f"max_gen_toks={max_new} leaves no room for a context in {self.max_length} tokens")
+                notes.add(f"max_gen_toks={max_new} leaves no room for a context in {self.max_length} tokens: "
+                          f"{self.max_length - 1} new tokens at most")
+                max_new = self.max_length - 1
             until = kwargs.get("until") or []
             jobs.append(_Generation(i, self.tok_encode(context)[-(self.max_length - max_new):], max_new,
                                     [until] if isinstance(until, str) else list(until)))
+        for note in sorted(notes) if self.eval_rank == 0 else []:
+            log.warning("generate_until: %s", note)
         jobs.sort(key=lambda job: -len(job.context))
         batches = [jobs[i:i + self.batch_size] for i in range(0, len(jobs), self.batch_size)]
         texts = self._across_ranks(batches, self._generate)
@@ -171,12 +179,17 @@ class ModelLM(TemplateLM):
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """For each (context, continuation) of token ids: the continuation's log-probability after the
         context, and whether greedy decoding would produce it."""
-        rows = []
+        rows, num_cut = [], 0
         for context, continuation in pairs:
-            if not 0 < len(continuation) <= self.max_length:
-                raise ValueError(f"a continuation of {len(continuation)} tokens does not fit {self.max_length}")
+            if not continuation:
+                raise ValueError("an empty continuation has no log-probability to score")
+            if len(continuation) > self.max_length:  # no room for it: its first tokens go, as a context's would
+                continuation, num_cut = continuation[-self.max_length:], num_cut + 1
             whole = (context + continuation)[-(self.max_length + 1):]
             rows.append((whole[:-1], continuation))  # the model reads whole[:-1] and predicts whole[1:]
+        if num_cut and self.eval_rank == 0:
+            log.warning("%d continuation(s) longer than the %d-token context: only their last %d tokens were scored",
+                        num_cut, self.max_length, self.max_length)
         # Longest first: a batch is padded to its first row's length, so similar lengths share batches.
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
