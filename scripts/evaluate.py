@@ -15,6 +15,8 @@ folders of your own task .yaml files. bf16 (autocast, weights kept in fp32) on G
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 import time
@@ -98,7 +100,9 @@ def evaluate(checkpoint: Path, tasks: list[str], *, include_path: list[str], lim
     loaded = time.perf_counter()
     lm = ModelLM(model, codec, device=env_device, batch_size=batch_size, max_length=max_length,
                  progress=launch.rank == 0)
-    results = run_tasks(lm, task_dict, limit=limit, bootstrap_iters=bootstrap_iters)
+    # lm_eval's progress bars from rank 0 alone.
+    with contextlib.redirect_stderr(io.StringIO()) if launch.rank else contextlib.nullcontext():
+        results = run_tasks(lm, task_dict, limit=limit, bootstrap_iters=bootstrap_iters)
     done = time.perf_counter()
     results["evaluation"] = {
         "checkpoint": str(checkpoint), "model": kind, "tasks": tasks, "limit": limit, "num_fewshot": num_fewshot,

@@ -104,7 +104,8 @@ def seeded_rng() -> Iterator[None]:
     """lm_eval's seeds inside, the caller's random states (Python, NumPy, torch) as they were afterwards:
     an evaluation in training leaves the training's random streams untouched."""
     py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+    # This rank's GPU only: forking every visible device would make a CUDA context on each.
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
         random.seed(0)
         np.random.seed(FEWSHOT_SEED)
         torch.manual_seed(FEWSHOT_SEED)

@@ -199,15 +199,17 @@ class ModelLM(TemplateLM):
                 self._idle_forward()
                 return []
             logits = self._logits([rows[i][0] for i in batch])  # (B, T, V)
-            out = []
+            sums, greedy = [], []
             for j, i in enumerate(batch):
                 inputs, continuation = rows[i]
                 n = len(continuation)
                 logprobs = torch.log_softmax(logits[j, len(inputs) - n:len(inputs)].float(), dim=-1)  # (n, V)
                 target = torch.tensor(continuation, device=logprobs.device)
-                out.append((i, (logprobs.gather(1, target[:, None]).sum().item(),
-                                bool((logprobs.argmax(-1) == target).all()))))
-            return out
+                sums.append(logprobs.gather(1, target[:, None]).sum())
+                greedy.append((logprobs.argmax(-1) == target).all())
+            # One copy to the host per batch, not one per row.
+            values = torch.stack(sums).tolist(), torch.stack(greedy).tolist()
+            return [(i, (value, hit)) for i, value, hit in zip(batch, *values, strict=True)]
 
         results = self._across_ranks(batches, run)
         return [results[i] for i in range(len(rows))]
