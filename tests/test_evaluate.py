@@ -267,6 +267,16 @@ def test_unknown_tasks_missing_folders_and_a_missing_lm_eval_are_one_line_each(s
     problems = early_problems(cfg, read_torchrun_env(), None)
     assert [p for p in problems if "eval_tasks" in p] == [
         "train.eval_tasks: unknown lm-eval task 'nonesuch_task' (a task, group or tag name, or a task .yaml file)"]
+    # A task whose data cannot be read stops the training at its setup, before step 1, in one line.
+    from fsdp_utils.train.downstream import DownstreamError, DownstreamEvaluator
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    spec = (setup["tasks"] / "tiny_gen.yaml").read_text().replace("tiny_gen", "tiny_broken")
+    (broken / "tiny_broken.yaml").write_text(spec.replace(str(setup["tasks"]), str(tmp_path / "gone")))
+    with pytest.raises(DownstreamError, match=r"^cannot load the lm-eval task\(s\) tiny_broken: \w+"):
+        DownstreamEvaluator(["tiny_broken"], include_path=[str(broken)], limit=0, tokenizer_kind="sentencepiece",
+                            tokenizer_path=setup["root"] / "tokenizer.model", max_length=MAX_LEN, env=cpu_env(0, 1))
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails, as without the package
     assert task_problems(["tiny_gen"], include, where="train.eval_tasks") == [
         "train.eval_tasks needs the lm-eval package (EleutherAI's lm-evaluation-harness): pip install lm-eval"]

@@ -162,7 +162,10 @@ class DownstreamEvaluator:
         self.names, self.limit, self.max_length, self.env = list(names), limit, max_length, env
         # Loaded once: lm_eval rebuilds a task's requests at every evaluation.
         self.tasks = load_tasks(task_manager(self.names, include_path), self.names)
-        self.codec = open_codec(tokenizer_kind, tokenizer_path)
+        try:
+            self.codec = open_codec(tokenizer_kind, tokenizer_path)
+        except (OSError, ValueError) as err:
+            raise DownstreamError(f"train.eval_tasks: cannot use the run's tokenizer {tokenizer_path}: {err}") from None
 
     def run(self, model: nn.Module, *, batch_size: int) -> dict[str, Any]:
         """The flat metrics of every task, and 'downstream_time_s'."""

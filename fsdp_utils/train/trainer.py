@@ -19,11 +19,11 @@ from data.store import tokenizer_sha256
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
 from ..checkpoint.io import install_tokenizer
-from ..distributed import DistEnv
+from ..distributed import DistEnv, agree
 from ..parallel.build import build_model, describe_model, log_parameter_summary
 from ..parallel.parallelize import model_converters, parallelize, resolve_precision
 from .batch import BatchSplit
-from .downstream import DownstreamEvaluator
+from .downstream import DownstreamError, DownstreamEvaluator
 from .metrics import TrainingLog, detect_peak_flops
 from .microbatch import OutOfMemoryGuard, cache_key, memory_hint, memory_probe, resolve_micro_batch, save_to_cache
 from .optim import build_optimizer, lr_at
@@ -99,9 +99,16 @@ class Trainer:
         t = self.cfg.train
         if not t.eval_tasks:
             return None
-        return DownstreamEvaluator(t.eval_tasks, include_path=t.eval_tasks_path, limit=t.eval_tasks_limit,
-                                   tokenizer_kind=self.cfg.data.tokenizer, tokenizer_path=self.prepared.tokenizer_path,
-                                   max_length=self.cfg.data.seq_len, env=self.env)
+        evaluator, error = None, None
+        try:
+            evaluator = DownstreamEvaluator(t.eval_tasks, include_path=t.eval_tasks_path, limit=t.eval_tasks_limit,
+                                            tokenizer_kind=self.cfg.data.tokenizer,
+                                            tokenizer_path=self.prepared.tokenizer_path,
+                                            max_length=self.cfg.data.seq_len, env=self.env)
+        except DownstreamError as err:
+            error = err
+        agree(self.env, error)  # a rank that could not load them must not leave the others waiting in a collective
+        return evaluator
 
     def _setup_model(self) -> None:
         cfg, env, t = self.cfg, self.env, self.cfg.train
