@@ -178,11 +178,9 @@ class ModelLM(TemplateLM):
     # ---- scoring --------------------------------------------------------------------------------------
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """For each (context, continuation) of token ids: the continuation's log-probability after the
-        context, and whether greedy decoding would produce it."""
+        context, and whether greedy decoding would produce it (an empty continuation: 0 and True)."""
         rows, num_cut = [], 0
         for context, continuation in pairs:
-            if not continuation:
-                raise ValueError("an empty continuation has no log-probability to score")
             if len(continuation) > self.max_length:  # no room for it: its first tokens go, as a context's would
                 continuation, num_cut = continuation[-self.max_length:], num_cut + 1
             whole = (context + continuation)[-(self.max_length + 1):]
@@ -247,7 +245,7 @@ class ModelLM(TemplateLM):
     @torch.no_grad()
     def _logits(self, rows: list[list[int]]) -> torch.Tensor:
         """The model's logits (B, T, V) for rows of token ids, right-padded with EOS."""
-        length = min(math.ceil(max(map(len, rows)) / PAD_MULTIPLE) * PAD_MULTIPLE, self.max_length)
+        length = min(math.ceil(max(1, *map(len, rows)) / PAD_MULTIPLE) * PAD_MULTIPLE, self.max_length)
         tokens = torch.full((len(rows), length), self.codec.eos_id, dtype=torch.long)
         for j, row in enumerate(rows):
             tokens[j, :len(row)] = torch.tensor(row, dtype=torch.long)
