@@ -26,6 +26,7 @@ from fsdp_utils.checkpoint.format import check_structure
 from fsdp_utils.distributed import DistEnv, Launch, destroy_distributed, init_distributed, read_torchrun_env
 from fsdp_utils.parallel.float8 import float8_problems
 from fsdp_utils.parallel.hf import HFModelError, hf_problems
+from fsdp_utils.train.downstream import DownstreamError, task_problems
 from fsdp_utils.train.microbatch import OutOfMemory
 from fsdp_utils.train.preemption import StopSignal
 from fsdp_utils.train.run_lock import RunLocked, take_run_lock
@@ -33,7 +34,7 @@ from fsdp_utils.train.trackers import tracker_problems
 from fsdp_utils.train.trainer import NonFiniteError, Trainer
 
 # Errors of the user's input or the run's state, raised alike on every rank: one line, exit 1.
-USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory, HFModelError, NonFiniteError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory, HFModelError, NonFiniteError, DownstreamError)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -63,6 +64,8 @@ def early_problems(cfg: Config, launch: Launch, resume_from: str | None) -> list
         problems += tracker_problems(cfg.logging.tracker_names)
     if cfg.model.type == "hf" and not problems:  # the folder exists (launch_problems): can it be used?
         problems += hf_problems(cfg.model, document_masking=cfg.data.document_masking)
+    # lm-eval importable and every task known, before step 1 (not at the first evaluation).
+    problems += task_problems(cfg.train.eval_tasks, cfg.train.eval_tasks_path, where="train.eval_tasks")
     return problems
 
 

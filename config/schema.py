@@ -217,6 +217,14 @@ class TrainConfig:
     """Compute the validation loss every this many steps (and at the end); 0 disables."""
     eval_batches: int = 8
     """Validation micro-batches per evaluation, in total (split over the ranks: the same data at any world size)."""
+    eval_tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks (names, or task .yaml files) run with the validation at every eval_interval, on
+    all ranks with the model as it trains (sharded), each metric logged next to val_loss as eval/<task>/<metric>;
+    needs the lm-eval package (docs/evaluation.md). Empty: none."""
+    eval_tasks_path: list[str] = field(default_factory=list)
+    """Folders of your own lm-eval task .yaml files (lm-eval's include_path), searched before its built-in tasks."""
+    eval_tasks_limit: int = 0
+    """Documents per task in train.eval_tasks (the first ones; 0: all)."""
     precision: str = "auto"
     """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 or fp32."""
     compile: bool = False
@@ -749,7 +757,7 @@ def _train_problems(cfg: Config) -> list[str]:
                  f"sharded weights included, is built for FSDP2's fully_shard)")
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps must not be negative, got {t.max_bad_steps}")
-    return p + _lora_problems(cfg)
+    return p + _lora_problems(cfg) + _eval_tasks_problems(t)
 
 
 def lora_targets(names: Sequence[str]) -> list[str]:
@@ -806,6 +814,19 @@ def _schedule_problems(t: TrainConfig) -> list[str]:
             p.append(f"train.lr_schedule=wsd: train.warmup_steps={t.warmup_steps} plus the decay's "
                      f"{decay} steps (train.decay_fraction={t.decay_fraction} of train.max_steps={t.max_steps}) "
                      f"exceed train.max_steps; shorten the warmup or the decay")
+    return p
+
+
+def _eval_tasks_problems(t: TrainConfig) -> list[str]:
+    """The shape of train.eval_tasks*; whether lm-eval knows the tasks is checked at launch (train_fsdp.py)."""
+    p: list[str] = []
+    if t.eval_tasks_limit < 0:
+        p.append(f"train.eval_tasks_limit must be 0 (all documents) or positive, got {t.eval_tasks_limit}")
+    if any(not name.strip() for name in t.eval_tasks):
+        p.append("train.eval_tasks: a task name is empty")
+    if t.eval_tasks and t.eval_interval == 0:
+        p.append("train.eval_tasks run at every train.eval_interval, which is 0 (off); set train.eval_interval")
+    p += [f"train.eval_tasks_path: not found: {path}" for path in t.eval_tasks_path if not Path(path).exists()]
     return p
 
 

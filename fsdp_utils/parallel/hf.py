@@ -148,7 +148,7 @@ def build_hf_model(cfg, env: DistEnv, *, on_meta: bool, eos_id: int | None = Non
         with torch.device("meta"):
             lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32, trust_remote_code=False)
     elif cfg.model.hf_path:
-        lm = _load_pretrained(cfg.model)
+        lm = load_pretrained(cfg.model)
     else:
         torch.manual_seed(cfg.run.seed)
         lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32, trust_remote_code=False)
@@ -157,7 +157,7 @@ def build_hf_model(cfg, env: DistEnv, *, on_meta: bool, eos_id: int | None = Non
     return CausalLMAdapter(lm, eos_id=eos_id)
 
 
-def _load_pretrained(model_cfg) -> nn.Module:
+def load_pretrained(model_cfg) -> nn.Module:
     """The weights of model.hf_path on the CPU; HFModelError in one line for missing, damaged or refused files."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM

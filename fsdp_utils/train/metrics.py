@@ -99,8 +99,17 @@ class TrainingLog:
             self.writer.write(row)
         self.last_time, self.last_step = time.perf_counter(), step
 
-    def on_eval(self, step: int, val_loss: float) -> None:
-        self.log_metrics(step, {"val_loss": val_loss})
+    def on_eval(self, step: int, metrics: dict, *, seconds: float = 0.0) -> None:
+        """metrics: val_loss, and the eval/<task>/<metric> scores of train.eval_tasks with downstream_time_s.
+        The evaluation's `seconds` are not training time: the next throughput figure leaves them out."""
+        row = {"step": step, **metrics, "eval_time_s": seconds}
+        self.last_row |= metrics
+        self.last_time += seconds
+        if self.writer is not None:
+            scores = "".join(f" | {key.removeprefix('eval/')} {value:.4f}" for key, value in metrics.items()
+                             if key.startswith("eval/"))
+            log.info("step %d | val_loss %.4f%s | evaluated in %.1f s", step, metrics["val_loss"], scores, seconds)
+            self.writer.write(row)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """A row of other metrics at this step (every rank calls it, rank 0 writes): metrics.jsonl, the log

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -20,11 +21,12 @@ from data.tokenizer import prepared_eos_id
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
 from ..checkpoint.io import install_tokenizer
-from ..distributed import DistEnv
+from ..distributed import DistEnv, agree
 from ..parallel.build import build_model, describe_model, log_parameter_summary
 from ..parallel.lora import lora_record
 from ..parallel.parallelize import model_converters, parallelize, resolve_precision
 from .batch import BatchSplit
+from .downstream import DownstreamError, DownstreamEvaluator
 from .metrics import TrainingLog
 from .microbatch import OutOfMemoryGuard, cache_key, memory_hint, memory_probe, resolve_micro_batch, save_to_cache
 from .optim import LRSchedule, build_optimizer
@@ -72,6 +74,7 @@ class Trainer:
         check_batch_split(cfg, env.world_size)
         torch.manual_seed(cfg.run.seed)
         self._setup_data()
+        self.downstream = self._setup_downstream()
         self._setup_model()
         self._choose_micro_batch()  # before any resume: the search's trial steps need the optimizer state empty
         self.schedule = LRSchedule.from_config(cfg.train)
@@ -104,6 +107,22 @@ class Trainer:
         # The token that separates documents, for the model's document masking and restarting positions.
         needs_eos = cfg.data.document_masking or cfg.model.reset_positions
         self.eos_id = prepared_eos_id(self.prepared.tokenizer_path) if needs_eos else None
+
+    def _setup_downstream(self) -> DownstreamEvaluator | None:
+        """train.eval_tasks' tasks loaded now, so that one that cannot load stops the run before step 1."""
+        t = self.cfg.train
+        if not t.eval_tasks:
+            return None
+        evaluator, error = None, None
+        try:
+            evaluator = DownstreamEvaluator(t.eval_tasks, include_path=t.eval_tasks_path, limit=t.eval_tasks_limit,
+                                            tokenizer_kind=self.cfg.data.tokenizer,
+                                            tokenizer_path=self.prepared.tokenizer_path,
+                                            max_length=self.cfg.data.seq_len, env=self.env)
+        except DownstreamError as err:
+            error = err
+        agree(self.env, error)  # a rank that could not load them must not leave the others waiting in a collective
+        return evaluator
 
     def _setup_model(self) -> None:
         cfg, env, t = self.cfg, self.env, self.cfg.train
@@ -279,6 +298,16 @@ class Trainer:
                                               micro_batch=self.split.micro_batch_size, env=self.env),
                              phase="evaluation", step=self.state.step)
 
+    def evaluate_all(self) -> None:
+        """The validation loss and train.eval_tasks, logged together; their time is left out of tokens/s."""
+        started = time.perf_counter()
+        row: dict = {"val_loss": self.evaluate()}
+        if self.downstream is not None:
+            downstream = self.downstream
+            row |= self._guarded(lambda: downstream.run(self.model, batch_size=self.split.micro_batch_size),
+                                 phase="downstream evaluation", step=self.state.step)
+        self.log.on_eval(self.state.step, row, seconds=time.perf_counter() - started)
+
     # ---- the loop --------------------------------------------------------------------------------------
     def fit(self) -> dict:
         """Train to train.max_steps (or a stop signal), saving as checkpoint.* says; returns the last logged row."""
@@ -295,7 +324,7 @@ class Trainer:
                 self.memory.on_step_end(self.state.step)
                 self.log.on_step(self.state.step, loss=result.loss, lr=self.lr, grad_norm=result.grad_norm)
                 if t.eval_interval and (self.state.step % t.eval_interval == 0 or self.state.step == t.max_steps):
-                    self.log.on_eval(self.state.step, self.evaluate())
+                    self.evaluate_all()
                 # The manager decides: commit a save in flight, save at its interval, on a stop, at the end.
                 self.state.grad_scaler = self.scaler.state_dict() if self.scaler else None
                 self.ckpt.on_step_end(self.model, self.optimizer, self.state, stopping=result.stop_requested,

@@ -1,0 +1,168 @@
+"""Evaluate a checkpoint on lm-evaluation-harness tasks (EleutherAI's lm-eval package), without exporting it.
+
+    python scripts/evaluate.py checkpoints/tiny/fsdp_cpt1000.pth --tasks python_next_line \\
+        --include_path scripts/eval_tasks --output results.json
+    torchrun --nproc_per_node=8 scripts/evaluate.py checkpoints/llama1B/fsdp_sharded_cpt500 --tasks hellaswag,arc_easy
+    python scripts/evaluate.py exported/tiny --tasks lambada_openai --limit 100 --device cpu   # an HF model folder
+
+CHECKPOINT is a full checkpoint file, a sharded checkpoint folder (saved at any world size), or a Hugging Face
+model folder (config.json and weights). Our checkpoints use the run's tokenizer found next to them (as
+scripts/generate.py does) or --tokenizer; an HF folder its own tokenizer. Under torchrun every rank holds the
+whole model and evaluates its share of the batches (fsdp_utils/train/lm_eval_model.py); rank 0 prints the
+table and writes --output. --tasks takes task, group or tag names and task .yaml files; --include_path adds
+folders of your own task .yaml files. bf16 (autocast, weights kept in fp32) on GPUs, fp32 on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
+from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
+from fsdp_utils.distributed import destroy_distributed, init_distributed, pick_device, read_torchrun_env  # noqa: E402
+from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_pretrained  # noqa: E402
+from fsdp_utils.train.downstream import (  # noqa: E402
+    DownstreamError,
+    flat_metrics,
+    load_tasks,
+    run_tasks,
+    task_manager,
+    task_problems,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class Autocast(nn.Module):
+    """Runs the model under autocast: bf16 matmuls, weights, norms and the rotary tables kept in fp32."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(tokens.device.type, dtype=self.dtype):
+            return self.module(tokens)
+
+
+def is_hf_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def load_for_eval(path: Path, *, device: torch.device, tokenizer: Path | None):
+    """(model returning logits, codec, max_length, a short description) for our checkpoint or an HF folder."""
+    from lm_eval.models.utils import resolve_max_length
+
+    from fsdp_utils.train.lm_eval_model import open_codec
+
+    if is_hf_folder(path):
+        lm = load_pretrained(SimpleNamespace(hf_path=str(path), hf_config=""))
+        codec = open_codec("hf", tokenizer or path)
+        return CausalLMAdapter(lm).to(device).eval(), codec, resolve_max_length(lm.config, codec.tok), "hf"
+    meta = read_meta(path)  # first: a missing or foreign checkpoint is the error to report
+    tokenizer = find_tokenizer(path, tokenizer, meta.get("tokenizer_sha256"))
+    model, _ = load_model(path, device=device)
+    codec = open_codec("hf" if tokenizer.is_dir() else "sentencepiece", tokenizer)
+    if codec.vocab_size > model.cfg.vocab_size:
+        raise DownstreamError(f"{tokenizer}: {codec.vocab_size} tokens, more than the model's "
+                              f"vocab_size={model.cfg.vocab_size}")
+    return model, codec, model.cfg.max_seq_len, "ours"
+
+
+def evaluate(checkpoint: Path, tasks: list[str], *, include_path: list[str], limit: int | None = None,
+             batch_size: int = 8, num_fewshot: int | None = None, device: str = "auto", dtype: str = "auto",
+             tokenizer: Path | None = None, bootstrap_iters: int = 100_000) -> dict:
+    """lm_eval's results for `tasks` (every rank gets them), with an 'evaluation' entry: what ran, where, how long."""
+    from fsdp_utils.train.lm_eval_model import ModelLM
+
+    launch = read_torchrun_env()
+    env_device = init_distributed(device=device).device if launch.world_size > 1 else pick_device(device, 0)
+    compute = DTYPES[dtype] if dtype != "auto" else torch.bfloat16 if env_device.type == "cuda" else torch.float32
+    started = time.perf_counter()
+    manager = task_manager(tasks, include_path)
+    task_dict = load_tasks(manager, tasks, num_fewshot=num_fewshot)
+    model, codec, max_length, kind = load_for_eval(checkpoint, device=env_device, tokenizer=tokenizer)
+    if compute != torch.float32:
+        model = Autocast(model, compute)
+    loaded = time.perf_counter()
+    lm = ModelLM(model, codec, device=env_device, batch_size=batch_size, max_length=max_length,
+                 progress=launch.rank == 0)
+    # lm_eval's progress bars from rank 0 alone.
+    with contextlib.redirect_stderr(io.StringIO()) if launch.rank else contextlib.nullcontext():
+        results = run_tasks(lm, task_dict, limit=limit, bootstrap_iters=bootstrap_iters)
+    done = time.perf_counter()
+    results["evaluation"] = {
+        "checkpoint": str(checkpoint), "model": kind, "tasks": tasks, "limit": limit, "num_fewshot": num_fewshot,
+        "batch_size": batch_size, "max_length": max_length, "world_size": launch.world_size,
+        "device": str(torch.cuda.get_device_name(env_device) if env_device.type == "cuda" else "cpu"),
+        "dtype": str(compute).replace("torch.", ""), "load_s": loaded - started, "eval_s": done - loaded,
+        "forward_passes_rank0": lm.num_forward, "metrics": flat_metrics(results),
+    }
+    return results
+
+
+def report(results: dict) -> str:
+    """lm_eval's table of the results, then one line with the time taken."""
+    from lm_eval.utils import make_table
+
+    e = results["evaluation"]
+    return (make_table(results) + f"\n{len(e['tasks'])} task(s) on {e['world_size']} x {e['device']} ({e['dtype']}): "
+            f"loaded in {e['load_s']:.1f} s, evaluated in {e['eval_s']:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="fsdp_cpt<step>.pth, fsdp_sharded_cpt<step>/ or an HF folder")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names or task .yaml files")
+    parser.add_argument("--include_path", action="append", default=[], help="a folder of task .yaml files (repeatable)")
+    parser.add_argument("--limit", type=int, default=None, help="the first N documents of each task")
+    parser.add_argument("--batch_size", type=int, default=8, help="sequences per forward pass")
+    parser.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on GPUs, else fp32")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
+    parser.add_argument("--bootstrap_iters", type=int, default=100_000, help="for standard errors (0: none)")
+    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    problems = task_problems(tasks, args.include_path, where="--tasks") if tasks else ["--tasks: no task named"]
+    problems += [f"--{name} must be positive, got {value}" for name, value in
+                 (("limit", args.limit), ("batch_size", args.batch_size)) if value is not None and value <= 0]
+    if problems:
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    try:
+        results = evaluate(args.checkpoint, tasks, include_path=args.include_path, limit=args.limit,
+                           batch_size=args.batch_size, num_fewshot=args.num_fewshot, device=args.device,
+                           dtype=args.dtype, tokenizer=args.tokenizer, bootstrap_iters=args.bootstrap_iters)
+        if read_torchrun_env().rank == 0:
+            print(report(results))
+            if args.output is not None:
+                from lm_eval.utils import handle_non_serializable
+
+                args.output.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+    except (DownstreamError, CheckpointError, HFModelError, OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
