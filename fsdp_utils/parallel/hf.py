@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data.hf_tokenizer import names_own_code
+from model.transformer import IGNORE_INDEX, reduce_loss
 
 from ..distributed import DistEnv
 from .weights import BuiltModel, WeightInit
@@ -38,12 +39,16 @@ class CausalLMAdapter(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                loss_reduction: str = "mean") -> torch.Tensor:
         logits = self.lm(input_ids=tokens, use_cache=False).logits  # (B, T, V)
         if targets is None:
             return logits
-        # Our targets are already shifted by one; fp32 for a stable log-sum-exp.
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # Our targets are already shifted by one; fp32 for a stable log-sum-exp. Reduced as our model does:
+        # IGNORE_INDEX targets (a fine-tuning prompt) do not count.
+        total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
+                                ignore_index=IGNORE_INDEX)
+        return reduce_loss(total, targets, loss_reduction)
 
 
 def _field(model_cfg) -> str:

@@ -31,7 +31,7 @@ def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedD
     """
     d = cfg.data
     if d.sources:
-        return [(load_prepared(source.path), source.weight) for source in d.sources]
+        return [(check_format(load_prepared(source.path), d.format), source.weight) for source in d.sources]
     settings = PrepareSettings.from_config(cfg)
     dataset_dir = d.dataset_dir or default_dataset_dir(settings)
     job_id: list[str | None] = [uuid.uuid4().hex if env.is_main else None]
@@ -53,4 +53,13 @@ def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedD
         outcome.unlink(missing_ok=True)
     if error is not None:
         raise DataError(error)
-    return [(load_prepared(dataset_dir), 1.0)]
+    return [(check_format(load_prepared(dataset_dir), d.format), 1.0)]
+
+
+def check_format(prepared: PreparedData, wanted: str) -> PreparedData:
+    """The folder, if it holds data of data.format (a chat folder has masks, a text folder none)."""
+    if prepared.format != wanted:
+        raise DataError(f"data.format={wanted}: {prepared.root} holds {prepared.format} data (prepared with "
+                        f"data.format={prepared.format}); set data.format={prepared.format}, or prepare the corpus "
+                        f"with data.format={wanted} into another folder")
+    return prepared
