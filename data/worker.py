@@ -7,12 +7,13 @@ documents always land in the same split, so exact duplicates never leak from tra
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .chat import BadConversation, ChatFields, TemplateNotIncremental, plain_text, render_plain
+from .chat import BadConversation, ChatFields, Conversation, TemplateNotIncremental, plain_text, render_plain
 from .errors import DataError
 from .readers import Piece, piece_conversations, piece_documents
 
@@ -87,6 +88,7 @@ def _documents(chunk: Chunk, result: ChunkResult):
         result.first_bad_record = result.first_bad_record or problem
 
     for piece in chunk.pieces:
+        documents: Iterator[tuple[str | Conversation, bytes]]
         if s.chat is not None:
             documents = piece_conversations(piece, fields=s.chat, bad_record=bad_record)
         else:
