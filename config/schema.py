@@ -148,6 +148,18 @@ class DataConfig:
     """Inside a packed window of data.seq_len tokens, each token attends only to its own document (documents are
     joined by EOS; the token after an EOS starts a new one), through FlexAttention's block-sparse kernel;
     model.type=hf: through transformers' packed-sequence mask, with model.reset_positions (docs/training.md)."""
+    format: str = "text"
+    """text (documents: every token is trained on) or chat (fine-tuning: .jsonl conversations or prompt/response
+    pairs, rendered by a chat template; only the assistant's tokens are trained on, docs/training.md)."""
+    messages_field: str = "messages"
+    """data.format=chat: the field holding a record's list of messages ({role: system|user|assistant, content})."""
+    prompt_field: str = "prompt"
+    """data.format=chat: in a record without data.messages_field, the field holding the prompt (the user's turn)."""
+    response_field: str = "response"
+    """data.format=chat: in a record without data.messages_field, the field holding the response (trained on)."""
+    chat_template: str = "auto"
+    """data.format=chat: auto (the tokenizer's own chat template with data.tokenizer=hf, ours otherwise) or plain
+    (ours, for any tokenizer: <|user|>, <|assistant|> headers and an <|end|> marker, docs/training.md)."""
 
 
 @dataclass
@@ -705,12 +717,32 @@ def _data_problems(cfg: Config) -> list[str]:
         # transformers detects packed documents only where position_ids restart, and masks at every restart.
         p.append(f"model.type=hf: data.document_masking={d.document_masking} needs model.reset_positions="
                  f"{d.document_masking} (transformers masks documents exactly where their positions restart)")
+    p += _format_problems(d)
     if d.sources:
         if d.files or d.dataset_dir:
             p.append("data.sources replaces data.files and data.dataset_dir: leave those empty (--data.files=[])")
         from data.mixture import source_problems  # reads the folders' meta.json; imported only when needed
 
-        p += source_problems([(s.path, s.weight) for s in d.sources])
+        p += source_problems([(s.path, s.weight) for s in d.sources], wanted_format=d.format)
+    return p
+
+
+def _format_problems(d: DataConfig) -> list[str]:
+    p: list[str] = []
+    _choice(p, "data.format", d.format, ("text", "chat"))
+    _choice(p, "data.chat_template", d.chat_template, ("auto", "plain"))
+    for name in ("messages_field", "prompt_field", "response_field"):
+        if not getattr(d, name):
+            p.append(f"data.{name} must name a field of the records")
+    if d.format == "chat" and not d.files and not d.dataset_dir and not d.sources:
+        p.append("data.format=chat needs data.files (.jsonl conversations) or a prepared data.dataset_dir")
+    meta_path = Path(d.dataset_dir) / "meta.json"
+    if d.dataset_dir and meta_path.is_file():
+        from data.mixture import format_problem
+        from data.store import read_record
+
+        if (problem := format_problem(d.dataset_dir, read_record(meta_path), d.format)) is not None:
+            p.append(f"data.format={d.format}: {problem}")
     return p
 
 

@@ -40,6 +40,18 @@ class HFTokenizer:
     def get_piece_size(self) -> int:
         return len(self.tok)
 
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+    def render_chat(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        """(token ids, mask of the assistant's tokens) with the tokenizer's own chat template (data/chat.py)."""
+        from .chat import TemplateNotIncremental, render_template
+
+        if not self.tok.is_fast:  # the assistant's characters are mapped to tokens by the fast tokenizer's offsets
+            raise TemplateNotIncremental(f"the tokenizer in {self.path} is not a fast (Rust) tokenizer; set "
+                                         "data.chat_template=plain")
+        return render_template(self.tok, messages)
+
     def save(self, path: Path) -> None:
         self.tok.save_pretrained(str(path))
 

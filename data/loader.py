@@ -22,6 +22,9 @@ from .errors import DataError
 
 _MASK64 = (1 << 64) - 1
 FEISTEL_ROUNDS = 6
+# A target not trained on (mask 0: a fine-tuning prompt): the same value as model/'s IGNORE_INDEX, torch's
+# cross_entropy default (data/ and model/ do not import each other).
+IGNORE_INDEX = -100
 
 
 def _mix64(z: int) -> int:
@@ -70,11 +73,16 @@ class TokenDataset:
     Window w holds tokens [w * seq_len, w * seq_len + seq_len + 1) of the shards read one after the
     other, so a window may span a shard boundary and no token is dropped at one. Epoch e visits every
     window once, in the order of a RandomPermutation keyed by (seed, e) (or in order, shuffle=False).
+
+    With mask_paths (data.format=chat: one byte per token, beside each token file), a target whose mask
+    byte is 0 is IGNORE_INDEX in the batches.
     """
 
     def __init__(self, paths: Path | str | Sequence[Path | str], *, dtype, seq_len: int, seed: int,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, mask_paths: Sequence[Path | str] = ()) -> None:
         self.paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+        if mask_paths and len(mask_paths) != len(self.paths):
+            raise DataError(f"{len(mask_paths)} mask files for {len(self.paths)} token files")
         self.dtype = np.dtype(dtype)
         self.seq_len = seq_len
         self.seed = seed
@@ -82,8 +90,13 @@ class TokenDataset:
         if seq_len < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
         sizes = [self._num_tokens(path) for path in self.paths]
+        for mask_path, size in zip(mask_paths, sizes, strict=False):
+            if not Path(mask_path).is_file() or Path(mask_path).stat().st_size != size:
+                raise DataError(f"mask file {mask_path} missing or not one byte per token of its token file")
         # Empty shards (a shard's validation part may hold no document) cannot be memory-mapped: skip them.
         self._files = [path for path, size in zip(self.paths, sizes, strict=True) if size]
+        self._mask_files = [Path(path) for path, size in zip(mask_paths, sizes, strict=False) if size]
+        self._mask_maps: dict[int, np.memmap] = {}
         # offsets[i] is the global position of the i-th non-empty shard's first token; one int64 per shard.
         self._offsets = np.concatenate([[0], np.cumsum([size for size in sizes if size], dtype=np.int64)])
         self._maps: dict[int, np.memmap] = {}
@@ -128,18 +141,40 @@ class TokenDataset:
             self._maps[i] = np.memmap(self._files[i], dtype=self.dtype, mode="r")
         return self._maps[i]
 
+    def _mask_shard(self, i: int) -> np.memmap:
+        if i not in self._mask_maps:
+            self._mask_maps[i] = np.memmap(self._mask_files[i], dtype=np.uint8, mode="r")
+        return self._mask_maps[i]
+
     def tokens(self, start: int, length: int) -> np.ndarray:
         """Global tokens [start, start + length) as int64, read across shard boundaries."""
+        return self._read(self._shard, start, length)
+
+    def _read(self, shard_map, start: int, length: int) -> np.ndarray:
         out = np.empty(length, dtype=np.int64)
         shard = int(np.searchsorted(self._offsets, start, side="right")) - 1
         filled = 0
         while filled < length:
             begin = start + filled - int(self._offsets[shard])
-            piece = self._shard(shard)[begin : begin + length - filled]
+            piece = shard_map(shard)[begin : begin + length - filled]
             out[filled : filled + len(piece)] = piece
             filled += len(piece)
             shard += 1
         return out
+
+    @property
+    def masked(self) -> bool:
+        return bool(self._mask_files)
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets) of global sample `index`, each seq_len int64: the window and the window shifted by
+        one token, with the targets not trained on (mask 0) as IGNORE_INDEX."""
+        start = self.window_start(index)
+        window = self.tokens(start, self.seq_len + 1)
+        targets = window[1:].copy()
+        if self._mask_files:
+            targets[self._read(self._mask_shard, start + 1, self.seq_len) == 0] = IGNORE_INDEX
+        return window[:-1], targets
 
     def window(self, index: int) -> np.ndarray:
         """seq_len+1 tokens (int64) for global sample `index`."""
@@ -147,7 +182,7 @@ class TokenDataset:
 
     def batch(self, first_index: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples first_index .. first_index+num_samples-1 as (inputs, targets), each (num_samples, seq_len)."""
-        return windows_to_batch([self.window(i) for i in _sample_range(first_index, num_samples)])
+        return samples_to_batch([self.sample(i) for i in _sample_range(first_index, num_samples)])
 
 
 def _sample_range(first_index: int, num_samples: int) -> range:
@@ -156,10 +191,10 @@ def _sample_range(first_index: int, num_samples: int) -> range:
     return range(first_index, first_index + num_samples)
 
 
-def windows_to_batch(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_samples, seq_len + 1) windows -> (inputs, targets), targets shifted by one token."""
-    rows = torch.from_numpy(np.stack(windows))
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+def samples_to_batch(samples: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) rows -> (inputs, targets), each (num_samples, seq_len)."""
+    return (torch.from_numpy(np.stack([inputs for inputs, _ in samples])),
+            torch.from_numpy(np.stack([targets for _, targets in samples])))
 
 
 class _Failure:

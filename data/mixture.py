@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from .errors import DataError
-from .loader import TokenDataset, _sample_range, windows_to_batch
-from .store import META_NAME, PreparedData, read_json
+from .loader import TokenDataset, _sample_range, samples_to_batch
+from .store import META_NAME, PreparedData, data_format, read_json
 
 BLOCK_BITS = 10
 BLOCK = 1 << BLOCK_BITS
@@ -63,23 +63,39 @@ class Mixture:
         source, local = self.locate(index)
         return self.datasets[source].window(local)
 
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        source, local = self.locate(index)
+        return self.datasets[source].sample(local)
+
     def batch(self, first_index: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples first_index .. first_index+num_samples-1 as (inputs, targets), each (num_samples, seq_len)."""
-        return windows_to_batch([self.window(i) for i in _sample_range(first_index, num_samples)])
+        return samples_to_batch([self.sample(i) for i in _sample_range(first_index, num_samples)])
 
 
 def open_datasets(sources: list[tuple[PreparedData, float]], *, seq_len: int, seed: int):
     """(train, val) datasets: one prepared folder's, or a Mixture of several by weight."""
-    train = [TokenDataset(p.train_files, dtype=p.dtype, seq_len=seq_len, seed=seed) for p, _ in sources]
-    val = [TokenDataset(p.val_files, dtype=p.dtype, seq_len=seq_len, seed=seed, shuffle=False) for p, _ in sources]
+    train = [TokenDataset(p.train_files, dtype=p.dtype, seq_len=seq_len, seed=seed, mask_paths=p.train_mask_files)
+             for p, _ in sources]
+    val = [TokenDataset(p.val_files, dtype=p.dtype, seq_len=seq_len, seed=seed, shuffle=False,
+                        mask_paths=p.val_mask_files) for p, _ in sources]
     if len(sources) == 1:
         return train[0], val[0]
     weights = [weight for _, weight in sources]
     return Mixture(train, weights), Mixture(val, weights)
 
 
-def source_problems(sources: list[tuple[str, float]]) -> list[str]:
-    """Config problems of data.sources: missing or unprepared folders, bad weights, different tokenizers."""
+def format_problem(path: str | Path, meta: dict, wanted: str) -> str | None:
+    """Why a prepared folder (its meta.json) cannot be trained on with data.format=wanted, or None."""
+    found = data_format(meta)
+    if found == wanted:
+        return None
+    return (f"{path} holds {found} data (prepared with data.format={found}), not {wanted}: set data.format={found}, "
+            f"or prepare the corpus with data.format={wanted} into another folder")
+
+
+def source_problems(sources: list[tuple[str, float]], *, wanted_format: str = "text") -> list[str]:
+    """Config problems of data.sources: missing or unprepared folders, bad weights, different tokenizers, a folder
+    of another data.format."""
     problems, metas = [], []
     for i, (path, weight) in enumerate(sources):
         where = f"data.sources[{i}]"
@@ -94,6 +110,9 @@ def source_problems(sources: list[tuple[str, float]]) -> list[str]:
             metas.append((where, path, read_json(meta_path)))
         except DataError as err:
             problems.append(f"{where}.path: {err}")
+            continue
+        if (problem := format_problem(path, metas[-1][2], wanted_format)) is not None:
+            problems.append(f"{where}.path: {problem}")
     if not problems and 0 in block_slots([w for _, w in sources]):
         problems.append(f"data.sources: a weight below 1/{BLOCK} of the total gives its source no samples")
     for where, path, meta in metas[1:]:

@@ -38,14 +38,18 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import worker
+from .chat import TEMPLATES, ChatFields
 from .errors import DataError
-from .readers import expand_inputs, read_pieces, truncate
+from .readers import expand_inputs, format_of, read_pieces, truncate
 from .store import (
     FORMAT_VERSION,
+    FORMATS,
     HF_TOKENIZER_NAME,
     LOCK_NAME,
+    MASK_KEYS,
     META_NAME,
     PROGRESS_NAME,
+    TOKEN_KEYS,
     TOKENIZER_NAME,
     PreparedData,
     ShardWriter,
@@ -76,6 +80,7 @@ CHUNK_BYTES = 1 << 20
 IN_PROCESS_MAX_BYTES = 16 << 20
 STDLIB_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 BAD_RECORD_CHOICES = ("error", "skip")
+CHAT_SETTINGS = ("format", "messages_field", "prompt_field", "response_field", "chat_template")
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,11 @@ class PrepareSettings:
     on_bad_record: str = "error"
     shard_tokens: int = 100_000_000
     num_workers: int = 0  # 0: one per CPU core
+    format: str = "text"  # chat: conversations (data/chat.py), with a mask store
+    messages_field: str = "messages"  # the chat fields: only with format chat
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    chat_template: str = "auto"
 
     @classmethod
     def from_config(cls, cfg) -> PrepareSettings:
@@ -105,7 +115,8 @@ class PrepareSettings:
                    val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb,
                    max_document_mb=d.max_document_mb, seed=cfg.run.seed,
                    text_field=d.text_field, on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens,
-                   num_workers=d.num_workers)
+                   num_workers=d.num_workers, format=d.format, messages_field=d.messages_field,
+                   prompt_field=d.prompt_field, response_field=d.response_field, chat_template=d.chat_template)
 
     def check(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
@@ -123,6 +134,31 @@ class PrepareSettings:
         if self.on_bad_record not in BAD_RECORD_CHOICES:
             raise DataError(f"data.on_bad_record must be one of {', '.join(BAD_RECORD_CHOICES)}, "
                             f"got {self.on_bad_record!r}")
+        if self.format not in FORMATS:
+            raise DataError(f"data.format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.chat_template not in TEMPLATES:
+            raise DataError(f"data.chat_template must be one of {', '.join(TEMPLATES)}, got {self.chat_template!r}")
+
+    @property
+    def chat(self) -> ChatFields | None:
+        """Where records keep their conversation (data.format=chat), or None for text."""
+        if self.format != "chat":
+            return None
+        return ChatFields(messages=self.messages_field, prompt=self.prompt_field, response=self.response_field)
+
+    @property
+    def template(self) -> str:
+        """data.format=chat: "tokenizer" (the HF tokenizer's own chat template) or "plain" (ours)."""
+        return "tokenizer" if self.chat_template == "auto" and self.hf_tokenizer else "plain"
+
+    def record(self) -> dict:
+        """The settings that decide the prepared folder; a text preparation's record holds no chat field, so
+        folders prepared before chat data keep their fingerprint."""
+        settings = {**asdict(self), "num_workers": None, "files": None}
+        if self.format == "text":
+            for name in CHAT_SETTINGS:
+                settings.pop(name)
+        return settings
 
     def processes(self, corpus_bytes: int) -> int:
         """Worker processes to start: num_workers, or by default one per CPU core, or none (this process
@@ -159,10 +195,16 @@ class Corpus:
     @classmethod
     def of(cls, settings: PrepareSettings) -> Corpus:
         if not settings.files:
+            if settings.format == "chat":
+                raise DataError("data.format=chat needs data.files: .jsonl files of conversations")
             return cls(stdlib_source_files(), "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb,
                        max_document_mb=settings.max_document_mb)
-        return cls(expand_inputs(list(settings.files)), ", ".join(settings.files), strict=True,
-                   max_mb=settings.max_corpus_mb, max_document_mb=settings.max_document_mb)
+        paths = expand_inputs(list(settings.files))
+        if settings.format == "chat" and (other := [p for p in paths if (format_of(p) or ("",))[0] != "jsonl"]):
+            raise DataError(f"{other[0]}: data.format=chat reads .jsonl files (also .jsonl.gz, .jsonl.zst) of "
+                            f"conversations, one JSON object a line")
+        return cls(paths, ", ".join(settings.files), strict=True, max_mb=settings.max_corpus_mb,
+                   max_document_mb=settings.max_document_mb)
 
     @cached_property
     def disk_bytes(self) -> int:
@@ -222,7 +264,7 @@ class Source:
             return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
 
         tokenizer_model = Path(settings.tokenizer_model).expanduser() if settings.tokenizer_model else None
-        settings_record = {**asdict(settings), "num_workers": None, "files": None}
+        settings_record = settings.record()
         record = {
             "format_version": FORMAT_VERSION,
             "inputs": [describe(p) for p in corpus.paths],
@@ -241,8 +283,10 @@ class Source:
         if not isinstance(theirs, dict) or not isinstance(theirs.get("settings"), dict):
             return "prepared by another version of this library"
         names = {"seed": "run.seed", "hf_tokenizer": "data.hf_tokenizer (or model.hf_path)"}
-        parts = [f"{names.get(key, 'data.' + key)} {theirs['settings'].get(key)!r} there, {value!r} here"
-                 for key, value in self.summary["settings"].items() if theirs["settings"].get(key) != value]
+        defaults = {"format": "text"}  # a text folder's record names no format
+        parts = [f"{names.get(key, 'data.' + key)} {theirs['settings'].get(key, defaults.get(key))!r} there, "
+                 f"{value!r} here" for key, value in self.summary["settings"].items()
+                 if theirs["settings"].get(key, defaults.get(key)) != value]
         if theirs.get("inputs") != self.summary["inputs"]:
             parts.append("other input files (names, sizes or modification times)")
         if theirs.get("tokenizer") != self.summary["tokenizer"]:
@@ -259,8 +303,9 @@ def _hf_fingerprint(path: str) -> str:
 def default_dataset_dir(settings: PrepareSettings) -> str:
     """Where the data of these settings is cached when data.dataset_dir is empty."""
     tokenizer = settings.hf_tokenizer or settings.tokenizer_model
+    chat = [] if settings.format == "text" else [settings.record()[name] for name in CHAT_SETTINGS]
     what = json.dumps([list(settings.files), tokenizer, settings.vocab_size, settings.val_fraction,
-                       settings.max_corpus_mb, settings.seed, FORMAT_VERSION])
+                       settings.max_corpus_mb, settings.seed, FORMAT_VERSION, *chat])
     kind = "stdlib" if not settings.files else "custom"
     return str(Path("data/cache") / f"{kind}-{hashlib.sha1(what.encode()).hexdigest()[:10]}")
 
@@ -273,7 +318,8 @@ def _worker_pool(settings: PrepareSettings, corpus: Corpus, num_workers: int):
     initargs = (worker.WorkerSettings(text_field=settings.text_field, strict=corpus.strict,
                                       skip_bad_records=settings.on_bad_record == "skip",
                                       max_document_mb=settings.max_document_mb,
-                                      val_fraction=settings.val_fraction, seed=settings.seed),)
+                                      val_fraction=settings.val_fraction, seed=settings.seed,
+                                      chat=settings.chat, chat_template=settings.template),)
     if num_workers == 0:
         return _InProcess(initargs)
     # spawn, not fork: the caller may be a training rank with communication threads running, and a
@@ -369,6 +415,12 @@ class _Preparation:
         load_tokenizer("sentencepiece", path)  # checks it loads and has an EOS piece
         return "sentencepiece", path
 
+    def check_chat_template(self, kind: str, path: Path) -> None:
+        if self.settings.format == "chat" and self.settings.template == "tokenizer" \
+                and not load_tokenizer(kind, path).has_chat_template():
+            raise DataError(f"the tokenizer of model.hf_path={self.settings.hf_tokenizer} has no chat template; set "
+                            f"data.chat_template=plain to use ours (docs/training.md)")
+
     def tokenizer_sample(self) -> list[str]:
         sample, totals = TokenizerSample(), _zero_totals()
         with _progress_bar("sampling for the tokenizer", self.corpus.read_bytes, show=self.show_progress) as bar:
@@ -430,7 +482,7 @@ class _Preparation:
             for result in _in_order(submit, chunks, window=self.window):
                 _add_totals(totals, result)
                 assert result.train is not None and result.val is not None, "encode_chunk sets both"
-                writer.append(result.train, result.val)
+                writer.append(result.train, result.val, result.train_mask, result.val_mask)
                 next_chunk = result.index + 1
                 if writer.num_tokens[0] >= self.settings.shard_tokens:
                     writer.finish_shard(end_chunk=next_chunk, totals=dict(totals))
@@ -467,9 +519,10 @@ class _Preparation:
         clear_folder(self.root)
         name = HF_TOKENIZER_NAME if self.settings.hf_tokenizer else TOKENIZER_NAME
         progress = {"source_fingerprint": self.source.fingerprint, "source": self.source.summary,
-                    "files": [name, name + ".tmp"], "shards": []}
+                    "files": [name, name + ".tmp"], "shards": [], "format": self.settings.format}
         write_record(self.root / PROGRESS_NAME, progress)  # the tokenizer's names, before it is written
         kind, path = self.tokenizer()
+        self.check_chat_template(kind, path)
         vocab_size = load_tokenizer(kind, path).get_piece_size()
         progress.update(tokenizer_kind=kind, tokenizer_file=path.name, tokenizer_sha256=tokenizer_sha256(path),
                         vocab_size=vocab_size, dtype=token_dtype(vocab_size).name)
@@ -494,9 +547,11 @@ class _Preparation:
             split, num = ("validation", num_val) if num_val < 2 else ("training", num_train)
             raise DataError(f"the {split} split of {self.root} holds {num} tokens; change data.val_fraction "
                             "or add data")
+        keys = TOKEN_KEYS + (MASK_KEYS if writer.masked else ())
         meta = {
             "format_version": FORMAT_VERSION,
             **progress,
+            "format": s.format,
             "num_train_tokens": num_train,
             "num_val_tokens": num_val,
             "num_train_documents": totals["num_train_documents"],
@@ -506,11 +561,13 @@ class _Preparation:
             "text_bytes": totals["text_bytes"],
             "inputs": "python-stdlib" if not s.files else list(s.files),
             "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
-            "shards": [{k: shard[k] for k in ("train", "val", "num_train_tokens", "num_val_tokens")}
+            "shards": [{k: shard[k] for k in (*keys, "num_train_tokens", "num_val_tokens")}
                        for shard in writer.shards],
-            "files": [progress["tokenizer_file"],
-                      *(shard[split] for shard in writer.shards for split in ("train", "val"))],
+            "files": [progress["tokenizer_file"], *(shard[key] for shard in writer.shards for key in keys)],
         }
+        if writer.masked:
+            meta |= {"chat_template": s.template, "num_trained_tokens": totals["num_trained_tokens"],
+                     "num_conversations_with_eos_inside": totals["num_eos_inside"]}
         write_record(self.root / META_NAME, meta)
         (self.root / PROGRESS_NAME).unlink(missing_ok=True)
         _log_summary(self.root, totals, meta, rate_mb_s=self.rate_mb_s)
@@ -520,7 +577,7 @@ class _Preparation:
 def _zero_totals() -> dict:
     return {"num_documents": 0, "num_train_documents": 0, "num_val_documents": 0, "num_train_tokens": 0,
             "num_val_tokens": 0, "text_bytes": 0, "disk_bytes": 0, "num_bad_records": 0, "first_bad_record": None,
-            "num_blank_records": 0}
+            "num_blank_records": 0, "num_trained_tokens": 0, "num_eos_inside": 0}
 
 
 def _add_totals(totals: dict, result: worker.ChunkResult) -> None:
@@ -534,6 +591,8 @@ def _add_totals(totals: dict, result: worker.ChunkResult) -> None:
     totals["disk_bytes"] = result.disk_done
     totals["num_bad_records"] += result.num_bad_records
     totals["first_bad_record"] = totals["first_bad_record"] or result.first_bad_record
+    totals["num_trained_tokens"] += result.num_trained_tokens
+    totals["num_eos_inside"] += result.num_eos_inside
 
 
 def _log_summary(root: Path, totals: dict, meta: dict, *, rate_mb_s: float) -> None:
@@ -543,6 +602,15 @@ def _log_summary(root: Path, totals: dict, meta: dict, *, rate_mb_s: float) -> N
              "%s (%.1f MB/s)", root, f"{totals['num_documents']:,}", f"{totals['num_val_documents']:,}",
              totals["text_bytes"] / 2**20, f"{meta['num_train_tokens']:,}", f"{meta['num_val_tokens']:,}",
              num_shards, "" if num_shards == 1 else "s", phases, rate_mb_s)
+    if meta["format"] == "chat":
+        num_tokens = meta["num_train_tokens"] + meta["num_val_tokens"]
+        log.info("chat data (template: %s): %s of the %s tokens (%.0f%%) are the assistant's, trained on", meta[
+            "chat_template"], f"{totals['num_trained_tokens']:,}", f"{num_tokens:,}",
+                 100 * totals["num_trained_tokens"] / max(num_tokens, 1))
+        if totals["num_eos_inside"]:
+            log.warning("%d conversations hold the tokenizer's EOS before their end (the template ends turns with "
+                        "it): document masking, which cuts documents at EOS, would cut them into turns",
+                        totals["num_eos_inside"])
     if totals["num_bad_records"]:
         log.warning("skipped %d bad records (data.on_bad_record=skip); the first: %s",
                     totals["num_bad_records"], totals["first_bad_record"])

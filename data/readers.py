@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from .chat import BadConversation, ChatFields, Conversation, canonical_text, conversation
 from .errors import DataError
 
 # suffix -> (how records are laid out, compression). Longest suffixes first, so .jsonl.gz is not .gz.
@@ -333,19 +334,41 @@ def _text_document(piece: Piece, *, strict: bool, bad_record: Callable[[str], No
         bad_record(f"{piece.path} line {line}: not valid UTF-8 ({err.reason} at byte {err.start})")
 
 
-def _jsonl_documents(piece: Piece, *, text_field: str, bad_record: Callable[[str], None]) -> Iterator[Document]:
+def _jsonl_records(piece: Piece, *, bad_record: Callable[[str], None]) -> Iterator[tuple[str, Any]]:
+    """(where, parsed JSON value) of each non-blank line of a "jsonl" piece."""
     for offset, line in enumerate(piece.data.split(b"\n")):
         if not line.strip():
             continue
         where = f"{piece.path} line {piece.first + offset}"
         try:
-            record = json.loads(line)
+            yield where, json.loads(line)
         except UnicodeDecodeError as err:
             bad_record(f"{where}: not valid UTF-8 ({err.reason})")
-            continue
         except json.JSONDecodeError as err:
             bad_record(f"{where}: invalid JSON ({err.msg})")
+
+
+def piece_conversations(piece: Piece, *, fields: ChatFields,
+                        bad_record: Callable[[str], None]) -> Iterator[tuple[Conversation, bytes]]:
+    """data.format=chat: the conversations of a piece of JSON lines, each with its canonical bytes (see
+    data/chat.py); a record that is not one is handed to bad_record."""
+    if piece.kind == "too_long":
+        bad_record(piece.data)
+        return
+    if piece.kind != "jsonl":
+        raise DataError(f"{piece.path}: data.format=chat reads .jsonl files (also .gz, .zst) of conversations")
+    for where, record in _jsonl_records(piece, bad_record=bad_record):
+        try:
+            messages = conversation(record, fields)
+        except BadConversation as err:
+            bad_record(f"{where}: {err}")
             continue
+        if (utf8 := _utf8(canonical_text(messages), where, bad_record)) is not None:
+            yield Conversation(messages, where), utf8
+
+
+def _jsonl_documents(piece: Piece, *, text_field: str, bad_record: Callable[[str], None]) -> Iterator[Document]:
+    for where, record in _jsonl_records(piece, bad_record=bad_record):
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
             bad_record(f"{where}: expected an object with a string '{text_field}' field")

@@ -4,6 +4,8 @@
     DIR/train-00000.bin, val-00000.bin, ...  flat token ids (uint16, or uint32 past 65536 pieces),
                                              documents separated by EOS; shard k holds the training and
                                              held-out documents of one stretch of the corpus
+    DIR/train-00000.mask, val-00000.mask     data.format=chat only: one byte per token of the .bin file
+                                             beside it, 1 where the token is trained on (the assistant's)
     DIR/progress.json                        while preparing: the finished shards, for resuming
     DIR/meta.json                            written last: its presence means the folder is complete
     DIR/prepare.lock                         held (flock) by the process preparing the folder
@@ -28,7 +30,7 @@ import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeGuard
 
@@ -60,6 +62,9 @@ class PreparedData:
     vocab_size: int
     num_train_tokens: int
     num_val_tokens: int
+    format: str = "text"  # "chat": conversations, with a mask store beside the token store
+    train_mask_files: list[Path] = field(default_factory=list)  # data.format=chat: one per train file
+    val_mask_files: list[Path] = field(default_factory=list)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -67,8 +72,23 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
+FORMATS = ("text", "chat")
+# The names of a shard's files in a meta.json or progress.json shard record: tokens, and masks for chat.
+TOKEN_KEYS = ("train", "val")
+MASK_KEYS = ("train_mask", "val_mask")
+
+
 def shard_names(index: int) -> tuple[str, str]:
     return f"train-{index:05d}.bin", f"val-{index:05d}.bin"
+
+
+def mask_names(index: int) -> tuple[str, str]:
+    return f"train-{index:05d}.mask", f"val-{index:05d}.mask"
+
+
+def data_format(record: dict) -> str:
+    """The format a meta.json or progress.json records; folders from before chat data hold text."""
+    return record.get("format", "text") if isinstance(record, dict) else "text"
 
 
 def tokenizer_sha256(path: Path) -> str:
@@ -169,9 +189,12 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
     vocab_size = _count(meta, "vocab_size", meta_path)
     if not 0 < vocab_size <= np.iinfo(dtype).max + 1:
         raise DataError(f"{meta_path}: field 'vocab_size' is {vocab_size}, which {dtype_name} token ids cannot hold")
+    fmt = data_format(meta)
+    if fmt not in FORMATS:
+        raise DataError(f"{meta_path}: field 'format' is {str(fmt)[:20]!r}, expected text or chat")
     shards = _field(meta, "shards", list, meta_path)
     for shard in shards:
-        check_shard(root, shard, dtype, where=meta_path)
+        check_shard(root, shard, dtype, where=meta_path, masked=fmt == "chat")
     prepared = PreparedData(
         root=root,
         train_files=[root / shard["train"] for shard in shards],
@@ -182,6 +205,9 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
         vocab_size=vocab_size,
         num_train_tokens=_count(meta, "num_train_tokens", meta_path),
         num_val_tokens=_count(meta, "num_val_tokens", meta_path),
+        format=fmt,
+        train_mask_files=[root / shard["train_mask"] for shard in shards] if fmt == "chat" else [],
+        val_mask_files=[root / shard["val_mask"] for shard in shards] if fmt == "chat" else [],
     )
     for split, num in (("train", prepared.num_train_tokens), ("val", prepared.num_val_tokens)):
         if num != sum(shard[f"num_{split}_tokens"] for shard in shards):
@@ -191,19 +217,22 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
     return prepared
 
 
-def check_shard(root: Path, shard: dict, dtype: np.dtype, *, where: Path) -> None:
-    """A recorded shard's two files exist with exactly the recorded number of tokens."""
+def check_shard(root: Path, shard: dict, dtype: np.dtype, *, where: Path, masked: bool = False) -> None:
+    """A recorded shard's two token files (and with masked, its two mask files, one byte per token) exist
+    with exactly the recorded number of tokens."""
     if not isinstance(shard, dict):
         raise DataError(f"{where}: a shard is {type(shard).__name__}, not an object")
     for split in ("train", "val"):
-        path = root / _file_name(shard, split, where)
         num_tokens = _count(shard, f"num_{split}_tokens", where)
-        expected = num_tokens * dtype.itemsize
-        if not path.is_file():
-            raise DataError(f"prepared token file missing: {path}")
-        if path.stat().st_size != expected:
-            raise DataError(f"{path} is {path.stat().st_size} bytes but {where.name} says {num_tokens} tokens "
-                            f"({expected} bytes); delete {root} to prepare it again")
+        files = [(split, dtype.itemsize, "token")] + ([(f"{split}_mask", 1, "mask")] if masked else [])
+        for key, itemsize, kind in files:
+            path = root / _file_name(shard, key, where)
+            expected = num_tokens * itemsize
+            if not path.is_file():
+                raise DataError(f"prepared {kind} file missing: {path}")
+            if path.stat().st_size != expected:
+                raise DataError(f"{path} is {path.stat().st_size} bytes but {where.name} says {num_tokens} tokens "
+                                f"({expected} bytes); delete {root} to prepare it again")
 
 
 def complete_fingerprint(root: Path) -> str | None:
@@ -223,7 +252,7 @@ def resumable_shards(root: Path, progress: dict, dtype: np.dtype) -> list[dict]:
     kept = []
     for shard in shards:
         try:
-            check_shard(root, shard, dtype, where=root / PROGRESS_NAME)
+            check_shard(root, shard, dtype, where=root / PROGRESS_NAME, masked=data_format(progress) == "chat")
         except DataError:
             break
         kept.append(shard)
@@ -239,8 +268,8 @@ def _names_in(record: dict) -> set[str]:
     if isinstance(record.get("files"), list):
         names += record["files"]
     if isinstance(record.get("shards"), list):
-        names += [shard.get(split) for shard in record["shards"] if isinstance(shard, dict)
-                  for split in ("train", "val")]
+        names += [shard.get(key) for shard in record["shards"] if isinstance(shard, dict)
+                  for key in TOKEN_KEYS + MASK_KEYS]
     return {name for name in names if is_plain_name(name)}
 
 
@@ -313,28 +342,40 @@ class ShardWriter:
     def __init__(self, root: Path, *, dtype: np.dtype, progress: dict):
         self.root = root
         self.dtype = dtype
-        self.progress = progress  # source_fingerprint, dtype, tokenizer, shards (finished so far)
+        self.progress = progress  # source_fingerprint, dtype, tokenizer, format, shards (finished so far)
+        self.masked = data_format(progress) == "chat"  # a mask file beside each token file
         self._files: list = []
         self._paths: list[Path] = []
         self.num_tokens = [0, 0]  # train, val tokens of the current shard
+
+    def _names(self, index: int) -> tuple[str, ...]:
+        """The current shard's files: train and val tokens, then (masked) train and val masks."""
+        return shard_names(index) + (mask_names(index) if self.masked else ())
 
     @property
     def shards(self) -> list[dict]:
         return self.progress["shards"]
 
-    def append(self, train: np.ndarray, val: np.ndarray) -> None:
+    def append(self, train: np.ndarray, val: np.ndarray, train_mask: np.ndarray | None = None,
+               val_mask: np.ndarray | None = None) -> None:
         if not len(train) and not len(val):
             return
         if not self._files:
             self._open()
-        for i, tokens in enumerate((train, val)):
+        arrays = [train.astype(self.dtype, copy=False), val.astype(self.dtype, copy=False)]
+        if self.masked:
+            assert train_mask is not None and val_mask is not None, "a chat folder's shards have masks"
+            assert len(train_mask) == len(train) and len(val_mask) == len(val), "one mask byte per token"
+            arrays += [train_mask.astype(np.uint8, copy=False), val_mask.astype(np.uint8, copy=False)]
+        for i, values in enumerate(arrays):
             with self._writing(self._paths[i]):
                 # file.write, not ndarray.tofile: tofile reports a full disk without its errno.
-                self._files[i].write(tokens.astype(self.dtype, copy=False).data)
-            self.num_tokens[i] += len(tokens)
+                self._files[i].write(values.data)
+        self.num_tokens[0] += len(train)
+        self.num_tokens[1] += len(val)
 
     def _open(self) -> None:
-        names = shard_names(len(self.shards))
+        names = self._names(len(self.shards))
         self._paths = [self.root / (name + ".tmp") for name in names]
         # Recorded before they exist: whatever happens next, these names are known to be ours.
         new = [n for name in names for n in (name, name + ".tmp") if n not in self.progress["files"]]
@@ -349,15 +390,16 @@ class ShardWriter:
     def finish_shard(self, *, end_chunk: int, totals: dict) -> None:
         if not self._files:
             return
-        names = shard_names(len(self.shards))
+        names = self._names(len(self.shards))
         for file, tmp, name in zip(self._files, self._paths, names, strict=True):
             with self._writing(tmp):
                 file.flush()
                 os.fsync(file.fileno())  # on disk before progress.json says so
                 file.close()
             os.replace(tmp, self.root / name)
-        self.shards.append({"train": names[0], "val": names[1], "num_train_tokens": self.num_tokens[0],
-                            "num_val_tokens": self.num_tokens[1], "end_chunk": end_chunk, "totals": totals})
+        self.shards.append({**dict(zip(TOKEN_KEYS + MASK_KEYS, names, strict=False)),
+                            "num_train_tokens": self.num_tokens[0], "num_val_tokens": self.num_tokens[1],
+                            "end_chunk": end_chunk, "totals": totals})
         with self._writing(self.root / PROGRESS_NAME):
             write_record(self.root / PROGRESS_NAME, self.progress)
         self._files, self._paths, self.num_tokens = [], [], [0, 0]
@@ -390,12 +432,16 @@ class ShardWriter:
         corpus too small for any document to be held out. Returns how many tokens moved."""
         shard = self.shards[-1]
         num_tokens = min(num_tokens, shard["num_train_tokens"] - 1)
-        train_path, val_path = self.root / shard["train"], self.root / shard["val"]
         keep = shard["num_train_tokens"] - num_tokens
-        tail = np.fromfile(train_path, dtype=self.dtype, offset=keep * self.dtype.itemsize)
-        with self._writing(val_path):
-            val_path.write_bytes(tail.data)
-        os.truncate(train_path, keep * self.dtype.itemsize)
+        pairs = [("train", "val", self.dtype)]
+        if self.masked:
+            pairs.append(("train_mask", "val_mask", np.dtype(np.uint8)))
+        for train_key, val_key, dtype in pairs:
+            train_path, val_path = self.root / shard[train_key], self.root / shard[val_key]
+            tail = np.fromfile(train_path, dtype=dtype, offset=keep * dtype.itemsize)
+            with self._writing(val_path):
+                val_path.write_bytes(tail.data)
+            os.truncate(train_path, keep * dtype.itemsize)
         shard.update(num_train_tokens=keep, num_val_tokens=shard["num_val_tokens"] + num_tokens)
         write_record(self.root / PROGRESS_NAME, self.progress)
         return num_tokens

@@ -7,13 +7,15 @@ documents always land in the same split, so exact duplicates never leak from tra
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .chat import BadConversation, ChatFields, Conversation, TemplateNotIncremental, plain_text, render_plain
 from .errors import DataError
-from .readers import Piece, piece_documents
+from .readers import Piece, piece_conversations, piece_documents
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,8 @@ class WorkerSettings:
     max_document_mb: float
     val_fraction: float
     seed: int
+    chat: ChatFields | None = None  # data.format=chat: where records keep their conversation
+    chat_template: str = "plain"  # data.format=chat: "tokenizer" (an HF tokenizer's own) or "plain" (ours)
 
 
 @dataclass
@@ -45,6 +49,10 @@ class ChunkResult:
     num_blank_records: int = 0
     train: np.ndarray | None = None  # token ids, EOS after each document
     val: np.ndarray | None = None
+    train_mask: np.ndarray | None = None  # data.format=chat: uint8, 1 where the token is trained on
+    val_mask: np.ndarray | None = None
+    num_trained_tokens: int = 0  # data.format=chat: tokens whose mask is 1 (train and val)
+    num_eos_inside: int = 0  # data.format=chat: conversations whose rendering holds an EOS before its end
     sample: list[tuple[int, str]] = field(default_factory=list)  # (key, text) tokenizer-sample candidates
 
 
@@ -68,7 +76,8 @@ def is_held_out(split_value: int, val_fraction: float) -> bool:
 
 
 def _documents(chunk: Chunk, result: ChunkResult):
-    """(text, held out?, sample key) of the chunk's non-blank documents; bad records per the setting."""
+    """(document, held out?, sample key) of the chunk's non-blank documents (text, or a conversation's
+    messages with data.format=chat); bad records per the setting."""
     s = _settings
     assert s is not None, "set by the pool's initializer"
 
@@ -79,9 +88,14 @@ def _documents(chunk: Chunk, result: ChunkResult):
         result.first_bad_record = result.first_bad_record or problem
 
     for piece in chunk.pieces:
-        for text, utf8 in piece_documents(piece, text_field=s.text_field, strict=s.strict,
-                                          max_document_mb=s.max_document_mb, bad_record=bad_record):
-            if not text.strip():
+        documents: Iterator[tuple[str | Conversation, bytes]]
+        if s.chat is not None:
+            documents = piece_conversations(piece, fields=s.chat, bad_record=bad_record)
+        else:
+            documents = piece_documents(piece, text_field=s.text_field, strict=s.strict,
+                                        max_document_mb=s.max_document_mb, bad_record=bad_record)
+        for document, utf8 in documents:
+            if isinstance(document, str) and not document.strip():
                 result.num_blank_records += 1
                 continue
             split_value, sample_key = document_keys(utf8, seed=s.seed)
@@ -89,22 +103,25 @@ def _documents(chunk: Chunk, result: ChunkResult):
             result.num_bytes += len(utf8)
             result.num_val_documents += held_out
             result.num_train_documents += not held_out
-            yield text, held_out, sample_key
+            yield document, held_out, sample_key
 
 
 def sample_chunk(chunk: Chunk, threshold: int) -> ChunkResult:
     """Pass 1: the chunk's training documents whose sample key is below threshold (tokenizer sample)."""
     result = ChunkResult(chunk.index, chunk.disk_done)
-    result.sample = [(key, text) for text, held_out, key in _documents(chunk, result)
-                     if not held_out and key < threshold]
+    result.sample = [(key, text if isinstance(text, str) else plain_text(text.messages))
+                     for text, held_out, key in _documents(chunk, result) if not held_out and key < threshold]
     return result
 
 
 def encode_chunk(chunk: Chunk, tokenizer: tuple[str, str], dtype: str) -> ChunkResult:
-    """Pass 2: the chunk's documents as token ids, EOS after each, split into train and val."""
+    """Pass 2: the chunk's documents as token ids, EOS after each, split into train and val (with
+    data.format=chat, conversations, and a mask of the tokens to train on)."""
     result = ChunkResult(chunk.index, chunk.disk_done)
     documents = list(_documents(chunk, result))
     processor = _load(tokenizer)
+    if _settings is not None and _settings.chat is not None:
+        return _encode_conversations(documents, processor, result, dtype=np.dtype(dtype))
     # One thread: the worker processes are the parallelism (SentencePiece would use every core for a list).
     encoded = processor.encode([text for text, _, _ in documents], out_type=int, num_threads=1) if documents else []
     eos = processor.eos_id()
@@ -112,6 +129,45 @@ def encode_chunk(chunk: Chunk, tokenizer: tuple[str, str], dtype: str) -> ChunkR
         ids = [doc_ids for doc_ids, (_, is_val, _) in zip(encoded, documents, strict=True) if is_val == held_out]
         setattr(result, split, _flatten(ids, eos=eos, dtype=np.dtype(dtype)))
     return result
+
+
+def _encode_conversations(documents: list, processor, result: ChunkResult, *, dtype: np.dtype) -> ChunkResult:
+    """Each conversation as ids and mask (data/chat.py), then EOS (untrained) unless it already ends with one."""
+    s = _settings
+    assert s is not None
+    eos = processor.eos_id()
+    rendered: dict[bool, list[tuple[list[int], list[int]]]] = {False: [], True: []}
+    for conversation, held_out, _ in documents:
+        try:
+            ids, mask = render_conversation(processor, conversation.messages, template=s.chat_template)
+        except TemplateNotIncremental as err:
+            raise DataError(str(err)) from None
+        except BadConversation as err:
+            problem = f"{conversation.where}: {err}"
+            if not s.skip_bad_records:
+                raise DataError(f"{problem} (data.on_bad_record=skip skips such records)") from None
+            result.num_bad_records += 1
+            result.first_bad_record = result.first_bad_record or problem
+            result.num_train_documents -= not held_out
+            result.num_val_documents -= held_out
+            continue
+        result.num_trained_tokens += sum(mask)
+        result.num_eos_inside += eos in ids[:-1]
+        if not ids or ids[-1] != eos:
+            ids, mask = ids + [eos], mask + [0]
+        rendered[held_out].append((ids, mask))
+    for split, held_out in (("train", False), ("val", True)):
+        pairs = rendered[held_out]
+        setattr(result, split, np.array([i for ids, _ in pairs for i in ids], dtype=dtype))
+        setattr(result, f"{split}_mask", np.array([m for _, mask in pairs for m in mask], dtype=np.uint8))
+    return result
+
+
+def render_conversation(processor, messages: list[dict[str, str]], *, template: str) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one conversation: the HF tokenizer's own template, or ours (PLAIN) with any tokenizer."""
+    if template == "tokenizer":
+        return processor.render_chat(messages)
+    return render_plain(lambda texts: processor.encode(texts, out_type=int, num_threads=1), messages)
 
 
 def _load(tokenizer: tuple[str, str]):

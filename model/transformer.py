@@ -20,6 +20,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from .config import ModelConfig
 from .documents import Documents, document_block_mask, document_dense_mask, document_ids, document_positions
 
+# Targets with this value are not trained on (a fine-tuning prompt, say): torch's cross_entropy default.
+IGNORE_INDEX = -100
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -172,8 +175,10 @@ class Transformer(nn.Module):
         self.chunk_loss_fn = chunk_loss_fn or chunk_loss_and_grad
         self.documents = documents
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V); with targets (B, T), the mean cross-entropy instead."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                loss_reduction: str = "mean") -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V); with targets (B, T), the cross-entropy instead: its mean over the
+        targets that are not IGNORE_INDEX, or with loss_reduction="sum" their sum (see chunked_cross_entropy)."""
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
@@ -189,8 +194,8 @@ class Transformer(nn.Module):
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if targets is None:
             return F.linear(h, weight)  # (B, T, V)
-        return chunked_cross_entropy(h.flatten(0, 1), weight, targets.flatten(),
-                                     chunk_tokens=self.loss_chunk_tokens, chunk_loss_fn=self.chunk_loss_fn)
+        return chunked_cross_entropy(h.flatten(0, 1), weight, targets.flatten(), chunk_tokens=self.loss_chunk_tokens,
+                                     chunk_loss_fn=self.chunk_loss_fn, reduction=loss_reduction)
 
     def _document_inputs(self, tokens: torch.Tensor, documents: Documents):
         """The rotary tables and attention mask of a batch with documents: computed once per forward, here,
@@ -225,37 +230,50 @@ class Transformer(nn.Module):
 
 
 def _cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # Cross-entropy in fp32 for a stable log-sum-exp whatever the compute dtype.
-    return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
+    # Cross-entropy in fp32 for a stable log-sum-exp whatever the compute dtype; IGNORE_INDEX targets add 0.
+    return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def reduce_loss(total: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """A summed loss as asked: "sum" as it is, "mean" divided by the targets that count (at least 1, so a
+    window whose targets are all ignored gives 0, not NaN). Without ignored targets the count is numel()."""
+    if reduction == "sum":
+        return total
+    if reduction != "mean":
+        raise ValueError(f"loss reduction must be mean or sum, got {reduction!r}")
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_tokens: int,
-                          chunk_loss_fn=None) -> torch.Tensor:
-    """Mean cross-entropy of logits h @ weight.T (h: (N, D), weight: (V, D), targets: (N,)).
+                          chunk_loss_fn=None, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits h @ weight.T (h: (N, D), weight: (V, D), targets: (N,)), summed over the
+    targets that are not IGNORE_INDEX, then reduced by reduce_loss (mean: over those targets).
 
     With chunk_tokens > 0 the (N, V) logits never exist at once: see _ChunkedLinearCrossEntropy, which
     calls chunk_loss_fn (default chunk_loss_and_grad; a torch.compile'd copy of it is faster) per chunk.
     """
     if chunk_tokens <= 0 or h.shape[0] <= chunk_tokens:
-        return _cross_entropy_sum(h, weight, targets) / targets.numel()
+        return reduce_loss(_cross_entropy_sum(h, weight, targets), targets, reduction)
     if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for hc, tc in zip(h.split(chunk_tokens), targets.split(chunk_tokens), strict=True):
             total = total + _cross_entropy_sum(hc, weight, tc)
-        return total / targets.numel()
+        return reduce_loss(total, targets, reduction)
     total = _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens, chunk_loss_fn or chunk_loss_and_grad)
-    return total / targets.numel()
+    return reduce_loss(total, targets, reduction)
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of one chunk's logits (n, V), in fp32, and its gradient with respect to
-    the logits (softmax - one-hot) in the logits' dtype. Elementwise work only: torch.compile turns it
-    into a couple of kernels that read the logits once."""
+    the logits (softmax - one-hot) in the logits' dtype; IGNORE_INDEX targets add nothing to either.
+    Elementwise work only: torch.compile turns it into a couple of kernels that read the logits once."""
     logits32 = logits.float()
+    counted = targets != IGNORE_INDEX
+    safe_targets = torch.where(counted, targets, 0)  # gather needs a valid index; its row is zeroed below
     lse = torch.logsumexp(logits32, dim=-1)
-    loss = (lse - logits32.gather(1, targets[:, None]).squeeze(1)).sum()
-    is_target = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
-    grad = torch.exp(logits32 - lse[:, None]) - is_target.to(torch.float32)
+    loss = torch.where(counted, lse - logits32.gather(1, safe_targets[:, None]).squeeze(1), 0.0).sum()
+    is_target = torch.arange(logits.shape[1], device=logits.device)[None, :] == safe_targets[:, None]
+    grad = torch.where(counted[:, None], torch.exp(logits32 - lse[:, None]) - is_target.to(torch.float32), 0.0)
     return loss, grad.to(logits.dtype)
 
 

@@ -14,7 +14,8 @@ from config import Config, ConfigError, check_batch_split, load_config, save_con
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "config" / "train_tiny_fsdp.yaml"
-PRESETS = sorted((ROOT / "config").glob("*.yaml"))
+# The training presets; config/finetune_*.yaml name a model folder of the user's (tests/test_chat.py loads them).
+PRESETS = sorted((ROOT / "config").glob("train*.yaml"))
 
 
 # ---- presets ----------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from torch import nn
 
 from data.hf_tokenizer import names_own_code
 from model.documents import document_ids, document_positions
+from model.transformer import IGNORE_INDEX, reduce_loss
 
 from ..distributed import DistEnv
 from .lora import has_adapters
@@ -45,13 +46,17 @@ class CausalLMAdapter(nn.Module):
         self.lm = lm
         self.eos_id = eos_id
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                loss_reduction: str = "mean") -> torch.Tensor:
         position_ids = None if self.eos_id is None else document_positions(document_ids(tokens, self.eos_id))
         logits = self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits  # (B, T, V)
         if targets is None:
             return logits
-        # Our targets are already shifted by one; fp32 for a stable log-sum-exp.
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # Our targets are already shifted by one; fp32 for a stable log-sum-exp. Reduced as our model does:
+        # IGNORE_INDEX targets (a fine-tuning prompt) do not count.
+        total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
+                                ignore_index=IGNORE_INDEX)
+        return reduce_loss(total, targets, loss_reduction)
 
 
 def _field(model_cfg) -> str:

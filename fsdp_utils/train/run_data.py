@@ -16,6 +16,7 @@ from data import (
     load_prepared,
     prepare_for_training,
 )
+from data.store import META_NAME, read_record
 
 from ..distributed import DistEnv, barrier
 from .preemption import StopSignal
@@ -31,7 +32,7 @@ def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedD
     """
     d = cfg.data
     if d.sources:
-        return [(load_prepared(source.path), source.weight) for source in d.sources]
+        return [(check_format(load_prepared(source.path), d), source.weight) for source in d.sources]
     settings = PrepareSettings.from_config(cfg)
     dataset_dir = d.dataset_dir or default_dataset_dir(settings)
     job_id: list[str | None] = [uuid.uuid4().hex if env.is_main else None]
@@ -53,4 +54,22 @@ def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedD
         outcome.unlink(missing_ok=True)
     if error is not None:
         raise DataError(error)
-    return [(load_prepared(dataset_dir), 1.0)]
+    return [(check_format(load_prepared(dataset_dir), d), 1.0)]
+
+
+def check_format(prepared: PreparedData, d) -> PreparedData:
+    """The folder, if it holds data of data.format (a chat folder has masks, a text folder none) that
+    data.document_masking can keep apart."""
+    wanted = d.format
+    if prepared.format != wanted:
+        raise DataError(f"data.format={wanted}: {prepared.root} holds {prepared.format} data (prepared with "
+                        f"data.format={prepared.format}); set data.format={prepared.format}, or prepare the corpus "
+                        f"with data.format={wanted} into another folder")
+    if d.document_masking and wanted == "chat":
+        # Masking cuts at every EOS: a template whose end-of-turn token is the EOS would cut inside conversations.
+        meta = read_record(prepared.root / META_NAME)
+        if meta.get("num_conversations_with_eos_inside", 0):
+            raise DataError(f"data.document_masking: {meta['num_conversations_with_eos_inside']} conversations in "
+                            f"{prepared.root} hold the tokenizer's EOS inside them (their template ends turns with "
+                            "it), so masking at EOS would cut them apart; set data.document_masking: false")
+    return prepared

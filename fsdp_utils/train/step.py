@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from model.transformer import IGNORE_INDEX
+
 from .optim import clip_grad_norm
 
 
@@ -24,8 +26,18 @@ def no_grad_sync(model, enabled: bool):
     return contextlib.nullcontext()
 
 
-def forward_backward(model, batches, scaler, *, grad_accum: int) -> torch.Tensor:
-    """Run grad_accum micro-batches, reducing gradients only after the last; return this rank's mean loss."""
+def forward_backward(model, batches, scaler, *, grad_accum: int, world_size: int = 1,
+                     masked_targets: bool = False) -> torch.Tensor:
+    """Run grad_accum micro-batches, reducing gradients only after the last; return this rank's share of the
+    step's loss (summed over the ranks, it is the global batch's mean loss times the world size).
+
+    Every target counts (masked_targets False): each micro-batch's mean loss, over grad_accum. Targets may be
+    IGNORE_INDEX (masked_targets, fine-tuning data): the step's loss is the sum over the global batch's trained
+    targets divided by their number, all micro-batches and ranks together, so a micro-batch holding few of them
+    weighs no more per token than one holding many. The count needs every micro-batch first: they are drawn
+    up front (token ids only, small) and their counts all-reduced once."""
+    if masked_targets:
+        return _forward_backward_token_mean(model, batches, scaler, grad_accum=grad_accum, world_size=world_size)
     loss_sum = None
     for micro in range(grad_accum):
         x, y = next(batches)
@@ -34,6 +46,22 @@ def forward_backward(model, batches, scaler, *, grad_accum: int) -> torch.Tensor
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
     assert loss_sum is not None, "grad_accum must be at least 1"
+    return loss_sum
+
+
+def _forward_backward_token_mean(model, batches, scaler, *, grad_accum: int, world_size: int) -> torch.Tensor:
+    micro_batches = [next(batches) for _ in range(grad_accum)]
+    num_trained = torch.stack([(y != IGNORE_INDEX).sum() for _, y in micro_batches]).sum().float()
+    dist.all_reduce(num_trained)
+    # The gradient reduction averages over the ranks, hence the world size; a global batch with no trained
+    # target at all (possible with tiny batches) gives a loss and gradients of 0, not NaN.
+    scale = world_size / num_trained.clamp(min=1)
+    loss_sum = torch.zeros((), device=num_trained.device)
+    for micro, (x, y) in enumerate(micro_batches):
+        with no_grad_sync(model, enabled=micro < grad_accum - 1):
+            loss = model(x, y, loss_reduction="sum") * scale
+            (scaler.scale(loss) if scaler else loss).backward()
+        loss_sum = loss_sum + loss.detach().float()
     return loss_sum
 
 
@@ -46,11 +74,13 @@ class StepResult:
 
 
 def train_step(model, optimizer, batches, *, grad_accum: int, grad_clip: float, world_size: int, scaler=None,
-               stop_requested: bool = False) -> StepResult:
+               stop_requested: bool = False, masked_targets: bool = False) -> StepResult:
     """One optimizer step on `grad_accum` micro-batches from `batches`. Every rank calls it together and
     reaches the same decision: the loss, the gradient norm and the stop flags are reduced over the ranks,
-    and the step's one host sync reads them (a non-finite step is skipped everywhere)."""
-    loss_sum = forward_backward(model, batches, scaler, grad_accum=grad_accum)
+    and the step's one host sync reads them (a non-finite step is skipped everywhere). masked_targets: the
+    targets may hold IGNORE_INDEX (see forward_backward)."""
+    loss_sum = forward_backward(model, batches, scaler, grad_accum=grad_accum, world_size=world_size,
+                                masked_targets=masked_targets)
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(model, grad_clip)  # already the same on every rank

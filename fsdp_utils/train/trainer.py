@@ -18,6 +18,7 @@ from config import Config, ConfigError, check_batch_split, save_config
 from data import BatchPrefetcher, open_datasets
 from data.store import tokenizer_sha256
 from data.tokenizer import prepared_eos_id
+from model.transformer import IGNORE_INDEX
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
 from ..checkpoint.io import install_tokenizer
@@ -46,24 +47,35 @@ class NonFiniteError(RuntimeError):
 
 
 @torch.no_grad()
-def evaluate(model, val_data, *, num_samples: int, micro_batch: int, env: DistEnv) -> float:
+def evaluate(model, val_data, *, num_samples: int, micro_batch: int, env: DistEnv,
+             masked_targets: bool = False) -> float:
     """Mean validation loss over the first num_samples sequences of the validation set, in micro-batches,
     whatever the world size: rank r takes batches r, r + W, ...; every rank runs the same number of forward
     passes (FSDP needs them all), a rank past the end weighting its last one by zero. Every batch holds as
-    many tokens, so the mean of the batch means is the same for any micro-batch that divides num_samples."""
+    many tokens, so the mean of the batch means is the same for any micro-batch that divides num_samples.
+    With masked_targets (fine-tuning data) batches hold different numbers of trained targets: the mean is
+    then over all of them, their summed loss over their count."""
     model.eval()
     try:
         n = num_samples // micro_batch
-        total = torch.zeros((), device=env.device)
+        total = torch.zeros(2, device=env.device)  # the loss (a sum of means, or of losses) and the trained targets
         for first in range(0, n, env.world_size):
             k = first + env.rank
             x, y = val_data.batch(min(k, n - 1) * micro_batch, micro_batch)
-            loss = model(x.to(env.device), y.to(env.device)).float()
-            total += loss if k < n else 0.0 * loss
+            x, y = x.to(env.device), y.to(env.device)
+            weight = 1.0 if k < n else 0.0
+            if masked_targets:
+                loss = model(x, y, loss_reduction="sum").float()
+                total += weight * torch.stack([loss, (y != IGNORE_INDEX).sum().float()])
+            else:
+                loss = model(x, y).float()
+                total[0] += loss if k < n else 0.0 * loss
         dist.all_reduce(total)
     finally:
         model.train()
-    return total.item() / n
+    if masked_targets:
+        return total[0].item() / max(total[1].item(), 1.0)
+    return total[0].item() / n
 
 
 class Trainer:
@@ -107,6 +119,8 @@ class Trainer:
         # The token that separates documents, for the model's document masking and restarting positions.
         needs_eos = cfg.data.document_masking or cfg.model.reset_positions
         self.eos_id = prepared_eos_id(self.prepared.tokenizer_path) if needs_eos else None
+        # Fine-tuning data: the targets outside the assistant's turns are IGNORE_INDEX.
+        self.masked_targets = cfg.data.format == "chat"
 
     def _setup_downstream(self) -> DownstreamEvaluator | None:
         """train.eval_tasks' tasks loaded now, so that one that cannot load stops the run before step 1."""
@@ -271,7 +285,7 @@ class Trainer:
         def step() -> StepResult:
             return train_step(self.model, self.optimizer, self.batches, grad_accum=self.split.grad_accum,
                               grad_clip=t.grad_clip, world_size=self.env.world_size, scaler=self.scaler,
-                              stop_requested=self.stop.requested)
+                              stop_requested=self.stop.requested, masked_targets=self.masked_targets)
 
         result = self._guarded(step, phase="training", step=state.step + 1)
         if not result.applied:
@@ -295,7 +309,8 @@ class Trainer:
         # The same sequences whatever an out-of-memory retry does to the micro-batch.
         num_samples = self.cfg.train.eval_batches * self.choice.micro_batch_size
         return self._guarded(lambda: evaluate(self.model, self.val_data, num_samples=num_samples,
-                                              micro_batch=self.split.micro_batch_size, env=self.env),
+                                              micro_batch=self.split.micro_batch_size, env=self.env,
+                                              masked_targets=self.masked_targets),
                              phase="evaluation", step=self.state.step)
 
     def evaluate_all(self) -> None:

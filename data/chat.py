@@ -1,0 +1,172 @@
+"""Fine-tuning data (data.format: chat): conversations as token ids plus a mask of the tokens to train on.
+
+A record is a conversation, `{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}]}`, or
+a prompt/response pair, `{"prompt": "...", "response": "..."}` (field names from the config). It is rendered
+as text by a chat template and tokenised; the mask is 1 on the assistant's tokens, the end of each of its
+turns included, and 0 on everything else (system, user, the template's own headers), which the loss ignores.
+
+Two templates:
+- the tokenizer's own (data.tokenizer: hf). With `{% generation %}` tags in the template, transformers marks
+  the assistant's characters itself (return_assistant_tokens_mask). Without them each assistant turn is
+  found by rendering the conversation incrementally: its text runs from the end of the conversation before
+  it with the generation prompt (`<|im_start|>assistant\n`, say) to the end of the conversation through it.
+  Either way the whole text is tokenised once, and a token that overlaps an assistant span is trained on.
+- ours, PLAIN (SentencePiece models have no template), documented in docs/training.md:
+
+      <|system|>\n{content}\n<|user|>\n{content}\n<|assistant|>\n{content}<|end|>\n<|user|>\n...
+
+  Each part is tokenised on its own and the ids joined; the assistant's content and its `<|end|>` marker are
+  trained on. End-of-turn is a text marker, not EOS, so the only EOS of a conversation is the one after it
+  that separates it from the next (document masking then keeps multi-turn conversations whole).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+ROLES = ("system", "user", "assistant")
+PLAIN_END = "<|end|>"
+TEMPLATES = ("auto", "plain")
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class BadConversation(ValueError):
+    """A record that is not a usable conversation (a bad record: data.on_bad_record decides)."""
+
+
+class TemplateNotIncremental(BadConversation):
+    """The template itself cannot give the assistant's spans: an error for the whole corpus, not one record."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: list[dict[str, str]]
+    where: str  # file and line, for messages
+
+
+@dataclass(frozen=True)
+class ChatFields:
+    """Where a record keeps its conversation: a list of messages, or a prompt and a response."""
+
+    messages: str = "messages"
+    prompt: str = "prompt"
+    response: str = "response"
+
+
+def conversation(record: object, fields: ChatFields) -> list[dict[str, str]]:
+    """The record's messages as [{"role", "content"}], checked; BadConversation says what is wrong."""
+    if not isinstance(record, dict):
+        raise BadConversation("expected a JSON object")
+    if fields.messages in record:
+        messages = record[fields.messages]
+        if not isinstance(messages, list) or not messages:
+            raise BadConversation(f"'{fields.messages}' must be a non-empty list of messages")
+        out = []
+        for i, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            content = message.get("content") if isinstance(message, dict) else None
+            if role not in ROLES or not isinstance(content, str):
+                raise BadConversation(f"message {i} must be an object with a role ({', '.join(ROLES)}) and a "
+                                      f"string content")
+            out.append({"role": role, "content": content})
+    elif isinstance(record.get(fields.prompt), str) and isinstance(record.get(fields.response), str):
+        out = [{"role": "user", "content": record[fields.prompt]},
+               {"role": "assistant", "content": record[fields.response]}]
+    else:
+        raise BadConversation(f"expected a list '{fields.messages}', or string fields '{fields.prompt}' and "
+                              f"'{fields.response}'")
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadConversation("no assistant message: nothing to train on")
+    if out[0]["role"] == "assistant":
+        raise BadConversation("the conversation starts with the assistant's message: no prompt to answer")
+    return out
+
+
+def canonical_text(messages: list[dict[str, str]]) -> str:
+    """The conversation as text that depends only on its content: the hash of its UTF-8 picks its split."""
+    return json.dumps(messages, ensure_ascii=False, sort_keys=True)
+
+
+def plain_segments(messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    """The PLAIN template's parts as (text, trained?), in order."""
+    parts: list[tuple[str, bool]] = []
+    for message in messages:
+        header = f"<|{message['role']}|>\n"
+        if message["role"] == "assistant":
+            parts += [(header, False), (message["content"] + PLAIN_END, True), ("\n", False)]
+        else:
+            parts.append((header + message["content"] + "\n", False))
+    return parts
+
+
+def plain_text(messages: list[dict[str, str]]) -> str:
+    """The conversation as the PLAIN template renders it (what a SentencePiece tokenizer is trained on)."""
+    return "".join(text for text, _ in plain_segments(messages))
+
+
+def plain_prompt(messages: list[dict[str, str]]) -> str:
+    """A prompt for generation with the PLAIN template: the conversation so far, then the assistant's header."""
+    return plain_text(messages) + "<|assistant|>\n"
+
+
+def render_plain(encode, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """(token ids, mask) with the PLAIN template; encode(list[str]) -> list[list[int]] tokenises each part."""
+    segments = plain_segments(messages)
+    ids: list[int] = []
+    mask: list[int] = []
+    for (_, trained), part in zip(segments, encode([text for text, _ in segments]), strict=True):
+        ids += part
+        mask += [int(trained)] * len(part)
+    return ids, mask
+
+
+def has_generation_tags(template: str) -> bool:
+    return bool(_GENERATION_TAG.search(template))
+
+
+def render_template(tok, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """(token ids, mask) with a transformers tokenizer's own chat template (see the module docstring)."""
+    try:
+        if has_generation_tags(tok.get_chat_template()):
+            out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            return list(out["input_ids"]), list(out["assistant_masks"])
+        text, spans = _assistant_spans(tok, messages)
+    except BadConversation:
+        raise
+    except Exception as err:  # noqa: BLE001 - the template's own checks (raise_exception) and jinja's errors
+        raise BadConversation(f"the chat template refused it ({type(err).__name__}: {_first_line(err)})") from None
+    encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [0] * len(encoded["input_ids"])
+    span = 0
+    for i, (start, end) in enumerate(encoded["offset_mapping"]):
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        if span == len(spans):
+            break
+        if end > spans[span][0]:  # the token overlaps the assistant's text
+            mask[i] = 1
+    return list(encoded["input_ids"]), mask
+
+
+def _assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text and the character spans of the assistant's turns, by incremental rendering."""
+    text = tok.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
+        through = tok.apply_chat_template(messages[: k + 1], tokenize=False)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise TemplateNotIncremental(
+                "the tokenizer's chat template renders the start of a conversation differently from the whole "
+                "(the assistant's turns cannot be found): add {% generation %} tags around the assistant's "
+                "content in the template, or set data.chat_template=plain")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0][:200] if lines else ""
