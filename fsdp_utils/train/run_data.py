@@ -32,7 +32,8 @@ def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedD
     """
     d = cfg.data
     if d.sources:
-        return [(check_format(load_prepared(source.path), d), source.weight) for source in d.sources]
+        return [(check_format(load_prepared(source.path), d.format, d.document_masking), source.weight)
+                for source in d.sources]
     settings = PrepareSettings.from_config(cfg)
     dataset_dir = d.dataset_dir or default_dataset_dir(settings)
     job_id: list[str | None] = [uuid.uuid4().hex if env.is_main else None]
@@ -54,18 +55,17 @@ def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedD
         outcome.unlink(missing_ok=True)
     if error is not None:
         raise DataError(error)
-    return [(check_format(load_prepared(dataset_dir), d), 1.0)]
+    return [(check_format(load_prepared(dataset_dir), d.format, d.document_masking), 1.0)]
 
 
-def check_format(prepared: PreparedData, d) -> PreparedData:
+def check_format(prepared: PreparedData, wanted: str, document_masking: bool = False) -> PreparedData:
     """The folder, if it holds data of data.format (a chat folder has masks, a text folder none) that
     data.document_masking can keep apart."""
-    wanted = d.format
     if prepared.format != wanted:
         raise DataError(f"data.format={wanted}: {prepared.root} holds {prepared.format} data (prepared with "
                         f"data.format={prepared.format}); set data.format={prepared.format}, or prepare the corpus "
                         f"with data.format={wanted} into another folder")
-    if d.document_masking and wanted == "chat":
+    if document_masking and wanted == "chat":
         # Masking cuts at every EOS: a template whose end-of-turn token is the EOS would cut inside conversations.
         meta = read_record(prepared.root / META_NAME)
         if meta.get("num_conversations_with_eos_inside", 0):
