@@ -224,6 +224,21 @@ def test_hf_template_preparation(tmp_path):
     assert tokens.tolist() == want_tokens and mask.tolist() == want_mask
 
 
+def test_document_masking_refuses_conversations_that_hold_the_eos(tmp_path):
+    """A template that ends each turn with the EOS (as some instruction models' do): masking at every EOS would
+    cut the conversations apart, so a run with data.document_masking refuses that folder in one line."""
+    from fsdp_utils.train.run_data import check_format
+
+    tok = word_tokenizer(TEMPLATE_INCREMENTAL.replace("<eot>", "<eos>"))
+    tok.save_pretrained(tmp_path / "hf")
+    path = write_jsonl(tmp_path / "c.jsonl", make_conversations(12, seed=3))
+    prepared = prepare_data(tmp_path / "out", chat_settings(path, hf_tokenizer=str(tmp_path / "hf")),
+                            show_progress=False)
+    assert check_format(prepared, "chat", document_masking=False) is prepared
+    with pytest.raises(DataError, match=r"conversations in .* hold the tokenizer's EOS inside them") as err:
+        check_format(prepared, "chat", document_masking=True)
+    assert "\n" not in str(err.value)
+
 def test_bad_records_stop_with_the_line_or_are_skipped(tmp_path):
     records = make_conversations(20) + [{"messages": [{"role": "user", "content": "alpha"}]}, "not json"]
     path = write_jsonl(tmp_path / "c.jsonl", records)
