@@ -19,6 +19,12 @@ def pytest_configure(config):
                                        "`python -m pytest -m 'not slow'` is the quick loop")
 
 
+def pytest_sessionfinish(session, exitstatus):
+    from tests import launcher
+
+    launcher.shutdown()
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

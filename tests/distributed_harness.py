@@ -4,8 +4,9 @@ starts the process group (a FileStore in a temporary folder: no port to pick), r
 exception is raised in the test as RankFailed with that rank's traceback.
 
 `fn`, its arguments and its return value cross process boundaries: `fn` must be a module-level function
-and everything passed or returned picklable. Spawned processes start fresh (torch imported anew, about
-a second or two each), so group several checks into one `fn` where they share a setup."""
+and everything passed or returned picklable. The ranks are forked from the test launcher's fork server
+(tests/launcher.py), which has torch and the project imported already; FSDP_TEST_LAUNCH=process spawns
+fresh interpreters instead."""
 from __future__ import annotations
 
 import multiprocessing
@@ -17,6 +18,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tests import launcher
 
 
 class RankFailed(AssertionError):
@@ -54,7 +57,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store_file: s
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, *, timeout_s: float = 120, **kwargs: Any) -> list[Any]:
     """Run `fn(rank, world_size, **kwargs)` on `world_size` spawned gloo ranks; their return values by rank.
     RankFailed (with the traceback) if any rank raised, died or outlasted `timeout_s`."""
-    context = multiprocessing.get_context("spawn")
+    context = launcher.context() if launcher.enabled() else multiprocessing.get_context("spawn")
     results: multiprocessing.Queue = context.Queue()
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         store_file = str(Path(tmp) / "store")

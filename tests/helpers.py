@@ -13,6 +13,8 @@ from pathlib import Path
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests import launcher
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train_fsdp.py"
 WITH_FAULTS = ROOT / "tests/with_faults.py"  # runs a script with test-only faults (tests/fault_injection.py)
@@ -47,18 +49,22 @@ def fault_env(faults: dict | None) -> dict:
 
 def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_dir: Path, extra_env: dict | None = None,
               check: bool = True, timeout: float = 300, prefix: tuple[str, ...] = (),
-              faults: dict | None = None) -> subprocess.CompletedProcess:
-    """Run one training job; nproc > 1 goes through torchrun; `prefix` runs it under another command
-    (e.g. prlimit); `faults` (tests/fault_injection.py) runs it with those faults installed. Returns the
-    finished process."""
+              faults: dict | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run one training job as forked ranks (tests/launcher.py), or as real torchrun (nproc > 1) or python
+    processes when `prefix` runs it under another command (e.g. prlimit) or `torchrun` asks for torchrun's
+    own behaviour (its failure report); `faults` (tests/fault_injection.py) runs it with those faults
+    installed. Returns the finished process."""
     script = [str(WITH_FAULTS), str(TRAIN)] if faults else [str(TRAIN)]
     extra_env = {**(extra_env or {}), **fault_env(faults)}
-    launcher = [*prefix, sys.executable, *script] if nproc == 1 else [
-        *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
-    cmd = launcher + [str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
+    launcher_cmd = [*prefix, sys.executable] if nproc == 1 else [
+        *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = launcher_cmd + script + [str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
                       f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if launcher.enabled() and not prefix and not torchrun:  # forked ranks, no start-up cost (tests/launcher.py)
+        proc = launcher.launch(cmd[len(launcher_cmd):], nproc=nproc, env=env, timeout=timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc

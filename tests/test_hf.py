@@ -167,7 +167,8 @@ def test_refused_or_damaged_weights_end_every_rank_with_one_line(tmp_path, corpu
     marker = tmp_path / "code_ran"
     torch.save({**model.state_dict(), "extra": Payload(marker)}, tmp_path / "hf" / "pytorch_model.bin")
     proc = run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", "--train.max_steps=2", nproc=2,
-                     out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120)
+                     out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120,
+                     torchrun=True)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: model.hf_path={tmp_path / 'hf'}: its pickled weights (.bin) were refused: they hold "
                       f"something other than tensors (loading them would run code) or are damaged; use .safetensors "

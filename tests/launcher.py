@@ -1,0 +1,154 @@
+"""Start a training script's ranks without paying for Python and torch start-up every time.
+
+A training job on the tiny test model spends most of its CPU time importing torch and this project
+(several seconds per rank), a few hundredths of a second per step. `launch` forks each rank from a
+multiprocessing fork server that imported all of that once per test session, and gives every rank what
+torchrun would: its rank variables, a rendezvous address, the job's environment and working directory,
+its own stdout and stderr; when one rank fails, the others are stopped (SIGTERM, then SIGKILL) and the
+job fails with exit code 1, as torchrun reports it. A one-rank job runs like `python script.py`.
+
+The tests of torchrun's own behaviour (launchers, signals sent to a live job, start-up races) keep real
+processes (tests/helpers.py `Job`, `run_train(prefix=...)`). FSDP_TEST_LAUNCH=process runs every job
+as a real torchrun or python process instead.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRELOAD = ["tests.rank_preload"]
+STOP_GRACE_S = 30  # torchrun's own wait between SIGTERM and SIGKILL
+
+_context = None
+
+
+def enabled() -> bool:
+    return os.environ.get("FSDP_TEST_LAUNCH", "fork") != "process"
+
+
+def _fork_server():
+    """The session's fork server, started with one thread per rank (what OMP_NUM_THREADS=1 gives the jobs)."""
+    global _context
+    if _context is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # read once, when the server imports torch
+        try:
+            from multiprocessing import forkserver
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS")
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        _context = context
+    return _context
+
+
+def shutdown() -> None:
+    """Stop the fork server (end of the test session), so that it and its ranks are waited for."""
+    global _context
+    if _context is not None:
+        from multiprocessing import forkserver
+        forkserver._forkserver._stop()  # private, but the only way to stop it before the interpreter exits
+        _context = None
+
+
+def context():
+    """The fork server's multiprocessing context, for tests that start ranks of their own."""
+    return _fork_server()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(script: str, argv: list[str], env: dict, cwd: str, out_path: str, err_path: str) -> None:
+    """One rank: the job's environment, directory and output files, then the script as `__main__`."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+def launch(script_argv: list[str], *, nproc: int, env: dict, cwd: Path = ROOT,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `script_argv` (a script path and its arguments) as `nproc` forked ranks; the finished job,
+    like subprocess.run(capture_output=True, text=True) of torchrun or python. TimeoutExpired past
+    `timeout`, with every rank stopped."""
+    context = _fork_server()
+    env = dict(env)
+    if nproc > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_RUN_ID="forked-test-job",
+                   TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+    with tempfile.TemporaryDirectory(prefix="job-") as tmp:
+        out_path, err_path = str(Path(tmp) / "stdout"), str(Path(tmp) / "stderr")
+        procs = []
+        for rank in range(nproc):
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if nproc > 1 else env
+            proc = context.Process(target=_rank_main,
+                                   args=(script_argv[0], script_argv[1:], rank_env, str(cwd), out_path, err_path))
+            proc.start()
+            procs.append(proc)
+        timed_out = not _wait(procs, timeout, err_path)
+        stdout, stderr = Path(out_path).read_text(errors="replace"), Path(err_path).read_text(errors="replace")
+    if timed_out:
+        raise subprocess.TimeoutExpired(script_argv, timeout, output=stdout, stderr=stderr)
+    codes = [p.exitcode for p in procs]
+    returncode = codes[0] if nproc == 1 else (0 if all(c == 0 for c in codes) else 1)
+    return subprocess.CompletedProcess(script_argv, returncode, stdout, stderr)
+
+
+def _wait(procs: list, timeout: float, err_path: str) -> bool:
+    """Wait for every rank; the first to fail has the others stopped. False if `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    running = list(procs)
+    while running:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            _stop(running, err_path)
+            return False
+        multiprocessing.connection.wait([p.sentinel for p in running], timeout=left)
+        running = [p for p in running if p.exitcode is None]
+        if running and any(p.exitcode not in (None, 0) for p in procs):
+            _stop(running, err_path)
+            running = []
+    return True
+
+
+def _stop(procs: list, err_path: str) -> None:
+    """SIGTERM, then SIGKILL for a rank still there after the grace period, said in the job's stderr as
+    torchrun says it, so that a test can tell a rank that ended by itself from one that was forced out."""
+    for proc in procs:
+        if proc.exitcode is None:
+            os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            with open(err_path, "a") as err:
+                err.write(f"launcher: process {proc.pid} did not stop {STOP_GRACE_S} s after SIGTERM: sent SIGKILL\n")
