@@ -48,21 +48,32 @@ def load_trace(path: Path) -> list[dict]:
 
 def step_window(events: list[dict], step: int | None) -> tuple[str, float, float]:
     """(name, start, end) in microseconds of a profiled step's range ('train_step#N'): the chosen step, or
-    the second one when there are several (the first can carry the profiler's start-up). A step's GPU work
-    may end after its CPU range: the window runs to the next step's start, or to the end of the trace."""
-    steps = sorted((e["ts"], e["name"]) for e in events if e["name"].startswith("train_step#"))
+    the second one when there are several (the first can carry the profiler's start-up).
+
+    A GPU trace holds each range twice: on the CPU, where it lasts as long as launching the step's work,
+    and on the GPU ('gpu_user_annotation'), spanning the kernels that work ran; the GPU one is the window.
+    A CPU-only trace has the first kind only; there the window runs to the next step's start, or to the
+    end of the trace."""
+    def ranges(category: str) -> list[tuple[float, float, str]]:
+        return sorted((e["ts"], e["dur"], e["name"]) for e in events
+                      if e["name"].startswith("train_step#") and e.get("cat") == category)
+
+    on_gpu = ranges("gpu_user_annotation")
+    steps = on_gpu or ranges("user_annotation")
     if not steps:
         raise ValueError("no train_step#N ranges in the trace: was it written by logging.profile_steps?")
-    names = [name for _, name in steps]
+    names = [name for _, _, name in steps]
     if step is None:
         index = 1 if len(steps) > 1 else 0
     elif f"train_step#{step}" in names:
         index = names.index(f"train_step#{step}")
     else:
         raise ValueError(f"step {step} is not in the trace (it holds {', '.join(names)})")
-    start = steps[index][0]
+    start, duration, name = steps[index]
+    if on_gpu:
+        return name, start, start + duration
     end = steps[index + 1][0] if index + 1 < len(steps) else max(e["ts"] + e["dur"] for e in events)
-    return steps[index][1], start, end
+    return name, start, end
 
 
 def lanes_of(events: list[dict], start: float, end: float) -> tuple[str, dict[str, list[tuple[float, float, str]]]]:

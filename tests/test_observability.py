@@ -312,6 +312,25 @@ def test_profile_trace_renders_to_a_png(tracked, tmp_path):
                                       and render_profile.kind_of(e["name"]) == "matmul") / 1e3)
 
 
+def test_a_gpu_trace_is_windowed_by_the_gpu_side_of_the_step_range():
+    """On a GPU the step's CPU range ends once its work is launched; its GPU twin spans the kernels."""
+    from scripts import render_profile
+
+    def event(name, cat, ts, dur, tid=7):
+        return {"name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    events = [event("train_step#5", "user_annotation", 0, 300, tid=1),
+              event("train_step#5", "gpu_user_annotation", 100, 5_000),
+              event("ampere_bf16_gemm", "kernel", 200, 4_000),
+              event("train_step#6", "user_annotation", 400, 300, tid=1),
+              event("train_step#6", "gpu_user_annotation", 5_200, 5_000),
+              event("ncclDevKernel_AllGather", "kernel", 5_300, 1_000, tid=9),
+              event("ampere_bf16_gemm", "kernel", 6_400, 3_000)]
+    assert render_profile.step_window(events, 6) == ("train_step#6", 5_200, 10_200)
+    what, lanes = render_profile.lanes_of(events, 5_200, 10_200)
+    assert what == "gpu" and {k: [kind for _, _, kind in v] for k, v in lanes.items()} == {
+        "GPU 0 stream 7": ["matmul"], "GPU 0 stream 9": ["communication (NCCL)"]}
+
 def test_memory_snapshot_replayed_by_category(tmp_path):
     from scripts import render_profile
 
