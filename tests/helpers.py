@@ -47,6 +47,19 @@ def fault_env(faults: dict | None) -> dict:
     return {ENV: json.dumps(faults)} if faults else {}
 
 
+# What torchrun gives a rank. A test that ran a world of one in this pytest process (init_distributed sets
+# MASTER_ADDR and MASTER_PORT for it) must not hand its address to the jobs it starts after.
+RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "ROLE_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def job_env(extra_env: dict | None = None) -> dict:
+    """The environment of a job the tests start: this process's, without rank variables, one thread per
+    rank, then `extra_env`."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    return {**env, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+
+
 def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_dir: Path, extra_env: dict | None = None,
               check: bool = True, timeout: float = 300, prefix: tuple[str, ...] = (),
               faults: dict | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
@@ -60,7 +73,7 @@ def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_d
         *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd = launcher_cmd + script + [str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
                       f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    env = job_env(extra_env)
     if launcher.enabled() and not prefix and not torchrun:  # forked ranks, no start-up cost (tests/launcher.py)
         proc = launcher.launch(cmd[len(launcher_cmd):], nproc=nproc, env=env, timeout=timeout)
     else:

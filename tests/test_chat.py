@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from data.chat import PLAIN_END, ChatFields, canonical_text, conversation, plain
 from data.loader import IGNORE_INDEX, TokenDataset
 from model.transformer import chunked_cross_entropy
 from tests.distributed_harness import run_ranks
-from tests.helpers import ROOT
+from tests.helpers import ROOT, job_env
 from tests.test_data import held_out
 
 transformers = pytest.importorskip("transformers")
@@ -424,7 +423,7 @@ def test_finetune_chat_hf_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "train_fsdp.py"), str(FINETUNE_CONFIG), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env=job_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     logged = losses(out)
     assert sorted(logged) == list(range(1, 9)) and logged[8] < logged[1] - 0.2, logged

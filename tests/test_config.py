@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from config import Config, ConfigError, check_batch_split, load_config, save_config
+from tests.helpers import job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "config" / "train_tiny_fsdp.yaml"
@@ -338,7 +339,7 @@ def test_cli_out_of_range_and_bad_yaml_exit_2_before_the_process_group(nproc, tm
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, *launcher, str(ROOT / "train_fsdp.py"), str(TINY), f"--run.output_dir={out}",
                            *bad], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env=job_env())
     assert sorted(error_lines(proc)) == sorted([
         "error: model.rope_theta must be greater than 1, got 0.0",
         "error: train.beta1 must be in [0, 1), got 2.0",

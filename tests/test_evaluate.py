@@ -26,7 +26,7 @@ from fsdp_utils.train.downstream import flat_metrics, load_tasks, run_tasks, tas
 from fsdp_utils.train.lm_eval_model import ModelLM, SentencePieceCodec  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from tests.distributed_harness import cpu_env, run_ranks  # noqa: E402
-from tests.helpers import ROOT, read_metrics, run_train, write_corpus  # noqa: E402
+from tests.helpers import ROOT, job_env, read_metrics, run_train, write_corpus  # noqa: E402
 
 CFG = ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 MAX_LEN = CFG.max_seq_len
@@ -335,7 +335,7 @@ def test_training_logs_the_scores_that_evaluate_py_finds_on_its_checkpoint(tmp_p
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "scripts/evaluate.py"), str(run_dir / "fsdp_sharded_cpt4"), "--tasks", ",".join(TASKS),
            "--include_path", str(tasks), "--device", "cpu", "--bootstrap_iters", "0", "--output", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env = job_env({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "|tiny_choice" in proc.stdout and "evaluated in" in proc.stdout

@@ -17,7 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, TRAIN, WITH_FAULTS, descendants, kill_tree, losses, read_metrics, run_train
+from tests.helpers import (
+    ROOT,
+    TINY,
+    TRAIN,
+    WITH_FAULTS,
+    descendants,
+    job_env,
+    kill_tree,
+    losses,
+    read_metrics,
+    run_train,
+)
 
 pytestmark = pytest.mark.slow  # every test here launches training processes
 
@@ -44,7 +55,7 @@ class Job:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = log_dir / "stdout.txt", log_dir / "stderr.txt"
         with self.out_path.open("w") as out, self.err_path.open("w") as err:
-            env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+            env = job_env(extra_env)
             env = {k: v for k, v in env.items() if v is not None}  # None in extra_env: unset
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
 

@@ -2,7 +2,6 @@
 another seed other text, greedy decoding ignores the seed, and the output starts with the prompt."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts import generate
-from tests.helpers import ROOT, run_train
+from tests.helpers import ROOT, job_env, run_train
 
 pytestmark = pytest.mark.slow  # samples from a trained checkpoint
 
@@ -29,7 +28,7 @@ def checkpoint(tmp_path_factory, corpus, dataset_dir) -> Path:
 def cli(checkpoint: Path, *args: str) -> str:
     cmd = [sys.executable, str(ROOT / "scripts/generate.py"), str(checkpoint), "--prompt", PROMPT, "--device", "cpu",
            *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=job_env())
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
