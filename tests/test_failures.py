@@ -327,7 +327,7 @@ def test_a_second_run_in_the_same_output_directory_is_refused(reference, corpus,
             os.kill(pid, signal.SIGSTOP)
         before = tree_state(out)
         second = run_train(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False,
-                           timeout=120)
+                           timeout=120, torchrun=True)
         assert tree_state(out) == before
         for pid in paused:
             os.kill(pid, signal.SIGCONT)
