@@ -6,7 +6,6 @@ the restore of the weights, the cache, the retry. tests/test_gpu.py has the GPU 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from config import ConfigError, check_batch_split, load_config
 from fsdp_utils.train.batch import BatchSplit, divisors
 from fsdp_utils.train.microbatch import CACHE_FILE, MicroBatchChoice, climb, read_cache, save_to_cache
 from tests.fault_injection import FakeProbe
-from tests.helpers import ROOT, WITH_FAULTS, fault_env, losses, run_train
+from tests.helpers import ROOT, WITH_FAULTS, fault_env, job_env, losses, run_train
 
 TINY_PRESET = ROOT / "config/train_tiny_fsdp.yaml"
 GiB = 2**30
@@ -360,7 +359,7 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
                            "--data.seq_len=32",
                            "--train.global_batch_size=8", "--compare_auto", "--fixed_micro_batch=2", "--peer",
                            "--steps=1", "--warmup=1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **fault_env(fake_memory(10, 1, 0.5))})
+                          env=job_env(fault_env(fake_memory(10, 1, 0.5))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:4] for line in proc.stdout.splitlines() if line.startswith(("ours", "hf_"))}
     assert rows["ours_mb2"] == ["2", "x", "4"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY, TRAIN, run_train
+from tests.helpers import ROOT, TINY, TRAIN, job_env, run_train
 
 CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
 
@@ -26,7 +26,7 @@ def launch(*args: str, config: Path = CONFIG, nproc: int, tmp_path: Path, corpus
     cmd = [*launcher, str(config), *TINY, f"--run.output_dir={tmp_path / 'out'}", f"--data.files=[{corpus}]",
            f"--data.dataset_dir={dataset_dir}", *args]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True,
                           timeout=180)
     proc.seconds = time.monotonic() - start
     return proc
