@@ -36,6 +36,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def world_of_one():
+    """A process group of one CPU rank in this pytest process (tests/helpers.py world_of_one)."""
+    from tests import helpers
+
+    with helpers.world_of_one() as env:
+        yield env
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")

@@ -3,6 +3,7 @@ what it wrote. Shared by the end-to-end tests."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -51,6 +52,28 @@ def fault_env(faults: dict | None) -> dict:
 # MASTER_ADDR and MASTER_PORT for it) must not hand its address to the jobs it starts after.
 RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                   "ROLE_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+@contextlib.contextmanager
+def world_of_one(**variables: str):
+    """A process group of one rank in this pytest process (gloo, CPU), as a plain `python train_fsdp.py`
+    starts it: no rank variables from outside, and none of its own (the address init_distributed picks)
+    left behind for the jobs started after it. `variables` are set for its duration too."""
+    from fsdp_utils.distributed import destroy_distributed, init_distributed
+
+    saved = {name: os.environ.pop(name, None) for name in (*RANK_VARIABLES, *variables)}
+    os.environ.update(variables)
+    try:
+        env = init_distributed(device="cpu", timeout_s=60)
+        try:
+            yield env
+        finally:
+            destroy_distributed()
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 def job_env(extra_env: dict | None = None) -> dict:

@@ -18,7 +18,7 @@ from model import Documents, ModelConfig, Transformer
 from model.documents import document_block_mask, document_dense_mask, document_ids, document_positions
 from model.transformer import apply_rotary
 from tests.distributed_harness import run_ranks
-from tests.helpers import ROOT, TINY
+from tests.helpers import ROOT, TINY, world_of_one
 
 EOS = 0
 CFG = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=64)
@@ -233,29 +233,22 @@ def short_documents(path):
     return path
 
 
-def test_trainer_builds_the_masked_model_with_the_tokenizer_eos(tmp_path, monkeypatch):
+def test_trainer_builds_the_masked_model_with_the_tokenizer_eos(tmp_path):
     from data.tokenizer import load_sentencepiece
-    from fsdp_utils.distributed import destroy_distributed, init_distributed
     from fsdp_utils.train.preemption import StopSignal
     from fsdp_utils.train.trainer import Trainer
 
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
-        monkeypatch.delenv(name, raising=False)
     cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", [
         *TINY, f"--run.output_dir={tmp_path / 'out'}", f"--data.files=[{short_documents(tmp_path / 'docs.jsonl')}]",
         f"--data.dataset_dir={tmp_path / 'ds'}", "--fsdp.version=2", "--train.max_steps=2",
         "--data.document_masking=true", "--model.reset_positions=true"])
-    env = init_distributed(device="cpu", timeout_s=60)
-    try:
+    with world_of_one() as env:
         run = Trainer(cfg, env, stop=StopSignal([], grace_s=60))
         eos_id = load_sentencepiece(run.prepared.tokenizer_path).eos_id()
         assert run.model.documents == Documents(eos_id=eos_id, mask_attention=True, reset_positions=True)
         x, _ = run.train_data.batch(0, 8)
         assert (x == eos_id).any(dim=1).all(), "every window holds a document boundary"
         assert run.fit()["step"] == 2
-    finally:
-        destroy_distributed()
 
 
 def masked_losses_on_ranks(rank: int, world_size: int, *, combos: list[tuple[int, str]]) -> list[list[float]]:

@@ -10,7 +10,6 @@ import torch
 
 from config import ConfigError, load_config
 from fsdp_utils.checkpoint import CheckpointMismatch
-from fsdp_utils.distributed import destroy_distributed, init_distributed
 from fsdp_utils.parallel.lora import (
     LoRASettings,
     adapter_initial_value,
@@ -28,16 +27,6 @@ from tests.test_step import tiny_cfg
 
 LORA = ["--train.lora.rank=4", "--train.lora.alpha=8"]
 SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
-        monkeypatch.delenv(name, raising=False)
-    env = init_distributed(device="cpu", timeout_s=60)
-    yield env
-    destroy_distributed()
 
 
 def _randomise_b(model: torch.nn.Module, seed: int = 0) -> None:

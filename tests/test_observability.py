@@ -23,8 +23,9 @@ from fsdp_utils.train.metrics import MetricsWriter
 from fsdp_utils.train.preemption import StopSignal
 from fsdp_utils.train.profiling import MemorySnapshots
 from fsdp_utils.train.trackers import tracker_key, tracker_problems
+from tests import helpers
 from tests.helpers import ROOT, read_metrics, run_train
-from tests.test_step import tiny_cfg, world_of_one  # noqa: F401  (a pytest fixture)
+from tests.test_step import tiny_cfg
 
 TINY_CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
 
@@ -200,25 +201,21 @@ TRACKED = pytest.mark.slow  # W&B starts its service process; the two jobs with 
 def tracked(tmp_path_factory, corpus, dataset_dir):
     """4 steps (validation at 2 and 4) tracked by TensorBoard, W&B offline and MLflow's local store, steps
     2-3 profiled; then the same output directory resumed to step 6. In-process, one rank."""
-    from fsdp_utils.distributed import destroy_distributed, init_distributed
-
     tmp = tmp_path_factory.mktemp("tracked")
     mp = pytest.MonkeyPatch()
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "MLFLOW_TRACKING_URI"):
-        mp.delenv(name, raising=False)
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     mp.setenv("WANDB_CONSOLE", "off")  # W&B would wrap pytest's captured stdout
-    env = init_distributed(device="cpu", timeout_s=60)
     common = ["--logging.trackers=[tensorboard, wandb, mlflow]", "--logging.wandb_mode=offline",
               "--train.eval_interval=2", "--train.eval_batches=1", "--checkpoint.interval=2", "--run.name=tracked"]
     try:
-        first = tiny_cfg(tmp, corpus, dataset_dir, *common, "--train.max_steps=4", "--logging.profile_steps=[2, 3]")
-        trainer.Trainer(first, env, stop=StopSignal([], grace_s=60)).fit()
-        ids_first = json.loads((first.output_dir / "trackers.json").read_text())
-        resumed = tiny_cfg(tmp, corpus, dataset_dir, *common, "--train.max_steps=6")
-        trainer.Trainer(resumed, env, stop=StopSignal([], grace_s=60), resume_from="latest").fit()
+        with helpers.world_of_one() as env:
+            first = tiny_cfg(tmp, corpus, dataset_dir, *common, "--train.max_steps=4",
+                             "--logging.profile_steps=[2, 3]")
+            trainer.Trainer(first, env, stop=StopSignal([], grace_s=60)).fit()
+            ids_first = json.loads((first.output_dir / "trackers.json").read_text())
+            resumed = tiny_cfg(tmp, corpus, dataset_dir, *common, "--train.max_steps=6")
+            trainer.Trainer(resumed, env, stop=StopSignal([], grace_s=60), resume_from="latest").fit()
     finally:
-        destroy_distributed()
         mp.undo()
     return first.output_dir, ids_first
 

@@ -15,7 +15,7 @@ from fsdp_utils.train import trainer
 from fsdp_utils.train.optim import LRSchedule
 from fsdp_utils.train.preemption import StopSignal
 from tests.helpers import ROOT, read_metrics
-from tests.test_step import tiny_cfg, world_of_one  # noqa: F401  # world_of_one is a fixture
+from tests.test_step import tiny_cfg
 
 TINY_CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
 
@@ -117,7 +117,7 @@ def fit(cfg, resume_from=None, env=None):
     return {row["step"]: (row["loss"], row["lr"]) for row in read_metrics(cfg.output_dir) if "loss" in row}
 
 
-def test_wsd_resume_is_exact_and_extends(tmp_path, corpus, dataset_dir, world_of_one, caplog):  # noqa: F811
+def test_wsd_resume_is_exact_and_extends(tmp_path, corpus, dataset_dir, world_of_one, caplog):
     caplog.set_level(logging.INFO, logger="train")
     # Uninterrupted: 6 steps, decay over steps 4-6 (0.5 of 6), a checkpoint after every step.
     full_cfg = tiny_cfg(tmp_path / "a", corpus, dataset_dir, *WSD, "--train.max_steps=6", "--checkpoint.interval=1")

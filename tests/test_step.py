@@ -8,34 +8,17 @@ does, and the Trainer trains in-process.
 from __future__ import annotations
 
 import argparse
-import os
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from config import load_config
-from fsdp_utils.distributed import destroy_distributed, init_distributed
 from fsdp_utils.train import microbatch, step, trainer
 from fsdp_utils.train.batch import BatchSplit
 from fsdp_utils.train.preemption import StopSignal
 from tests.helpers import ROOT, TINY, read_metrics
 
 TINY_CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
-        monkeypatch.delenv(name, raising=False)
-    env = init_distributed(device="cpu", timeout_s=60)
-    yield env
-    destroy_distributed()
-    # init_distributed chose an address for the world of one; a training job this test process starts later
-    # must not inherit it (its port may still be taken). monkeypatch then restores any that were set before.
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(name, None)
 
 
 def tiny_cfg(tmp_path, corpus, dataset_dir, *extra: str):
