@@ -218,13 +218,7 @@ class CheckpointManager:
         scripts/import_hf.py), checked like a resume's; the optimizer, step, data position and RNG stay fresh."""
         path = Path(init_from)
         start = time.perf_counter()
-        error = None
-        try:
-            check_structure(path)
-        except CheckpointError as err:
-            error = err
-        agree(self.env, error)
-        crc_s = verify(path, self.env) if self.verify else 0.0
+        crc_s = self._check_files(path)
         error = None
         try:
             (self._sharded if path.is_dir() else self._full).load_weights(model, path)
@@ -235,15 +229,20 @@ class CheckpointManager:
             log.info("model.init_from: loaded the weights of %s (%.1f MiB) in %.2f s (CRC32 check %.2f s); optimizer "
                      "and step start fresh", path, size_of(path) / 2**20, time.perf_counter() - start, crc_s)
 
-    def _load_one(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> TrainState:
-        start = time.perf_counter()
+    def _check_files(self, path: Path) -> float:
+        """Every rank agrees the checkpoint is complete, then its CRC32s are checked (checkpoint.verify);
+        returns the seconds the CRC32 check took."""
         error = None
         try:
             check_structure(path)
         except CheckpointError as err:
             error = err
         agree(self.env, error)
-        crc_s = verify(path, self.env) if self.verify else 0.0
+        return verify(path, self.env) if self.verify else 0.0
+
+    def _load_one(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> TrainState:
+        start = time.perf_counter()
+        crc_s = self._check_files(path)
         error, meta, rng = None, None, None
         try:  # the path's kind, not checkpoint.format, decides: a run may resume from either format
             meta, rng = (self._sharded if path.is_dir() else self._full).load(model, optimizer, path)
