@@ -18,7 +18,6 @@ import multiprocessing.connection
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -70,12 +69,6 @@ def context():
     return _fork_server()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(script: str, argv: list[str], env: dict, cwd: str, out_path: str, err_path: str) -> None:
     """One rank: the job's environment, directory and output files, then the script as `__main__`."""
     os.chdir(cwd)
@@ -99,10 +92,17 @@ def launch(script_argv: list[str], *, nproc: int, env: dict, cwd: Path = ROOT,
     `timeout`, with every rank stopped."""
     context = _fork_server()
     env = dict(env)
+    agent_store = None
     if nproc > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_RUN_ID="forked-test-job",
-                   TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+        # Like torchrun's agent, this process hosts a store the ranks share (on a port the system picked as it
+        # bound it: parallel test jobs can't race for one); rank 0 starts the job's own store through it.
+        import torch.distributed as dist
+
+        agent_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(agent_store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                   TORCHELASTIC_RUN_ID="forked-test-job", TORCHELASTIC_RESTART_COUNT="0",
+                   TORCHELASTIC_MAX_RESTARTS="0")
     with tempfile.TemporaryDirectory(prefix="job-") as tmp:
         out_path, err_path = str(Path(tmp) / "stdout"), str(Path(tmp) / "stderr")
         procs = []
@@ -114,6 +114,7 @@ def launch(script_argv: list[str], *, nproc: int, env: dict, cwd: Path = ROOT,
             procs.append(proc)
         timed_out = not _wait(procs, timeout, err_path)
         stdout, stderr = Path(out_path).read_text(errors="replace"), Path(err_path).read_text(errors="replace")
+    del agent_store  # every rank has ended
     if timed_out:
         raise subprocess.TimeoutExpired(script_argv, timeout, output=stdout, stderr=stderr)
     codes = [p.exitcode for p in procs]

@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from torch.profiler import ProfilerActivity, profile, record_function
 
 log = logging.getLogger("train")
@@ -106,8 +107,16 @@ class MemorySnapshots:
         if enabled and device.type != "cuda" and rank == 0:
             log.warning("logging.memory_snapshot: the CUDA allocator's history exists only on GPUs; this %s run "
                         "records no memory snapshot", device.type)
+        self.early_stop_off: AbstractContextManager | None = None
         if self.recording:
             torch.cuda.memory._record_memory_history(max_entries=max_entries)
+            # Activation checkpointing stops a recomputation early by raising an exception from inside the
+            # recomputed forward; when that happens inside a custom autograd Function (torchao's Float8
+            # matmul), the Python stacks the allocator records as the tensors are freed lose the exception and
+            # backward fails with "SystemError: ... returned NULL without setting an exception". Recomputing
+            # each checkpointed block whole costs a little time and is exact.
+            self.early_stop_off = torch.utils.checkpoint.set_checkpoint_early_stop(False)
+            self.early_stop_off.__enter__()
 
     def on_step_end(self, step: int) -> None:
         if self.recording and step == self.at_step:
@@ -130,3 +139,6 @@ class MemorySnapshots:
         if self.recording:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.recording = False
+        if self.early_stop_off is not None:
+            self.early_stop_off.__exit__(None, None, None)
+            self.early_stop_off = None
