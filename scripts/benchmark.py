@@ -63,7 +63,12 @@ from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
 from fsdp_utils.distributed import destroy_distributed, init_distributed, read_torchrun_env  # noqa: E402
 from fsdp_utils.parallel.build import build_model  # noqa: E402
 from fsdp_utils.parallel.float8 import float8_problems  # noqa: E402
-from fsdp_utils.parallel.parallelize import model_converters, parallelize, resolve_precision  # noqa: E402
+from fsdp_utils.parallel.parallelize import (  # noqa: E402
+    CheckpointSwitch,
+    model_converters,
+    parallelize,
+    resolve_precision,
+)
 from fsdp_utils.train.batch import BatchSplit  # noqa: E402
 from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
 from fsdp_utils.train.microbatch import cpu_micro_batch, memory_probe, search_micro_batch  # noqa: E402
@@ -116,26 +121,34 @@ def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
     # afterwards, instead of one matmul per slice. Same weights and results. (FP8 runs use it anyway.)
     built = build_model(cfg, env, fused_matmul=True if args.fused_projections else None, eos_id=EOS_ID)
     converters = model_converters(cfg)
+    switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
     model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
-                        compile=t.compile, env=env, init=built.init, converters=converters)
+                        compile=t.compile, env=env, init=built.init, converters=converters, checkpoint_switch=switch)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not args.unfused_adamw)
     for converter in converters:
         converter.register(model, optimizer)
-    if micro_batch == "auto":
+    if micro_batch == "auto" or switch is not None:
         per_rank, probe = t.global_batch_size // env.world_size, memory_probe(env.device, env.rank)
-        if probe is None:
-            micro_batch = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu)
+        if probe is None:  # the CPU: no checkpointing (switch's default), train_fsdp.py's fallback micro-batch
+            micro_batch = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu) if micro_batch == "auto" else micro_batch
         else:
             choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len,
                                         vocab_size=cfg.model.vocab_size, grad_clip=t.grad_clip,
-                                        margin=t.auto_micro_batch_margin, compile=t.compile, env=env, probe=probe)
+                                        margin=t.auto_micro_batch_margin, compile=t.compile, env=env, probe=probe,
+                                        micro_batches=None if micro_batch == "auto" else [int(micro_batch)],
+                                        switch=switch, every_n=cfg.fsdp.ac_every_n_layers)
             micro_batch = choice.micro_batch_size
             for converter in converters:  # the trial steps' weights were put back: their FP8 scales too
                 converter.refresh(model)
             if env.is_main:
-                print(f"auto: micro-batch {micro_batch} of {per_rank} per rank, trial peaks "
-                      + ", ".join(f"{b}: {m:.2f} GiB" for b, m in choice.measured_gib.items())
+                print(f"auto: micro-batch {micro_batch} of {per_rank} per rank"
+                      + (f", activation checkpointing {choice.checkpointing} (tried "
+                         + "; ".join(f"{name}: " + ", ".join(f"{b}: {m:.2f} GiB" for b, m in sizes.items())
+                                     for name, sizes in choice.tried_gib.items())
+                         + "; timed " + (", ".join(f"{k} {v:,.0f} tok/s" for k, v in choice.tokens_per_s.items())
+                                         or "none") + ")" if switch is not None else "")
+                      + ", trial peaks " + ", ".join(f"{b}: {m:.2f} GiB" for b, m in choice.measured_gib.items())
                       + f" (budget {choice.budget_gib:.2f} GiB), {choice.seconds:.0f} s", flush=True)
     grad_accum = grad_accum or accumulation(cfg, env, micro_batch)
     batches = random_batches(cfg.model.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len,

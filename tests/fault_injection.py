@@ -59,16 +59,21 @@ class FakeProbe(MemoryProbe):
     """Memory readings from a formula instead of a GPU ("fake_gpu_memory"). The JSON object has
     capacity_gib, fixed_gib (the resident part) and per_sample_gib, each a number or a list of one per
     rank, and optionally table_gib {"micro-batch": GiB} for sizes that do not follow the formula: a
-    phase at micro-batch b reads fixed + per_sample * b."""
+    phase at micro-batch b reads fixed + per_sample * b. For fsdp.activation_checkpointing=auto,
+    policy_per_sample_gib {policy: GiB} replaces per_sample_gib under that policy, and step_seconds
+    {policy: s} makes a timed step take s / b seconds at micro-batch b (default: 1 / b)."""
 
     def __init__(self, spec: dict, rank: int):
         def pick(value):
             return float(value[rank] if isinstance(value, list) else value) * 2**30
 
         self.capacity_bytes = pick(spec["capacity_gib"])
-        self.fixed, self.per_sample = pick(spec.get("fixed_gib", 0)), pick(spec.get("per_sample_gib", 0))
+        self.fixed, self.default_per_sample = pick(spec.get("fixed_gib", 0)), pick(spec.get("per_sample_gib", 0))
+        self.per_sample = self.default_per_sample
+        self.policy_per_sample = {k: pick(v) for k, v in spec.get("policy_per_sample_gib", {}).items()}
+        self.step_seconds = spec.get("step_seconds", {})
         self.table = {int(k): pick(v) for k, v in spec.get("table_gib", {}).items()}
-        self.micro_batch = 0
+        self.micro_batch, self.policy = 0, None
 
     @property
     def name(self) -> str:
@@ -80,8 +85,13 @@ class FakeProbe(MemoryProbe):
     def capacity(self) -> int:
         return int(self.capacity_bytes)
 
-    def begin(self, micro_batch: int) -> None:
-        self.micro_batch = micro_batch
+    def begin(self, micro_batch: int, checkpointing: str | None = None) -> None:
+        self.micro_batch, self.policy = micro_batch, checkpointing
+        self.per_sample = self.policy_per_sample.get(checkpointing, self.default_per_sample)
+
+    def time(self, step, repeats: int = 2) -> float:
+        step()  # the real step runs (once), the clock is the formula's
+        return float(self.step_seconds.get(self.policy, 1.0)) / self.micro_batch
 
     def peak_reserved(self) -> int:
         return int(self.table.get(self.micro_batch, self.fixed + self.per_sample * self.micro_batch))

@@ -43,7 +43,8 @@ def test_preset_loads_and_is_consistent(path):
         assert split is None if cfg.train.micro_batch_size == "auto" else split >= 1
 
 
-@pytest.mark.parametrize("name", ["train90M_fsdp.yaml", "train300M_fsdp.yaml", "train1B_fsdp.yaml"])
+@pytest.mark.parametrize("name", ["train90M_fsdp.yaml", "train300M_fsdp.yaml", "train1B_fsdp.yaml",
+                                  "train8B_fsdp.yaml"])
 def test_gpu_presets_on_the_default_corpus_stay_within_a_few_epochs(name):
     # The default corpus (the standard library sources, data.files empty) is about 2.9M tokens with a 16k
     # vocabulary (measured: 5,000 steps of 131k tokens were ~230 epochs); a preset shipped with it must not

@@ -147,6 +147,32 @@ def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
     assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
 
 
+@needs_gpus(2)
+def test_auto_checkpointing_and_micro_batch_choose_a_measured_pair_that_fits(tmp_path):
+    # fsdp.activation_checkpointing=auto with the micro-batch, compiled (each policy compiles anew), on the 90M
+    # shape at sequence 1024 with a 4 GiB budget: without checkpointing only a few sequences fit, so the
+    # policies that recompute more are measured at larger micro-batches, and the fitting pairs are timed.
+    # Another test's processes may share the GPUs: the budget is this process's share of what is free.
+    margin = 1 - 4 * 2**30 / torch.cuda.get_device_properties(0).total_memory
+    corpus = write_corpus(tmp_path / "corpus.txt", num_docs=400)
+    out = tmp_path / "auto"
+    proc = run_train(*GPU, *MODEL_90M, "--model.max_seq_len=1024", "--data.seq_len=1024", "--train.compile=true",
+                     "--train.global_batch_size=64", "--train.micro_batch_size=auto",
+                     "--fsdp.activation_checkpointing=auto", f"--train.auto_micro_batch_margin={margin:.4f}",
+                     "--train.max_steps=3", nproc=2, out_dir=out, corpus=corpus, dataset_dir=tmp_path / "data",
+                     timeout=900)
+    (entry,) = json.loads((out / "microbatch_cache.json").read_text())["entries"]
+    policy, chosen = entry["activation_checkpointing"], entry["micro_batch_size"]
+    assert "fsdp.activation_checkpointing=auto: tried none: micro-batch 1: " in proc.stderr
+    assert f"micro-batch {chosen}, activation checkpointing {policy}," in proc.stderr
+    assert len(entry["tried_gib"]) >= 2 and entry["tokens_per_s"], entry  # a real choice between measured pairs
+    assert entry["tokens_per_s"][f"{policy}@{chosen}"] == max(entry["tokens_per_s"].values())
+    assert entry["measured_gib"][str(chosen)] <= entry["budget_gib"] <= 4.01
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["peak_mem_gib"] for r in rows if "peak_mem_gib" in r) <= entry["budget_gib"], (rows, entry)
+    assert sorted(losses(out)) == [1, 2, 3] and all(math.isfinite(v) for v in losses(out).values())
+
+
 @pytest.mark.gpu_exclusive  # measures GPU memory: alone on its GPUs
 @needs_gpus(1)
 def test_real_out_of_memory_is_retried_at_half_the_micro_batch(tmp_path):

@@ -120,11 +120,16 @@ def test_cache_round_trip_and_replace(tmp_path):
 
 @pytest.mark.parametrize("field, value", [("micro_batch_size", 0), ("micro_batch_size", -4), ("micro_batch_size", "8"),
                                           ("micro_batch_size", 3), ("measured_gib", {"8": "a lot"}),
-                                          ("measured_gib", {"0": 1.0}), ("budget_gib", -1), ("capacity_gib", None)])
+                                          ("measured_gib", {"0": 1.0}), ("budget_gib", -1), ("capacity_gib", None),
+                                          ("activation_checkpointing", "auto"), ("activation_checkpointing", None)])
 def test_a_cache_entry_with_bad_values_is_ignored_with_a_warning(tmp_path, caplog, field, value):
     # per-rank batch 16 // 2 = 8: micro-batch 3 does not divide it
     key = {"model": {"dim": 64}, "gpu": "H100", "global_batch_size": 16, "world_size": 2}
-    save_to_cache(tmp_path, key, MicroBatchChoice(8, "search", {1: 2.0, 8: 20.0}, 79.0, 71.1, 9.0))
+    auto_ac = field == "activation_checkpointing"  # the entry of an fsdp.activation_checkpointing=auto run
+    if auto_ac:
+        key["fsdp"] = {"activation_checkpointing": "auto"}
+    save_to_cache(tmp_path, key, MicroBatchChoice(8, "search", {1: 2.0, 8: 20.0}, 79.0, 71.1, 9.0,
+                                                  checkpointing="selective_op" if auto_ac else None))
     assert read_cache(tmp_path, key)["micro_batch_size"] == 8
     doc = json.loads((tmp_path / CACHE_FILE).read_text())
     doc["entries"][0][field] = value
@@ -227,6 +232,71 @@ def test_auto_when_nothing_fits_is_one_error_line(corpus, dataset_dir, tmp_path)
         "(4.00 GiB usable, train.auto_micro_batch_margin=0.1); turn on fsdp.activation_checkpointing, use more GPUs, "
         "or shorten data.seq_len"]
     assert "Traceback" not in proc.stderr
+
+
+# ---- end to end: fsdp.activation_checkpointing=auto -------------------------------------------------
+
+# Budget 10 * 0.9 = 9 GiB over 1 GiB resident, per-rank batch 8 (candidates 1, 2, 4, 8). Per sample: none 3 GiB
+# (fits 2: 7 GiB), selective_op 1.5 (from 4 up: fits 4, 7 GiB), selective/2 2 (from 8 up: 17, no), full 0.9
+# (from 8 up: 8.2, fits). A timed step takes step_seconds / micro-batch: none@2 0.5 s, selective_op@4 0.25 s,
+# full@8 0.375 s; so selective_op@4 trains the most tokens/s (8 sequences of 32 tokens a step).
+AC_MEMORY = {"policy_per_sample_gib": {"none": 3, "selective_op": 1.5, "selective/2": 2, "full": 0.9},
+             "step_seconds": {"none": 1, "selective_op": 1, "full": 3}}
+
+
+@pytest.mark.slow
+def test_auto_checkpointing_trains_the_fastest_pair_that_fits_like_it_by_hand_and_caches_it(corpus, dataset_dir,
+                                                                                          tmp_path):
+    common = ["--train.global_batch_size=8", "--checkpoint.interval=2"]
+    auto = ["--train.micro_batch_size=auto", "--fsdp.activation_checkpointing=auto"]
+    out = tmp_path / "auto"
+    first = run_train(*common, *auto, "--train.max_steps=2", out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
+                      faults=fake_memory(10, 1, 1, **AC_MEMORY))
+    assert ("fsdp.activation_checkpointing=auto: tried none: micro-batch 1: 4.00 GiB, 2: 7.00 GiB; selective_op: "
+            "micro-batch 4: 7.00 GiB; selective/2: micro-batch 8: 17.00 GiB; full: micro-batch 8: 8.20 GiB; timed "
+            "none@2 512 tokens/s per rank, selective_op@4 1,024 tokens/s per rank, full@8 683 tokens/s per rank: "
+            "the most tokens/s is selective_op@4") in first.stderr
+    assert "micro-batch 4, activation checkpointing selective_op," in first.stderr
+    (entry,) = json.loads((out / CACHE_FILE).read_text())["entries"]
+    assert entry["micro_batch_size"] == 4 and entry["activation_checkpointing"] == "selective_op"
+    assert entry["tokens_per_s"] == {"none@2": 512, "selective_op@4": 1024, "full@8": 683}
+    # Resumed with other readings: the cache answers, policy included; no trial step runs.
+    second = run_train(*common, *auto, "--train.max_steps=4", out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
+                       faults=fake_memory(10, 1, 5))
+    assert "measuring trial steps" not in second.stderr
+    assert "micro-batch 4 (gradient accumulation 2), activation checkpointing selective_op, from" in second.stderr
+    # The trial steps of every policy left no trace: the same losses as the chosen pair set by hand.
+    run_train(*common, "--train.micro_batch_size=4", "--fsdp.activation_checkpointing=selective_op",
+              "--train.max_steps=4", out_dir=tmp_path / "by_hand", corpus=corpus, dataset_dir=dataset_dir)
+    assert losses(out) == losses(tmp_path / "by_hand")
+
+
+@pytest.mark.slow
+def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fits(corpus, dataset_dir, tmp_path):
+    # Micro-batch 4: none needs 13 GiB, selective_op 7: selective_op, without timing anything.
+    at_4 = ["--train.global_batch_size=8", "--train.micro_batch_size=4", "--fsdp.activation_checkpointing=auto"]
+    proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir,
+                     faults=fake_memory(10, 1, 1, **AC_MEMORY))
+    assert ("fsdp.activation_checkpointing=auto: tried none: micro-batch 4: 13.00 GiB; selective_op: micro-batch 4: "
+            "7.00 GiB; selective_op recomputes the least of the policies that fit micro-batch 4, and none fits a "
+            "larger one") in proc.stderr
+    assert "grad accumulation 2, micro-batch 4, activation checkpointing selective_op," in proc.stderr
+    # Nothing fits micro-batch 4, full checkpointing included: one error line.
+    proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out2", corpus=corpus, dataset_dir=dataset_dir,
+                     faults=fake_memory(4, 1, 1, **AC_MEMORY), check=False)
+    assert proc.returncode == 1
+    assert error_lines(proc) == [
+        "error: fsdp.activation_checkpointing=auto: with full activation checkpointing, micro-batch 4 peaks at 4.60 "
+        "GiB, over the budget of 3.60 GiB (4.00 GiB usable, train.auto_micro_batch_margin=0.1); set a smaller "
+        "train.micro_batch_size (or auto), use more GPUs, or shorten data.seq_len"]
+
+
+@pytest.mark.slow
+def test_auto_checkpointing_on_the_cpu_is_none(corpus, dataset_dir, tmp_path):
+    proc = run_train("--fsdp.activation_checkpointing=auto", "--train.max_steps=1", out_dir=tmp_path / "out",
+                     corpus=corpus, dataset_dir=dataset_dir)
+    assert "fsdp.activation_checkpointing=auto on the CPU (no GPU memory to measure): none" in proc.stderr
+    assert "activation checkpointing none," in proc.stderr
 
 
 # ---- the hint ---------------------------------------------------------------------------------------

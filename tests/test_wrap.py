@@ -6,7 +6,12 @@ import collections
 import pytest
 import torch
 
-from fsdp_utils.parallel.parallelize import apply_activation_checkpointing
+from fsdp_utils.parallel.parallelize import (
+    CheckpointPolicy,
+    CheckpointSwitch,
+    apply_activation_checkpointing,
+    apply_switchable_checkpointing,
+)
 from model import ModelConfig, Transformer
 from tests.helpers import CountOps
 
@@ -53,7 +58,38 @@ def test_each_mode_recomputes_what_it_promises():
     assert by_op["_scaled_dot_product_flash_attention_for_cpu"] == none["_scaled_dot_product_flash_attention_for_cpu"]
 
 
-def compiled_block_saves(mode: str, convert=None) -> tuple[int, list[str]]:
+def test_a_switchable_model_recomputes_and_computes_as_the_policy_it_is_set_to():
+    # fsdp.activation_checkpointing=auto: one model, its policy changed between steps by the search.
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    model.init_weights(seed=3)
+    switch = CheckpointSwitch()
+    apply_switchable_checkpointing(list(model.layers), switch)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    for mode in ("full", "none", "selective_op", "selective"):
+        switch.policy = CheckpointPolicy(mode, every_n=2)
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        with CountOps() as counter:
+            loss.backward()
+        ops, grads, loss_ref = backward_ops(mode)  # the same model with the policy applied for good
+        assert loss.item() == loss_ref
+        assert {k: counter.counts[k] for k in ("mm", "rsqrt", "silu")} == {k: ops[k] for k in ("mm", "rsqrt", "silu")}
+        for p, g_ref in zip(model.parameters(), grads, strict=True):
+            torch.testing.assert_close(p.grad, g_ref, rtol=0, atol=0)
+
+
+def test_policy_names_read_back():
+    for policy in (CheckpointPolicy("none"), CheckpointPolicy("full"), CheckpointPolicy("selective_op"),
+                   CheckpointPolicy("selective", 3)):
+        assert CheckpointPolicy.parse(policy.name) == policy
+    assert CheckpointPolicy("selective", 2).name == "selective/2"
+    for bad in ("selective", "full/2", "selective/0", "selective/x", "auto", "", None):
+        with pytest.raises((ValueError, AttributeError)):
+            CheckpointPolicy.parse(bad)
+
+
+def compiled_block_saves(mode: str, convert=None, switchable: bool = False) -> tuple[int, list[str]]:
     """Compile one block under AC `mode` as train_fsdp.py does (`convert(block)` first, if given, as
     parallelize converts to FP8); return the activation bytes the compiled forward keeps for backward
     (compile's partitioner decides, as on GPUs) and the ops of the traced graph."""
@@ -81,7 +117,10 @@ def compiled_block_saves(mode: str, convert=None) -> tuple[int, list[str]]:
     block = DecoderBlock(cfg, fused_matmul=convert is not None)  # as build_model makes it for FP8
     if convert is not None:
         convert(block)
-    apply_activation_checkpointing([block], mode, every_n=1)
+    if switchable:
+        apply_switchable_checkpointing([block], CheckpointSwitch(CheckpointPolicy(mode)))
+    else:
+        apply_activation_checkpointing([block], mode, every_n=1)
     block.compile(backend=record_ops, dynamic=False)
     cos, sin = rotary_tables(cfg.head_dim, 64, cfg.rope_theta)
     block(torch.randn(2, 64, 64, requires_grad=True), cos, sin).sum().backward()
@@ -108,3 +147,6 @@ def test_compiled_blocks_keep_checkpointing_and_selective_op_saves_less():
     assert none / unit > 18
     assert by_op / unit < none / unit - 5
     assert full / unit < 3
+    # Switchable blocks (fsdp.activation_checkpointing=auto) compile to the same regions and savings.
+    for mode, saves in zip(modes, (none, by_op, full), strict=True):
+        assert compiled_block_saves(mode, switchable=True)[0] == saves

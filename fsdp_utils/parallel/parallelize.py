@@ -86,21 +86,72 @@ def _selective_op_context():
     return create_selective_checkpoint_contexts(_ops_worth_saving())
 
 
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """One activation checkpointing policy (fsdp.activation_checkpointing): none, full, selective (every
+    every_n-th block) or selective_op."""
+    mode: str
+    every_n: int = 1
+
+    def checkpoints(self, index: int) -> bool:
+        """Whether the block at `index` recomputes its activations in backward."""
+        return self.mode != "none" and not (self.mode == "selective" and index % self.every_n)
+
+    @property
+    def name(self) -> str:
+        """As the log and the micro-batch cache write it: selective carries its n (selective/2)."""
+        return f"selective/{self.every_n}" if self.mode == "selective" else self.mode
+
+    @classmethod
+    def parse(cls, name: str) -> CheckpointPolicy:
+        mode, _, every_n = name.partition("/")
+        if mode not in ("none", "full", "selective", "selective_op") or (mode == "selective") != every_n.isdigit() \
+                or (every_n and int(every_n) < 1):
+            raise ValueError(f"not an activation checkpointing policy: {name!r}")
+        return cls(mode, int(every_n or 1))
+
+
+class CheckpointSwitch:
+    """The policy of blocks made switchable by `apply_switchable_checkpointing`, for
+    fsdp.activation_checkpointing=auto: the micro-batch search (train/microbatch.py) sets each candidate
+    in turn and leaves the chosen one. Compiled blocks read it as a constant: after a change,
+    torch.compiler.reset() (which the search calls) lets them compile the new policy."""
+
+    def __init__(self, policy: CheckpointPolicy = CheckpointPolicy("none")):
+        self.policy = policy
+
+
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every_n: int) -> int:
     """Recompute chosen blocks' activations in backward instead of storing them; returns how many.
 
     full: every block keeps only its input; selective: the same for every every_n-th block;
     selective_op: every block keeps its matmul and attention outputs and recomputes the elementwise
     work, most of the memory of `full` saved for a small part of its recompute cost."""
-    if mode == "none":
-        return 0
+    policy = CheckpointPolicy(mode, every_n)
     count = 0
     for i, block in enumerate(blocks):
-        if mode == "selective" and i % every_n:
-            continue
-        block.forward = _checkpointed(block.forward, by_op=mode == "selective_op")
-        count += 1
+        if policy.checkpoints(i):
+            block.forward = _checkpointed(block.forward, by_op=mode == "selective_op")
+            count += 1
     return count
+
+
+def apply_switchable_checkpointing(blocks: list[nn.Module], switch: CheckpointSwitch) -> None:
+    """Like apply_activation_checkpointing, with the policy read from `switch` at every forward."""
+    for i, block in enumerate(blocks):
+        block.forward = _switchable(block.forward, i, switch)
+
+
+def _switchable(forward, index: int, switch: CheckpointSwitch):
+    full, by_op = _checkpointed(forward, by_op=False), _checkpointed(forward, by_op=True)
+
+    def switchable_forward(*args, **kwargs):
+        policy = switch.policy
+        if not policy.checkpoints(index):
+            return forward(*args, **kwargs)
+        return (by_op if policy.mode == "selective_op" else full)(*args, **kwargs)
+
+    return switchable_forward
 
 
 def _checkpointed(forward, *, by_op: bool):
@@ -146,21 +197,27 @@ def model_converters(cfg) -> list:
 
 
 def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig, precision: Precision, compile: bool,
-                env: DistEnv, init: WeightInit | None = None, converters: Sequence = ()) -> nn.Module:
+                env: DistEnv, init: WeightInit | None = None, converters: Sequence = (),
+                checkpoint_switch: CheckpointSwitch | None = None) -> nn.Module:
     """Make a built model trainable and sharded, in the one documented order:
 
     model converters on the blocks (`converters`, e.g. FP8 linear layers) -> activation
     checkpointing (fsdp.activation_checkpointing) -> torch.compile of each block -> FSDP on each block,
     then the root (fsdp.version 1 or 2, with fsdp's options) -> weights materialised (`init`, for a model
     built on the meta device). Blocks are the modules of `block_classes`. Returns the model to train:
-    the FSDP1 wrapper, or the same module sharded in place by FSDP2.
+    the FSDP1 wrapper, or the same module sharded in place by FSDP2. fsdp.activation_checkpointing=auto
+    needs `checkpoint_switch`, through which the micro-batch search picks the policy.
     """
     blocks = [m for m in model.modules() if type(m) in block_classes]
     for converter in converters:
         # First: checkpointing and compile then wrap the converted modules' forward, and FSDP2 shards
         # their weights (FP8 all-gather subclasses included).
         converter.convert(blocks)
-    apply_activation_checkpointing(blocks, fsdp.activation_checkpointing, fsdp.ac_every_n_layers)
+    if fsdp.activation_checkpointing == "auto":
+        assert checkpoint_switch is not None, "fsdp.activation_checkpointing=auto is chosen through a CheckpointSwitch"
+        apply_switchable_checkpointing(blocks, checkpoint_switch)
+    else:
+        apply_activation_checkpointing(blocks, fsdp.activation_checkpointing, fsdp.ac_every_n_layers)
     if compile:
         apply_compile(blocks)
     offload = fsdp.cpu_offload and env.device.type == "cuda"  # on the CPU the tensors are there already

@@ -27,6 +27,14 @@ forward leaves the others waiting in a collective until run.timeout_s, and recov
 5. The weights are copied to host memory first and back afterwards, the optimizer state (empty before)
    is cleared: the run starts from exactly the state it would have had without the search.
 
+6. fsdp.activation_checkpointing=auto runs the same search for each checkpointing policy in the order of
+   what it recomputes (none, selective_op, selective every n-th block, full), a policy only for micro-batches
+   larger than the ones before it could fit (at the same micro-batch it would only be slower). When more
+   than one pair of policy and micro-batch fits, each is timed over whole steps (the per-rank batch's
+   accumulation) and the one with the most tokens/s trains. Blocks switch policy in place
+   (parallel/parallelize.py CheckpointSwitch); with compile, each policy compiles anew. With a numeric
+   train.micro_batch_size, it picks the first policy whose step fits at that size.
+
 The result is cached per model shape, sequence length, batch, world size, GPU, torch version and the
 memory-relevant options in <output_dir>/microbatch_cache.json: a resumed run does not search again.
 
@@ -54,6 +62,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 from ..distributed import DistEnv, broadcast_decision
+from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch
 from .batch import BatchSplit, divisors
 from .step import train_step
 
@@ -95,11 +104,21 @@ class MemoryProbe:
         free, _ = torch.cuda.mem_get_info(self.device)
         return free + torch.cuda.memory_reserved(self.device)
 
-    def begin(self, micro_batch: int) -> None:
+    def begin(self, micro_batch: int, checkpointing: str | None = None) -> None:
+        """(`checkpointing`: the activation checkpointing policy of the phase, for the tests' probe.)"""
         torch.cuda.synchronize(self.device)
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def time(self, step: Callable[[], None], repeats: int = 2) -> float:
+        """Seconds per call of `step`, on this GPU's clock (after the work queued before it)."""
+        torch.cuda.synchronize(self.device)
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - begin) / repeats
 
     def peak_reserved(self) -> int:
         torch.cuda.synchronize(self.device)
@@ -137,6 +156,11 @@ class MicroBatchChoice:
     capacity_gib: float = 0.0
     budget_gib: float = 0.0
     seconds: float = 0.0
+    # fsdp.activation_checkpointing=auto: the chosen policy's name (CheckpointPolicy.name), what each policy
+    # tried measured ({policy: {micro-batch: GiB}}) and the tokens/s per rank of the pairs that were timed.
+    checkpointing: str | None = None
+    tried_gib: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+    tokens_per_s: dict[str, float] = dataclasses.field(default_factory=dict)  # "policy@micro-batch" -> tokens/s
 
 
 def climb(candidates: list[int], *, budget: float, resident: float,
@@ -162,64 +186,131 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def auto_policies(every_n: int) -> list[CheckpointPolicy]:
+    """fsdp.activation_checkpointing=auto's candidates, in the order of what they recompute in backward: nothing,
+    the elementwise work, every_n-th blocks' whole forward, every block's (so at the same micro-batch, each is
+    slower than the one before, and is tried only for a micro-batch the ones before could not fit)."""
+    return [CheckpointPolicy("none"), CheckpointPolicy("selective_op"), CheckpointPolicy("selective", max(every_n, 2)),
+            CheckpointPolicy("full")]
+
+
+class _Trials:
+    """The trial steps of one search: training steps (forward, backward, clipping, optimizer step) on random
+    tokens from a private generator, at a micro-batch and, with a switch, an activation checkpointing policy."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, per_rank: int, seq_len: int,
+                 vocab_size: int, grad_clip: float, compile: bool, env: DistEnv, probe: MemoryProbe,
+                 switch: CheckpointSwitch | None):
+        self.model, self.optimizer, self.env, self.probe, self.switch = model, optimizer, env, probe, switch
+        self.per_rank, self.seq_len, self.vocab_size, self.grad_clip, self.compile = (per_rank, seq_len, vocab_size,
+                                                                                    grad_clip, compile)
+        self.gen = torch.Generator(device=env.device).manual_seed(20_000 + env.rank)
+        self.policy: CheckpointPolicy | None = None
+        self.size = 0  # the micro-batch of the step running (for the out-of-memory message)
+
+    @property
+    def policy_name(self) -> str | None:
+        return self.policy.name if self.policy else None
+
+    def use(self, policy: CheckpointPolicy | None) -> None:
+        self.policy = policy
+        if self.switch is not None and policy is not None:
+            self.switch.policy = policy
+        if self.compile:
+            torch.compiler.reset()  # a new policy compiles anew; one size at a time keeps each graph static
+
+    def step(self, micro_batch: int, num_micro: int) -> None:
+        self.size = micro_batch
+        tokens = (torch.randint(0, self.vocab_size, (micro_batch, self.seq_len + 1), device=self.env.device,
+                                generator=self.gen) for _ in range(num_micro))
+        # The training step itself: its optimizer step runs the model converters' hooks (FP8 scales) too.
+        train_step(self.model, self.optimizer, ((t[:, :-1], t[:, 1:]) for t in tokens), grad_accum=num_micro,
+                   grad_clip=self.grad_clip, world_size=self.env.world_size)
+
+    def measure(self, micro_batch: int) -> float:
+        """The peak reserved memory of a step, max over the ranks. The accumulation this size would train with,
+        up to two micro-batches: the second one's peak includes the first's unsharded gradients (FSDP keeps
+        them unsharded under no_sync)."""
+        self.probe.begin(micro_batch, self.policy_name)
+        self.step(micro_batch, min(2, self.per_rank // micro_batch))
+        return _max_over_ranks(self.probe.peak_reserved(), self.env)
+
+    def tokens_per_s(self, micro_batch: int) -> float:
+        """Per rank, over whole steps (the accumulation of the per-rank batch), after one to warm up."""
+        num_micro = self.per_rank // micro_batch
+        self.probe.begin(micro_batch, self.policy_name)
+        self.step(micro_batch, num_micro)
+        seconds = _max_over_ranks(self.probe.time(lambda: self.step(micro_batch, num_micro)), self.env)
+        return self.per_rank * self.seq_len / seconds
+
+
 def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, per_rank: int, seq_len: int,
                        vocab_size: int, grad_clip: float, margin: float, compile: bool, env: DistEnv,
-                       probe: MemoryProbe) -> MicroBatchChoice:
-    """The largest divisor of `per_rank` whose training step fits in memory with `margin` to spare, the
-    same on every rank. Leaves the weights, the optimizer state and the RNGs as they were."""
-    candidates = divisors(per_rank)
+                       probe: MemoryProbe, micro_batches: list[int] | None = None,
+                       switch: CheckpointSwitch | None = None, every_n: int = 2) -> MicroBatchChoice:
+    """The largest divisor of `per_rank` (or of `micro_batches`) whose training step fits in memory with `margin`
+    to spare, the same on every rank. With a `switch` (fsdp.activation_checkpointing=auto) for each policy of
+    auto_policies in turn, then the fitting pair of policy and micro-batch whose full step (the accumulation
+    of the per-rank batch) trains the most tokens/s; the switch is left at the chosen policy. Leaves the
+    weights, the optimizer state and the RNGs as they were."""
+    candidates = micro_batches or divisors(per_rank)
+    policies: list[CheckpointPolicy | None] = list(auto_policies(every_n)) if switch is not None else [None]
     assert not optimizer.state, "search before the first optimizer step (or a resume): its state is cleared afterwards"
     start = time.perf_counter()
     saved = [_local(p).detach().to("cpu", copy=True) for p in model.parameters()]
     capacity = -_max_over_ranks(-probe.capacity(), env)
     budget = capacity * (1 - margin)
-    gen = torch.Generator(device=env.device).manual_seed(20_000 + env.rank)
-    size = candidates[0]
+    trials = _Trials(model, optimizer, per_rank=per_rank, seq_len=seq_len, vocab_size=vocab_size, grad_clip=grad_clip,
+                     compile=compile, env=env, probe=probe, switch=switch)
+    # Which auto this is, for the error lines.
+    label = " with ".join(name for name, on in (("train.micro_batch_size=auto", micro_batches is None),
+                                                ("fsdp.activation_checkpointing=auto", switch is not None)) if on)
 
-    def trial(micro_batch: int) -> None:
-        nonlocal size
-        size = micro_batch
-        # The accumulation this size would train with, up to two micro-batches: the second one's peak
-        # includes the first's unsharded gradients (FSDP keeps them unsharded under no_sync).
-        num_micro = min(2, per_rank // micro_batch)
-        tokens = (torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=env.device, generator=gen)
-                  for _ in range(num_micro))
-        # The training step itself: its optimizer step runs the model converters' hooks (FP8 scales) too.
-        train_step(model, optimizer, ((t[:, :-1], t[:, 1:]) for t in tokens), grad_accum=num_micro, grad_clip=grad_clip,
-                   world_size=env.world_size)
-
-    def measure(micro_batch: int) -> float:
-        probe.begin(micro_batch)
-        trial(micro_batch)
-        return _max_over_ranks(probe.peak_reserved(), env)
-
-    def nothing_fits(micro_batch: int) -> OutOfMemory:
+    def nothing_fits(micro_batch: int, peak: float) -> OutOfMemory:
+        what = "with full activation checkpointing, " if switch is not None else ""
+        even = "even " if micro_batches is None else ""
+        advice = "use more GPUs" if switch is not None else "turn on fsdp.activation_checkpointing, use more GPUs"
+        if micro_batches is not None:
+            advice = "set a smaller train.micro_batch_size (or auto), " + advice
         return OutOfMemory(
-            f"train.micro_batch_size=auto: even micro-batch {micro_batch} peaks at {_gib(measured[micro_batch])} GiB, "
-            f"over the budget of {_gib(budget)} GiB ({_gib(capacity)} GiB usable, "
-            f"train.auto_micro_batch_margin={margin}); turn on fsdp.activation_checkpointing, use more GPUs, "
-            "or shorten data.seq_len")
+            f"{label}: {what}{even}micro-batch {micro_batch} peaks at {_gib(peak)} GiB, over the budget of "
+            f"{_gib(budget)} GiB ({_gib(capacity)} GiB usable, train.auto_micro_batch_margin={margin}); {advice}, or "
+            "shorten data.seq_len")
 
     rng_devices = [env.device.index] if env.device.type == "cuda" else []
+    tried: dict[str, dict[int, float]] = {}
+    speeds: dict[str, float] = {}
     try:
         with torch.random.fork_rng(devices=rng_devices):
-            probe.begin(size)
-            trial(size)  # allocates the optimizer state, compiles
+            trials.use(policies[0])
+            probe.begin(candidates[0], trials.policy_name)
+            trials.step(candidates[0], min(2, per_rank // candidates[0]))  # allocates the optimizer state, compiles
             resident = _max_over_ranks(probe.allocated(), env)
-            best, measured = climb(candidates, budget=budget, resident=resident, measure=measure)
-            if best is None:
-                raise nothing_fits(candidates[0])
+            fitting = _fitting_pairs(trials, policies, candidates, budget=budget, resident=resident, tried=tried)
+            if not fitting:
+                last = tried[next(reversed(tried))]
+                raise nothing_fits(min(last), last[min(last)])
+            chosen = fitting[0]
+            if len(fitting) > 1:  # auto: each pair that fits has a larger micro-batch at more recompute; time them
+                for policy, size, _ in fitting:
+                    trials.use(policy)
+                    speeds[f"{trials.policy_name}@{size}"] = trials.tokens_per_s(size)
+                chosen = max(fitting, key=lambda f: speeds[f"{f[0].name if f[0] else None}@{f[1]}"])
+            policy, best, measured = chosen
+            trials.use(policy)
             while compile:
-                torch.compiler.reset()  # drop the trial graphs; this step compiles the run's own, static
-                peak = measured[best] = measure(best)
+                # This step compiles the run's own graphs (static at the chosen size) and checks the figure.
+                peak = measured[best] = trials.measure(best)
                 if peak <= budget:
                     break
                 if best == candidates[0]:
-                    raise nothing_fits(best)
+                    raise nothing_fits(best, peak)
                 best = max(c for c in candidates if c < best)
+                trials.use(policy)
     except torch.OutOfMemoryError as err:
         # The run stops: no point restoring the state of a step that an exception interrupted.
-        raise OutOfMemory(f"train.micro_batch_size=auto: a trial step at micro-batch {size} ran out of memory "
+        during = f" with activation checkpointing {trials.policy_name}" if switch is not None else ""
+        raise OutOfMemory(f"{label}: a trial step at micro-batch {trials.size}{during} ran out of memory "
                           f"({str(err).splitlines()[0]}); raise train.auto_micro_batch_margin, or set a smaller "
                           f"train.micro_batch_size by hand") from None
     with torch.no_grad():
@@ -227,9 +318,31 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
             _local(param).copy_(value)
     optimizer.state.clear()
     optimizer.zero_grad(set_to_none=True)
-    probe.begin(best)
+    probe.begin(best, trials.policy_name)
+    gib = {name: {b: m / GiB for b, m in sorted(sizes.items())} for name, sizes in tried.items()}
     return MicroBatchChoice(best, "search", {b: m / GiB for b, m in sorted(measured.items())}, capacity / GiB,
-                            budget / GiB, time.perf_counter() - start)
+                            budget / GiB, time.perf_counter() - start, checkpointing=trials.policy_name,
+                            tried_gib=gib if switch is not None else {}, tokens_per_s=speeds)
+
+
+def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], candidates: list[int], *, budget: float,
+                   resident: float, tried: dict[str, dict[int, float]]
+                   ) -> list[tuple[CheckpointPolicy | None, int, dict[int, float]]]:
+    """(policy, the largest micro-batch that fits with it, its measurements) for each policy that fits a larger
+    micro-batch than the policies before it (which recompute less: at the same size they are faster). Records
+    every policy's measurements in `tried`."""
+    fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]] = []
+    for policy in policies:
+        sizes = [c for c in candidates if c > (fitting[-1][1] if fitting else 0)]
+        if not sizes:
+            break
+        if policy is not trials.policy:
+            trials.use(policy)
+        best, measured = climb(sizes, budget=budget, resident=resident, measure=trials.measure)
+        tried[trials.policy_name or ""] = measured
+        if best is not None:
+            fitting.append((policy, best, measured))
+    return fitting
 
 
 def cache_key(cfg, *, model_signature: dict, world_size: int, gpu: str, precision: str) -> dict:
@@ -240,6 +353,8 @@ def cache_key(cfg, *, model_signature: dict, world_size: int, gpu: str, precisio
            "world_size": world_size, "gpu": gpu, "torch": torch.__version__, "precision": precision,
            "compile": t.compile, "loss_chunk_tokens": t.loss_chunk_tokens, "float8": getattr(t, "float8", None),
            "margin": t.auto_micro_batch_margin, "fsdp": dataclasses.asdict(cfg.fsdp)}
+    if t.micro_batch_size != "auto":  # fsdp.activation_checkpointing=auto alone: chosen for this micro-batch
+        key["micro_batch_size"] = t.micro_batch_size
     if t.lora.rank > 0:  # adapters instead of gradients and optimizer state for every weight
         key["lora"] = dataclasses.asdict(t.lora)
     return json.loads(json.dumps(key))  # as it reads back from the file
@@ -260,6 +375,11 @@ def _entry_problem(entry: dict, key: dict) -> str | None:
         return f"measured_gib {measured!r} is not {{micro-batch: GiB}}"
     if bad := [k for k in ("capacity_gib", "budget_gib") if not number(entry.get(k))]:
         return f"{bad[0]} {entry.get(bad[0])!r} is not a size in GiB"
+    if key.get("fsdp", {}).get("activation_checkpointing") == "auto":
+        try:
+            CheckpointPolicy.parse(entry.get("activation_checkpointing"))  # type: ignore[arg-type]
+        except (ValueError, AttributeError):
+            return f"activation_checkpointing {entry.get('activation_checkpointing')!r} is not a policy"
     return None
 
 
@@ -294,6 +414,11 @@ def save_to_cache(out_dir: Path, key: dict, choice: MicroBatchChoice) -> None:
                     "measured_gib": {str(b): round(m, 3) for b, m in choice.measured_gib.items()},
                     "capacity_gib": round(choice.capacity_gib, 3), "budget_gib": round(choice.budget_gib, 3),
                     "search_s": round(choice.seconds, 1),
+                    **({"activation_checkpointing": choice.checkpointing,
+                        "tried_gib": {p: {str(b): round(m, 3) for b, m in sizes.items()}
+                                      for p, sizes in choice.tried_gib.items()},
+                        "tokens_per_s": {k: round(v) for k, v in choice.tokens_per_s.items()}}
+                       if choice.checkpointing is not None else {}),
                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
     tmp = path.with_suffix(".json.tmp")
     tmp.unlink(missing_ok=True)  # a link left there would be written through; renaming replaces one at `path`
@@ -307,37 +432,62 @@ def cpu_micro_batch(per_rank: int, limit: int) -> int:
 
 
 def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer, vocab_size: int,
-                        key: dict, probe: MemoryProbe | None) -> MicroBatchChoice:
-    """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice, or a search."""
+                        key: dict, probe: MemoryProbe | None, switch: CheckpointSwitch | None = None
+                        ) -> MicroBatchChoice:
+    """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice, or a search; with
+    fsdp.activation_checkpointing=auto (`switch`) the policy too, left set in the switch."""
     t = cfg.train
-    if t.micro_batch_size != "auto":
+    auto_size = t.micro_batch_size == "auto"
+    if not auto_size and switch is None:
         return MicroBatchChoice(t.micro_batch_size, "configured")
     per_rank = t.global_batch_size // env.world_size
     if probe is None:
+        policy = None
+        if switch is not None:
+            switch.policy = CheckpointPolicy("none")
+            policy = switch.policy.name
+            log.info("fsdp.activation_checkpointing=auto on the CPU (no GPU memory to measure): none")
+        if not auto_size:
+            return MicroBatchChoice(t.micro_batch_size, "configured", checkpointing=policy)
         size = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu)
         log.info("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch %d, the largest "
                  "divisor of the per-rank batch %d up to train.auto_micro_batch_cpu=%d", size, per_rank,
                  t.auto_micro_batch_cpu)
-        return MicroBatchChoice(size, "cpu")
+        return MicroBatchChoice(size, "cpu", checkpointing=policy)
+    what = " and ".join(name for name, on in (("train.micro_batch_size=auto", auto_size),
+                                              ("fsdp.activation_checkpointing=auto", switch is not None)) if on)
     entry = broadcast_decision(env, read_cache(cfg.output_dir, key) if env.is_main else None)
     if entry is not None:
         measured = {int(b): m for b, m in entry["measured_gib"].items()}
         choice = MicroBatchChoice(entry["micro_batch_size"], "cache", measured, entry["capacity_gib"],
-                                  entry["budget_gib"])
-        log.info("train.micro_batch_size=auto: micro-batch %d (gradient accumulation %d), from %s (measured %s: %s, "
-                 "budget %.2f GiB); no search", choice.micro_batch_size, per_rank // choice.micro_batch_size,
+                                  entry["budget_gib"], checkpointing=entry.get("activation_checkpointing"))
+        if switch is not None:
+            switch.policy = CheckpointPolicy.parse(entry["activation_checkpointing"])
+        log.info("%s: micro-batch %d (gradient accumulation %d)%s, from %s (measured %s: %s, budget %.2f GiB); no "
+                 "search", what, choice.micro_batch_size, per_rank // choice.micro_batch_size,
+                 f", activation checkpointing {choice.checkpointing}" if switch is not None else "",
                  cfg.output_dir / CACHE_FILE, entry.get("date", "?"), _format_measured(choice.measured_gib),
                  choice.budget_gib)
         return choice
-    log.info("train.micro_batch_size=auto: measuring trial steps on %s to find the largest micro-batch of %s that fits",
-             probe.name, divisors(per_rank))
+    sizes = divisors(per_rank) if auto_size else [t.micro_batch_size]
+    log.info("%s: measuring trial steps on %s to find %s", what, probe.name,
+             f"the largest micro-batch of {sizes} that fits" if switch is None else
+             f"the fastest pair of activation checkpointing policy and micro-batch (of {sizes}) that fits")
     choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
                                 grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env,
-                                probe=probe)
-    log.info("train.micro_batch_size=auto: micro-batch %d (gradient accumulation %d on %d ranks); peak memory of the "
-             "trial steps (reserved, max over ranks) %s, against a budget of %.2f GiB (%.2f GiB usable, "
-             "margin %g); %.0f s",
+                                probe=probe, micro_batches=None if auto_size else sizes, switch=switch,
+                                every_n=cfg.fsdp.ac_every_n_layers)
+    if switch is not None:
+        tried = "; ".join(f"{name}: {_format_measured(sizes)}" for name, sizes in choice.tried_gib.items())
+        timed = ", ".join(f"{pair} {speed:,.0f} tokens/s per rank" for pair, speed in choice.tokens_per_s.items())
+        why = (f"timed {timed}: the most tokens/s is {choice.checkpointing}@{choice.micro_batch_size}" if timed else
+               f"{choice.checkpointing} recomputes the least of the policies that fit micro-batch "
+               f"{choice.micro_batch_size}, and none fits a larger one")
+        log.info("fsdp.activation_checkpointing=auto: tried %s; %s", tried, why)
+    log.info("%s: micro-batch %d (gradient accumulation %d on %d ranks)%s; peak memory of the trial steps (reserved, "
+             "max over ranks) %s, against a budget of %.2f GiB (%.2f GiB usable, margin %g); %.0f s", what,
              choice.micro_batch_size, per_rank // choice.micro_batch_size, env.world_size,
+             f", activation checkpointing {choice.checkpointing}" if switch is not None else "",
              _format_measured(choice.measured_gib), choice.budget_gib, choice.capacity_gib, t.auto_micro_batch_margin,
              choice.seconds)
     return choice

@@ -25,7 +25,7 @@ from ..checkpoint.io import install_tokenizer
 from ..distributed import DistEnv, agree
 from ..parallel.build import build_model, describe_model, log_parameter_summary
 from ..parallel.lora import lora_record
-from ..parallel.parallelize import model_converters, parallelize, resolve_precision
+from ..parallel.parallelize import CheckpointSwitch, model_converters, parallelize, resolve_precision
 from .batch import BatchSplit
 from .downstream import DownstreamError, DownstreamEvaluator
 from .metrics import TrainingLog
@@ -143,9 +143,11 @@ class Trainer:
         self.precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
         built = build_model(cfg, env, eos_id=self.eos_id)  # on the meta device when sharded over several ranks
         self.converters = converters = model_converters(cfg)
+        # fsdp.activation_checkpointing=auto: the policy is chosen with the micro-batch (_choose_micro_batch).
+        self.checkpoint_switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
         self.model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp,
                                  precision=self.precision, compile=t.compile, env=env, init=built.init,
-                                 converters=converters)
+                                 converters=converters, checkpoint_switch=self.checkpoint_switch)
         # The fused AdamW kernel does not accept the sharded grad scaler's inf flag: fp16 uses the foreach one.
         self.optimizer = build_optimizer(self.model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                          fused=not self.precision.use_grad_scaler)
@@ -189,17 +191,19 @@ class Trainer:
         self.cache_key = cache_key(cfg, model_signature=self.model_signature, world_size=env.world_size,
                                    gpu=self.probe.name if self.probe else "cpu", precision=self.precision.name)
         self.choice = resolve_micro_batch(cfg, env, model=self.model, optimizer=self.optimizer,
-                                          vocab_size=self.vocab_size, key=self.cache_key, probe=self.probe)
+                                          vocab_size=self.vocab_size, key=self.cache_key, probe=self.probe,
+                                          switch=self.checkpoint_switch)
         check_batch_split(cfg, env.world_size, micro_batch=self.choice.micro_batch_size)
         self.split = BatchSplit(cfg.train.global_batch_size, env.world_size, self.choice.micro_batch_size)
         if self.probe is not None:
             self.probe.begin(self.split.micro_batch_size)  # the memory figures from here on are the training's
         if env.is_main:
             p = self.precision
+            ac = self.checkpoint_switch.policy.name if self.checkpoint_switch else cfg.fsdp.activation_checkpointing
             log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, micro-batch %d, "
-                     "train %s tokens, val %s tokens", env.world_size, env.device.type, p.name,
-                     str(p.reduce).replace("torch.", ""), cfg.fsdp.version, cfg.fsdp.sharding_strategy,
-                     self.split.grad_accum, self.split.micro_batch_size, f"{self.train_data.num_tokens:,}",
+                     "activation checkpointing %s, train %s tokens, val %s tokens", env.world_size, env.device.type,
+                     p.name, str(p.reduce).replace("torch.", ""), cfg.fsdp.version, cfg.fsdp.sharding_strategy,
+                     self.split.grad_accum, self.split.micro_batch_size, ac, f"{self.train_data.num_tokens:,}",
                      f"{self.val_data.num_tokens:,}")
 
     def _resume(self, resume_from: str | None) -> TrainState:
