@@ -256,3 +256,33 @@ def test_two_ranks_fsdp1_and_fsdp2_match_one_process():
             for name, value in got["adapters"].items():
                 torch.testing.assert_close(torch.from_numpy(value), torch.from_numpy(reference["adapters"][name]),
                                            rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_full_saves_on_gpus_leave_the_frozen_base_out_on_every_rank(tmp_path, corpus, dataset_dir, world_of_one,
+                                                                     version):
+    """On GPUs a full checkpoint is gathered to rank 0 through host memory. FSDP1 then gives the other ranks
+    empty dicts, where torch's ignore_frozen_params fails (KeyError) looking for the frozen base: for FSDP1 the
+    base stays in the gathered dict (FSDP1 gathers it anyway) and the save drops it by name; FSDP2 leaves it
+    to torch."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from fsdp_utils.checkpoint.base import full_save_options, is_adapter_key
+
+    cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.lora.rank=4", f"--fsdp.version={version}")
+    model = _new_trainer(cfg, world_of_one).model
+    options, frozen = full_save_options(model, on_gpu=True)
+    assert options.full_state_dict and options.cpu_offload
+    on_cpu, none_named = full_save_options(model, on_gpu=False)
+    assert on_cpu.ignore_frozen_params and not on_cpu.cpu_offload and none_named == []
+    if version == 2:
+        assert options.ignore_frozen_params and frozen == []
+        return
+    assert not options.ignore_frozen_params
+    # What the save keeps (gathered here without the host-memory offload, which FSDP1 has only on GPUs).
+    full = get_model_state_dict(model, options=dataclasses.replace(options, cpu_offload=False))
+    kept = set(full) - set(frozen)
+    assert frozen and kept and set(frozen) <= set(full)
+    assert all(is_adapter_key(k) for k in kept), kept

@@ -125,6 +125,21 @@ def has_frozen(model: torch.nn.Module) -> bool:
     return any(not p.requires_grad for p in model.parameters())
 
 
+def full_save_options(model: torch.nn.Module, *, on_gpu: bool) -> tuple[StateDictOptions, list[str]]:
+    """The options of a full state dict gathered to rank 0 (on GPUs through host memory), and the names of the
+    frozen parameters the caller drops from it itself ([] when torch does).
+
+    FSDP1 gathers a full state dict with cpu_offload to rank 0 alone; torch's ignore_frozen_params then
+    removes each frozen name from every rank's dict and fails (KeyError) on the other ranks, whose dicts are
+    empty. FSDP1 gathers every unit either way, so with frozen parameters it keeps them and they are dropped
+    afterwards, where present."""
+    options = state_dict_options(model, full_state_dict=True, cpu_offload=on_gpu)
+    if not (on_gpu and isinstance(model, FullyShardedDataParallel) and has_frozen(model)):
+        return options, []
+    frozen = [_plain_name(name) for name, p in model.named_parameters() if not p.requires_grad]
+    return dataclasses.replace(options, ignore_frozen_params=False), frozen
+
+
 def state_dict_options(model: torch.nn.Module, **kwargs: Any) -> StateDictOptions:
     """The options of every state dict a checkpoint saves or loads: frozen parameters (a LoRA run's base,
     which the run loads from its own source) are left out, and loading is strict about the others

@@ -19,6 +19,7 @@ from .base import (
     TrainState,
     check_loaded,
     check_param_groups,
+    full_save_options,
     is_adapter_key,
     quiet_state_dict_warnings,
     state_dict_options,
@@ -48,10 +49,11 @@ class FullCheckpoint(CheckpointFormat):
              start: float) -> Path:
         # Gather to rank 0 on the CPU: no GPU memory spike, no other rank holds a copy. On the CPU the
         # tensors are already in host memory (and FSDP1's offload path fails there), so no offload.
-        on_gpu = self.env.device.type == "cuda"
-        options = state_dict_options(model, full_state_dict=True, cpu_offload=on_gpu)
+        options, frozen = full_save_options(model, on_gpu=self.env.device.type == "cuda")
         with quiet_state_dict_warnings():
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        for name in frozen:
+            model_sd.pop(name, None)
         final = self.path_of(state.step)
         self.context.check_space(final, (model_sd, optim_sd))
         tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
