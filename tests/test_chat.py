@@ -188,6 +188,7 @@ def test_prepared_chat_folder_holds_each_conversation_and_its_mask(tmp_path):
         int(read_split(prepared, s)[1].sum()) for s in ("train", "val"))
 
 
+@pytest.mark.slow
 def test_chat_preparation_does_not_depend_on_the_worker_count(tmp_path, monkeypatch):
     monkeypatch.setattr("data.prepare.CHUNK_BYTES", 2048)  # many work units, several shards
     path = write_jsonl(tmp_path / "c.jsonl", make_conversations(300, seed=1))
@@ -201,6 +202,7 @@ def test_chat_preparation_does_not_depend_on_the_worker_count(tmp_path, monkeypa
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.slow
 def test_hf_template_preparation(tmp_path):
     tok = word_tokenizer(TEMPLATE_INCREMENTAL)
     tok.save_pretrained(tmp_path / "hf")

@@ -188,6 +188,7 @@ def plant(checkpoint: Path, where: str, target: str, marker: Path) -> Path:
 
 @pytest.mark.parametrize("target", ["os.system", "posix.system", "builtins.eval"])
 @pytest.mark.parametrize("where", ["pth", "rng", "distcp"])
+@pytest.mark.slow
 def test_an_unsafe_checkpoint_is_refused_and_left_alone(saved, tmp_path, where, target):
     """Refused naming what it asked for, neither moved aside nor skipped for the previous checkpoint (torch
     words its refusal of os/posix globals otherwise than of builtins.eval; the words must not matter)."""

@@ -138,6 +138,7 @@ def test_jsonl_roundtrip(tmp_path):
     assert load_prepared(str(tmp_path / "prepared")) == prepared
 
 
+@pytest.mark.slow
 def test_preparation_is_deterministic(tmp_path, monkeypatch):
     # A small line cap forces the tokenizer's training-line sampling path.
     monkeypatch.setattr("data.prepare.MAX_TOKENIZER_SENTENCES", 60)
@@ -164,6 +165,7 @@ def test_single_document_split_by_tokens(tmp_path):
     assert len(val) == num_tokens - int(num_tokens * 0.75)
 
 
+@pytest.mark.slow
 def test_reuse_and_reprepare(tmp_path):
     # Own directory: re-preparing must not disturb the shared module fixture.
     corpus = tmp_path / "corpus.txt"
@@ -216,6 +218,7 @@ def test_empty_and_whitespace_corpus(tmp_path):
         prep(tmp_path, [str(empty), str(blank)])
 
 
+@pytest.mark.slow
 def test_jsonl_bad_lines(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "x"}) + "\n")
@@ -233,6 +236,7 @@ def test_unknown_extension(tmp_path):
         prep(tmp_path, [str(path)])
 
 
+@pytest.mark.slow
 def test_vocab_size_advice_points_the_right_way(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("".join(make_documents(3)))
@@ -481,6 +485,7 @@ def test_prefetcher_close_stops_thread(token_file):
 # ---------------------------------------------------------------- stdlib corpus
 
 
+@pytest.mark.slow
 def test_stdlib_source_files():
     files = stdlib_source_files()
     assert len(files) > 200
@@ -557,6 +562,7 @@ def test_mixture_resumes_exactly_at_any_world_size(three_sources):
         assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:], strict=True))
 
 
+@pytest.mark.slow
 def test_mixture_config_checks(txt_prepared, tmp_path):
     prepared, _, root = txt_prepared
     same = prep(tmp_path, [str(root / "corpus")], tokenizer_model=str(prepared.tokenizer_path),

@@ -95,6 +95,7 @@ def test_block_mask_equals_create_block_mask(T, block):
 
 @pytest.mark.parametrize("kernel", ["flex", "sdpa"])
 @pytest.mark.parametrize("reset", [True, False], ids=["reset_positions", "window_positions"])
+@pytest.mark.slow
 def test_packed_document_logits_equal_the_document_alone(kernel, reset):
     a, b, c = words(13, 1), words(20, 2), words(9, 3)
     packed = torch.cat([a, eos(), b, eos(), c], dim=1)  # A, EOS | B, EOS | C
@@ -182,6 +183,7 @@ def test_masked_loss_and_gradients_equal_the_documents_trained_apart():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.slow
 def test_hf_packed_document_logits_equal_the_document_alone(attn):
     transformers = pytest.importorskip("transformers")
     from fsdp_utils.parallel.hf import CausalLMAdapter
@@ -233,6 +235,7 @@ def short_documents(path):
     return path
 
 
+@pytest.mark.slow
 def test_trainer_builds_the_masked_model_with_the_tokenizer_eos(tmp_path):
     from data.tokenizer import load_sentencepiece
     from fsdp_utils.train.preemption import StopSignal

@@ -236,6 +236,7 @@ def test_hf_folder_gives_what_lm_eval_s_hflm_and_our_checkpoint_give(setup):
 
 
 # ---- problems, found before anything runs ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_unknown_tasks_missing_folders_and_a_missing_lm_eval_are_one_line_each(setup, monkeypatch, tmp_path):
     from fsdp_utils.train import downstream
 

@@ -207,6 +207,7 @@ def test_init_from_on_two_ranks(tmp_path, corpus, dataset_dir):
               dataset_dir=str(dataset_dir))
 
 
+@pytest.mark.slow
 def test_resume_from_an_import_and_init_from_other_dimensions(tmp_path, corpus, dataset_dir, world_of_one):
     """--resume_from an import: its weights, step 0, a fresh optimizer, and training goes on (the model section
     must be the import's exactly, max_seq_len included). model.init_from a model of other dimensions: one error

@@ -99,6 +99,7 @@ def _new_trainer(cfg, env, resume_from=None):
     return trainer.Trainer(cfg, env, stop=StopSignal([], grace_s=60), resume_from=resume_from)
 
 
+@pytest.mark.slow
 def test_lora_trains_only_adapters_from_the_base_loss_and_resumes_exactly(tmp_path, corpus, dataset_dir,
                                                                          world_of_one, monkeypatch):
     env = world_of_one
@@ -162,6 +163,7 @@ def test_lora_trains_only_adapters_from_the_base_loss_and_resumes_exactly(tmp_pa
         torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_hf_model_lora_and_peft_round_trip(tmp_path, corpus, dataset_dir, world_of_one):
     """An HF Llama fine-tuned with LoRA: its adapters exported as a PEFT folder load with peft onto the base
     folder and give our model's logits; merged, they give the same logits."""

@@ -328,6 +328,7 @@ def test_a_gpu_trace_is_windowed_by_the_gpu_side_of_the_step_range():
     assert what == "gpu" and {k: [kind for _, _, kind in v] for k, v in lanes.items()} == {
         "GPU 0 stream 7": ["matmul"], "GPU 0 stream 9": ["communication (NCCL)"]}
 
+@pytest.mark.slow
 def test_memory_snapshot_replayed_by_category(tmp_path):
     from scripts import render_profile
 

@@ -18,6 +18,7 @@ def write_metrics(run_dir: Path, train: dict[int, float], val: dict[int, float],
     return run_dir
 
 
+@pytest.mark.slow
 def test_table_pngs_and_largest_difference(tmp_path, capsys, monkeypatch):
     steps = range(10, 101, 10)
     base = write_metrics(tmp_path / "bf16", {s: 5 - s / 50 for s in steps}, {50: 4.0, 100: 3.0})

@@ -81,6 +81,7 @@ def jsonl_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["json.gz", "jsonl.zst", "parquet", "txt folder", "glob of parts"])
+@pytest.mark.slow
 def test_every_format_gives_the_tokens_of_the_plain_jsonl(kind, jsonl_reference, tmp_path):
     extra = {"text_field": "body"} if kind == "parquet" else {}
     prepared = prep(tmp_path, write_format(tmp_path / "in", kind), **extra)
@@ -295,6 +296,7 @@ def test_tokenizer_sample_does_not_depend_on_arrival_order():
     assert samples[0] == samples[1] == samples[2] == [text for _, text in by_key[:fits]]
 
 
+@pytest.mark.slow
 def test_max_corpus_mb_cuts_at_a_record_and_says_so(tmp_path, caplog):
     documents = make_documents(400, seed=9)
     (tmp_path / "c.jsonl").write_text(jsonl_lines(documents))
@@ -330,6 +332,7 @@ def test_a_json_line_longer_than_max_document_mb_is_a_bad_record(tmp_path):
     assert json.loads((prepared.root / "meta.json").read_text())["num_skipped_records"] == 1
 
 
+@pytest.mark.slow
 def test_a_txt_line_longer_than_max_document_mb_is_cut(tmp_path, jsonl_reference):
     text = "".join(f"word{i} é " for i in range(20_000))  # ~180 KB on one line, with 2-byte characters
     (tmp_path / "one.txt").write_text(text)
@@ -356,6 +359,7 @@ def _cuts(data: bytes, size: int) -> list[tuple[int, int]]:
     return [*cuts, (start, len(data))]
 
 
+@pytest.mark.slow
 def test_a_gzip_bomb_is_read_in_bounded_memory_and_max_corpus_mb_stops_it(tmp_path, monkeypatch):
     import tracemalloc
 
@@ -465,6 +469,7 @@ def test_unsupported_and_unmatched_inputs(tmp_path):
         prep(tmp_path, [str(tmp_path / "c.json")])
 
 
+@pytest.mark.slow
 def test_disk_full_while_writing_a_shard(small_chunks, corpus_2mb, tmp_path, monkeypatch):
     # The fifth shard's file is /dev/full, where every write fails with ENOSPC, as on a full disk.
     open_shard = ShardWriter._open
@@ -508,6 +513,7 @@ def test_a_folder_of_the_users_files_is_refused_and_left_as_it_was(tmp_path):
     assert snapshot(corpus) == before  # not even a lock file
 
 
+@pytest.mark.slow
 def test_only_recorded_files_are_replaced(tmp_path):
     (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
     root = tmp_path / "prepared"
@@ -534,6 +540,7 @@ def test_only_recorded_files_are_replaced(tmp_path):
     assert (root / "c.jsonl").read_text() == "the user's"
 
 
+@pytest.mark.slow
 def test_interrupted_tokenizer_leaves_recorded_names(tmp_path, monkeypatch):
     # Killed while the tokenizer is written: its .tmp file is recorded, so the rerun may replace it.
     (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
@@ -573,6 +580,7 @@ def test_unwritable_dataset_dir_is_one_line(tmp_path):
 # ---------------------------------------------------------------- in-job preparation
 
 
+@pytest.mark.slow
 def test_in_job_preparation_rules(tmp_path, caplog):
     (tmp_path / "a.jsonl").write_text(jsonl_lines(DOCUMENTS))
     (tmp_path / "b.jsonl").write_text(jsonl_lines(DOCUMENTS[::-1]))

@@ -117,6 +117,7 @@ def fit(cfg, resume_from=None, env=None):
     return {row["step"]: (row["loss"], row["lr"]) for row in read_metrics(cfg.output_dir) if "loss" in row}
 
 
+@pytest.mark.slow
 def test_wsd_resume_is_exact_and_extends(tmp_path, corpus, dataset_dir, world_of_one, caplog):
     caplog.set_level(logging.INFO, logger="train")
     # Uninterrupted: 6 steps, decay over steps 4-6 (0.5 of 6), a checkpoint after every step.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -46,6 +47,7 @@ def test_loop_benchmark_and_trials_import_the_one_step():
     assert benchmark.train_step is step.train_step
 
 
+@pytest.mark.slow
 def test_trainer_fits_in_process_through_train_step(tmp_path, corpus, dataset_dir, world_of_one, monkeypatch):
     spy = Spy()
     monkeypatch.setattr(trainer, "train_step", spy)
@@ -61,6 +63,7 @@ def test_trainer_fits_in_process_through_train_step(tmp_path, corpus, dataset_di
     assert (cfg.output_dir / "fsdp_cpt4.pth").is_file()  # the final save
 
 
+@pytest.mark.slow
 def test_micro_batch_trials_run_train_step(tmp_path, corpus, dataset_dir, world_of_one, monkeypatch):
     from tests.fault_injection import FakeProbe
 

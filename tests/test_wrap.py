@@ -134,6 +134,7 @@ def boxed(gm, _inputs):
     return make_boxed_func(gm.forward)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_keep_checkpointing_and_selective_op_saves_less():
     unit = 2 * 64 * 64 * 4  # one (B, T, D) fp32 activation
     modes = ("none", "selective_op", "full")
@@ -147,6 +148,5 @@ def test_compiled_blocks_keep_checkpointing_and_selective_op_saves_less():
     assert none / unit > 18
     assert by_op / unit < none / unit - 5
     assert full / unit < 3
-    # Switchable blocks (fsdp.activation_checkpointing=auto) compile to the same regions and savings.
-    for mode, saves in zip(modes, (none, by_op, full), strict=True):
-        assert compiled_block_saves(mode, switchable=True)[0] == saves
+    # A switchable block (fsdp.activation_checkpointing=auto) compiles to the same region and savings.
+    assert compiled_block_saves("selective_op", switchable=True)[0] == by_op
