@@ -4,18 +4,23 @@
     python scripts/run_gpu_tests.py -k matrix          # extra arguments go to pytest (selection only)
 
 Tests marked `gpu_exclusive` (they measure GPU memory, or need more than 2 GPUs) run first, one pytest with
-every GPU visible. The others run next in parallel pytest processes ("workers"): each worker sees one pair
-of GPUs (CUDA_VISIBLE_DEVICES), disjoint pairs where the machine has 4 or more, several workers per pair
-(the tests train small models: a pair has room and compute for a few at once). The tests are dealt to the
-workers in turn. Prints one line per failure and a closing `N passed, N failed, N skipped` line; exits
-non-zero if anything failed. The logs and JUnit files of every worker are kept in --log_dir.
+every GPU visible. The others run next, shared out as they go: several workers per pair of GPUs
+(CUDA_VISIBLE_DEVICES; disjoint pairs where the machine has 4 or more; the tests train small models, so a
+pair has room and compute for a few at once) each take the next test from one queue and run it in a pytest
+process of its own, stopped with everything it started after --test_timeout seconds. A test that hangs
+then fails alone, and a slow one does not hold back the tests dealt after it. Prints one line per failure
+and a closing `N passed, N failed, N skipped` line; exits non-zero if anything failed. The logs and JUnit
+files of every pytest are kept in --log_dir.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -32,20 +37,31 @@ def collect(marker: str, pytest_args: list[str]) -> list[str]:
     return [line for line in proc.stdout.splitlines() if "::" in line]
 
 
-def start(tests: list[str], *, name: str, gpus: str, log_dir: Path) -> tuple[subprocess.Popen, Path]:
+def run_pytest(tests: list[str], *, name: str, gpus: str, log_dir: Path, timeout: float) -> tuple[Path, bool]:
+    """One pytest over `tests` on those GPUs: (its JUnit file, whether it was stopped at the timeout). Its own
+    session, so that stopping it also stops the ranks and fork servers it started."""
     junit = log_dir / f"{name}.xml"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
-    log = (log_dir / f"{name}.log").open("w")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
            f"--basetemp={log_dir / ('tmp-' + name)}", *tests]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), junit
+    with (log_dir / f"{name}.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+            return junit, False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            log.write(f"\nrun_gpu_tests: stopped after {timeout:.0f} s\n")
+            return junit, True
 
 
 def results(junit: Path) -> tuple[dict[str, int], list[str]]:
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failures = []
     if not junit.exists():
-        return counts, [f"{junit.stem}: no results (the worker crashed: see {junit.with_suffix('.log')})"]
+        counts["failed"] = 1
+        return counts, [f"{junit.stem}: no results (pytest crashed: see {junit.with_suffix('.log')})"]
     for case in ET.parse(junit).getroot().iter("testcase"):
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), None)
         if outcome in ("failure", "error"):
@@ -58,9 +74,41 @@ def results(junit: Path) -> tuple[dict[str, int], list[str]]:
     return counts, failures
 
 
+def run_shared(tests: list[str], *, pairs: list[str], workers_per_pair: int, log_dir: Path,
+               timeout: float) -> list[tuple[str, Path, bool]]:
+    """Every test in a pytest of its own, taken from one queue by workers_per_pair workers per GPU pair:
+    [(test, its JUnit file, stopped at the timeout)] in the order they finished."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    todo: queue.Queue[tuple[int, str]] = queue.Queue()
+    for item in enumerate(tests):
+        todo.put(item)
+    done: list[tuple[str, Path, bool]] = []
+    lock = threading.Lock()
+
+    def worker(gpus: str) -> None:
+        while True:
+            try:
+                index, test = todo.get_nowait()
+            except queue.Empty:
+                return
+            junit, stopped = run_pytest([test], name=f"test{index:03d}", gpus=gpus, log_dir=log_dir, timeout=timeout)
+            with lock:
+                done.append((test, junit, stopped))
+                print(f"[{len(done)}/{len(tests)}] {'TIMEOUT' if stopped else 'done'} {test}", flush=True)
+
+    threads = [threading.Thread(target=worker, args=(pair,)) for pair in pairs for _ in range(workers_per_pair)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers_per_pair", type=int, default=3, help="parallel pytest processes per GPU pair")
+    parser.add_argument("--test_timeout", type=float, default=400,
+                        help="seconds one test may take before it is stopped and counted as failed")
     parser.add_argument("--log_dir", type=Path, default=Path("/tmp/gpu-tests"))
     args, pytest_args = parser.parse_known_args(argv)
     import torch
@@ -69,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if num_gpus < 2:
         print(f"error: the GPU suite needs at least 2 GPUs; this machine has {num_gpus}", file=sys.stderr)
         return 2
-    if args.workers_per_pair < 1:
-        print("error: --workers_per_pair must be at least 1", file=sys.stderr)
+    if args.workers_per_pair < 1 or args.test_timeout <= 0:
+        print("error: --workers_per_pair and --test_timeout must be positive", file=sys.stderr)
         return 2
     args.log_dir.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
@@ -80,23 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(exclusive) + len(shared)} GPU tests on {num_gpus} GPUs: {len(exclusive)} alone first, then "
           f"{len(shared)} over {len(pairs)} pair(s) x {args.workers_per_pair} workers", flush=True)
 
-    junits = []
+    runs: list[tuple[str, Path, bool]] = []
     if exclusive:
-        proc, junit = start(exclusive, name="exclusive", gpus=",".join(map(str, range(num_gpus))), log_dir=args.log_dir)
-        proc.wait()
-        junits.append(junit)
-    workers = len(pairs) * args.workers_per_pair
-    running = []
-    for w in range(min(workers, len(shared))):
-        tests = shared[w::workers]
-        running.append(start(tests, name=f"worker{w}", gpus=pairs[w % len(pairs)], log_dir=args.log_dir))
-    for proc, junit in running:
-        proc.wait()
-        junits.append(junit)
+        junit, stopped = run_pytest(exclusive, name="exclusive", gpus=",".join(map(str, range(num_gpus))),
+                                    log_dir=args.log_dir, timeout=args.test_timeout * len(exclusive))
+        runs.append(("the exclusive tests", junit, stopped))
+    runs += run_shared(shared, pairs=pairs, workers_per_pair=args.workers_per_pair, log_dir=args.log_dir,
+                       timeout=args.test_timeout)
 
     totals = {"passed": 0, "failed": 0, "skipped": 0}
-    for junit in junits:
+    for test, junit, stopped in runs:
         counts, failures = results(junit)
+        if stopped:
+            failures = [f"{test} (stopped after the timeout)"]
+            counts["failed"] = max(counts["failed"], 1)
         for key in totals:
             totals[key] += counts[key]
         for failure in failures:
@@ -104,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - begin
     print(f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped "
           f"in {seconds:.0f} s on {num_gpus} GPUs ({torch.cuda.get_device_name(0)}); logs in {args.log_dir}")
-    return 1 if totals["failed"] or any(not j.exists() for j in junits) else 0
+    return 1 if totals["failed"] else 0
 
 
 if __name__ == "__main__":

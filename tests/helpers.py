@@ -115,6 +115,15 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(out_dir) if "loss" in row}
 
 
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def children(pid: int) -> list[int]:
     kids = []
     for path in glob.glob(f"/proc/{pid}/task/*/children"):

@@ -22,6 +22,7 @@ from tests.helpers import (
     TINY,
     TRAIN,
     WITH_FAULTS,
+    alive,
     descendants,
     job_env,
     kill_tree,
@@ -87,14 +88,6 @@ class Job:
 
     def kill(self) -> None:
         kill_tree(self.proc)
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def poll(condition, *, job: Job, timeout: float, what: str):
