@@ -25,6 +25,15 @@ def pytest_sessionfinish(session, exitstatus):
     launcher.shutdown()
 
 
+def pytest_collection_finish(session):
+    # The slow tier's Hugging Face jobs would import transformers in every rank: the fork server that their
+    # ranks come from (tests/launcher.py) imports it once. The quick tier does not pay for that import.
+    if any(item.get_closest_marker("slow") for item in session.items):
+        from tests import launcher
+
+        launcher.preload_hugging_face()
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

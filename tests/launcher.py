@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = ["tests.rank_preload"]
+HUGGING_FACE_PRELOAD = "tests.rank_preload_hf"
 STOP_GRACE_S = 30  # torchrun's own wait between SIGTERM and SIGKILL
 
 _context = None
@@ -53,6 +54,12 @@ def _fork_server():
                 os.environ["OMP_NUM_THREADS"] = saved
         _context = context
     return _context
+
+
+def preload_hugging_face() -> None:
+    """Have the fork server import transformers too (tests/rank_preload_hf.py); before it starts."""
+    if HUGGING_FACE_PRELOAD not in PRELOAD:
+        PRELOAD.append(HUGGING_FACE_PRELOAD)
 
 
 def shutdown() -> None:
