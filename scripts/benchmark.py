@@ -71,7 +71,12 @@ from fsdp_utils.parallel.parallelize import (  # noqa: E402
 )
 from fsdp_utils.train.batch import BatchSplit  # noqa: E402
 from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
-from fsdp_utils.train.microbatch import cpu_micro_batch, memory_probe, search_micro_batch  # noqa: E402
+from fsdp_utils.train.microbatch import (  # noqa: E402
+    cpu_micro_batch,
+    format_measured,
+    memory_probe,
+    search_micro_batch,
+)
 from fsdp_utils.train.optim import build_optimizer  # noqa: E402
 from fsdp_utils.train.step import train_step  # noqa: E402
 
@@ -142,14 +147,14 @@ def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
             for converter in converters:  # the trial steps' weights were put back: their FP8 scales too
                 converter.refresh(model)
             if env.is_main:
-                print(f"auto: micro-batch {micro_batch} of {per_rank} per rank"
-                      + (f", activation checkpointing {choice.checkpointing} (tried "
-                         + "; ".join(f"{name}: " + ", ".join(f"{b}: {m:.2f} GiB" for b, m in sizes.items())
-                                     for name, sizes in choice.tried_gib.items())
-                         + "; timed " + (", ".join(f"{k} {v:,.0f} tok/s" for k, v in choice.tokens_per_s.items())
-                                         or "none") + ")" if switch is not None else "")
-                      + ", trial peaks " + ", ".join(f"{b}: {m:.2f} GiB" for b, m in choice.measured_gib.items())
-                      + f" (budget {choice.budget_gib:.2f} GiB), {choice.seconds:.0f} s", flush=True)
+                checkpointing = ""
+                if switch is not None:
+                    tried = "; ".join(f"{name}: {format_measured(sizes)}" for name, sizes in choice.tried_gib.items())
+                    timed = ", ".join(f"{k} {v:,.0f} tok/s" for k, v in choice.tokens_per_s.items()) or "none"
+                    checkpointing = f", activation checkpointing {choice.checkpointing} (tried {tried}; timed {timed})"
+                print(f"auto: micro-batch {micro_batch} of {per_rank} per rank{checkpointing}, trial peaks "
+                      f"{format_measured(choice.measured_gib)} (budget {choice.budget_gib:.2f} GiB), "
+                      f"{choice.seconds:.0f} s", flush=True)
     grad_accum = grad_accum or accumulation(cfg, env, micro_batch)
     batches = random_batches(cfg.model.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len,
                              device=env.device, seed=env.rank, doc_len=args.doc_len)

@@ -115,6 +115,22 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(out_dir) if "loss" in row}
 
 
+def random_model(cfg, seed: int = 0):
+    """Our Transformer with random weights large enough that next-token distributions are peaked (greedy choices
+    are no near-ties that float noise could flip), norm weights random too (a swapped norm shows)."""
+    import torch
+
+    from model import Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn_like(param)
+            param.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.3 * noise)
+    return model
+
+
 def alive(pid: int) -> bool:
     """Whether the process runs (a zombie, ended but not yet reaped, does not)."""
     try:

@@ -26,7 +26,7 @@ from fsdp_utils.train.downstream import flat_metrics, load_tasks, run_tasks, tas
 from fsdp_utils.train.lm_eval_model import ModelLM, SentencePieceCodec  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from tests.distributed_harness import cpu_env, run_ranks  # noqa: E402
-from tests.helpers import ROOT, job_env, read_metrics, run_train, write_corpus  # noqa: E402
+from tests.helpers import ROOT, job_env, random_model, read_metrics, run_train, write_corpus  # noqa: E402
 
 CFG = ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 MAX_LEN = CFG.max_seq_len
@@ -68,15 +68,8 @@ def write_tasks(folder: Path, docs: list[str]) -> Path:
 
 
 def peaked_model(seed: int = 0) -> Transformer:
-    """Random weights large enough that next-token distributions are peaked: greedy choices are no near-ties
-    that float noise (padding, batching, sharding) could flip."""
-    torch.manual_seed(seed)
-    model = Transformer(CFG)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param)
-            param.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.3 * noise)
-    return model.eval()
+    """Peaked next-token distributions: padding, batching and sharding noise cannot flip a greedy choice."""
+    return random_model(CFG, seed).eval()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from fsdp_utils.checkpoint import FORMAT_VERSION, TrainState
 from fsdp_utils.checkpoint.io import load_model
 from model import ModelConfig, Transformer
 from scripts import export_hf
-from tests.helpers import ROOT, run_train
+from tests.helpers import ROOT, random_model, run_train
 
 pytestmark = pytest.mark.slow  # trains and exports real checkpoints
 
@@ -39,12 +39,7 @@ def runs(tmp_path_factory, corpus, dataset_dir) -> dict[str, Path]:
 def write_checkpoint(path: Path, cfg: ModelConfig, seed: int = 0) -> Transformer:
     """A full checkpoint of a randomly initialised model, in train_fsdp.py's payload format. Norm weights
     are random too, so swapping two norms in the export would show."""
-    torch.manual_seed(seed)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param)
-            param.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.3 * noise)
+    model = random_model(cfg, seed)
     payload = {"model": model.state_dict(), "optimizer": {"state": {}, "param_groups": []}, "rng": None,
                "format_version": FORMAT_VERSION, "world_size": 1, "model_config": dataclasses.asdict(cfg),
                "train_state": {k: v for k, v in dataclasses.asdict(TrainState()).items() if k != "rng"}}

@@ -186,6 +186,17 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def auto_label(*, auto_size: bool, auto_checkpointing: bool) -> str:
+    """Which of the autos a search serves, as its log and error lines name it."""
+    return " and ".join(name for name, on in (("train.micro_batch_size=auto", auto_size),
+                                              ("fsdp.activation_checkpointing=auto", auto_checkpointing)) if on)
+
+
+def pair_name(policy: CheckpointPolicy | None, micro_batch: int) -> str:
+    """A timed pair of checkpointing policy and micro-batch, as the log and the cache name it: selective_op@16."""
+    return f"{policy.name if policy else None}@{micro_batch}"
+
+
 def auto_policies(every_n: int) -> list[CheckpointPolicy]:
     """fsdp.activation_checkpointing=auto's candidates, in the order of what they recompute in backward: nothing,
     the elementwise work, every_n-th blocks' whole forward, every block's (so at the same micro-batch, each is
@@ -262,9 +273,7 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     budget = capacity * (1 - margin)
     trials = _Trials(model, optimizer, per_rank=per_rank, seq_len=seq_len, vocab_size=vocab_size, grad_clip=grad_clip,
                      compile=compile, env=env, probe=probe, switch=switch)
-    # Which auto this is, for the error lines.
-    label = " with ".join(name for name, on in (("train.micro_batch_size=auto", micro_batches is None),
-                                                ("fsdp.activation_checkpointing=auto", switch is not None)) if on)
+    label = auto_label(auto_size=micro_batches is None, auto_checkpointing=switch is not None)
 
     def nothing_fits(micro_batch: int, peak: float) -> OutOfMemory:
         what = "with full activation checkpointing, " if switch is not None else ""
@@ -294,8 +303,8 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
             if len(fitting) > 1:  # auto: each pair that fits has a larger micro-batch at more recompute; time them
                 for policy, size, _ in fitting:
                     trials.use(policy)
-                    speeds[f"{trials.policy_name}@{size}"] = trials.tokens_per_s(size)
-                chosen = max(fitting, key=lambda f: speeds[f"{f[0].name if f[0] else None}@{f[1]}"])
+                    speeds[pair_name(policy, size)] = trials.tokens_per_s(size)
+                chosen = max(fitting, key=lambda f: speeds[pair_name(f[0], f[1])])
             policy, best, measured = chosen
             trials.use(policy)
             while compile:
@@ -454,8 +463,7 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
                  "divisor of the per-rank batch %d up to train.auto_micro_batch_cpu=%d", size, per_rank,
                  t.auto_micro_batch_cpu)
         return MicroBatchChoice(size, "cpu", checkpointing=policy)
-    what = " and ".join(name for name, on in (("train.micro_batch_size=auto", auto_size),
-                                              ("fsdp.activation_checkpointing=auto", switch is not None)) if on)
+    what = auto_label(auto_size=auto_size, auto_checkpointing=switch is not None)
     entry = broadcast_decision(env, read_cache(cfg.output_dir, key) if env.is_main else None)
     if entry is not None:
         measured = {int(b): m for b, m in entry["measured_gib"].items()}
@@ -466,7 +474,7 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
         log.info("%s: micro-batch %d (gradient accumulation %d)%s, from %s (measured %s: %s, budget %.2f GiB); no "
                  "search", what, choice.micro_batch_size, per_rank // choice.micro_batch_size,
                  f", activation checkpointing {choice.checkpointing}" if switch is not None else "",
-                 cfg.output_dir / CACHE_FILE, entry.get("date", "?"), _format_measured(choice.measured_gib),
+                 cfg.output_dir / CACHE_FILE, entry.get("date", "?"), format_measured(choice.measured_gib),
                  choice.budget_gib)
         return choice
     sizes = divisors(per_rank) if auto_size else [t.micro_batch_size]
@@ -478,7 +486,7 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
                                 probe=probe, micro_batches=None if auto_size else sizes, switch=switch,
                                 every_n=cfg.fsdp.ac_every_n_layers)
     if switch is not None:
-        tried = "; ".join(f"{name}: {_format_measured(sizes)}" for name, sizes in choice.tried_gib.items())
+        tried = "; ".join(f"{name}: {format_measured(sizes)}" for name, sizes in choice.tried_gib.items())
         timed = ", ".join(f"{pair} {speed:,.0f} tokens/s per rank" for pair, speed in choice.tokens_per_s.items())
         why = (f"timed {timed}: the most tokens/s is {choice.checkpointing}@{choice.micro_batch_size}" if timed else
                f"{choice.checkpointing} recomputes the least of the policies that fit micro-batch "
@@ -488,12 +496,13 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
              "max over ranks) %s, against a budget of %.2f GiB (%.2f GiB usable, margin %g); %.0f s", what,
              choice.micro_batch_size, per_rank // choice.micro_batch_size, env.world_size,
              f", activation checkpointing {choice.checkpointing}" if switch is not None else "",
-             _format_measured(choice.measured_gib), choice.budget_gib, choice.capacity_gib, t.auto_micro_batch_margin,
+             format_measured(choice.measured_gib), choice.budget_gib, choice.capacity_gib, t.auto_micro_batch_margin,
              choice.seconds)
     return choice
 
 
-def _format_measured(measured_gib: dict[int, float]) -> str:
+def format_measured(measured_gib: dict[int, float]) -> str:
+    """{micro-batch: GiB} as the log writes it: micro-batch 1: 4.00 GiB, 2: 7.00 GiB."""
     return "micro-batch " + ", ".join(f"{b}: {m:.2f} GiB" for b, m in sorted(measured_gib.items()))
 
 
