@@ -22,7 +22,7 @@ from model import ModelConfig
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NONE")
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "selective_op", "auto")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "selective_op", "selective_op_lean", "auto")
 FLOAT8 = ("none", "tensorwise", "rowwise")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECAY_SHAPES = ("linear", "1-sqrt")
@@ -284,8 +284,10 @@ class FSDPConfig:
     activation_checkpointing: str = "none"
     """none; full (every DecoderBlock keeps only its input); selective (full, on every
     ac_every_n_layers-th block); selective_op (every block keeps its matmul and attention outputs and
-    recomputes the elementwise ops); auto (on GPUs: trial steps measure none, selective_op, selective and full
-    with the micro-batch search, and the pair of policy and micro-batch with the most tokens/s within the
+    recomputes the elementwise ops); selective_op_lean (selective_op, but the feed-forward's gate and up
+    outputs, the largest, are recomputed too: much less memory for about half the forward's matmuls again);
+    auto (on GPUs: trial steps measure none, selective_op, selective_op_lean, selective and full with the
+    micro-batch search, and the pair of policy and micro-batch with the most tokens/s within the
     memory budget trains; cached with the micro-batch; on the CPU: none)."""
     ac_every_n_layers: int = 2
     """With selective activation checkpointing: checkpoint one block in this many."""

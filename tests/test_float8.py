@@ -205,8 +205,8 @@ def test_selective_op_keeps_the_fp8_matmul_outputs():
             loss.backward()
         return counter.counts, [p.grad for p in model.parameters()]
 
-    modes = ("none", "selective_op", "full")
-    (none, grads_none), (by_op, grads_by_op), (full, grads_full) = (backward(m) for m in modes)
+    modes = ("none", "selective_op", "full", "selective_op_lean")
+    (none, grads_none), (by_op, grads_by_op), (full, grads_full), (lean, grads_lean) = (backward(m) for m in modes)
     # In eager mode an FP8 matmul is an `mm` on torchao's FP8 tensors (compile traces it down to
     # `_scaled_mm`, see the compiled test below). Backward runs 2 per FP8 linear (input and weight
     # gradients), 4 linears per block, plus 2 for the output projection.
@@ -217,9 +217,11 @@ def test_selective_op_keeps_the_fp8_matmul_outputs():
     assert by_op["mm"] == none["mm"]
     # ...but it does recompute the elementwise work (norms, casts), except the FP8 scales' amax (kept).
     assert by_op["rsqrt"] > none["rsqrt"] and by_op["abs"] > none["abs"] and by_op["max"] == none["max"] < full["max"]
-    for g_none, g_by_op, g_full in zip(grads_none, grads_by_op, grads_full, strict=True):
+    # selective_op_lean reruns the fused gate/up FP8 matmul (w13) of each block, and only that one.
+    assert lean["mm"] == none["mm"] + 2
+    for g_none, g_by_op, g_full, g_lean in zip(grads_none, grads_by_op, grads_full, grads_lean, strict=True):
         # Recomputed FP8 casts see the same inputs and amax: the same gradients, bit for bit.
-        assert torch.equal(g_by_op, g_none) and torch.equal(g_full, g_none)
+        assert torch.equal(g_by_op, g_none) and torch.equal(g_full, g_none) and torch.equal(g_lean, g_none)
 
 
 @needs_torchao
@@ -230,7 +232,8 @@ def test_compiled_fp8_block_keeps_checkpointing_and_its_fp8_matmul_outputs():
         float8.Float8Converter("tensorwise", float8_all_gather=False).convert([block])
 
     unit = 2 * 64 * 64 * 4  # one (B, T, D) fp32 activation, as in tests/test_wrap.py
-    (none, ops_none), (by_op, ops_by_op) = (compiled_block_saves(m, convert) for m in ("none", "selective_op"))
+    (none, ops_none), (by_op, ops_by_op), (lean, _) = (compiled_block_saves(m, convert)
+                                                       for m in ("none", "selective_op", "selective_op_lean"))
     # One graph per block (the FP8 autograd functions traced, no graph break), checkpointed as a region.
     assert len(ops_none) > 40 and "tag_activation_checkpoint" in ops_by_op
     # selective_op keeps the FP8 matmul outputs (q/k/v 2 units, attention output 1, gate/up 6, down 1)
@@ -238,6 +241,8 @@ def test_compiled_fp8_block_keeps_checkpointing_and_its_fp8_matmul_outputs():
     # already keeps FP8 copies (a quarter unit each) in place of several fp32 activations. Had the
     # policy missed the FP8 matmuls, they would be recomputed and 2.3 units kept (measured).
     assert 8 * unit < by_op <= none, (none / unit, by_op / unit)
+    # selective_op_lean recomputes the fused gate/up FP8 matmul instead of keeping its output (6 units).
+    assert by_op - lean >= 5.5 * unit, (by_op / unit, lean / unit)
 
 
 # ---- real runs: 2 ranks, FSDP2 with FP8 all-gather, checkpoints (torchao) ------------------------------

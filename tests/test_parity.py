@@ -68,6 +68,7 @@ CASES = {
     "fsdp1-FULL_SHARD-ac_full": ["--fsdp.sharding_strategy=FULL_SHARD", "--fsdp.activation_checkpointing=full"],
     "fsdp1-FULL_SHARD-ac_selective": ["--fsdp.activation_checkpointing=selective", "--fsdp.ac_every_n_layers=2"],
     "fsdp2-FULL_SHARD-ac_selective_op": ["--fsdp.version=2", "--fsdp.activation_checkpointing=selective_op"],
+    "fsdp1-FULL_SHARD-ac_selective_op_lean": ["--fsdp.activation_checkpointing=selective_op_lean"],
     "fsdp1-FULL_SHARD-chunked_loss": ["--train.loss_chunk_tokens=24"],  # 64 tokens per micro-batch: chunks 24+24+16
     # FSDP2 accumulates with set_requires_gradient_sync; this case once caught it never re-enabling sync.
     "fsdp2-FULL_SHARD": ["--fsdp.version=2", "--fsdp.sharding_strategy=FULL_SHARD"],

@@ -24,7 +24,7 @@ def backward_ops(mode: str) -> tuple[collections.Counter, list[torch.Tensor], fl
     model = Transformer(CFG)
     model.init_weights(seed=3)
     count = apply_activation_checkpointing(list(model.layers), mode, every_n=2)
-    assert count == {"none": 0, "full": 4, "selective": 2, "selective_op": 4}[mode]
+    assert count == {"none": 0, "full": 4, "selective": 2, "selective_op": 4, "selective_op_lean": 4}[mode]
     tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     with CountOps() as counter:
@@ -32,7 +32,7 @@ def backward_ops(mode: str) -> tuple[collections.Counter, list[torch.Tensor], fl
     return counter.counts, [p.grad.clone() for p in model.parameters()], loss.item()
 
 
-@pytest.mark.parametrize("mode", ["full", "selective", "selective_op"])
+@pytest.mark.parametrize("mode", ["full", "selective", "selective_op", "selective_op_lean"])
 def test_checkpointing_keeps_loss_and_gradients(mode):
     _, grads_ref, loss_ref = backward_ops("none")
     _, grads, loss = backward_ops(mode)
@@ -46,6 +46,7 @@ def test_each_mode_recomputes_what_it_promises():
     full, _, _ = backward_ops("full")
     selective, _, _ = backward_ops("selective")
     by_op, _, _ = backward_ops("selective_op")
+    lean, _, _ = backward_ops("selective_op_lean")
     # Each block has 7 matmuls (q, k, v, output, gate, up, down); full recomputes the first six (the
     # down projection's output is not needed, so recomputation stops before it), selective does so in
     # half the blocks, selective_op in none: it kept their outputs.
@@ -56,6 +57,9 @@ def test_each_mode_recomputes_what_it_promises():
     assert by_op["rsqrt"] >= none["rsqrt"] + 2 * CFG.n_layers
     assert by_op["silu"] >= none["silu"] + CFG.n_layers
     assert by_op["_scaled_dot_product_flash_attention_for_cpu"] == none["_scaled_dot_product_flash_attention_for_cpu"]
+    # selective_op_lean recomputes the gate and up matmuls as well, and nothing else of selective_op's.
+    assert lean["mm"] == none["mm"] + 2 * CFG.n_layers
+    assert lean["_scaled_dot_product_flash_attention_for_cpu"] == by_op["_scaled_dot_product_flash_attention_for_cpu"]
 
 
 def test_a_switchable_model_recomputes_and_computes_as_the_policy_it_is_set_to():
@@ -66,7 +70,7 @@ def test_a_switchable_model_recomputes_and_computes_as_the_policy_it_is_set_to()
     switch = CheckpointSwitch()
     apply_switchable_checkpointing(list(model.layers), switch)
     tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    for mode in ("full", "none", "selective_op", "selective"):
+    for mode in ("full", "none", "selective_op", "selective", "selective_op_lean"):
         switch.policy = CheckpointPolicy(mode, every_n=2)
         model.zero_grad(set_to_none=True)
         loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -81,10 +85,10 @@ def test_a_switchable_model_recomputes_and_computes_as_the_policy_it_is_set_to()
 
 def test_policy_names_read_back():
     for policy in (CheckpointPolicy("none"), CheckpointPolicy("full"), CheckpointPolicy("selective_op"),
-                   CheckpointPolicy("selective", 3)):
+                   CheckpointPolicy("selective_op_lean"), CheckpointPolicy("selective", 3)):
         assert CheckpointPolicy.parse(policy.name) == policy
     assert CheckpointPolicy("selective", 2).name == "selective/2"
-    for bad in ("selective", "full/2", "selective/0", "selective/x", "auto", "", None):
+    for bad in ("selective", "full/2", "selective/0", "selective/x", "selective_op/2", "auto", "", None):
         with pytest.raises((ValueError, AttributeError)):
             CheckpointPolicy.parse(bad)
 
@@ -150,3 +154,27 @@ def test_compiled_blocks_keep_checkpointing_and_selective_op_saves_less():
     assert full / unit < 3
     # A switchable block (fsdp.activation_checkpointing=auto) compiles to the same region and savings.
     assert compiled_block_saves("selective_op", switchable=True)[0] == by_op
+    # selective_op_lean drops the gate and up outputs too (hidden 4 x dim: 8 units), here and switchable.
+    lean = compiled_block_saves("selective_op_lean")[0]
+    assert by_op - lean >= 7.5 * unit and lean > full
+    assert compiled_block_saves("selective_op_lean", switchable=True)[0] == lean
+
+
+def test_selective_op_lean_needs_a_feed_forward_it_knows():
+    class Bare(torch.nn.Module):  # a block with no feed-forward gate/up projection
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="selective_op_lean: Bare has no feed-forward"):
+        apply_activation_checkpointing([Bare()], "selective_op_lean", every_n=1)
+    switch = CheckpointSwitch()
+    apply_switchable_checkpointing([Bare()], switch)
+    assert not switch.lean  # auto then leaves selective_op_lean out of its candidates
+    model = Transformer(CFG)
+    apply_switchable_checkpointing(list(model.layers), switch)
+    assert switch.lean
+    from fsdp_utils.train.microbatch import auto_policies
+
+    assert [p.name for p in auto_policies(3, lean=False)] == ["none", "selective_op", "selective/3", "full"]
+    assert [p.name for p in auto_policies(1)] == ["none", "selective_op", "selective_op_lean", "selective/2", "full"]

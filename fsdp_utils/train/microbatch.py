@@ -28,10 +28,10 @@ forward leaves the others waiting in a collective until run.timeout_s, and recov
    is cleared: the run starts from exactly the state it would have had without the search.
 
 6. fsdp.activation_checkpointing=auto runs the same search for each checkpointing policy in the order of
-   what it recomputes (none, selective_op, selective every n-th block, full), a policy only for micro-batches
-   larger than the ones before it could fit (at the same micro-batch it would only be slower). When more
-   than one pair of policy and micro-batch fits, each is timed over whole steps (the per-rank batch's
-   accumulation) and the one with the most tokens/s trains. Blocks switch policy in place
+   what it recomputes (none, selective_op, selective_op_lean, selective every n-th block, full), a policy
+   only for micro-batches larger than the ones before it could fit (at the same micro-batch it would only be
+   slower). When more than one pair of policy and micro-batch fits, each is timed over whole steps (the
+   per-rank batch's accumulation) and the one with the most tokens/s trains. Blocks switch policy in place
    (parallel/parallelize.py CheckpointSwitch); with compile, each policy compiles anew. With a numeric
    train.micro_batch_size, it picks the first policy whose step fits at that size.
 
@@ -197,12 +197,14 @@ def pair_name(policy: CheckpointPolicy | None, micro_batch: int) -> str:
     return f"{policy.name if policy else None}@{micro_batch}"
 
 
-def auto_policies(every_n: int) -> list[CheckpointPolicy]:
+def auto_policies(every_n: int, *, lean: bool = True) -> list[CheckpointPolicy]:
     """fsdp.activation_checkpointing=auto's candidates, in the order of what they recompute in backward: nothing,
-    the elementwise work, every_n-th blocks' whole forward, every block's (so at the same micro-batch, each is
-    slower than the one before, and is tried only for a micro-batch the ones before could not fit)."""
-    return [CheckpointPolicy("none"), CheckpointPolicy("selective_op"), CheckpointPolicy("selective", max(every_n, 2)),
-            CheckpointPolicy("full")]
+    the elementwise work, that and the feed-forward's gate and up matmuls (`lean`: where the blocks have them),
+    every_n-th blocks' whole forward, every block's (so at the same micro-batch, each is slower than the one
+    before, and is tried only for a micro-batch the ones before could not fit)."""
+    return [CheckpointPolicy("none"), CheckpointPolicy("selective_op"),
+            *([CheckpointPolicy("selective_op_lean")] if lean else []),
+            CheckpointPolicy("selective", max(every_n, 2)), CheckpointPolicy("full")]
 
 
 class _Trials:
@@ -265,7 +267,8 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     of the per-rank batch) trains the most tokens/s; the switch is left at the chosen policy. Leaves the
     weights, the optimizer state and the RNGs as they were."""
     candidates = micro_batches or divisors(per_rank)
-    policies: list[CheckpointPolicy | None] = list(auto_policies(every_n)) if switch is not None else [None]
+    policies: list[CheckpointPolicy | None] = (list(auto_policies(every_n, lean=switch.lean)) if switch is not None
+                                               else [None])
     assert not optimizer.state, "search before the first optimizer step (or a resume): its state is cleared afterwards"
     start = time.perf_counter()
     saved = [_local(p).detach().to("cpu", copy=True) for p in model.parameters()]
