@@ -293,6 +293,13 @@ class FSDPConfig:
     """With selective activation checkpointing: checkpoint one block in this many."""
     reduce_dtype: str = "fp32"
     """Gradient reduction dtype: fp32 (default, stable) or the compute dtype."""
+    grad_sync: str = "auto"
+    """When gradient accumulation reduces the gradients: every_micro_batch (a reduce-scatter after each
+    micro-batch's backward, overlapped with it: gradients stay sharded; with HYBRID_SHARD under FSDP2 the
+    all-reduce across replicas waits for the last micro-batch) or last_micro_batch (one reduction per step;
+    until then every rank holds the whole model's gradients unsharded, in fp32 with FSDP2's fp32 reduction:
+    less communication for a lot of memory, for slow networks). auto: last_micro_batch with NO_SHARD (its
+    gradients are whole anyway), every_micro_batch otherwise."""
     meta_init: bool = True
     """Build the model on the meta device and materialise it shard by shard (multi-rank runs)."""
 
@@ -888,6 +895,7 @@ def _fsdp_problems(f: FSDPConfig) -> list[str]:
     _choice(p, "fsdp.backward_prefetch", f.backward_prefetch, BACKWARD_PREFETCH)
     _choice(p, "fsdp.activation_checkpointing", f.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _choice(p, "fsdp.reduce_dtype", f.reduce_dtype, ("fp32", "compute"))
+    _choice(p, "fsdp.grad_sync", f.grad_sync, ("auto", "every_micro_batch", "last_micro_batch"))
     if f.ac_every_n_layers <= 0:
         p.append(f"fsdp.ac_every_n_layers must be positive, got {f.ac_every_n_layers}")
     if f.hybrid_shard_group_size < 0:

@@ -151,6 +151,30 @@ def test_combination_saves_and_resumes(tmp_path, corpus, dataset_dir, version, p
     train_save_resume(tmp_path, corpus, dataset_dir, matrix_args(version, precision, save, ac), save)
 
 
+# fsdp.grad_sync under gradient accumulation (micro-batch 2, accumulation 4; the jobs above accumulate
+# nothing): every_micro_batch (auto) with every FSDP version and precision, last_micro_batch likewise.
+GRAD_SYNC_JOBS = [(1, "bf16", "full", "selective_op", "last_micro_batch"),
+                  (2, "tensorwise", "process", "none", "last_micro_batch"),
+                  (2, "rowwise", "sync", LEAN, "last_micro_batch"),
+                  (1, "bf16", "thread", "none", "every_micro_batch"),
+                  (2, "tensorwise", "full", "selective_op", "every_micro_batch"),
+                  (2, "rowwise", "process", "none", "every_micro_batch")]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@TWO_GPUS
+@pytest.mark.parametrize("version, precision, save, ac, grad_sync", GRAD_SYNC_JOBS)
+def test_grad_sync_combination_saves_and_resumes(tmp_path, corpus, dataset_dir, version, precision, save, ac,
+                                                 grad_sync):
+    if precision != "bf16":
+        pytest.importorskip("torchao")
+        if torch.cuda.get_device_capability() < (8, 9):
+            pytest.skip("needs GPUs with FP8 (compute capability 8.9+)")
+    args = [*matrix_args(version, precision, save, ac), "--train.micro_batch_size=2", f"--fsdp.grad_sync={grad_sync}"]
+    train_save_resume(tmp_path, corpus, dataset_dir, args, save)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @TWO_GPUS

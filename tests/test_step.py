@@ -112,3 +112,68 @@ def test_benchmark_step_is_train_step(tmp_path, corpus, dataset_dir, world_of_on
     for got, want, old in zip(after_benchmark, weights(), before, strict=True):
         assert torch.equal(got, want) and not torch.equal(got, old)
     assert dist.is_initialized()
+
+
+# ---- fsdp.grad_sync: when accumulation reduces the gradients -------------------------------------------
+def gradient_numel(model) -> int:
+    """Gradient elements this rank holds between micro-batches: FSDP1's flat gradients (sharded or whole),
+    FSDP2's sharded .grad plus the unsharded gradients it accumulates internally when not reducing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    held = sum(p.grad.numel() if not hasattr(p.grad, "to_local") else p.grad.to_local().numel()
+               for p in model.parameters() if p.grad is not None)
+    if isinstance(model, FSDPModule):
+        for state in model._get_fsdp_state()._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    grad = param.unsharded_accumulated_grad
+                    if grad is None and hasattr(param, "_unsharded_param"):
+                        grad = param._unsharded_param.grad
+                    held += grad.numel() if grad is not None else 0
+    return held
+
+
+def accumulate_two_micro_batches(rank: int, world_size: int) -> dict:
+    """On each rank, for each FSDP version and fsdp.grad_sync: the gradients' size after the first of two
+    micro-batches (sharded: reduced already; whole: held until the last), and the weights after a step."""
+    from config.schema import FSDPConfig
+    from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
+    from model import DecoderBlock, ModelConfig, Transformer
+    from tests.distributed_harness import cpu_env
+
+    env = cpu_env(rank, world_size)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    tokens = torch.randint(0, 64, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for version in (1, 2):
+        for grad_sync in ("every_micro_batch", "last_micro_batch"):
+            module = Transformer(cfg)
+            module.init_weights(seed=5)
+            model = parallelize(module, block_classes={DecoderBlock}, fsdp=FSDPConfig(version=version,
+                                grad_sync=grad_sync), precision=resolve_precision("fp32", "fp32", env.device),
+                                compile=False, env=env)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            with step.micro_batch_sync(model, last=False):
+                model(tokens[0, :, :-1], tokens[0, :, 1:]).backward()
+            held = gradient_numel(model)
+            with step.micro_batch_sync(model, last=True):
+                model(tokens[1, :, :-1], tokens[1, :, 1:]).backward()
+            optimizer.step()
+            local = [p.detach() if version == 1 else p.to_local().detach() for p in model.parameters()]
+            out[(version, grad_sync)] = {"held": held, "shard": sum(t.numel() for t in local),
+                                         "weights": torch.cat([t.flatten() for t in local]).tolist()}
+    return out
+
+
+@pytest.mark.slow  # spawns two gloo ranks
+def test_grad_sync_every_micro_batch_keeps_gradients_sharded_and_trains_the_same():
+    from tests.distributed_harness import run_ranks
+
+    for rank in run_ranks(accumulate_two_micro_batches, world_size=2):
+        for version in (1, 2):
+            every, last = rank[(version, "every_micro_batch")], rank[(version, "last_micro_batch")]
+            # After the first micro-batch: this rank's shard of the gradients, or the whole model's.
+            assert every["held"] == every["shard"], version
+            assert last["held"] >= 2 * last["shard"] - 64, version  # whole: the world's shards (padding aside)
+            torch.testing.assert_close(torch.tensor(every["weights"]), torch.tensor(last["weights"]), rtol=1e-5,
+                                       atol=1e-7)

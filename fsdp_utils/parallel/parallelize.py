@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The model's attribute holding its resolved fsdp.grad_sync: set here, read by every training step (train/step.py).
+GRAD_SYNC_ATTRIBUTE = "fsdp_grad_sync"
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,17 @@ def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig,
     if init is not None:
         # With CPU offload the sharded parameters live in host memory.
         init.init_sharded(model, torch.device("cpu") if offload else env.device)
+    setattr(model, GRAD_SYNC_ATTRIBUTE, resolve_grad_sync(fsdp))
     return model
+
+
+def resolve_grad_sync(f: FSDPConfig) -> str:
+    """fsdp.grad_sync without auto: NO_SHARD's gradients are whole on every rank anyway, so it reduces once a
+    step; sharded strategies keep gradients sharded between micro-batches (the reduce-scatter hides behind
+    backward, and unsharded fp32 gradients would cost 4 bytes per parameter on every GPU)."""
+    if f.grad_sync != "auto":
+        return f.grad_sync
+    return "last_micro_batch" if f.sharding_strategy == "NO_SHARD" else "every_micro_batch"
 
 
 def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: DistEnv, precision: Precision, *,

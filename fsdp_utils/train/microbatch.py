@@ -242,8 +242,8 @@ class _Trials:
 
     def measure(self, micro_batch: int) -> float:
         """The peak reserved memory of a step, max over the ranks. The accumulation this size would train with,
-        up to two micro-batches: the second one's peak includes the first's unsharded gradients (FSDP keeps
-        them unsharded under no_sync)."""
+        up to two micro-batches: the second one's peak includes what the first left (its gradients, unsharded
+        with fsdp.grad_sync=last_micro_batch)."""
         self.probe.begin(micro_batch, self.policy_name)
         self.step(micro_batch, min(2, self.per_rank // micro_batch))
         return _max_over_ranks(self.probe.peak_reserved(), self.env)
@@ -552,7 +552,7 @@ def end_interrupted_step(model: nn.Module) -> None:
             flat._post_backward_called = False  # type: ignore[attr-defined]  # FSDP1 sets it in backward
         _runtime_utils._post_backward_final_callback(model, model)
     elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(True)
+        model.set_requires_gradient_sync(True)  # also requires the all-reduce again
         root = model._get_fsdp_state()
         for state in root._state_ctx.all_states:
             # A list of groups in recent torch versions, one group (or None) before.
@@ -560,6 +560,8 @@ def end_interrupted_step(model: nn.Module) -> None:
             if groups is None:
                 groups = [g for g in [state._fsdp_param_group] if g is not None]
             for group in groups:
+                if hasattr(group, "_partial_reduce_output"):  # HSDP: reduce-scattered, not yet all-reduced
+                    group._partial_reduce_output = None
                 for param in group.fsdp_params:
                     param.unsharded_accumulated_grad = None
                     if hasattr(param, "_unsharded_param"):

@@ -15,14 +15,22 @@ import torch.distributed as dist
 
 from model.transformer import IGNORE_INDEX
 
+from ..parallel.parallelize import GRAD_SYNC_ATTRIBUTE
 from .optim import clip_grad_norm
 
 
-def no_grad_sync(model, enabled: bool):
-    """Skip the gradient reduce-scatter on non-final micro-steps (FSDP1 no_sync / FSDP2 requires_gradient_sync)."""
+def micro_batch_sync(model, last: bool):
+    """The gradient reduction of one micro-batch's backward, as fsdp.grad_sync set it on the model
+    (parallelize's set_grad_sync): every_micro_batch reduce-scatters each (FSDP2 HSDP: the all-reduce across
+    replicas only at the last), last_micro_batch skips the reduction before the last (FSDP1 no_sync, FSDP2
+    requires_gradient_sync). A context manager for FSDP1's sake; FSDP2 is set before every micro-batch."""
+    every = getattr(model, GRAD_SYNC_ATTRIBUTE, "last_micro_batch") == "every_micro_batch"
     if hasattr(model, "no_sync"):
-        return model.no_sync() if enabled else contextlib.nullcontext()
-    model.set_requires_gradient_sync(not enabled)  # FSDP2: set before every micro-step, so the last one syncs
+        return model.no_sync() if not (last or every) else contextlib.nullcontext()
+    if every:
+        model.set_requires_all_reduce(last)
+    else:
+        model.set_requires_gradient_sync(last)
     return contextlib.nullcontext()
 
 
@@ -41,7 +49,7 @@ def forward_backward(model, batches, scaler, *, grad_accum: int, world_size: int
     loss_sum = None
     for micro in range(grad_accum):
         x, y = next(batches)
-        with no_grad_sync(model, enabled=micro < grad_accum - 1):
+        with micro_batch_sync(model, last=micro == grad_accum - 1):
             loss = model(x, y) / grad_accum
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
@@ -58,7 +66,7 @@ def _forward_backward_token_mean(model, batches, scaler, *, grad_accum: int, wor
     scale = world_size / num_trained.clamp(min=1)
     loss_sum = torch.zeros((), device=num_trained.device)
     for micro, (x, y) in enumerate(micro_batches):
-        with no_grad_sync(model, enabled=micro < grad_accum - 1):
+        with micro_batch_sync(model, last=micro == grad_accum - 1):
             loss = model(x, y, loss_reduction="sum") * scale
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum = loss_sum + loss.detach().float()
