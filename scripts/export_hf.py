@@ -83,6 +83,16 @@ def hf_state_dict(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, 
     return {name: t.contiguous() for name, t in out.items()}
 
 
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """config.json's rope_parameters for our rotary settings: plain, or Llama 3's scaling (rope_type llama3)."""
+    scaling = cfg.llama3_scaling
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    original = scaling.pop("original_max_seq_len")  # config.json's name for it
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **scaling,
+            "original_max_position_embeddings": original}
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, *, bos_id: int | None, eos_id: int | None):
     from transformers import LlamaConfig
 
@@ -90,7 +100,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, *, bos_id: int | None, eos_i
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, hidden_act="silu",
+        rope_parameters=rope_parameters(cfg), hidden_act="silu",
         tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
         initializer_range=cfg.init_std, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype,
     )

@@ -64,6 +64,9 @@ CASES = {
                               norm_eps=1e-6),
     "untied-mqa": ModelConfig(vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=1, ffn_hidden_dim=96,
                               max_seq_len=20),
+    # Llama 3's rotary scaling, on sequences three times its original context.
+    "llama3-rope": ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=24,
+                               rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8),
 }
 
 
@@ -79,6 +82,7 @@ def test_random_model_logits_match(case, runs, tmp_path):
     assert (config["num_key_value_heads"], config["intermediate_size"], config["head_dim"]) == (
         cfg.num_kv_heads, cfg.hidden_dim, cfg.head_dim)
     assert config["rope_parameters"]["rope_theta"] == cfg.rope_theta and config["rms_norm_eps"] == cfg.norm_eps
+    assert config["rope_parameters"].get("factor") == cfg.rope_scaling_factor
     assert_same_logits(ours, tmp_path / "hf")
 
 
