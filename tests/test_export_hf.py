@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint import FORMAT_VERSION, TrainState
-from fsdp_utils.checkpoint.io import load_model
+from fsdp_utils.checkpoint.io import load_model, read_meta
 from model import ModelConfig, Transformer
 from scripts import export_hf
 from tests.helpers import ROOT, random_model, run_train
@@ -210,7 +210,7 @@ def test_run_with_a_hugging_face_tokenizer_finds_its_own(hf_run, corpus, tmp_pat
     other.save_pretrained(lone / "hf_tokenizer")
     assert export_hf.main([str(lone / hf_run.name), str(tmp_path / "a")]) == 1
     assert "hf_tokenizer is another" in _error(capsys)
-    sha256 = export_hf.read_meta(hf_run)["tokenizer_sha256"]
+    sha256 = read_meta(hf_run)["tokenizer_sha256"]
     shutil.copytree(hf_run.parent / "hf_tokenizer", lone / f"hf_tokenizer.{sha256[:8]}")
     assert export_hf.main([str(lone / hf_run.name), str(tmp_path / "a")]) == 0
     assert_same_tokenizer(tmp_path / "a", hf_run.parent / "hf_tokenizer", corpus)
@@ -225,9 +225,9 @@ def test_run_with_a_hugging_face_tokenizer_finds_its_own(hf_run, corpus, tmp_pat
     assert generate.main([str(hf_run), "--prompt", "the", "--device", "cpu"]) == 1
     assert "export the checkpoint with scripts/export_hf.py" in _error(capsys)
 
+    (tmp_path / "empty").mkdir()
     for bad, why in ((tmp_path / "nothing", "no such tokenizer file or folder"),
                      (tmp_path / "empty", "not a Hugging Face tokenizer folder")):
-        (tmp_path / "empty").mkdir(exist_ok=True)
         assert export_hf.main([str(hf_run), str(tmp_path / "b"), "--tokenizer", str(bad)]) == 1
         assert why in _error(capsys) and not (tmp_path / "b").exists()
 

@@ -4,6 +4,7 @@ with one line naming the config.json field; model.init_from loads the weights (f
 FSDP1 and FSDP2 with meta init and a fresh optimizer; and a run starts from an imported Llama with its HF tokenizer."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -34,7 +35,8 @@ TINY_MODEL_ARGS = ["--model.ffn_hidden_dim=128", "--model.vocab_size=320", "--mo
 def save_llama(path: Path, *, seed: int = 0, dtype=torch.float32, max_shard_size: str | None = None, **config):
     """A LlamaForCausalLM with every weight random (norms too, so a swapped norm would show), saved as safetensors."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    # A copy: transformers may complete the rope mapping it is given, which the cases below share.
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**copy.deepcopy(config))).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(1 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight") else
