@@ -1,7 +1,7 @@
 """Shape of the decoder-only transformer. Plain data: no torch.distributed here."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 # Upper bounds that catch a typo (1e9) before it becomes a failed allocation. Real vocabularies reach 2**18
 # (256k pieces); at 2**24 every token id is still exact in fp32 and the embedding (vocab x dim fp32) is
@@ -10,6 +10,8 @@ MAX_VOCAB_SIZE = 2**24
 # Contexts of released models reach 2**20 tokens; each rank holds two (max_seq_len x head_dim) fp32 rotary
 # tables, 1 GiB at that length and head_dim 128, and this library has no context parallelism for longer.
 MAX_SEQ_LEN = 2**20
+# The settings of Llama 3's rotary scaling besides rope_scaling_factor, which switches it on.
+ROPE_SCALING_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 
 
 @dataclass
@@ -34,6 +36,18 @@ class ModelConfig:
     """Longest sequence the rotary table covers, at most 2**20; the data's seq_len must not exceed it."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies; greater than 1."""
+    rope_scaling_factor: float | None = None
+    """Llama 3's rotary scaling (Llama 3.1 and 3.2; rope_type llama3 in Hugging Face configs), at least 1: frequencies
+    whose wavelength exceeds rope_original_max_seq_len / rope_low_freq_factor are divided by it, those below
+    rope_original_max_seq_len / rope_high_freq_factor are kept, those between are interpolated. None: plain rotary
+    embeddings."""
+    rope_low_freq_factor: float = 1.0
+    """With rope_scaling_factor: wavelengths above rope_original_max_seq_len / this are scaled fully; positive."""
+    rope_high_freq_factor: float = 4.0
+    """With rope_scaling_factor: wavelengths below rope_original_max_seq_len / this are kept; greater than
+    rope_low_freq_factor."""
+    rope_original_max_seq_len: int = 8192
+    """With rope_scaling_factor: the context length the model was pretrained at before scaling; positive."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon; positive."""
     tie_embeddings: bool = False
@@ -55,6 +69,14 @@ class ModelConfig:
             return self.ffn_hidden_dim
         hidden = int(2 * 4 * self.dim / 3)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def llama3_scaling(self) -> dict | None:
+        """Llama 3's rotary scaling as model.transformer.llama3_scaled takes it; None without scaling."""
+        if self.rope_scaling_factor is None:
+            return None
+        return {"factor": self.rope_scaling_factor, "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor, "original_max_seq_len": self.rope_original_max_seq_len}
 
     def problems(self) -> list[str]:
         """Every inconsistency in these dimensions, phrased for the user (empty when valid)."""
@@ -80,10 +102,29 @@ class ModelConfig:
         # theta <= 1 makes the rotary frequencies theta^(-2i/d) grow instead of fall (towards inf at 0: NaN).
         if not self.rope_theta > 1:
             out.append(f"model.rope_theta must be greater than 1, got {self.rope_theta}")
+        out += self._rope_scaling_problems()
         if not self.norm_eps > 0:  # RMSNorm divides by sqrt(mean(x^2) + eps): NaN at 0 on a zero input, or below
             out.append(f"model.norm_eps must be positive, got {self.norm_eps}")
         if not self.init_std > 0:
             out.append(f"model.init_std must be positive, got {self.init_std}")
+        return out
+
+    def _rope_scaling_problems(self) -> list[str]:
+        if self.rope_scaling_factor is None:
+            # The other fields mean nothing without a factor: set without one, they would be silently ignored.
+            return [f"model.{f.name}={getattr(self, f.name)} needs model.rope_scaling_factor (Llama 3 rotary scaling)"
+                    for f in fields(self) if f.name in ROPE_SCALING_FIELDS and getattr(self, f.name) != f.default]
+        out = []
+        if not self.rope_scaling_factor >= 1:  # below 1 it would shorten wavelengths, which no model does
+            out.append(f"model.rope_scaling_factor must be at least 1, got {self.rope_scaling_factor}")
+        if not self.rope_low_freq_factor > 0:
+            out.append(f"model.rope_low_freq_factor must be positive, got {self.rope_low_freq_factor}")
+        # The interpolation divides by their difference.
+        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            out.append(f"model.rope_high_freq_factor must be greater than model.rope_low_freq_factor="
+                       f"{self.rope_low_freq_factor}, got {self.rope_high_freq_factor}")
+        if self.rope_original_max_seq_len <= 0:
+            out.append(f"model.rope_original_max_seq_len must be positive, got {self.rope_original_max_seq_len}")
         return out
 
     def _block_matmul_params(self) -> int:

@@ -36,13 +36,32 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each (max_seq_len, head_dim), in the rotate-half layout used by Llama."""
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None, *,
+                  llama3_scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (max_seq_len, head_dim), in the rotate-half layout used by Llama; with
+    `llama3_scaling` (the keyword arguments of llama3_scaled) its frequencies are Llama 3's."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if llama3_scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, **llama3_scaling)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # (T, Hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, Hd)
     return angles.cos(), angles.sin()
+
+
+def llama3_scaled(inv_freq: torch.Tensor, *, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_seq_len: int) -> torch.Tensor:
+    """Llama 3.1's rotary frequencies (rope_type llama3): inv_freq (Hd/2,) with the slow ones slowed further.
+
+    A frequency whose wavelength 2 pi / inv_freq spans few rotations of the pretraining context
+    (original_max_seq_len / wavelength <= low_freq_factor) is divided by `factor`, so positions up to
+    `factor` times that context stay distinguishable; one that rotates often (>= high_freq_factor
+    rotations) encodes local order and is kept; between the two, the result moves linearly in the number
+    of rotations from inv_freq / factor to inv_freq.
+    """
+    rotations = original_max_seq_len * inv_freq / (2 * math.pi)  # original_max_seq_len / wavelength
+    kept = ((rotations - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)  # 0 slowed, 1 kept
+    return (1 - kept) * (inv_freq / factor) + kept * inv_freq
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -168,7 +187,7 @@ class Transformer(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Rotary tables are derived, not learned: non-persistent, so they never enter a checkpoint,
         # and recomputed by reset_buffers() after a meta-device build.
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = self._rotary_tables(device=None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -215,10 +234,14 @@ class Transformer(nn.Module):
     # ---- initialisation, separate from construction -------------------------------------------
     def reset_buffers(self) -> None:
         """Recompute the rotary tables on the buffers' current device (after to_empty they are garbage)."""
-        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
-                                 device=self.rope_cos.device)
+        cos, sin = self._rotary_tables(device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+    def _rotary_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables of this config, for every path (window positions, restarted positions, generation)."""
+        c = self.cfg
+        return rotary_tables(c.head_dim, c.max_seq_len, c.rope_theta, device=device, llama3_scaling=c.llama3_scaling)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

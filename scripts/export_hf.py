@@ -6,10 +6,12 @@
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model, tok = AutoModelForCausalLM.from_pretrained("exported/tiny"), AutoTokenizer.from_pretrained("exported/tiny")
 
-OUT_DIR gets config.json, model.safetensors (+ generation_config.json), the run's SentencePiece
-tokenizer.model (found next to the checkpoint by the hash it records, or --tokenizer) and an equivalent
-Hugging Face tokenizer (tokenizer.json, tokenizer_config.json): it encodes like the SentencePiece model
-(no BOS is added, as in training) and decodes alike except for invalid UTF-8 byte runs. The fused
+OUT_DIR gets config.json, model.safetensors (+ generation_config.json) and the run's tokenizer, found next
+to the checkpoint by the hash it records (or --tokenizer). A SentencePiece tokenizer.model is copied with an
+equivalent Hugging Face tokenizer (tokenizer.json, tokenizer_config.json): it encodes like the SentencePiece
+model (no BOS is added, as in training) and decodes alike except for invalid UTF-8 byte runs. A run trained
+with a Hugging Face tokenizer (data.tokenizer=hf: its hf_tokenizer/ folder) gets that tokenizer's files, its
+chat template included, as transformers saves them. The fused
 projections are split: wqkv into q/k/v_proj, w13 into gate/up_proj. Our rotary layout is Llama's
 rotate-half one, so q and k need no permutation. Everything is written into a temporary folder first
 and moved into place at the end, so a failed export leaves OUT_DIR as it was.
@@ -83,6 +85,16 @@ def hf_state_dict(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, 
     return {name: t.contiguous() for name, t in out.items()}
 
 
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """config.json's rope_parameters for our rotary settings: plain, or Llama 3's scaling (rope_type llama3)."""
+    scaling = cfg.llama3_scaling
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    original = scaling.pop("original_max_seq_len")  # config.json's name for it
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **scaling,
+            "original_max_position_embeddings": original}
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, *, bos_id: int | None, eos_id: int | None):
     from transformers import LlamaConfig
 
@@ -90,7 +102,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, *, bos_id: int | None, eos_i
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, hidden_act="silu",
+        rope_parameters=rope_parameters(cfg), hidden_act="silu",
         tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
         initializer_range=cfg.init_std, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype,
     )
@@ -131,6 +143,21 @@ def hf_tokenizer(model_file: Path, max_len: int):
     # split_special_tokens: "</s>" in a text is text, as for SentencePiece, not the EOS id.
     return PreTrainedTokenizerFast(tokenizer_object=tok, split_special_tokens=True, clean_up_tokenization_spaces=False,
                                    model_max_length=max_len, **special), sp
+
+
+def export_tokenizer(path: Path, max_len: int):
+    """(a transformers tokenizer to save with the model, its number of tokens) for the run's tokenizer: a Hugging
+    Face tokenizer's folder as the training loaded it, or the equivalent of a SentencePiece model."""
+    if not path.is_dir():
+        hf_tok, sp = hf_tokenizer(path, max_len)
+        return hf_tok, sp.get_piece_size()
+    from data.hf_tokenizer import HFTokenizer
+
+    try:
+        loaded = HFTokenizer(path)
+    except ValueError as err:
+        raise ExportError(f"{path}: not a Hugging Face tokenizer folder ({err})") from None
+    return loaded.tok, loaded.get_piece_size()
 
 
 # ---- LoRA checkpoints ---------------------------------------------------------------------------------
@@ -313,10 +340,9 @@ def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool 
     else:
         ours, _ = load_model(checkpoint)
     cfg = ours.cfg
-    hf_tok, sp = hf_tokenizer(tokenizer, cfg.max_seq_len)
-    if sp.get_piece_size() > cfg.vocab_size:
-        raise ExportError(f"{tokenizer}: {sp.get_piece_size()} pieces, more than the model's "
-                          f"vocab_size={cfg.vocab_size}")
+    hf_tok, num_tokens = export_tokenizer(tokenizer, cfg.max_seq_len)
+    if num_tokens > cfg.vocab_size:
+        raise ExportError(f"{tokenizer}: {num_tokens} tokens, more than the model's vocab_size={cfg.vocab_size}")
     weights = {k: v.to(DTYPES[dtype]) for k, v in hf_state_dict(cfg, ours.state_dict()).items()}
     config = hf_config(cfg, DTYPES[dtype], bos_id=hf_tok.bos_token_id, eos_id=hf_tok.eos_token_id)
     with torch.device("meta"):  # no random init: every weight is assigned from ours
@@ -327,8 +353,10 @@ def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool 
 
     def fill(tmp: Path) -> None:
         model.save_pretrained(tmp)
+        # Only the tokenizer's own files: a --tokenizer folder may be a whole model folder (weights, config.json).
         hf_tok.save_pretrained(tmp)
-        shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+        if not tokenizer.is_dir():
+            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
 
     _write_folder(out_dir, fill)
     return out_dir
@@ -341,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the saved weights")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     parser.add_argument("--tokenizer", type=Path, default=None,
-                        help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
+                        help="a SentencePiece model or a Hugging Face tokenizer folder (default: the one next to "
+                             "CHECKPOINT that it was trained with)")
     lora = parser.add_mutually_exclusive_group()
     lora.add_argument("--merge_lora", action="store_true",
                       help="a LoRA checkpoint: merge its adapters into the base and write the model")

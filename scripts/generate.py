@@ -93,6 +93,10 @@ def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 100, temper
         raise GenerateError("; ".join(problems))
     meta = read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
     tokenizer = find_tokenizer(checkpoint, tokenizer, meta.get("tokenizer_sha256"))  # the one it was trained with
+    if tokenizer.is_dir():
+        raise GenerateError(f"{tokenizer}: a Hugging Face tokenizer (data.tokenizer=hf); this script samples with "
+                            f"SentencePiece tokenizers only: export the checkpoint with scripts/export_hf.py and "
+                            f"generate with transformers")
     try:
         sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
     except (OSError, RuntimeError) as err:

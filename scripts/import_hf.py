@@ -9,9 +9,10 @@ downloaded and no code of the folder runs (only the JSON and safetensors files a
 converted to our names and fused layouts (q/k/v_proj into wqkv, gate/up_proj into w13; both use Llama's
 rotate-half rotary layout, so q and k need no permutation), in fp32 (our training keeps fp32 weights; bf16 to
 fp32 is exact). OUT is a full checkpoint at step 0 with no optimizer state: `model.init_from=OUT` (weights
-only) or `--resume_from OUT` start from it; the model section it needs is printed. A configuration our model
-cannot compute exactly (biases, another activation, a rope_scaling type, a head_dim of its own, ...) is
-refused with one line naming the config.json field.
+only) or `--resume_from OUT` start from it; the model section it needs is printed (with Llama 3.1 / 3.2's
+rotary scaling, rope_type llama3, in its rope_* fields). A configuration our model cannot compute exactly
+(biases, another activation, a rope scaling other than llama3, a head_dim of its own, ...) is refused with one
+line naming the config.json field.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from fsdp_utils.checkpoint.format import (  # noqa: E402
 )
 from fsdp_utils.train.optim import build_optimizer  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from model.config import MAX_SEQ_LEN  # noqa: E402
+from model.config import MAX_SEQ_LEN, ROPE_SCALING_FIELDS  # noqa: E402
 
 # Tensors that older checkpoints carry and that are derived, not learned (our rotary tables are recomputed).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -59,21 +60,38 @@ def _read_json(path: Path) -> dict:
     return value
 
 
-def _rope(hf: dict, where: Path) -> float:
-    """rope_theta, from transformers 5's rope_parameters or the older rope_theta / rope_scaling fields."""
+def _number(value, field: str, where: Path) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise HFImportError(f"{where}: {field}={value!r} is not a number")
+    return float(value)
+
+
+def _rope(hf: dict, where: Path) -> dict:
+    """Our rope_* fields, from transformers 5's rope_parameters or the older rope_theta / rope_scaling fields
+    (rope_scaling first where both are given, as transformers reads them): plain, or Llama 3's scaling."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     for field, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if not isinstance(value, dict):
             raise HFImportError(f"{where}: {field}={value!r} is not a mapping")
         kind = value.get("rope_type", value.get("type", "default"))
-        if kind not in (None, "default"):
-            raise HFImportError(f"{where}: {field} rope_type={kind!r}: our model has plain rotary embeddings only "
-                               "(rope_type default, no scaling)")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
-        raise HFImportError(f"{where}: rope_theta={theta!r} is not a number")
-    return float(theta)
+        if kind not in (None, "default", "llama3"):
+            raise HFImportError(f"{where}: {field} rope_type={kind!r}: our model has plain rotary embeddings and "
+                               "Llama 3's scaling only (rope_type default or llama3)")
+    field, rope = ("rope_scaling", scaling) if scaling else ("rope_parameters", params)
+    out = {"rope_theta": _number(rope.get("rope_theta", hf.get("rope_theta", 10000.0)), "rope_theta", where)}
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return out
+    for ours, key in (("rope_scaling_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
+                      ("rope_high_freq_factor", "high_freq_factor")):
+        out[ours] = _number(rope.get(key), f"{field} {key}", where)
+    # As transformers reads it: a top-level original_max_position_embeddings first, then the mapping's, then
+    # max_position_embeddings.
+    original = hf.get("original_max_position_embeddings",
+                      rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 2048)))
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise HFImportError(f"{where}: original_max_position_embeddings={original!r} is not a positive integer")
+    return out | {"rope_original_max_seq_len": original}
 
 
 def model_config_of(hf: dict, where: Path) -> ModelConfig:
@@ -104,8 +122,8 @@ def model_config_of(hf: dict, where: Path) -> ModelConfig:
     cfg = ModelConfig(vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
                       n_kv_heads=n_kv, ffn_hidden_dim=hf["intermediate_size"],
                       max_seq_len=min(int(hf.get("max_position_embeddings", 2048)), MAX_SEQ_LEN),
-                      rope_theta=_rope(hf, where), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **_rope(hf, where))
     if problems := cfg.problems():
         raise HFImportError(f"{where}: our model cannot take these dimensions ({problems[0]})")
     return cfg
@@ -213,6 +231,8 @@ def model_section(cfg: ModelConfig) -> str:
     """The `model` section (YAML) that describes the imported model."""
     fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len", "rope_theta",
               "norm_eps", "tie_embeddings")
+    if cfg.rope_scaling_factor is not None:
+        fields += ("rope_scaling_factor", *ROPE_SCALING_FIELDS)
     return "model:\n" + "".join(f"  {name}: {json.dumps(getattr(cfg, name))}\n" for name in fields)
 
 

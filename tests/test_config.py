@@ -178,6 +178,10 @@ OUT_OF_RANGE = {
     "--model.vocab_size=1000000000": "model.vocab_size must be at most 2**24 = 16777216, got 1000000000",
     "--model.max_seq_len=100000000": "model.max_seq_len must be at most 2**20 = 1048576, got 100000000",
     "--model.rope_theta=0": "model.rope_theta must be greater than 1, got 0.0",
+    "--model.rope_scaling_factor=0.5": "model.rope_scaling_factor must be at least 1, got 0.5",
+    "--model.rope_high_freq_factor=1": "model.rope_high_freq_factor must be greater than "
+                                       "model.rope_low_freq_factor=1.0, got 1.0",
+    "--model.rope_original_max_seq_len=0": "model.rope_original_max_seq_len must be positive, got 0",
     "--model.norm_eps=-1": "model.norm_eps must be positive, got -1.0",
     "--model.init_std=-0.02": "model.init_std must be positive, got -0.02",
     "--train.beta1=2": "train.beta1 must be in [0, 1), got 2.0",
@@ -200,6 +204,20 @@ def test_range_limits_themselves_are_accepted():
                              "--train.beta1=0", "--train.beta2=0.999", "--train.loss_chunk_tokens=0",
                              "--model.vocab_size=16777216", "--model.max_seq_len=1048576", "--model.rope_theta=1.5"])
     assert cfg.run.seed == 2**63 - 1 and cfg.model.vocab_size == 2**24 and cfg.model.max_seq_len == 2**20
+
+
+def test_llama3_rope_scaling_settings():
+    # Llama 3.2's values load; the other settings alone would be ignored, so they are refused without a factor.
+    cfg = load_config(TINY, ["--model.rope_scaling_factor=32", "--model.rope_low_freq_factor=1",
+                             "--model.rope_high_freq_factor=4", "--model.rope_original_max_seq_len=8192"])
+    assert cfg.model.llama3_scaling == {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_seq_len": 8192}
+    assert load_config(TINY, []).model.llama3_scaling is None
+    assert problems_of("--model.rope_low_freq_factor=0", "--model.rope_original_max_seq_len=4096") == [
+        "model.rope_low_freq_factor=0.0 needs model.rope_scaling_factor (Llama 3 rotary scaling)",
+        "model.rope_original_max_seq_len=4096 needs model.rope_scaling_factor (Llama 3 rotary scaling)"]
+    assert problems_of("--model.rope_scaling_factor=8", "--model.rope_low_freq_factor=0") == [
+        "model.rope_low_freq_factor must be positive, got 0.0"]
 
 
 def test_bad_yaml_in_overrides_is_one_line_each_with_the_other_problems():

@@ -4,6 +4,7 @@ and for Hugging Face models (position ids that restart per document). In-process
 except the multi-rank check (spawned gloo ranks, marked slow) and the compiled bf16 check (GPU)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -16,7 +17,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from config import ConfigError, load_config
 from model import Documents, ModelConfig, Transformer
 from model.documents import document_block_mask, document_dense_mask, document_ids, document_positions
-from model.transformer import apply_rotary
+from model.transformer import apply_rotary, rotary_tables
 from tests.distributed_harness import run_ranks
 from tests.helpers import ROOT, TINY, world_of_one
 
@@ -117,17 +118,23 @@ def test_packed_document_logits_equal_the_document_alone(kernel, reset):
     assert (plain[:, start_b:start_c] - alone_b).abs().max() > 1e-2
 
 
-def test_reset_positions_without_masking_restarts_rotary_positions():
+@pytest.mark.parametrize("scaling", [None, 8.0], ids=["plain", "llama3"])
+def test_reset_positions_without_masking_restarts_rotary_positions(scaling):
     # Positions alone: B after A's EOS is embedded as if at position 0, but still attends to A. Reference:
-    # the rotary tables indexed by the positions counted by hand.
-    model = built(Documents(eos_id=EOS, mask_attention=False, reset_positions=True))
+    # the rotary tables, computed apart (with Llama 3's scaling: the scaled ones), indexed by the positions
+    # counted by hand.
+    cfg = dataclasses.replace(CFG, rope_scaling_factor=scaling, rope_original_max_seq_len=4 if scaling else 8192)
+    model = built(Documents(eos_id=EOS, mask_attention=False, reset_positions=True), cfg)
     tokens = torch.cat([words(5, 1), eos(), words(7, 2)], dim=1)
     cos, sin, mask = model._document_inputs(tokens, model.documents)
     assert mask is None
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6])
     q = torch.randn(1, 4, 13, CFG.head_dim)
-    expected = apply_rotary(q, model.rope_cos[positions], model.rope_sin[positions])
+    tables = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, llama3_scaling=cfg.llama3_scaling)
+    expected = apply_rotary(q, tables[0][positions], tables[1][positions])
     torch.testing.assert_close(apply_rotary(q, cos, sin), expected, rtol=0, atol=0)
+    if scaling:  # a control: the scaled tables are not the plain ones
+        assert not torch.equal(tables[0], rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)[0])
 
 
 def reference_forward(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:

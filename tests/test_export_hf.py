@@ -1,5 +1,6 @@
 """scripts/export_hf.py: the exported LlamaForCausalLM computes our logits, the exported tokenizer encodes
-like the run's SentencePiece model, and bad inputs or outputs give one error line and touch nothing."""
+like the run's SentencePiece model, a run trained with a Hugging Face tokenizer exports that tokenizer (chat
+template included), and bad inputs or outputs give one error line and touch nothing."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint import FORMAT_VERSION, TrainState
-from fsdp_utils.checkpoint.io import load_model
+from fsdp_utils.checkpoint.io import load_model, read_meta
 from model import ModelConfig, Transformer
 from scripts import export_hf
 from tests.helpers import ROOT, random_model, run_train
@@ -64,6 +65,9 @@ CASES = {
                               norm_eps=1e-6),
     "untied-mqa": ModelConfig(vocab_size=320, dim=64, n_layers=3, n_heads=4, n_kv_heads=1, ffn_hidden_dim=96,
                               max_seq_len=20),
+    # Llama 3's rotary scaling, on sequences three times its original context.
+    "llama3-rope": ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=24,
+                               rope_theta=500000.0, rope_scaling_factor=32.0, rope_original_max_seq_len=8),
 }
 
 
@@ -79,6 +83,7 @@ def test_random_model_logits_match(case, runs, tmp_path):
     assert (config["num_key_value_heads"], config["intermediate_size"], config["head_dim"]) == (
         cfg.num_kv_heads, cfg.hidden_dim, cfg.head_dim)
     assert config["rope_parameters"]["rope_theta"] == cfg.rope_theta and config["rms_norm_eps"] == cfg.norm_eps
+    assert config["rope_parameters"].get("factor") == cfg.rope_scaling_factor
     assert_same_logits(ours, tmp_path / "hf")
 
 
@@ -114,6 +119,117 @@ def test_trained_checkpoint(fmt, runs, corpus, tmp_path):
         assert ids == sp.encode(text), text
         assert hf_tok.decode(ids) == sp.decode(ids) == text
     assert hf_tok.eos_token_id == sp.eos_id()
+
+
+# ---- a run trained with a Hugging Face tokenizer (data.tokenizer=hf) ------------------------------------
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory, corpus) -> Path:
+    """The checkpoint of a 2-step run of our model trained with a Hugging Face tokenizer (a byte-level BPE with a
+    chat template, in tok/ beside the run's folder)."""
+    from tests.test_hf import save_tokenizer
+
+    root = tmp_path_factory.mktemp("hf_run")
+    save_tokenizer(root / "tok", corpus)
+    tok = transformers.AutoTokenizer.from_pretrained(root / "tok")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(root / "tok")
+    run_train("--train.max_steps=2", "--data.tokenizer=hf", f"--data.hf_tokenizer={root / 'tok'}",
+              out_dir=root / "run", corpus=corpus, dataset_dir=root / "data")
+    assert (root / "run/hf_tokenizer").is_dir() and not (root / "run/tokenizer.model").exists()
+    return root / "run/fsdp_cpt2.pth"
+
+
+def assert_same_tokenizer(exported: Path, original: Path, corpus: Path) -> None:
+    ours, theirs = (transformers.AutoTokenizer.from_pretrained(path) for path in (exported, original))
+    assert ours.get_vocab() == theirs.get_vocab() and len(ours) == len(theirs)
+    assert (ours.eos_token, ours.eos_token_id, ours.chat_template) == (theirs.eos_token, theirs.eos_token_id,
+                                                                       CHAT_TEMPLATE)
+    for text in (corpus.read_text()[:4000], "  two  spaces\tand\ttabs\n\nnewlines", "ünïcödé 日本 😀 <eos>", ""):
+        ids = ours(text, add_special_tokens=False)["input_ids"]
+        assert ids == theirs(text, add_special_tokens=False)["input_ids"] and ours.decode(ids) == theirs.decode(ids)
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the quick fox"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == "<user>hello<eos><assistant>the quick fox<eos>"
+
+
+def test_run_with_a_hugging_face_tokenizer(hf_run, corpus, tmp_path):
+    """Export writes the run's own tokenizer (found by the hash the checkpoint records), with its chat template; the
+    folder loads with AutoTokenizer and AutoModelForCausalLM, computes our logits and generates."""
+    out = tmp_path / "hf"
+    assert export_hf.main([str(hf_run), str(out)]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()} and not (out / "tokenizer.model").exists()
+    assert_same_tokenizer(out, hf_run.parent / "hf_tokenizer", corpus)
+    assert_same_tokenizer(out, hf_run.parent.parent / "tok", corpus)  # the folder the run was given
+    for file in (hf_run.parent / "hf_tokenizer").iterdir():  # written as transformers wrote the run's: the same bytes
+        assert (out / file.name).read_bytes() == file.read_bytes(), file.name
+    ours, _ = load_model(hf_run)
+    assert ours.cfg.vocab_size == len(transformers.AutoTokenizer.from_pretrained(out))  # model.vocab_size 0
+    assert_same_logits(ours, out)
+
+    tok, model = transformers.AutoTokenizer.from_pretrained(out), transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    prompt = tok("the quick brown", return_tensors="pt", add_special_tokens=False)
+    new = model.generate(**prompt, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)
+    new = new[0, prompt["input_ids"].shape[1]:].tolist()
+    assert 1 <= len(new) <= 5 and isinstance(tok.decode(new), str)
+    # Greedy generation is our model's argmax, token by token.
+    tokens = prompt["input_ids"]
+    for token in new:
+        with torch.no_grad():
+            assert ours(tokens)[0, -1].argmax().item() == token
+        tokens = torch.cat([tokens, torch.tensor([[token]])], dim=1)
+
+
+def test_run_with_a_hugging_face_tokenizer_finds_its_own(hf_run, corpus, tmp_path, capsys):
+    """--tokenizer takes a tokenizer folder (also a whole model folder: only the tokenizer's files are written); the
+    tokenizer is found where the run keeps a replaced one; a missing or different one is one error line."""
+    import shutil
+
+    model_dir = tmp_path / "model_folder"  # a model folder with a tokenizer, as data.hf_tokenizer may name one
+    shutil.copytree(hf_run.parent.parent / "tok", model_dir)
+    (model_dir / "config.json").write_text("{}")
+    (model_dir / "model.safetensors").write_bytes(b"not ours")
+    assert export_hf.main([str(hf_run), str(tmp_path / "given"), "--tokenizer", str(model_dir)]) == 0
+    assert_same_tokenizer(tmp_path / "given", model_dir, corpus)
+    assert (tmp_path / "given/model.safetensors").read_bytes() != b"not ours"
+
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copyfile(hf_run, lone / hf_run.name)
+    assert export_hf.main([str(lone / hf_run.name), str(tmp_path / "a")]) == 1
+    err = _error(capsys)
+    assert "no tokenizer with its sha256" in err and "no tokenizer.model or hf_tokenizer there" in err, err
+    assert "--tokenizer" in err and not (tmp_path / "a").exists()
+    # Another tokenizer under the run's name is not taken; the run's own, kept under its hash's name, is.
+    other = transformers.AutoTokenizer.from_pretrained(model_dir)
+    other.chat_template = None
+    other.save_pretrained(lone / "hf_tokenizer")
+    assert export_hf.main([str(lone / hf_run.name), str(tmp_path / "a")]) == 1
+    assert "hf_tokenizer is another" in _error(capsys)
+    sha256 = read_meta(hf_run)["tokenizer_sha256"]
+    shutil.copytree(hf_run.parent / "hf_tokenizer", lone / f"hf_tokenizer.{sha256[:8]}")
+    assert export_hf.main([str(lone / hf_run.name), str(tmp_path / "a")]) == 0
+    assert_same_tokenizer(tmp_path / "a", hf_run.parent / "hf_tokenizer", corpus)
+
+    # evaluate.py finds it too (its codec takes tokenizer folders); generate.py samples with SentencePiece only
+    # and says so in one line.
+    from scripts import evaluate, generate
+
+    _, codec, _, _ = evaluate.load_for_eval(hf_run, device=torch.device("cpu"), tokenizer=None)
+    assert type(codec).__name__ == "HFCodec" and codec.vocab_size == len(other)
+
+    assert generate.main([str(hf_run), "--prompt", "the", "--device", "cpu"]) == 1
+    assert "export the checkpoint with scripts/export_hf.py" in _error(capsys)
+
+    (tmp_path / "empty").mkdir()
+    for bad, why in ((tmp_path / "nothing", "no such tokenizer file or folder"),
+                     (tmp_path / "empty", "not a Hugging Face tokenizer folder")):
+        assert export_hf.main([str(hf_run), str(tmp_path / "b"), "--tokenizer", str(bad)]) == 1
+        assert why in _error(capsys) and not (tmp_path / "b").exists()
 
 
 def _error(capsys) -> str:

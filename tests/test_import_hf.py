@@ -4,6 +4,7 @@ with one line naming the config.json field; model.init_from loads the weights (f
 FSDP1 and FSDP2 with meta init and a fresh optimizer; and a run starts from an imported Llama with its HF tokenizer."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -25,6 +26,8 @@ TINY_CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
 # The dimensions of the TINY training args (tests/helpers.py), as a Hugging Face Llama.
 TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=500000.0)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 TINY_MODEL_ARGS = ["--model.ffn_hidden_dim=128", "--model.vocab_size=320", "--model.norm_eps=1e-6",
                    "--model.rope_theta=500000.0", "--model.tie_embeddings=false"]
 
@@ -32,7 +35,8 @@ TINY_MODEL_ARGS = ["--model.ffn_hidden_dim=128", "--model.vocab_size=320", "--mo
 def save_llama(path: Path, *, seed: int = 0, dtype=torch.float32, max_shard_size: str | None = None, **config):
     """A LlamaForCausalLM with every weight random (norms too, so a swapped norm would show), saved as safetensors."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    # A copy: transformers may complete the rope mapping it is given, which the cases below share.
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**copy.deepcopy(config))).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(1 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight") else
@@ -51,6 +55,9 @@ CASES = {
     # Multi-query attention.
     "mqa": dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=1, max_position_embeddings=20, rope_theta=1000.0),
+    # Llama 3.1 / 3.2's rotary scaling, pretrained context 16 and sequences of 64: at head_dim 16 the fastest
+    # frequency (wavelength 2 pi) is interpolated, the others slowed 8 times.
+    "llama3-rope": dict(TINY_LLAMA, rope_theta=None, rope_parameters=LLAMA3_ROPE),
 }
 
 
@@ -71,16 +78,48 @@ def test_imported_llama_computes_the_hf_logits(case, tmp_path):
         expected, actual = hf(tokens).logits, ours(tokens)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
     assert meta["train_state"]["step"] == 0 and ours.cfg.tie_embeddings == bool(args.get("tie_word_embeddings"))
+    assert ours.cfg.rope_scaling_factor == (8.0 if case == "llama3-rope" else None)
 
 
-def test_export_then_import_gives_the_same_tensors(tmp_path, corpus):
-    """Our checkpoint -> scripts/export_hf.py -> scripts/import_hf.py: bit-identical weights, the same model."""
+def test_llama3_rope_from_either_form_of_config_json(tmp_path, capsys):
+    """rope_type llama3 in transformers 5's rope_parameters and in the older rope_scaling with a top-level rope_theta:
+    the same model, printed with its scaling, computing the logits transformers computes for that folder. Without
+    the scaling the logits differ (a control: the sequence reaches past the pretrained context)."""
+    hf = save_llama(tmp_path / "hf", **CASES["llama3-rope"])
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "new.pth")]) == 0
+    section = capsys.readouterr().out.split("model:\n")[1]
+    assert section.endswith("  rope_theta: 10000.0\n  norm_eps: 1e-06\n  tie_embeddings: false\n"
+                            "  rope_scaling_factor: 8.0\n  rope_low_freq_factor: 1.0\n  rope_high_freq_factor: 4.0\n"
+                            "  rope_original_max_seq_len: 16\n")
+    old_form = {"type": "llama3"} | {k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")}
+    edit_config(tmp_path / "hf", rope_parameters=None, rope_scaling=old_form, rope_theta=10000.0)
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "old.pth")]) == 0
+    (new, _), (old, _) = load_model(tmp_path / "new.pth"), load_model(tmp_path / "old.pth")
+    assert new.cfg == old.cfg and new.cfg.llama3_scaling == {"factor": 8.0, "low_freq_factor": 1.0,
+                                                             "high_freq_factor": 4.0, "original_max_seq_len": 16}
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    plain = Transformer(dataclasses.replace(old.cfg, rope_scaling_factor=None, rope_original_max_seq_len=8192))
+    plain.load_state_dict(old.state_dict())
+    tokens = torch.randint(0, old.cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        torch.testing.assert_close(reloaded(tokens).logits, expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(old(tokens), expected, atol=2e-5, rtol=1e-5)
+        assert (plain(tokens) - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("rope", [{}, dict(rope_scaling_factor=32.0, rope_low_freq_factor=2.0,
+                                            rope_high_freq_factor=8.0, rope_original_max_seq_len=16)],
+                         ids=["plain", "llama3-rope"])
+def test_export_then_import_gives_the_same_tensors(tmp_path, corpus, rope):
+    """Our checkpoint -> scripts/export_hf.py -> scripts/import_hf.py: bit-identical weights, the same model (its
+    rotary scaling included)."""
     from data.tokenizer import train_tokenizer
     from fsdp_utils.checkpoint import FORMAT_VERSION, TrainState
     from scripts import export_hf
 
     cfg = ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96, max_seq_len=32,
-                      rope_theta=20000.0, norm_eps=1e-6)
+                      rope_theta=20000.0, norm_eps=1e-6, **rope)
     torch.manual_seed(0)
     model = Transformer(cfg)
     with torch.no_grad():
@@ -100,6 +139,35 @@ def test_export_then_import_gives_the_same_tensors(tmp_path, corpus):
     for name, tensor in payload["model"].items():
         assert torch.equal(back["model"][name], tensor), name
     assert ModelConfig(**back["model_config"]) == cfg
+    exported = json.loads((tmp_path / "hf/config.json").read_text())["rope_parameters"]
+    assert exported["rope_type"] == ("llama3" if rope else "default") and exported["rope_theta"] == 20000.0
+    if rope:
+        assert (exported["factor"], exported["low_freq_factor"], exported["high_freq_factor"],
+                exported["original_max_position_embeddings"]) == (32.0, 2.0, 8.0, 16)
+
+
+def test_init_from_compares_the_rope_scaling(tmp_path):
+    """model.init_from of a Llama 3.2-like import: a model section without its scaling computes another function of
+    the same weights, and is refused naming the field; a shorter max_seq_len is fine."""
+    from fsdp_utils.checkpoint.base import CheckpointContext
+    from fsdp_utils.checkpoint.io import read_meta
+
+    save_llama(tmp_path / "hf", **CASES["llama3-rope"])
+    path = tmp_path / "llama.pth"
+    imported = import_hf.import_hf(tmp_path / "hf", path)
+    meta = read_meta(path)
+
+    def check(cfg: ModelConfig) -> None:
+        context = CheckpointContext(tmp_path, None, "full", 0, dataclasses.asdict(cfg))  # type: ignore[arg-type]
+        context.check_weights(meta, path)
+
+    check(dataclasses.replace(imported, max_seq_len=32))
+    with pytest.raises(CheckpointMismatch) as err:
+        check(dataclasses.replace(imported, rope_scaling_factor=None, rope_original_max_seq_len=8192))
+    assert str(err.value) == (f"model.init_from={path}: the model differs from the checkpoint's: "
+                              "model.rope_scaling_factor=None here, 8.0 in the checkpoint")
+    with pytest.raises(CheckpointMismatch, match="model.rope_high_freq_factor=8.0 here, 4.0 in the checkpoint"):
+        check(dataclasses.replace(imported, rope_high_freq_factor=8.0))
 
 
 def edit_config(folder: Path, **changes) -> None:
@@ -117,8 +185,12 @@ REFUSED = {
     "attention bias": (dict(attention_bias=True), "attention_bias=True"),
     "mlp bias": (dict(mlp_bias=True), "mlp_bias=True"),
     "activation": (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    "rope scaling": (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
-                     "rope_parameters rope_type='llama3'"),
+    "rope scaling": (dict(rope_parameters={"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}),
+                     "rope_parameters rope_type='yarn'"),
+    "llama3 rope without its factor": (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}),
+                                       "rope_parameters factor=None"),
+    "llama3 rope shortening": (dict(rope_parameters=dict(LLAMA3_ROPE, factor=0.5)),
+                               "model.rope_scaling_factor must be at least 1, got 0.5"),
     "old rope scaling": (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}),
                          "rope_scaling rope_type='linear'"),
     "own head_dim": (dict(head_dim=32), "head_dim=32"),

@@ -230,6 +230,84 @@ def test_init_weights_depends_on_seed_only():
             assert not torch.equal(pa, pc), name
 
 
+# ---- rotary tables ----------------------------------------------------------------------------------
+
+# Llama 3.2's scaling, with a pretraining context of 16 so that a 24-token table reaches past it.
+LLAMA3 = dict(rope_scaling_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+              rope_original_max_seq_len=16)
+
+
+def test_rotary_tables_without_scaling_are_the_plain_ones_bit_for_bit():
+    # Reference: the plain Llama tables written out (theta^(-2i/Hd) times the position, each angle twice).
+    cfg = small_cfg(rope_theta=500000.0)
+    model = built(cfg)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    angles = torch.arange(cfg.max_seq_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    assert torch.equal(model.rope_cos, angles.cos()) and torch.equal(model.rope_sin, angles.sin())
+
+
+def llama3_reference(inv_freq: list[float], *, factor, low_freq_factor, high_freq_factor, original_max_seq_len):
+    """Llama 3's frequency scaling, one frequency at a time by its wavelength, in Python floats (float64)."""
+    import math
+
+    low_freq_wavelen = original_max_seq_len / low_freq_factor
+    high_freq_wavelen = original_max_seq_len / high_freq_factor
+    out = []
+    for freq in inv_freq:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            out.append(freq)
+        elif wavelen > low_freq_wavelen:
+            out.append(freq / factor)
+        else:
+            smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return out
+
+
+@pytest.mark.parametrize("theta, head_dim", [(10000.0, 8), (500000.0, 64)])
+def test_llama3_scaling_follows_its_definition(theta, head_dim):
+    from model.transformer import llama3_scaled
+
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=64)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ours = llama3_scaled(inv_freq, **scaling)
+    expected = torch.tensor(llama3_reference(inv_freq.double().tolist(), **scaling), dtype=torch.float64)
+    torch.testing.assert_close(ours.double(), expected, rtol=1e-6, atol=0)
+    # Wavelengths 2 pi / inv_freq below 64 / 4 are kept and above 64 / 1 slowed by the factor, exactly; each of
+    # the three kinds occurs at both sizes (the first wavelength is 2 pi, the last is above 64).
+    wavelen = 2 * torch.pi / inv_freq
+    kept, slowed = wavelen < 16, wavelen > 64
+    assert torch.equal(ours[kept], inv_freq[kept]) and torch.equal(ours[slowed], inv_freq[slowed] / 8)
+    between = ~kept & ~slowed
+    assert kept.any() and slowed.any() and between.any()
+    assert (ours[between] < inv_freq[between]).all() and (ours[between] > inv_freq[between] / 8).all()
+
+
+def test_scaled_rotary_tables_in_every_build():
+    # The model's tables are the scaled ones, after a direct build and after a meta build's reset_buffers.
+    # With a pretraining context of 16 every frequency of head_dim 8 is scaled (the fastest, wavelength 2 pi,
+    # interpolated), so every column differs from the plain table but at position 0.
+    from model.transformer import rotary_tables
+
+    cfg = small_cfg(**LLAMA3)
+    direct = built(cfg)
+    cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, llama3_scaling=cfg.llama3_scaling)
+    assert torch.equal(direct.rope_cos, cos) and torch.equal(direct.rope_sin, sin)
+    with torch.device("meta"):
+        lazy = Transformer(cfg)
+    lazy.to_empty(device="cpu")
+    lazy.init_weights(0)
+    assert torch.equal(lazy.rope_cos, cos) and torch.equal(lazy.rope_sin, sin)
+    plain = built(small_cfg())
+    assert torch.equal(direct.rope_cos[0], plain.rope_cos[0])
+    assert (direct.rope_cos[1:] != plain.rope_cos[1:]).any(dim=0).all()
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(lazy(tokens), direct(tokens))
+
+
 # ---- model/ knows nothing about torch.distributed ---------------------------------------------------
 
 FORBIDDEN_PACKAGES = ("torch.distributed", "fsdp_utils")

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from model import ModelConfig
+from model.config import ROPE_SCALING_FIELDS
 
 from ..distributed import DistEnv, agree, barrier
 from .format import FORMAT_VERSION, CheckpointCorrupt, CheckpointError, CheckpointMismatch, first_line, size_of
@@ -188,9 +189,10 @@ def _model_kind(model_config: dict) -> str:
 
 def _weight_shape(cfg: ModelConfig) -> dict:
     """What our model's weights, and the function they compute, depend on: its dimensions resolved (n_kv_heads
-    None is n_heads, ffn_hidden_dim None is derived), without max_seq_len and init_std."""
+    None is n_heads, ffn_hidden_dim None is derived) and its rotary settings, without max_seq_len and init_std."""
     return {"vocab_size": cfg.vocab_size, "dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
             "n_kv_heads": cfg.num_kv_heads, "ffn_hidden_dim": cfg.hidden_dim, "rope_theta": cfg.rope_theta,
+            "rope_scaling_factor": cfg.rope_scaling_factor, **{n: getattr(cfg, n) for n in ROPE_SCALING_FIELDS},
             "norm_eps": cfg.norm_eps, "tie_embeddings": cfg.tie_embeddings}
 
 

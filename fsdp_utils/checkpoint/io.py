@@ -5,9 +5,9 @@
     model, meta = load_model("checkpoints/llama1B/fsdp_sharded_cpt500", device="cuda")  # or a sharded folder
 
 Only the model weights are read (a sharded checkpoint's optimizer state stays on disk). The run's
-tokenizer sits next to its checkpoints, found by the hash each checkpoint records: `find_tokenizer`;
-`install_tokenizer` puts it there. Every problem with the input is a
-CheckpointError whose message names the path, for scripts to print as one line.
+tokenizer (a SentencePiece model, or a Hugging Face tokenizer's folder) sits next to its checkpoints, found
+by the hash each checkpoint records: `find_tokenizer`; `install_tokenizer` puts it there. Every problem with
+the input is a CheckpointError whose message names the path, for scripts to print as one line.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from data.store import tokenizer_sha256
+from data.store import HF_TOKENIZER_NAME, tokenizer_sha256
 from model import ModelConfig, Transformer
 
 from .format import (
@@ -167,12 +167,13 @@ def install_tokenizer(source: Path, out_dir: Path) -> None:
 
 
 def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None, sha256: str | None = None) -> Path:
-    """The tokenizer a tool should use: the one given, else the run's next to the checkpoint whose hash is
-    the checkpoint's `sha256` (tokenizer.model, or one kept when the run changed tokenizer); a checkpoint
-    from before tokenizers were recorded takes tokenizer.model."""
+    """The tokenizer a tool should use: the one given (a SentencePiece model file, or a Hugging Face tokenizer's
+    folder), else the run's next to the checkpoint whose hash is the checkpoint's `sha256`: tokenizer.model or
+    the hf_tokenizer folder, or one kept under its hash's name when the run changed tokenizer. A checkpoint from
+    before tokenizers were recorded takes tokenizer.model (runs with a Hugging Face tokenizer recorded theirs)."""
     if tokenizer is not None:
-        if not tokenizer.is_file():
-            raise CheckpointError(f"{tokenizer}: no such tokenizer file")
+        if not tokenizer.exists():
+            raise CheckpointError(f"{tokenizer}: no such tokenizer file or folder")
         return tokenizer
     folder = Path(checkpoint).absolute().parent
     current = folder / TOKENIZER_NAME
@@ -180,9 +181,13 @@ def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None, sha256: str |
         if not current.is_file():
             raise CheckpointError(f"{current}: no tokenizer next to the checkpoint; pass --tokenizer PATH")
         return current
-    for candidate in (current, folder / kept_tokenizer_name(TOKENIZER_NAME, sha256)):
-        if candidate.is_file() and tokenizer_sha256(candidate) == sha256:
-            return candidate
-    there = f"{TOKENIZER_NAME} is another" if current.is_file() else f"no {TOKENIZER_NAME} there"
+    names = (TOKENIZER_NAME, HF_TOKENIZER_NAME)
+    for name in names:
+        for candidate in (folder / name, folder / kept_tokenizer_name(name, sha256)):
+            if candidate.exists() and tokenizer_sha256(candidate) == sha256:
+                return candidate
+    others = [name for name in names if (folder / name).exists()]
+    there = f"{' and '.join(others)} {'is another' if len(others) == 1 else 'are others'}" if others else \
+        f"no {' or '.join(names)} there"
     raise CheckpointError(f"{checkpoint}: no tokenizer with its sha256 {sha256[:8]} next to it ({there}); "
                           f"pass --tokenizer PATH")
