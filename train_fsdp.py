@@ -23,7 +23,14 @@ from config import Config, ConfigError, launch_problems, load_config, split_know
 from data import DataError
 from fsdp_utils.checkpoint import CheckpointError
 from fsdp_utils.checkpoint.format import check_structure
-from fsdp_utils.distributed import DistEnv, Launch, destroy_distributed, init_distributed, read_torchrun_env
+from fsdp_utils.distributed import (
+    DistEnv,
+    Launch,
+    destroy_distributed,
+    init_distributed,
+    prefer_expandable_segments,
+    read_torchrun_env,
+)
 from fsdp_utils.parallel.float8 import float8_problems
 from fsdp_utils.parallel.hf import HFModelError, hf_problems
 from fsdp_utils.train.downstream import DownstreamError, task_problems
@@ -87,6 +94,7 @@ def exit_early(problems: list[str], launch: Launch) -> int:
 @record  # an uncaught error lands in torchrun's error file, reported with its rank
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    prefer_expandable_segments()  # before anything touches the GPU
     launch = read_torchrun_env()
     # Every problem with the config and the launch is found before any process group starts.
     try:

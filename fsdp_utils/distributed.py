@@ -171,3 +171,18 @@ def destroy_distributed() -> None:
     # active exception", exit -6, now and then on the CPU). Collect those cycles now: the group is
     # destroyed and its threads joined while Python is still alive.
     gc.collect()
+
+
+ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def prefer_expandable_segments() -> None:
+    """Let the CUDA caching allocator grow segments in place (expandable_segments) unless the user configured
+    it: with fixed segments, blocks of the many sizes a step frees (activations of each micro-batch size the
+    search tries, gathered weights, gradient buckets) fragment the cache, and reserved memory, which is what
+    runs out, stays gigabytes above what is allocated. Read when CUDA starts: call it before anything touches
+    the GPU. Both names are set: torch reads the newer one, older releases the other."""
+    if not any(name in os.environ for name in ALLOCATOR_VARIABLES):
+        for name in ALLOCATOR_VARIABLES:
+            os.environ[name] = "expandable_segments:True"
+

@@ -60,7 +60,12 @@ import torch.distributed as dist  # noqa: E402
 
 from config import ConfigError, check_batch_split, load_config  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
-from fsdp_utils.distributed import destroy_distributed, init_distributed, read_torchrun_env  # noqa: E402
+from fsdp_utils.distributed import (  # noqa: E402
+    destroy_distributed,
+    init_distributed,
+    prefer_expandable_segments,
+    read_torchrun_env,
+)
 from fsdp_utils.parallel.build import build_model  # noqa: E402
 from fsdp_utils.parallel.float8 import float8_problems  # noqa: E402
 from fsdp_utils.parallel.parallelize import (  # noqa: E402
@@ -586,6 +591,7 @@ def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg, e
 
 def main() -> int:
     parser = build_parser()
+    prefer_expandable_segments()  # before anything touches the GPU
     args, overrides = parser.parse_known_args()
     recipes = [r for r in args.float8.split(",") if r]
     try:

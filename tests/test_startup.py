@@ -145,3 +145,16 @@ def test_every_launch_problem_at_once(corpus, dataset_dir, tmp_path):
                   nproc=1, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_cuda_allocator_grows_segments_unless_the_user_configured_it(monkeypatch):
+    from fsdp_utils.distributed import ALLOCATOR_VARIABLES, prefer_expandable_segments
+
+    for name in ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    prefer_expandable_segments()
+    assert all(os.environ[name] == "expandable_segments:True" for name in ALLOCATOR_VARIABLES)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's: left as it is
+    prefer_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512" and "PYTORCH_ALLOC_CONF" not in os.environ
