@@ -27,8 +27,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_collection_finish(session):
     # The slow tier's Hugging Face jobs would import transformers in every rank: the fork server that their
-    # ranks come from (tests/launcher.py) imports it once. The quick tier does not pay for that import.
-    if any(item.get_closest_marker("slow") for item in session.items):
+    # ranks come from (tests/launcher.py) imports it once. The quick tier does not pay for that import. Not
+    # on GPU hosts: importing transformers' models there starts CUDA, and a forked rank cannot use it then.
+    import torch
+
+    if any(item.get_closest_marker("slow") for item in session.items) and not torch.cuda.is_available():
         from tests import launcher
 
         launcher.preload_hugging_face()
