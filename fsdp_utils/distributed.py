@@ -74,8 +74,11 @@ def init_distributed(*, device: str = "auto", timeout_s: int = 600) -> DistEnv:
         if launch.agent_store is not None:
             store = _attempt_store(launch, timeout)
         elif "MASTER_ADDR" not in os.environ:  # plain `python train_fsdp.py`: a world of one on this host
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            # The store binds a port the system picks as it binds: a port found free first and bound later
+            # may be taken in between by another process on the host (address already in use).
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout, wait_for_workers=False)
+            os.environ["MASTER_ADDR"] = "127.0.0.1"  # for torch's process-based checkpoint writer
+            os.environ.setdefault("MASTER_PORT", str(store.port))
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
             store=store,
@@ -122,14 +125,6 @@ def _attempt_store(launch: Launch, timeout: datetime.timedelta) -> dist.Store:
             continue
         store.set_timeout(timeout)
         return store
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def barrier(env: DistEnv) -> None:
