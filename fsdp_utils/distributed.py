@@ -78,7 +78,7 @@ def init_distributed(*, device: str = "auto", timeout_s: int = 600) -> DistEnv:
             # may be taken in between by another process on the host (address already in use).
             store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout, wait_for_workers=False)
             os.environ["MASTER_ADDR"] = "127.0.0.1"  # for torch's process-based checkpoint writer
-            os.environ.setdefault("MASTER_PORT", str(store.port))
+            os.environ["MASTER_PORT"] = str(store.port)
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
             store=store,
@@ -110,6 +110,7 @@ def _attempt_store(launch: Launch, timeout: datetime.timedelta) -> dist.Store:
     if launch.rank == 0:
         store = dist.TCPStore(host, 0, launch.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         agent.set(_STORE_ADDRESS_KEY, f"{host}:{store.port}")
+        _publish_store(host, store.port)
         return store
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
@@ -124,7 +125,15 @@ def _attempt_store(launch: Launch, timeout: datetime.timedelta) -> dist.Store:
             time.sleep(0.2)
             continue
         store.set_timeout(timeout)
+        _publish_store(store_host, int(store_port))
         return store
+
+
+def _publish_store(host: str, port: int) -> None:
+    """MASTER_ADDR:MASTER_PORT name this attempt's store from now on, for what joins it later (the process
+    checkpoint writer's group, fsdp_utils/checkpoint/writer.py): torchrun's store outlives a restart and
+    would hand a restarted job's writers the previous attempt's keys."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
 
 
 def barrier(env: DistEnv) -> None:

@@ -119,7 +119,11 @@ def logged_steps(out_dir: Path) -> list[int]:
 
 
 def checkpoint_steps(out_dir: Path) -> list[int]:
-    return sorted(int(p.name[len("fsdp_cpt"):-len(".pth")]) for p in out_dir.glob("fsdp_cpt*.pth"))
+    """Steps of the complete checkpoints, full or sharded (a sharded one gets its name once complete)."""
+    if not out_dir.is_dir():
+        return []
+    found = (re.fullmatch(r"fsdp_(?:sharded_)?cpt(\d+)(?:\.pth)?", p.name) for p in out_dir.iterdir())
+    return sorted(int(m.group(1)) for m in found if m)
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +260,7 @@ def kill_rank0_and_check_restart(job: Job, out: Path, reference: dict[int, float
     stderr = job.stderr
     assert killed_after < N, "the worker was killed after the last step: nothing was restarted"
     assert "failed (exitcode: -9)" in stderr, stderr[-4000:]  # torchrun saw the kill and restarted the group
-    resumed = re.findall(r"loaded checkpoint \S*fsdp_cpt(\d+)\.pth", stderr)
+    resumed = re.findall(r"loaded checkpoint \S*fsdp_(?:sharded_)?cpt(\d+)", stderr)
     assert len(resumed) == 1, stderr[-4000:]
     c = int(resumed[0])
     steps = logged_steps(out)
@@ -289,9 +293,12 @@ def test_kill_9_under_bare_torchrun_restarts_from_checkpoint(reference, corpus, 
     """The same with a bare `torchrun --max-restarts=1` and nothing set in the environment. Since torch 2.5
     torchrun shares its store with the workers and it outlives a restart: before the workers gave each
     attempt a store of its own (fsdp_utils/distributed.py), the restarted workers read the previous
-    attempt's addresses and gloo's connectFullMesh was refused, about 2 restarts in 3 (pytorch#135712)."""
+    attempt's addresses and gloo's connectFullMesh was refused, about 2 restarts in 3 (pytorch#135712).
+    Saved asynchronously by the process writer, whose processes meet through that store too (in both
+    attempts; they used to bind a port found free earlier, which another process could take first)."""
     out = tmp_path / "out"
-    cmd = train_cmd(*RESTART_ARGS, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    async_process = ["--checkpoint.format=sharded", "--checkpoint.async_save=true", "--checkpoint.async_writer=process"]
+    cmd = train_cmd(*RESTART_ARGS, *async_process, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
     cmd.insert(cmd.index("--standalone"), "--max-restarts=1")
     job = Job(cmd, tmp_path / "run", extra_env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None})
     kill_rank0_and_check_restart(job, out, reference)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,6 +76,12 @@ class BackgroundWriter:
             log.warning("checkpoint.async_writer=process: this torch has no process writer; using a thread")
             writer = "thread"
         self.writer = writer
+        if writer == "process":
+            # The writer processes meet through the job's store (MASTER_ADDR:MASTER_PORT, see
+            # fsdp_utils/distributed.py) under a prefix. Otherwise rank 0 picks a free port and its writer
+            # process binds it seconds later, when another process on the host may have taken it: the
+            # writer then never starts and the save waits for it.
+            os.environ.setdefault("DCP_USE_PREFIX_STORE", "1")
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # every rank
         self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
 
