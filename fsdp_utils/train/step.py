@@ -20,8 +20,8 @@ from .optim import clip_grad_norm
 
 
 def micro_batch_sync(model, last: bool):
-    """The gradient reduction of one micro-batch's backward, as fsdp.grad_sync set it on the model
-    (parallelize's set_grad_sync): every_micro_batch reduce-scatters each (FSDP2 HSDP: the all-reduce across
+    """The gradient reduction of one micro-batch's backward, as parallelize recorded fsdp.grad_sync on the
+    model (GRAD_SYNC_ATTRIBUTE): every_micro_batch reduce-scatters each (FSDP2 HSDP: the all-reduce across
     replicas only at the last), last_micro_batch skips the reduction before the last (FSDP1 no_sync, FSDP2
     requires_gradient_sync). A context manager for FSDP1's sake; FSDP2 is set before every micro-batch."""
     every = getattr(model, GRAD_SYNC_ATTRIBUTE, "last_micro_batch") == "every_micro_batch"
