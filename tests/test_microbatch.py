@@ -90,6 +90,27 @@ def test_climb_keeps_the_last_size_that_fit_when_a_measurement_surprises():
     assert best == 4 and measured == table
 
 
+def test_climb_predicts_from_two_measurements_and_takes_the_second_below_the_candidates():
+    # 30 GiB resident, 10 more that do not grow with the micro-batch (buffers), 5 per sample; budget 65. The
+    # bound from 2 (50 GiB) puts 4 at 70, over; the line through 1 (45, below the candidates: a size that fits
+    # for sure) and 2 puts 4 at 60: measured, it fits, and 8 (80) is predicted over. The bound alone stops at 2.
+    calls = []
+
+    def measure(b):
+        calls.append(b)
+        return 40 + 5 * b
+
+    best, measured = climb([2, 4, 8, 16], budget=65, resident=30, measure=measure, below=1)
+    assert best == 4 and calls == [2, 1, 4] and measured == {1: 45, 2: 50, 4: 60}
+    calls.clear()
+    assert climb([2, 4, 8, 16], budget=65, resident=30, measure=measure)[0] == 2 and calls == [2]
+    # No second point where the first size does not fit, or where nothing is larger anyway.
+    calls.clear()
+    assert climb([2, 4], budget=45, resident=30, measure=measure, below=1) == (None, {2: 50}) and calls == [2]
+    calls.clear()
+    assert climb([16], budget=200, resident=30, measure=measure, below=1) == (16, {16: 120}) and calls == [16]
+
+
 def test_climb_nothing_fits():
     best, measured = climb([1, 2, 4], budget=10, resident=8, measure=lambda b: 12.0)
     assert best is None and measured == {1: 12.0}
@@ -237,7 +258,8 @@ def test_auto_when_nothing_fits_is_one_error_line(corpus, dataset_dir, tmp_path)
 # ---- end to end: fsdp.activation_checkpointing=auto -------------------------------------------------
 
 # Budget 10 * 0.9 = 9 GiB over 1 GiB resident, per-rank batch 8 (candidates 1, 2, 4, 8). Per sample: none 3 GiB
-# (fits 2: 7 GiB), selective_op 1.5 (from 4 up: fits 4, 7 GiB), selective_op_lean 1.2 (from 8 up: 10.6, no),
+# (fits 2: 7 GiB), selective_op 1.5 (from 4 up: fits 4, 7 GiB; its bound rules out 8, so it is measured at none's
+# 2 too, for its line: 4 GiB, 8 still predicted over), selective_op_lean 1.2 (from 8 up: 10.6, no),
 # selective/2 2 (from 8 up: 17, no), full 0.9 (from 8 up: 8.2, fits). A timed step takes step_seconds /
 # micro-batch: none@2 0.5 s, selective_op@4 0.25 s, full@8 0.375 s; so selective_op@4 trains the most tokens/s
 # (8 sequences of 32 tokens a step).
@@ -255,8 +277,8 @@ def test_auto_checkpointing_trains_the_fastest_pair_that_fits_like_it_by_hand_an
     first = run_train(*common, *auto, "--train.max_steps=2", out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
                       faults=fake_memory(10, 1, 1, **AC_MEMORY))
     assert ("fsdp.activation_checkpointing=auto: tried none: micro-batch 1: 4.00 GiB, 2: 7.00 GiB; selective_op: "
-            "micro-batch 4: 7.00 GiB; selective_op_lean: micro-batch 8: 10.60 GiB; selective/2: micro-batch 8: "
-            "17.00 GiB; full: micro-batch 8: 8.20 GiB; timed "
+            "micro-batch 2: 4.00 GiB, 4: 7.00 GiB; selective_op_lean: micro-batch 8: 10.60 GiB; selective/2: "
+            "micro-batch 8: 17.00 GiB; full: micro-batch 8: 8.20 GiB; timed "
             "none@2 512 tokens/s per rank, selective_op@4 1,024 tokens/s per rank, full@8 683 tokens/s per rank: "
             "the most tokens/s is selective_op@4") in first.stderr
     assert "micro-batch 4, activation checkpointing selective_op," in first.stderr

@@ -15,10 +15,15 @@ forward leaves the others waiting in a collective until run.timeout_s, and recov
    `empty_cache`), MAX-reduced over the ranks, so every rank sees the same figures and decides the same.
    The budget is the smallest capacity over the ranks (free memory plus what this process already
    holds) times 1 - train.auto_micro_batch_margin.
-3. From the smallest candidate it jumps to the largest candidate whose bound fits the budget, measures
-   it, and repeats from there. The bound, resident + (peak(b) - resident) * c / b from the largest
-   measured size b, is an upper bound for c > b as long as the rest grows at most linearly with the
-   micro-batch (activations do) on top of a part that does not (gathered weights, workspaces).
+3. From the smallest candidate it jumps to the largest candidate whose predicted peak fits the budget,
+   measures it, and repeats from there. With one measurement the prediction is a bound, resident +
+   (peak(b) - resident) * c / b, an upper bound for c > b as long as the rest grows at most linearly
+   with the micro-batch (activations do) on top of a part that does not (gathered weights, workspaces,
+   the loss chunk). That part can be gigabytes (at 8B it kept a policy from trying a size that fits), so
+   with two measurements the prediction is their line: its slope is the activations' alone. A later
+   policy of fsdp.activation_checkpointing=auto takes its second point at the size the policies before
+   it fit (it keeps less, so that size fits it too) when its bound allows nothing larger. The figure of
+   the size chosen is always measured, never predicted.
 4. With train.compile, the trial sizes differ from the final one and dynamo would compile the batch
    dimension as dynamic after the second size (automatic dynamic shapes), a slower graph for the whole
    run. So after the search `torch.compiler.reset()` drops every graph, and one more trial step at the
@@ -163,12 +168,16 @@ class MicroBatchChoice:
     tokens_per_s: dict[str, float] = dataclasses.field(default_factory=dict)  # "policy@micro-batch" -> tokens/s
 
 
-def climb(candidates: list[int], *, budget: float, resident: float,
-          measure: Callable[[int], float]) -> tuple[int | None, dict[int, float]]:
+def climb(candidates: list[int], *, budget: float, resident: float, measure: Callable[[int], float],
+          below: int | None = None) -> tuple[int | None, dict[int, float]]:
     """(largest candidate whose measured peak fits the budget or None, {size: measured peak}).
 
-    Measures the smallest candidate, then the largest one whose bound fits, and so on from there (see
-    the module docstring); `measure(b)` runs a trial step at micro-batch b and returns its peak."""
+    Measures the smallest candidate, then the largest one whose predicted peak fits, and so on from there
+    (see the module docstring); `measure(b)` runs a trial step at micro-batch b and returns its peak. With
+    one measurement the prediction is the bound (everything above `resident` grows with the micro-batch);
+    with two it is their line, whose slope is the activations' alone (the step's fixed buffers cancel out).
+    `below`, a size under the candidates (one that fits for sure), is measured for that second point when
+    the bound alone allows no larger candidate."""
     measured: dict[int, float] = {}
     best, size = None, candidates[0]
     while True:
@@ -176,10 +185,27 @@ def climb(candidates: list[int], *, budget: float, resident: float,
         if peak > budget:
             return best, measured
         best = size
-        fitting = [c for c in candidates if c > size and resident + (peak - resident) * c / size <= budget]
+        fitting = _predicted_fits(candidates, best, measured, budget=budget, resident=resident)
+        if not fitting and below is not None and len(measured) == 1 and candidates[-1] > best:
+            measured[below] = measure(below)
+            fitting = _predicted_fits(candidates, best, measured, budget=budget, resident=resident)
         if not fitting:
             return best, measured
         size = fitting[-1]
+
+
+def _predicted_fits(candidates: list[int], best: int, measured: dict[int, float], *, budget: float,
+                    resident: float) -> list[int]:
+    """The candidates above `best` whose predicted peak fits: from the two largest measurements that fit when
+    there are two (and they rise), else from the bound of `best`'s."""
+    peak = measured[best]
+    slope = (peak - resident) / best
+    lower = [b for b in measured if b < best and measured[b] <= peak]
+    if lower:
+        a = max(lower)
+        if measured[a] < peak:
+            slope = (peak - measured[a]) / (best - a)
+    return [c for c in candidates if c > best and peak + slope * (c - best) <= budget]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -350,7 +376,10 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
             break
         if policy is not trials.policy:
             trials.use(policy)
-        best, measured = climb(sizes, budget=budget, resident=resident, measure=trials.measure)
+        # The size the policies before fit: this policy fits it too (it keeps less), so it can give a second
+        # point of this policy's line.
+        below = fitting[-1][1] if fitting else None
+        best, measured = climb(sizes, budget=budget, resident=resident, measure=trials.measure, below=below)
         tried[trials.policy_name or ""] = measured
         if best is not None:
             fitting.append((policy, best, measured))
