@@ -77,8 +77,7 @@ def init_distributed(*, device: str = "auto", timeout_s: int = 600) -> DistEnv:
             # The store binds a port the system picks as it binds: a port found free first and bound later
             # may be taken in between by another process on the host (address already in use).
             store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout, wait_for_workers=False)
-            os.environ["MASTER_ADDR"] = "127.0.0.1"  # for torch's process-based checkpoint writer
-            os.environ["MASTER_PORT"] = str(store.port)
+            _publish_store("127.0.0.1", store.port)
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo",
             store=store,
@@ -130,9 +129,10 @@ def _attempt_store(launch: Launch, timeout: datetime.timedelta) -> dist.Store:
 
 
 def _publish_store(host: str, port: int) -> None:
-    """MASTER_ADDR:MASTER_PORT name this attempt's store from now on, for what joins it later (the process
-    checkpoint writer's group, fsdp_utils/checkpoint/writer.py): torchrun's store outlives a restart and
-    would hand a restarted job's writers the previous attempt's keys."""
+    """MASTER_ADDR:MASTER_PORT name the process group's own store from now on, for what joins it later (the
+    process checkpoint writer's group, fsdp_utils/checkpoint/writer.py). Under torchrun that is this attempt's
+    store, not torchrun's: that one outlives a restart and would hand a restarted job's writers the previous
+    attempt's keys."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
 
 
@@ -189,4 +189,3 @@ def prefer_expandable_segments() -> None:
     if not any(name in os.environ for name in ALLOCATOR_VARIABLES):
         for name in ALLOCATOR_VARIABLES:
             os.environ[name] = "expandable_segments:True"
-

@@ -39,7 +39,7 @@ SAVES = {
 PRECISIONS = ["bf16", "tensorwise", "rowwise"]
 ACS = ["none", "selective_op"]
 # selective_op_lean (selective_op with the feed-forward's gate/up outputs recomputed) joins the product's jobs
-# with each value of every other option at least once (each_value), and the Hugging Face masking product.
+# with each value of every other option at least once (cover of strength 1), and the Hugging Face masking product.
 LEAN = "selective_op_lean"
 STEPS, SAVE_EVERY = 6, 2
 # Run-to-run variation of a bf16 run on GPUs (atomics in attention's backward, reduction order): far below
@@ -47,37 +47,27 @@ STEPS, SAVE_EVERY = 6, 2
 LATER_STEPS_RTOL = 2e-3
 
 
-def pairwise(rows: list[tuple]) -> list[tuple]:
-    """A subset of `rows` in which every pair of values of any two factors that occurs in `rows` still occurs
-    (greedy: each pick covers the most pairs not yet covered). Where a full product would cost too much GPU
-    time, this keeps every two-option interaction while running far fewer jobs."""
-    def pairs(row):
-        return {(i, a, j, b) for (i, a), (j, b) in itertools.combinations(enumerate(row), 2)}
+def cover(rows: list[tuple], strength: int) -> list[tuple]:
+    """A subset of `rows` in which every combination of `strength` values (of as many factors) that occurs in
+    `rows` still occurs (greedy: each pick covers the most combinations not yet covered). Where a full product
+    would cost too much GPU time, strength 2 keeps every two-option interaction while running far fewer jobs;
+    strength 1 gives each value of every factor at least one job."""
+    def combinations(row):
+        return set(itertools.combinations(enumerate(row), strength))
 
-    uncovered = set().union(*(pairs(row) for row in rows))
+    uncovered = set().union(*(combinations(row) for row in rows))
     chosen = []
     while uncovered:
-        best = max(rows, key=lambda row: len(pairs(row) & uncovered))
+        best = max(rows, key=lambda row: len(combinations(row) & uncovered))
         chosen.append(best)
-        uncovered -= pairs(best)
-    return chosen
-
-
-def each_value(rows: list[tuple]) -> list[tuple]:
-    """A subset of `rows` in which every value of every factor that occurs in `rows` still occurs (greedy)."""
-    uncovered = {cell for row in rows for cell in enumerate(row)}
-    chosen = []
-    while uncovered:
-        best = max(rows, key=lambda row: len(set(enumerate(row)) & uncovered))
-        chosen.append(best)
-        uncovered -= set(enumerate(best))
+        uncovered -= combinations(best)
     return chosen
 
 
 def combos(*, fp8: bool):
     rows = list(itertools.product([1, 2], PRECISIONS if fp8 else ["bf16"], SAVES, ACS))
-    lean = each_value([(v, p, s, LEAN) for v, p, s, _ in rows if p == "bf16" or v == 2])
-    for version, precision, save, ac in rows + sorted(set(lean), key=lean.index):
+    lean = cover([(v, p, s, LEAN) for v, p, s, _ in rows if p == "bf16" or v == 2], 1)
+    for version, precision, save, ac in rows + lean:
         valid = precision == "bf16" or version == 2
         yield pytest.param(version, precision, save, ac, valid, id=f"fsdp{version}-{precision}-{save}-{ac}")
 
@@ -178,7 +168,7 @@ def test_grad_sync_combination_saves_and_resumes(tmp_path, corpus, dataset_dir, 
 @pytest.mark.gpu
 @pytest.mark.slow
 @TWO_GPUS
-@pytest.mark.parametrize("version, save, ac", pairwise(list(itertools.product([1, 2], SAVES, ACS))))
+@pytest.mark.parametrize("version, save, ac", cover(list(itertools.product([1, 2], SAVES, ACS)), 2))
 def test_hf_combination_saves_and_resumes(tmp_path, corpus, dataset_dir, version, save, ac):
     precision = "bf16"
     from tests.test_hf import save_tiny
@@ -221,7 +211,7 @@ LORA_ARGS = ["--train.lora.rank=8", "--train.lora.alpha=16", "--train.lora.targe
 
 
 def lora_combos():
-    for model, version, save, ac in pairwise(list(itertools.product(["ours", "hf"], [1, 2], SAVES, ACS))):
+    for model, version, save, ac in cover(list(itertools.product(["ours", "hf"], [1, 2], SAVES, ACS)), 2):
         yield pytest.param(model, version, save, ac, id=f"lora-{model}-fsdp{version}-{save}-{ac}")
 
 

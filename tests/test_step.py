@@ -120,16 +120,17 @@ def gradient_numel(model) -> int:
     FSDP2's sharded .grad plus the unsharded gradients it accumulates internally when not reducing."""
     from torch.distributed.fsdp import FSDPModule
 
+    from fsdp_utils.train.microbatch import fsdp2_param_groups
+
     held = sum(p.grad.numel() if not hasattr(p.grad, "to_local") else p.grad.to_local().numel()
                for p in model.parameters() if p.grad is not None)
     if isinstance(model, FSDPModule):
-        for state in model._get_fsdp_state()._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    grad = param.unsharded_accumulated_grad
-                    if grad is None and hasattr(param, "_unsharded_param"):
-                        grad = param._unsharded_param.grad
-                    held += grad.numel() if grad is not None else 0
+        for group in fsdp2_param_groups(model):
+            for param in group.fsdp_params:
+                grad = param.unsharded_accumulated_grad
+                if grad is None and hasattr(param, "_unsharded_param"):
+                    grad = param._unsharded_param.grad
+                held += grad.numel() if grad is not None else 0
     return held
 
 

@@ -84,7 +84,7 @@ def _ops_worth_saving() -> list:
         [getattr(aten, n).default for n in names if hasattr(aten, n)] + [torch.ops.higher_order.flex_attention]
 
 
-def _selective_op_context(recompute_widths: frozenset[int] = frozenset()):
+def _selective_op_policy(recompute_widths: frozenset[int]):
     """selective_op's policy; with `recompute_widths` (selective_op_lean), matmuls whose output has one of
     those widths are recomputed instead of kept."""
     save = set(_ops_worth_saving())
@@ -95,7 +95,7 @@ def _selective_op_context(recompute_widths: frozenset[int] = frozenset()):
             return OpPolicy.PREFER_RECOMPUTE
         return OpPolicy.MUST_SAVE if func in save else OpPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return policy
 
 
 def feed_forward_up_widths(block: nn.Module) -> frozenset[int]:
@@ -169,11 +169,12 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every_n: 
 
 
 def _policy_arguments(mode: str, block: nn.Module) -> dict:
-    if mode == "selective_op_lean" and not (widths := feed_forward_up_widths(block)):
+    """_checkpointed's arguments for a checkpointing mode (one that checkpoints) on this block."""
+    widths = feed_forward_up_widths(block) if mode == "selective_op_lean" else frozenset()
+    if mode == "selective_op_lean" and not widths:
         raise ValueError(f"fsdp.activation_checkpointing=selective_op_lean: {type(block).__name__} has no "
                          "feed-forward gate/up projection it knows (ours, or a Llama-like mlp.gate_proj/up_proj)")
-    return {"by_op": mode.startswith("selective_op"), "recompute_widths": widths if mode == "selective_op_lean"
-            else frozenset()}
+    return {"by_op": mode.startswith("selective_op"), "recompute_widths": widths}
 
 
 def apply_switchable_checkpointing(blocks: list[nn.Module], switch: CheckpointSwitch) -> None:
@@ -184,10 +185,8 @@ def apply_switchable_checkpointing(blocks: list[nn.Module], switch: CheckpointSw
 
 
 def _switchable(forward, index: int, switch: CheckpointSwitch, block: nn.Module):
-    widths = feed_forward_up_widths(block)
-    variants = {"full": _checkpointed(forward, by_op=False), "selective": _checkpointed(forward, by_op=False),
-                "selective_op": _checkpointed(forward, by_op=True),
-                "selective_op_lean": _checkpointed(forward, by_op=True, recompute_widths=widths)}
+    modes = [m for m in POLICY_MODES if m != "none" and (m != "selective_op_lean" or switch.lean)]
+    variants = {mode: _checkpointed(forward, **_policy_arguments(mode, block)) for mode in modes}
 
     def switchable_forward(*args, **kwargs):
         policy = switch.policy
@@ -203,7 +202,8 @@ def _checkpointed(forward, *, by_op: bool, recompute_widths: frozenset[int] = fr
     # and turns the checkpoint call into its own region, which the compiled block then recomputes (and,
     # by_op, partitions by the policy). A partial's first frame is torch's checkpoint itself, which
     # compile skips, and the whole block then ran uncompiled.
-    extra = {"context_fn": lambda: _selective_op_context(recompute_widths)} if by_op else {}
+    policy = _selective_op_policy(recompute_widths) if by_op else None
+    extra = {"context_fn": lambda: create_selective_checkpoint_contexts(policy)} if by_op else {}
 
     def checkpointed_forward(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)

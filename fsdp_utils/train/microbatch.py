@@ -582,20 +582,24 @@ def end_interrupted_step(model: nn.Module) -> None:
         _runtime_utils._post_backward_final_callback(model, model)
     elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(True)  # also requires the all-reduce again
-        root = model._get_fsdp_state()
-        for state in root._state_ctx.all_states:
-            # A list of groups in recent torch versions, one group (or None) before.
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:
-                groups = [g for g in [state._fsdp_param_group] if g is not None]
-            for group in groups:
-                if hasattr(group, "_partial_reduce_output"):  # HSDP: reduce-scattered, not yet all-reduced
-                    group._partial_reduce_output = None
-                for param in group.fsdp_params:
-                    param.unsharded_accumulated_grad = None
-                    if hasattr(param, "_unsharded_param"):
-                        param._unsharded_param.grad = None
-        root._root_post_backward_final_callback()
+        for group in fsdp2_param_groups(model):
+            if hasattr(group, "_partial_reduce_output"):  # HSDP: reduce-scattered, not yet all-reduced
+                group._partial_reduce_output = None
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None
+                if hasattr(param, "_unsharded_param"):
+                    param._unsharded_param.grad = None
+        model._get_fsdp_state()._root_post_backward_final_callback()
+
+
+def fsdp2_param_groups(model: FSDPModule) -> list:
+    """Every FSDP2 parameter group of a model sharded with fully_shard (torch's internals: no public API)."""
+    groups: list = []
+    for state in model._get_fsdp_state()._state_ctx.all_states:
+        # A list of groups in recent torch versions, one group (or None) before.
+        found = getattr(state, "_fsdp_param_groups", None)
+        groups += found if found is not None else [g for g in [state._fsdp_param_group] if g is not None]
+    return groups
 
 
 class OutOfMemoryGuard:
