@@ -2,6 +2,8 @@
 
     # one step of a profile (logging.profile_steps): the kernels on each CUDA stream, coloured by kind
     python scripts/render_profile.py trace RUN_DIR/profile/steps3-5/rank0.pt.trace.json --step 4 --out timeline.png
+    # every profiled step in figures, no drawing: GPU time computing, in exposed communication, idle
+    python scripts/render_profile.py summary RUN_DIR/profile/steps3-5/rank0.pt.trace.json
     # a memory snapshot (logging.memory_snapshot): live memory over time, stacked by what allocated it
     python scripts/render_profile.py snapshot RUN_DIR/memory/step5_rank0.pickle --out memory.png
 
@@ -89,6 +91,50 @@ def lanes_of(events: list[dict], start: float, end: float) -> tuple[str, dict[st
     return what, dict(sorted(lanes.items()))
 
 
+def union_ms(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, duration) spans as disjoint, sorted (start, end) intervals."""
+    merged: list[tuple[float, float]] = []
+    for start, duration in sorted(spans):
+        end = start + duration
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def overlap_summary(lanes: dict[str, list[tuple[float, float, str]]], window_ms: float) -> dict[str, float]:
+    """Milliseconds of a GPU step window: 'computing' (any non-NCCL kernel running on any stream), 'exposed
+    communication' (NCCL running while nothing else is: the time overlap failed to hide) and 'idle' (no
+    kernel at all: the GPU waited for the host). The three add up to the window."""
+    spans = [span for lane in lanes.values() for span in lane]
+    compute = union_ms([(s, d) for s, d, kind in spans if kind != KINDS[0][0]])
+    busy = union_ms([(s, d) for s, d, _ in spans])
+    computing = sum(end - start for start, end in compute)
+    busy_ms = sum(end - start for start, end in busy)
+    return {"computing": computing, "exposed communication": busy_ms - computing, "idle": window_ms - busy_ms}
+
+
+def summarize_trace(path: Path) -> str:
+    """A line per profiled GPU step: its length, the overlap summary, and each kind's kernel time."""
+    events = load_trace(path)
+    names = sorted({e["name"] for e in events if e.get("cat") == "gpu_user_annotation"
+                    and e["name"].startswith("train_step#")}, key=lambda n: int(n.split("#")[1]))
+    if not names:
+        raise ValueError("no GPU train_step#N ranges: a GPU run's logging.profile_steps trace is needed")
+    lines = []
+    for name in names:
+        _, start, end = step_window(events, int(name.split("#")[1]))
+        _, lanes = lanes_of(events, start, end)
+        window = (end - start) / 1e3
+        parts = overlap_summary(lanes, window)
+        kinds = {kind: sum(d for lane in lanes.values() for _, d, k in lane if k == kind) for kind in COLOURS}
+        lines.append(f"{name}: {window:.1f} ms; " + ", ".join(f"{k} {v:.1f} ms ({v / window:.1%})"
+                                                            for k, v in parts.items())
+                     + "\n    kernel time by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in kinds.items() if v))
+    return "\n".join(lines)
+
+
 def render_trace(path: Path, out: Path, step: int | None) -> str:
     import matplotlib
 
@@ -109,6 +155,9 @@ def render_trace(path: Path, out: Path, step: int | None) -> str:
         totals = {kind: sum(d for _, d, k in spans if k == kind) for kind in COLOURS}
         table.append(f"| {lane} | {sum(totals.values()):.2f} | " + " | ".join(f"{v:.2f}" for v in totals.values())
                      + " |")
+    if what == "gpu":
+        parts = overlap_summary(lanes, (end - start) / 1e3)
+        table.append("\n" + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items()))
     ax.set_yticks(range(len(lanes)), list(lanes))
     ax.invert_yaxis()
     ax.set_xlim(0, (end - start) / 1e3)
@@ -227,13 +276,19 @@ def render_snapshot(path: Path, out: Path, device: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=("trace", "snapshot"), help="a profile trace (json) or a memory snapshot")
+    parser.add_argument("kind", choices=("trace", "summary", "snapshot"),
+                        help="draw a profile trace (json), summarize one without drawing, or draw a memory snapshot")
     parser.add_argument("path", type=Path, help="the .pt.trace.json or .pickle file")
-    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    parser.add_argument("--out", type=Path, help="the PNG to write (trace, snapshot)")
     parser.add_argument("--step", type=int, default=None, help="trace: the step to draw (default: the second)")
     parser.add_argument("--device", type=int, default=0, help="snapshot: the device index whose history to draw")
     args = parser.parse_args(argv)
+    if args.kind != "summary" and args.out is None:
+        parser.error(f"{args.kind} needs --out (the PNG to write)")
     try:
+        if args.kind == "summary":
+            print(summarize_trace(args.path))
+            return 0
         args.out.parent.mkdir(parents=True, exist_ok=True)
         if args.kind == "trace":
             table = render_trace(args.path, args.out, args.step)

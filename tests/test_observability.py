@@ -328,6 +328,28 @@ def test_a_gpu_trace_is_windowed_by_the_gpu_side_of_the_step_range():
     assert what == "gpu" and {k: [kind for _, _, kind in v] for k, v in lanes.items()} == {
         "GPU 0 stream 7": ["matmul"], "GPU 0 stream 9": ["communication (NCCL)"]}
 
+
+def test_overlap_summary_splits_a_gpu_step_into_computing_exposed_communication_and_idle(tmp_path):
+    """A 5 ms step: an all-gather alone (1 ms, exposed), a 3 ms matmul, a reduce-scatter that overlaps the
+    matmul's last 0.4 ms and runs 0.2 ms past it (0.2 ms exposed), then idle to the end (0.8 ms)."""
+    from scripts import render_profile
+
+    def event(name, cat, ts, dur, tid=7):
+        return {"name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "ph": "X"}
+
+    events = [event("train_step#6", "gpu_user_annotation", 5_200, 5_000),
+              event("ncclDevKernel_AllGather", "kernel", 5_300, 1_000, tid=9),
+              event("sm90_xmma_gemm_bf16", "kernel", 6_400, 3_000),
+              event("ncclDevKernel_ReduceScatter", "kernel", 9_000, 600, tid=9)]
+    _, lanes = render_profile.lanes_of(events, 5_200, 10_200)
+    assert render_profile.overlap_summary(lanes, 5.0) == pytest.approx(
+        {"computing": 3.0, "exposed communication": 1.2, "idle": 0.8})
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert render_profile.main(["summary", str(path)]) == 0
+    line = render_profile.summarize_trace(path).splitlines()[0]
+    assert line.startswith("train_step#6: 5.0 ms; computing 3.0 ms (60.0%), exposed communication 1.2 ms (24.0%)")
+
 @pytest.mark.slow
 def test_memory_snapshot_replayed_by_category(tmp_path):
     from scripts import render_profile
