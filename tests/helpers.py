@@ -85,11 +85,10 @@ def job_env(extra_env: dict | None = None) -> dict:
 
 def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_dir: Path, extra_env: dict | None = None,
               check: bool = True, timeout: float = 300, prefix: tuple[str, ...] = (),
-              faults: dict | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
+              faults: dict | None = None) -> subprocess.CompletedProcess:
     """Run one training job as forked ranks (tests/launcher.py), or as real torchrun (nproc > 1) or python
-    processes when `prefix` runs it under another command (e.g. prlimit) or `torchrun` asks for torchrun's
-    own behaviour (its failure report); `faults` (tests/fault_injection.py) runs it with those faults
-    installed. Returns the finished process."""
+    processes when `prefix` runs it under another command (e.g. prlimit); `faults`
+    (tests/fault_injection.py) runs it with those faults installed. Returns the finished process."""
     script = [str(WITH_FAULTS), str(TRAIN)] if faults else [str(TRAIN)]
     extra_env = {**(extra_env or {}), **fault_env(faults)}
     launcher_cmd = [*prefix, sys.executable] if nproc == 1 else [
@@ -97,13 +96,19 @@ def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_d
     cmd = launcher_cmd + script + [str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
                       f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
     env = job_env(extra_env)
-    if launcher.enabled() and not prefix and not torchrun:  # forked ranks, no start-up cost (tests/launcher.py)
+    if launcher.enabled() and not prefix:  # forked ranks, no start-up cost (tests/launcher.py)
         proc = launcher.launch(cmd[len(launcher_cmd):], nproc=nproc, env=env, timeout=timeout)
     else:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def worker_tracebacks(stderr: str) -> int:
+    """Tracebacks in a failed job's stderr besides torchrun's own report of the failure (ChildFailedError),
+    which a real torchrun job prints and forked ranks (tests/launcher.py) do not."""
+    return stderr.count("Traceback") - ("ChildFailedError" in stderr)
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
