@@ -363,3 +363,86 @@ def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
         assert torch.equal(after.full_tensor(), saved)
     finally:
         dist.destroy_process_group()
+
+
+
+def fp8_all_gather_model():
+    """A tiny model with FP8 all-gather weights, FSDP2 on a 1-rank gloo mesh (the process group must be up),
+    and its AdamW with the FP8 post-step work registered."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model()
+    converter = float8.Float8Converter("tensorwise", float8_all_gather=True)
+    converter.convert(list(model.layers))
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    converter.register(model, optimizer)
+    return model, optimizer
+
+
+def fp8_weights(model: nn.Module) -> list:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [m.weight for m in model.modules() if isinstance(m, Float8Linear)]
+
+
+@needs_torchao
+def test_fp8_shards_are_cast_once_per_step_bit_for_bit_and_never_stale():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+        cached, cached_opt = fp8_all_gather_model()
+        plain, plain_opt = fp8_all_gather_model()
+        torchao_casts = 0
+
+        def counted(cast):
+            def cast_and_count(mesh):
+                nonlocal torchao_casts
+                torchao_casts += 1
+                return cast(mesh)
+            return cast_and_count
+
+        for step in range(3):
+            torchao_casts = 0
+            loss = cached(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            cached_opt.step()  # its hook casts each shard once, through torchao_cast
+            cached_opt.zero_grad()
+            reference = plain(tokens[:, :-1], tokens[:, 1:])
+            reference.backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+            for weight in fp8_weights(plain):  # the reference casts at every all-gather, as torchao alone does
+                del weight._local_tensor.fsdp_pre_all_gather
+            assert loss.item() == reference.item(), (step, loss.item(), reference.item())
+            stand_ins = [w._local_tensor.fsdp_pre_all_gather for w in fp8_weights(cached)]
+            assert len(stand_ins) == 4 * 2 and all(type(s) is float8.CastOncePerStep for s in stand_ins)
+            # From step 2 on, the step's all-gathers (forward and backward) sent the casts its hook made.
+            assert torchao_casts == (0 if step == 0 else len(stand_ins)), (step, torchao_casts)
+            if step == 0:
+                for s in stand_ins:
+                    s.torchao_cast = counted(s.torchao_cast)
+        for a, b in zip(cached.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(a.full_tensor(), b.full_tensor())
+
+        # Changed in place without a refresh, through the DTensor or the local shard: cast anew, never stale.
+        weight = cached.layers[0].attention.wqkv.weight
+        stand_in, mesh = weight._local_tensor.fsdp_pre_all_gather, weight.device_mesh
+        (data,), (scale,) = stand_in(mesh)
+        assert stand_in(mesh)[0][0] is data
+        with torch.no_grad():
+            weight.neg_()  # the same maximum, so the same scale: the FP8 values flip sign exactly
+        (flipped,), (same_scale,) = stand_in(mesh)
+        assert torch.equal(flipped.float(), -data.float()) and torch.equal(same_scale, scale)
+        stand_in.refresh()
+        with torch.no_grad():
+            weight._local_tensor.copy_(torch.zeros_like(weight._local_tensor))
+        assert not stand_in(mesh)[0][0].float().any()
+    finally:
+        dist.destroy_process_group()
