@@ -24,15 +24,16 @@ from pathlib import Path
 GIB = 2**30
 # Kernel (or op) names -> kind, the first match wins: NCCL before matmuls (NCCL kernels are not GEMMs),
 # attention before matmuls (flash kernels contain 'gemm'-like names in some builds).
+COMMUNICATION = "communication (NCCL)"
 KINDS = [
-    ("communication (NCCL)", re.compile(r"nccl|all_?gather|reduce_?scatter|all_?reduce|broadcast", re.I)),
+    (COMMUNICATION, re.compile(r"nccl|all_?gather|reduce_?scatter|all_?reduce|broadcast", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient_attention", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|sm\d\d_xmma|cublas|matmul|aten::mm|aten::addmm|aten::bmm|nvjet", re.I)),
     ("memory copy", re.compile(r"memcpy|memset|aten::copy_|aten::to\b", re.I)),
     ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
 ]
 OTHER = "elementwise / other"
-COLOURS = {"communication (NCCL)": "tab:red", "attention": "tab:purple", "matmul": "tab:blue",
+COLOURS = {COMMUNICATION: "tab:red", "attention": "tab:purple", "matmul": "tab:blue",
            "memory copy": "tab:gray", "optimizer": "tab:green", OTHER: "tab:orange"}
 
 
@@ -108,7 +109,7 @@ def overlap_summary(lanes: dict[str, list[tuple[float, float, str]]], window_ms:
     communication' (NCCL running while nothing else is: the time overlap failed to hide) and 'idle' (no
     kernel at all: the GPU waited for the host). The three add up to the window."""
     spans = [span for lane in lanes.values() for span in lane]
-    compute = union_ms([(s, d) for s, d, kind in spans if kind != KINDS[0][0]])
+    compute = union_ms([(s, d) for s, d, kind in spans if kind != COMMUNICATION])
     busy = union_ms([(s, d) for s, d, _ in spans])
     computing = sum(end - start for start, end in compute)
     busy_ms = sum(end - start for start, end in busy)

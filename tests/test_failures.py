@@ -171,7 +171,6 @@ def test_sigterm_to_one_worker_saves_and_resumes_exactly(reference, corpus, data
     assert losses(out) == reference
 
 
-@pytest.mark.slow
 def test_ctrl_c_under_bare_torchrun_saves_and_resumes_exactly(reference, corpus, dataset_dir, tmp_path):
     """Ctrl-C at a terminal signals the foreground process group: torchrun (its workers run in sessions of
     their own), which sends SIGINT to every worker. They save after the current step and exit 0; torchrun
@@ -203,7 +202,6 @@ def test_ctrl_c_under_bare_torchrun_saves_and_resumes_exactly(reference, corpus,
     assert losses(out) == reference
 
 
-@pytest.mark.slow
 def test_ctrl_c_through_the_launcher_exits_0(corpus, dataset_dir, tmp_path):
     """scripts/fsdp_train.sh keeps torchrun out of the terminal's process group and passes Ctrl-C to the
     training processes: they save, and the script ends with status 0 and no traceback at all."""
@@ -226,7 +224,6 @@ def test_ctrl_c_through_the_launcher_exits_0(corpus, dataset_dir, tmp_path):
     assert f"stopped by a signal at step {k}" in stderr and "Traceback" not in stderr, stderr[-4000:]
 
 
-@pytest.mark.slow
 def test_a_second_signal_aborts_at_once():
     """The first stop signal only sets the flag the loop reads; a second one ends the process at once,
     with one line and the shell's status for a signal (128 + its number)."""
@@ -273,7 +270,6 @@ def kill_rank0_and_check_restart(job: Job, out: Path, reference: dict[int, float
     assert losses(out) == reference  # the last row of each step: the restarted attempt's
 
 
-@pytest.mark.slow
 def test_kill_9_under_torchrun_restarts_from_checkpoint(reference, corpus, dataset_dir, tmp_path):
     """kill -9 of rank 0 under `torchrun --max-restarts=1`, started as users do (scripts/fsdp_train.sh with
     MAX_RESTARTS=1, which runs a plain torchrun) and nothing set in the environment. Since torch 2.5 torchrun
@@ -300,7 +296,6 @@ def tree_state(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
 
-@pytest.mark.slow
 def test_a_second_run_in_the_same_output_directory_is_refused(reference, corpus, dataset_dir, tmp_path):
     """While a run holds its output directory, a second one started into it (here with 2 ranks) is refused
     with one line naming the holder, exits non-zero, and touches nothing; the first run ends unharmed.
