@@ -325,47 +325,6 @@ def test_export_hf_of_an_fp8_checkpoint_gives_our_logits(tmp_path, corpus, datas
     assert_same_logits(ours, tmp_path / "hf")
 
 
-@needs_torchao
-@pytest.mark.parametrize("fmt", ["full", "sharded"])
-def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
-    # Loading must copy into the parameters, not replace them by plain tensors: that would silently turn
-    # FP8 all-gather off (the matmuls would still be FP8, so nothing else would notice).
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from fsdp_utils.checkpoint import CheckpointManager, TrainState
-    from fsdp_utils.distributed import DistEnv
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = tiny_model()
-        float8.Float8Converter("tensorwise", float8_all_gather=True).convert(list(model.layers))
-        mesh = init_device_mesh("cpu", (1,))
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.AdamW(model.parameters())
-        tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        optimizer.step()
-        weight = model.layers[0].attention.wqkv.weight
-        kind, saved = type(weight.to_local()), weight.full_tensor().clone()
-        assert kind.__module__.startswith("torchao")
-        env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-        manager = CheckpointManager(tmp_path, fmt=fmt, keep_last_n=0, model_config={}, env=env)
-        manager.save(model, optimizer, TrainState(step=1))
-        with torch.no_grad():
-            weight.zero_()
-        manager.load(model, optimizer, "latest")
-        after = model.layers[0].attention.wqkv.weight
-        assert after is weight and type(after.to_local()) is kind
-        assert torch.equal(after.full_tensor(), saved)
-    finally:
-        dist.destroy_process_group()
-
-
-
 def fp8_all_gather_model():
     """A tiny model with FP8 all-gather weights, FSDP2 on a 1-rank gloo mesh (the process group must be up),
     and its AdamW with the FP8 post-step work registered."""
@@ -388,6 +347,38 @@ def fp8_weights(model: nn.Module) -> list:
     from torchao.float8.float8_linear import Float8Linear
 
     return [m.weight for m in model.modules() if isinstance(m, Float8Linear)]
+
+
+@needs_torchao
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
+    # Loading must copy into the parameters, not replace them by plain tensors: that would silently turn
+    # FP8 all-gather off (the matmuls would still be FP8, so nothing else would notice).
+    import torch.distributed as dist
+
+    from fsdp_utils.checkpoint import CheckpointManager, TrainState
+    from fsdp_utils.distributed import DistEnv
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, optimizer = fp8_all_gather_model()
+        tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        weight = model.layers[0].attention.wqkv.weight
+        kind, saved = type(weight.to_local()), weight.full_tensor().clone()
+        assert kind.__module__.startswith("torchao")
+        env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+        manager = CheckpointManager(tmp_path, fmt=fmt, keep_last_n=0, model_config={}, env=env)
+        manager.save(model, optimizer, TrainState(step=1))
+        with torch.no_grad():
+            weight.zero_()
+        manager.load(model, optimizer, "latest")
+        after = model.layers[0].attention.wqkv.weight
+        assert after is weight and type(after.to_local()) is kind
+        assert torch.equal(after.full_tensor(), saved)
+    finally:
+        dist.destroy_process_group()
 
 
 @needs_torchao

@@ -187,10 +187,9 @@ class CastOncePerStep:
         return self.torchao_cast(mesh)
 
 
-def cast_float8_shards(model: nn.Module) -> int:
+def cast_float8_shards(model: nn.Module) -> None:
     """After `precompute_float8_scales`: each FP8 all-gather weight's shard cast to FP8 once, for all the
-    step's all-gathers (CastOncePerStep). Returns how many weights."""
-    count = 0
+    step's all-gathers (CastOncePerStep)."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not (isinstance(weight, DTensor) and getattr(weight._local_tensor, "_precomputed_scale", None) is not None):
@@ -200,5 +199,3 @@ def cast_float8_shards(model: nn.Module) -> int:
         if not (isinstance(stand_in, CastOncePerStep) and stand_in.weight is weight):
             stand_in = local.fsdp_pre_all_gather = CastOncePerStep(weight)  # type: ignore[attr-defined]
         stand_in.refresh()
-        count += 1
-    return count
