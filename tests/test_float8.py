@@ -225,6 +225,38 @@ def test_selective_op_keeps_the_fp8_matmul_outputs():
 
 
 @needs_torchao
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_inputs_are_cast_once_for_forward_and_backward(recipe):
+    from tests.helpers import CountOps
+
+    def run(cast_once: bool):
+        model = tiny_model()
+        float8.Float8Converter(recipe, float8_all_gather=False).convert(list(model.layers))
+        hooks = [(m, k) for m in model.modules() for k, h in m._forward_pre_hooks.items()
+                 if isinstance(h, float8.CastInputOnce)]
+        if not cast_once:
+            for module, key in hooks:
+                del module._forward_pre_hooks[key]
+        tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        with CountOps() as counter:
+            loss.backward()
+        return len(hooks), loss, counter.counts, [p.grad for p in model.parameters()]
+
+    (hooked, loss_once, once, grads_once), (_, loss_torchao, torchao, grads_torchao) = run(True), run(False)
+    if recipe == "rowwise":  # rowwise scales the input along another axis for the weight gradient: no hook
+        assert hooked == 0
+        return
+    assert hooked == 4 * 2  # every FP8 linear of the 2 blocks
+    # Backward reduces only the gradients' maxima: torchao alone also reduces each saved input's again.
+    assert torchao["max"] - once["max"] == hooked, (once["max"], torchao["max"])
+    # The same scales, so the same bits as torchao's own casts.
+    assert loss_once.item() == loss_torchao.item()
+    for a, b in zip(grads_once, grads_torchao, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_torchao
 def test_compiled_fp8_block_keeps_checkpointing_and_its_fp8_matmul_outputs():
     from tests.test_wrap import compiled_block_saves
 
