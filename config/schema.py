@@ -241,6 +241,10 @@ class TrainConfig:
     """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 or fp32."""
     compile: bool = False
     """torch.compile each DecoderBlock."""
+    compile_tuning: bool = False
+    """With train.compile: inductor's coordinate-descent tuning of the compiled kernels' launch configurations
+    (block sizes, warps), timed on this GPU at the first compile and cached on the machine. Measured +1-2% tokens/s
+    (300M, 1B FP8: docs/benchmarks.md) for about a minute more of the first compile; the GPU presets use it."""
     float8: str = "none"
     """FP8 matmuls in the blocks' linear layers through torchao (an optional package: the torchao release
     built for the installed torch): none, tensorwise (one scale per tensor; FP8 all-gather of the weights)
@@ -798,6 +802,8 @@ def _train_problems(cfg: Config) -> list[str]:
     if t.float8 != "none" and cfg.fsdp.version == 1:
         p.append(f"train.float8={t.float8} needs fsdp.version: 2 (torchao's FP8 training, FP8 all-gather of the "
                  f"sharded weights included, is built for FSDP2's fully_shard)")
+    if t.compile_tuning and not t.compile:
+        p.append("train.compile_tuning=true tunes the compiled kernels and needs train.compile: true")
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps must not be negative, got {t.max_bad_steps}")
     return p + _lora_problems(cfg) + _eval_tasks_problems(t)

@@ -133,7 +133,8 @@ def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
     converters = model_converters(cfg)
     switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
     model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
-                        compile=t.compile, env=env, init=built.init, converters=converters, checkpoint_switch=switch)
+                        compile=t.compile, env=env, init=built.init, converters=converters, checkpoint_switch=switch,
+                        compile_tuning=t.compile_tuning)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=not args.unfused_adamw)
     for converter in converters:

@@ -178,3 +178,29 @@ def test_selective_op_lean_needs_a_feed_forward_it_knows():
 
     assert [p.name for p in auto_policies(3, lean=False)] == ["none", "selective_op", "selective/3", "full"]
     assert [p.name for p in auto_policies(1)] == ["none", "selective_op", "selective_op_lean", "selective/2", "full"]
+
+
+def test_compile_tuning_needs_compile_and_reaches_every_compiled_function(monkeypatch):
+    from config import ConfigError, load_config
+    from fsdp_utils.parallel.build import build_model
+    from fsdp_utils.parallel.parallelize import apply_compile, compile_options
+    from tests.distributed_harness import cpu_env
+    from tests.helpers import ROOT
+
+    tiny = ROOT / "config/train_tiny_fsdp.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny, ["--train.compile=false", "--train.compile_tuning=true"])
+    assert err.value.problems == ["train.compile_tuning=true tunes the compiled kernels and needs train.compile: true"]
+
+    options = []  # what each torch.compile call of a run is given
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: options.append(kw.get("options")) or real_compile(fn, **kw))
+    for tuning in (True, False):
+        options.clear()
+        cfg = load_config(tiny, ["--train.compile=true", f"--train.compile_tuning={str(tuning).lower()}",
+                                 "--model.vocab_size=96"])
+        built = build_model(cfg, cpu_env(0, 1), eos_id=0)  # the chunked loss's function
+        apply_compile(list(built.module.layers), tuning=cfg.train.compile_tuning)  # as parallelize does
+        assert len(options) == 1 + cfg.model.n_layers
+        assert options == [compile_options(tuning)] * len(options)
+    assert compile_options(True) == {"coordinate_descent_tuning": True} and compile_options(False) is None

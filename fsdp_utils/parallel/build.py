@@ -19,7 +19,7 @@ from model.transformer import chunk_loss_and_grad
 from ..distributed import DistEnv
 from . import hf
 from .lora import apply_lora
-from .parallelize import resolve_precision
+from .parallelize import compile_options, resolve_precision
 from .weights import BuiltModel, WeightInit
 
 log = logging.getLogger("train")
@@ -45,9 +45,11 @@ def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None, documents: Documen
     use_meta = f.meta_init and env.world_size > 1 and not f.sync_module_states
     fused = cfg.train.float8 != "none" or cfg.train.lora.rank > 0 if fused_matmul is None else fused_matmul
     # The per-chunk softmax work of the chunked loss, compiled into a couple of kernels with train.compile.
-    chunk_loss_fn = torch.compile(chunk_loss_and_grad, dynamic=False) if cfg.train.compile else None
+    options = compile_options(cfg.train.compile_tuning)
+    chunk_loss_fn = torch.compile(chunk_loss_and_grad, dynamic=False, options=options) if cfg.train.compile else None
     # FlexAttention (document masking) compiled on GPUs: uncompiled, it materialises every score.
-    flex_fn = torch.compile(flex_attention, dynamic=False) if documents and env.device.type == "cuda" else None
+    flex_fn = (torch.compile(flex_attention, dynamic=False, options=options)
+               if documents and env.device.type == "cuda" else None)
     with torch.device("meta" if use_meta else env.device):
         model = Transformer(cfg.model, fused_matmul=fused, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
                             chunk_loss_fn=chunk_loss_fn, documents=documents, flex_attention_fn=flex_fn)

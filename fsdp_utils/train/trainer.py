@@ -147,7 +147,8 @@ class Trainer:
         self.checkpoint_switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
         self.model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp,
                                  precision=self.precision, compile=t.compile, env=env, init=built.init,
-                                 converters=converters, checkpoint_switch=self.checkpoint_switch)
+                                 converters=converters, checkpoint_switch=self.checkpoint_switch,
+                                 compile_tuning=t.compile_tuning)
         # The fused AdamW kernel does not accept the sharded grad scaler's inf flag: fp16 uses the foreach one.
         self.optimizer = build_optimizer(self.model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                          fused=not self.precision.use_grad_scaler)
