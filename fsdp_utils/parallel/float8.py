@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -165,7 +166,7 @@ class CastInputOnce:
         self.is_fp8, self.to_fp8 = tensor_already_casted_to_fp8, hp_tensor_to_float8_dynamic
         self.role = GemmInputRole.INPUT
 
-    def __call__(self, module: nn.Module, args: tuple):
+    def __call__(self, module: Any, args: tuple):  # module: torchao's Float8Linear
         (x,) = args
         if torch.is_autocast_enabled() or self.is_fp8(x):
             return None  # torchao casts to the autocast dtype first; an FP8 input is used as it is
