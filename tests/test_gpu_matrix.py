@@ -9,9 +9,8 @@ job must continue the uninterrupted one: step 3's loss (the forward pass of the 
 restored data position) bit for bit, the later steps within the run-to-run variation of GPU kernels.
 Document masking (data.document_masking with model.reset_positions) crosses FSDP version x precision x
 activation checkpointing, with torch.compile (its kernels tuned in three FSDP2 jobs) and asynchronous sharded
-saves (the GPU presets' settings),
-on a corpus of short documents (most windows cross a boundary); for the Hugging Face model, FSDP version x
-activation checkpointing in bf16.
+saves (the GPU presets' settings), on a corpus of short documents (most windows cross a boundary); for the
+Hugging Face model, FSDP version x activation checkpointing in bf16.
 For a Hugging Face model (`model.type=hf`) in bf16, and for LoRA (train.lora, base frozen in bf16, fp32
 adapters) on both models with torch.compile where activation checkpointing is on, the combinations are a
 pairwise cover of the same options (every pair of values of any two options occurs in some job).
