@@ -8,13 +8,16 @@ every GPU visible. The others run next, shared out as they go: several workers p
 (CUDA_VISIBLE_DEVICES; disjoint pairs where the machine has 4 or more; the tests train small models, so a
 pair has room and compute for a few at once) each take the next test from one queue and run it in a pytest
 process of its own, stopped with everything it started after --test_timeout seconds. A test that hangs
-then fails alone, and a slow one does not hold back the tests dealt after it. Prints one line per failure
+then fails alone, and a slow one does not hold back the tests dealt after it. The queue holds the longest
+tests first (seconds recorded in tests/gpu_durations.json; tests without a record before all): the suite
+takes about as long as its busiest worker, so a slow test must not be the last to start. Prints one line per failure
 and a closing `N passed, N failed, N skipped` line; exits non-zero if anything failed. The logs and JUnit
 files of every pytest are kept in --log_dir.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import signal
@@ -26,6 +29,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DURATIONS = ROOT / "tests/gpu_durations.json"
 
 
 def collect(marker: str, pytest_args: list[str]) -> list[str]:
@@ -74,6 +78,37 @@ def results(junit: Path) -> tuple[dict[str, int], list[str]]:
     return counts, failures
 
 
+def longest_first(tests: list[str], durations: dict[str, float]) -> list[str]:
+    """The queue's order: tests with no recorded duration first (new ones may be long), then the longest first;
+    ties keep the collection order."""
+    return sorted(tests, key=lambda test: (test in durations, -durations.get(test, 0.0)))
+
+
+def measured_durations(runs: list[tuple[str, Path, bool]], timeout: float) -> dict[str, float]:
+    """Seconds each test of run_shared took (its JUnit time; a test stopped at the timeout: the timeout)."""
+    durations = {}
+    for test, junit, stopped in runs:
+        if stopped or not junit.exists():
+            durations[test] = timeout
+        else:
+            cases = ET.parse(junit).getroot().iter("testcase")
+            durations[test] = round(sum(float(case.get("time", 0)) for case in cases), 1)
+    return durations
+
+
+def read_durations(path: Path) -> dict[str, float]:
+    """{test node id: seconds} from a durations file; {} where there is none."""
+    if not path.exists():
+        return {}
+    try:
+        durations = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: {path} is not a durations file ({err}): delete it or pass --durations") from err
+    if not isinstance(durations, dict) or not all(isinstance(v, int | float) for v in durations.values()):
+        raise SystemExit(f"error: {path} is not a durations file (test ids to seconds): delete it or pass --durations")
+    return durations
+
+
 def run_shared(tests: list[str], *, pairs: list[str], workers_per_pair: int, log_dir: Path,
                timeout: float) -> list[tuple[str, Path, bool]]:
     """Every test in a pytest of its own, taken from one queue by workers_per_pair workers per GPU pair:
@@ -110,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test_timeout", type=float, default=400,
                         help="seconds one test may take before it is stopped and counted as failed")
     parser.add_argument("--log_dir", type=Path, default=Path("/tmp/gpu-tests"))
+    parser.add_argument("--durations", type=Path, default=DURATIONS,
+                        help="recorded seconds per test, which order the queue (longest first); this run's are "
+                             "written to LOG_DIR/durations.json: copy that file here to refresh them")
     args, pytest_args = parser.parse_known_args(argv)
     import torch
 
@@ -123,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     exclusive = collect("gpu and gpu_exclusive", pytest_args)
-    shared = collect("gpu and not gpu_exclusive", pytest_args)
+    shared = longest_first(collect("gpu and not gpu_exclusive", pytest_args), read_durations(args.durations))
     pairs = [f"{i},{i + 1}" for i in range(0, num_gpus - 1, 2)]
     print(f"{len(exclusive) + len(shared)} GPU tests on {num_gpus} GPUs: {len(exclusive)} alone first, then "
           f"{len(shared)} over {len(pairs)} pair(s) x {args.workers_per_pair} workers", flush=True)
@@ -133,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         junit, stopped = run_pytest(exclusive, name="exclusive", gpus=",".join(map(str, range(num_gpus))),
                                     log_dir=args.log_dir, timeout=args.test_timeout * len(exclusive))
         runs.append(("the exclusive tests", junit, stopped))
-    runs += run_shared(shared, pairs=pairs, workers_per_pair=args.workers_per_pair, log_dir=args.log_dir,
-                       timeout=args.test_timeout)
+    shared_runs = run_shared(shared, pairs=pairs, workers_per_pair=args.workers_per_pair, log_dir=args.log_dir,
+                             timeout=args.test_timeout)
+    runs += shared_runs
+    durations = measured_durations(shared_runs, args.test_timeout)
+    (args.log_dir / "durations.json").write_text(json.dumps(durations, indent=1, sort_keys=True) + "\n")
 
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     for test, junit, stopped in runs:

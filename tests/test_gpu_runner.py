@@ -1,5 +1,6 @@
 """scripts/run_gpu_tests.py's queue of single-test pytest runs, on the CPU: each test in a pytest of its own, a
-failing one reported, a hanging one stopped at the timeout with the processes it started."""
+failing one reported, a hanging one stopped at the timeout with the processes it started; the queue's order
+(longest first, by the recorded durations)."""
 from __future__ import annotations
 
 import sys
@@ -47,3 +48,27 @@ def test_queue_runs_each_test_alone_and_stops_a_hanging_one_with_its_children(tm
     child = int((tmp_path / "sample" / "child.pid").read_text())
     time.sleep(0.5)
     assert not alive(child)
+    # What the next run's queue is ordered by: JUnit times, and the timeout for the stopped test.
+    durations = run_gpu_tests.measured_durations(runs, timeout=8)
+    assert durations[tests[2]] == 8 and 0 <= durations[tests[0]] < 8 and 0 <= durations[tests[1]] < 8
+
+
+def test_queue_holds_unrecorded_tests_then_the_longest_first():
+    tests = ["a", "b", "c", "d", "e"]
+    durations = {"a": 10.0, "b": 90.5, "d": 10.0, "e": 30.0}
+    # c has no record (a new test may be long): first; then by duration, ties in collection order.
+    assert run_gpu_tests.longest_first(tests, durations) == ["c", "b", "e", "a", "d"]
+    assert run_gpu_tests.longest_first(tests, {}) == tests
+
+
+def test_durations_file_names_collected_gpu_tests_and_bad_files_are_one_line(tmp_path):
+    recorded = run_gpu_tests.read_durations(run_gpu_tests.DURATIONS)
+    collected = set(run_gpu_tests.collect("gpu and not gpu_exclusive", []))
+    assert recorded and set(recorded) <= collected, sorted(set(recorded) - collected)
+    assert run_gpu_tests.read_durations(tmp_path / "none.json") == {}
+    for text in ("{not json", '["a"]', '{"a": "slow"}'):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(SystemExit) as err:
+            run_gpu_tests.read_durations(tmp_path / "bad.json")
+        (line,) = str(err.value).splitlines()
+        assert line.startswith(f"error: {tmp_path / 'bad.json'} is not a durations file"), line
