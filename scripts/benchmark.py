@@ -561,7 +561,8 @@ def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg, e
     print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, global batch "
           f"{global_batch}, world {env.world_size} x {device}, "
           f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
-          f"compile {cfg.train.compile}, cpu_offload {cfg.fsdp.cpu_offload}"
+          f"compile {cfg.train.compile}{' (tuned)' if cfg.train.compile_tuning else ''}, "
+          f"cpu_offload {cfg.fsdp.cpu_offload}"
           + (f", documents of {args.doc_len} tokens on average" if args.doc_len else "")
           + "".join(f", {name}" for name in ablations))
     print(f"{'run':<22}{'micro x acc':>12}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
