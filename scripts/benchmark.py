@@ -70,6 +70,7 @@ from fsdp_utils.parallel.build import build_model  # noqa: E402
 from fsdp_utils.parallel.float8 import float8_problems  # noqa: E402
 from fsdp_utils.parallel.parallelize import (  # noqa: E402
     CheckpointSwitch,
+    compile_options,
     model_converters,
     parallelize,
     resolve_precision,
@@ -229,8 +230,8 @@ def bench_peer(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        if cfg.train.compile:
-            layer.compile()
+        if cfg.train.compile:  # tuned as ours is, if train.compile_tuning: like for like
+            layer.compile(options=compile_options(cfg.train.compile_tuning))
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=True)

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,10 +110,11 @@ def read_durations(path: Path) -> dict[str, float]:
     return durations
 
 
-def run_shared(tests: list[str], *, pairs: list[str], workers_per_pair: int, log_dir: Path,
-               timeout: float) -> list[tuple[str, Path, bool]]:
+def run_shared(tests: list[str], *, pairs: list[str], workers_per_pair: int, log_dir: Path, timeout: float,
+               on_done: Callable[[list[tuple[str, Path, bool]]], None] | None = None) -> list[tuple[str, Path, bool]]:
     """Every test in a pytest of its own, taken from one queue by workers_per_pair workers per GPU pair:
-    [(test, its JUnit file, stopped at the timeout)] in the order they finished."""
+    [(test, its JUnit file, stopped at the timeout)] in the order they finished. `on_done(finished so far)`
+    runs after each test, one call at a time."""
     log_dir.mkdir(parents=True, exist_ok=True)
     todo: queue.Queue[tuple[int, str]] = queue.Queue()
     for item in enumerate(tests):
@@ -130,6 +132,8 @@ def run_shared(tests: list[str], *, pairs: list[str], workers_per_pair: int, log
             with lock:
                 done.append((test, junit, stopped))
                 print(f"[{len(done)}/{len(tests)}] {'TIMEOUT' if stopped else 'done'} {test}", flush=True)
+                if on_done is not None:
+                    on_done(done)
 
     threads = [threading.Thread(target=worker, args=(pair,)) for pair in pairs for _ in range(workers_per_pair)]
     for thread in threads:
@@ -146,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds one test may take before it is stopped and counted as failed")
     parser.add_argument("--log_dir", type=Path, default=Path("/tmp/gpu-tests"))
     parser.add_argument("--durations", type=Path, default=DURATIONS,
-                        help="recorded seconds per test, which order the queue (longest first); this run's are "
-                             "written to LOG_DIR/durations.json: copy that file here to refresh them")
+                        help="recorded seconds per test, which order the queue (longest first); LOG_DIR/durations.json "
+                             "gets them with this run's, as tests finish: copy it here to refresh them")
     args, pytest_args = parser.parse_known_args(argv)
     import torch
 
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
     exclusive = collect("gpu and gpu_exclusive", pytest_args)
-    shared = longest_first(collect("gpu and not gpu_exclusive", pytest_args), read_durations(args.durations))
+    recorded = read_durations(args.durations)
+    shared = longest_first(collect("gpu and not gpu_exclusive", pytest_args), recorded)
     pairs = [f"{i},{i + 1}" for i in range(0, num_gpus - 1, 2)]
     print(f"{len(exclusive) + len(shared)} GPU tests on {num_gpus} GPUs: {len(exclusive)} alone first, then "
           f"{len(shared)} over {len(pairs)} pair(s) x {args.workers_per_pair} workers", flush=True)
@@ -171,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         junit, stopped = run_pytest(exclusive, name="exclusive", gpus=",".join(map(str, range(num_gpus))),
                                     log_dir=args.log_dir, timeout=args.test_timeout * len(exclusive))
         runs.append(("the exclusive tests", junit, stopped))
-    shared_runs = run_shared(shared, pairs=pairs, workers_per_pair=args.workers_per_pair, log_dir=args.log_dir,
-                             timeout=args.test_timeout)
-    runs += shared_runs
-    durations = measured_durations(shared_runs, args.test_timeout)
-    (args.log_dir / "durations.json").write_text(json.dumps(durations, indent=1, sort_keys=True) + "\n")
+
+    def save_durations(finished: list[tuple[str, Path, bool]]) -> None:
+        # Written as tests finish, over the recorded ones: a run cut short, or a -k selection, loses no record.
+        merged = {**recorded, **measured_durations(finished, args.test_timeout)}
+        (args.log_dir / "durations.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+
+    runs += run_shared(shared, pairs=pairs, workers_per_pair=args.workers_per_pair, log_dir=args.log_dir,
+                       timeout=args.test_timeout, on_done=save_durations)
 
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     for test, junit, stopped in runs:

@@ -8,9 +8,9 @@ and recording its memory history on both ranks. Both checkpoints must be complet
 job must continue the uninterrupted one: step 3's loss (the forward pass of the restored weights on the
 restored data position) bit for bit, the later steps within the run-to-run variation of GPU kernels.
 Document masking (data.document_masking with model.reset_positions) crosses FSDP version x precision x
-activation checkpointing, with torch.compile (its kernels tuned in three FSDP2 jobs) and asynchronous sharded
-saves (the GPU presets' settings), on a corpus of short documents (most windows cross a boundary); for the
-Hugging Face model, FSDP version x activation checkpointing in bf16.
+activation checkpointing, with torch.compile and asynchronous sharded saves (the GPU presets' settings; the
+compiled kernels tuned in three FSDP2 jobs, train.compile_tuning), on a corpus of short documents (most windows
+cross a boundary); for the Hugging Face model, FSDP version x activation checkpointing in bf16.
 For a Hugging Face model (`model.type=hf`) in bf16, and for LoRA (train.lora, base frozen in bf16, fp32
 adapters) on both models with torch.compile where activation checkpointing is on, the combinations are a
 pairwise cover of the same options (every pair of values of any two options occurs in some job).
@@ -96,8 +96,8 @@ def masked_combos():
 
 
 MASKING = ["--data.document_masking=true", "--model.reset_positions=true"]
-# The GPU presets tune their compiled kernels (train.compile_tuning): so do these FSDP2 masking jobs, each precision
-# and each AC once (tuning adds 30-40 s of compile to a job); the other masking jobs compile untuned.
+# train.compile_tuning (for long runs) in three FSDP2 masking jobs, each precision and each AC once (tuning adds
+# 30-40 s of compile to a job here); the other masking jobs compile untuned.
 TUNED = {("bf16", "selective_op"), ("tensorwise", "none"), ("rowwise", "selective_op")}
 
 

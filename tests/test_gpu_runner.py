@@ -37,7 +37,10 @@ def test_queue_runs_each_test_alone_and_stops_a_hanging_one_with_its_children(tm
     module.write_text(SAMPLE)
     tests = [f"{module}::test_passes", f"{module}::test_fails", f"{module}::test_hangs"]
     start = time.monotonic()
-    runs = run_gpu_tests.run_shared(tests, pairs=["0,1"], workers_per_pair=3, log_dir=tmp_path / "logs", timeout=8)
+    seen = []  # how many had finished at each on_done call
+    runs = run_gpu_tests.run_shared(tests, pairs=["0,1"], workers_per_pair=3, log_dir=tmp_path / "logs", timeout=8,
+                                    on_done=lambda finished: seen.append(len(finished)))
+    assert seen == [1, 2, 3]
     assert time.monotonic() - start < 40
     outcome = {test.rsplit("::", 1)[1]: (run_gpu_tests.results(junit), stopped) for test, junit, stopped in runs}
     assert outcome["test_passes"] == (({"passed": 1, "failed": 0, "skipped": 0}, []), False)
@@ -61,6 +64,7 @@ def test_queue_holds_unrecorded_tests_then_the_longest_first():
     assert run_gpu_tests.longest_first(tests, {}) == tests
 
 
+@pytest.mark.slow  # collect() starts a pytest
 def test_durations_file_names_collected_gpu_tests_and_bad_files_are_one_line(tmp_path):
     recorded = run_gpu_tests.read_durations(run_gpu_tests.DURATIONS)
     collected = set(run_gpu_tests.collect("gpu and not gpu_exclusive", []))

@@ -183,9 +183,8 @@ def test_selective_op_lean_needs_a_feed_forward_it_knows():
 def test_compile_tuning_needs_compile_and_reaches_every_compiled_function(monkeypatch):
     from config import ConfigError, load_config
     from fsdp_utils.parallel.build import build_model
-    from fsdp_utils.parallel.parallelize import apply_compile, compile_options
-    from tests.distributed_harness import cpu_env
-    from tests.helpers import ROOT
+    from fsdp_utils.parallel.parallelize import compile_options, parallelize, resolve_precision
+    from tests.helpers import ROOT, world_of_one
 
     tiny = ROOT / "config/train_tiny_fsdp.yaml"
     with pytest.raises(ConfigError) as err:
@@ -195,12 +194,14 @@ def test_compile_tuning_needs_compile_and_reaches_every_compiled_function(monkey
     options = []  # what each torch.compile call of a run is given
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: options.append(kw.get("options")) or real_compile(fn, **kw))
-    for tuning in (True, False):
-        options.clear()
-        cfg = load_config(tiny, ["--train.compile=true", f"--train.compile_tuning={str(tuning).lower()}",
-                                 "--model.vocab_size=96"])
-        built = build_model(cfg, cpu_env(0, 1), eos_id=0)  # the chunked loss's function
-        apply_compile(list(built.module.layers), tuning=cfg.train.compile_tuning)  # as parallelize does
-        assert len(options) == 1 + cfg.model.n_layers
-        assert options == [compile_options(tuning)] * len(options)
+    with world_of_one() as env:
+        for tuning, version in ((True, 2), (False, 2), (True, 1)):
+            options.clear()
+            cfg = load_config(tiny, ["--train.compile=true", f"--train.compile_tuning={str(tuning).lower()}",
+                                     "--model.vocab_size=96", f"--fsdp.version={version}"])
+            built = build_model(cfg, env, eos_id=0)  # the chunked loss's function
+            parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, env=env, init=built.init,
+                        precision=resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device),
+                        compile=cfg.train.compile, compile_tuning=cfg.train.compile_tuning)  # each block
+            assert options == [compile_options(tuning)] * (1 + cfg.model.n_layers), (tuning, version, options)
     assert compile_options(True) == {"coordinate_descent_tuning": True} and compile_options(False) is None

@@ -167,11 +167,10 @@ class CastInputOnce:
         self.role = GemmInputRole.INPUT
 
     def __call__(self, module: Any, args: tuple):  # module: torchao's Float8Linear
-        (x,) = args
-        if torch.is_autocast_enabled() or self.is_fp8(x):
-            return None  # torchao casts to the autocast dtype first; an FP8 input is used as it is
+        if len(args) != 1 or torch.is_autocast_enabled() or self.is_fp8(args[0]):
+            return None  # a keyword input, or autocast (torchao casts to its dtype first): torchao casts as usual
         config = module.config
-        return (self.to_fp8(x, config.cast_config_input.target_dtype, module.linear_mm_config,
+        return (self.to_fp8(args[0], config.cast_config_input.target_dtype, module.linear_mm_config,
                             gemm_input_role=self.role, round_scales_to_power_of_2=config.round_scales_to_power_of_2),)
 
 
