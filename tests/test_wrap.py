@@ -180,6 +180,7 @@ def test_selective_op_lean_needs_a_feed_forward_it_knows():
     assert [p.name for p in auto_policies(1)] == ["none", "selective_op", "selective_op_lean", "selective/2", "full"]
 
 
+@pytest.mark.slow  # builds and shards the model three times
 def test_compile_tuning_needs_compile_and_reaches_every_compiled_function(monkeypatch):
     from config import ConfigError, load_config
     from fsdp_utils.parallel.build import build_model
