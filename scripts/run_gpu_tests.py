@@ -177,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
                                     log_dir=args.log_dir, timeout=args.test_timeout * len(exclusive))
         runs.append(("the exclusive tests", junit, stopped))
 
+    merged = dict(recorded)
+
     def save_durations(finished: list[tuple[str, Path, bool]]) -> None:
         # Written as tests finish, over the recorded ones: a run cut short, or a -k selection, loses no record.
-        merged = {**recorded, **measured_durations(finished, args.test_timeout)}
+        # Only the test that just finished is read: the earlier ones are in `merged` already.
+        merged.update(measured_durations(finished[-1:], args.test_timeout))
         (args.log_dir / "durations.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
 
     runs += run_shared(shared, pairs=pairs, workers_per_pair=args.workers_per_pair, log_dir=args.log_dir,

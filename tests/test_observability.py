@@ -350,6 +350,7 @@ def test_overlap_summary_splits_a_gpu_step_into_computing_exposed_communication_
     line = render_profile.summarize_trace(path).splitlines()[0]
     assert line.startswith("train_step#6: 5.0 ms; computing 3.0 ms (60.0%), exposed communication 1.2 ms (24.0%)")
 
+
 @pytest.mark.slow
 def test_memory_snapshot_replayed_by_category(tmp_path):
     from scripts import render_profile
