@@ -203,6 +203,7 @@ def test_what_our_model_cannot_express_is_refused_in_one_line(case, tmp_path, ca
     save_llama(tmp_path / "hf", **TINY_LLAMA)
     changes, field = REFUSED[case]
     edit_config(tmp_path / "hf", **changes)
+    capsys.readouterr()  # the setup's own output (transformers' save progress bar, unless a test turned it off)
     assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out.pth")]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], lines
@@ -216,6 +217,7 @@ def test_bad_weights_are_refused_in_one_line(tmp_path, capsys):
     weights = load_file(tmp_path / "hf/model.safetensors")
     weights.pop("model.layers.1.mlp.up_proj.weight")
     save_file(weights, tmp_path / "hf/model.safetensors")
+    capsys.readouterr()  # the setup's own output, as above
     assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out.pth")]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: {tmp_path / 'hf'}: the weights have no model.layers.1.mlp.up_proj.weight"]
