@@ -59,7 +59,8 @@ class FakeProbe(MemoryProbe):
     """Memory readings from a formula instead of a GPU ("fake_gpu_memory"). The JSON object has
     capacity_gib, fixed_gib (the resident part) and per_sample_gib, each a number or a list of one per
     rank, and optionally table_gib {"micro-batch": GiB} for sizes that do not follow the formula: a
-    phase at micro-batch b reads fixed + per_sample * b. For fsdp.activation_checkpointing=auto,
+    phase at micro-batch b reads fixed + per_sample * b, and raises an out-of-memory error where
+    that is over the capacity, as a GPU would. For fsdp.activation_checkpointing=auto,
     policy_per_sample_gib {policy: GiB} replaces per_sample_gib under that policy, and step_seconds
     {policy: s} makes a timed step take s / b seconds at micro-batch b (default: 1 / b)."""
 
@@ -94,7 +95,11 @@ class FakeProbe(MemoryProbe):
         return float(self.step_seconds.get(self.policy, 1.0)) / self.micro_batch
 
     def peak_reserved(self) -> int:
-        return int(self.table.get(self.micro_batch, self.fixed + self.per_sample * self.micro_batch))
+        peak = self.table.get(self.micro_batch, self.fixed + self.per_sample * self.micro_batch)
+        if peak > self.capacity_bytes:  # as on a GPU: a step that needs more than there is does not finish
+            raise torch.OutOfMemoryError(f"CUDA out of memory (fake: {peak / 2**30:.2f} GiB needed, "
+                                         f"{self.capacity_bytes / 2**30:.2f} GiB there)")
+        return int(peak)
 
     def peak_allocated(self) -> int:
         return self.peak_reserved()

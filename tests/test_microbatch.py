@@ -90,25 +90,29 @@ def test_climb_keeps_the_last_size_that_fit_when_a_measurement_surprises():
     assert best == 4 and measured == table
 
 
-def test_climb_predicts_from_two_measurements_and_takes_the_second_below_the_candidates():
-    # 30 GiB resident, 10 more that do not grow with the micro-batch (buffers), 5 per sample; budget 65. The
-    # bound from 2 (50 GiB) puts 4 at 70, over; the line through 1 (45, below the candidates: a size that fits
-    # for sure) and 2 puts 4 at 60: measured, it fits, and 8 (80) is predicted over. The bound alone stops at 2.
+def test_climb_from_sizes_that_fit_measures_only_predicted_candidates():
+    # 30 GiB resident, 10 more that do not grow with the micro-batch (buffers), 5 per sample; budget 65. Sizes
+    # 2 and 1 fit for sure (a policy that keeps more fit them), so the first step measures 2, not the smallest
+    # candidate 4: the bound from 2 (50 GiB) puts 4 at 70, over; the line through 1 (45) and 2 puts 4 at 60:
+    # measured, it fits, and 8 (80) is predicted over, so never run (over the GPU's capacity it would end the
+    # run). The bound alone measures nothing larger than 2.
     calls = []
 
     def measure(b):
         calls.append(b)
         return 40 + 5 * b
 
-    best, measured = climb([2, 4, 8, 16], budget=65, resident=30, measure=measure, below=1)
+    best, measured = climb([4, 8, 16], budget=65, resident=30, measure=measure, fit=[2, 1])
     assert best == 4 and calls == [2, 1, 4] and measured == {1: 45, 2: 50, 4: 60}
     calls.clear()
-    assert climb([2, 4, 8, 16], budget=65, resident=30, measure=measure)[0] == 2 and calls == [2]
-    # No second point where the first size does not fit, or where nothing is larger anyway.
+    assert climb([4, 8, 16], budget=65, resident=30, measure=measure, fit=[2])[0] is None and calls == [2]
+    # With one size that fits, the bound from it leads: 1 (45) puts 2 at 60 and 4 at 90, so 2 is measured
+    # (50), then the line through 1 and 2 puts 4 at 60: measured, 4.
     calls.clear()
-    assert climb([2, 4], budget=45, resident=30, measure=measure, below=1) == (None, {2: 50}) and calls == [2]
+    assert climb([2, 4, 8, 16], budget=65, resident=30, measure=measure, fit=[1])[0] == 4 and calls == [1, 2, 4]
+    # Without sizes that fit, the first step is at the smallest candidate, as for the first policy.
     calls.clear()
-    assert climb([16], budget=200, resident=30, measure=measure, below=1) == (16, {16: 120}) and calls == [16]
+    assert climb([16], budget=200, resident=30, measure=measure) == (16, {16: 120}) and calls == [16]
 
 
 def test_climb_nothing_fits():
@@ -276,9 +280,12 @@ def test_auto_checkpointing_trains_the_fastest_pair_that_fits_like_it_by_hand_an
     out = tmp_path / "auto"
     first = run_train(*common, *auto, "--train.max_steps=2", out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
                       faults=fake_memory(10, 1, 1, **AC_MEMORY))
+    # Each policy after none starts at the size the one before fit and measures a larger size only where its
+    # line predicts a fit: selective_op_lean at 8 (10.6 GiB) and selective/2 at 8 (17) would be over the 10 GiB
+    # capacity, an out-of-memory error on a GPU (and in the fake probe), so they are never run.
     assert ("fsdp.activation_checkpointing=auto: tried none: micro-batch 1: 4.00 GiB, 2: 7.00 GiB; selective_op: "
-            "micro-batch 2: 4.00 GiB, 4: 7.00 GiB; selective_op_lean: micro-batch 8: 10.60 GiB; selective/2: "
-            "micro-batch 8: 17.00 GiB; full: micro-batch 8: 8.20 GiB; timed "
+            "micro-batch 2: 4.00 GiB, 4: 7.00 GiB; selective_op_lean: micro-batch 2: 3.40 GiB, 4: 5.80 GiB; "
+            "selective/2: micro-batch 2: 5.00 GiB, 4: 9.00 GiB; full: micro-batch 4: 4.60 GiB, 8: 8.20 GiB; timed "
             "none@2 512 tokens/s per rank, selective_op@4 1,024 tokens/s per rank, full@8 683 tokens/s per rank: "
             "the most tokens/s is selective_op@4") in first.stderr
     assert "micro-batch 4, activation checkpointing selective_op," in first.stderr
@@ -298,21 +305,24 @@ def test_auto_checkpointing_trains_the_fastest_pair_that_fits_like_it_by_hand_an
 
 @pytest.mark.slow
 def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fits(corpus, dataset_dir, tmp_path):
-    # Micro-batch 4: none needs 13 GiB, selective_op 7: selective_op, without timing anything.
+    # Micro-batch 4: none needs 13 GiB (over the budget of 12.6), selective_op 7: selective_op, without timing.
     at_4 = ["--train.global_batch_size=8", "--train.micro_batch_size=4", "--fsdp.activation_checkpointing=auto"]
     proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir,
-                     faults=fake_memory(10, 1, 1, **AC_MEMORY))
+                     faults=fake_memory(14, 1, 1, **AC_MEMORY))
     assert ("fsdp.activation_checkpointing=auto: tried none: micro-batch 4: 13.00 GiB; selective_op: micro-batch 4: "
             "7.00 GiB; selective_op recomputes the least of the policies that fit micro-batch 4, and none fits a "
             "larger one") in proc.stderr
     assert "grad accumulation 2, micro-batch 4, activation checkpointing selective_op," in proc.stderr
-    # Nothing fits micro-batch 4, full checkpointing included: one error line.
+    # Nothing fits micro-batch 4, full checkpointing included: one error line. (Each policy's peak is under the
+    # 5 GiB capacity: the first one measured is at the size set, as training at it would be.)
+    tight = {"policy_per_sample_gib": {"none": 1, "selective_op": 0.98, "selective_op_lean": 0.96, "selective/2": 0.94,
+                                       "full": 0.9}}
     proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out2", corpus=corpus, dataset_dir=dataset_dir,
-                     faults=fake_memory(4, 1, 1, **AC_MEMORY), check=False)
+                     faults=fake_memory(5, 1, 1, **tight), check=False)
     assert proc.returncode == 1
     assert error_lines(proc) == [
         "error: fsdp.activation_checkpointing=auto: with full activation checkpointing, micro-batch 4 peaks at 4.60 "
-        "GiB, over the budget of 3.60 GiB (4.00 GiB usable, train.auto_micro_batch_margin=0.1); set a smaller "
+        "GiB, over the budget of 4.50 GiB (5.00 GiB usable, train.auto_micro_batch_margin=0.1); set a smaller "
         "train.micro_batch_size (or auto), use more GPUs, or shorten data.seq_len"]
 
 

@@ -20,10 +20,13 @@ forward leaves the others waiting in a collective until run.timeout_s, and recov
    (peak(b) - resident) * c / b, an upper bound for c > b as long as the rest grows at most linearly
    with the micro-batch (activations do) on top of a part that does not (gathered weights, workspaces,
    the loss chunk). That part can be gigabytes (at 8B it kept a policy from trying a size that fits), so
-   with two measurements the prediction is their line: its slope is the activations' alone. A later
-   policy of fsdp.activation_checkpointing=auto takes its second point at the size the policies before
-   it fit (it keeps less, so that size fits it too) when its bound allows nothing larger. The figure of
-   the size chosen is always measured, never predicted.
+   with two measurements the prediction is their line: its slope is the activations' alone. Nothing is
+   measured unless predicted to fit, but the first size: a trial step over the GPU's capacity is an
+   out-of-memory error, which ends the run (on an H200 given an H100's budget such a step merely read
+   over the budget; on the H100 it stopped the 1B preset). So a later policy of
+   fsdp.activation_checkpointing=auto starts at the size the policies before it fit (it keeps less, so
+   that size fits it too) and takes its second point, when the bound allows nothing larger, at the next
+   smaller size. The figure of the size chosen is always measured, never predicted.
 4. With train.compile, the trial sizes differ from the final one and dynamo would compile the batch
    dimension as dynamic after the second size (automatic dynamic shapes), a slower graph for the whole
    run. So after the search `torch.compiler.reset()` drops every graph, and one more trial step at the
@@ -169,26 +172,28 @@ class MicroBatchChoice:
 
 
 def climb(candidates: list[int], *, budget: float, resident: float, measure: Callable[[int], float],
-          below: int | None = None) -> tuple[int | None, dict[int, float]]:
+          fit: list[int] | None = None) -> tuple[int | None, dict[int, float]]:
     """(largest candidate whose measured peak fits the budget or None, {size: measured peak}).
 
     Measures the smallest candidate, then the largest one whose predicted peak fits, and so on from there
     (see the module docstring); `measure(b)` runs a trial step at micro-batch b and returns its peak. With
     one measurement the prediction is the bound (everything above `resident` grows with the micro-batch);
     with two it is their line, whose slope is the activations' alone (the step's fixed buffers cancel out).
-    `below`, a size under the candidates (one that fits for sure), is measured for that second point when
-    the bound alone allows no larger candidate."""
+    `fit`: sizes under the candidates that fit for sure (a policy that keeps more fit them), largest first.
+    With them the first measurement is at fit[0] instead of the smallest candidate, so no candidate is
+    measured before it is predicted to fit, and fit[1] gives the second point when the bound from fit[0]
+    allows no candidate."""
     measured: dict[int, float] = {}
-    best, size = None, candidates[0]
+    best, size = None, (fit[0] if fit else candidates[0])
     while True:
         peak = measured[size] = measure(size)
         if peak > budget:
             return best, measured
-        best = size
-        fitting = _predicted_fits(candidates, best, measured, budget=budget, resident=resident)
-        if not fitting and below is not None and len(measured) == 1 and candidates[-1] > best:
-            measured[below] = measure(below)
-            fitting = _predicted_fits(candidates, best, measured, budget=budget, resident=resident)
+        best = size if size in candidates else None
+        fitting = _predicted_fits(candidates, size, measured, budget=budget, resident=resident)
+        if not fitting and fit and len(measured) == 1 and len(fit) > 1:
+            measured[fit[1]] = measure(fit[1])
+            fitting = _predicted_fits(candidates, size, measured, budget=budget, resident=resident)
         if not fitting:
             return best, measured
         size = fitting[-1]
@@ -376,10 +381,11 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
             break
         if policy is not trials.policy:
             trials.use(policy)
-        # The size the policies before fit: this policy fits it too (it keeps less), so it can give a second
-        # point of this policy's line.
-        below = fitting[-1][1] if fitting else None
-        best, measured = climb(sizes, budget=budget, resident=resident, measure=trials.measure, below=below)
+        # The sizes the policies before fit this policy too (it keeps less): it starts from the largest of them
+        # and measures a larger size only where predicted to fit. (Without them sizes[0] is the smallest
+        # candidate, which the first policy measured: this one's peak there is lower.)
+        fit = sorted((c for c in candidates if c <= fitting[-1][1]), reverse=True) if fitting else None
+        best, measured = climb(sizes, budget=budget, resident=resident, measure=trials.measure, fit=fit)
         tried[trials.policy_name or ""] = measured
         if best is not None:
             fitting.append((policy, best, measured))
