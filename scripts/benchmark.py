@@ -534,7 +534,9 @@ def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str,
             if name in splits:
                 micro_batch, grad_accum = splits[name]
             elif bench is bench_peer:
-                micro_batch, grad_accum = last_split
+                # Our last bf16 split; with FP8 runs only (--train.float8=tensorwise --peer), the first one's,
+                # halved by bench_peer_fitting where the reference does not fit it.
+                micro_batch, grad_accum = last_split or next(iter(splits.values()))
             if bench is bench_peer:
                 result = bench_peer_fitting(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
             else:

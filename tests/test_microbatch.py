@@ -490,3 +490,27 @@ def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
     monkeypatch.setattr(benchmark, "reset_memory", lambda env: None)
     result = benchmark.bench_peer_fitting(None, SimpleNamespace(is_main=False), None, micro_batch=8, grad_accum=1)
     assert tried == [(8, 1), (4, 2), (2, 4)] and (result["micro_batch"], result["grad_accum"]) == (2, 4)
+
+
+def test_benchmark_reference_after_fp8_runs_only_takes_their_split(monkeypatch):
+    # `--train.float8=tensorwise --peer`: no bf16 run of ours to take the split from (it crashed on 2 x H100),
+    # so the reference starts from the FP8 run's and halves where it does not fit.
+    from scripts import benchmark
+
+    def fake_ours(cfg, env, args, *, micro_batch, grad_accum):
+        return {"times": [1.0], "micro_batch": 16, "grad_accum": 2}
+
+    peer_splits = []
+
+    def fake_peer(cfg, env, args, *, micro_batch, grad_accum):
+        peer_splits.append((micro_batch, grad_accum))
+        return {"times": [1.0], "micro_batch": micro_batch, "grad_accum": grad_accum}
+
+    for name, value in {"bench_ours": fake_ours, "bench_peer_fitting": fake_peer, "reset_memory": lambda env: None,
+                        "peak_memory_gib": lambda env: 0.0}.items():
+        monkeypatch.setattr(benchmark, name, value)
+    cfg = load_config(TINY_PRESET, ["--train.float8=tensorwise", "--fsdp.version=2"])
+    runs = [("ours", fake_ours, cfg, "auto", None), ("hf_llama_fsdp2", benchmark.bench_peer, cfg, None, None)]
+    args = SimpleNamespace(rounds=1, peer_only=False, grad_accum=None)
+    rows, _ = benchmark.run_rounds(runs, cfg, SimpleNamespace(device=torch.device("cpu")), args)
+    assert peer_splits == [(16, 2)] and [(r["micro_batch"], r["grad_accum"]) for r in rows] == [(16, 2), (16, 2)]
