@@ -16,7 +16,15 @@ import torch
 
 from config import ConfigError, check_batch_split, load_config
 from fsdp_utils.train.batch import BatchSplit, divisors
-from fsdp_utils.train.microbatch import CACHE_FILE, MicroBatchChoice, climb, read_cache, save_to_cache
+from fsdp_utils.train.microbatch import (
+    CACHE_FILE,
+    MicroBatchChoice,
+    auto_policies,
+    climb,
+    keeps_at_least,
+    read_cache,
+    save_to_cache,
+)
 from tests.fault_injection import FakeProbe
 from tests.helpers import ROOT, WITH_FAULTS, fault_env, job_env, losses, run_train
 
@@ -113,6 +121,16 @@ def test_climb_from_sizes_that_fit_measures_only_predicted_candidates():
     # Without sizes that fit, the first step is at the smallest candidate, as for the first policy.
     calls.clear()
     assert climb([16], budget=200, resident=30, measure=measure) == (16, {16: 120}) and calls == [16]
+
+
+def test_which_policy_keeps_at_least_what_another_keeps():
+    # Where the first fits, the second fits too: the start of the second's search (none keeps the most, full the
+    # least; every n-th block's whole forward has no order with the op-level policies).
+    none, op, lean, every2, full = auto_policies(2)
+    assert all(keeps_at_least(none, p) and keeps_at_least(p, full) for p in (none, op, lean, every2, full))
+    assert keeps_at_least(op, lean) and not keeps_at_least(lean, op)
+    assert not keeps_at_least(lean, every2) and not keeps_at_least(every2, lean) and not keeps_at_least(op, every2)
+    assert not keeps_at_least(full, none)
 
 
 def test_climb_nothing_fits():
@@ -267,7 +285,7 @@ def test_auto_when_nothing_fits_is_one_error_line(corpus, dataset_dir, tmp_path)
 # selective/2 2 (from 8 up: 17, no), full 0.9 (from 8 up: 8.2, fits). A timed step takes step_seconds /
 # micro-batch: none@2 0.5 s, selective_op@4 0.25 s, full@8 0.375 s; so selective_op@4 trains the most tokens/s
 # (8 sequences of 32 tokens a step).
-AC_MEMORY = {"policy_per_sample_gib": {"none": 3, "selective_op": 1.5, "selective_op_lean": 1.2, "selective/2": 2,
+AC_MEMORY = {"policy_per_sample_gib": {"none": 3, "selective_op": 1.5, "selective_op_lean": 1.2, "selective/2": 2.5,
                                        "full": 0.9},
              "step_seconds": {"none": 1, "selective_op": 1, "full": 3}}
 
@@ -280,12 +298,13 @@ def test_auto_checkpointing_trains_the_fastest_pair_that_fits_like_it_by_hand_an
     out = tmp_path / "auto"
     first = run_train(*common, *auto, "--train.max_steps=2", out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
                       faults=fake_memory(10, 1, 1, **AC_MEMORY))
-    # Each policy after none starts at the size the one before fit and measures a larger size only where its
-    # line predicts a fit: selective_op_lean at 8 (10.6 GiB) and selective/2 at 8 (17) would be over the 10 GiB
-    # capacity, an out-of-memory error on a GPU (and in the fake probe), so they are never run.
+    # Each policy after none starts at the largest size a policy keeping at least as much fit and runs a larger
+    # size only where its line predicts a fit: selective_op_lean at 8 (10.6 GiB) would be over the 10 GiB
+    # capacity, an out-of-memory error on a GPU (and in the fake probe), so it never runs. selective/2 keeps more
+    # than selective_op_lean here (11 GiB at 4, lean's size): it starts from none's 2 instead.
     assert ("fsdp.activation_checkpointing=auto: tried none: micro-batch 1: 4.00 GiB, 2: 7.00 GiB; selective_op: "
             "micro-batch 2: 4.00 GiB, 4: 7.00 GiB; selective_op_lean: micro-batch 2: 3.40 GiB, 4: 5.80 GiB; "
-            "selective/2: micro-batch 2: 5.00 GiB, 4: 9.00 GiB; full: micro-batch 4: 4.60 GiB, 8: 8.20 GiB; timed "
+            "selective/2: micro-batch 1: 3.50 GiB, 2: 6.00 GiB; full: micro-batch 4: 4.60 GiB, 8: 8.20 GiB; timed "
             "none@2 512 tokens/s per rank, selective_op@4 1,024 tokens/s per rank, full@8 683 tokens/s per rank: "
             "the most tokens/s is selective_op@4") in first.stderr
     assert "micro-batch 4, activation checkpointing selective_op," in first.stderr

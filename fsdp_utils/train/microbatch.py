@@ -24,9 +24,10 @@ forward leaves the others waiting in a collective until run.timeout_s, and recov
    measured unless predicted to fit, but the first size: a trial step over the GPU's capacity is an
    out-of-memory error, which ends the run (on an H200 given an H100's budget such a step merely read
    over the budget; on the H100 it stopped the 1B preset). So a later policy of
-   fsdp.activation_checkpointing=auto starts at the size the policies before it fit (it keeps less, so
-   that size fits it too) and takes its second point, when the bound allows nothing larger, at the next
-   smaller size. The figure of the size chosen is always measured, never predicted.
+   fsdp.activation_checkpointing=auto starts at the largest size that a policy keeping at least as much
+   fit (none keeps the most, full the least: `keeps_at_least`), so that size fits it too, and takes its
+   second point, when the bound allows nothing larger, at the next smaller size. The figure of the size
+   chosen is always measured, never predicted.
 4. With train.compile, the trial sizes differ from the final one and dynamo would compile the batch
    dimension as dynamic after the second size (automatic dynamic shapes), a slower graph for the whole
    run. So after the search `torch.compiler.reset()` drops every graph, and one more trial step at the
@@ -179,10 +180,9 @@ def climb(candidates: list[int], *, budget: float, resident: float, measure: Cal
     (see the module docstring); `measure(b)` runs a trial step at micro-batch b and returns its peak. With
     one measurement the prediction is the bound (everything above `resident` grows with the micro-batch);
     with two it is their line, whose slope is the activations' alone (the step's fixed buffers cancel out).
-    `fit`: sizes under the candidates that fit for sure (a policy that keeps more fit them), largest first.
-    With them the first measurement is at fit[0] instead of the smallest candidate, so no candidate is
-    measured before it is predicted to fit, and fit[1] gives the second point when the bound from fit[0]
-    allows no candidate."""
+    `fit`: sizes safe to run (a policy that keeps more fit them, or ran them), largest first. The first
+    measurement is at fit[0] instead of the smallest candidate, so no larger candidate runs before it is
+    predicted to fit, and fit[1] gives the second point when the bound from fit[0] allows no candidate."""
     measured: dict[int, float] = {}
     best, size = None, (fit[0] if fit else candidates[0])
     while True:
@@ -236,6 +236,15 @@ def auto_policies(every_n: int, *, lean: bool = True) -> list[CheckpointPolicy]:
     return [CheckpointPolicy("none"), CheckpointPolicy("selective_op"),
             *([CheckpointPolicy("selective_op_lean")] if lean else []),
             CheckpointPolicy("selective", max(every_n, 2)), CheckpointPolicy("full")]
+
+
+def keeps_at_least(a: CheckpointPolicy | None, b: CheckpointPolicy | None) -> bool:
+    """Whether policy `a` keeps at least what `b` keeps for backward in every block, so that `b` fits where `a` did.
+    none keeps the most and full the least; selective_op keeps what selective_op_lean does and the gate/up output.
+    Every n-th block's whole forward against the op-level policies depends on the model: no order."""
+    if a is None or b is None or a == b:
+        return True
+    return a.name == "none" or b.name == "full" or (a.name, b.name) == ("selective_op", "selective_op_lean")
 
 
 class _Trials:
@@ -381,10 +390,11 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
             break
         if policy is not trials.policy:
             trials.use(policy)
-        # The sizes the policies before fit this policy too (it keeps less): it starts from the largest of them
-        # and measures a larger size only where predicted to fit. (Without them sizes[0] is the smallest
-        # candidate, which the first policy measured: this one's peak there is lower.)
-        fit = sorted((c for c in candidates if c <= fitting[-1][1]), reverse=True) if fitting else None
+        # It starts from the largest size that a policy keeping at least as much fit (so this one fits it too)
+        # and runs a larger size only where predicted to fit. Without one, from the smallest candidate, which the
+        # first policy (none, which keeps the most) ran without running out of memory.
+        safe = max((best for kept, best, _ in fitting if keeps_at_least(kept, policy)), default=0)
+        fit = sorted((c for c in candidates if c <= safe), reverse=True) or candidates[:1]
         best, measured = climb(sizes, budget=budget, resident=resident, measure=trials.measure, fit=fit)
         tried[trials.policy_name or ""] = measured
         if best is not None:
