@@ -343,6 +343,15 @@ def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fit
         "error: fsdp.activation_checkpointing=auto: with full activation checkpointing, micro-batch 4 peaks at 4.60 "
         "GiB, over the budget of 4.50 GiB (5.00 GiB usable, train.auto_micro_batch_margin=0.1); set a smaller "
         "train.micro_batch_size (or auto), use more GPUs, or shorten data.seq_len"]
+    # Without checkpointing micro-batch 4 needs more than the GPU has: its trial runs out of memory, as training at
+    # that size would. One error line, and the margin is not the advice (it plays no part in a size set by hand).
+    proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out3", corpus=corpus, dataset_dir=dataset_dir,
+                     faults=fake_memory(10, 1, 1, **AC_MEMORY), check=False)
+    assert proc.returncode == 1
+    assert error_lines(proc) == [
+        "error: fsdp.activation_checkpointing=auto: a trial step at micro-batch 4 with activation checkpointing none "
+        "ran out of memory (CUDA out of memory (fake: 13.00 GiB needed, 10.00 GiB there)); set "
+        "train.micro_batch_size=auto or a smaller size"]
 
 
 @pytest.mark.slow

@@ -362,9 +362,11 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     except torch.OutOfMemoryError as err:
         # The run stops: no point restoring the state of a step that an exception interrupted.
         during = f" with activation checkpointing {trials.policy_name}" if switch is not None else ""
+        # A size set by hand is run as it is (the margin plays no part); auto's sizes are predicted within it.
+        advice = ("set train.micro_batch_size=auto or a smaller size" if micro_batches is not None else
+                  "raise train.auto_micro_batch_margin, or set a smaller train.micro_batch_size by hand")
         raise OutOfMemory(f"{label}: a trial step at micro-batch {trials.size}{during} ran out of memory "
-                          f"({str(err).splitlines()[0]}); raise train.auto_micro_batch_margin, or set a smaller "
-                          f"train.micro_batch_size by hand") from None
+                          f"({str(err).splitlines()[0]}); {advice}") from None
     with torch.no_grad():
         for param, value in zip(model.parameters(), saved, strict=True):
             _local(param).copy_(value)
