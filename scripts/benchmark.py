@@ -148,7 +148,7 @@ def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None
             choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len,
                                         vocab_size=cfg.model.vocab_size, grad_clip=t.grad_clip,
                                         margin=t.auto_micro_batch_margin, compile=t.compile, env=env, probe=probe,
-                                        micro_batches=None if micro_batch == "auto" else [int(micro_batch)],
+                                        micro_batch=None if micro_batch == "auto" else int(micro_batch),
                                         switch=switch, every_n=cfg.fsdp.ac_every_n_layers)
             micro_batch = choice.micro_batch_size
             for converter in converters:  # the trial steps' weights were put back: their FP8 scales too
@@ -543,8 +543,9 @@ def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str,
                 result = bench(run_cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
             splits[name] = (result["micro_batch"], result["grad_accum"])
             if bench is bench_ours and run_cfg.train.float8 == "none":
-                # The bf16 reference runs at our last bf16 split: an FP8 run's larger auto micro-batch
-                # can run it out of memory on one rank before the other, which hangs the job.
+                # The bf16 reference runs at our last bf16 split where there is one: an FP8 run's larger
+                # micro-batch may not fit the reference, and its halving after an out-of-memory error relies on
+                # every rank running out alike (an error on one rank alone waits out run.timeout_s).
                 last_split = splits[name]
             times[name] += result["times"]
             memory[name] = max(memory[name], peak_memory_gib(env))

@@ -19,6 +19,7 @@ from fsdp_utils.train.batch import BatchSplit, divisors
 from fsdp_utils.train.microbatch import (
     CACHE_FILE,
     MicroBatchChoice,
+    _fitting_pairs,
     auto_policies,
     climb,
     keeps_at_least,
@@ -131,6 +132,32 @@ def test_which_policy_keeps_at_least_what_another_keeps():
     assert keeps_at_least(op, lean) and not keeps_at_least(lean, op)
     assert not keeps_at_least(lean, every2) and not keeps_at_least(every2, lean) and not keeps_at_least(op, every2)
     assert not keeps_at_least(full, none)
+
+
+def test_each_policy_runs_only_sizes_known_or_predicted_to_fit():
+    # The policies of fsdp.activation_checkpointing=auto on a 10 GiB GPU (budget 9, 1 resident), read from a
+    # formula that runs out of memory over 10 GiB, as the GPU does. Started from the smallest size larger than
+    # what the policy before fit, selective_op_lean would run 8 (10.6 GiB) and selective/2 4 (11): both fatal.
+    per_sample = {"none": 3, "selective_op": 1.5, "selective_op_lean": 1.2, "selective/2": 2.5, "full": 0.9}
+
+    class Trials:
+        policy = None
+        policy_name = None
+
+        def use(self, policy):
+            self.policy, self.policy_name = policy, policy.name
+
+        def measure(self, size):
+            peak = 1 + per_sample[self.policy_name] * size
+            if peak > 10:
+                raise torch.OutOfMemoryError(f"{peak} GiB")
+            return peak
+
+    tried = {}
+    fitting = _fitting_pairs(Trials(), auto_policies(2), divisors(8), budget=9, resident=1, tried=tried)
+    assert [(policy.name, best) for policy, best, _ in fitting] == [("none", 2), ("selective_op", 4), ("full", 8)]
+    assert tried == {"none": {1: 4, 2: 7}, "selective_op": {2: 4, 4: 7}, "selective_op_lean": {4: 5.8, 2: 3.4},
+                     "selective/2": {2: 6, 1: 3.5}, "full": {4: 4.6, 8: 8.2}}
 
 
 def test_climb_nothing_fits():
@@ -279,12 +306,12 @@ def test_auto_when_nothing_fits_is_one_error_line(corpus, dataset_dir, tmp_path)
 
 # ---- end to end: fsdp.activation_checkpointing=auto -------------------------------------------------
 
-# Budget 10 * 0.9 = 9 GiB over 1 GiB resident, per-rank batch 8 (candidates 1, 2, 4, 8). Per sample: none 3 GiB
-# (fits 2: 7 GiB), selective_op 1.5 (from 4 up: fits 4, 7 GiB; its bound rules out 8, so it is measured at none's
-# 2 too, for its line: 4 GiB, 8 still predicted over), selective_op_lean 1.2 (from 8 up: 10.6, no),
-# selective/2 2 (from 8 up: 17, no), full 0.9 (from 8 up: 8.2, fits). A timed step takes step_seconds /
-# micro-batch: none@2 0.5 s, selective_op@4 0.25 s, full@8 0.375 s; so selective_op@4 trains the most tokens/s
-# (8 sequences of 32 tokens a step).
+# Budget 10 * 0.9 = 9 GiB of a 10 GiB GPU, 1 GiB resident, per-rank batch 8 (candidates 1, 2, 4, 8). Per sample:
+# none 3 GiB (fits 2: 7 GiB); selective_op 1.5 (starts at none's 2: 4 GiB, then 4: 7, fits; 8 predicted at 13);
+# selective_op_lean 1.2 (starts at selective_op's 4: 5.8; its line through 2 puts 8 at 10.6, over the GPU itself);
+# selective/2 2.5 (starts at none's 2: 6; 8 predicted at 21); full 0.9 (starts at 4: 4.6, then 8: 8.2, fits).
+# A timed step takes step_seconds / micro-batch: none@2 0.5 s, selective_op@4 0.25 s, full@8 0.375 s; so
+# selective_op@4 trains the most tokens/s (8 sequences of 32 tokens a step).
 AC_MEMORY = {"policy_per_sample_gib": {"none": 3, "selective_op": 1.5, "selective_op_lean": 1.2, "selective/2": 2.5,
                                        "full": 0.9},
              "step_seconds": {"none": 1, "selective_op": 1, "full": 3}}
@@ -324,34 +351,37 @@ def test_auto_checkpointing_trains_the_fastest_pair_that_fits_like_it_by_hand_an
 
 @pytest.mark.slow
 def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fits(corpus, dataset_dir, tmp_path):
-    # Micro-batch 4: none needs 13 GiB (over the budget of 12.6), selective_op 7: selective_op, without timing.
+    # Micro-batch 4 on a 10 GiB GPU: none would need 13 GiB, more than there is, so it never runs: the trials climb
+    # to 4 through its divisors, as the auto search does. none's line through 1 and 2 puts 4 at 13, over the budget
+    # of 9; selective_op starts at 2, where none fit, and reaches 4 at 7 GiB: selective_op, without timing.
     at_4 = ["--train.global_batch_size=8", "--train.micro_batch_size=4", "--fsdp.activation_checkpointing=auto"]
     proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir,
-                     faults=fake_memory(14, 1, 1, **AC_MEMORY))
-    assert ("fsdp.activation_checkpointing=auto: tried none: micro-batch 4: 13.00 GiB; selective_op: micro-batch 4: "
-            "7.00 GiB; selective_op recomputes the least of the policies that fit micro-batch 4, and none fits a "
-            "larger one") in proc.stderr
+                     faults=fake_memory(10, 1, 1, **AC_MEMORY))
+    assert ("fsdp.activation_checkpointing=auto: tried none: micro-batch 1: 4.00 GiB, 2: 7.00 GiB; selective_op: "
+            "micro-batch 2: 4.00 GiB, 4: 7.00 GiB; selective_op recomputes the least of the policies that fit "
+            "micro-batch 4\n") in proc.stderr
     assert "grad accumulation 2, micro-batch 4, activation checkpointing selective_op," in proc.stderr
-    # Nothing fits micro-batch 4, full checkpointing included: one error line. (Each policy's peak is under the
-    # 5 GiB capacity: the first one measured is at the size set, as training at it would be.)
+    # Nothing fits micro-batch 4, full checkpointing included: one error line, with full's figure for 4 predicted
+    # from its trials at 2 and 1 (4 itself is never run).
     tight = {"policy_per_sample_gib": {"none": 1, "selective_op": 0.98, "selective_op_lean": 0.96, "selective/2": 0.94,
                                        "full": 0.9}}
     proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out2", corpus=corpus, dataset_dir=dataset_dir,
                      faults=fake_memory(5, 1, 1, **tight), check=False)
     assert proc.returncode == 1
     assert error_lines(proc) == [
-        "error: fsdp.activation_checkpointing=auto: with full activation checkpointing, micro-batch 4 peaks at 4.60 "
-        "GiB, over the budget of 4.50 GiB (5.00 GiB usable, train.auto_micro_batch_margin=0.1); set a smaller "
-        "train.micro_batch_size (or auto), use more GPUs, or shorten data.seq_len"]
-    # Without checkpointing micro-batch 4 needs more than the GPU has: its trial runs out of memory, as training at
-    # that size would. One error line, and the margin is not the advice (it plays no part in a size set by hand).
+        "error: fsdp.activation_checkpointing=auto: with full activation checkpointing, micro-batch 4 is predicted at "
+        "4.60 GiB from the trials at micro-batch 1: 1.90 GiB, 2: 2.80 GiB, over the budget of 4.50 GiB (5.00 GiB "
+        "usable, train.auto_micro_batch_margin=0.1); set a smaller train.micro_batch_size (or auto), use more GPUs, or "
+        "shorten data.seq_len"]
+    # Micro-batch 1 without checkpointing needs more than the GPU has: the first trial runs out of memory. One error
+    # line, which names the way around it (the margin plays no part at the smallest size).
     proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out3", corpus=corpus, dataset_dir=dataset_dir,
-                     faults=fake_memory(10, 1, 1, **AC_MEMORY), check=False)
+                     faults=fake_memory(3, 1, 1, **AC_MEMORY), check=False)
     assert proc.returncode == 1
     assert error_lines(proc) == [
-        "error: fsdp.activation_checkpointing=auto: a trial step at micro-batch 4 with activation checkpointing none "
-        "ran out of memory (CUDA out of memory (fake: 13.00 GiB needed, 10.00 GiB there)); set "
-        "train.micro_batch_size=auto or a smaller size"]
+        "error: fsdp.activation_checkpointing=auto: a trial step at micro-batch 1 with activation checkpointing none "
+        "ran out of memory (CUDA out of memory (fake: 4.00 GiB needed, 3.00 GiB there)); set "
+        "fsdp.activation_checkpointing=full by hand, use more GPUs, or shorten data.seq_len"]
 
 
 @pytest.mark.slow

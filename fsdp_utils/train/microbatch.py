@@ -21,7 +21,7 @@ forward leaves the others waiting in a collective until run.timeout_s, and recov
    with the micro-batch (activations do) on top of a part that does not (gathered weights, workspaces,
    the loss chunk). That part can be gigabytes (at 8B it kept a policy from trying a size that fits), so
    with two measurements the prediction is their line: its slope is the activations' alone. Nothing is
-   measured unless predicted to fit, but the first size: a trial step over the GPU's capacity is an
+   run unless known or predicted to fit, but the smallest size: a trial step over the GPU's capacity is an
    out-of-memory error, which ends the run (on an H200 given an H100's budget such a step merely read
    over the budget; on the H100 it stopped the 1B preset). So a later policy of
    fsdp.activation_checkpointing=auto starts at the largest size that a policy keeping at least as much
@@ -42,7 +42,8 @@ forward leaves the others waiting in a collective until run.timeout_s, and recov
    slower). When more than one pair of policy and micro-batch fits, each is timed over whole steps (the
    per-rank batch's accumulation) and the one with the most tokens/s trains. Blocks switch policy in place
    (parallel/parallelize.py CheckpointSwitch); with compile, each policy compiles anew. With a numeric
-   train.micro_batch_size, it picks the first policy whose step fits at that size.
+   train.micro_batch_size, it picks the first policy whose step fits at that size, climbing to it through
+   its divisors by the same rules (so none does not run a size larger than the GPU).
 
 The result is cached per model shape, sequence length, batch, world size, GPU, torch version and the
 memory-relevant options in <output_dir>/microbatch_cache.json: a resumed run does not search again.
@@ -203,6 +204,12 @@ def _predicted_fits(candidates: list[int], best: int, measured: dict[int, float]
                     resident: float) -> list[int]:
     """The candidates above `best` whose predicted peak fits: from the two largest measurements that fit when
     there are two (and they rise), else from the bound of `best`'s."""
+    return [c for c in candidates if c > best and _predicted_peak(c, best, measured, resident=resident) <= budget]
+
+
+def _predicted_peak(size: int, best: int, measured: dict[int, float], *, resident: float) -> float:
+    """The peak at `size` predicted from `best`'s measurement: the line through it and the largest smaller one
+    that reads lower, else the bound (everything above `resident` grows with the micro-batch)."""
     peak = measured[best]
     slope = (peak - resident) / best
     lower = [b for b in measured if b < best and measured[b] <= peak]
@@ -210,7 +217,7 @@ def _predicted_fits(candidates: list[int], best: int, measured: dict[int, float]
         a = max(lower)
         if measured[a] < peak:
             slope = (peak - measured[a]) / (best - a)
-    return [c for c in candidates if c > best and peak + slope * (c - best) <= budget]
+    return peak + slope * (size - best)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -241,7 +248,9 @@ def auto_policies(every_n: int, *, lean: bool = True) -> list[CheckpointPolicy]:
 def keeps_at_least(a: CheckpointPolicy | None, b: CheckpointPolicy | None) -> bool:
     """Whether policy `a` keeps at least what `b` keeps for backward in every block, so that `b` fits where `a` did.
     none keeps the most and full the least; selective_op keeps what selective_op_lean does and the gate/up output.
-    Every n-th block's whole forward against the op-level policies depends on the model: no order."""
+    Every n-th block's whole forward against the op-level policies depends on the model: no order. (selective_op
+    also keeps matmul outputs that plain autograd would not; in bf16 none's fp32 norm inputs outweigh them, but an
+    fp32 LoRA model on the CPU peaked 8.6% higher with selective_op than with none: within the default margin.)"""
     if a is None or b is None or a == b:
         return True
     return a.name == "none" or b.name == "full" or (a.name, b.name) == ("selective_op", "selective_op_lean")
@@ -299,14 +308,16 @@ class _Trials:
 
 def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, per_rank: int, seq_len: int,
                        vocab_size: int, grad_clip: float, margin: float, compile: bool, env: DistEnv,
-                       probe: MemoryProbe, micro_batches: list[int] | None = None,
+                       probe: MemoryProbe, micro_batch: int | None = None,
                        switch: CheckpointSwitch | None = None, every_n: int = 2) -> MicroBatchChoice:
-    """The largest divisor of `per_rank` (or of `micro_batches`) whose training step fits in memory with `margin`
-    to spare, the same on every rank. With a `switch` (fsdp.activation_checkpointing=auto) for each policy of
-    auto_policies in turn, then the fitting pair of policy and micro-batch whose full step (the accumulation
-    of the per-rank batch) trains the most tokens/s; the switch is left at the chosen policy. Leaves the
-    weights, the optimizer state and the RNGs as they were."""
-    candidates = micro_batches or divisors(per_rank)
+    """The largest divisor of `per_rank` whose training step fits in memory with `margin` to spare, the same on
+    every rank. With a `switch` (fsdp.activation_checkpointing=auto) for each policy of auto_policies in turn,
+    then the fitting pair of policy and micro-batch whose full step (the accumulation of the per-rank batch)
+    trains the most tokens/s; the switch is left at the chosen policy. With a `micro_batch` set by hand (and a
+    switch), the first policy that fits it: the trials climb to it through its divisors, so that, as in the
+    auto search, no size runs before it is known or predicted to fit but the smallest. Leaves the weights,
+    the optimizer state and the RNGs as they were."""
+    candidates = divisors(micro_batch or per_rank)
     policies: list[CheckpointPolicy | None] = (list(auto_policies(every_n, lean=switch.lean)) if switch is not None
                                                else [None])
     assert not optimizer.state, "search before the first optimizer step (or a resume): its state is cleared afterwards"
@@ -316,18 +327,25 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     budget = capacity * (1 - margin)
     trials = _Trials(model, optimizer, per_rank=per_rank, seq_len=seq_len, vocab_size=vocab_size, grad_clip=grad_clip,
                      compile=compile, env=env, probe=probe, switch=switch)
-    label = auto_label(auto_size=micro_batches is None, auto_checkpointing=switch is not None)
+    label = auto_label(auto_size=micro_batch is None, auto_checkpointing=switch is not None)
 
-    def nothing_fits(micro_batch: int, peak: float) -> OutOfMemory:
+    def nothing_fits(size: int, measured: dict[int, float]) -> OutOfMemory:
+        """Nothing fits `size` (auto: the smallest, measured; by hand: the size set, measured or predicted)."""
         what = "with full activation checkpointing, " if switch is not None else ""
-        even = "even " if micro_batches is None else ""
+        if size in measured:
+            figure = f"{'even ' if micro_batch is None else ''}micro-batch {size} peaks at {_gib(measured[size])} GiB"
+        else:  # the size set by hand, never run: the trials below it put it over the budget
+            below = max(measured)
+            peak = measured[below] if measured[below] > budget else _predicted_peak(size, below, measured,
+                                                                                    resident=resident)
+            figure = (f"micro-batch {size} is predicted at {_gib(peak)} GiB from the trials at "
+                      f"{format_measured({b: m / GiB for b, m in measured.items()})}")
         advice = "use more GPUs" if switch is not None else "turn on fsdp.activation_checkpointing, use more GPUs"
-        if micro_batches is not None:
+        if micro_batch is not None:
             advice = "set a smaller train.micro_batch_size (or auto), " + advice
         return OutOfMemory(
-            f"{label}: {what}{even}micro-batch {micro_batch} peaks at {_gib(peak)} GiB, over the budget of "
-            f"{_gib(budget)} GiB ({_gib(capacity)} GiB usable, train.auto_micro_batch_margin={margin}); {advice}, or "
-            "shorten data.seq_len")
+            f"{label}: {what}{figure}, over the budget of {_gib(budget)} GiB ({_gib(capacity)} GiB usable, "
+            f"train.auto_micro_batch_margin={margin}); {advice}, or shorten data.seq_len")
 
     rng_devices = [env.device.index] if env.device.type == "cuda" else []
     tried: dict[str, dict[int, float]] = {}
@@ -339,9 +357,11 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
             trials.step(candidates[0], min(2, per_rank // candidates[0]))  # allocates the optimizer state, compiles
             resident = _max_over_ranks(probe.allocated(), env)
             fitting = _fitting_pairs(trials, policies, candidates, budget=budget, resident=resident, tried=tried)
+            if micro_batch is not None:  # by hand: only the size set counts (the smaller ones led up to it)
+                fitting = [pair for pair in fitting if pair[1] == micro_batch]
             if not fitting:
                 last = tried[next(reversed(tried))]
-                raise nothing_fits(min(last), last[min(last)])
+                raise nothing_fits(micro_batch or min(last), last)
             chosen = fitting[0]
             if len(fitting) > 1:  # auto: each pair that fits has a larger micro-batch at more recompute; time them
                 for policy, size, _ in fitting:
@@ -355,16 +375,19 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
                 peak = measured[best] = trials.measure(best)
                 if peak <= budget:
                     break
-                if best == candidates[0]:
-                    raise nothing_fits(best, peak)
+                if best == candidates[0] or micro_batch is not None:
+                    raise nothing_fits(best, measured)
                 best = max(c for c in candidates if c < best)
                 trials.use(policy)
     except torch.OutOfMemoryError as err:
         # The run stops: no point restoring the state of a step that an exception interrupted.
         during = f" with activation checkpointing {trials.policy_name}" if switch is not None else ""
-        # A size set by hand is run as it is (the margin plays no part); auto's sizes are predicted within it.
-        advice = ("set train.micro_batch_size=auto or a smaller size" if micro_batches is not None else
-                  "raise train.auto_micro_batch_margin, or set a smaller train.micro_batch_size by hand")
+        # At the smallest size the model does not fit as the first trial runs it; above it, a prediction missed.
+        advice = ("raise train.auto_micro_batch_margin, or set a smaller train.micro_batch_size by hand"
+                  if trials.size > candidates[0] else
+                  "set fsdp.activation_checkpointing=full by hand, use more GPUs, or shorten data.seq_len"
+                  if switch is not None else
+                  "turn on fsdp.activation_checkpointing, use more GPUs, or shorten data.seq_len")
         raise OutOfMemory(f"{label}: a trial step at micro-batch {trials.size}{during} ran out of memory "
                           f"({str(err).splitlines()[0]}); {advice}") from None
     with torch.no_grad():
@@ -533,14 +556,14 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
              f"the fastest pair of activation checkpointing policy and micro-batch (of {sizes}) that fits")
     choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
                                 grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env,
-                                probe=probe, micro_batches=None if auto_size else sizes, switch=switch,
+                                probe=probe, micro_batch=None if auto_size else t.micro_batch_size, switch=switch,
                                 every_n=cfg.fsdp.ac_every_n_layers)
     if switch is not None:
         tried = "; ".join(f"{name}: {format_measured(sizes)}" for name, sizes in choice.tried_gib.items())
         timed = ", ".join(f"{pair} {speed:,.0f} tokens/s per rank" for pair, speed in choice.tokens_per_s.items())
         why = (f"timed {timed}: the most tokens/s is {choice.checkpointing}@{choice.micro_batch_size}" if timed else
                f"{choice.checkpointing} recomputes the least of the policies that fit micro-batch "
-               f"{choice.micro_batch_size}, and none fits a larger one")
+               f"{choice.micro_batch_size}" + (", and none fits a larger one" if auto_size else ""))
         log.info("fsdp.activation_checkpointing=auto: tried %s; %s", tried, why)
     log.info("%s: micro-batch %d (gradient accumulation %d on %d ranks)%s; peak memory of the trial steps (reserved, "
              "max over ranks) %s, against a budget of %.2f GiB (%.2f GiB usable, margin %g); %.0f s", what,
