@@ -612,6 +612,8 @@ def main() -> int:
                      "follows train.global_batch_size")
     if args.peer_only and auto:
         parser.error("--peer_only needs a numeric train.micro_batch_size (auto is found by our own run)")
+    if args.lora_only and not args.lora:
+        parser.error("--lora_only goes with --lora (the ranks to run)")
     if args.doc_len is None:
         args.doc_len = 1024 if args.document_masking else 0
     elif args.doc_len < 1:

@@ -550,6 +550,15 @@ def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
     assert tried == [(8, 1), (4, 2), (2, 4)] and (result["micro_batch"], result["grad_accum"]) == (2, 4)
 
 
+@pytest.mark.slow
+def test_benchmark_lora_only_without_ranks_is_one_error_line():
+    # It would plan no run of ours (the reference alone, with no split to run at).
+    command = [sys.executable, str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--lora_only", "--peer"]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=job_env())
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].endswith("error: --lora_only goes with --lora (the ranks to run)")
+
+
 def test_benchmark_reference_after_fp8_runs_only_takes_their_split(monkeypatch):
     # `--train.float8=tensorwise --peer`: no bf16 run of ours to take the split from (it crashed on 2 x H100),
     # so the reference starts from the FP8 run's and halves where it does not fit.
