@@ -365,20 +365,21 @@ def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fit
     # from its trials at 2 and 1 (4 itself is never run).
     tight = {"policy_per_sample_gib": {"none": 1, "selective_op": 0.98, "selective_op_lean": 0.96, "selective/2": 0.94,
                                        "full": 0.9}}
-    proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out2", corpus=corpus, dataset_dir=dataset_dir,
-                     faults=fake_memory(5, 1, 1, **tight), check=False)
-    assert proc.returncode == 1
-    assert error_lines(proc) == [
+
+    def failure(out: str, faults: dict) -> list[str]:
+        proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / out, corpus=corpus, dataset_dir=dataset_dir,
+                         faults=faults, check=False)
+        assert proc.returncode == 1
+        return error_lines(proc)
+
+    assert failure("out2", fake_memory(5, 1, 1, **tight)) == [
         "error: fsdp.activation_checkpointing=auto: with full activation checkpointing, micro-batch 4 is predicted at "
         "4.60 GiB from the trials at micro-batch 1: 1.90 GiB, 2: 2.80 GiB, over the budget of 4.50 GiB (5.00 GiB "
         "usable, train.auto_micro_batch_margin=0.1); set a smaller train.micro_batch_size (or auto), use more GPUs, or "
         "shorten data.seq_len"]
     # Micro-batch 1 without checkpointing needs more than the GPU has: the first trial runs out of memory. One error
     # line, which names the way around it (the margin plays no part at the smallest size).
-    proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out3", corpus=corpus, dataset_dir=dataset_dir,
-                     faults=fake_memory(3, 1, 1, **AC_MEMORY), check=False)
-    assert proc.returncode == 1
-    assert error_lines(proc) == [
+    assert failure("out3", fake_memory(3, 1, 1, **AC_MEMORY)) == [
         "error: fsdp.activation_checkpointing=auto: a trial step at micro-batch 1 with activation checkpointing none "
         "ran out of memory (CUDA out of memory (fake: 4.00 GiB needed, 3.00 GiB there)); set "
         "fsdp.activation_checkpointing=full by hand, use more GPUs, or shorten data.seq_len"]
