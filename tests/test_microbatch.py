@@ -135,10 +135,11 @@ def test_which_policy_keeps_at_least_what_another_keeps():
 
 
 def test_each_policy_runs_only_sizes_known_or_predicted_to_fit():
-    # The policies of fsdp.activation_checkpointing=auto on a 10 GiB GPU (budget 9, 1 resident), read from a
-    # formula that runs out of memory over 10 GiB, as the GPU does. Started from the smallest size larger than
-    # what the policy before fit, selective_op_lean would run 8 (10.6 GiB) and selective/2 4 (11): both fatal.
-    per_sample = {"none": 3, "selective_op": 1.5, "selective_op_lean": 1.2, "selective/2": 2.5, "full": 0.9}
+    # The policies of fsdp.activation_checkpointing=auto on a 10 GiB GPU (budget 9, 1 resident), read from the
+    # fake probe's formula (AC_MEMORY below), which runs out of memory over 10 GiB, as the GPU does. Started from
+    # the smallest size larger than what the policy before fit, selective_op_lean would run 8 (10.6 GiB) and
+    # selective/2 4 (11): both fatal.
+    probe = FakeProbe({"capacity_gib": 10, "fixed_gib": 1, **AC_MEMORY}, 0)
 
     class Trials:
         policy = None
@@ -148,16 +149,15 @@ def test_each_policy_runs_only_sizes_known_or_predicted_to_fit():
             self.policy, self.policy_name = policy, policy.name
 
         def measure(self, size):
-            peak = 1 + per_sample[self.policy_name] * size
-            if peak > 10:
-                raise torch.OutOfMemoryError(f"{peak} GiB")
-            return peak
+            probe.begin(size, self.policy_name)
+            return probe.peak_reserved() / GiB
 
     tried = {}
     fitting = _fitting_pairs(Trials(), auto_policies(2), divisors(8), budget=9, resident=1, tried=tried)
     assert [(policy.name, best) for policy, best, _ in fitting] == [("none", 2), ("selective_op", 4), ("full", 8)]
-    assert tried == {"none": {1: 4, 2: 7}, "selective_op": {2: 4, 4: 7}, "selective_op_lean": {4: 5.8, 2: 3.4},
-                     "selective/2": {2: 6, 1: 3.5}, "full": {4: 4.6, 8: 8.2}}
+    assert {name: {b: round(m, 2) for b, m in sizes.items()} for name, sizes in tried.items()} == {
+        "none": {1: 4, 2: 7}, "selective_op": {2: 4, 4: 7}, "selective_op_lean": {4: 5.8, 2: 3.4},
+        "selective/2": {2: 6, 1: 3.5}, "full": {4: 4.6, 8: 8.2}}
 
 
 def test_climb_nothing_fits():
