@@ -12,6 +12,8 @@ object in FSDP_TEST_FAULTS installed, by wrapping production functions in that p
 - "nan_at_step": K: rank 0's loss of training step K (1-based) is NaN;
 - "fake_gpu_memory": {...}: GPU memory readings from a formula (FakeProbe), so the micro-batch search,
   its agreement across ranks, the cache and the hint run on the CPU;
+- "gpu_memory_gib": N: each rank's GPU holds only N GiB, as a smaller card would: the micro-batch search
+  reads N GiB as its capacity, and torch's allocator raises a real out-of-memory error past it (HeldGPU);
 - "oom": "STEP:PHASE[:MICRO[:RANK]]": a CUDA out-of-memory error at that step (OOMInjection);
 - "float8_on_cpu": true: FP8 training allowed on the CPU (torch's reference FP8 matmul, far too slow to
   train with, but it runs the real conversion, FP8 all-gather and checkpoint paths on gloo).
@@ -109,6 +111,24 @@ class FakeProbe(MemoryProbe):
 
     def reserved(self) -> int:
         return self.peak_reserved()
+
+
+class HeldGPU(MemoryProbe):
+    """A real GPU held to `gib` GiB ("gpu_memory_gib"): the search's probe reports that capacity, and the
+    caching allocator's per-process limit makes anything past it a real out-of-memory error, so a trial
+    step the search did not predict to fit fails as it would on the smaller card (the margin alone only
+    lowers the budget, and a trial over it still finishes on a large card)."""
+
+    def __init__(self, device: torch.device, gib: float):
+        super().__init__(device)
+        self.bytes = int(gib * 2**30)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.bytes / super().total()), device)
+
+    def total(self) -> int:
+        return self.bytes
+
+    def capacity(self) -> int:
+        return min(self.bytes, super().capacity())
 
 
 class OOMInjection:
@@ -259,6 +279,17 @@ def _install_fake_gpu_memory(fake: dict, *, current: dict) -> None:
     microbatch.memory_probe = trainer.memory_probe = lambda device, rank: FakeProbe(fake, rank)
 
 
+def _install_gpu_memory_gib(gib: float, *, current: dict) -> None:
+    from fsdp_utils.train import microbatch, trainer
+
+    real = microbatch.memory_probe
+
+    def held(device, rank):
+        return HeldGPU(device, gib) if device.type == "cuda" else real(device, rank)
+
+    microbatch.memory_probe = trainer.memory_probe = held
+
+
 def _install_oom(oom: str, *, current: dict) -> None:
     from fsdp_utils.train.microbatch import OutOfMemoryGuard
     from model.transformer import DecoderBlock
@@ -295,6 +326,7 @@ _INSTALLERS = {  # in the order they are installed
     "disk_free_bytes": _install_disk_free_bytes,
     "nan_at_step": _install_nan_at_step,
     "fake_gpu_memory": _install_fake_gpu_memory,
+    "gpu_memory_gib": _install_gpu_memory_gib,
     "oom": _install_oom,
     "float8_on_cpu": _install_float8_on_cpu,
 }
