@@ -40,12 +40,18 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return is_eos.cumsum(dim=1, dtype=torch.int32) - is_eos
 
 
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, T) bool, True at the first token of each document (every row starts one)."""
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return starts
+
+
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) document ids -> (B, T) position of each token inside its document (0 at each start)."""
     T = doc_ids.shape[1]
     index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    starts = document_starts(doc_ids)
     # The start of each token's document: the latest start at or before it.
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
     return index - first

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model.documents import document_block_mask, document_ids  # noqa: E402
+from model.documents import document_block_mask, document_ids, document_starts  # noqa: E402
 
 EOS = 0
 SHAPES = {  # name: (micro-batch, query heads, key/value heads, head dim) at the presets' choices
@@ -56,9 +56,7 @@ def packed_tokens(batch: int, T: int, doc_len: int, seed: int = 0) -> torch.Tens
 
 def cumulative_lengths(doc_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) document ids -> the start of every document in the flattened window, then B * T (int32)."""
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    index = starts.flatten().nonzero().flatten()
+    index = document_starts(doc_ids).flatten().nonzero().flatten()
     return torch.cat([index, index.new_tensor([doc_ids.numel()])]).to(torch.int32)
 
 
