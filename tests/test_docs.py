@@ -1,7 +1,81 @@
-"""Documentation that is derived from code stays in step with it."""
+"""Documentation that is derived from code stays in step with it; the README and docs say what is true today."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import pytest
+
 from scripts.config_reference import ROOT, render
+
+README_MAX_LINES = 220
+
+# A word of 7 to 40 hexadecimal digits with at least one letter and one digit: how git abbreviates a
+# commit. Words inside other identifiers (fsdp_cpt1000, a path, #rrggbb) do not count.
+HEX_WORD = re.compile(r"(?<![\w#./-])[0-9a-f]{7,40}(?![\w-])")
+ISSUE_MENTION = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def current_docs(root: Path) -> list[Path]:
+    """README.md and docs/*.md, the pages that describe today (not the dated records in docs/benchmarks/)."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def all_docs(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced blocks: printed output there (a CRC32, a tracker's run id) may be hex."""
+    out, fenced = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line.lstrip()):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append((number, line))
+    return out
+
+
+def commit_hashes(text: str) -> list[str]:
+    found = []
+    for number, line in prose_lines(text):
+        for word in HEX_WORD.findall(line):
+            if re.search(r"[0-9]", word) and re.search(r"[a-f]", word):
+                found.append(f"line {number}: {word}")
+    return found
+
+
+def issue_mentions(text: str) -> list[str]:
+    return [f"line {n}: {m}" for n, line in prose_lines(text) for m in ISSUE_MENTION.findall(line)]
+
+
+def heading_anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {heading_anchor(line.lstrip("#")) for _, line in prose_lines(path.read_text()) if line.startswith("#")}
+
+
+def broken_links(path: Path, root: Path) -> list[str]:
+    broken = []
+    for number, line in prose_lines(path.read_text()):
+        for target in LINK.findall(line):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            where = f"{path.relative_to(root)}:{number}: {target}"
+            if not dest.exists():
+                broken.append(f"{where} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{where} (no such heading)")
+    return broken
 
 
 def test_configuration_reference_is_current():
@@ -14,3 +88,37 @@ def test_every_field_is_documented():
     rows = [line for line in render().splitlines() if line.startswith("| `")]
     undocumented = [row.split("|")[1].strip() for row in rows if row.rstrip().endswith("|  |")]
     assert not undocumented, undocumented
+
+
+def test_readme_fits_a_few_screens():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; details belong in docs/"
+
+
+@pytest.mark.parametrize("path", current_docs(ROOT), ids=lambda p: str(p.relative_to(ROOT)))
+def test_current_docs_name_no_commit_and_no_issue(path: Path):
+    # Commits and dates belong to the records in docs/benchmarks/, history to git.
+    text = path.read_text()
+    assert not commit_hashes(text), commit_hashes(text)
+    assert not issue_mentions(text), issue_mentions(text)
+
+
+def test_hash_and_issue_detection():
+    # The checks above must see a commit in prose and leave alone what only looks like one.
+    assert commit_hashes("measured at commit 58f0dc5, then e2d1fa4.") == ["line 1: 58f0dc5", "line 1: e2d1fa4"]
+    assert commit_hashes("```\nerror: (CRC32 5f1c09aa, recorded 9b0e4e71)\n```\n") == []
+    assert commit_hashes("fsdp_cpt1000.pth, 1234567 tokens, a defaced word, colour #a1b2c3d4") == []
+    assert issue_mentions("another item of issue 23; Issue #7") == ["line 1: issue 23", "line 1: Issue #7"]
+    assert issue_mentions("pytorch/pytorch#135712 is torch's") == []
+
+
+def test_links_between_docs_resolve():
+    broken = [b for path in all_docs(ROOT) for b in broken_links(path, ROOT)]
+    assert not broken, broken
+
+
+def test_benchmark_records_are_dated():
+    names = [p.name for p in (ROOT / "docs" / "benchmarks").glob("*.md")]
+    assert names
+    undated = [n for n in names if not re.match(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md$", n)]
+    assert not undated, undated
