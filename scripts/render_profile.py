@@ -113,16 +113,17 @@ def own_ms(spans: list[tuple[float, float, str]]) -> list[float]:
     holds aten::mm), so a thread's own times add up to its busy time where durations would count the inner
     ops twice; kernels on one stream never overlap, and keep their durations."""
     own = [duration for _, duration, _ in spans]
+    ends = [start + duration for start, duration, _ in spans]
     open_spans: list[int] = []  # the spans enclosing the current one, innermost last
-    for i in sorted(range(len(spans)), key=lambda i: (spans[i][0], -spans[i][1])):
-        start, duration, _ = spans[i]
-        while open_spans and sum(spans[open_spans[-1]][:2]) <= start:
+    for i in sorted(range(len(spans)), key=lambda i: (spans[i][0], -spans[i][1])):  # outer before inner
+        start = spans[i][0]
+        while open_spans and ends[open_spans[-1]] <= start:
             open_spans.pop()
         if open_spans:
             parent = open_spans[-1]
-            own[parent] -= min(start + duration, sum(spans[parent][:2])) - start
+            own[parent] -= min(ends[i], ends[parent]) - start
         open_spans.append(i)
-    return [max(ms, 0.0) for ms in own]
+    return [max(ms, 0.0) for ms in own]  # float rounding can leave a nested op's parent a hair below zero
 
 
 def lane_figures(spans: list[tuple[float, float, str]]) -> tuple[float, dict[str, float]]:
