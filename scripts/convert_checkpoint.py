@@ -15,8 +15,9 @@ A full output has the layout of a full checkpoint written by train_fsdp.py (keys
 format_version, world_size, model_config, train_state): `torch.load(OUT, weights_only=True)["model"]` gives
 the plain model's weights; next to OUT goes `.OUT.json`, its size and CRC32, which a resume from OUT
 checks. A sharded output is written by the training job's own sharded writer (in a process group of this
-one process), with its meta.json of every file's CRC32 written last. The input is checked against its
-recorded CRC32s before it is read, and nothing in it is unpickled by a general unpickler.
+one process), with its meta.json of every file's CRC32 written last. The input's files are checked
+against their recorded CRC32s before anything is written, and nothing in them is unpickled by a general
+unpickler.
 """
 from __future__ import annotations
 
