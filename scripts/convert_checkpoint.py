@@ -1,22 +1,33 @@
-"""Turn a sharded checkpoint (fsdp_sharded_cpt{step}/) into a full one (one .pth file), offline.
+"""Convert a checkpoint between the two formats, offline: a sharded one (fsdp_sharded_cpt{step}/) into a
+full one (one .pth file), or a full one into a sharded one.
 
     python scripts/convert_checkpoint.py checkpoints/llama1B/fsdp_sharded_cpt500 llama1B_500.pth
+    python scripts/convert_checkpoint.py checkpoints/llama1B/fsdp_cpt500.pth converted/fsdp_sharded_cpt500
     python scripts/convert_checkpoint.py checkpoints/llama1B/fsdp_sharded_cpt500 llama1B_500.pth --force   # overwrite
 
-No process group and no GPU: the shards are read in this one process and assembled into whole tensors,
-so the machine needs memory for the whole model and optimizer state. The output has the layout of a
-full checkpoint written by train_fsdp.py (keys model, optimizer, rng, format_version, world_size,
-model_config, train_state): `torch.load(OUT, weights_only=True)["model"]` gives the plain model's weights,
-and `train_fsdp.py ... --resume_from OUT` continues training from it on any number of ranks. Next to OUT
-goes `.OUT.json`, its size and CRC32, which a resume from OUT checks; the shards are checked against
-their recorded CRC32 before they are read.
+The direction follows the input: a folder becomes a file, a file a folder. No GPU and no launcher: the
+checkpoint is read in this one process, so the machine needs memory for the whole model and optimizer
+state. Everything a resume needs comes along (model, optimizer, learning-rate schedule position, data
+position, every rank's RNG state, model config, tokenizer hash, the world size it was saved at), and
+`train_fsdp.py ... --resume_from OUT` continues training from the result on any number of ranks.
+
+A full output has the layout of a full checkpoint written by train_fsdp.py (keys model, optimizer, rng,
+format_version, world_size, model_config, train_state): `torch.load(OUT, weights_only=True)["model"]` gives
+the plain model's weights; next to OUT goes `.OUT.json`, its size and CRC32, which a resume from OUT
+checks. A sharded output is written by the training job's own sharded writer (in a process group of this
+one process), with its meta.json of every file's CRC32 written last. The input's files are checked
+against their recorded CRC32s before anything is written, and nothing in them is unpickled by a general
+unpickler.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,9 +35,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
 
 from fsdp_utils.checkpoint import io as checkpoint_io  # noqa: E402
+from fsdp_utils.checkpoint.base import CheckpointContext, TrainState  # noqa: E402
 from fsdp_utils.checkpoint.format import (  # noqa: E402
     META_KEYS,
     OPTIONAL_META_KEYS,
@@ -36,12 +49,16 @@ from fsdp_utils.checkpoint.format import (  # noqa: E402
     CheckpointError,
     dcp_load,
     install_full,
+    load_full,
     load_rng,
     read_dcp_metadata,
     save_with_checksum,
     set_at,
+    size_of,
     write_record,
 )
+from fsdp_utils.checkpoint.sharded import ShardedCheckpoint  # noqa: E402
+from fsdp_utils.distributed import DistEnv, destroy_distributed  # noqa: E402
 
 
 class ConvertError(Exception):
@@ -52,8 +69,6 @@ def read_meta(src: Path) -> dict:
     """meta.json of a complete sharded checkpoint, after checking every listed file is whole."""
     if not src.exists():
         raise ConvertError(f"{src}: no such file or directory")
-    if not src.is_dir():
-        raise ConvertError(f"{src}: not a sharded checkpoint (expected a fsdp_sharded_cpt<step>/ folder, got a file)")
     return checkpoint_io.read_meta(src)  # meta.json, every shard's size, the format version
 
 
@@ -120,12 +135,28 @@ def load_sharded(src: Path) -> dict:
     return state
 
 
-def convert(src: Path, out: Path, *, force: bool = False) -> dict:
-    """Write the full checkpoint for sharded checkpoint `src` to `out` (atomically); return its payload."""
+def check_out(out: Path, *, force: bool, folder: bool) -> None:
+    """OUT may be written: it does not exist (or --force), and is of the output's kind (a folder or a file)."""
     if out.exists() and not force:
         raise ConvertError(f"{out} exists; pass --force to overwrite it")
-    if out.is_dir():
+    if folder and (out.suffix == ".pth" or (out.exists() and not out.is_dir())):
+        raise ConvertError(f"{out}: a full checkpoint converts to a sharded one, a folder: give the folder's path "
+                           "(e.g. fsdp_sharded_cpt<step>), not a file's")
+    if not folder and out.is_dir():
         raise ConvertError(f"{out} is a directory; give the path of the .pth file to write")
+
+
+def convert(src: Path, out: Path, *, force: bool = False) -> dict:
+    """Write `src` in the other format at `out` (a sharded folder as a full file, a full file as a sharded
+    folder), atomically; return the checkpoint's content in the full layout."""
+    if not src.exists():
+        raise ConvertError(f"{src}: no such file or directory")
+    return to_full(src, out, force=force) if src.is_dir() else to_sharded(src, out, force=force)
+
+
+def to_full(src: Path, out: Path, *, force: bool = False) -> dict:
+    """Write the full checkpoint for sharded checkpoint `src` to `out`; return its payload."""
+    check_out(out, force=force, folder=False)
     meta = read_meta(src)
     checkpoint_io.verify(src)
     state = load_sharded(src)
@@ -145,20 +176,71 @@ def convert(src: Path, out: Path, *, force: bool = False) -> dict:
     return payload
 
 
+class SavedContext(CheckpointContext):
+    """The checkpoint settings of the run that saved a checkpoint being converted: its metadata keeps the
+    world size it was saved at (its RNG states are that many ranks'), not this one process's."""
+
+    def __init__(self, payload: dict, out: Path, env: DistEnv):
+        super().__init__(out.parent, env, "sharded", keep_last_n=0, model_config=payload["model_config"],
+                         tokenizer_sha256=payload.get("tokenizer_sha256"), lora=payload.get("lora"))
+        self.saved_world_size = payload["world_size"]
+
+    def metadata(self, state: TrainState) -> dict:
+        return {**super().metadata(state), "world_size": self.saved_world_size}
+
+
+@contextlib.contextmanager
+def one_process_group() -> Iterator[DistEnv]:
+    """A gloo process group of this process alone: the sharded writer's steps are collectives."""
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ConvertError("convert_checkpoint.py runs in one process: start it without torchrun")
+        yield DistEnv(0, 0, 1, 1, torch.device("cpu"))
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DistEnv(0, 0, 1, 1, torch.device("cpu"))
+    finally:
+        destroy_distributed()
+
+
+def to_sharded(src: Path, out: Path, *, force: bool = False) -> dict:
+    """Write the sharded checkpoint for full checkpoint `src` into folder `out`, through the training job's
+    sharded writer (keep_last_n 0: no other checkpoint next to OUT is touched); return the source's payload.
+    The tensors are saved whole: a resume at any world size reads each rank's part of them."""
+    payload = load_full(src)  # memory-mapped: cheap, and refuses a file that would run code before anything else
+    check_out(out, force=force, folder=True)
+    checkpoint_io.verify(src)
+    if not payload["optimizer"].get("state"):
+        raise ConvertError(f"{src}: holds no optimizer state (no step taken, as scripts/import_hf.py writes it): "
+                           "resume from it as it is, or start from its weights with model.init_from")
+    state = TrainState(**payload["train_state"], rng=payload.get("rng"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with one_process_group() as env:
+        writer = ShardedCheckpoint(SavedContext(payload, out, env))
+        start = time.perf_counter()
+        writer.write({"model": payload["model"], "optimizer": payload["optimizer"]}, out)
+        writer.commit(out, state, start=start)
+    return payload
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sharded_dir", type=Path, help="a sharded checkpoint folder, fsdp_sharded_cpt<step>/")
-    parser.add_argument("out", type=Path, help="the full checkpoint file to write, e.g. fsdp_cpt<step>.pth")
+    parser.add_argument("src", type=Path,
+                        help="the checkpoint to convert: a sharded folder fsdp_sharded_cpt<step>/ or a full file "
+                             "fsdp_cpt<step>.pth")
+    parser.add_argument("out", type=Path, help="what to write: the full file (e.g. fsdp_cpt<step>.pth) for a sharded "
+                                               "input, the sharded folder (e.g. fsdp_sharded_cpt<step>) for a full one")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     args = parser.parse_args(argv)
     try:
-        payload = convert(args.sharded_dir, args.out, force=args.force)
+        payload = convert(args.src, args.out, force=args.force)
     except (ConvertError, CheckpointError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     step = payload["train_state"].get("step")
     print(f"wrote {args.out} (step {step}, saved at world size {payload['world_size']}, "
-          f"{args.out.stat().st_size / 2**20:.1f} MiB)")
+          f"{size_of(args.out) / 2**20:.1f} MiB)")
     return 0
 
 

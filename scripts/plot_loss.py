@@ -1,4 +1,4 @@
-"""Compare the loss curves of two or more runs: a PNG of train and validation loss against the step, and
+r"""Compare the loss curves of two or more runs: a PNG of train and validation loss against the step, and
 a markdown table of the validation loss at each evaluation with each run's difference from the first;
 optionally a second PNG of the throughput (tokens/s per GPU) against the step.
 
@@ -41,13 +41,14 @@ def read_metrics(path: Path, key: str = "") -> tuple[Curve, Curve]:
     return train, val
 
 
-def val_table(labels: list[str], vals: list[Curve]) -> tuple[str, dict[str, tuple[float, int]]]:
+def val_table(labels: list[str], vals: list[Curve]) -> tuple[str, dict[str, tuple[float, int] | None]]:
     """Markdown table of validation loss per evaluation step (each run's difference from the first run in
-    percent), and per later run its largest absolute relative difference and the step of it."""
+    percent), and per later run its largest absolute relative difference and the step of it (None when
+    the run shares no evaluation step with the first)."""
     steps = sorted(set().union(*vals))
     head = ["step", *labels, *(f"{label} vs {labels[0]}" for label in labels[1:])]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    worst = {label: (0.0, 0) for label in labels[1:]}
+    worst: dict[str, tuple[float, int] | None] = dict.fromkeys(labels[1:])
     for step in steps:
         cells = [str(step)] + [f"{v[step]:.4f}" if step in v else "-" for v in vals]
         base = vals[0].get(step)
@@ -57,7 +58,8 @@ def val_table(labels: list[str], vals: list[Curve]) -> tuple[str, dict[str, tupl
                 continue
             diff = (v[step] - base) / base
             cells.append(f"{100 * diff:+.2f}%")
-            if abs(diff) > abs(worst[label][0]):
+            found = worst[label]
+            if found is None or abs(diff) > abs(found[0]):
                 worst[label] = (diff, step)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines), worst
@@ -152,8 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     plot(labels, runs, args.title, args.out)
     table, worst = val_table(labels, [val for _, val in runs])
     print(table)
-    for label, (diff, step) in worst.items():
-        print(f"\nlargest validation-loss difference of {label} from {labels[0]}: {100 * diff:+.2f}% (step {step})")
+    for label, found in worst.items():
+        if found is None:
+            print(f"\n{label} and {labels[0]} share no evaluation step: no validation-loss difference to report")
+        else:
+            diff, step = found
+            print(f"\nlargest validation-loss difference of {label} from {labels[0]}: {100 * diff:+.2f}% "
+                  f"(step {step})")
     print(f"\nwrote {args.out}")
     if args.throughput:
         args.throughput.parent.mkdir(parents=True, exist_ok=True)

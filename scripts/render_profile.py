@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import re
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 GIB = 2**30
 # Kernel (or op) names -> kind, the first match wins: NCCL before matmuls (NCCL kernels are not GEMMs),
@@ -81,14 +84,15 @@ def step_window(events: list[dict], step: int | None) -> tuple[str, float, float
 
 def lanes_of(events: list[dict], start: float, end: float) -> tuple[str, dict[str, list[tuple[float, float, str]]]]:
     """('gpu' or 'cpu', lane -> [(start ms from the window's start, duration ms, kind)]): GPU kernels, copies
-    and memsets per (device, stream) when the trace has any, else CPU ops per thread."""
+    and memsets per (device, stream) when the trace has any, else CPU ops per thread; those that start in
+    the window, cut at its end (another thread's op can run on into the next step)."""
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     chosen, what = (gpu, "gpu") if gpu else ([e for e in events if e.get("cat") == "cpu_op"], "cpu")
     lanes: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
     for e in chosen:
         if start <= e["ts"] < end:
             lane = f"GPU {e['pid']} stream {e['tid']}" if what == "gpu" else f"thread {e['tid']}"
-            lanes[lane].append(((e["ts"] - start) / 1e3, e["dur"] / 1e3, kind_of(e["name"])))
+            lanes[lane].append(((e["ts"] - start) / 1e3, min(e["dur"], end - e["ts"]) / 1e3, kind_of(e["name"])))
     return what, dict(sorted(lanes.items()))
 
 
@@ -102,6 +106,34 @@ def union_ms(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             merged.append((start, end))
     return merged
+
+
+def own_ms(spans: list[tuple[float, float, str]]) -> list[float]:
+    """Each span's own milliseconds: its duration less the spans nested in it. CPU ops nest (aten::linear
+    holds aten::mm), so a thread's own times add up to its busy time where durations would count the inner
+    ops twice; kernels on one stream never overlap, and keep their durations."""
+    own = [duration for _, duration, _ in spans]
+    ends = [start + duration for start, duration, _ in spans]
+    open_spans: list[int] = []  # the spans enclosing the current one, innermost last
+    for i in sorted(range(len(spans)), key=lambda i: (spans[i][0], -spans[i][1])):  # outer before inner
+        start = spans[i][0]
+        while open_spans and ends[open_spans[-1]] <= start:
+            open_spans.pop()
+        if open_spans:
+            parent = open_spans[-1]
+            own[parent] -= min(ends[i], ends[parent]) - start
+        open_spans.append(i)
+    return [max(ms, 0.0) for ms in own]  # float rounding can leave a nested op's parent a hair below zero
+
+
+def lane_figures(spans: list[tuple[float, float, str]]) -> tuple[float, dict[str, float]]:
+    """(busy ms, kind -> own ms) of one lane: busy is the union of its spans, so it never exceeds the window
+    however the spans nest, and the kinds add up to it."""
+    totals = dict.fromkeys(COLOURS, 0.0)
+    for (_, _, kind), ms in zip(spans, own_ms(spans), strict=True):
+        totals[kind] += ms
+    busy = sum(end - start for start, end in union_ms([(s, d) for s, d, _ in spans]))
+    return busy, totals
 
 
 def overlap_summary(lanes: dict[str, list[tuple[float, float, str]]], window_ms: float) -> dict[str, float]:
@@ -146,19 +178,18 @@ def render_trace(path: Path, out: Path, step: int | None) -> str:
     name, start, end = step_window(events, step)
     what, lanes = lanes_of(events, start, end)
     fig, ax = plt.subplots(figsize=(15, 1.6 + 0.5 * max(3, len(lanes))), dpi=120)
-    # Kernels on a stream never overlap; CPU ops nest, and each is counted in its kind's total.
-    table = ["| lane | ms | " + " | ".join(COLOURS) + " |", "|" + " --- |" * (len(COLOURS) + 2)]
+    table = ["| lane | busy ms | " + " | ".join(COLOURS) + " |", "|" + " --- |" * (len(COLOURS) + 2)]
     for y, (lane, spans) in enumerate(lanes.items()):
         # Longest first: CPU ops nest (aten::linear holds aten::mm), so the inner ones are drawn on top.
         ordered = sorted(spans, key=lambda span: -span[1])
         ax.broken_barh([(s, d) for s, d, _ in ordered], (y - 0.4, 0.8),
                        facecolors=[COLOURS[k] for _, _, k in ordered], linewidth=0)
-        totals = {kind: sum(d for _, d, k in spans if k == kind) for kind in COLOURS}
-        table.append(f"| {lane} | {sum(totals.values()):.2f} | " + " | ".join(f"{v:.2f}" for v in totals.values())
-                     + " |")
+        busy, totals = lane_figures(spans)
+        table.append(f"| {lane} | {busy:.2f} | " + " | ".join(f"{v:.2f}" for v in totals.values()) + " |")
+    table.append(f"\n{name}: {(end - start) / 1e3:.2f} ms")
     if what == "gpu":
         parts = overlap_summary(lanes, (end - start) / 1e3)
-        table.append("\n" + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items()))
+        table.append(", ".join(f"{k} {v:.2f} ms" for k, v in parts.items()))
     ax.set_yticks(range(len(lanes)), list(lanes))
     ax.invert_yaxis()
     ax.set_xlim(0, (end - start) / 1e3)
@@ -240,14 +271,32 @@ def event_time(event: dict, trace: list[dict], index: int) -> float:
     return float(index)
 
 
+def load_snapshot(path: Path) -> dict:
+    """A memory snapshot (torch.cuda.memory._dump_snapshot's pickle), unpickled as plain data only: dicts,
+    lists, tuples, strings and numbers, which is all the format holds. A snapshot copied from elsewhere is
+    as untrusted as any pickle: one that imports anything is refused (CheckpointUnsafe) before it runs."""
+    from fsdp_utils.checkpoint.format import CheckpointError, RestrictedUnpickler, first_line
+
+    try:
+        with path.open("rb") as f:
+            snapshot = RestrictedUnpickler(f, path, allowed=(), holds="a CUDA memory snapshot").load()
+    except (OSError, CheckpointError):
+        raise
+    except Exception as err:  # truncated, garbled, or not a pickle
+        raise ValueError(f"not a CUDA memory snapshot ({first_line(err)})") from None
+    if not (isinstance(snapshot, dict) and isinstance(snapshot.get("segments"), list)
+            and isinstance(snapshot.get("device_traces"), list)):
+        raise ValueError("not a CUDA memory snapshot (expected a dict with segments and device_traces lists)")
+    return snapshot
+
+
 def render_snapshot(path: Path, out: Path, device: int) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with path.open("rb") as f:
-        snapshot = pickle.load(f)  # a file this run wrote: torch.cuda.memory._dump_snapshot
+    snapshot = load_snapshot(path)
     times, series = memory_timeline(snapshot, device)
     shown = [c for c in CATEGORIES if any(series[c])]
     fig, ax = plt.subplots(figsize=(14, 5), dpi=120)
@@ -286,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.kind != "summary" and args.out is None:
         parser.error(f"{args.kind} needs --out (the PNG to write)")
+    from fsdp_utils.checkpoint.format import CheckpointError
+
     try:
         if args.kind == "summary":
             print(summarize_trace(args.path))
@@ -295,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             table = render_trace(args.path, args.out, args.step)
         else:
             table = render_snapshot(args.path, args.out, args.device)
-    except (OSError, ValueError, KeyError, pickle.UnpicklingError) as err:
+    except CheckpointError as err:  # its message names the file
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, KeyError, TypeError) as err:
         print(f"error: {args.path}: {err}", file=sys.stderr)
         return 1
     print(table)

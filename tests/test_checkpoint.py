@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import pickle
 import shutil
 import struct
@@ -596,7 +597,14 @@ def test_convert_errors(runs, tmp_path, capsys):
 
     fails(tmp_path / "missing", out, needle=str(tmp_path / "missing"))
     fails(runs.saved("sharded"), out, needle="not a complete sharded checkpoint")  # a run's output dir
-    fails(runs.saved("full") / ckpt_name("full", STEPS), out, needle="not a sharded checkpoint")
+    full = runs.saved("full") / ckpt_name("full", STEPS)
+    fails(full, out, needle="converts to a sharded one, a folder")  # a .pth name for the sharded output
+    fails(full, runs.saved("full"), needle="--force")  # an existing folder
+    imported = load_full(full)  # as scripts/import_hf.py writes one: no step taken, no optimizer state
+    imported["optimizer"]["state"] = {}
+    torch.save(imported, tmp_path / "imported.pth")
+    fails(tmp_path / "imported.pth", tmp_path / "sharded", needle="holds no optimizer state")
+    assert not (tmp_path / "sharded").exists()
     damaged = copy_checkpoint(sharded, tmp_path / "damaged")
     shard = sorted(damaged.glob("*.distcp"))[0]
     truncate_to_half(shard)
@@ -613,6 +621,50 @@ def test_convert_errors(runs, tmp_path, capsys):
     assert convert.main([str(runs.saved("sharded") / ckpt_name("sharded", SPLIT)), str(out), "--force"]) == 0
     assert load_full(out)["train_state"]["step"] == SPLIT
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")) == []
+
+
+def test_convert_full_to_sharded(runs, tmp_path):
+    """A full checkpoint (2 ranks, step 3) converted to sharded holds all a resume needs: resumed on 2 ranks it
+    reproduces the uninterrupted run's steps 4..6 exactly; resumed on 1 rank it trains exactly as a resume from
+    the full file on 1 rank does (the same state loaded, the same reduction order)."""
+    source = runs.saved("full") / ckpt_name("full", SPLIT)
+    converted = tmp_path / "converted" / ckpt_name("sharded", SPLIT)
+    proc = subprocess.run([sys.executable, str(CONVERT), str(source), str(converted)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"wrote {converted} (step {SPLIT}, saved at world size 2" in proc.stdout
+    # The metadata a sharded save of this state writes: the full file's, the world size it was saved at included.
+    full = load_full(source)
+    meta = json.loads((converted / "meta.json").read_text())
+    assert meta.pop("files") and meta == {k: v for k, v in full.items() if k not in ("model", "optimizer", "rng")}
+
+    baseline = runs.baseline()
+    proc = runs.train(tmp_path / "resumed", "--checkpoint.format=sharded", f"--resume_from={converted}")
+    assert f"loaded checkpoint {converted} " in proc.stderr and "saved at world size 2" in proc.stderr
+    assert losses(tmp_path / "resumed") == {step: baseline[step] for step in range(SPLIT + 1, STEPS + 1)}
+    on_one = {}
+    for name, path in (("sharded", converted), ("full", source)):
+        runs.train(tmp_path / f"one-{name}", f"--resume_from={path}", nproc=1)
+        on_one[name] = losses(tmp_path / f"one-{name}")
+    assert sorted(on_one["full"]) == list(range(SPLIT + 1, STEPS + 1))
+    assert on_one["sharded"] == on_one["full"]
+
+
+def test_convert_sharded_to_full_to_sharded_loses_nothing(runs, tmp_path):
+    """Back and forth: the second sharded checkpoint's metadata is the first's (its files aside), and its
+    content, converted to full once more, is the first conversion's, tensor for tensor."""
+    convert = converter().convert
+    source = runs.saved("sharded") / ckpt_name("sharded", SPLIT)
+    back = tmp_path / "back" / ckpt_name("sharded", SPLIT)
+    convert(source, tmp_path / "first.pth")
+    convert(tmp_path / "first.pth", back)
+    convert(back, tmp_path / "second.pth")
+    metas = [json.loads((path / "meta.json").read_text()) for path in (source, back)]
+    assert [meta.pop("files") and meta for meta in metas] == [metas[0], metas[0]]
+    first, second = load_full(tmp_path / "first.pth"), load_full(tmp_path / "second.pth")
+    assert list(first) == list(second)
+    for key in first:
+        assert_identical(first[key], second[key], key)
 
 
 def test_resuming_an_older_checkpoint_over_newer_work_is_refused(tmp_path, corpus, dataset_dir):

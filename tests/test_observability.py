@@ -307,6 +307,11 @@ def test_profile_trace_renders_to_a_png(tracked, tmp_path):
     assert drawn >= mm_ms  # the matmul kind also counts bmm, and the backward's matmuls
     assert drawn == pytest.approx(sum(e["dur"] for e in events if e.get("cat") == "cpu_op" and e["ts"] >= start
                                       and render_profile.kind_of(e["name"]) == "matmul") / 1e3)
+    # The step's ops nest (aten::linear holds aten::mm): each thread is busy for at most the step's length,
+    # and its kinds' own times add up to its busy time.
+    for spans in lanes.values():
+        busy, kinds = render_profile.lane_figures(spans)
+        assert 0 < busy <= (end - start) / 1e3 and sum(kinds.values()) == pytest.approx(busy)
 
 
 def test_a_gpu_trace_is_windowed_by_the_gpu_side_of_the_step_range():

@@ -59,3 +59,31 @@ def test_label_count_must_match(tmp_path, capsys):
     run = write_metrics(tmp_path / "a", {1: 1.0}, {})
     assert plot_loss.main([str(run), "--labels", "a,b", "--out", str(tmp_path / "x.png")]) == 2
     assert "error: 2 labels for 1 runs" in capsys.readouterr().err
+
+
+def test_runs_without_a_shared_evaluation_step_say_so(tmp_path, capsys):
+    """Evaluations at steps 50, 100 and at 60, 120: nothing to compare, and the output says that instead of
+    a difference figure."""
+    base = write_metrics(tmp_path / "a", {10: 5.0}, {50: 4.0, 100: 3.0})
+    other = write_metrics(tmp_path / "b", {10: 5.0}, {60: 4.1, 120: 3.1})
+    assert plot_loss.main([str(base), str(other), "--out", str(tmp_path / "loss.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "b and a share no evaluation step" in printed
+    assert "largest validation-loss difference" not in printed
+
+
+def test_equal_runs_report_the_step_of_their_zero_difference(tmp_path, capsys):
+    """Two runs with the same validation losses at step 50: the largest difference is 0 at step 50."""
+    _, worst = plot_loss.val_table(["a", "b"], [{50: 4.0}, {50: 4.0}])
+    assert worst == {"b": (0.0, 50)}
+
+
+def test_help_shows_the_example_as_one_shell_command(capsys):
+    """The example's line continuation reaches --help: each continued line ends with a backslash and the
+    command's next part starts the following line."""
+    with pytest.raises(SystemExit):
+        plot_loss.main(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("python scripts/plot_loss.py"))
+    assert lines[start].endswith(" \\"), lines[start]
+    assert lines[start + 1].lstrip().startswith("--title"), lines[start + 1]

@@ -26,6 +26,7 @@ import re
 import time
 import zipfile
 import zlib
+from collections.abc import Collection
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -371,17 +372,27 @@ _METADATA_GLOBALS = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, f: BinaryIO, where: Path):
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that imports only the globals a file of its kind holds: DCP's metadata classes and
+    torch's dtypes by default, or exactly the (module, name) pairs of `allowed` (empty: plain data only,
+    as in a CUDA memory snapshot). Any other global is refused with CheckpointUnsafe, naming it and `where`;
+    `holds` names the kind of file in that message."""
+
+    def __init__(self, f: BinaryIO, where: Path, *, allowed: Collection[tuple[str, str]] | None = None,
+                 holds: str = "checkpoint metadata"):
         super().__init__(f)
-        self.where = where
+        self.where, self.allowed, self.holds = where, allowed, holds
 
     def find_class(self, module: str, name: str) -> Any:
-        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) in _METADATA_GLOBALS or is_dtype:
+        if self.allowed is None:
+            is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            admitted = (module, name) in _METADATA_GLOBALS or is_dtype
+        else:
+            admitted = (module, name) in self.allowed
+        if admitted:
             return super().find_class(module, name)
         raise CheckpointUnsafe(
-            f"{self.where}: refused: it references {module}.{name}, which checkpoint metadata never holds "
+            f"{self.where}: refused: it references {module}.{name}, which {self.holds} never holds "
             f"(loading it would run code; a tampered or foreign file)")
 
 
@@ -389,7 +400,7 @@ def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's .metadata, unpickled with only DCP's metadata classes admitted."""
     try:
         with path.open("rb") as f:
-            metadata = _MetadataUnpickler(f, path).load()
+            metadata = RestrictedUnpickler(f, path).load()
     except CheckpointUnsafe:
         raise
     except Exception as err:  # truncated, garbled, or another pickle
