@@ -275,7 +275,8 @@ class FSDPConfig:
     sharding_strategy: str = "FULL_SHARD"
     """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD."""
     hybrid_shard_group_size: int = 0
-    """HYBRID_SHARD: ranks per shard group (0: GPUs per node, LOCAL_WORLD_SIZE)."""
+    """HYBRID_SHARD: ranks per shard group (0: GPUs per node, LOCAL_WORLD_SIZE), a divisor of the world size;
+    groups of 1 rank run as NO_SHARD over the whole world, one group of every rank as FULL_SHARD."""
     backward_prefetch: str = "BACKWARD_PRE"
     """BACKWARD_PRE, BACKWARD_POST or NONE."""
     forward_prefetch: bool = False

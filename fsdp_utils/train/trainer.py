@@ -25,7 +25,13 @@ from ..checkpoint.io import install_tokenizer
 from ..distributed import DistEnv, agree
 from ..parallel.build import build_model, describe_model, log_parameter_summary
 from ..parallel.lora import lora_record
-from ..parallel.parallelize import CheckpointSwitch, model_converters, parallelize, resolve_precision
+from ..parallel.parallelize import (
+    CheckpointSwitch,
+    describe_sharding,
+    model_converters,
+    parallelize,
+    resolve_precision,
+)
 from .batch import BatchSplit
 from .downstream import DownstreamError, DownstreamEvaluator
 from .metrics import TrainingLog
@@ -203,7 +209,7 @@ class Trainer:
             ac = self.checkpoint_switch.policy.name if self.checkpoint_switch else cfg.fsdp.activation_checkpointing
             log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, micro-batch %d, "
                      "activation checkpointing %s, train %s tokens, val %s tokens", env.world_size, env.device.type,
-                     p.name, str(p.reduce).replace("torch.", ""), cfg.fsdp.version, cfg.fsdp.sharding_strategy,
+                     p.name, str(p.reduce).replace("torch.", ""), cfg.fsdp.version, describe_sharding(cfg.fsdp, env),
                      self.split.grad_accum, self.split.micro_batch_size, ac, f"{self.train_data.num_tokens:,}",
                      f"{self.val_data.num_tokens:,}")
 
