@@ -339,6 +339,11 @@ class Trainer:
         """Train to train.max_steps (or a stop signal), saving as checkpoint.* says; returns the last logged row."""
         env, t = self.env, self.cfg.train
         first_step = self.state.step
+        if first_step >= t.max_steps:
+            self.ckpt.close()
+            if env.is_main:
+                log.info("%s", self._nothing_to_train())
+            return {}
         self._open_observers(first_step)
         self.batches = self._open_batches()
         try:
@@ -369,6 +374,16 @@ class Trainer:
             self.memory.close()
             self.log.close()
         return self.log.last_row
+
+    def _nothing_to_train(self) -> str:
+        """The line of a run resumed at or past train.max_steps (a finished run started again)."""
+        step, max_steps = self.state.step, self.cfg.train.max_steps
+        found = [path for saved, path in self.ckpt.complete_checkpoints() if saved == step]
+        where = f"checkpoint {found[0]}" if found else f"checkpoint of step {step}"
+        reached = f"train.max_steps={max_steps}"
+        if step > max_steps:
+            reached = f"step {step}, past {reached}"
+        return f"nothing to train: the run already reached {reached} ({where}); raise train.max_steps to continue"
 
     def _open_observers(self, first_step: int) -> None:
         """The out-of-memory guard, the memory snapshots it dumps into, the profiler and the log with its
