@@ -214,7 +214,7 @@ class TrainConfig:
     min_lr_ratio: float | None = None
     """The floor as a fraction of lr, in [0, 1]; neither this nor min_lr given: 0.1."""
     warmup_steps: int = 100
-    """Linear warmup steps (every schedule)."""
+    """Linear warmup steps (every schedule), at most max_steps (wsd: leaving room for its decay)."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not norms)."""
     beta1: float = 0.9
@@ -275,7 +275,8 @@ class FSDPConfig:
     sharding_strategy: str = "FULL_SHARD"
     """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD."""
     hybrid_shard_group_size: int = 0
-    """HYBRID_SHARD: ranks per shard group (0: GPUs per node, LOCAL_WORLD_SIZE)."""
+    """HYBRID_SHARD: ranks per shard group (0: GPUs per node, LOCAL_WORLD_SIZE), a divisor of the world size;
+    groups of 1 rank run as NO_SHARD over the whole world, one group of every rank as FULL_SHARD."""
     backward_prefetch: str = "BACKWARD_PRE"
     """BACKWARD_PRE, BACKWARD_POST or NONE."""
     forward_prefetch: bool = False
@@ -858,6 +859,9 @@ def _schedule_problems(t: TrainConfig) -> list[str]:
         p.append(f"train.min_lr must be in [0, train.lr={t.lr}], got {t.min_lr}")
     elif t.min_lr_ratio is not None and not 0 <= t.min_lr_ratio <= 1:
         p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if t.lr_schedule != "wsd" and t.warmup_steps > t.max_steps > 0:  # wsd: below, its decay must fit too
+        p.append(f"train.warmup_steps={t.warmup_steps} exceeds train.max_steps={t.max_steps}: the run would end "
+                 f"inside its warmup, before reaching train.lr; lower train.warmup_steps to at most {t.max_steps}")
     if not 0 < t.decay_fraction <= 1:
         p.append(f"train.decay_fraction must be in (0, 1], got {t.decay_fraction}")
     elif t.lr_schedule == "wsd" and t.max_steps > 0 and t.warmup_steps >= 0:

@@ -537,7 +537,8 @@ def test_full_checkpoint_is_a_plain_state_dict(runs, variant, tmp_path):
     if variant == "fsdp1":
         path = runs.saved("full") / ckpt_name("full", STEPS)
     else:  # FSDP2 and activation checkpointing: still the plain names
-        runs.train(tmp_path / "run", "--train.max_steps=1", "--fsdp.version=2", "--fsdp.activation_checkpointing=full")
+        runs.train(tmp_path / "run", "--train.max_steps=1", "--train.warmup_steps=1", "--fsdp.version=2",
+                   "--fsdp.activation_checkpointing=full")
         path = tmp_path / "run" / ckpt_name("full", 1)
     ckpt = torch.load(path, weights_only=True)
     assert set(ckpt) == {"model", "optimizer", "rng", "format_version", "world_size", "model_config", "train_state",

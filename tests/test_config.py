@@ -68,10 +68,10 @@ def test_tiny_preset_values():
 
 
 def test_overrides_are_parsed_as_yaml_scalars():
-    cfg = load_config(TINY, ["--train.lr=1e-3", "--train.max_steps=7", "--logging.tensorboard=false",
+    cfg = load_config(TINY, ["--train.lr=1e-3", "--train.max_steps=70", "--logging.tensorboard=false",
                              "--data.files=[a.txt, b.jsonl]", "--model.n_kv_heads=null", "--run.name=x"])
     assert cfg.train.lr == 1e-3  # YAML reads 1e-3 as a string (no dot); the float field accepts it
-    assert cfg.train.max_steps == 7
+    assert cfg.train.max_steps == 70
     assert cfg.logging.tensorboard is False
     assert cfg.data.files == ["a.txt", "b.jsonl"]
     assert cfg.model.n_kv_heads is None and cfg.model.num_kv_heads == cfg.model.n_heads

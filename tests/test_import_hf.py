@@ -252,7 +252,7 @@ def _init_from_ranks(rank: int, world_size: int, *, tmp: str, corpus: str, datas
         return Trainer(cfg, env, stop=StopSignal([], grace_s=60))
 
     first = trainer("a", "--fsdp.version=1", f"--model.init_from={Path(tmp) / 'llama.pth'}", "--train.max_steps=1",
-                    "--checkpoint.format=sharded", "--checkpoint.async_save=false")
+                    "--train.warmup_steps=1", "--checkpoint.format=sharded", "--checkpoint.async_save=false")
     weights = _full_weights(first.model)
     assert first.state.step == 0 and not first.optimizer.state
     assert weights.keys() == imported.keys() and all(torch.equal(weights[k], imported[k]) for k in imported)
@@ -298,7 +298,7 @@ def test_resume_from_an_import_and_init_from_other_dimensions(tmp_path, corpus, 
                                          f"--run.output_dir={tmp_path / out}", f"--data.dataset_dir={dataset_dir}",
                                          *extra])
 
-    run = Trainer(config("a", "--model.max_seq_len=64", "--train.max_steps=1"), world_of_one,
+    run = Trainer(config("a", "--model.max_seq_len=64", "--train.max_steps=1", "--train.warmup_steps=1"), world_of_one,
                   stop=StopSignal([], grace_s=60), resume_from=str(tmp_path / "llama.pth"))
     weights = _full_weights(run.model)
     assert run.state.step == 0 and not run.optimizer.state

@@ -30,6 +30,7 @@ from tests.fault_injection import FakeProbe
 from tests.helpers import ROOT, WITH_FAULTS, fault_env, job_env, losses, run_train
 
 TINY_PRESET = ROOT / "config/train_tiny_fsdp.yaml"
+ONE_STEP = ("--train.max_steps=1", "--train.warmup_steps=1")  # a warmup longer than the run is refused
 GiB = 2**30
 
 
@@ -283,7 +284,7 @@ def test_auto_result_is_cached_and_reused_on_resume(corpus, dataset_dir, tmp_pat
 @pytest.mark.slow
 def test_auto_on_the_cpu_uses_the_fallback(corpus, dataset_dir, tmp_path):
     proc = run_train("--train.global_batch_size=12", "--train.micro_batch_size=auto", "--train.auto_micro_batch_cpu=5",
-                     "--train.max_steps=1", out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir)
+                     *ONE_STEP, out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir)
     # Divisors of 12 up to 5: 4.
     assert ("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch 4, the largest divisor of "
             "the per-rank batch 12 up to train.auto_micro_batch_cpu=5") in proc.stderr
@@ -293,7 +294,7 @@ def test_auto_on_the_cpu_uses_the_fallback(corpus, dataset_dir, tmp_path):
 
 @pytest.mark.slow
 def test_auto_when_nothing_fits_is_one_error_line(corpus, dataset_dir, tmp_path):
-    proc = run_train("--train.micro_batch_size=auto", "--train.max_steps=1", out_dir=tmp_path / "out", corpus=corpus,
+    proc = run_train("--train.micro_batch_size=auto", *ONE_STEP, out_dir=tmp_path / "out", corpus=corpus,
                      dataset_dir=dataset_dir, faults=fake_memory(4, 3, 1), check=False)
     assert proc.returncode == 1
     # 3 + 1 * 1 = 4 GiB at micro-batch 1 against a budget of 4 * 0.9 = 3.6.
@@ -355,7 +356,7 @@ def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fit
     # to 4 through its divisors, as the auto search does. none's line through 1 and 2 puts 4 at 13, over the budget
     # of 9; selective_op starts at 2, where none fit, and reaches 4 at 7 GiB: selective_op, without timing.
     at_4 = ["--train.global_batch_size=8", "--train.micro_batch_size=4", "--fsdp.activation_checkpointing=auto"]
-    proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir,
+    proc = run_train(*at_4, *ONE_STEP, out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir,
                      faults=fake_memory(10, 1, 1, **AC_MEMORY))
     assert ("fsdp.activation_checkpointing=auto: tried none: micro-batch 1: 4.00 GiB, 2: 7.00 GiB; selective_op: "
             "micro-batch 2: 4.00 GiB, 4: 7.00 GiB; selective_op recomputes the least of the policies that fit "
@@ -367,7 +368,7 @@ def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fit
                                        "full": 0.9}}
 
     def failure(out: str, faults: dict) -> list[str]:
-        proc = run_train(*at_4, "--train.max_steps=1", out_dir=tmp_path / out, corpus=corpus, dataset_dir=dataset_dir,
+        proc = run_train(*at_4, *ONE_STEP, out_dir=tmp_path / out, corpus=corpus, dataset_dir=dataset_dir,
                          faults=faults, check=False)
         assert proc.returncode == 1
         return error_lines(proc)
@@ -387,7 +388,7 @@ def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fit
 
 @pytest.mark.slow
 def test_auto_checkpointing_on_the_cpu_is_none(corpus, dataset_dir, tmp_path):
-    proc = run_train("--fsdp.activation_checkpointing=auto", "--train.max_steps=1", out_dir=tmp_path / "out",
+    proc = run_train("--fsdp.activation_checkpointing=auto", *ONE_STEP, out_dir=tmp_path / "out",
                      corpus=corpus, dataset_dir=dataset_dir)
     assert "fsdp.activation_checkpointing=auto on the CPU (no GPU memory to measure): none" in proc.stderr
     assert "activation checkpointing none," in proc.stderr

@@ -98,11 +98,24 @@ def test_min_lr_and_its_ratio():
     (["--train.decay_fraction=0"], "train.decay_fraction must be in (0, 1], got 0"),
     (["--train.lr_schedule=wsd", "--train.max_steps=60", "--train.warmup_steps=50", "--train.decay_fraction=0.2"],
      "train.lr_schedule=wsd: train.warmup_steps=50 plus the decay's 12 steps"),
+    # Every schedule: a warmup longer than the run would end it below train.lr (wsd says so with its decay).
+    (["--train.max_steps=10"], "train.warmup_steps=50 exceeds train.max_steps=10: the run would end inside its warmup"),
+    (["--train.lr_schedule=constant", "--train.max_steps=3", "--train.warmup_steps=4"],
+     "train.warmup_steps=4 exceeds train.max_steps=3"),
+    (["--train.lr_schedule=wsd", "--train.max_steps=3", "--train.warmup_steps=4"],
+     "train.lr_schedule=wsd: train.warmup_steps=4 plus the decay's 1 steps"),
 ])
 def test_config_errors(overrides, problem):
     with pytest.raises(ConfigError) as err:
         load_config(TINY_CONFIG, overrides)
     assert len(err.value.problems) == 1 and problem in err.value.problems[0]
+
+
+def test_a_warmup_as_long_as_the_run_is_accepted():
+    """warmup_steps == max_steps reaches train.lr at the last step, for cosine and constant."""
+    for kind in ("cosine", "constant"):
+        s = schedule("--train.lr=1e-3", f"--train.lr_schedule={kind}", "--train.max_steps=4", "--train.warmup_steps=4")
+        assert [s(i) for i in range(4)] == [1e-3 * k / 4 for k in (1, 2, 3, 4)]
 
 
 # ---- resuming a WSD run (in-process Trainer, one rank) ------------------------------------------------

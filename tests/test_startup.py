@@ -55,8 +55,8 @@ def assert_refused(proc, needle: str, *, nproc: int) -> str:
 @pytest.fixture(scope="module")
 def sharded_checkpoint(tmp_path_factory, corpus, dataset_dir) -> Path:
     out = tmp_path_factory.mktemp("sharded")
-    run_train("--train.max_steps=1", "--checkpoint.format=sharded", nproc=1, out_dir=out, corpus=corpus,
-              dataset_dir=dataset_dir)
+    run_train("--train.max_steps=1", "--train.warmup_steps=1", "--checkpoint.format=sharded", nproc=1, out_dir=out,
+              corpus=corpus, dataset_dir=dataset_dir)
     return out / "fsdp_sharded_cpt1"
 
 

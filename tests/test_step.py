@@ -69,7 +69,7 @@ def test_micro_batch_trials_run_train_step(tmp_path, corpus, dataset_dir, world_
 
     spy = Spy()
     monkeypatch.setattr(microbatch, "train_step", spy)
-    cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=1")
+    cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=1", "--train.warmup_steps=1")
     run = trainer.Trainer.__new__(trainer.Trainer)  # only the model and optimizer of a Trainer
     run.cfg, run.env, run.stop = cfg, world_of_one, StopSignal([], grace_s=60)
     run._setup_data()

@@ -133,3 +133,24 @@ def test_data_error_is_one_line(problem, nproc, tmp_path):
         assert "DataError" not in proc.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
+
+
+def test_a_finished_run_started_again_says_there_is_nothing_to_train(tmp_path, corpus, dataset_dir):
+    """The same command after the run reached train.max_steps: one line saying so, exit 0, nothing written."""
+    out = tmp_path / "out"
+    run_train("--train.max_steps=2", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    checkpoint = out / "fsdp_cpt2.pth"
+    before = (read_metrics(out), checkpoint.read_bytes(), sorted(p.name for p in out.iterdir()))
+    line = f"nothing to train: the run already reached train.max_steps=2 (checkpoint {checkpoint}); raise " \
+           f"train.max_steps to continue"
+    for extra, nproc in (((), 1), (("--resume_from", "latest"), 2)):  # checkpoint.auto_resume, then explicitly
+        proc = run_train("--train.max_steps=2", *extra, nproc=nproc, out_dir=out, corpus=corpus,
+                         dataset_dir=dataset_dir)
+        assert proc.returncode == 0 and proc.stderr.count(line) == 1, proc.stderr[-3000:]
+        assert "step 1/" not in proc.stderr and "Traceback" not in proc.stderr
+        assert (read_metrics(out), checkpoint.read_bytes(), sorted(p.name for p in out.iterdir())) == before
+    # A checkpoint past a lowered train.max_steps: the same, saying so.
+    proc = run_train("--train.max_steps=1", "--train.warmup_steps=1", nproc=1, out_dir=out, corpus=corpus,
+                     dataset_dir=dataset_dir)
+    assert proc.returncode == 0
+    assert "nothing to train: the run already reached step 2, past train.max_steps=1" in proc.stderr

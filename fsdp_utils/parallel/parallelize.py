@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -224,11 +224,40 @@ def apply_compile(blocks: list[nn.Module], *, tuning: bool = False) -> None:
         block.compile(options=compile_options(tuning))
 
 
-def _mesh(env: DistEnv, strategy: str, hybrid_group_size: int) -> DeviceMesh:
+def hybrid_group_size(f: FSDPConfig, env: DistEnv) -> int:
+    """HYBRID_SHARD's ranks per shard group: fsdp.hybrid_shard_group_size, 0 meaning the processes per node."""
+    return f.hybrid_shard_group_size or env.local_world_size
+
+
+def resolve_sharding(f: FSDPConfig, env: DistEnv) -> str:
+    """The sharding strategy that runs. HYBRID_SHARD with shard groups of one rank replicates everywhere:
+    NO_SHARD over the whole world (FSDP1 would otherwise switch to NO_SHARD inside each group of one and
+    never reduce across the groups); with one group of the whole world it shards everywhere: FULL_SHARD."""
+    if f.sharding_strategy != "HYBRID_SHARD":
+        return f.sharding_strategy
+    group = hybrid_group_size(f, env)
+    if group == 1:
+        return "NO_SHARD"
+    return "FULL_SHARD" if group == env.world_size else "HYBRID_SHARD"
+
+
+def describe_sharding(f: FSDPConfig, env: DistEnv) -> str:
+    """What runs, for the log: the strategy, the mesh of HYBRID_SHARD, and the setting it came from."""
+    strategy = resolve_sharding(f, env)
+    if strategy == "HYBRID_SHARD":
+        group = hybrid_group_size(f, env)
+        return f"HYBRID_SHARD ({env.world_size // group} replicas x {group} shards)"
+    if strategy != f.sharding_strategy:
+        return (f"{strategy} (fsdp.sharding_strategy=HYBRID_SHARD with shard groups of "
+                f"{hybrid_group_size(f, env)} of {env.world_size} ranks)")
+    return strategy
+
+
+def _mesh(env: DistEnv, f: FSDPConfig) -> DeviceMesh:
     device_type = env.device.type
-    if strategy != "HYBRID_SHARD":
+    if f.sharding_strategy != "HYBRID_SHARD":
         return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
-    group = hybrid_group_size or env.local_world_size
+    group = hybrid_group_size(f, env)
     if env.world_size % group:
         raise ValueError(f"fsdp.hybrid_shard_group_size={group} does not divide the world size {env.world_size}")
     # (replicate, shard): shard inside a group (a node by default), replicate across groups.
@@ -260,6 +289,9 @@ def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig,
     the FSDP1 wrapper, or the same module sharded in place by FSDP2. fsdp.activation_checkpointing=auto
     needs `checkpoint_switch`, through which the micro-batch search picks the policy.
     """
+    # From here on the strategy is the one that runs (resolve_sharding): a HYBRID_SHARD group of one rank or
+    # of the whole world is NO_SHARD or FULL_SHARD everywhere below, gradient synchronisation included.
+    fsdp = replace(fsdp, sharding_strategy=resolve_sharding(fsdp, env))
     blocks = [m for m in model.modules() if type(m) in block_classes]
     for converter in converters:
         # First: checkpointing and compile then wrap the converted modules' forward, and FSDP2 shards
@@ -300,7 +332,7 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: 
     mixed = None
     if precision.compute != torch.float32:
         mixed = MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce, buffer_dtype=None)
-    mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size) if f.sharding_strategy == "HYBRID_SHARD" else None
+    mesh = _mesh(env, f) if f.sharding_strategy == "HYBRID_SHARD" else None
     # Adapters (train.lora) are units of their own: a unit is one flat tensor of one dtype, and the
     # frozen base is stored in the compute dtype, the adapters in fp32.
     wrap_classes = set(block_classes) | ({LoRAAdapter} if has_adapters(model) else set())
@@ -330,7 +362,7 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: 
 
 def _wrap_fsdp2(model: nn.Module, blocks: list[nn.Module], f: FSDPConfig, env: DistEnv, precision: Precision, *,
                 offload: bool) -> None:
-    mesh = _mesh(env, f.sharding_strategy, f.hybrid_shard_group_size)
+    mesh = _mesh(env, f)
     if f.sharding_strategy == "NO_SHARD":
         mesh = init_device_mesh(env.device.type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
     kwargs: dict[str, Any] = dict(

@@ -25,7 +25,13 @@ from ..checkpoint.io import install_tokenizer
 from ..distributed import DistEnv, agree
 from ..parallel.build import build_model, describe_model, log_parameter_summary
 from ..parallel.lora import lora_record
-from ..parallel.parallelize import CheckpointSwitch, model_converters, parallelize, resolve_precision
+from ..parallel.parallelize import (
+    CheckpointSwitch,
+    describe_sharding,
+    model_converters,
+    parallelize,
+    resolve_precision,
+)
 from .batch import BatchSplit
 from .downstream import DownstreamError, DownstreamEvaluator
 from .metrics import TrainingLog
@@ -203,7 +209,7 @@ class Trainer:
             ac = self.checkpoint_switch.policy.name if self.checkpoint_switch else cfg.fsdp.activation_checkpointing
             log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, micro-batch %d, "
                      "activation checkpointing %s, train %s tokens, val %s tokens", env.world_size, env.device.type,
-                     p.name, str(p.reduce).replace("torch.", ""), cfg.fsdp.version, cfg.fsdp.sharding_strategy,
+                     p.name, str(p.reduce).replace("torch.", ""), cfg.fsdp.version, describe_sharding(cfg.fsdp, env),
                      self.split.grad_accum, self.split.micro_batch_size, ac, f"{self.train_data.num_tokens:,}",
                      f"{self.val_data.num_tokens:,}")
 
@@ -333,6 +339,11 @@ class Trainer:
         """Train to train.max_steps (or a stop signal), saving as checkpoint.* says; returns the last logged row."""
         env, t = self.env, self.cfg.train
         first_step = self.state.step
+        if first_step >= t.max_steps:
+            self.ckpt.close()
+            if env.is_main:
+                log.info("%s", self._nothing_to_train())
+            return {}
         self._open_observers(first_step)
         self.batches = self._open_batches()
         try:
@@ -363,6 +374,16 @@ class Trainer:
             self.memory.close()
             self.log.close()
         return self.log.last_row
+
+    def _nothing_to_train(self) -> str:
+        """The line of a run resumed at or past train.max_steps (a finished run started again)."""
+        step, max_steps = self.state.step, self.cfg.train.max_steps
+        found = [path for saved, path in self.ckpt.complete_checkpoints() if saved == step]
+        where = f"checkpoint {found[0]}" if found else f"checkpoint of step {step}"
+        reached = f"train.max_steps={max_steps}"
+        if step > max_steps:
+            reached = f"step {step}, past {reached}"
+        return f"nothing to train: the run already reached {reached} ({where}); raise train.max_steps to continue"
 
     def _open_observers(self, first_step: int) -> None:
         """The out-of-memory guard, the memory snapshots it dumps into, the profiler and the log with its
