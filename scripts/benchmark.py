@@ -76,13 +76,9 @@ from fsdp_utils.parallel.parallelize import (  # noqa: E402
     resolve_precision,
 )
 from fsdp_utils.train.batch import BatchSplit  # noqa: E402
+from fsdp_utils.train.memory import memory_probe  # noqa: E402
 from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
-from fsdp_utils.train.microbatch import (  # noqa: E402
-    cpu_micro_batch,
-    format_measured,
-    memory_probe,
-    search_micro_batch,
-)
+from fsdp_utils.train.microbatch import cpu_micro_batch, format_measured, search_micro_batch  # noqa: E402
 from fsdp_utils.train.optim import build_optimizer  # noqa: E402
 from fsdp_utils.train.step import train_step  # noqa: E402
 

@@ -120,7 +120,7 @@ def gradient_numel(model) -> int:
     FSDP2's sharded .grad plus the unsharded gradients it accumulates internally when not reducing."""
     from torch.distributed.fsdp import FSDPModule
 
-    from fsdp_utils.train.microbatch import fsdp2_param_groups
+    from fsdp_utils.train.oom_guard import fsdp2_param_groups
 
     held = sum(p.grad.numel() if not hasattr(p.grad, "to_local") else p.grad.to_local().numel()
                for p in model.parameters() if p.grad is not None)

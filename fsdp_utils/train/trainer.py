@@ -28,8 +28,10 @@ from ..parallel.lora import lora_record
 from ..parallel.parallelize import CheckpointSwitch, model_converters, parallelize, resolve_precision
 from .batch import BatchSplit
 from .downstream import DownstreamError, DownstreamEvaluator
+from .memory import memory_probe
 from .metrics import TrainingLog
-from .microbatch import OutOfMemoryGuard, cache_key, memory_hint, memory_probe, resolve_micro_batch, save_to_cache
+from .microbatch import cache_key, resolve_micro_batch, save_to_cache
+from .oom_guard import OutOfMemoryGuard, memory_hint
 from .optim import LRSchedule, build_optimizer
 from .peak_flops import resolve_peak_flops
 from .preemption import StopSignal
