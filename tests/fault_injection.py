@@ -274,20 +274,20 @@ def _install_nan_at_step(nan_step: int, *, current: dict) -> None:
 
 
 def _install_fake_gpu_memory(fake: dict, *, current: dict) -> None:
-    from fsdp_utils.train import memory, trainer
+    from fsdp_utils.train import build_run
 
-    memory.memory_probe = trainer.memory_probe = lambda device, rank: FakeProbe(fake, rank)
+    build_run.memory_probe = lambda device, rank: FakeProbe(fake, rank)  # the one caller
 
 
 def _install_gpu_memory_gib(gib: float, *, current: dict) -> None:
-    from fsdp_utils.train import memory, trainer
+    from fsdp_utils.train import build_run
 
-    real = memory.memory_probe
+    real = build_run.memory_probe
 
     def held(device, rank):
         return HeldGPU(device, gib) if device.type == "cuda" else real(device, rank)
 
-    memory.memory_probe = trainer.memory_probe = held
+    build_run.memory_probe = held
 
 
 def _install_oom(oom: str, *, current: dict) -> None:

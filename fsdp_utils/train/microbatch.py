@@ -44,6 +44,7 @@ class MicroBatchChoice:
     checkpointing: str | None = None
     tried_gib: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
     tokens_per_s: dict[str, float] = dataclasses.field(default_factory=dict)  # "policy@micro-batch" -> tokens/s
+    cached_on: str | None = None  # how == "cache": the date of the cache entry
 
 
 def climb(candidates: list[int], *, budget: float, resident: float, measure: Callable[[int], float],
@@ -122,8 +123,8 @@ def keeps_at_least(a: CheckpointPolicy | None, b: CheckpointPolicy | None) -> bo
     """Whether policy `a` keeps at least what `b` keeps for backward in every block, so that `b` fits where `a` did.
     none keeps the most and full the least; selective_op keeps what selective_op_lean does and the gate/up output.
     Every n-th block's whole forward against the op-level policies depends on the model: no order. (selective_op
-    also keeps matmul outputs that plain autograd would not; in bf16 none's fp32 norm inputs outweigh them, but an
-    fp32 LoRA model on the CPU peaked 8.6% higher with selective_op than with none: within the default margin.)"""
+    also keeps matmul outputs that plain autograd would not; in bf16 none's fp32 norm inputs outweigh them, and in
+    fp32 the difference stays within train.auto_micro_batch_margin's default.)"""
     if a is None or b is None or a == b:
         return True
     return a.name == "none" or b.name == "full" or (a.name, b.name) == ("selective_op", "selective_op_lean")
@@ -387,64 +388,79 @@ def cpu_micro_batch(per_rank: int, limit: int) -> int:
 
 
 def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer, vocab_size: int,
-                        key: dict, probe: MemoryProbe | None, switch: CheckpointSwitch | None = None
-                        ) -> MicroBatchChoice:
-    """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice, or a search; with
-    fsdp.activation_checkpointing=auto (`switch`) the policy too, left set in the switch."""
+                        key: dict, probe: MemoryProbe | None, switch: CheckpointSwitch | None = None,
+                        use_cache: bool = True) -> MicroBatchChoice:
+    """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice (`use_cache`), or a
+    search; with fsdp.activation_checkpointing=auto (`switch`) the policy too, left set in the switch.
+    `describe_choice` says how it was chosen."""
     t = cfg.train
     auto_size = t.micro_batch_size == "auto"
     if not auto_size and switch is None:
         return MicroBatchChoice(t.micro_batch_size, "configured")
     per_rank = t.global_batch_size // env.world_size
-    if probe is None:
+    if probe is None:  # the CPU: no GPU memory to measure
         policy = None
         if switch is not None:
             switch.policy = CheckpointPolicy("none")
             policy = switch.policy.name
-            log.info("fsdp.activation_checkpointing=auto on the CPU (no GPU memory to measure): none")
         if not auto_size:
             return MicroBatchChoice(t.micro_batch_size, "configured", checkpointing=policy)
-        size = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu)
-        log.info("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch %d, the largest "
-                 "divisor of the per-rank batch %d up to train.auto_micro_batch_cpu=%d", size, per_rank,
-                 t.auto_micro_batch_cpu)
-        return MicroBatchChoice(size, "cpu", checkpointing=policy)
-    what = auto_label(auto_size=auto_size, auto_checkpointing=switch is not None)
-    entry = broadcast_decision(env, read_cache(cfg.output_dir, key) if env.is_main else None)
+        return MicroBatchChoice(cpu_micro_batch(per_rank, t.auto_micro_batch_cpu), "cpu", checkpointing=policy)
+    entry = broadcast_decision(env, read_cache(cfg.output_dir, key) if env.is_main else None) if use_cache else None
     if entry is not None:
         measured = {int(b): m for b, m in entry["measured_gib"].items()}
-        choice = MicroBatchChoice(entry["micro_batch_size"], "cache", measured, entry["capacity_gib"],
-                                  entry["budget_gib"], checkpointing=entry.get("activation_checkpointing"))
         if switch is not None:
             switch.policy = CheckpointPolicy.parse(entry["activation_checkpointing"])
-        log.info("%s: micro-batch %d (gradient accumulation %d)%s, from %s (measured %s: %s, budget %.2f GiB); no "
-                 "search", what, choice.micro_batch_size, per_rank // choice.micro_batch_size,
-                 f", activation checkpointing {choice.checkpointing}" if switch is not None else "",
-                 cfg.output_dir / CACHE_FILE, entry.get("date", "?"), format_measured(choice.measured_gib),
-                 choice.budget_gib)
-        return choice
+        return MicroBatchChoice(entry["micro_batch_size"], "cache", measured, entry["capacity_gib"],
+                                entry["budget_gib"], checkpointing=entry.get("activation_checkpointing"),
+                                cached_on=entry.get("date", "?"))
     sizes = divisors(per_rank) if auto_size else [t.micro_batch_size]
-    log.info("%s: measuring trial steps on %s to find %s", what, probe.name,
-             f"the largest micro-batch of {sizes} that fits" if switch is None else
+    log.info("%s: measuring trial steps on %s to find %s", auto_label(auto_size=auto_size,
+                                                                      auto_checkpointing=switch is not None),
+             probe.name, f"the largest micro-batch of {sizes} that fits" if switch is None else
              f"the fastest pair of activation checkpointing policy and micro-batch (of {sizes}) that fits")
-    choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
-                                grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env,
-                                probe=probe, micro_batch=None if auto_size else t.micro_batch_size, switch=switch,
-                                every_n=cfg.fsdp.ac_every_n_layers)
-    if switch is not None:
+    return search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
+                              grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env,
+                              probe=probe, micro_batch=None if auto_size else t.micro_batch_size, switch=switch,
+                              every_n=cfg.fsdp.ac_every_n_layers)
+
+
+def describe_choice(choice: MicroBatchChoice, cfg, *, world_size: int) -> list[str]:
+    """How resolve_micro_batch chose, as the training log and the benchmark print it: no line for a micro-batch
+    set by hand without fsdp.activation_checkpointing=auto."""
+    t = cfg.train
+    auto_size, auto_checkpointing = t.micro_batch_size == "auto", cfg.fsdp.activation_checkpointing == "auto"
+    per_rank = t.global_batch_size // world_size
+    lines = []
+    if choice.how in ("configured", "cpu") and choice.checkpointing is not None:
+        lines.append("fsdp.activation_checkpointing=auto on the CPU (no GPU memory to measure): "
+                     f"{choice.checkpointing}")
+    if choice.how == "cpu":
+        lines.append(f"train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch "
+                     f"{choice.micro_batch_size}, the largest divisor of the per-rank batch {per_rank} up to "
+                     f"train.auto_micro_batch_cpu={t.auto_micro_batch_cpu}")
+    if choice.how not in ("cache", "search"):
+        return lines
+    what = auto_label(auto_size=auto_size, auto_checkpointing=auto_checkpointing)
+    policy = f", activation checkpointing {choice.checkpointing}" if auto_checkpointing else ""
+    if choice.how == "cache":
+        return [f"{what}: micro-batch {choice.micro_batch_size} (gradient accumulation "
+                f"{per_rank // choice.micro_batch_size}){policy}, from {cfg.output_dir / CACHE_FILE} (measured "
+                f"{choice.cached_on}: {format_measured(choice.measured_gib)}, budget {choice.budget_gib:.2f} GiB); "
+                "no search"]
+    if auto_checkpointing:
         tried = "; ".join(f"{name}: {format_measured(sizes)}" for name, sizes in choice.tried_gib.items())
         timed = ", ".join(f"{pair} {speed:,.0f} tokens/s per rank" for pair, speed in choice.tokens_per_s.items())
         why = (f"timed {timed}: the most tokens/s is {choice.checkpointing}@{choice.micro_batch_size}" if timed else
                f"{choice.checkpointing} recomputes the least of the policies that fit micro-batch "
                f"{choice.micro_batch_size}" + (", and none fits a larger one" if auto_size else ""))
-        log.info("fsdp.activation_checkpointing=auto: tried %s; %s", tried, why)
-    log.info("%s: micro-batch %d (gradient accumulation %d on %d ranks)%s; peak memory of the trial steps (reserved, "
-             "max over ranks) %s, against a budget of %.2f GiB (%.2f GiB usable, margin %g); %.0f s", what,
-             choice.micro_batch_size, per_rank // choice.micro_batch_size, env.world_size,
-             f", activation checkpointing {choice.checkpointing}" if switch is not None else "",
-             format_measured(choice.measured_gib), choice.budget_gib, choice.capacity_gib, t.auto_micro_batch_margin,
-             choice.seconds)
-    return choice
+        lines.append(f"fsdp.activation_checkpointing=auto: tried {tried}; {why}")
+    lines.append(f"{what}: micro-batch {choice.micro_batch_size} (gradient accumulation "
+                 f"{per_rank // choice.micro_batch_size} on {world_size} ranks){policy}; peak memory of the trial "
+                 f"steps (reserved, max over ranks) {format_measured(choice.measured_gib)}, against a budget of "
+                 f"{choice.budget_gib:.2f} GiB ({choice.capacity_gib:.2f} GiB usable, margin "
+                 f"{t.auto_micro_batch_margin:g}); {choice.seconds:.0f} s")
+    return lines
 
 
 def format_measured(measured_gib: dict[int, float]) -> str:
