@@ -34,7 +34,7 @@ from fsdp_utils.distributed import (
 from fsdp_utils.parallel.float8 import float8_problems
 from fsdp_utils.parallel.hf import HFModelError, hf_problems
 from fsdp_utils.train.downstream import DownstreamError, task_problems
-from fsdp_utils.train.microbatch import OutOfMemory
+from fsdp_utils.train.oom_guard import OutOfMemory
 from fsdp_utils.train.preemption import StopSignal
 from fsdp_utils.train.run_lock import RunLocked, take_run_lock
 from fsdp_utils.train.trackers import tracker_problems

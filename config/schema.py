@@ -243,11 +243,11 @@ class TrainConfig:
     """torch.compile each DecoderBlock."""
     compile_tuning: bool = False
     """With train.compile: inductor's coordinate-descent tuning of the compiled kernels' launch configurations
-    (block sizes, warps), timed on this GPU at the first compile and cached on the machine. For long runs: measured
-    +0.8-1.7% tokens/s at 300M and +1.8-2.2% at 1B with FP8 (docs/benchmarks.md), for 20-30 s (300M) and 1-2
-    minutes (1B) more of compile at a start, more where the auto search compiles its trials. The choice is timed,
-    as inductor's default choice among its reduction kernels already is: a resume on the same machine (its cache)
-    continues bit for bit, one elsewhere within rounding. scripts/benchmark.py compiles its reference the same way."""
+    (block sizes, warps), timed on this GPU at the first compile and cached on the machine. For long runs: somewhat
+    faster kernels for a longer compile at every start, longer again where the auto search compiles its trials
+    (docs/benchmarks.md). The choice is timed, as inductor's default choice among its reduction kernels already is:
+    a resume on the same machine (its cache) continues bit for bit, one elsewhere within rounding.
+    scripts/benchmark.py compiles its reference the same way."""
     float8: str = "none"
     """FP8 matmuls in the blocks' linear layers through torchao (an optional package: the torchao release
     built for the installed torch): none, tensorwise (one scale per tensor; FP8 all-gather of the weights)

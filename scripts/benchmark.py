@@ -22,11 +22,12 @@ masked or not), step time and peak memory per GPU for each, and the ratios: each
 reference, each FP8 run against ours, each masked run against the same run unmasked.
 
 Micro-batch and accumulation: a numeric train.micro_batch_size runs `--grad_accum` micro-batches per
-step (default 1). `train.micro_batch_size=auto` runs train_fsdp.py's search (no cache) and then the
-accumulation that train.global_batch_size needs, as training would. `--compare_auto` runs ours twice at
-the config's global batch, at micro-batch `--fixed_micro_batch` (default 8, the former presets) and at
-the auto choice; the reference (`--peer`) runs at the auto choice (or, where that runs it out of memory,
-at half the micro-batch and twice the accumulation, and so on): one invocation, one global batch.
+step (default 1; the global batch is then that step). `train.micro_batch_size=auto` runs train_fsdp.py's
+search (no cache) and then the accumulation that train.global_batch_size needs, as training would.
+`--compare_auto` runs ours twice at the config's global batch, at micro-batch `--fixed_micro_batch`
+(default 8) and at the auto choice; the reference (`--peer`) runs at the auto choice (or, where that runs
+it out of memory, at half the micro-batch and twice the accumulation, and so on): one invocation, one global
+batch.
 
 `--save_modes sync,thread[,process,sync_gpu]`: measure sharded checkpoint saves instead, in one invocation:
 after the timed training steps, for each mode, `--saves` saves through the checkpoint manager (sync: as
@@ -50,6 +51,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from config import ConfigError, check_batch_split, load_config  # noqa: E402
+from config import ConfigError, load_config  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.distributed import (  # noqa: E402
     destroy_distributed,
@@ -66,24 +68,12 @@ from fsdp_utils.distributed import (  # noqa: E402
     prefer_expandable_segments,
     read_torchrun_env,
 )
-from fsdp_utils.parallel.build import build_model  # noqa: E402
+from fsdp_utils.parallel.build import describe_model  # noqa: E402
 from fsdp_utils.parallel.float8 import float8_problems  # noqa: E402
-from fsdp_utils.parallel.parallelize import (  # noqa: E402
-    CheckpointSwitch,
-    compile_options,
-    model_converters,
-    parallelize,
-    resolve_precision,
-)
-from fsdp_utils.train.batch import BatchSplit  # noqa: E402
+from fsdp_utils.parallel.parallelize import compile_options, describe_sharding  # noqa: E402
+from fsdp_utils.train.build_run import BuiltRun, build_run  # noqa: E402
 from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
-from fsdp_utils.train.microbatch import (  # noqa: E402
-    cpu_micro_batch,
-    format_measured,
-    memory_probe,
-    search_micro_batch,
-)
-from fsdp_utils.train.optim import build_optimizer  # noqa: E402
+from fsdp_utils.train.microbatch import describe_choice  # noqa: E402
 from fsdp_utils.train.step import train_step  # noqa: E402
 
 # The document separator of the random tokens (--doc_len); any id serves.
@@ -120,65 +110,45 @@ def time_steps(step_fn, *, warmup: int, steps: int, device) -> list[float]:
 
 def bench_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None) -> dict:
     """micro_batch "auto": searched as train_fsdp.py does; grad_accum None: what the global batch needs."""
-    step, _, _, micro_batch, grad_accum = build_ours(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
-    return {**measure(step, env, args), "micro_batch": micro_batch, "grad_accum": grad_accum}
+    step, run = build_ours(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
+    return {**measure(step, env, args), "micro_batch": run.split.micro_batch_size, "grad_accum": run.split.grad_accum}
 
 
-def build_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None):
-    """(step function, model, optimizer, micro-batch, accumulation) of train_fsdp.py's model, wrapping and step."""
-    t = cfg.train
-    precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-    # --fused_projections: the ablation of one matmul per fused weight (q/k/v, gate/up), its output split
-    # afterwards, instead of one matmul per slice. Same weights and results. (FP8 runs use it anyway.)
-    built = build_model(cfg, env, fused_matmul=True if args.fused_projections else None, eos_id=EOS_ID)
-    converters = model_converters(cfg)
-    switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
-    model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
-                        compile=t.compile, env=env, init=built.init, converters=converters, checkpoint_switch=switch,
-                        compile_tuning=t.compile_tuning)
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
-                                fused=not args.unfused_adamw)
-    for converter in converters:
-        converter.register(model, optimizer)
-    if micro_batch == "auto" or switch is not None:
-        per_rank, probe = t.global_batch_size // env.world_size, memory_probe(env.device, env.rank)
-        if probe is None:  # the CPU: no checkpointing (switch's default), train_fsdp.py's fallback micro-batch
-            micro_batch = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu) if micro_batch == "auto" else micro_batch
-        else:
-            choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len,
-                                        vocab_size=cfg.model.vocab_size, grad_clip=t.grad_clip,
-                                        margin=t.auto_micro_batch_margin, compile=t.compile, env=env, probe=probe,
-                                        micro_batch=None if micro_batch == "auto" else int(micro_batch),
-                                        switch=switch, every_n=cfg.fsdp.ac_every_n_layers)
-            micro_batch = choice.micro_batch_size
-            for converter in converters:  # the trial steps' weights were put back: their FP8 scales too
-                converter.refresh(model)
-            if env.is_main:
-                checkpointing = ""
-                if switch is not None:
-                    tried = "; ".join(f"{name}: {format_measured(sizes)}" for name, sizes in choice.tried_gib.items())
-                    timed = ", ".join(f"{k} {v:,.0f} tok/s" for k, v in choice.tokens_per_s.items()) or "none"
-                    checkpointing = f", activation checkpointing {choice.checkpointing} (tried {tried}; timed {timed})"
-                print(f"auto: micro-batch {micro_batch} of {per_rank} per rank{checkpointing}, trial peaks "
-                      f"{format_measured(choice.measured_gib)} (budget {choice.budget_gib:.2f} GiB), "
-                      f"{choice.seconds:.0f} s", flush=True)
-    grad_accum = grad_accum or accumulation(cfg, env, micro_batch)
-    batches = random_batches(cfg.model.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len,
+def run_config(cfg, env, *, micro_batch: int | str, grad_accum: int | None):
+    """The config of one of ours: train.micro_batch_size set to `micro_batch`; with `grad_accum` (a numeric
+    micro-batch), the global batch is the step that makes."""
+    c = copy.deepcopy(cfg)
+    c.train.micro_batch_size = micro_batch
+    if grad_accum is not None and micro_batch != "auto":
+        c.train.global_batch_size = int(micro_batch) * grad_accum * env.world_size
+    return c
+
+
+def build_ours(cfg, env, args, *, micro_batch: int | str,
+               grad_accum: int | None) -> tuple[Callable[[], None], BuiltRun]:
+    """(step function, the run) of train_fsdp.py's model, wrapping, optimizer, micro-batch plan and step: built by
+    the Trainer's own build_run, on random tokens. The ablations are its parameters: --fused_projections (one
+    matmul per fused q/k/v and gate/up weight, split after, instead of one per slice; same weights and results),
+    --unfused_adamw (the multi-tensor AdamW)."""
+    run_cfg = run_config(cfg, env, micro_batch=micro_batch, grad_accum=grad_accum)
+    vocab_size, signature, _ = describe_model(run_cfg, run_cfg.data.vocab_size)
+    try:
+        run = build_run(run_cfg, env, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID, use_cache=False,
+                        fused_matmul=True if args.fused_projections else None, fused_adamw=not args.unfused_adamw)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err.problems[0]}") from None
+    if env.is_main:
+        for line in describe_choice(run.choice, run_cfg, world_size=env.world_size):
+            print(line, flush=True)
+    batches = random_batches(vocab_size, micro_batch=run.split.micro_batch_size, seq_len=cfg.data.seq_len,
                              device=env.device, seed=env.rank, doc_len=args.doc_len)
 
     def step():
         # The training loop's own step (fsdp_utils/train/step.py), its one host sync included.
-        train_step(model, optimizer, batches, grad_accum=grad_accum, grad_clip=t.grad_clip, world_size=env.world_size)
+        train_step(run.model, run.optimizer, batches, grad_accum=run.split.grad_accum, grad_clip=cfg.train.grad_clip,
+                   world_size=env.world_size, scaler=run.scaler)
 
-    return step, model, optimizer, micro_batch, grad_accum
-
-
-def accumulation(cfg, env, micro_batch: int) -> int:
-    try:
-        check_batch_split(cfg, env.world_size, micro_batch=micro_batch)
-    except ConfigError as err:
-        raise SystemExit(f"error: {err.problems[0]}") from None
-    return BatchSplit(cfg.train.global_batch_size, env.world_size, micro_batch).grad_accum
+    return step, run
 
 
 def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
@@ -296,8 +266,10 @@ def reset_peak(env) -> None:
 
 def bench_saves(cfg, env, args) -> list[dict]:
     """Sharded saves of train_fsdp.py's model and optimizer, per mode (see the module docstring)."""
-    step_fn, model, optimizer, _, _ = build_ours(cfg, env, args, micro_batch=cfg.train.micro_batch_size,
-                                                 grad_accum=args.grad_accum or 1)
+    auto = cfg.train.micro_batch_size == "auto"
+    step_fn, run = build_ours(cfg, env, args, micro_batch=cfg.train.micro_batch_size,
+                              grad_accum=None if auto else args.grad_accum or 1)
+    model, optimizer = run.model, run.optimizer
     for _ in range(args.warmup):
         step_fn()
     reset_peak(env)
@@ -343,9 +315,10 @@ def bench_saves(cfg, env, args) -> list[dict]:
                 "overlapped_step_s": statistics.median(overlapped) if overlapped else None,
                 "overlapped_steps": len(overlapped), "write_outlasted_steps": len(overlapped) >= args.max_overlap_steps,
                 "train_peak_gib": train_peak, "save_peak_gib": save_peak, "overlap_peak_gib": overlap_peak,
+                "micro_batch": run.split.micro_batch_size, "grad_accum": run.split.grad_accum,
                 "checkpoint_gb": max_over_ranks(size / 1e9, env),  # the whole folder, as its node sees it
             })
-            if env.is_main:  # measured: delete it (disk space: an 8B checkpoint is ~96 GB)
+            if env.is_main:  # measured: delete it (a large model's checkpoint takes much disk space)
                 shutil.rmtree(root / mode / saved["name"])
             dist.barrier()
         manager.close()
@@ -360,8 +333,8 @@ def print_saves(rows: list[dict], cfg, env, args) -> None:
     m = cfg.model
     device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     print(f"\n{args.config}: {m.num_params() / 1e9:.2f}B params, seq {cfg.data.seq_len}, micro-batch "
-          f"{cfg.train.micro_batch_size} x accum {args.grad_accum or 1}, world {env.world_size} x {device}, "
-          f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
+          f"{rows[0]['micro_batch']} x accum {rows[0]['grad_accum']}, world {env.world_size} x {device}, "
+          f"FSDP{cfg.fsdp.version} {describe_sharding(cfg.fsdp, env)}, AC {cfg.fsdp.activation_checkpointing}, "
           f"sharded checkpoint {rows[0]['checkpoint_gb']:.1f} GB")
     print(f"{'mode':<8}{'save':>5}{'stall s':>9}{'save s':>9}{'staging s':>10}{'prepare s':>10}{'step s':>8}"
           f"{'overlap step s (n)':>20}{'peak GiB train':>16}{'save':>7}{'overlap':>9}")
@@ -564,7 +537,7 @@ def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg, e
     global_batch = max(r["micro_batch"] * r["grad_accum"] for r in rows) * env.world_size
     print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, global batch "
           f"{global_batch}, world {env.world_size} x {device}, "
-          f"FSDP{cfg.fsdp.version} {cfg.fsdp.sharding_strategy}, AC {cfg.fsdp.activation_checkpointing}, "
+          f"FSDP{cfg.fsdp.version} {describe_sharding(cfg.fsdp, env)}, AC {cfg.fsdp.activation_checkpointing}, "
           f"compile {cfg.train.compile}{' (tuned)' if cfg.train.compile_tuning else ''}, "
           f"cpu_offload {cfg.fsdp.cpu_offload}"
           + (f", documents of {args.doc_len} tokens on average" if args.doc_len else "")

@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
-from fsdp_utils.train.microbatch import MemoryProbe
+from fsdp_utils.train.memory import MemoryProbe
 
 ENV = "FSDP_TEST_FAULTS"
 _STEP_RE = re.compile(r"cpt(\d+)$")
@@ -274,24 +274,24 @@ def _install_nan_at_step(nan_step: int, *, current: dict) -> None:
 
 
 def _install_fake_gpu_memory(fake: dict, *, current: dict) -> None:
-    from fsdp_utils.train import microbatch, trainer
+    from fsdp_utils.train import build_run
 
-    microbatch.memory_probe = trainer.memory_probe = lambda device, rank: FakeProbe(fake, rank)
+    build_run.memory_probe = lambda device, rank: FakeProbe(fake, rank)  # the one caller
 
 
 def _install_gpu_memory_gib(gib: float, *, current: dict) -> None:
-    from fsdp_utils.train import microbatch, trainer
+    from fsdp_utils.train import build_run
 
-    real = microbatch.memory_probe
+    real = build_run.memory_probe
 
     def held(device, rank):
         return HeldGPU(device, gib) if device.type == "cuda" else real(device, rank)
 
-    microbatch.memory_probe = trainer.memory_probe = held
+    build_run.memory_probe = held
 
 
 def _install_oom(oom: str, *, current: dict) -> None:
-    from fsdp_utils.train.microbatch import OutOfMemoryGuard
+    from fsdp_utils.train.oom_guard import OutOfMemoryGuard
     from model.transformer import DecoderBlock
 
     real_attempt = OutOfMemoryGuard.attempt

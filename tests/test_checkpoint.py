@@ -1,6 +1,6 @@
 """Checkpoints end to end: real train_fsdp.py processes (torchrun, gloo on the CPU) on a tiny model.
 
-What is checked (issue 3): exact stop-and-resume for both formats with gradient accumulation; resume at
+What is checked: exact stop-and-resume for both formats with gradient accumulation; resume at
 another world size; atomic saves (a killed save is ignored and cleaned up); fallback past a corrupt
 checkpoint; clear errors for a mismatched model, a missing or corrupt path; the full
 checkpoint as plain torch.load-able weights; and scripts/convert_checkpoint.py. Retention, and the manager

@@ -1,4 +1,4 @@
-"""Hostile and damaged checkpoints, in process (issue 21): each ends in one CheckpointError-family line
+"""Hostile and damaged checkpoints, in process: each ends in one CheckpointError-family line
 naming the file, or a correct load; nothing the user owns is moved, deleted or written through.
 
 A world-size-1 gloo group and a tiny model make real checkpoints of both formats through the checkpoint

@@ -23,10 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_in_job_preparation_longer_than_the_collective_timeout_trains(tmp_path):
-    # The reproduction of the old failure: rank 0 prepared a 30 MB corpus inside the job while rank 1
-    # waited in a broadcast, which gave up after run.timeout_s=5 ("Timed out waiting 5000ms"). Now
-    # rank 1 waits on a file. 50 MB, one worker process and a vocabulary of 8192 make the preparation
-    # last about 10 s on one core of the development machine.
+    # Rank 0 prepares the corpus inside the job while rank 1 waits: on a file, not in a collective, which
+    # would give up after run.timeout_s=5. 50 MB, one worker process and a vocabulary of 8192 make the
+    # preparation outlast that timeout.
     corpus = write_corpus(tmp_path / "c.jsonl", 50)
     proc = run_train("--data.max_corpus_mb=0", "--run.timeout_s=5", "--data.num_workers=1", "--data.vocab_size=8192",
                      "--train.max_steps=2", nproc=2, out_dir=tmp_path / "out", corpus=corpus,
@@ -50,8 +49,8 @@ def test_corpus_too_large_for_the_job_is_one_line(tmp_path):
 
 
 def test_unwritable_dataset_dir_ends_every_rank_at_once(tmp_path, corpus):
-    # Rank 0 cannot create the dataset folder. It used to publish its outcome there too, failed to, and
-    # rank 1 waited until torchrun killed it; the outcome now goes to the output directory.
+    # Rank 0 cannot create the dataset folder; its outcome goes to the output directory, so rank 1 learns of
+    # the failure instead of waiting until torchrun kills it.
     (tmp_path / "a_file").write_text("in the way")
     dataset_dir = tmp_path / "a_file" / "prepared"
     proc = run_train(nproc=2, out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False,

@@ -152,7 +152,7 @@ def test_reset_positions_without_masking_restarts_rotary_positions(scaling):
 
 
 def reference_forward(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    """Today's forward written out from the weights: causal SDPA, rotary positions 0..T-1."""
+    """The plain causal forward written out from the weights: causal SDPA, rotary positions 0..T-1."""
     T, H, K, Hd = tokens.shape[1], CFG.n_heads, CFG.num_kv_heads, CFG.head_dim
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     h = model.tok_embeddings(tokens)
@@ -168,7 +168,7 @@ def reference_forward(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     return F.linear(model.norm(h), model.output.weight)
 
 
-def test_masking_off_is_todays_forward_bit_for_bit():
+def test_masking_off_is_the_plain_causal_forward_bit_for_bit():
     model = built(None)
     tokens = torch.cat([words(10, 1), eos(), words(20, 2)], dim=1)
     with torch.no_grad():

@@ -272,12 +272,11 @@ def kill_rank0_and_check_restart(job: Job, out: Path, reference: dict[int, float
 
 def test_kill_9_under_torchrun_restarts_from_checkpoint(reference, corpus, dataset_dir, tmp_path):
     """kill -9 of rank 0 under `torchrun --max-restarts=1`, started as users do (scripts/fsdp_train.sh with
-    MAX_RESTARTS=1, which runs a plain torchrun) and nothing set in the environment. Since torch 2.5 torchrun
-    shares its store with the workers and it outlives a restart: before the workers gave each attempt a
-    store of its own (fsdp_utils/distributed.py), the restarted workers read the previous attempt's
-    addresses and gloo's connectFullMesh was refused, about 2 restarts in 3 (pytorch#135712). Saved
-    asynchronously by the process writer, whose processes meet through that store too (in both attempts;
-    they used to bind a port found free earlier, which another process could take first)."""
+    MAX_RESTARTS=1, which runs a plain torchrun) and nothing set in the environment. torchrun shares its store
+    with the workers and it outlives a restart: unless each attempt keys its own (fsdp_utils/distributed.py),
+    the restarted workers read the previous attempt's addresses and gloo's connectFullMesh is refused
+    (pytorch#135712). Saved asynchronously by the process writer, whose processes meet through that store too,
+    in both attempts (a port found free beforehand could be taken by another process first)."""
     out = tmp_path / "out"
     cmd = [str(ROOT / "scripts/fsdp_train.sh"), *TINY, f"--run.output_dir={out}", f"--data.files=[{corpus}]",
            f"--data.dataset_dir={dataset_dir}", f"--train.max_steps={N}", "--checkpoint.interval=2",

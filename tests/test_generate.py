@@ -84,8 +84,8 @@ def test_errors(checkpoint, tmp_path, capsys):
 
 
 def test_sampling_arguments_out_of_range_are_one_line(tmp_path, capsys):
-    """nan passed the old `temperature < 0` test and reached torch.multinomial (a traceback); so did a seed past
-    64 bits (torch's overflow). All problems come in one line, before the checkpoint is even looked at."""
+    """nan passes a plain `temperature < 0` test and would reach torch.multinomial (a traceback); so would a seed
+    past 64 bits (torch's overflow). All problems come in one line, before the checkpoint is even looked at."""
     for temperature in ("nan", "inf", "-0.5", "1e-30"):
         assert generate.main([str(tmp_path / "missing.pth"), "--prompt", "x", "--temperature", temperature]) == 1
         err = capsys.readouterr().err

@@ -153,8 +153,8 @@ def test_auto_checkpointing_and_micro_batch_choose_a_measured_pair_that_fits(tmp
     # shape at sequence 1024 on GPUs held to 4.4 GiB (a 3.96 GiB budget at the default margin): without
     # checkpointing only a few sequences fit, so the policies that recompute more are measured at larger
     # micro-batches, and the fitting pairs are timed. Held, not just budgeted: a trial the search did not
-    # predict to fit runs out of memory and ends the run, as on a real card (the 1B preset's search on
-    # H100s, docs/benchmarks.md); with the margin alone such a trial finished on a large card.
+    # predict to fit runs out of memory and ends the run, as on a real card; with the margin alone such a trial
+    # would finish on a large card.
     corpus = write_corpus(tmp_path / "corpus.txt", num_docs=400)
     out = tmp_path / "auto"
     proc = run_train(*GPU, *MODEL_90M, "--model.max_seq_len=1024", "--data.seq_len=1024", "--train.compile=true",

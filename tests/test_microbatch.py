@@ -529,7 +529,8 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
     rows = {line.split()[0]: line.split()[1:4] for line in proc.stdout.splitlines() if line.startswith(("ours", "hf_"))}
     assert rows["ours_mb2"] == ["2", "x", "4"]
     assert rows["ours_auto"] == ["8", "x", "1"] and rows["hf_llama_fsdp2"] == ["8", "x", "1"]
-    assert "auto: micro-batch 8 of 8 per rank" in proc.stdout
+    # The Trainer's own description of the choice (describe_choice).
+    assert "train.micro_batch_size=auto: micro-batch 8 (gradient accumulation 1 on 1 ranks)" in proc.stdout
     assert "ratio ours_auto / reference tokens/s:" in proc.stdout
 
 
@@ -562,7 +563,7 @@ def test_benchmark_lora_only_without_ranks_is_one_error_line():
 
 
 def test_benchmark_reference_after_fp8_runs_only_takes_their_split(monkeypatch):
-    # `--train.float8=tensorwise --peer`: no bf16 run of ours to take the split from (it crashed on 2 x H100),
+    # `--train.float8=tensorwise --peer`: no bf16 run of ours to take the split from,
     # so the reference starts from the FP8 run's and halves where it does not fit.
     from scripts import benchmark
 

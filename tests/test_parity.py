@@ -12,7 +12,7 @@ NO_SHARD, lr 3e-4 .. 3e-3, weight decay 0.1 .. 10. REL_TOL = 1e-6 leaves a 7x ma
   * a missing gradient average over ranks: step-1 grad_norm x2 (the loss alone would not show it:
     with clipping at 1.0 and Adam, scaled gradients give the same update);
   * weight decay applied differently on sharded ranks (FSDP1 shows sharded parameters as 1-D, so a
-    `param.ndim >= 2` grouping decays nothing there; a bug the library had): with weight_decay=1.0 below,
+    `param.ndim >= 2` grouping decays nothing there): with weight_decay=1.0 below,
     losses differ by 2e-5 at step 4 and grad norms by 1e-4 -- 20x the tolerance. With the default 0.1 it
     is only 2e-6, which is why these runs use 1.0.
 """

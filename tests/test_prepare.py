@@ -497,8 +497,8 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def test_a_folder_of_the_users_files_is_refused_and_left_as_it_was(tmp_path):
-    # The reproduction: the corpus folder itself as data.dataset_dir. Its files carry the names the
-    # preparation used to delete by pattern (Hugging Face names its files train-00000-of-00001.parquet).
+    # The corpus folder itself as data.dataset_dir. Its files carry names a preparation might take for its own
+    # (Hugging Face names its files train-00000-of-00001.parquet): only the files it recorded are its own.
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     pq.write_table(pa.table({"text": DOCUMENTS}), corpus / "train-00000-of-00001.parquet")

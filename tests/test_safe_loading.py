@@ -1,4 +1,4 @@
-"""Loading a checkpoint never runs code from it (issue 12, case 1), through every entry point: training
+"""Loading a checkpoint never runs code from it, through every entry point: training
 (--resume_from and checkpoint.auto_resume), scripts/generate.py, scripts/export_hf.py and
 scripts/convert_checkpoint.py. Each tampered checkpoint carries a pickled payload that creates a marker
 file and then returns the real object, so that, unpickled, it would load and train with no sign; its

@@ -1,9 +1,9 @@
 """The one training step (fsdp_utils/train/step.py) and the Trainer, in-process (a world of one on gloo).
 
-The training loop, scripts/benchmark.py and the micro-batch search's trial steps must run the same step:
-they used to have three copies, which drifted (the trials skipped the FP8 scales). Here each is run and
-seen to call `train_step`, the benchmark's step is checked to change the weights exactly as `train_step`
-does, and the Trainer trains in-process.
+The training loop, scripts/benchmark.py and the micro-batch search's trial steps must run the same step, and
+the benchmark must build what the Trainer builds: a copy of either drifts. Here each is run and seen to call
+`train_step`, the benchmark's objects are compared with the Trainer's and its step is checked to change the
+weights exactly as `train_step` does, and the Trainer trains in-process.
 """
 from __future__ import annotations
 
@@ -90,9 +90,9 @@ def test_benchmark_step_is_train_step(tmp_path, corpus, dataset_dir, world_of_on
     args = argparse.Namespace(fused_projections=False, unfused_adamw=True, doc_len=0)
     spy = Spy()
     monkeypatch.setattr(benchmark, "train_step", spy)
-    step_fn, model, optimizer, micro_batch, grad_accum = benchmark.build_ours(cfg, world_of_one, args, micro_batch=2,
-                                                                              grad_accum=None)
-    assert (micro_batch, grad_accum) == (2, BatchSplit(8, 1, 2).grad_accum)
+    step_fn, run = benchmark.build_ours(cfg, world_of_one, args, micro_batch=2, grad_accum=None)
+    model, optimizer, grad_accum = run.model, run.optimizer, run.split.grad_accum
+    assert run.split == BatchSplit(8, 1, 2)
 
     def weights():
         return [p.to_local().detach().clone() for p in model.parameters()]
@@ -114,13 +114,57 @@ def test_benchmark_step_is_train_step(tmp_path, corpus, dataset_dir, world_of_on
     assert dist.is_initialized()
 
 
+def test_benchmark_trains_the_trainers_objects(tmp_path, corpus, dataset_dir, world_of_one):
+    """scripts/benchmark.py and the Trainer build from one config through build_run: the same model and weights,
+    optimizer, converters and micro-batch plan, and one step on the same batch gives the same loss and weights."""
+    from scripts import benchmark
+
+    cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=1", "--model.vocab_size=320")
+    run = trainer.Trainer.__new__(trainer.Trainer)  # the Trainer's setup, without the resume and the loop
+    run.cfg, run.env, run.stop = cfg, world_of_one, StopSignal([], grace_s=60)
+    run._setup_data()
+    run._setup_model()
+    args = argparse.Namespace(fused_projections=False, unfused_adamw=False, doc_len=0)
+    _, ours = benchmark.build_ours(cfg, world_of_one, args, micro_batch=cfg.train.micro_batch_size, grad_accum=None)
+
+    def structure(model):
+        return [(name, type(module).__name__) for name, module in model.named_modules()]
+
+    def weights(model):
+        return {name: p.to_local().detach().clone() for name, p in model.named_parameters()}
+
+    def groups(model, optimizer):
+        names = {id(p): name for name, p in model.named_parameters()}
+        return [({k: v for k, v in g.items() if k != "params"}, [names[id(p)] for p in g["params"]])
+                for g in optimizer.param_groups]
+
+    assert structure(ours.model) == structure(run.model)
+    theirs_w, ours_w = weights(run.model), weights(ours.model)
+    assert list(ours_w) == list(theirs_w) and all(torch.equal(ours_w[n], theirs_w[n]) for n in theirs_w)
+    assert type(ours.optimizer) is type(run.optimizer)
+    assert groups(ours.model, ours.optimizer) == groups(run.model, run.optimizer)
+    assert [type(c) for c in ours.converters] == [type(c) for c in run.converters]
+    assert (ours.precision, ours.scaler, ours.checkpoint_switch) == (run.precision, run.scaler, run.checkpoint_switch)
+    # global batch 8 on one rank at the configured micro-batch 2: accumulation 4
+    assert ours.split == run.split == BatchSplit(8, 1, 2) and ours.choice == run.choice
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, 320, (2, cfg.data.seq_len + 1), generator=gen) for _ in range(run.split.grad_accum)]
+    results = [step.train_step(model, optimizer, ((t[:, :-1], t[:, 1:]) for t in tokens), grad_accum=4,
+                               grad_clip=cfg.train.grad_clip, world_size=1)
+               for model, optimizer in ((run.model, run.optimizer), (ours.model, ours.optimizer))]
+    assert torch.equal(results[0].loss, results[1].loss) and torch.equal(results[0].grad_norm, results[1].grad_norm)
+    theirs_w, ours_w = weights(run.model), weights(ours.model)
+    assert all(torch.equal(ours_w[n], theirs_w[n]) for n in theirs_w)
+
+
 # ---- fsdp.grad_sync: when accumulation reduces the gradients -------------------------------------------
 def gradient_numel(model) -> int:
     """Gradient elements this rank holds between micro-batches: FSDP1's flat gradients (sharded or whole),
     FSDP2's sharded .grad plus the unsharded gradients it accumulates internally when not reducing."""
     from torch.distributed.fsdp import FSDPModule
 
-    from fsdp_utils.train.microbatch import fsdp2_param_groups
+    from fsdp_utils.train.oom_guard import fsdp2_param_groups
 
     held = sum(p.grad.numel() if not hasattr(p.grad, "to_local") else p.grad.to_local().numel()
                for p in model.parameters() if p.grad is not None)

@@ -247,6 +247,9 @@ def describe_sharding(f: FSDPConfig, env: DistEnv) -> str:
     if strategy == "HYBRID_SHARD":
         group = hybrid_group_size(f, env)
         return f"HYBRID_SHARD ({env.world_size // group} replicas x {group} shards)"
+    if f.version == 1 and env.world_size == 1 and strategy != "NO_SHARD":
+        # FSDP1 runs any strategy on one process as NO_SHARD (torch says so in a warning).
+        return f"NO_SHARD (one process; fsdp.sharding_strategy={f.sharding_strategy})"
     if strategy != f.sharding_strategy:
         return (f"{strategy} (fsdp.sharding_strategy=HYBRID_SHARD with shard groups of "
                 f"{hybrid_group_size(f, env)} of {env.world_size} ranks)")

@@ -1,158 +1,31 @@
-"""The micro-batch of a run: `train.micro_batch_size: auto`, what a step that runs out of GPU memory
-does, and the hint for runs that leave most of the GPU's memory unused.
-
-auto picks the largest divisor of the per-rank batch (global_batch_size / world size) that fits in GPU
-memory: the accumulation stays whole and the global batch, so the training, is the same whatever it picks.
-It measures instead of provoking out-of-memory errors: an error on one rank in the middle of a sharded
-forward leaves the others waiting in a collective until run.timeout_s, and recovering fragments memory.
-
-1. Trial steps, each a training step (forward and backward over at most two micro-batches, the first
-   without gradient sync when the size would accumulate; clipping; the optimizer step) on random tokens
-   from a private generator: the data order and the global RNG are untouched. The first allocates the
-   optimizer state (and compiles); after it, what stays allocated is the resident part (weights,
-   gradients' shards, optimizer state).
-2. Each measured step reads the peak memory the allocator reserved (`max_memory_reserved`, after
-   `empty_cache`), MAX-reduced over the ranks, so every rank sees the same figures and decides the same.
-   The budget is the smallest capacity over the ranks (free memory plus what this process already
-   holds) times 1 - train.auto_micro_batch_margin.
-3. From the smallest candidate it jumps to the largest candidate whose predicted peak fits the budget,
-   measures it, and repeats from there. With one measurement the prediction is a bound, resident +
-   (peak(b) - resident) * c / b, an upper bound for c > b as long as the rest grows at most linearly
-   with the micro-batch (activations do) on top of a part that does not (gathered weights, workspaces,
-   the loss chunk). That part can be gigabytes (at 8B it kept a policy from trying a size that fits), so
-   with two measurements the prediction is their line: its slope is the activations' alone. Nothing is
-   run unless known or predicted to fit, but the smallest size: a trial step over the GPU's capacity is an
-   out-of-memory error, which ends the run (on an H200 given an H100's budget such a step merely read
-   over the budget; on the H100 it stopped the 1B preset). So a later policy of
-   fsdp.activation_checkpointing=auto starts at the largest size that a policy keeping at least as much
-   fit (none keeps the most, full the least: `keeps_at_least`), so that size fits it too, and takes its
-   second point, when the bound allows nothing larger, at the next smaller size. The figure of the size
-   chosen is always measured, never predicted.
-4. With train.compile, the trial sizes differ from the final one and dynamo would compile the batch
-   dimension as dynamic after the second size (automatic dynamic shapes), a slower graph for the whole
-   run. So after the search `torch.compiler.reset()` drops every graph, and one more trial step at the
-   chosen size compiles the run's own static graph (which training then reuses) and verifies the
-   figure; over the budget, it steps down.
-5. The weights are copied to host memory first and back afterwards, the optimizer state (empty before)
-   is cleared: the run starts from exactly the state it would have had without the search.
-
-6. fsdp.activation_checkpointing=auto runs the same search for each checkpointing policy in the order of
-   what it recomputes (none, selective_op, selective_op_lean, selective every n-th block, full), a policy
-   only for micro-batches larger than the ones before it could fit (at the same micro-batch it would only be
-   slower). When more than one pair of policy and micro-batch fits, each is timed over whole steps (the
-   per-rank batch's accumulation) and the one with the most tokens/s trains. Blocks switch policy in place
-   (parallel/parallelize.py CheckpointSwitch); with compile, each policy compiles anew. With a numeric
-   train.micro_batch_size, it picks the first policy whose step fits at that size, climbing to it through
-   its divisors by the same rules (so none does not run a size larger than the GPU).
-
-The result is cached per model shape, sequence length, batch, world size, GPU, torch version and the
-memory-relevant options in <output_dir>/microbatch_cache.json: a resumed run does not search again.
-
-The tests replace `memory_probe` with readings from a formula and raise out-of-memory errors at chosen
-steps (tests/fault_injection.py), so the search, the agreement across ranks, the cache, the hint and the
-retry run on the CPU too.
-"""
+"""`train.micro_batch_size: auto` and `fsdp.activation_checkpointing: auto`: trial training steps measure the
+peak GPU memory of candidate micro-batches (and checkpointing policies), the largest (or fastest) that fits
+trains, and the choice is cached in the output directory. docs/fsdp.md describes the search."""
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import gc
 import json
 import logging
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 from ..distributed import DistEnv, broadcast_decision
 from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch
-from .batch import BatchSplit, divisors
+from .batch import divisors
+from .memory import GiB, MemoryProbe, gib, max_over_ranks
+from .oom_guard import OutOfMemory
 from .step import train_step
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-GiB = 2**30
 CACHE_FILE = "microbatch_cache.json"
-
-
-class OutOfMemory(RuntimeError):
-    """A micro-batch does not fit: one line with the figures and what to change."""
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / GiB:.2f}"
-
-
-# ---- memory readings -----------------------------------------------------------------------------
-
-
-class MemoryProbe:
-    """This GPU's memory figures, from torch.cuda. `begin(micro_batch)` starts a phase run at that
-    micro-batch (a trial step, or training): cached blocks are released and the peaks reset."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    @property
-    def name(self) -> str:
-        return torch.cuda.get_device_name(self.device)
-
-    def total(self) -> int:
-        return torch.cuda.get_device_properties(self.device).total_memory
-
-    def capacity(self) -> int:
-        """What this process can use: the free memory plus what its allocator holds already (other
-        processes, the CUDA context and NCCL's buffers are outside both)."""
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return free + torch.cuda.memory_reserved(self.device)
-
-    def begin(self, micro_batch: int, checkpointing: str | None = None) -> None:
-        """(`checkpointing`: the activation checkpointing policy of the phase, for the tests' probe.)"""
-        torch.cuda.synchronize(self.device)
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def time(self, step: Callable[[], None], repeats: int = 2) -> float:
-        """Seconds per call of `step`, on this GPU's clock (after the work queued before it)."""
-        torch.cuda.synchronize(self.device)
-        begin = time.perf_counter()
-        for _ in range(repeats):
-            step()
-        torch.cuda.synchronize(self.device)
-        return (time.perf_counter() - begin) / repeats
-
-    def peak_reserved(self) -> int:
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_reserved(self.device)
-
-    def peak_allocated(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
-    def reserved(self) -> int:
-        return torch.cuda.memory_reserved(self.device)
-
-
-def memory_probe(device: torch.device, rank: int) -> MemoryProbe | None:
-    """The GPU's figures; None on the CPU. (`rank`: for the tests' probe, which reads per-rank figures.)"""
-    return MemoryProbe(device) if device.type == "cuda" else None
-
-
-def _max_over_ranks(value: float, env: DistEnv) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64, device=env.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 # ---- the search ----------------------------------------------------------------------------------
@@ -171,6 +44,7 @@ class MicroBatchChoice:
     checkpointing: str | None = None
     tried_gib: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
     tokens_per_s: dict[str, float] = dataclasses.field(default_factory=dict)  # "policy@micro-batch" -> tokens/s
+    cached_on: str | None = None  # how == "cache": the date of the cache entry
 
 
 def climb(candidates: list[int], *, budget: float, resident: float, measure: Callable[[int], float],
@@ -178,7 +52,7 @@ def climb(candidates: list[int], *, budget: float, resident: float, measure: Cal
     """(largest candidate whose measured peak fits the budget or None, {size: measured peak}).
 
     Measures the smallest candidate, then the largest one whose predicted peak fits, and so on from there
-    (see the module docstring); `measure(b)` runs a trial step at micro-batch b and returns its peak. With
+    (docs/fsdp.md); `measure(b)` runs a trial step at micro-batch b and returns its peak. With
     one measurement the prediction is the bound (everything above `resident` grows with the micro-batch);
     with two it is their line, whose slope is the activations' alone (the step's fixed buffers cancel out).
     `fit`: sizes safe to run (a policy that keeps more fit them, or ran them), largest first. The first
@@ -249,8 +123,8 @@ def keeps_at_least(a: CheckpointPolicy | None, b: CheckpointPolicy | None) -> bo
     """Whether policy `a` keeps at least what `b` keeps for backward in every block, so that `b` fits where `a` did.
     none keeps the most and full the least; selective_op keeps what selective_op_lean does and the gate/up output.
     Every n-th block's whole forward against the op-level policies depends on the model: no order. (selective_op
-    also keeps matmul outputs that plain autograd would not; in bf16 none's fp32 norm inputs outweigh them, but an
-    fp32 LoRA model on the CPU peaked 8.6% higher with selective_op than with none: within the default margin.)"""
+    also keeps matmul outputs that plain autograd would not; in bf16 none's fp32 norm inputs outweigh them, and in
+    fp32 the difference stays within train.auto_micro_batch_margin's default.)"""
     if a is None or b is None or a == b:
         return True
     return a.name == "none" or b.name == "full" or (a.name, b.name) == ("selective_op", "selective_op_lean")
@@ -295,14 +169,14 @@ class _Trials:
         with fsdp.grad_sync=last_micro_batch)."""
         self.probe.begin(micro_batch, self.policy_name)
         self.step(micro_batch, min(2, self.per_rank // micro_batch))
-        return _max_over_ranks(self.probe.peak_reserved(), self.env)
+        return max_over_ranks(self.probe.peak_reserved(), self.env)
 
     def tokens_per_s(self, micro_batch: int) -> float:
         """Per rank, over whole steps (the accumulation of the per-rank batch), after one to warm up."""
         num_micro = self.per_rank // micro_batch
         self.probe.begin(micro_batch, self.policy_name)
         self.step(micro_batch, num_micro)
-        seconds = _max_over_ranks(self.probe.time(lambda: self.step(micro_batch, num_micro)), self.env)
+        seconds = max_over_ranks(self.probe.time(lambda: self.step(micro_batch, num_micro)), self.env)
         return self.per_rank * self.seq_len / seconds
 
 
@@ -323,7 +197,7 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     assert not optimizer.state, "search before the first optimizer step (or a resume): its state is cleared afterwards"
     start = time.perf_counter()
     saved = [_local(p).detach().to("cpu", copy=True) for p in model.parameters()]
-    capacity = -_max_over_ranks(-probe.capacity(), env)
+    capacity = -max_over_ranks(-probe.capacity(), env)
     budget = capacity * (1 - margin)
     trials = _Trials(model, optimizer, per_rank=per_rank, seq_len=seq_len, vocab_size=vocab_size, grad_clip=grad_clip,
                      compile=compile, env=env, probe=probe, switch=switch)
@@ -333,18 +207,18 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
         """Nothing fits `size` (auto: the smallest, measured; by hand: the size set, measured or predicted)."""
         what = "with full activation checkpointing, " if switch is not None else ""
         if size in measured:
-            figure = f"{'even ' if micro_batch is None else ''}micro-batch {size} peaks at {_gib(measured[size])} GiB"
+            figure = f"{'even ' if micro_batch is None else ''}micro-batch {size} peaks at {gib(measured[size])} GiB"
         else:  # the size set by hand, never run: the trials below it put it over the budget
             below = max(measured)
             peak = measured[below] if measured[below] > budget else _predicted_peak(size, below, measured,
                                                                                     resident=resident)
-            figure = (f"micro-batch {size} is predicted at {_gib(peak)} GiB from the trials at "
+            figure = (f"micro-batch {size} is predicted at {gib(peak)} GiB from the trials at "
                       f"{format_measured({b: m / GiB for b, m in measured.items()})}")
         advice = "use more GPUs" if switch is not None else "turn on fsdp.activation_checkpointing, use more GPUs"
         if micro_batch is not None:
             advice = "set a smaller train.micro_batch_size (or auto), " + advice
         return OutOfMemory(
-            f"{label}: {what}{figure}, over the budget of {_gib(budget)} GiB ({_gib(capacity)} GiB usable, "
+            f"{label}: {what}{figure}, over the budget of {gib(budget)} GiB ({gib(capacity)} GiB usable, "
             f"train.auto_micro_batch_margin={margin}); {advice}, or shorten data.seq_len")
 
     rng_devices = [env.device.index] if env.device.type == "cuda" else []
@@ -355,7 +229,7 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
             trials.use(policies[0])
             probe.begin(candidates[0], trials.policy_name)
             trials.step(candidates[0], min(2, per_rank // candidates[0]))  # allocates the optimizer state, compiles
-            resident = _max_over_ranks(probe.allocated(), env)
+            resident = max_over_ranks(probe.allocated(), env)
             fitting = _fitting_pairs(trials, policies, candidates, budget=budget, resident=resident, tried=tried)
             if micro_batch is not None:  # by hand: only the size set counts (the smaller ones led up to it)
                 fitting = [pair for pair in fitting if pair[1] == micro_batch]
@@ -396,10 +270,10 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     optimizer.state.clear()
     optimizer.zero_grad(set_to_none=True)
     probe.begin(best, trials.policy_name)
-    gib = {name: {b: m / GiB for b, m in sorted(sizes.items())} for name, sizes in tried.items()}
+    tried_gib = {name: {b: m / GiB for b, m in sorted(sizes.items())} for name, sizes in tried.items()}
     return MicroBatchChoice(best, "search", {b: m / GiB for b, m in sorted(measured.items())}, capacity / GiB,
                             budget / GiB, time.perf_counter() - start, checkpointing=trials.policy_name,
-                            tried_gib=gib if switch is not None else {}, tokens_per_s=speeds)
+                            tried_gib=tried_gib if switch is not None else {}, tokens_per_s=speeds)
 
 
 def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], candidates: list[int], *, budget: float,
@@ -514,203 +388,81 @@ def cpu_micro_batch(per_rank: int, limit: int) -> int:
 
 
 def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer, vocab_size: int,
-                        key: dict, probe: MemoryProbe | None, switch: CheckpointSwitch | None = None
-                        ) -> MicroBatchChoice:
-    """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice, or a search; with
-    fsdp.activation_checkpointing=auto (`switch`) the policy too, left set in the switch."""
+                        key: dict, probe: MemoryProbe | None, switch: CheckpointSwitch | None = None,
+                        use_cache: bool = True) -> MicroBatchChoice:
+    """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice (`use_cache`), or a
+    search; with fsdp.activation_checkpointing=auto (`switch`) the policy too, left set in the switch.
+    `describe_choice` says how it was chosen."""
     t = cfg.train
     auto_size = t.micro_batch_size == "auto"
     if not auto_size and switch is None:
         return MicroBatchChoice(t.micro_batch_size, "configured")
     per_rank = t.global_batch_size // env.world_size
-    if probe is None:
+    if probe is None:  # the CPU: no GPU memory to measure
         policy = None
         if switch is not None:
             switch.policy = CheckpointPolicy("none")
             policy = switch.policy.name
-            log.info("fsdp.activation_checkpointing=auto on the CPU (no GPU memory to measure): none")
         if not auto_size:
             return MicroBatchChoice(t.micro_batch_size, "configured", checkpointing=policy)
-        size = cpu_micro_batch(per_rank, t.auto_micro_batch_cpu)
-        log.info("train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch %d, the largest "
-                 "divisor of the per-rank batch %d up to train.auto_micro_batch_cpu=%d", size, per_rank,
-                 t.auto_micro_batch_cpu)
-        return MicroBatchChoice(size, "cpu", checkpointing=policy)
-    what = auto_label(auto_size=auto_size, auto_checkpointing=switch is not None)
-    entry = broadcast_decision(env, read_cache(cfg.output_dir, key) if env.is_main else None)
+        return MicroBatchChoice(cpu_micro_batch(per_rank, t.auto_micro_batch_cpu), "cpu", checkpointing=policy)
+    entry = broadcast_decision(env, read_cache(cfg.output_dir, key) if env.is_main else None) if use_cache else None
     if entry is not None:
         measured = {int(b): m for b, m in entry["measured_gib"].items()}
-        choice = MicroBatchChoice(entry["micro_batch_size"], "cache", measured, entry["capacity_gib"],
-                                  entry["budget_gib"], checkpointing=entry.get("activation_checkpointing"))
         if switch is not None:
             switch.policy = CheckpointPolicy.parse(entry["activation_checkpointing"])
-        log.info("%s: micro-batch %d (gradient accumulation %d)%s, from %s (measured %s: %s, budget %.2f GiB); no "
-                 "search", what, choice.micro_batch_size, per_rank // choice.micro_batch_size,
-                 f", activation checkpointing {choice.checkpointing}" if switch is not None else "",
-                 cfg.output_dir / CACHE_FILE, entry.get("date", "?"), format_measured(choice.measured_gib),
-                 choice.budget_gib)
-        return choice
+        return MicroBatchChoice(entry["micro_batch_size"], "cache", measured, entry["capacity_gib"],
+                                entry["budget_gib"], checkpointing=entry.get("activation_checkpointing"),
+                                cached_on=entry.get("date", "?"))
     sizes = divisors(per_rank) if auto_size else [t.micro_batch_size]
-    log.info("%s: measuring trial steps on %s to find %s", what, probe.name,
-             f"the largest micro-batch of {sizes} that fits" if switch is None else
+    log.info("%s: measuring trial steps on %s to find %s", auto_label(auto_size=auto_size,
+                                                                      auto_checkpointing=switch is not None),
+             probe.name, f"the largest micro-batch of {sizes} that fits" if switch is None else
              f"the fastest pair of activation checkpointing policy and micro-batch (of {sizes}) that fits")
-    choice = search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
-                                grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env,
-                                probe=probe, micro_batch=None if auto_size else t.micro_batch_size, switch=switch,
-                                every_n=cfg.fsdp.ac_every_n_layers)
-    if switch is not None:
+    return search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
+                              grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env,
+                              probe=probe, micro_batch=None if auto_size else t.micro_batch_size, switch=switch,
+                              every_n=cfg.fsdp.ac_every_n_layers)
+
+
+def describe_choice(choice: MicroBatchChoice, cfg, *, world_size: int) -> list[str]:
+    """How resolve_micro_batch chose, as the training log and the benchmark print it: no line for a micro-batch
+    set by hand without fsdp.activation_checkpointing=auto."""
+    t = cfg.train
+    auto_size, auto_checkpointing = t.micro_batch_size == "auto", cfg.fsdp.activation_checkpointing == "auto"
+    per_rank = t.global_batch_size // world_size
+    lines = []
+    if choice.how in ("configured", "cpu") and choice.checkpointing is not None:
+        lines.append("fsdp.activation_checkpointing=auto on the CPU (no GPU memory to measure): "
+                     f"{choice.checkpointing}")
+    if choice.how == "cpu":
+        lines.append(f"train.micro_batch_size=auto on the CPU (no GPU memory to measure): micro-batch "
+                     f"{choice.micro_batch_size}, the largest divisor of the per-rank batch {per_rank} up to "
+                     f"train.auto_micro_batch_cpu={t.auto_micro_batch_cpu}")
+    if choice.how not in ("cache", "search"):
+        return lines
+    what = auto_label(auto_size=auto_size, auto_checkpointing=auto_checkpointing)
+    policy = f", activation checkpointing {choice.checkpointing}" if auto_checkpointing else ""
+    if choice.how == "cache":
+        return [f"{what}: micro-batch {choice.micro_batch_size} (gradient accumulation "
+                f"{per_rank // choice.micro_batch_size}){policy}, from {cfg.output_dir / CACHE_FILE} (measured "
+                f"{choice.cached_on}: {format_measured(choice.measured_gib)}, budget {choice.budget_gib:.2f} GiB); "
+                "no search"]
+    if auto_checkpointing:
         tried = "; ".join(f"{name}: {format_measured(sizes)}" for name, sizes in choice.tried_gib.items())
         timed = ", ".join(f"{pair} {speed:,.0f} tokens/s per rank" for pair, speed in choice.tokens_per_s.items())
         why = (f"timed {timed}: the most tokens/s is {choice.checkpointing}@{choice.micro_batch_size}" if timed else
                f"{choice.checkpointing} recomputes the least of the policies that fit micro-batch "
                f"{choice.micro_batch_size}" + (", and none fits a larger one" if auto_size else ""))
-        log.info("fsdp.activation_checkpointing=auto: tried %s; %s", tried, why)
-    log.info("%s: micro-batch %d (gradient accumulation %d on %d ranks)%s; peak memory of the trial steps (reserved, "
-             "max over ranks) %s, against a budget of %.2f GiB (%.2f GiB usable, margin %g); %.0f s", what,
-             choice.micro_batch_size, per_rank // choice.micro_batch_size, env.world_size,
-             f", activation checkpointing {choice.checkpointing}" if switch is not None else "",
-             format_measured(choice.measured_gib), choice.budget_gib, choice.capacity_gib, t.auto_micro_batch_margin,
-             choice.seconds)
-    return choice
+        lines.append(f"fsdp.activation_checkpointing=auto: tried {tried}; {why}")
+    lines.append(f"{what}: micro-batch {choice.micro_batch_size} (gradient accumulation "
+                 f"{per_rank // choice.micro_batch_size} on {world_size} ranks){policy}; peak memory of the trial "
+                 f"steps (reserved, max over ranks) {format_measured(choice.measured_gib)}, against a budget of "
+                 f"{choice.budget_gib:.2f} GiB ({choice.capacity_gib:.2f} GiB usable, margin "
+                 f"{t.auto_micro_batch_margin:g}); {choice.seconds:.0f} s")
+    return lines
 
 
 def format_measured(measured_gib: dict[int, float]) -> str:
     """{micro-batch: GiB} as the log writes it: micro-batch 1: 4.00 GiB, 2: 7.00 GiB."""
     return "micro-batch " + ", ".join(f"{b}: {m:.2f} GiB" for b, m in sorted(measured_gib.items()))
-
-
-# ---- the hint ------------------------------------------------------------------------------------
-
-
-def memory_hint(probe: MemoryProbe | None, env: DistEnv, *, micro_batch: int, grad_accum: int) -> str | None:
-    """A line for runs that use under a quarter of the GPU's memory while accumulating gradients. A
-    collective (the peak is MAX-reduced): every rank calls it at the same step."""
-    if probe is None or grad_accum <= 1:
-        return None
-    used, total = _max_over_ranks(probe.peak_allocated(), env), probe.total()
-    if used >= total / 4:
-        return None
-    return (f"hint: the first steps used at most {_gib(used)} GiB of this GPU's {_gib(total)} GiB with micro-batch "
-            f"{micro_batch} and gradient accumulation {grad_accum}: a larger train.micro_batch_size (up to "
-            f"{micro_batch * grad_accum}), or auto, would likely train faster on the same samples")
-
-
-# ---- out of memory during training ---------------------------------------------------------------
-
-
-def end_interrupted_step(model: nn.Module) -> None:
-    """Bring FSDP back to its between-steps state after an exception interrupted a forward or backward.
-
-    FSDP ends every step in a callback queued at the start of backward (reshard what is still gathered,
-    reset each unit's per-step state, hand gradients to the optimizer); an exception skips it, and the
-    next step then silently computes wrong gradients (FSDP2) or fails (FSDP1). There is no public API for
-    this, so this calls FSDP's own end-of-backward callback, after dropping the interrupted step's
-    gradients (sharded or not, accumulated under no_sync or not). Tested bit for bit against an
-    uninterrupted run, for both versions and for errors in forward and backward (tests/test_microbatch.py).
-    """
-    if isinstance(model, FSDP):
-        from torch.distributed.fsdp import _runtime_utils
-
-        for unit in FSDP.fsdp_modules(model):
-            handle = unit._handle
-            if handle is None:
-                continue
-            flat = handle.flat_param
-            flat.grad = None
-            if hasattr(flat, "_saved_grad_shard"):
-                del flat._saved_grad_shard
-            flat._post_backward_called = False  # type: ignore[attr-defined]  # FSDP1 sets it in backward
-        _runtime_utils._post_backward_final_callback(model, model)
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(True)  # also requires the all-reduce again
-        for group in fsdp2_param_groups(model):
-            if hasattr(group, "_partial_reduce_output"):  # HSDP: reduce-scattered, not yet all-reduced
-                group._partial_reduce_output = None
-            for param in group.fsdp_params:
-                param.unsharded_accumulated_grad = None
-                if hasattr(param, "_unsharded_param"):
-                    param._unsharded_param.grad = None
-        model._get_fsdp_state()._root_post_backward_final_callback()
-
-
-def fsdp2_param_groups(model: FSDPModule) -> list:
-    """Every FSDP2 parameter group of a model sharded with fully_shard (torch's internals: no public API)."""
-    groups: list = []
-    for state in model._get_fsdp_state()._state_ctx.all_states:
-        # A list of groups in recent torch versions, one group (or None) before.
-        found = getattr(state, "_fsdp_param_groups", None)
-        groups += found if found is not None else [g for g in [state._fsdp_param_group] if g is not None]
-    return groups
-
-
-class OutOfMemoryGuard:
-    """Runs a training step or an evaluation; on a CUDA out-of-memory error it reports the figures and
-    then stops (OutOfMemory, one line) or, with train.oom_retry_half, lets the caller redo the work at
-    half the micro-batch.
-
-    Memory is symmetric across ranks (same shapes, same shards), so an out-of-memory error normally
-    happens on every rank at the same allocation. Before retrying, the ranks that caught one meet in a
-    side gloo group, bounded by run.timeout_s: if only some ranks ran out (another process on one GPU),
-    the others are already waiting in the step's next collective, the meeting times out, and the run
-    stops with that said, as it would without the retry (never a silent mismatch of collectives)."""
-
-    def __init__(self, env: DistEnv, *, probe: MemoryProbe | None, retry: bool, timeout_s: float, compile: bool,
-                 on_oom: Callable[[int, str], None] | None = None):
-        self.env, self.probe, self.retry, self.compile = env, probe, retry, compile
-        self.on_oom = on_oom  # (step, phase): called while the error is handled, e.g. to dump a memory snapshot
-        self.timeout_s = timeout_s
-        # Created now, on every rank (creating a group is itself collective).
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) if retry else None
-
-    def attempt(self, work: Callable[[], T], *, step: int, phase: str, split: BatchSplit, model: nn.Module,
-                optimizer: torch.optim.Optimizer) -> tuple[T | None, BatchSplit]:
-        """(work(), split) normally; after an out-of-memory error that train.oom_retry_half recovered from:
-        (None, the smaller split to redo it with)."""
-        try:
-            return work(), split
-        except torch.OutOfMemoryError as err:
-            report = self._report(err, step=step, phase=phase, split=split)
-            if self.on_oom is not None:
-                self.on_oom(step, phase)
-        # Out of the except block: the interrupted step's tensors, held by the traceback, are freed now.
-        return None, self._recover(report, step=step, phase=phase, split=split, model=model, optimizer=optimizer)
-
-    def _report(self, err: BaseException, *, step: int, phase: str, split: BatchSplit) -> str:
-        figures = "no GPU memory figures on the CPU"
-        if self.probe is not None:
-            figures = (f"{_gib(self.probe.allocated())} GiB allocated, {_gib(self.probe.reserved())} GiB reserved "
-                       f"(peak {_gib(self.probe.peak_allocated())} GiB allocated) of {_gib(self.probe.total())} GiB")
-        report = (f"out of memory at step {step} ({phase}, micro-batch {split.micro_batch_size} x accumulation "
-                  f"{split.grad_accum}, rank {self.env.rank}): {figures}; {str(err).splitlines()[0]}")
-        log.warning("%s", report)  # every rank that ran out says so, with its own figures
-        return report
-
-    def _recover(self, report: str, *, step: int, phase: str, split: BatchSplit, model: nn.Module,
-                 optimizer: torch.optim.Optimizer) -> BatchSplit:
-        smaller = split.halved()
-        if not self.retry:
-            raise OutOfMemory(f"{report}. Lower train.micro_batch_size (or set it to auto), turn on "
-                              "fsdp.activation_checkpointing, or set train.oom_retry_half=true to redo such steps "
-                              "at half the micro-batch")
-        if smaller is None:
-            raise OutOfMemory(f"{report}. Already at micro-batch 1: nothing smaller to retry with")
-        try:
-            dist.all_reduce(torch.ones(1), group=self.group)
-        except RuntimeError as err:
-            raise OutOfMemory(f"{report}. Not every rank ran out of memory (the others did not reach the retry within "
-                              f"run.timeout_s={self.timeout_s:g} s: they are waiting in the step's next collective), "
-                              f"so the step cannot be redone; stopping ({str(err).splitlines()[0]})") from None
-        try:
-            end_interrupted_step(model)
-        except AttributeError as err:  # FSDP's internals moved in this torch version
-            raise OutOfMemory(f"{report}. Cannot end the interrupted step with torch {torch.__version__}'s FSDP "
-                              f"({err}); stopping") from None
-        optimizer.zero_grad(set_to_none=True)
-        if self.compile:
-            torch.compiler.reset()  # the new shape compiles static, not as a dynamic batch dimension
-        if self.probe is not None:
-            self.probe.begin(smaller.micro_batch_size)
-        log.warning("train.oom_retry_half: redoing the %s of step %d with micro-batch %d (accumulation %d: the same "
-                    "samples), and keeping that size for the rest of the run", phase, step, smaller.micro_batch_size,
-                    smaller.grad_accum)
-        return smaller

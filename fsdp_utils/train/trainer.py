@@ -23,20 +23,15 @@ from model.transformer import IGNORE_INDEX
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
 from ..checkpoint.io import install_tokenizer
 from ..distributed import DistEnv, agree
-from ..parallel.build import build_model, describe_model, log_parameter_summary
+from ..parallel.build import describe_model, log_parameter_summary
 from ..parallel.lora import lora_record
-from ..parallel.parallelize import (
-    CheckpointSwitch,
-    describe_sharding,
-    model_converters,
-    parallelize,
-    resolve_precision,
-)
-from .batch import BatchSplit
+from ..parallel.parallelize import describe_sharding
+from .build_run import build_run
 from .downstream import DownstreamError, DownstreamEvaluator
 from .metrics import TrainingLog
-from .microbatch import OutOfMemoryGuard, cache_key, memory_hint, memory_probe, resolve_micro_batch, save_to_cache
-from .optim import LRSchedule, build_optimizer
+from .microbatch import describe_choice, save_to_cache
+from .oom_guard import OutOfMemoryGuard, memory_hint
+from .optim import LRSchedule
 from .peak_flops import resolve_peak_flops
 from .preemption import StopSignal
 from .profiling import MemorySnapshots, StepProfiler
@@ -93,8 +88,7 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         self._setup_data()
         self.downstream = self._setup_downstream()
-        self._setup_model()
-        self._choose_micro_batch()  # before any resume: the search's trial steps need the optimizer state empty
+        self._setup_model()  # before any resume: the micro-batch search's trial steps need the optimizer state empty
         self.schedule = LRSchedule.from_config(cfg.train)
         if env.is_main:
             log.info("lr schedule: %s", self.schedule.describe())
@@ -145,26 +139,20 @@ class Trainer:
         return evaluator
 
     def _setup_model(self) -> None:
-        cfg, env, t = self.cfg, self.env, self.cfg.train
-        self.precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-        built = build_model(cfg, env, eos_id=self.eos_id)  # on the meta device when sharded over several ranks
-        self.converters = converters = model_converters(cfg)
-        # fsdp.activation_checkpointing=auto: the policy is chosen with the micro-batch (_choose_micro_batch).
-        self.checkpoint_switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
-        self.model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp,
-                                 precision=self.precision, compile=t.compile, env=env, init=built.init,
-                                 converters=converters, checkpoint_switch=self.checkpoint_switch,
-                                 compile_tuning=t.compile_tuning)
-        # The fused AdamW kernel does not accept the sharded grad scaler's inf flag: fp16 uses the foreach one.
-        self.optimizer = build_optimizer(self.model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
-                                         fused=not self.precision.use_grad_scaler)
-        for converter in converters:
-            converter.register(self.model, self.optimizer)  # post-step work runs inside optimizer.step()
-        self.scaler = None
-        if self.precision.use_grad_scaler:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler()
+        """The model, its optimizer and the micro-batch plan (build_run), then the checkpoint manager."""
+        cfg, env = self.cfg, self.env
+        if env.is_main:
+            log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+            if cfg.model.type == "llama":
+                log_parameter_summary(cfg.model)
+            else:
+                log.info("model: %s from %s", self.model_signature, cfg.model.hf_path or cfg.model.hf_config)
+        run = build_run(cfg, env, vocab_size=self.vocab_size, model_signature=self.model_signature, eos_id=self.eos_id)
+        self.model, self.optimizer, self.converters, self.scaler = run.model, run.optimizer, run.converters, run.scaler
+        self.precision, self.checkpoint_switch, self.probe = run.precision, run.checkpoint_switch, run.probe
+        self.cache_key, self.choice, self.split = run.cache_key, run.choice, run.split
+        for line in describe_choice(self.choice, cfg, world_size=env.world_size):
+            log.info("%s", line)
         c = cfg.checkpoint
         self.ckpt = CheckpointManager(cfg.output_dir, fmt=c.format, keep_last_n=c.keep_last_n, interval=c.interval,
                                       model_config=self.model_signature, env=env, verify=c.verify,
@@ -174,12 +162,8 @@ class Trainer:
                                       allow_tokenizer_change=c.allow_tokenizer_change,
                                       lora=lora_record(cfg, self.model_signature, base_dtype=self.precision.compute))
         if env.is_main:
-            log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
-            if cfg.model.type == "llama":
-                log_parameter_summary(cfg.model)
-            else:
-                log.info("model: %s from %s", self.model_signature, cfg.model.hf_path or cfg.model.hf_config)
             self._log_trainable()
+            self._log_plan()
 
     def _log_trainable(self) -> None:
         lora = self.cfg.train.lora
@@ -192,26 +176,14 @@ class Trainer:
                  "frozen in %s", lora.rank, lora.alpha, ", ".join(lora.targets), 100 * trainable / max(total, 1),
                  f"{trainable:,}", f"{total:,}", str(self.precision.compute).replace("torch.", ""))
 
-    def _choose_micro_batch(self) -> None:
-        cfg, env = self.cfg, self.env
-        self.probe = memory_probe(env.device, env.rank)
-        self.cache_key = cache_key(cfg, model_signature=self.model_signature, world_size=env.world_size,
-                                   gpu=self.probe.name if self.probe else "cpu", precision=self.precision.name)
-        self.choice = resolve_micro_batch(cfg, env, model=self.model, optimizer=self.optimizer,
-                                          vocab_size=self.vocab_size, key=self.cache_key, probe=self.probe,
-                                          switch=self.checkpoint_switch)
-        check_batch_split(cfg, env.world_size, micro_batch=self.choice.micro_batch_size)
-        self.split = BatchSplit(cfg.train.global_batch_size, env.world_size, self.choice.micro_batch_size)
-        if self.probe is not None:
-            self.probe.begin(self.split.micro_batch_size)  # the memory figures from here on are the training's
-        if env.is_main:
-            p = self.precision
-            ac = self.checkpoint_switch.policy.name if self.checkpoint_switch else cfg.fsdp.activation_checkpointing
-            log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, micro-batch %d, "
-                     "activation checkpointing %s, train %s tokens, val %s tokens", env.world_size, env.device.type,
-                     p.name, str(p.reduce).replace("torch.", ""), cfg.fsdp.version, describe_sharding(cfg.fsdp, env),
-                     self.split.grad_accum, self.split.micro_batch_size, ac, f"{self.train_data.num_tokens:,}",
-                     f"{self.val_data.num_tokens:,}")
+    def _log_plan(self) -> None:
+        cfg, env, p = self.cfg, self.env, self.precision
+        ac = self.checkpoint_switch.policy.name if self.checkpoint_switch else cfg.fsdp.activation_checkpointing
+        log.info("world size %d on %s, precision %s (reduce %s), FSDP%d %s, grad accumulation %d, micro-batch %d, "
+                 "activation checkpointing %s, train %s tokens, val %s tokens", env.world_size, env.device.type,
+                 p.name, str(p.reduce).replace("torch.", ""), cfg.fsdp.version, describe_sharding(cfg.fsdp, env),
+                 self.split.grad_accum, self.split.micro_batch_size, ac, f"{self.train_data.num_tokens:,}",
+                 f"{self.val_data.num_tokens:,}")
 
     def _resume(self, resume_from: str | None) -> TrainState:
         out_dir = self.cfg.output_dir

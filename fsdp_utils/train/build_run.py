@@ -1,0 +1,80 @@
+"""One place that builds a run from its config: the model with its converters and activation checkpointing switch,
+parallelized, the optimizer, the precision and grad scaler, and the micro-batch plan. The Trainer and
+scripts/benchmark.py both build through `build_run`, so the benchmark measures what training trains."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from config import Config, check_batch_split
+
+from ..distributed import DistEnv
+from ..parallel.build import build_model
+from ..parallel.parallelize import CheckpointSwitch, Precision, model_converters, parallelize, resolve_precision
+from .batch import BatchSplit
+from .memory import MemoryProbe, memory_probe
+from .microbatch import MicroBatchChoice, cache_key, resolve_micro_batch
+from .optim import build_optimizer
+
+
+@dataclasses.dataclass
+class BuiltRun:
+    """What trains. `checkpoint_switch`: set with fsdp.activation_checkpointing=auto, at the policy chosen with the
+    micro-batch; `probe`: the GPU's memory readings (None on the CPU); `cache_key`: the micro-batch cache's key."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    converters: list
+    checkpoint_switch: CheckpointSwitch | None
+    precision: Precision
+    scaler: torch.amp.GradScaler | None
+    probe: MemoryProbe | None
+    cache_key: dict
+    choice: MicroBatchChoice
+    split: BatchSplit
+
+
+def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: dict, eos_id: int | None,
+              use_cache: bool = True, fused_matmul: bool | None = None, fused_adamw: bool = True) -> BuiltRun:
+    """The run of `cfg` on this rank, in the documented order: model, converters, parallelize, optimizer (its
+    hooks registered), then the micro-batch (searched with the optimizer state still empty). ConfigError when
+    the batch does not split.
+
+    `vocab_size`, `model_signature`: describe_model's; `eos_id`: the token separating documents (data.document_masking,
+    model.reset_positions). `use_cache`: take train.micro_batch_size=auto's choice from the output directory's cache
+    when it has one (training does; the benchmark measures afresh). `fused_matmul`: build_model's. `fused_adamw`:
+    False for the multi-tensor AdamW; fp16 always gets that one, as the fused kernel does not accept the sharded grad
+    scaler's inf flag."""
+    check_batch_split(cfg, env.world_size)
+    t = cfg.train
+    precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
+    built = build_model(cfg, env, fused_matmul=fused_matmul, eos_id=eos_id)  # on the meta device when sharded
+    converters = model_converters(cfg)
+    # fsdp.activation_checkpointing=auto: the policy is chosen with the micro-batch, below.
+    switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
+    model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
+                        compile=t.compile, env=env, init=built.init, converters=converters, checkpoint_switch=switch,
+                        compile_tuning=t.compile_tuning)
+    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
+                                fused=fused_adamw and not precision.use_grad_scaler)
+    for converter in converters:
+        converter.register(model, optimizer)  # post-step work runs inside optimizer.step()
+    scaler = None
+    if precision.use_grad_scaler:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler()
+    probe = memory_probe(env.device, env.rank)
+    key = cache_key(cfg, model_signature=model_signature, world_size=env.world_size,
+                    gpu=probe.name if probe else "cpu", precision=precision.name)
+    choice = resolve_micro_batch(cfg, env, model=model, optimizer=optimizer, vocab_size=vocab_size, key=key,
+                                 probe=probe, switch=switch, use_cache=use_cache)
+    if choice.how == "search":
+        for converter in converters:  # the trial steps' weights were put back: their FP8 scales too
+            converter.refresh(model)
+    check_batch_split(cfg, env.world_size, micro_batch=choice.micro_batch_size)
+    split = BatchSplit(t.global_batch_size, env.world_size, choice.micro_batch_size)
+    if probe is not None:
+        probe.begin(split.micro_batch_size)  # the memory figures from here on are the training's
+    return BuiltRun(model, optimizer, converters, switch, precision, scaler, probe, key, choice, split)
