@@ -189,6 +189,8 @@ def test_missing_and_malformed_config_files(tmp_path):
 # meaning (a negative grace period or chunk size): each with the field's name and valid range.
 OUT_OF_RANGE = {
     "--model.multiple_of=0": "model.multiple_of must be positive (it rounds the derived ffn_hidden_dim), got 0",
+    "--model.dim=1099511627776": "model.dim must be at most 2**20 = 1048576, got 1099511627776",
+    "--model.n_layers=100000": "model.n_layers must be at most 2**16 = 65536, got 100000",
     "--model.vocab_size=1000000000": "model.vocab_size must be at most 2**24 = 16777216, got 1000000000",
     "--model.max_seq_len=100000000": "model.max_seq_len must be at most 2**20 = 1048576, got 100000000",
     "--model.rope_theta=0": "model.rope_theta must be greater than 1, got 0.0",
@@ -214,10 +216,17 @@ def test_out_of_range_values_are_reported_together():
 
 
 def test_range_limits_themselves_are_accepted():
-    cfg = load_config(TINY, [f"--run.seed={2**63 - 1}", "--run.timeout_s=1000000000", "--run.preemption_grace_s=0.5",
+    cfg = load_config(TINY, ["--model.dim=1048576", "--model.n_layers=65536", "--model.ffn_hidden_dim=4194304",
+                             f"--run.seed={2**63 - 1}", "--run.timeout_s=1000000000", "--run.preemption_grace_s=0.5",
                              "--train.beta1=0", "--train.beta2=0.999", "--train.loss_chunk_tokens=0",
                              "--model.vocab_size=16777216", "--model.max_seq_len=1048576", "--model.rope_theta=1.5"])
     assert cfg.run.seed == 2**63 - 1 and cfg.model.vocab_size == 2**24 and cfg.model.max_seq_len == 2**20
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.hidden_dim) == (2**20, 2**16, 2**22)
+    # The derived MLP width rounds up to model.multiple_of, bounded as ffn_hidden_dim is.
+    assert problems_of("--model.ffn_hidden_dim=null", "--model.multiple_of=4194305") == [
+        "model.multiple_of must be at most 2**22 = 4194304, got 4194305"]
+    assert problems_of("--model.ffn_hidden_dim=4194305") == [
+        "model.ffn_hidden_dim must be at most 2**22 = 4194304, got 4194305"]
 
 
 def test_run_name_is_one_folder_name():
