@@ -21,6 +21,7 @@ from data.tokenizer import prepared_eos_id
 from model.transformer import IGNORE_INDEX
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
+from ..checkpoint.host_memory import host_memory
 from ..checkpoint.io import install_tokenizer
 from ..distributed import DistEnv, agree
 from ..parallel.build import build_model, describe_model, log_parameter_summary
@@ -44,6 +45,15 @@ T = TypeVar("T")
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm stopped being finite."""
+
+
+def _host_free() -> int | None:
+    """The bytes this host can still give, where that is known (Linux, without memory added on demand)."""
+    try:
+        memory = host_memory()
+    except (OSError, KeyError, ValueError):  # no /proc/meminfo
+        return None
+    return memory.available if memory.exact else None
 
 
 @torch.no_grad()
@@ -141,7 +151,8 @@ class Trainer:
     def _setup_model(self) -> None:
         cfg, env, t = self.cfg, self.env, self.cfg.train
         self.precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-        built = build_model(cfg, env, eos_id=self.eos_id)  # on the meta device when sharded over several ranks
+        # On the meta device when sharded over several ranks; refused in one line where the weights cannot fit.
+        built = build_model(cfg, env, eos_id=self.eos_id, host_free=_host_free())
         self.converters = converters = model_converters(cfg)
         # fsdp.activation_checkpointing=auto: the policy is chosen with the micro-batch (_choose_micro_batch).
         self.checkpoint_switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
