@@ -1,7 +1,9 @@
 """The model's size against the memory it is built in, checked before anything is allocated, and an
-allocation the allocator refuses: each one line naming the model's dimensions."""
+allocation the allocator refuses: each one line naming the model's dimensions. Also a checkpoint whose model
+config holds a wrong type, said before any comparison of shapes."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,6 +13,8 @@ import pytest
 import torch
 
 from config import load_config
+from fsdp_utils.checkpoint import CheckpointError
+from fsdp_utils.checkpoint.base import CheckpointContext
 from fsdp_utils.distributed import DistEnv
 from fsdp_utils.parallel.build import ModelMemoryError, build_model
 from model import ModelConfig
@@ -109,3 +113,15 @@ def test_an_allocation_the_allocator_refuses_is_one_line():
     assert line.startswith("the model (dim 4096, 1 layers, ffn 11008, vocab 65536: ") and line.endswith(
         "use a smaller model or more ranks"), line
     assert "could not be allocated on cpu (" in line and "can't allocate memory" in line, line
+
+
+def test_a_checkpoint_model_config_of_the_wrong_type_is_said_before_comparing_shapes(tmp_path):
+    # A string "128" in the checkpoint's model config is not "128 here, 128 in the checkpoint".
+    ours = dataclasses.asdict(ModelConfig(dim=128))
+    context = CheckpointContext(tmp_path, ONE_RANK, "full", 1, ours)
+    path = tmp_path / "fsdp_cpt1.pth"
+    path.write_bytes(b"\0" * (ModelConfig(dim=128).num_params() * 4))
+    with pytest.raises(CheckpointError) as err:
+        context.check_model({"model_config": ours | {"dim": "128"}}, path)
+    assert str(err.value) == f"{path}: invalid model_config (dim='128', expected int)"
+    context.check_model({"model_config": ours}, path)  # the same config, each field its type: no mismatch
