@@ -125,3 +125,16 @@ def test_a_checkpoint_model_config_of_the_wrong_type_is_said_before_comparing_sh
         context.check_model({"model_config": ours | {"dim": "128"}}, path)
     assert str(err.value) == f"{path}: invalid model_config (dim='128', expected int)"
     context.check_model({"model_config": ours}, path)  # the same config, each field its type: no mismatch
+
+
+def test_on_gpus_the_share_is_held_against_the_gpu_unless_offloaded_to_the_host(monkeypatch):
+    # The GPU's free memory as torch.cuda reports it (16 GiB here), without a GPU: nothing is built.
+    from fsdp_utils.parallel.build import _memory_problem
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (16 * GiB, 80 * GiB))
+    gpus = DistEnv(rank=0, local_rank=0, world_size=8, local_world_size=8, device=torch.device("cuda", 0))
+    problem = _memory_problem(load_config(None, HUGE[:-1]), gpus, host_free=None)
+    assert str(problem).startswith("the model (dim 65536, 64 layers") and (
+        f"needs {huge_params() * 4 / 8 / GiB:,.1f} GiB of cuda:0 memory for its fp32 weights alone, 16.0 GiB free; "
+        "use a smaller model, or more GPUs") in str(problem)
+    assert _memory_problem(load_config(None, [*HUGE[:-1], "--fsdp.cpu_offload=true"]), gpus, host_free=None) is None

@@ -72,9 +72,10 @@ def _memory_problem(cfg, env: DistEnv, *, host_free: int | None) -> ModelMemoryE
     them (a direct build) or its share (on the meta device, sharded over the world), times the ranks of this
     host on the CPU. A lower bound of what training needs, so it refuses only what cannot work."""
     m = cfg.model
-    if m.type != "llama":
-        return None
     on_meta = builds_on_meta(cfg, env)
+    # With fsdp.cpu_offload the shards of a meta-device build live in host memory, not on the GPU.
+    if m.type != "llama" or (on_meta and env.device.type == "cuda" and cfg.fsdp.cpu_offload):
+        return None
     weights = m.num_params() * 4
     share = -(-weights // env.world_size) if on_meta else weights
     free: int | None
