@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import math
 import os
+import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -621,9 +622,12 @@ class _BoundedLoader(yaml.SafeLoader):
 
     def construct_yaml_int(self, node: yaml.ScalarNode):
         try:
-            return super().construct_yaml_int(node)
+            value = super().construct_yaml_int(node)
         except ValueError:  # past Python's limit on the digits of a decimal integer
             return _LongInt(sum(c.isdigit() for c in node.value))
+        # Hexadecimal, binary and base-60 integers have no such limit, yet could not be printed in decimal.
+        digits = int(value.bit_length() * math.log10(2)) + 1
+        return _LongInt(digits) if 0 < sys.get_int_max_str_digits() < digits else value
 
 
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)

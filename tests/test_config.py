@@ -335,6 +335,11 @@ def test_an_integer_longer_than_python_reads_is_one_line_naming_the_key(tmp_path
     path = tmp_path / "long.yaml"
     path.write_text(f"run:\n  seed: -{digits}\n")
     assert problems_of(path=path) == ["run.seed: an integer of 5,000 digits, far out of range"]
+    # Other bases convert without a limit, but such a number could not be printed in an error message:
+    # 16**5000 - 1 has 5000 * log10(16) = 6020.6 decimal digits, 2**20000 - 1 has 20000 * log10(2) = 6020.6.
+    assert problems_of("--run.seed=0x" + "f" * 5000, "--model.dim=0b" + "1" * 20000) == [
+        "run.seed: an integer of 6,021 digits, far out of range",
+        "model.dim: an integer of 6,021 digits, far out of range"]
 
 
 def test_keys_that_are_not_names(tmp_path):
