@@ -31,6 +31,7 @@ from fsdp_utils.distributed import (
     prefer_expandable_segments,
     read_torchrun_env,
 )
+from fsdp_utils.parallel.build import ModelMemoryError
 from fsdp_utils.parallel.float8 import float8_problems
 from fsdp_utils.parallel.hf import HFModelError, hf_problems
 from fsdp_utils.train.downstream import DownstreamError, task_problems
@@ -41,7 +42,8 @@ from fsdp_utils.train.trackers import tracker_problems
 from fsdp_utils.train.trainer import NonFiniteError, Trainer
 
 # Errors of the user's input or the run's state, raised alike on every rank: one line, exit 1.
-USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory, HFModelError, NonFiniteError, DownstreamError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory, ModelMemoryError, HFModelError, NonFiniteError,
+               DownstreamError)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import math
 import os
+import sys
 import types
 import typing
 from collections.abc import Sequence
@@ -39,6 +40,8 @@ MAX_SECONDS = 10**9
 MAX_CONFIG_BYTES = 16 * 2**20
 # Anchors and aliases may repeat a few sections; more than this many repeated values is an attack.
 MAX_ALIAS_VALUES = 10_000
+# A config nests four levels (section, key, list, mapping); YAML's composer recurses once per level.
+MAX_NESTING = 64
 
 
 class ConfigError(ValueError):
@@ -52,7 +55,7 @@ class ConfigError(ValueError):
 @dataclass
 class RunConfig:
     name: str = "run"
-    """Run name; the default output directory is checkpoints/<name>."""
+    """Run name; the default output directory is checkpoints/<name>, so one folder name (no '/', not '..')."""
     output_dir: str = ""
     """Where config.yaml, metrics.jsonl, tensorboard/ and checkpoints go; empty means checkpoints/<name>."""
     seed: int = 1234
@@ -425,8 +428,27 @@ def _closest(name: str, options, prefix: str = "") -> str:
     return f" (did you mean '{prefix}{match[0]}'?)" if match else ""
 
 
+# How a type problem names what was expected and what was given, in the words of YAML.
+_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_GIVEN = {int: "the integer", float: "the number", bool: "the boolean", str: "the string", list: "the list",
+          dict: "the mapping", type(None): "null"}
+
+
+def _type_problem(where: str, value, kinds: Sequence[type]) -> str:
+    """"model.dim: expected an integer, got the string '128'", with a hint where quotes are the mistake."""
+    expected = " or ".join(_EXPECTED.get(t, t.__name__) for t in kinds)
+    given = "null" if value is None else f"{_GIVEN.get(type(value), type(value).__name__)} {value!r}"
+    text = f"{where}: expected {expected}, got {given}"
+    if isinstance(value, str) and int in kinds and value.strip().lstrip("+-").isdigit():
+        text += " (in quotes, a number is a string: write it without them)"
+    return text
+
+
 def _coerce(value, hint, where: str, problems: list[str]):
     """Check `value` against type `hint`; return it (ints accepted for floats). Appends to problems."""
+    if isinstance(value, _LongInt):  # whatever the field's type: no value of a config has that many digits
+        problems.append(f"{where}: an integer of {value.digits:,} digits, far out of range")
+        return value
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
@@ -435,8 +457,7 @@ def _coerce(value, hint, where: str, problems: list[str]):
         kinds = [t for t in options if t is not type(None)]
         if len(kinds) > 1:  # e.g. int | str: a value of one of them, as it is
             if not any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in kinds):
-                problems.append(f"{where}: expected {' or '.join(t.__name__ for t in kinds)}, "
-                                f"got {type(value).__name__} {value!r}")
+                problems.append(_type_problem(where, value, kinds))
             return value
         hint = kinds[0]
         origin = typing.get_origin(hint)
@@ -456,7 +477,7 @@ def _coerce(value, hint, where: str, problems: list[str]):
     if hint is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
         return _coerce_float(value, where, problems)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        problems.append(f"{where}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        problems.append(_type_problem(where, value, [hint]))
     return value
 
 
@@ -467,7 +488,7 @@ def _coerce_float(value: int | float | str, where: str, problems: list[str]) -> 
         try:
             number = float(value)
         except ValueError:
-            problems.append(f"{where}: expected float, got str {value!r}")
+            problems.append(_type_problem(where, value, [float]))
             return value
     else:
         number = float(value)
@@ -514,13 +535,17 @@ def split_known_args(parser, argv: list[str]):
     return args, overrides
 
 
-class _AliasBomb(yaml.YAMLError):
-    pass
+class _Refused(yaml.YAMLError):
+    """Valid YAML that the loader refuses; the message says why and where."""
+
+
+def _at(mark: yaml.Mark | None) -> str:
+    return f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
 
 
 def _expansion(root: yaml.Node) -> int:
     """How many more values the document holds once every alias (and merge key) is written out than it
-    spells out itself; _AliasBomb when an alias refers to a value that contains it."""
+    spells out itself; _Refused when an alias refers to a value that contains it."""
     sizes: dict[int, int] = {}  # id(node) -> values in it, aliases expanded
     ancestors: set[int] = set()
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
@@ -536,7 +561,7 @@ def _expansion(root: yaml.Node) -> int:
             ancestors.discard(id(node))
             sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
         elif id(node) in ancestors:
-            raise _AliasBomb("an alias refers to a value that contains it")
+            raise _Refused("an alias refers to a value that contains it")
         elif id(node) not in sizes:
             ancestors.add(id(node))
             stack.append((node, True))
@@ -544,15 +569,69 @@ def _expansion(root: yaml.Node) -> int:
     return sizes[id(root)] - len(sizes)
 
 
+class _LongInt:
+    """A YAML integer with more digits than Python converts (sys.get_int_max_str_digits), kept as its length
+    so that the type check reports it under its key."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits:,} digits>"
+
+
 class _BoundedLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses documents whose aliases repeat more than MAX_ALIAS_VALUES values: a
-    few hundred bytes of nested aliases ("billion laughs") would grow to gigabytes once the tree is walked."""
+    """yaml.SafeLoader that refuses what a config never holds and would otherwise fail far from its cause:
+    aliases that repeat more than MAX_ALIAS_VALUES values ("billion laughs": a few hundred bytes that grow
+    to gigabytes once the tree is walked), nesting deeper than MAX_NESTING (the composer recurses once per
+    level, a RecursionError), and a key given twice in one mapping (the last would silently win)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        if self.depth >= MAX_NESTING:
+            raise _Refused(f"nested more than {MAX_NESTING} levels deep{_at(self.peek_event().start_mark)}")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_document(self, node: yaml.Node):
         if _expansion(node) > MAX_ALIAS_VALUES:
-            raise _AliasBomb(f"its aliases repeat more than {MAX_ALIAS_VALUES:,} values (an alias bomb?); "
-                             f"write the values out instead")
+            raise _Refused(f"its aliases repeat more than {MAX_ALIAS_VALUES:,} values (an alias bomb?); "
+                           f"write the values out instead")
         return super().construct_document(node)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict = {}  # key -> its key node; merge keys (<<) are overridden by design, so not counted
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                earlier = first.setdefault(key, key_node)
+            except TypeError:  # a list or mapping as a key: SafeConstructor says so itself
+                continue
+            if earlier is not key_node:
+                raise _Refused(f"key {key!r} is given twice{_at(key_node.start_mark)}, first at line "
+                               f"{earlier.start_mark.line + 1}, column {earlier.start_mark.column + 1}; give each "
+                               f"key once")
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode):
+        try:
+            value = super().construct_yaml_int(node)
+        except ValueError:  # past Python's limit on the digits of a decimal integer
+            return _LongInt(sum(c.isdigit() for c in node.value))
+        # Hexadecimal, binary and base-60 integers have no such limit, yet could not be printed in decimal.
+        digits = int(value.bit_length() * math.log10(2)) + 1
+        return _LongInt(digits) if 0 < sys.get_int_max_str_digits() < digits else value
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -560,8 +639,7 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     problem = getattr(err, "problem", None)
     if not problem:
         return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    mark = getattr(err, "problem_mark", None)
-    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else problem
+    return f"{problem}{_at(getattr(err, 'problem_mark', None))}"
 
 
 def parse_override(arg: str) -> tuple[list[str], object]:
@@ -573,7 +651,7 @@ def parse_override(arg: str) -> tuple[list[str], object]:
     try:
         return key.split("."), yaml.load(value, Loader=_BoundedLoader) if value != "" else ""
     except yaml.YAMLError as err:  # the value itself may be long (a list of files): name the key
-        if isinstance(err, _AliasBomb):
+        if isinstance(err, _Refused):
             raise ConfigError([f"override --{key}: {err}"]) from None
         raise ConfigError([f"override --{key}: not valid YAML: {_yaml_problem(err)}"]) from None
 
@@ -592,7 +670,7 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError([f"{path}: cannot read: {err.strerror or err}"]) from None
     try:
         raw = yaml.load(text, Loader=_BoundedLoader) or {}
-    except _AliasBomb as err:
+    except _Refused as err:
         raise ConfigError([f"{path}: {err}"]) from None
     except yaml.YAMLError as err:
         raise ConfigError([f"{path}: not valid YAML: {_yaml_problem(err)}"]) from None
@@ -886,8 +964,20 @@ def _eval_tasks_problems(t: TrainConfig) -> list[str]:
     return p
 
 
+def _run_name_problem(name: str) -> str | None:
+    """run.name names a folder of checkpoints/: one path component, so that the output stays inside it."""
+    separators = {"/", "\\", os.sep, os.altsep or "/"}
+    too_long = len(name.encode("utf-8", "surrogatepass")) > 255  # a file name's limit on Linux filesystems
+    if name in ("", ".", "..") or too_long or any(c in separators or not c.isprintable() for c in name):
+        return (f"run.name={name!r} must be a plain folder name (1 to 255 bytes, not '.' or '..', no '/', '\\' or "
+                f"control characters): the output goes to checkpoints/<run.name>; set run.output_dir for another place")
+    return None
+
+
 def _run_problems(r: RunConfig) -> list[str]:
     p: list[str] = []
+    if (problem := _run_name_problem(r.name)) is not None:
+        p.append(problem)
     _choice(p, "run.device", r.device, ("auto", "cuda", "cpu"))
     for name in r.stop_signals:
         if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"):

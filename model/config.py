@@ -10,6 +10,11 @@ MAX_VOCAB_SIZE = 2**24
 # Contexts of released models reach 2**20 tokens; each rank holds two (max_seq_len x head_dim) fp32 rotary
 # tables, 1 GiB at that length and head_dim 128, and this library has no context parallelism for longer.
 MAX_SEQ_LEN = 2**20
+# Widths and depth far past any model's (the largest have dim 2**14, an MLP under 2**16 wide, a few hundred
+# layers): a typo, named here, instead of an integer overflow or an allocation of terabytes while building.
+MAX_DIM = 2**20
+MAX_FFN_HIDDEN_DIM = 2**22
+MAX_LAYERS = 2**16
 # The settings of Llama 3's rotary scaling besides rope_scaling_factor, which switches it on.
 ROPE_SCALING_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 
@@ -21,17 +26,17 @@ class ModelConfig:
     vocab_size: int = 4096
     """Token vocabulary size, at most 2**24; 0 in a YAML file means: take it from the tokenizer."""
     dim: int = 256
-    """Width of the residual stream."""
+    """Width of the residual stream, at most 2**20."""
     n_layers: int = 4
-    """Number of DecoderBlocks."""
+    """Number of DecoderBlocks, at most 2**16."""
     n_heads: int = 4
     """Attention (query) heads; dim must divide by it."""
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means n_heads (plain multi-head)."""
     ffn_hidden_dim: int | None = None
-    """SwiGLU hidden width; None derives it as in Llama: 2/3 * 4 * dim rounded up to `multiple_of`."""
+    """SwiGLU hidden width, at most 2**22; None derives it as in Llama: 2/3 * 4 * dim rounded up to `multiple_of`."""
     multiple_of: int = 256
-    """Rounding for the derived ffn_hidden_dim (keeps matrix shapes GPU friendly); positive."""
+    """Rounding for the derived ffn_hidden_dim (keeps matrix shapes GPU friendly); positive, at most 2**22."""
     max_seq_len: int = 256
     """Longest sequence the rotary table covers, at most 2**20; the data's seq_len must not exceed it."""
     rope_theta: float = 10000.0
@@ -95,6 +100,11 @@ class ModelConfig:
         if self.multiple_of <= 0:
             out.append("model.multiple_of must be positive (it rounds the derived ffn_hidden_dim), "
                        f"got {self.multiple_of}")
+        for name, limit, text in (("dim", MAX_DIM, "2**20"), ("n_layers", MAX_LAYERS, "2**16"),
+                                  ("ffn_hidden_dim", MAX_FFN_HIDDEN_DIM, "2**22"),
+                                  ("multiple_of", MAX_FFN_HIDDEN_DIM, "2**22")):
+            if (getattr(self, name) or 0) > limit:
+                out.append(f"model.{name} must be at most {text} = {limit}, got {getattr(self, name)}")
         if self.vocab_size > MAX_VOCAB_SIZE:
             out.append(f"model.vocab_size must be at most 2**24 = {MAX_VOCAB_SIZE}, got {self.vocab_size}")
         if self.max_seq_len > MAX_SEQ_LEN:

@@ -23,8 +23,10 @@ overrides `--section.key=value` (values parsed as YAML: `--data.files=[a.txt,b.j
 `--train.compile=true`). Unknown keys, wrong types and impossible values are all reported together
 before anything starts, each naming the field (and the closest valid name for a typo), with exit code 2.
 The resolved config is written to `<output_dir>/config.yaml`. Files and override values are read as plain
-YAML: tags that would build Python objects are refused, anchors and aliases may repeat at most 10,000 values
-in all (more is an "alias bomb"), and a config file over 16 MiB is taken for some other file given by mistake.
+YAML: tags that would build Python objects are refused, a key given twice in one mapping is an error (the keys
+a merge key `<<` brings in excepted), values nest at most 64 levels deep, anchors and aliases may repeat at most
+10,000 values in all (more is an "alias bomb"), and a config file over 16 MiB is taken for some other file given
+by mistake.
 
 Derived values: gradient accumulation = `train.global_batch_size / (train.micro_batch_size * world size)`
 (an error when not whole); `train.micro_batch_size: auto` measures the largest micro-batch that fits in

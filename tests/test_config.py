@@ -133,10 +133,24 @@ def test_misspelt_sharding_strategy_suggests_valid_one():
 
 def test_wrong_type_names_the_field():
     (problem,) = problems_of("--train.max_steps=abc")
-    assert problem == "train.max_steps: expected int, got str 'abc'"
+    assert problem == "train.max_steps: expected an integer, got the string 'abc'"
     # A bool is not an int, although Python says isinstance(True, int).
     (problem,) = problems_of("--model.dim=true")
-    assert problem == "model.dim: expected int, got bool True"
+    assert problem == "model.dim: expected an integer, got the boolean True"
+    (problem,) = problems_of("--model.dim=null")
+    assert problem == "model.dim: expected an integer, got null"
+    (problem,) = problems_of("--train.micro_batch_size=2.5")
+    assert problem == "train.micro_batch_size: expected an integer or a string, got the number 2.5"
+
+
+def test_a_number_in_quotes_is_reported_as_a_string(tmp_path):
+    # YAML reads "128" as text: said as such, with the fix, whatever else the run would compare it with.
+    path = tmp_path / "quoted.yaml"
+    path.write_text('model:\n  dim: "128"\n  n_kv_heads: \'2\'\n')
+    assert problems_of(path=path) == [
+        "model.dim: expected an integer, got the string '128' (in quotes, a number is a string: write it without them)",
+        "model.n_kv_heads: expected an integer, got the string '2' (in quotes, a number is a string: write it "
+        "without them)"]
 
 
 def test_all_problems_are_reported_together():
@@ -175,6 +189,8 @@ def test_missing_and_malformed_config_files(tmp_path):
 # meaning (a negative grace period or chunk size): each with the field's name and valid range.
 OUT_OF_RANGE = {
     "--model.multiple_of=0": "model.multiple_of must be positive (it rounds the derived ffn_hidden_dim), got 0",
+    "--model.dim=1099511627776": "model.dim must be at most 2**20 = 1048576, got 1099511627776",
+    "--model.n_layers=100000": "model.n_layers must be at most 2**16 = 65536, got 100000",
     "--model.vocab_size=1000000000": "model.vocab_size must be at most 2**24 = 16777216, got 1000000000",
     "--model.max_seq_len=100000000": "model.max_seq_len must be at most 2**20 = 1048576, got 100000000",
     "--model.rope_theta=0": "model.rope_theta must be greater than 1, got 0.0",
@@ -200,10 +216,28 @@ def test_out_of_range_values_are_reported_together():
 
 
 def test_range_limits_themselves_are_accepted():
-    cfg = load_config(TINY, [f"--run.seed={2**63 - 1}", "--run.timeout_s=1000000000", "--run.preemption_grace_s=0.5",
+    cfg = load_config(TINY, ["--model.dim=1048576", "--model.n_layers=65536", "--model.ffn_hidden_dim=4194304",
+                             f"--run.seed={2**63 - 1}", "--run.timeout_s=1000000000", "--run.preemption_grace_s=0.5",
                              "--train.beta1=0", "--train.beta2=0.999", "--train.loss_chunk_tokens=0",
                              "--model.vocab_size=16777216", "--model.max_seq_len=1048576", "--model.rope_theta=1.5"])
     assert cfg.run.seed == 2**63 - 1 and cfg.model.vocab_size == 2**24 and cfg.model.max_seq_len == 2**20
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.hidden_dim) == (2**20, 2**16, 2**22)
+    # The derived MLP width rounds up to model.multiple_of, bounded as ffn_hidden_dim is.
+    assert problems_of("--model.ffn_hidden_dim=null", "--model.multiple_of=4194305") == [
+        "model.multiple_of must be at most 2**22 = 4194304, got 4194305"]
+    assert problems_of("--model.ffn_hidden_dim=4194305") == [
+        "model.ffn_hidden_dim must be at most 2**22 = 4194304, got 4194305"]
+
+
+def test_run_name_is_one_folder_name():
+    # The output goes to checkpoints/<run.name>: a name that is a path would put it elsewhere (or nowhere).
+    for name in ("..", ".", "''", "/etc", "a/b", "../../home", "a\\b", '"a\\nb"', "x" * 256):
+        (problem,) = problems_of(f"--run.name={name}")
+        assert problem.startswith("run.name=") and problem.endswith(
+            "must be a plain folder name (1 to 255 bytes, not '.' or '..', no '/', '\\' or control characters): "
+            "the output goes to checkpoints/<run.name>; set run.output_dir for another place"), (name, problem)
+    for name in ("tiny", "llama-1B_v2.3", "..x", "x" * 255, "run@2026-11-27"):
+        assert load_config(TINY, [f"--run.name={name}"]).output_dir == Path("checkpoints") / name
 
 
 def test_llama3_rope_scaling_settings():
@@ -260,6 +294,52 @@ def test_modest_anchors_and_aliases_still_work(tmp_path):
     path.write_text("run: {name: &n corpus}\ndata: {text_field: *n, files: &f [a.txt, b.txt]}\n")
     cfg = load_config(path)
     assert cfg.data.text_field == "corpus" and cfg.data.files == ["a.txt", "b.txt"]
+
+
+def test_deep_nesting_is_one_line(tmp_path):
+    # YAML's composer recurses once per level: thousands of levels were a RecursionError, not a config error.
+    path = tmp_path / "deep.yaml"
+    path.write_text("data:\n  files: " + "[" * 5000 + "]" * 5000 + "\n")
+    # Level 1 is the file's mapping, 2 the data section, the 63rd bracket (column 9 + 63) would be level 65.
+    assert problems_of(path=path) == [f"{path}: nested more than 64 levels deep (line 2, column 72)"]
+    path.write_text("".join(f"{'  ' * i}k{i}:\n" for i in range(200)))  # block style, one key per line
+    assert problems_of(path=path) == [f"{path}: nested more than 64 levels deep (line 64, column 127)"]
+    assert problems_of("--data.files=" + "[" * 5000 + "]" * 5000, "--train.lrr=1") == [
+        "override --data.files: nested more than 64 levels deep (line 1, column 65)",
+        "unknown key 'train.lrr' (did you mean 'train.lr'?)"]
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  lr: 0.1\n  max_steps: 3\n  lr: 0.2\n")
+    assert problems_of(path=path) == [
+        f"{path}: key 'lr' is given twice (line 4, column 3), first at line 2, column 3; give each key once"]
+    path.write_text("model: {dim: 64}\ntrain: {lr: 0.1}\nmodel: {dim: 128}\n")
+    assert problems_of(path=path) == [
+        f"{path}: key 'model' is given twice (line 3, column 1), first at line 1, column 1; give each key once"]
+    assert problems_of("--data.sources=[{path: a, path: b}]") == [
+        "override --data.sources: key 'path' is given twice (line 1, column 12), first at line 1, column 3; give "
+        "each key once"]
+    # A merge key (<<) brings in values that the mapping's own keys override: that is what it is for.
+    path.write_text("train:\n  <<: {max_steps: 5, lr: 0.1}\n  lr: 0.2\n")
+    cfg = load_config(path)
+    assert (cfg.train.max_steps, cfg.train.lr) == (5, 0.2)
+
+
+def test_an_integer_longer_than_python_reads_is_one_line_naming_the_key(tmp_path):
+    # Python converts decimal strings of at most sys.get_int_max_str_digits() digits (4300 by default).
+    digits = "9" * 5000
+    assert problems_of(f"--model.dim={digits}", f"--data.files=[a, {digits}]") == [
+        "model.dim: an integer of 5,000 digits, far out of range",
+        "data.files[1]: an integer of 5,000 digits, far out of range"]
+    path = tmp_path / "long.yaml"
+    path.write_text(f"run:\n  seed: -{digits}\n")
+    assert problems_of(path=path) == ["run.seed: an integer of 5,000 digits, far out of range"]
+    # Other bases convert without a limit, but such a number could not be printed in an error message:
+    # 16**5000 - 1 has 5000 * log10(16) = 6020.6 decimal digits, 2**20000 - 1 has 20000 * log10(2) = 6020.6.
+    assert problems_of("--run.seed=0x" + "f" * 5000, "--model.dim=0b" + "1" * 20000) == [
+        "run.seed: an integer of 6,021 digits, far out of range",
+        "model.dim: an integer of 6,021 digits, far out of range"]
 
 
 def test_keys_that_are_not_names(tmp_path):

@@ -143,6 +143,18 @@ def test_a_sharded_checkpoint_missing_a_file(sharded_checkpoint, corpus, dataset
 
 
 @pytest.mark.slow
+def test_a_model_too_large_for_host_memory(corpus, dataset_dir, tmp_path):
+    # 11 TB of fp32 weights on a CPU: refused before the model is built, not by the allocator or the OOM killer.
+    proc = launch("--model.dim=65536", "--model.n_heads=64", "--model.n_kv_heads=8", "--model.n_layers=64", nproc=1,
+                  tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith("error: the model (dim 65536, 64 layers, ffn 174848, vocab 320: ") and \
+        " GiB of host memory for its fp32 weights alone, " in errors[0], errors[0]
+    assert proc.seconds < 50
+
+
+@pytest.mark.slow
 def test_every_launch_problem_at_once(corpus, dataset_dir, tmp_path):
     """The launch's problems come together, one line each (the config's own, as before, in one list too)."""
     (tmp_path / "file").write_text("x")

@@ -286,6 +286,8 @@ class CheckpointContext:
         if here != there:
             raise CheckpointMismatch(f"{path}: model type differs from the checkpoint: model.type={here} here, "
                                      f"{there} in the checkpoint")
+        if here == "llama":
+            model_config_of(meta, path)  # each field's type first: a string "128" is not a shape that differs
         for key, value in self.model_config.items():
             if saved_config.get(key, value) != value:
                 raise CheckpointMismatch(f"{path}: model shape differs from the checkpoint: model.{key}={value} here, "

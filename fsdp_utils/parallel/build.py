@@ -16,22 +16,32 @@ from torch.nn.attention.flex_attention import flex_attention
 from model import DecoderBlock, Documents, ModelConfig, Transformer, initial_value
 from model.transformer import chunk_loss_and_grad
 
-from ..distributed import DistEnv
+from ..distributed import DistEnv, agree
 from . import hf
 from .lora import apply_lora
 from .parallelize import compile_options, resolve_precision
 from .weights import BuiltModel, WeightInit
 
 log = logging.getLogger("train")
+GiB = 2**30
 
 
-def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: int | None = None) -> BuiltModel:
+class ModelMemoryError(RuntimeError):
+    """The model does not fit the memory it is built in: one line with its size, the memory free and what to
+    change."""
+
+
+def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: int | None = None,
+                host_free: int | None = None) -> BuiltModel:
     """The model of `cfg.model` (our Transformer or model.type=hf), unsharded, on the meta device when
     it will be sharded over several ranks, with train.lora's adapters when set (the base then frozen in
     the compute dtype). `fused_matmul` (our model): one matmul per fused q/k/v and gate/up weight instead
     of one per slice; by default exactly when FP8 or LoRA changes those layers (an FP8 module must be
     called whole, and an adapter adds to the layer's output). `eos_id`: the tokenizer's EOS, which
-    separates documents; needed with data.document_masking or model.reset_positions."""
+    separates documents; needed with data.document_masking or model.reset_positions. `host_free`: the
+    bytes this host can still give, if known: our model's weights are checked against it (on the CPU; a
+    GPU's free memory is read here) before anything is allocated. A collective with several ranks."""
+    _agree(env, _memory_problem(cfg, env, host_free=host_free))
     documents = model_documents(cfg, eos_id)
     base_dtype = resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device).compute
     if cfg.model.type == "hf":
@@ -40,9 +50,54 @@ def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: 
     return apply_lora(_build_ours(cfg, env, fused_matmul, documents), cfg, base_dtype=base_dtype)
 
 
+def builds_on_meta(cfg, env: DistEnv) -> bool:
+    """Whether our model is built on the meta device and materialised shard by shard."""
+    return cfg.fsdp.meta_init and env.world_size > 1 and not cfg.fsdp.sync_module_states
+
+
+def _agree(env: DistEnv, error: Exception | None) -> None:
+    """Raise `error` on every rank if any rank has one; without a process group (one rank) simply raise it."""
+    if env.world_size > 1:
+        agree(env, error)
+    elif error is not None:
+        raise error
+
+
+def _shape(m: ModelConfig) -> str:
+    return f"dim {m.dim}, {m.n_layers} layers, ffn {m.hidden_dim}, vocab {m.vocab_size}: {m.num_params():,} parameters"
+
+
+def _memory_problem(cfg, env: DistEnv, *, host_free: int | None) -> ModelMemoryError | None:
+    """ModelMemoryError when our model's fp32 weights alone cannot fit where this rank builds them: all of
+    them (a direct build) or its share (on the meta device, sharded over the world), times the ranks of this
+    host on the CPU. A lower bound of what training needs, so it refuses only what cannot work."""
+    m = cfg.model
+    on_meta = builds_on_meta(cfg, env)
+    # With fsdp.cpu_offload the shards of a meta-device build live in host memory, not on the GPU.
+    if m.type != "llama" or (on_meta and env.device.type == "cuda" and cfg.fsdp.cpu_offload):
+        return None
+    weights = m.num_params() * 4
+    share = -(-weights // env.world_size) if on_meta else weights
+    free: int | None
+    if env.device.type == "cuda":
+        needed, free, where = share, torch.cuda.mem_get_info(env.device)[0], f"{env.device} memory"
+    else:
+        needed, free, where = share * env.local_world_size, host_free, "host memory"
+    if free is None or needed <= free:
+        return None
+    ranks = f" ({env.local_world_size} ranks x {share / GiB:,.1f} GiB)" if needed != share else ""
+    if on_meta or env.world_size == 1:
+        hint = (f"use a smaller model, or more {'GPUs' if env.device.type == 'cuda' else 'nodes'}: with several "
+                f"ranks the weights are built on the meta device and sharded")
+    else:
+        hint = "set fsdp.meta_init: true and fsdp.sync_module_states: false so that each rank holds only its shard"
+    return ModelMemoryError(
+        f"the model ({_shape(m)}) needs {needed / GiB:,.1f} GiB of {where} for its fp32 "
+        f"weights alone{ranks}, {free / GiB:,.1f} GiB free; {hint}")
+
+
 def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None, documents: Documents | None) -> BuiltModel:
-    f = cfg.fsdp
-    use_meta = f.meta_init and env.world_size > 1 and not f.sync_module_states
+    use_meta = builds_on_meta(cfg, env)
     fused = cfg.train.float8 != "none" or cfg.train.lora.rank > 0 if fused_matmul is None else fused_matmul
     # The per-chunk softmax work of the chunked loss, compiled into a couple of kernels with train.compile.
     options = compile_options(cfg.train.compile_tuning)
@@ -50,11 +105,21 @@ def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None, documents: Documen
     # FlexAttention (document masking) compiled on GPUs: uncompiled, it materialises every score.
     flex_fn = (torch.compile(flex_attention, dynamic=False, options=options)
                if documents and env.device.type == "cuda" else None)
-    with torch.device("meta" if use_meta else env.device):
-        model = Transformer(cfg.model, fused_matmul=fused, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-                            chunk_loss_fn=chunk_loss_fn, documents=documents, flex_attention_fn=flex_fn)
-    if not use_meta:
-        model.init_weights(cfg.run.seed)
+    model, error = None, None
+    try:
+        with torch.device("meta" if use_meta else env.device):
+            model = Transformer(cfg.model, fused_matmul=fused, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                                chunk_loss_fn=chunk_loss_fn, documents=documents, flex_attention_fn=flex_fn)
+        if not use_meta:
+            model.init_weights(cfg.run.seed)
+    except (MemoryError, RuntimeError) as err:  # the CPU allocator's refusal is a plain RuntimeError
+        if not isinstance(err, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(err):
+            raise
+        reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        error = ModelMemoryError(f"the model ({_shape(cfg.model)}) could not be allocated on {env.device} "
+                                 f"({reason}); use a smaller model or more ranks")
+    _agree(env, error)
+    assert model is not None
     return BuiltModel(model, {DecoderBlock}, SeededInit(model, cfg.model, seed=cfg.run.seed) if use_meta else None)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from config import Config, check_batch_split
 
+from ..checkpoint.host_memory import host_memory
 from ..distributed import DistEnv
 from ..parallel.build import build_model
 from ..parallel.parallelize import CheckpointSwitch, Precision, model_converters, parallelize, resolve_precision
@@ -17,6 +18,15 @@ from .batch import BatchSplit
 from .memory import MemoryProbe, memory_probe
 from .microbatch import MicroBatchChoice, cache_key, resolve_micro_batch
 from .optim import build_optimizer
+
+
+def _host_free() -> int | None:
+    """The bytes this host can still give, where that is known (Linux, without memory added on demand)."""
+    try:
+        memory = host_memory()
+    except (OSError, KeyError, ValueError):  # no /proc/meminfo
+        return None
+    return memory.available if memory.exact else None
 
 
 @dataclasses.dataclass
@@ -49,7 +59,8 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
     check_batch_split(cfg, env.world_size)
     t = cfg.train
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-    built = build_model(cfg, env, fused_matmul=fused_matmul, eos_id=eos_id)  # on the meta device when sharded
+    built = build_model(cfg, env, fused_matmul=fused_matmul, eos_id=eos_id, host_free=_host_free())
+    # ^ on the meta device when sharded
     converters = model_converters(cfg)
     # fsdp.activation_checkpointing=auto: the policy is chosen with the micro-batch, below.
     switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None

@@ -1,0 +1,140 @@
+"""The model's size against the memory it is built in, checked before anything is allocated, and an
+allocation the allocator refuses: each one line naming the model's dimensions. Also a checkpoint whose model
+config holds a wrong type, said before any comparison of shapes."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from config import load_config
+from fsdp_utils.checkpoint import CheckpointError
+from fsdp_utils.checkpoint.base import CheckpointContext
+from fsdp_utils.distributed import DistEnv
+from fsdp_utils.parallel.build import ModelMemoryError, build_model
+from model import ModelConfig
+from tests.distributed_harness import cpu_env, run_ranks
+from tests.helpers import ROOT, CountOps
+
+GiB = 2**30
+ONE_RANK = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+# 64 blocks of dim 65536 (ffn 174,848) and a 32,000 vocabulary: 2,822,775,046,144 parameters, 11.3 TB in fp32.
+HUGE = ["--model.dim=65536", "--model.n_layers=64", "--model.n_heads=64", "--model.n_kv_heads=8",
+        "--model.vocab_size=32000", "--run.device=cpu"]
+
+
+def huge_params() -> int:
+    d, ffn, vocab, kv = 65536, 174848, 32000, 8 * 1024  # n_kv_heads * head_dim = 8 * 65536 / 64
+    per_block = 2 * d * d + 2 * d * kv + 3 * d * ffn + 2 * d  # wq, wo, wk, wv, the MLP, two norms
+    return 64 * per_block + 2 * vocab * d + d
+
+
+def test_a_model_too_large_for_host_memory_is_refused_before_any_allocation():
+    cfg = load_config(None, HUGE)
+    assert cfg.model.num_params() == huge_params() == 2_822_775_046_144
+    with CountOps() as ops, pytest.raises(ModelMemoryError) as err:
+        build_model(cfg, ONE_RANK, host_free=16 * GiB)
+    assert sum(ops.counts.values()) == 0  # no tensor was made, let alone allocated
+    assert str(err.value) == (
+        "the model (dim 65536, 64 layers, ffn 174848, vocab 32000: 2,822,775,046,144 parameters) needs "
+        f"{huge_params() * 4 / GiB:,.1f} GiB of host memory for its fp32 weights alone, 16.0 GiB free; use a smaller "
+        "model, or more nodes: with several ranks the weights are built on the meta device and sharded")
+    assert "\n" not in str(err.value)
+
+
+def test_a_model_that_fits_is_built():
+    cfg = load_config(None, ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.vocab_size=256"])
+    weights = cfg.model.num_params() * 4
+    built = build_model(cfg, ONE_RANK, host_free=weights)  # exactly enough
+    assert sum(p.numel() for p in built.module.parameters()) * 4 == weights
+    with pytest.raises(ModelMemoryError):
+        build_model(cfg, ONE_RANK, host_free=weights - 1)
+    assert build_model(cfg, ONE_RANK, host_free=None).init is None  # nothing to compare with: built as before
+
+
+def _build_on_two_ranks(rank: int, world_size: int, *, overrides: list[str], host_free: list[list[int]]) -> list[str]:
+    """What building the model says on this rank, once per entry of `host_free` (each rank's figure)."""
+    lines = []
+    for extra, free in zip(([], ["--fsdp.meta_init=false"]), host_free, strict=True):
+        try:
+            build_model(load_config(None, [*overrides, *extra]), cpu_env(rank, world_size), host_free=free[rank])
+            lines.append("built")
+        except ModelMemoryError as err:
+            lines.append(str(err))
+    return lines
+
+
+@pytest.mark.slow  # two rank processes
+def test_ranks_of_one_host_count_together_and_stop_together():
+    # 2 ranks on one host, sharded on the meta device: each holds half the weights, the host both halves.
+    # Rank 0 alone would say it fits; rank 1 sees too little memory, and both stop with its line.
+    overrides = ["--model.dim=512", "--model.n_layers=4", "--model.n_heads=8", "--model.vocab_size=1024"]
+    weights = ModelConfig(dim=512, n_layers=4, n_heads=8, vocab_size=1024).num_params() * 4
+    # Then without the meta device (fsdp.meta_init=false): every rank builds all of it, the host twice.
+    rank0, rank1 = run_ranks(_build_on_two_ranks, 2, overrides=overrides,
+                             host_free=[[weights, weights - 4096], [2 * weights - 1] * 2])
+    assert rank0 == rank1
+    sharded, whole = rank0
+    assert sharded.startswith(
+        f"the model (dim 512, 4 layers, ffn 1536, vocab 1024: {weights // 4:,} parameters) needs "
+        f"{weights / GiB:,.1f} GiB of host memory for its fp32 weights alone (2 ranks x {weights / 2 / GiB:,.1f} GiB)")
+    assert whole.endswith(
+        "set fsdp.meta_init: true and fsdp.sync_module_states: false so that each rank holds only its shard")
+
+
+@pytest.mark.slow  # a process of its own, its address space capped
+def test_an_allocation_the_allocator_refuses_is_one_line():
+    # The memory check passes (a host_free of 1 PiB), but this child's address space is capped a little above
+    # what it uses, so the real CPU allocator refuses the model's 1 GiB embedding.
+    code = textwrap.dedent("""
+        import resource, torch
+        from config import load_config
+        from fsdp_utils.distributed import DistEnv
+        from fsdp_utils.parallel.build import ModelMemoryError, build_model
+        cfg = load_config(None, ["--model.vocab_size=65536", "--model.dim=4096", "--model.n_layers=1",
+                                 "--model.n_heads=32", "--run.device=cpu"])
+        env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+        size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + 256 * 2**20, resource.RLIM_INFINITY))
+        try:
+            build_model(cfg, env, host_free=2**50)
+        except ModelMemoryError as err:
+            print(err)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = proc.stdout.splitlines()
+    assert line.startswith("the model (dim 4096, 1 layers, ffn 11008, vocab 65536: ") and line.endswith(
+        "use a smaller model or more ranks"), line
+    assert "could not be allocated on cpu (" in line and "can't allocate memory" in line, line
+
+
+def test_a_checkpoint_model_config_of_the_wrong_type_is_said_before_comparing_shapes(tmp_path):
+    # A string "128" in the checkpoint's model config is not "128 here, 128 in the checkpoint".
+    ours = dataclasses.asdict(ModelConfig(dim=128))
+    context = CheckpointContext(tmp_path, ONE_RANK, "full", 1, ours)
+    path = tmp_path / "fsdp_cpt1.pth"
+    path.write_bytes(b"\0" * (ModelConfig(dim=128).num_params() * 4))
+    with pytest.raises(CheckpointError) as err:
+        context.check_model({"model_config": ours | {"dim": "128"}}, path)
+    assert str(err.value) == f"{path}: invalid model_config (dim='128', expected int)"
+    context.check_model({"model_config": ours}, path)  # the same config, each field its type: no mismatch
+
+
+def test_on_gpus_the_share_is_held_against_the_gpu_unless_offloaded_to_the_host(monkeypatch):
+    # The GPU's free memory as torch.cuda reports it (16 GiB here), without a GPU: nothing is built.
+    from fsdp_utils.parallel.build import _memory_problem
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (16 * GiB, 80 * GiB))
+    gpus = DistEnv(rank=0, local_rank=0, world_size=8, local_world_size=8, device=torch.device("cuda", 0))
+    problem = _memory_problem(load_config(None, HUGE[:-1]), gpus, host_free=None)
+    assert str(problem).startswith("the model (dim 65536, 64 layers") and (
+        f"needs {huge_params() * 4 / 8 / GiB:,.1f} GiB of cuda:0 memory for its fp32 weights alone, 16.0 GiB free; "
+        "use a smaller model, or more GPUs") in str(problem)
+    assert _memory_problem(load_config(None, [*HUGE[:-1], "--fsdp.cpu_offload=true"]), gpus, host_free=None) is None
