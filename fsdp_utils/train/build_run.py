@@ -59,8 +59,8 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
     check_batch_split(cfg, env.world_size)
     t = cfg.train
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
+    # On the meta device when sharded; refused in one line where the weights cannot fit.
     built = build_model(cfg, env, fused_matmul=fused_matmul, eos_id=eos_id, host_free=_host_free())
-    # ^ on the meta device when sharded
     converters = model_converters(cfg)
     # fsdp.activation_checkpointing=auto: the policy is chosen with the micro-batch, below.
     switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
