@@ -46,8 +46,18 @@ USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory, ModelMemory
                DownstreamError)
 
 
+OVERRIDES_HELP = """config overrides:
+  --section.key=value   any config field, over the YAML file's value; sections: run, model, data, train,
+                        fsdp, checkpoint, logging. Lists and mappings in YAML flow style:
+                        --train.max_steps=2000 --fsdp.sharding_strategy=SHARD_GRAD_OP
+                        --data.files=[a.jsonl,b.jsonl] --logging.profile_steps=[5,6]
+  Every field, its default and its meaning: docs/configuration.md
+"""
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=OVERRIDES_HELP)
     parser.add_argument("config", help="YAML config, e.g. config/train_tiny_fsdp.yaml")
     parser.add_argument("--resume_from", default=None, help="checkpoint file, sharded folder, or 'latest'")
     return split_known_args(parser, argv)

@@ -7,7 +7,9 @@ from .schema import (
     load_config,
     save_config,
     split_known_args,
+    summarize_config,
 )
 
 __all__ = ["Config", "ConfigError", "check_batch_split", "launch_problems", "load_config", "save_config",
-           "split_known_args"]
+           "split_known_args",
+           "summarize_config"]

@@ -1082,6 +1082,21 @@ def output_dir_problems(out: Path) -> list[str]:
     return []
 
 
+def summarize_config(cfg: Config) -> list[str]:
+    """A few lines for the console; the whole resolved config goes to <output_dir>/config.yaml."""
+    d, t, f, c = cfg.data, cfg.train, cfg.fsdp, cfg.checkpoint
+    corpus = d.dataset_dir or ", ".join(d.files) or ", ".join(s.path for s in d.sources)
+    return [
+        f"run {cfg.run.name}: output {cfg.output_dir} (the resolved config: config.yaml there), seed {cfg.run.seed}",
+        f"data: {corpus or 'the default corpus'}, seq {d.seq_len}, tokenizer {d.tokenizer}, format {d.format}",
+        f"train: {t.max_steps} steps, global batch {t.global_batch_size}, micro-batch {t.micro_batch_size}, "
+        f"lr {t.lr:g} ({t.lr_schedule}, warmup {t.warmup_steps}), precision {t.precision}, float8 {t.float8}, "
+        f"compile {t.compile}",
+        f"fsdp: version {f.version}, {f.sharding_strategy}, activation checkpointing {f.activation_checkpointing}; "
+        f"checkpoint: {c.format} every {c.interval} steps, keep {c.keep_last_n}",
+    ]
+
+
 def save_config(cfg: Config, path: Path) -> None:
     """Write the resolved config, renamed into place: a symbolic link at `path` is replaced, never written through."""
     tmp = path.with_name(f".tmp-{path.name}")

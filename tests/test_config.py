@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from config import Config, ConfigError, check_batch_split, load_config, save_config
+from config import Config, ConfigError, check_batch_split, load_config, save_config, summarize_config
 from tests.helpers import job_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -452,3 +452,17 @@ def test_cli_out_of_range_and_bad_yaml_exit_2_before_the_process_group(nproc, tm
         assert "exitcode  : 2" in proc.stderr and proc.stderr.count("Traceback") == 1, proc.stderr[-4000:]
     assert not out.exists()
     assert time.perf_counter() - start < 60  # no rendezvous waited for
+
+
+def test_help_shows_the_override_syntax_and_the_reference():
+    proc = subprocess.run([sys.executable, str(ROOT / "train_fsdp.py"), "--help"], capture_output=True, text=True,
+                          check=True)
+    assert "--section.key=value" in proc.stdout and "docs/configuration.md" in proc.stdout
+
+
+def test_the_console_gets_a_summary_of_the_config_not_all_of_it():
+    cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", ["--train.max_steps=70", "--fsdp.version=2"])
+    lines = summarize_config(cfg)
+    assert len(lines) <= 5
+    text = "\n".join(lines)
+    assert "70 steps" in text and "version 2" in text and "config.yaml" in text

@@ -151,3 +151,7 @@ def test_the_log_names_the_sharding_that_runs():
         "FULL_SHARD (fsdp.sharding_strategy=HYBRID_SHARD with shard groups of 4 of 4 ranks)"
     assert described("HYBRID_SHARD", 0, 8, 4) == "HYBRID_SHARD (2 replicas x 4 shards)"
     assert described("SHARD_GRAD_OP", 2, 4, 2) == "SHARD_GRAD_OP"
+    # FSDP1 on one process runs every strategy as NO_SHARD (torch warns that it switched); FSDP2 keeps its mesh of one.
+    assert described("FULL_SHARD", 0, 1, 1) == "NO_SHARD (one process; fsdp.sharding_strategy=FULL_SHARD)"
+    assert describe_sharding(FSDPConfig(version=2), DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                                                            device=torch.device("cpu"))) == "FULL_SHARD"

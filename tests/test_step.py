@@ -119,7 +119,8 @@ def test_benchmark_trains_the_trainers_objects(tmp_path, corpus, dataset_dir, wo
     optimizer, converters and micro-batch plan, and one step on the same batch gives the same loss and weights."""
     from scripts import benchmark
 
-    cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=1", "--train.warmup_steps=1", "--model.vocab_size=320")
+    cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=1", "--train.warmup_steps=1",
+                   "--model.vocab_size=320")
     run = trainer.Trainer.__new__(trainer.Trainer)  # the Trainer's setup, without the resume and the loop
     run.cfg, run.env, run.stop = cfg, world_of_one, StopSignal([], grace_s=60)
     run._setup_data()

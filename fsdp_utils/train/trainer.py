@@ -12,9 +12,8 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-import yaml
 
-from config import Config, ConfigError, check_batch_split, save_config
+from config import Config, ConfigError, check_batch_split, save_config, summarize_config
 from data import BatchPrefetcher, open_datasets
 from data.store import tokenizer_sha256
 from data.tokenizer import prepared_eos_id
@@ -142,7 +141,8 @@ class Trainer:
         """The model, its optimizer and the micro-batch plan (build_run), then the checkpoint manager."""
         cfg, env = self.cfg, self.env
         if env.is_main:
-            log.info("resolved config:\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
+            for line in summarize_config(cfg):
+                log.info("%s", line)
             if cfg.model.type == "llama":
                 log_parameter_summary(cfg.model)
             else:
