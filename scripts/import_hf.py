@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -60,10 +61,24 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+# config.json is JSON as Python reads it: any field may hold a string, a list, null, NaN or Infinity. Each is
+# checked for its kind before use, so a malformed one is an error naming it, never a traceback or a guess.
 def _number(value, field: str, where: Path) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise HFImportError(f"{where}: {field}={value!r} is not a number")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise HFImportError(f"{where}: {field}={value!r} is not a positive finite number")
     return float(value)
+
+
+def _positive_int(value, field: str, where: Path) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise HFImportError(f"{where}: {field}={value!r} is not a positive integer")
+    return value
+
+
+def _flag(value, field: str, where: Path) -> bool:
+    if not isinstance(value, bool):
+        raise HFImportError(f"{where}: {field}={value!r} is not true or false")
+    return value
 
 
 def _rope(hf: dict, where: Path) -> dict:
@@ -89,9 +104,7 @@ def _rope(hf: dict, where: Path) -> dict:
     # max_position_embeddings.
     original = hf.get("original_max_position_embeddings",
                       rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 2048)))
-    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
-        raise HFImportError(f"{where}: original_max_position_embeddings={original!r} is not a positive integer")
-    return out | {"rope_original_max_seq_len": original}
+    return out | {"rope_original_max_seq_len": _positive_int(original, "original_max_position_embeddings", where)}
 
 
 def model_config_of(hf: dict, where: Path) -> ModelConfig:
@@ -110,20 +123,21 @@ def model_config_of(hf: dict, where: Path) -> ModelConfig:
         if field in hf and hf[field] != ours:
             raise HFImportError(f"{where}: {field}={hf[field]!r}: {why}")
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if not isinstance(hf.get(field), int) or isinstance(hf.get(field), bool) or hf[field] <= 0:
-            raise HFImportError(f"{where}: {field}={hf.get(field)!r} is not a positive integer")
+        _positive_int(hf.get(field), field, where)
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     if dim % n_heads:
         raise HFImportError(f"{where}: hidden_size={dim} is not a multiple of num_attention_heads={n_heads}")
     if hf.get("head_dim") not in (None, dim // n_heads):
         raise HFImportError(f"{where}: head_dim={hf['head_dim']}: our model's head_dim is hidden_size / "
                            f"num_attention_heads = {dim // n_heads}")
-    n_kv = hf.get("num_key_value_heads") or n_heads
+    kv = hf.get("num_key_value_heads")
+    n_kv = n_heads if kv is None else _positive_int(kv, "num_key_value_heads", where)
+    context = _positive_int(hf.get("max_position_embeddings", 2048), "max_position_embeddings", where)
     cfg = ModelConfig(vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-                      n_kv_heads=n_kv, ffn_hidden_dim=hf["intermediate_size"],
-                      max_seq_len=min(int(hf.get("max_position_embeddings", 2048)), MAX_SEQ_LEN),
-                      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **_rope(hf, where))
+                      n_kv_heads=n_kv, ffn_hidden_dim=hf["intermediate_size"], max_seq_len=min(context, MAX_SEQ_LEN),
+                      norm_eps=_number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+                      tie_embeddings=_flag(hf.get("tie_word_embeddings", False), "tie_word_embeddings", where),
+                      **_rope(hf, where))
     if problems := cfg.problems():
         raise HFImportError(f"{where}: our model cannot take these dimensions ({problems[0]})")
     return cfg

@@ -343,3 +343,36 @@ def test_continue_pretraining_an_imported_llama_with_its_tokenizer(tmp_path, cor
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
     assert rows[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+MALFORMED = {  # config.json field values of the wrong kind: (changes, the field the error line names)
+    "context as a string": (dict(max_position_embeddings="64"), "max_position_embeddings='64'"),
+    "context infinite": (dict(max_position_embeddings=math.inf), "max_position_embeddings=inf"),
+    "context null": (dict(max_position_embeddings=None), "max_position_embeddings=None"),
+    "context fractional": (dict(max_position_embeddings=63.5), "max_position_embeddings=63.5"),
+    "eps as a list": (dict(rms_norm_eps=[1e-6]), "rms_norm_eps=[1e-06]"),
+    "eps NaN": (dict(rms_norm_eps=math.nan), "rms_norm_eps=nan"),
+    "eps null": (dict(rms_norm_eps=None), "rms_norm_eps=None"),
+    "theta infinite": (dict(rope_parameters={"rope_type": "default", "rope_theta": math.inf}), "rope_theta=inf"),
+    "theta as a string": (dict(rope_parameters={"rope_type": "default", "rope_theta": "5e5"}), "rope_theta='5e5'"),
+    "tie as a string": (dict(tie_word_embeddings="false"), "tie_word_embeddings='false'"),
+    "kv heads as a string": (dict(num_key_value_heads="2"), "num_key_value_heads='2'"),
+    "kv heads fractional": (dict(num_key_value_heads=2.5), "num_key_value_heads=2.5"),
+    "vocabulary infinite": (dict(vocab_size=math.inf), "vocab_size=inf"),
+    "rope factor NaN": (dict(rope_parameters=dict(LLAMA3_ROPE, factor=math.nan)), "rope_parameters factor=nan"),
+    "rope mapping as a list": (dict(rope_parameters=[1, 2]), "rope_parameters=[1, 2]"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_config_fields_are_one_line_naming_the_field(case, tmp_path, capsys):
+    save_llama(tmp_path / "hf", **TINY_LLAMA)
+    changes, field = MALFORMED[case]
+    path = tmp_path / "hf/config.json"
+    # Written as given: a null stays in the file, NaN and Infinity as Python's json writes them.
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    capsys.readouterr()
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out.pth")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ") and field in lines[0], lines
+    assert not (tmp_path / "out.pth").exists()
