@@ -376,3 +376,39 @@ def test_malformed_config_fields_are_one_line_naming_the_field(case, tmp_path, c
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ") and field in lines[0], lines
     assert not (tmp_path / "out.pth").exists()
+
+
+@pytest.mark.slow  # launches a training job
+def test_config_written_by_the_import_trains_as_it_is(tmp_path, corpus):
+    """--config writes a whole training config (the tiny preset with the imported model, its weights and its
+    tokenizer) that train_fsdp.py runs with no model, tokenizer or init_from flag: the loss of step 1 is the HF
+    model's own loss on that step's batch. Problems are found before anything is written."""
+    from data import load_prepared
+    from data.mixture import open_datasets
+    from tests import launcher
+    from tests.helpers import TRAIN, job_env
+    from tests.test_hf import save_tokenizer
+
+    hf_dir, written = tmp_path / "hf", tmp_path / "cfg/llama.yaml"
+    save_llama(hf_dir, **TINY_LLAMA)
+    preset = ROOT / "config/train_tiny_fsdp.yaml"
+    args = [str(hf_dir), str(tmp_path / "llama.pth"), "--config", str(written), "--base_config", str(preset)]
+    assert import_hf.main(args) == 1  # no tokenizer in the folder yet: nothing written
+    assert not (tmp_path / "llama.pth").exists() and not written.exists()
+    save_tokenizer(hf_dir, corpus)
+    assert import_hf.main(args) == 0
+
+    out, data_dir = tmp_path / "out", tmp_path / "data"
+    cmd = [str(TRAIN), str(written), f"--data.files=[{corpus}]", f"--data.dataset_dir={data_dir}",
+           f"--run.output_dir={out}", "--train.max_steps=1", "--train.eval_interval=0", "--logging.trackers=[]"]
+    proc = launcher.launch(cmd, nproc=1, env=job_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cfg = load_config(written)
+    assert (cfg.run.name, cfg.model.dim, cfg.model.rope_theta, cfg.data.seq_len) == ("llama", 64, 500000.0, 64)
+    prepared = load_prepared(data_dir)
+    train, _ = open_datasets([(prepared, 1.0)], seq_len=64, seed=cfg.run.seed)
+    x, y = train.batch(0, cfg.train.global_batch_size)
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    assert read_metrics(out)[0]["loss"] == pytest.approx(expected, rel=1e-5)
