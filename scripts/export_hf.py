@@ -112,7 +112,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, *, bos_id: int | None, eos_i
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
         rope_parameters=rope_parameters(cfg), hidden_act="silu",
         tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-        initializer_range=cfg.init_std, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype,
+        initializer_range=cfg.init_std, bos_token_id=bos_id, eos_token_id=eos_id, **dtype_kwarg(dtype),
     )
 
 
