@@ -174,33 +174,32 @@ def export_tokenizer(path: Path, max_len: int | None):
 
 def _lora_base(meta: dict, checkpoint: Path) -> torch.nn.Module:
     """The base model a LoRA checkpoint's adapters belong to, in fp32 on the CPU, checked against the
-    fingerprint the checkpoint recorded."""
+    fingerprint the checkpoint recorded (before anything of it is read beyond that)."""
     base, config = meta["lora"]["base"], meta["model_config"]
-    if config.get("type") == "hf":
-        from transformers import AutoModelForCausalLM
-
-        # Paths from the checkpoint's metadata: read as a training run reads model.hf_path, never running code of
-        # the folder and never downloading.
-        source = SimpleNamespace(hf_path=base.get("hf_path", ""), hf_config=base.get("hf_config", ""))
-        if "hf_path" in base:
-            lm = load_pretrained(source)
-        else:  # as the training built it: seeded, then from the config
-            torch.manual_seed(base["seed"])
-            lm = AutoModelForCausalLM.from_config(load_hf_config(source), trust_remote_code=False,
-                                                  **dtype_kwarg(torch.float32))
-        model: torch.nn.Module = CausalLMAdapter(lm.float())
-        source.type = "hf"
-    else:
-        model = Transformer(ModelConfig(**config), fused_matmul=True)
-        if "init_from" in base:
-            model.load_state_dict(load_model(base["init_from"])[0].state_dict())
-        else:
-            model.init_weights(base["seed"])
-        source = SimpleNamespace(type="llama", init_from=base.get("init_from", ""), hf_path="", hf_config="")
+    hf = config.get("type") == "hf"
+    # Paths from the checkpoint's metadata: read as a training run reads model.hf_path, never running code of the
+    # folder and never downloading.
+    source = SimpleNamespace(type="hf" if hf else "llama", init_from="" if hf else base.get("init_from", ""),
+                             hf_path=base.get("hf_path", ""), hf_config=base.get("hf_config", ""))
     run = SimpleNamespace(model=source, run=SimpleNamespace(seed=base.get("seed")))
     if base_reference(run, config)["fingerprint"] != base["fingerprint"]:
         raise ExportError(f"{checkpoint}: its base ({', '.join(f'{k}={v}' for k, v in base.items())}) has changed "
                           "since training: the adapters belong to other weights")
+    if hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_config = load_hf_config(source)  # first: a folder that needs its own code is refused by name
+        if source.hf_path:
+            lm = load_pretrained(source)
+        else:  # as the training built it: seeded, then from the config
+            torch.manual_seed(base["seed"])
+            lm = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False, **dtype_kwarg(torch.float32))
+        return CausalLMAdapter(lm.float())
+    model = Transformer(ModelConfig(**config), fused_matmul=True)
+    if source.init_from:
+        model.load_state_dict(load_model(source.init_from)[0].state_dict())
+    else:
+        model.init_weights(base["seed"])
     return model
 
 

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -435,3 +436,38 @@ def test_merged_lora_of_a_chat_model_keeps_its_chat_template(template_in_config,
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
     assert tok.chat_template == HF_TEMPLATE
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<user>hi<eos>"
+
+
+@pytest.mark.parametrize("field", ["hf_path", "hf_config"])
+def test_a_lora_checkpoint_naming_a_base_with_its_own_code_is_refused_without_a_question(field, corpus, tmp_path,
+                                                                                          capsys, monkeypatch):
+    """The base of a LoRA checkpoint comes from its metadata: a crafted one that names a folder with code of its
+    own (auto_map), its fingerprint made to match, is one error line; transformers is never asked (it would ask on
+    stdin) and the code never runs."""
+    import builtins
+
+    from fsdp_utils.parallel.lora import base_reference
+    from tests.test_hf import save_tiny, with_own_code
+
+    save_tiny("llama", tmp_path / "base")
+    where = tmp_path / "base" if field == "hf_path" else tmp_path / "base/config.json"
+    run_train("--model.type=hf", f"--model.{field}={where}", "--train.max_steps=1", "--train.lora.rank=4",
+              "--fsdp.version=2", "--checkpoint.format=full", out_dir=tmp_path / "run", corpus=corpus,
+              dataset_dir=tmp_path / "data")
+    payload = torch.load(tmp_path / "run/fsdp_cpt1.pth", weights_only=True)
+    assert payload["lora"]["base"][field] == str(where)
+    marker = tmp_path / "code_ran"
+    with_own_code(tmp_path / "base", "config.json", {"AutoConfig": "own_code.OwnConfig",
+                                                     "AutoModelForCausalLM": "own_code.OwnConfig"}, marker)
+    model = SimpleNamespace(type="hf", init_from="", hf_path=str(where) if field == "hf_path" else "", hf_config="")
+    run = SimpleNamespace(model=model, run=SimpleNamespace(seed=payload["lora"]["base"].get("seed")))
+    payload["lora"]["base"]["fingerprint"] = base_reference(run, payload["model_config"])["fingerprint"]
+    crafted = tmp_path / "crafted/fsdp_cpt1.pth"
+    crafted.parent.mkdir()
+    torch.save(payload, crafted)
+    questions: list[str] = []
+    monkeypatch.setattr(builtins, "input", lambda prompt="": questions.append(prompt) or "y")
+    capsys.readouterr()
+    assert export_hf.main([str(crafted), str(tmp_path / "out"), "--merge_lora"]) == 1
+    assert "its config.json needs the folder's own Python code (auto_map), which is never run" in _error(capsys)
+    assert questions == [] and not marker.exists() and not (tmp_path / "out").exists()
