@@ -411,6 +411,11 @@ def test_hf_finetune_finds_its_base_or_says_how(hf_finetune, tmp_path, capsys):
     assert export_hf.main([str(lone / "fsdp_cpt2.pth"), str(tmp_path / "a")]) == 1
     err = _error(capsys)
     assert "config.yaml does not name its model.hf_path" in err and "--base" in err and not (tmp_path / "a").exists()
+    (lone / "config.yaml").write_text(f"model:\n  type: hf\n  hf_path: {tmp_path / 'moved'}\n")
+    assert export_hf.main([str(lone / "fsdp_cpt2.pth"), str(tmp_path / "a")]) == 1
+    err = _error(capsys)
+    assert f"model.hf_path={tmp_path / 'moved'} (from {lone / 'config.yaml'}): cannot read its config.json" in err
+    assert err.endswith("pass --base MODEL_FOLDER (the Hugging Face model folder the run fine-tuned)")
 
     other = tmp_path / "other"
     other.mkdir()

@@ -252,7 +252,6 @@ def broadcast_from_rank0(model: nn.Module, full_state: dict | None, buffers: dic
         dist.broadcast(buf, src=0)
 
 
-
 # ---- a fine-tuned Hugging Face model's checkpoint, read in one plain process (export, evaluate, generate) ----
 RUN_CONFIG_NAME = "config.yaml"  # the resolved config the trainer writes next to its checkpoints
 BASE_HINT = "pass --base MODEL_FOLDER (the Hugging Face model folder the run fine-tuned)"
@@ -281,7 +280,12 @@ def checkpoint_source(checkpoint: Path, base: Path | None = None) -> SimpleNames
 
 def _checkpoint_config(checkpoint: Path, meta: dict, source: SimpleNamespace):
     """The transformers config of `source`, checked against the shape the checkpoint recorded."""
-    hf_config = load_hf_config(source, where=source.where)
+    try:
+        hf_config = load_hf_config(source, where=source.where)
+    except HFModelError as err:
+        if source.where.startswith("--base"):
+            raise
+        raise HFModelError(f"{err}; {BASE_HINT}") from None  # the folder may have moved since training
     described = config_signature(hf_config)
     for key, value in meta["model_config"].items():
         if described.get(key) != value:
@@ -322,6 +326,9 @@ def load_hf_checkpoint(checkpoint: str | Path, *, base: Path | None = None) -> t
     verify(checkpoint)
     if meta["model_config"].get("type") != "hf":
         raise CheckpointError(f"{checkpoint}: a checkpoint of our model, not of a Hugging Face one")
+    if "lora" in meta:
+        raise CheckpointError(f"{checkpoint}: holds LoRA adapters, not a model; merge them into the base first: "
+                              "scripts/export_hf.py CHECKPOINT OUT_DIR --merge_lora")
     source = checkpoint_source(checkpoint, base)
     hf_config = _checkpoint_config(checkpoint, meta, source)
     with torch.device("meta"):  # names and shapes only
