@@ -33,7 +33,7 @@ from torch import nn  # noqa: E402
 from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed, pick_device, read_torchrun_env  # noqa: E402
-from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_pretrained  # noqa: E402
+from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_hf_checkpoint, load_pretrained  # noqa: E402
 from fsdp_utils.train.downstream import (  # noqa: E402
     DownstreamError,
     flat_metrics,
@@ -62,8 +62,9 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def load_for_eval(path: Path, *, device: torch.device, tokenizer: Path | None):
-    """(model returning logits, codec, max_length, a short description) for our checkpoint or an HF folder."""
+def load_for_eval(path: Path, *, device: torch.device, tokenizer: Path | None, base: Path | None = None):
+    """(model returning logits, codec, max_length, a short description) for a checkpoint (of our model, or of a
+    fine-tuned Hugging Face one: `base` as for load_hf_checkpoint) or an HF folder."""
     from lm_eval.models.utils import resolve_max_length
 
     from fsdp_utils.train.lm_eval_model import open_codec
@@ -74,17 +75,22 @@ def load_for_eval(path: Path, *, device: torch.device, tokenizer: Path | None):
         return CausalLMAdapter(lm).to(device).eval(), codec, resolve_max_length(lm.config, codec.tok), "hf"
     meta = read_meta(path)  # first: a missing or foreign checkpoint is the error to report
     tokenizer = find_tokenizer(path, tokenizer, meta.get("tokenizer_sha256"))
-    model, _ = load_model(path, device=device)
     codec = open_codec("hf" if tokenizer.is_dir() else "sentencepiece", tokenizer)
-    if codec.vocab_size > model.cfg.vocab_size:
-        raise DownstreamError(f"{tokenizer}: {codec.vocab_size} tokens, more than the model's "
-                              f"vocab_size={model.cfg.vocab_size}")
-    return model, codec, model.cfg.max_seq_len, "ours"
+    if meta["model_config"].get("type") == "hf":  # a fine-tuned Hugging Face model: its architecture's context
+        adapter, _, _ = load_hf_checkpoint(path, base=base)
+        model, vocab_size = adapter.to(device), adapter.lm.config.vocab_size
+        max_length, kind = resolve_max_length(adapter.lm.config, codec.tok), "hf checkpoint"
+    else:
+        model, _ = load_model(path, device=device)
+        vocab_size, max_length, kind = model.cfg.vocab_size, model.cfg.max_seq_len, "ours"
+    if codec.vocab_size > vocab_size:
+        raise DownstreamError(f"{tokenizer}: {codec.vocab_size} tokens, more than the model's vocab_size={vocab_size}")
+    return model, codec, max_length, kind
 
 
 def evaluate(checkpoint: Path, tasks: list[str], *, include_path: list[str], limit: int | None = None,
              batch_size: int = 8, num_fewshot: int | None = None, device: str = "auto", dtype: str = "auto",
-             tokenizer: Path | None = None, bootstrap_iters: int = 100_000) -> dict:
+             tokenizer: Path | None = None, bootstrap_iters: int = 100_000, base: Path | None = None) -> dict:
     """lm_eval's results for `tasks` (every rank gets them), with an 'evaluation' entry: what ran, where, how long."""
     from fsdp_utils.train.lm_eval_model import ModelLM
 
@@ -94,7 +100,7 @@ def evaluate(checkpoint: Path, tasks: list[str], *, include_path: list[str], lim
     started = time.perf_counter()
     manager = task_manager(tasks, include_path)
     task_dict = load_tasks(manager, tasks, num_fewshot=num_fewshot)
-    model, codec, max_length, kind = load_for_eval(checkpoint, device=env_device, tokenizer=tokenizer)
+    model, codec, max_length, kind = load_for_eval(checkpoint, device=env_device, tokenizer=tokenizer, base=base)
     if compute != torch.float32:
         model = Autocast(model, compute)
     loaded = time.perf_counter()
@@ -135,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on GPUs, else fp32")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="a checkpoint of a fine-tuned Hugging Face model: the model folder (or config.json) it "
+                             "fine-tuned (default: model.hf_path or model.hf_config of the run's config.yaml)")
     parser.add_argument("--bootstrap_iters", type=int, default=100_000, help="for standard errors (0: none)")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -149,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = evaluate(args.checkpoint, tasks, include_path=args.include_path, limit=args.limit,
                            batch_size=args.batch_size, num_fewshot=args.num_fewshot, device=args.device,
-                           dtype=args.dtype, tokenizer=args.tokenizer, bootstrap_iters=args.bootstrap_iters)
+                           dtype=args.dtype, tokenizer=args.tokenizer, bootstrap_iters=args.bootstrap_iters,
+                           base=args.base)
         if read_torchrun_env().rank == 0:
             print(report(results))
             if args.output is not None:

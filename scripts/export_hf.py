@@ -48,6 +48,14 @@ import torch  # noqa: E402
 
 from fsdp_utils.checkpoint.format import CheckpointError, dcp_load, load_full  # noqa: E402
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta, verify  # noqa: E402
+from fsdp_utils.parallel.hf import (  # noqa: E402
+    CausalLMAdapter,
+    HFModelError,
+    dtype_kwarg,
+    load_hf_checkpoint,
+    load_hf_config,
+    load_pretrained,
+)
 from fsdp_utils.parallel.lora import (  # noqa: E402
     HF_NAMES,
     LoRASettings,
@@ -104,11 +112,11 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, *, bos_id: int | None, eos_i
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
         rope_parameters=rope_parameters(cfg), hidden_act="silu",
         tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-        initializer_range=cfg.init_std, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype,
+        initializer_range=cfg.init_std, bos_token_id=bos_id, eos_token_id=eos_id, **dtype_kwarg(dtype),
     )
 
 
-def hf_tokenizer(model_file: Path, max_len: int):
+def hf_tokenizer(model_file: Path, max_len: int | None):
     """A tokenizers-backed tokenizer equivalent to our SentencePiece BPE model (identity normalisation,
     no dummy prefix, byte fallback). SentencePiece stores no merge list: every split of a piece into two
     pieces is a merge, ranked by the piece's score, which reproduces SentencePiece's merge order."""
@@ -141,11 +149,12 @@ def hf_tokenizer(model_file: Path, max_len: int):
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     # split_special_tokens: "</s>" in a text is text, as for SentencePiece, not the EOS id.
+    limit = {} if max_len is None else {"model_max_length": max_len}
     return PreTrainedTokenizerFast(tokenizer_object=tok, split_special_tokens=True, clean_up_tokenization_spaces=False,
-                                   model_max_length=max_len, **special), sp
+                                   **limit, **special), sp
 
 
-def export_tokenizer(path: Path, max_len: int):
+def export_tokenizer(path: Path, max_len: int | None):
     """(a transformers tokenizer to save with the model, its number of tokens) for the run's tokenizer: a Hugging
     Face tokenizer's folder as the training loaded it, or the equivalent of a SentencePiece model."""
     if not path.is_dir():
@@ -165,31 +174,32 @@ def export_tokenizer(path: Path, max_len: int):
 
 def _lora_base(meta: dict, checkpoint: Path) -> torch.nn.Module:
     """The base model a LoRA checkpoint's adapters belong to, in fp32 on the CPU, checked against the
-    fingerprint the checkpoint recorded."""
+    fingerprint the checkpoint recorded (before anything of it is read beyond that)."""
     base, config = meta["lora"]["base"], meta["model_config"]
-    if config.get("type") == "hf":
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from fsdp_utils.parallel.hf import CausalLMAdapter
-
-        if "hf_path" in base:
-            lm = AutoModelForCausalLM.from_pretrained(base["hf_path"], local_files_only=True, dtype=torch.float32)
-        else:  # as the training built it: seeded, then from the config
-            torch.manual_seed(base["seed"])
-            lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base["hf_config"]), dtype=torch.float32)
-        model: torch.nn.Module = CausalLMAdapter(lm.float())
-        source = SimpleNamespace(type="hf", hf_path=base.get("hf_path", ""), hf_config=base.get("hf_config", ""))
-    else:
-        model = Transformer(ModelConfig(**config), fused_matmul=True)
-        if "init_from" in base:
-            model.load_state_dict(load_model(base["init_from"])[0].state_dict())
-        else:
-            model.init_weights(base["seed"])
-        source = SimpleNamespace(type="llama", init_from=base.get("init_from", ""), hf_path="", hf_config="")
+    hf = config.get("type") == "hf"
+    # Paths from the checkpoint's metadata: read as a training run reads model.hf_path, never running code of the
+    # folder and never downloading.
+    source = SimpleNamespace(type="hf" if hf else "llama", init_from="" if hf else base.get("init_from", ""),
+                             hf_path=base.get("hf_path", ""), hf_config=base.get("hf_config", ""))
     run = SimpleNamespace(model=source, run=SimpleNamespace(seed=base.get("seed")))
     if base_reference(run, config)["fingerprint"] != base["fingerprint"]:
         raise ExportError(f"{checkpoint}: its base ({', '.join(f'{k}={v}' for k, v in base.items())}) has changed "
                           "since training: the adapters belong to other weights")
+    if hf:
+        from transformers import AutoModelForCausalLM
+
+        hf_config = load_hf_config(source)  # first: a folder that needs its own code is refused by name
+        if source.hf_path:
+            lm = load_pretrained(source)
+        else:  # as the training built it: seeded, then from the config
+            torch.manual_seed(base["seed"])
+            lm = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False, **dtype_kwarg(torch.float32))
+        return CausalLMAdapter(lm.float())
+    model = Transformer(ModelConfig(**config), fused_matmul=True)
+    if source.init_from:
+        model.load_state_dict(load_model(source.init_from)[0].state_dict())
+    else:
+        model.init_weights(base["seed"])
     return model
 
 
@@ -295,12 +305,52 @@ def export_lora(checkpoint: Path, out_dir: Path, *, adapter_only: bool, dtype: s
 
     def fill_model(tmp: Path) -> None:
         plain.save_pretrained(tmp)
-        if "hf_path" in base:  # the base's tokenizer files, as they are
-            for name in os.listdir(base["hf_path"]):
-                if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
-                    shutil.copyfile(Path(base["hf_path"]) / name, tmp / name)
+        if "hf_path" in base:
+            copy_tokenizer_files(Path(base["hf_path"]), tmp)
 
     _write_folder(out_dir, fill_model)
+    return out_dir
+
+
+# A model folder's tokenizer files as transformers writes them: the chat template lives in chat_template.jinja
+# (or several in additional_chat_templates/), or in tokenizer_config.json as older releases keep it.
+TOKENIZER_PREFIXES = ("tokenizer", "special_tokens", "added_tokens", "vocab", "merges", "chat_template",
+                      "generation_config")
+CHAT_TEMPLATES_DIR = "additional_chat_templates"
+
+
+def copy_tokenizer_files(folder: Path, dest: Path) -> None:
+    """The tokenizer (and generation settings) of a Hugging Face model folder, as they are, into `dest`."""
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name.startswith(TOKENIZER_PREFIXES):
+            shutil.copyfile(path, dest / path.name)
+        elif path.is_dir() and path.name == CHAT_TEMPLATES_DIR:
+            shutil.copytree(path, dest / path.name)
+
+
+def export_hf_model(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool = False,
+                    tokenizer: Path | None = None, base: Path | None = None) -> Path:
+    """A fine-tuned Hugging Face model (model.type=hf) as that architecture's folder: the base's config.json with
+    the checkpoint's weights, the run's tokenizer (its chat template included) and the base's generation
+    settings; returns out_dir."""
+    model, meta, source = load_hf_checkpoint(checkpoint, base=base)
+    tokenizer = find_tokenizer(checkpoint, tokenizer, meta.get("tokenizer_sha256"))  # the one it was trained with
+    _check_out_dir(out_dir, [checkpoint, tokenizer], force)
+    lm = model.lm.to(DTYPES[dtype])
+    hf_tok, num_tokens = export_tokenizer(tokenizer, getattr(lm.config, "max_position_embeddings", None))
+    if num_tokens > lm.config.vocab_size:
+        raise ExportError(f"{tokenizer}: {num_tokens} tokens, more than the model's vocab_size={lm.config.vocab_size}")
+    generation = Path(source.hf_path) / "generation_config.json" if source.hf_path else None
+
+    def fill(tmp: Path) -> None:
+        lm.save_pretrained(tmp)
+        hf_tok.save_pretrained(tmp)
+        if not tokenizer.is_dir():
+            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+        if generation is not None and generation.is_file():  # the base's (stop tokens of a chat model, sampling)
+            shutil.copyfile(generation, tmp / generation.name)
+
+    _write_folder(out_dir, fill)
     return out_dir
 
 
@@ -316,9 +366,9 @@ def _check_out_dir(out_dir: Path, inputs: list[Path], force: bool) -> None:
 
 
 def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool = False,
-           tokenizer: Path | None = None, merge_lora: bool = False) -> Path:
+           tokenizer: Path | None = None, merge_lora: bool = False, base: Path | None = None) -> Path:
     """Write the Hugging Face directory for `checkpoint` to `out_dir`; return out_dir. A LoRA checkpoint
-    needs merge_lora (or export_lora for an adapter folder)."""
+    needs merge_lora (or export_lora for an adapter folder); `base`: see export_hf_model."""
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -331,6 +381,8 @@ def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool 
         raise ExportError(f"{checkpoint}: --merge_lora, but it holds no LoRA adapters (trained without train.lora)")
     if merge_lora and meta["model_config"].get("type") == "hf":
         return export_lora(checkpoint, out_dir, adapter_only=False, dtype=dtype, force=force)
+    if meta["model_config"].get("type") == "hf":
+        return export_hf_model(checkpoint, out_dir, dtype=dtype, force=force, tokenizer=tokenizer, base=base)
     tokenizer = find_tokenizer(checkpoint, tokenizer, meta.get("tokenizer_sha256"))  # the one it was trained with
     _check_out_dir(out_dir, [checkpoint, tokenizer], force)
     if merge_lora:
@@ -371,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="a SentencePiece model or a Hugging Face tokenizer folder (default: the one next to "
                              "CHECKPOINT that it was trained with)")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="model.type=hf: the Hugging Face model folder (or its config.json) the run fine-tuned "
+                             "(default: model.hf_path or model.hf_config of the run's config.yaml next to CHECKPOINT)")
     lora = parser.add_mutually_exclusive_group()
     lora.add_argument("--merge_lora", action="store_true",
                       help="a LoRA checkpoint: merge its adapters into the base and write the model")
@@ -387,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{str(args.out_dir)!r})")
             return 0
         export(args.checkpoint, args.out_dir, dtype=args.dtype, force=args.force, tokenizer=args.tokenizer,
-               merge_lora=args.merge_lora)
-    except (ExportError, CheckpointError, OSError) as err:
+               merge_lora=args.merge_lora, base=args.base)
+    except (ExportError, CheckpointError, HFModelError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {args.out_dir} ({args.dtype}): load it with "

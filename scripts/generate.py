@@ -3,19 +3,26 @@
     python scripts/generate.py checkpoints/tiny/fsdp_cpt1000.pth --prompt "def main(" --max_new_tokens 60
     python scripts/generate.py checkpoints/llama1B/fsdp_sharded_cpt500 --prompt "import " --temperature 0   # greedy
     python scripts/generate.py CKPT --prompt "class " --top_k 20 --seed 7 --device cuda --tokenizer my.model
+    python scripts/generate.py checkpoints/finetune_chat/fsdp_sharded_cpt1000 --prompt "Hello" --chat
 
-Prints the prompt followed by the continuation. The tokenizer is the run's SentencePiece model, found
-next to the checkpoint by the hash the checkpoint records (train_fsdp.py copies it there). Sampling:
-logits / temperature, keep the top_k most likely tokens (0: all), draw with a torch.Generator seeded by
---seed, so a fixed seed gives the same text; --temperature 0 is greedy and ignores the seed. The context
-is cropped to the model's max_seq_len; generation stops early at the end-of-document token. An empty
-prompt starts a fresh document.
+Prints the prompt followed by the continuation. The checkpoint holds our model, or a fine-tuned Hugging Face
+model (model.type=hf: its architecture is the config.json of the folder the run fine-tuned, model.hf_path or
+model.hf_config of the run's config.yaml next to the checkpoint, or --base). The tokenizer is the run's (a
+SentencePiece model, or a Hugging Face tokenizer's folder), found next to the checkpoint by the hash the
+checkpoint records (train_fsdp.py copies it there). The prompt is encoded as training encoded documents (no
+BOS); --chat instead renders it as a user message with the tokenizer's chat template, followed by the start of
+the assistant's turn. Sampling: logits / temperature, keep the top_k most likely tokens (0: all), draw with a
+torch.Generator seeded by --seed, so a fixed seed gives the same text; --temperature 0 is greedy and ignores
+the seed. The context is cropped to the model's context length; generation stops early at the
+end-of-document token. An empty prompt starts a fresh document.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,10 +30,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
-from model import Transformer  # noqa: E402
+from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_hf_checkpoint  # noqa: E402
 
 MIN_TEMPERATURE = 1e-6
 
@@ -43,15 +51,24 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def context_length(model: nn.Module) -> int | None:
+    """The most tokens the model attends to: our max_seq_len, or a Hugging Face config's max_position_embeddings."""
+    if isinstance(model, CausalLMAdapter):
+        return getattr(model.lm.config, "max_position_embeddings", None)
+    return int(model.cfg.max_seq_len)  # type: ignore[union-attr]  # our Transformer
+
+
 @torch.no_grad()
-def sample(model: Transformer, context: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
+def sample(model: nn.Module, context: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
            generator: torch.Generator, vocab_limit: int, stop_id: int | None = None) -> list[int]:
-    """The new token ids after `context`; only ids below vocab_limit (the tokenizer's size) are drawn."""
-    device = model.rope_cos.device
+    """The new token ids after `context`; only ids below vocab_limit (the tokenizer's size) are drawn. `model`
+    maps tokens (B, T) to logits (B, T, V): our Transformer, or a Hugging Face model's CausalLMAdapter."""
+    device = next(model.parameters()).device
+    window_len = context_length(model)
     tokens = list(context)
     new: list[int] = []
     for _ in range(max_new_tokens):
-        window = torch.tensor([tokens[-model.cfg.max_seq_len:]], device=device)
+        window = torch.tensor([tokens[-window_len:] if window_len else tokens], device=device)
         logits = model(window)[0, -1, :vocab_limit].float()
         if temperature == 0:
             next_id = int(logits.argmax())
@@ -66,6 +83,54 @@ def sample(model: Transformer, context: list[int], *, max_new_tokens: int, tempe
         tokens.append(next_id)
         new.append(next_id)
     return new
+
+
+@dataclass
+class TextCodec:
+    """The run's tokenizer as generation uses it."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    size: int
+    eos_id: int | None
+    chat: Callable[[str], list[int]] | None = None  # the prompt as a user message, then the assistant's turn
+
+
+def open_tokenizer(path: Path) -> TextCodec:
+    """A SentencePiece model file, or a Hugging Face tokenizer folder (data.tokenizer=hf)."""
+    if path.is_dir():
+        from data.hf_tokenizer import HFTokenizer
+
+        try:
+            hf = HFTokenizer(path)
+        except ValueError as err:
+            raise GenerateError(f"{path}: not a usable Hugging Face tokenizer folder ({err})") from None
+        tok = hf.tok
+
+        def chat(prompt: str) -> list[int]:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+            return tok(text, add_special_tokens=False)["input_ids"]  # the template writes its own special tokens
+
+        return TextCodec(lambda text: hf.encode([text])[0], tok.decode, hf.get_piece_size(), hf.eos_id(),
+                         chat if hf.has_chat_template() else None)
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as err:
+        raise GenerateError(f"{path}: not a SentencePiece model ({err})") from None
+    return TextCodec(sp.encode, sp.decode, sp.get_piece_size(), sp.eos_id() if sp.eos_id() >= 0 else None)
+
+
+def load_for_generation(checkpoint: Path, meta: dict, *, device: torch.device,
+                        base: Path | None) -> tuple[nn.Module, int]:
+    """(the checkpoint's model on `device`, in eval mode; its vocabulary size)."""
+    if meta["model_config"].get("type") == "hf":
+        adapter, _, _ = load_hf_checkpoint(checkpoint, base=base)
+        return adapter.to(device), adapter.lm.config.vocab_size
+    model, _ = load_model(checkpoint, device=device)
+    return model, model.cfg.vocab_size
 
 
 def argument_problems(*, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> list[str]:
@@ -84,37 +149,37 @@ def argument_problems(*, max_new_tokens: int, temperature: float, top_k: int, se
     return problems
 
 
-def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 50,
-             seed: int = 0, device: str = "auto", tokenizer: Path | None = None) -> str:
-    """prompt + the sampled continuation."""
-    import sentencepiece as spm
+def prompt_tokens(codec: TextCodec, prompt: str, *, chat: bool, tokenizer: Path) -> list[int]:
+    """The context to continue: the prompt as a document (an empty one starts at EOS), or as a chat turn."""
+    if chat:
+        if codec.chat is None:
+            raise GenerateError(f"--chat: the tokenizer {tokenizer} has no chat template")
+        return codec.chat(prompt)
+    context = codec.encode(prompt) or ([codec.eos_id] if codec.eos_id is not None else [])
+    if not context:
+        raise GenerateError("the prompt is empty and the tokenizer has no end-of-document token to start from")
+    return context
 
+
+def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 50,
+             seed: int = 0, device: str = "auto", tokenizer: Path | None = None, base: Path | None = None,
+             chat: bool = False) -> str:
+    """prompt + the sampled continuation."""
     if problems := argument_problems(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed):
         raise GenerateError("; ".join(problems))
     meta = read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
     tokenizer = find_tokenizer(checkpoint, tokenizer, meta.get("tokenizer_sha256"))  # the one it was trained with
-    if tokenizer.is_dir():
-        raise GenerateError(f"{tokenizer}: a Hugging Face tokenizer (data.tokenizer=hf); this script samples with "
-                            f"SentencePiece tokenizers only: export the checkpoint with scripts/export_hf.py and "
-                            f"generate with transformers")
-    try:
-        sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
-    except (OSError, RuntimeError) as err:
-        raise GenerateError(f"{tokenizer}: not a SentencePiece model ({err})") from None
+    codec = open_tokenizer(tokenizer)
+    context = prompt_tokens(codec, prompt, chat=chat, tokenizer=tokenizer)
     dev = pick_device(device)
-    model, _ = load_model(checkpoint, device=dev)
-    if sp.get_piece_size() > model.cfg.vocab_size:
-        raise GenerateError(f"{tokenizer}: {sp.get_piece_size()} pieces, more than the model's "
-                            f"vocab_size={model.cfg.vocab_size}")
-    eos = sp.eos_id() if sp.eos_id() >= 0 else None
-    context = sp.encode(prompt) or ([eos] if eos is not None else [])
-    if not context:
-        raise GenerateError("the prompt is empty and the tokenizer has no end-of-document token to start from")
+    model, vocab_size = load_for_generation(checkpoint, meta, device=dev, base=base)
+    if codec.size > vocab_size:
+        raise GenerateError(f"{tokenizer}: {codec.size} tokens, more than the model's vocab_size={vocab_size}")
     generator = torch.Generator(device=dev)
     generator.manual_seed(seed)
     new = sample(model, context, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                 generator=generator, vocab_limit=sp.get_piece_size(), stop_id=eos)
-    return prompt + sp.decode(new)
+                 generator=generator, vocab_limit=codec.size, stop_id=codec.eos_id)
+    return prompt + codec.decode(new)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,12 +192,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--tokenizer", type=Path, default=None,
-                        help="SentencePiece model (default: the one next to CHECKPOINT that it was trained with)")
+                        help="a SentencePiece model or a Hugging Face tokenizer folder (default: the one next to "
+                             "CHECKPOINT that it was trained with)")
+    parser.add_argument("--chat", action="store_true",
+                        help="render the prompt as a user message with the tokenizer's chat template")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="a checkpoint of a fine-tuned Hugging Face model: the model folder (or config.json) it "
+                             "fine-tuned (default: model.hf_path or model.hf_config of the run's config.yaml)")
     args = parser.parse_args(argv)
     try:
         text = generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_k=args.top_k, seed=args.seed, device=args.device, tokenizer=args.tokenizer)
-    except (GenerateError, CheckpointError, OSError) as err:
+                        top_k=args.top_k, seed=args.seed, device=args.device, tokenizer=args.tokenizer,
+                        base=args.base, chat=args.chat)
+    except (GenerateError, CheckpointError, HFModelError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(text)

@@ -1,24 +1,28 @@
 """Import a local Hugging Face LlamaForCausalLM checkpoint as a full checkpoint of ours (the reverse of export_hf.py).
 
-    python scripts/import_hf.py /models/Llama-3.2-1B llama1B.pth
-    torchrun --nproc_per_node=8 train_fsdp.py config/train1B_fsdp.yaml --model.init_from=llama1B.pth \\
-        --data.tokenizer=hf --data.hf_tokenizer=/models/Llama-3.2-1B  --model.dim=2048 ...  (the printed section)
+    python scripts/import_hf.py /models/Llama-3.2-1B llama1B.pth --config config/llama1B.yaml
+    torchrun --nproc_per_node=8 train_fsdp.py config/llama1B.yaml
 
 HF_DIR holds config.json and model.safetensors, or shards listed in model.safetensors.index.json; nothing is
 downloaded and no code of the folder runs (only the JSON and safetensors files are read). The weights are
 converted to our names and fused layouts (q/k/v_proj into wqkv, gate/up_proj into w13; both use Llama's
 rotate-half rotary layout, so q and k need no permutation), in fp32 (our training keeps fp32 weights; bf16 to
 fp32 is exact). OUT is a full checkpoint at step 0 with no optimizer state: `model.init_from=OUT` (weights
-only) or `--resume_from OUT` start from it; the model section it needs is printed (with Llama 3.1 / 3.2's
-rotary scaling, rope_type llama3, in its rope_* fields). A configuration our model cannot compute exactly
-(biases, another activation, a rope scaling other than llama3, a head_dim of its own, ...) is refused with one
-line naming the config.json field.
+only) or `--resume_from OUT` start from it. --config writes a whole training config that trains from it as it
+is: --base_config (a preset, config/train1B_fsdp.yaml by default) with the imported model's section (with Llama
+3.1 / 3.2's rotary scaling, rope_type llama3, in its rope_* fields), model.init_from=OUT, HF_DIR's own
+tokenizer (data.tokenizer=hf), data.seq_len at most the model's context and run.name OUT's stem, checked as
+train_fsdp.py checks it. Without --config the model section is printed. A configuration our model cannot
+compute exactly (biases, another activation, a rope scaling other than llama3, a head_dim of its own, ...) or
+a config.json field of the wrong kind is refused with one line naming the field.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +31,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
+from config import ConfigError, load_config  # noqa: E402
 from fsdp_utils.checkpoint.format import (  # noqa: E402
     FORMAT_VERSION,
     TMP_PREFIX,
@@ -60,10 +66,24 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+# config.json is JSON as Python reads it: any field may hold a string, a list, null, NaN or Infinity. Each is
+# checked for its kind before use, so a malformed one is an error naming it, never a traceback or a guess.
 def _number(value, field: str, where: Path) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise HFImportError(f"{where}: {field}={value!r} is not a number")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise HFImportError(f"{where}: {field}={value!r} is not a positive finite number")
     return float(value)
+
+
+def _positive_int(value, field: str, where: Path) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise HFImportError(f"{where}: {field}={value!r} is not a positive integer")
+    return value
+
+
+def _flag(value, field: str, where: Path) -> bool:
+    if not isinstance(value, bool):
+        raise HFImportError(f"{where}: {field}={value!r} is not true or false")
+    return value
 
 
 def _rope(hf: dict, where: Path) -> dict:
@@ -89,9 +109,7 @@ def _rope(hf: dict, where: Path) -> dict:
     # max_position_embeddings.
     original = hf.get("original_max_position_embeddings",
                       rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 2048)))
-    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
-        raise HFImportError(f"{where}: original_max_position_embeddings={original!r} is not a positive integer")
-    return out | {"rope_original_max_seq_len": original}
+    return out | {"rope_original_max_seq_len": _positive_int(original, "original_max_position_embeddings", where)}
 
 
 def model_config_of(hf: dict, where: Path) -> ModelConfig:
@@ -110,20 +128,21 @@ def model_config_of(hf: dict, where: Path) -> ModelConfig:
         if field in hf and hf[field] != ours:
             raise HFImportError(f"{where}: {field}={hf[field]!r}: {why}")
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if not isinstance(hf.get(field), int) or isinstance(hf.get(field), bool) or hf[field] <= 0:
-            raise HFImportError(f"{where}: {field}={hf.get(field)!r} is not a positive integer")
+        _positive_int(hf.get(field), field, where)
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     if dim % n_heads:
         raise HFImportError(f"{where}: hidden_size={dim} is not a multiple of num_attention_heads={n_heads}")
     if hf.get("head_dim") not in (None, dim // n_heads):
         raise HFImportError(f"{where}: head_dim={hf['head_dim']}: our model's head_dim is hidden_size / "
                            f"num_attention_heads = {dim // n_heads}")
-    n_kv = hf.get("num_key_value_heads") or n_heads
+    kv = hf.get("num_key_value_heads")
+    n_kv = n_heads if kv is None else _positive_int(kv, "num_key_value_heads", where)
+    context = _positive_int(hf.get("max_position_embeddings", 2048), "max_position_embeddings", where)
     cfg = ModelConfig(vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-                      n_kv_heads=n_kv, ffn_hidden_dim=hf["intermediate_size"],
-                      max_seq_len=min(int(hf.get("max_position_embeddings", 2048)), MAX_SEQ_LEN),
-                      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **_rope(hf, where))
+                      n_kv_heads=n_kv, ffn_hidden_dim=hf["intermediate_size"], max_seq_len=min(context, MAX_SEQ_LEN),
+                      norm_eps=_number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+                      tie_embeddings=_flag(hf.get("tie_word_embeddings", False), "tie_word_embeddings", where),
+                      **_rope(hf, where))
     if problems := cfg.problems():
         raise HFImportError(f"{where}: our model cannot take these dimensions ({problems[0]})")
     return cfg
@@ -207,14 +226,23 @@ def checkpoint_payload(cfg: ModelConfig, weights: dict[str, torch.Tensor], where
             "train_state": {"step": 0, "samples_seen": 0, "tokens_seen": 0, "grad_scaler": None, "lr": None}}
 
 
+def read_model_config(hf_dir: Path) -> ModelConfig:
+    """Our ModelConfig for the LlamaForCausalLM folder `hf_dir` (its config.json only)."""
+    where = hf_dir / "config.json"
+    return model_config_of(_read_json(where), where)
+
+
+def _check_target(path: Path, force: bool, what: str) -> None:
+    if path.exists() and not force:
+        raise HFImportError(f"{path} exists; pass --force to overwrite it")
+    if path.is_dir():
+        raise HFImportError(f"{path} is a directory; give the path of the {what} to write")
+
+
 def import_hf(hf_dir: Path, out: Path, *, force: bool = False) -> ModelConfig:
     """Write the full checkpoint for the LlamaForCausalLM in `hf_dir` to `out` (atomically); return its config."""
-    if out.exists() and not force:
-        raise HFImportError(f"{out} exists; pass --force to overwrite it")
-    if out.is_dir():
-        raise HFImportError(f"{out} is a directory; give the path of the .pth file to write")
-    where = hf_dir / "config.json"
-    cfg = model_config_of(_read_json(where), where)
+    _check_target(out, force, ".pth file")
+    cfg = read_model_config(hf_dir)
     payload = checkpoint_payload(cfg, ours_state_dict(cfg, read_safetensors(hf_dir), hf_dir), hf_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
@@ -236,20 +264,74 @@ def model_section(cfg: ModelConfig) -> str:
     return "model:\n" + "".join(f"  {name}: {json.dumps(getattr(cfg, name))}\n" for name in fields)
 
 
+DEFAULT_BASE_CONFIG = ROOT / "config/train1B_fsdp.yaml"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def training_overrides(cfg: ModelConfig, hf_dir: Path, checkpoint: Path, base: Path) -> list[str]:
+    """The overrides that make the config `base` train the imported model: its whole model section (no field of
+    the base's model survives), started from `checkpoint`, with HF_DIR's tokenizer; HFImportError naming the
+    base when it is not a valid config itself."""
+    if not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise HFImportError(f"{hf_dir}: no tokenizer ({', '.join(TOKENIZER_FILES)}) for the config to train with")
+    try:
+        seq_len = load_config(base).data.seq_len
+    except ConfigError as err:
+        raise HFImportError(f"--base_config {base}: {'; '.join(err.problems)}") from None
+    model = {"type": "llama", "hf_path": "", "hf_config": "", "init_from": str(checkpoint.absolute()),
+             **dataclasses.asdict(cfg)}
+    data = {"tokenizer": "hf", "hf_tokenizer": str(hf_dir.absolute()), "tokenizer_model": "",
+            "seq_len": min(seq_len, cfg.max_seq_len)}
+    return [f"--{section}.{key}={json.dumps(value)}" for section, values in (("model", model), ("data", data))
+            for key, value in values.items()] + [f"--run.name={json.dumps(checkpoint.stem)}"]
+
+
+def write_training_config(path: Path, base: Path, overrides: list[str], *, check_only: bool = False) -> None:
+    """`base` with `overrides`, validated as train_fsdp.py validates it, written (renamed into place) to `path`
+    as the complete resolved config; check_only: validate without writing (model.init_from may not exist yet)."""
+    if check_only:
+        overrides = [o for o in overrides if not o.startswith("--model.init_from=")]
+    try:
+        cfg = load_config(base, overrides)
+    except ConfigError as err:
+        raise HFImportError(f"--base_config {base} with the imported model: {'; '.join(err.problems)}") from None
+    if check_only:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    tmp.write_text(f"# {base.name} with the model imported by scripts/import_hf.py\n"
+                   + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hf_dir", type=Path, help="a local LlamaForCausalLM folder (config.json + safetensors)")
     parser.add_argument("out", type=Path, help="the full checkpoint file to write, e.g. llama.pth")
-    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    parser.add_argument("--force", action="store_true", help="overwrite OUT (and --config) if it exists")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="write a complete training config for the imported model here (a .yaml file)")
+    parser.add_argument("--base_config", type=Path, default=DEFAULT_BASE_CONFIG,
+                        help="the config --config starts from (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
+        overrides: list[str] = []
+        if args.config is not None:  # every check before the import, which takes a while for large models
+            _check_target(args.config, args.force, ".yaml file")
+            overrides = training_overrides(read_model_config(args.hf_dir), args.hf_dir, args.out, args.base_config)
+            write_training_config(args.config, args.base_config, overrides, check_only=True)
         cfg = import_hf(args.hf_dir, args.out, force=args.force)
+        if args.config is not None:
+            write_training_config(args.config, args.base_config, overrides)
     except (HFImportError, CheckpointError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out} ({cfg.num_params():,} parameters, {args.out.stat().st_size / 2**20:.1f} MiB); train "
-          f"from it with --model.init_from={args.out} and this model section (max_seq_len may be smaller):\n"
-          f"{model_section(cfg)}", end="")
+    print(f"wrote {args.out} ({cfg.num_params():,} parameters, {args.out.stat().st_size / 2**20:.1f} MiB)", end="")
+    if args.config is not None:
+        print(f" and {args.config}; train from it with:\n  torchrun --nproc_per_node=N train_fsdp.py {args.config}")
+    else:
+        print(f"; train from it with --model.init_from={args.out} and this model section (max_seq_len may be "
+              f"smaller), or pass --config FILE to have the whole config written:\n{model_section(cfg)}", end="")
     return 0
 
 

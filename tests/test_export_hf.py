@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -215,15 +216,15 @@ def test_run_with_a_hugging_face_tokenizer_finds_its_own(hf_run, corpus, tmp_pat
     assert export_hf.main([str(lone / hf_run.name), str(tmp_path / "a")]) == 0
     assert_same_tokenizer(tmp_path / "a", hf_run.parent / "hf_tokenizer", corpus)
 
-    # evaluate.py finds it too (its codec takes tokenizer folders); generate.py samples with SentencePiece only
-    # and says so in one line.
+    # evaluate.py and generate.py find it too (both take tokenizer folders).
     from scripts import evaluate, generate
 
     _, codec, _, _ = evaluate.load_for_eval(hf_run, device=torch.device("cpu"), tokenizer=None)
     assert type(codec).__name__ == "HFCodec" and codec.vocab_size == len(other)
 
-    assert generate.main([str(hf_run), "--prompt", "the", "--device", "cpu"]) == 1
-    assert "export the checkpoint with scripts/export_hf.py" in _error(capsys)
+    capsys.readouterr()
+    assert generate.main([str(lone / hf_run.name), "--prompt", "the", "--device", "cpu", "--max_new_tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("the")
 
     (tmp_path / "empty").mkdir()
     for bad, why in ((tmp_path / "nothing", "no such tokenizer file or folder"),
@@ -282,3 +283,196 @@ def test_cli_error_exit_code(tmp_path):
                            str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+# ---- a Hugging Face model fine-tuned in place (model.type=hf) -----------------------------------------------
+
+HF_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+               "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def save_chat_model(folder: Path, corpus: Path, *, template_in_config: bool = False) -> None:
+    """A tiny random Qwen2 (biased q/k/v projections: not Llama's layout) with a byte-level BPE tokenizer and
+    a chat template, in one folder as transformers saves them: the template in chat_template.jinja, or inside
+    tokenizer_config.json as older releases keep it."""
+    from tests.test_hf import save_tiny, save_tokenizer
+
+    save_tiny("qwen2", folder)
+    save_tokenizer(folder, corpus)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = HF_TEMPLATE
+    tok.save_pretrained(folder)
+    if template_in_config:
+        (folder / "chat_template.jinja").unlink()
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HF_TEMPLATE}))
+    assert transformers.AutoTokenizer.from_pretrained(folder).chat_template == HF_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def hf_finetune(tmp_path_factory, corpus) -> dict[str, Path]:
+    """Checkpoints of 2-step full fine-tunes of a Hugging Face model with its own tokenizer: {"base": the model
+    folder, "full": fsdp_cpt2.pth of one rank, "sharded": fsdp_sharded_cpt2/ of two ranks}."""
+    root = tmp_path_factory.mktemp("hf_finetune")
+    save_chat_model(root / "base", corpus)
+    out = {"base": root / "base"}
+    for fmt, nproc in (("full", 1), ("sharded", 2)):
+        run_train("--model.type=hf", f"--model.hf_path={root / 'base'}", "--data.tokenizer=hf", "--train.max_steps=2",
+                  f"--checkpoint.format={fmt}", nproc=nproc, out_dir=root / fmt, corpus=corpus,
+                  dataset_dir=root / "data")
+        out[fmt] = root / fmt / ("fsdp_cpt2.pth" if fmt == "full" else "fsdp_sharded_cpt2")
+    return out
+
+
+def checkpoint_tensors(ckpt: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint under transformers' names, read with torch's own tools alone (a sharded
+    one converted by torch.distributed.checkpoint's dcp_to_torch_save)."""
+    if ckpt.is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(ckpt, tmp_path / "converted.pt")
+        state = torch.load(tmp_path / "converted.pt", weights_only=True)["model"]
+    else:
+        state = torch.load(ckpt, weights_only=True)["model"]
+    return {name.removeprefix("lm."): tensor for name, tensor in state.items()}
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_hf_finetune_exports_as_its_own_architecture(fmt, hf_finetune, tmp_path):
+    """A fine-tuned Qwen2 exports as Qwen2: its base's config.json, the trained weights as safetensors, the run's
+    tokenizer with its chat template; transformers' model of the folder computes the project's logits."""
+    from safetensors.torch import load_file
+
+    from fsdp_utils.parallel.hf import load_hf_checkpoint
+
+    ckpt, out = hf_finetune[fmt], tmp_path / "out"
+    assert export_hf.main([str(ckpt), str(out)]) == 0
+    config, base_config = (json.loads((folder / "config.json").read_text()) for folder in (out, hf_finetune["base"]))
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert {k: v for k, v in config.items() if k != "dtype"} == {k: v for k, v in base_config.items() if k != "dtype"}
+    saved, trained = load_file(out / "model.safetensors"), checkpoint_tensors(ckpt, tmp_path)
+    assert set(saved) == set(trained) and all(torch.equal(saved[name], trained[name]) for name in saved)
+    base = load_file(hf_finetune["base"] / "model.safetensors")
+    assert not torch.equal(saved["model.layers.0.self_attn.q_proj.bias"], base["model.layers.0.self_attn.q_proj.bias"])
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template == HF_TEMPLATE and (out / "chat_template.jinja").is_file()
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert rendered == "<user>hello<eos><assistant>"
+
+    ours, _, _ = load_hf_checkpoint(ckpt)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    tokens = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=0, atol=1e-6)
+
+
+def test_hf_finetune_generates_and_evaluates_from_its_checkpoint(hf_finetune, tmp_path, capsys):
+    """scripts/generate.py samples from the checkpoint with the run's tokenizer (greedy: transformers' greedy
+    generation of the export, token for token; --chat: through the chat template); scripts/evaluate.py loads it
+    with the architecture's context length."""
+    from scripts import evaluate, generate
+
+    ckpt, out = hf_finetune["sharded"], tmp_path / "out"
+    assert export_hf.main([str(ckpt), str(out)]) == 0
+    capsys.readouterr()
+    tok, hf = transformers.AutoTokenizer.from_pretrained(out), transformers.AutoModelForCausalLM.from_pretrained(out)
+    for prompt, chat in (("the quick brown", False), ("hello", True)):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True) if chat else prompt
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        # (the whole prompt attended to: its <eos> is no padding)
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+        if want[-1:] == [tok.eos_token_id]:
+            want = want[:-1]
+        assert generate.main([str(ckpt), "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "8",
+                              "--device", "cpu", *(["--chat"] if chat else [])]) == 0
+        assert capsys.readouterr().out == prompt + tok.decode(want) + "\n"
+
+    model, codec, max_length, kind = evaluate.load_for_eval(ckpt, device=torch.device("cpu"), tokenizer=None)
+    assert (type(codec).__name__, codec.vocab_size, max_length, kind) == ("HFCodec", len(tok), 64, "hf checkpoint")
+    tokens = torch.randint(0, len(tok), (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=0, atol=1e-6)
+
+
+def test_hf_finetune_finds_its_base_or_says_how(hf_finetune, tmp_path, capsys):
+    """The architecture comes from the run's config.yaml (model.hf_path) or --base; a checkpoint without either,
+    or a --base of another shape, is one error line."""
+    import shutil
+
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copyfile(hf_finetune["full"], lone / "fsdp_cpt2.pth")
+    shutil.copytree(hf_finetune["full"].parent / "hf_tokenizer", lone / "hf_tokenizer")
+    assert export_hf.main([str(lone / "fsdp_cpt2.pth"), str(tmp_path / "a")]) == 1
+    err = _error(capsys)
+    assert "config.yaml does not name its model.hf_path" in err and "--base" in err and not (tmp_path / "a").exists()
+    (lone / "config.yaml").write_text(f"model:\n  type: hf\n  hf_path: {tmp_path / 'moved'}\n")
+    assert export_hf.main([str(lone / "fsdp_cpt2.pth"), str(tmp_path / "a")]) == 1
+    err = _error(capsys)
+    assert f"model.hf_path={tmp_path / 'moved'} (from {lone / 'config.yaml'}): cannot read its config.json" in err
+    assert err.endswith("pass --base MODEL_FOLDER (the Hugging Face model folder the run fine-tuned)")
+
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((hf_finetune["base"] / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    assert export_hf.main([str(lone / "fsdp_cpt2.pth"), str(tmp_path / "a"), "--base", str(other)]) == 1
+    err = _error(capsys)
+    assert f"--base {other} describes another model (intermediate_size=96 there, 128 in the checkpoint)" in err
+
+    assert export_hf.main([str(lone / "fsdp_cpt2.pth"), str(tmp_path / "a"), "--base",
+                           str(hf_finetune["base"] / "config.json")]) == 0
+    assert (tmp_path / "a/model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("template_in_config", [False, True])
+def test_merged_lora_of_a_chat_model_keeps_its_chat_template(template_in_config, corpus, tmp_path):
+    """--merge_lora writes the base's tokenizer with its chat template, wherever the base keeps it."""
+    save_chat_model(tmp_path / "base", corpus, template_in_config=template_in_config)
+    run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'base'}", "--data.tokenizer=hf", "--train.max_steps=1",
+              "--train.lora.rank=4", "--fsdp.version=2", "--checkpoint.format=full", out_dir=tmp_path / "run",
+              corpus=corpus, dataset_dir=tmp_path / "data")
+    assert export_hf.main([str(tmp_path / "run/fsdp_cpt1.pth"), str(tmp_path / "merged"), "--merge_lora"]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
+    assert tok.chat_template == HF_TEMPLATE
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<user>hi<eos>"
+
+
+@pytest.mark.parametrize("field", ["hf_path", "hf_config"])
+def test_a_lora_checkpoint_naming_a_base_with_its_own_code_is_refused_without_a_question(field, corpus, tmp_path,
+                                                                                          capsys, monkeypatch):
+    """The base of a LoRA checkpoint comes from its metadata: a crafted one that names a folder with code of its
+    own (auto_map), its fingerprint made to match, is one error line; transformers is never asked (it would ask on
+    stdin) and the code never runs."""
+    import builtins
+
+    from fsdp_utils.parallel.lora import base_reference
+    from tests.test_hf import save_tiny, with_own_code
+
+    save_tiny("llama", tmp_path / "base")
+    where = tmp_path / "base" if field == "hf_path" else tmp_path / "base/config.json"
+    run_train("--model.type=hf", f"--model.{field}={where}", "--train.max_steps=1", "--train.lora.rank=4",
+              "--fsdp.version=2", "--checkpoint.format=full", out_dir=tmp_path / "run", corpus=corpus,
+              dataset_dir=tmp_path / "data")
+    payload = torch.load(tmp_path / "run/fsdp_cpt1.pth", weights_only=True)
+    assert payload["lora"]["base"][field] == str(where)
+    marker = tmp_path / "code_ran"
+    with_own_code(tmp_path / "base", "config.json", {"AutoConfig": "own_code.OwnConfig",
+                                                     "AutoModelForCausalLM": "own_code.OwnConfig"}, marker)
+    model = SimpleNamespace(type="hf", init_from="", hf_path=str(where) if field == "hf_path" else "", hf_config="")
+    run = SimpleNamespace(model=model, run=SimpleNamespace(seed=payload["lora"]["base"].get("seed")))
+    payload["lora"]["base"]["fingerprint"] = base_reference(run, payload["model_config"])["fingerprint"]
+    crafted = tmp_path / "crafted/fsdp_cpt1.pth"
+    crafted.parent.mkdir()
+    torch.save(payload, crafted)
+    questions: list[str] = []
+    monkeypatch.setattr(builtins, "input", lambda prompt="": questions.append(prompt) or "y")
+    capsys.readouterr()
+    assert export_hf.main([str(crafted), str(tmp_path / "out"), "--merge_lora"]) == 1
+    assert "its config.json needs the folder's own Python code (auto_map), which is never run" in _error(capsys)
+    assert questions == [] and not marker.exists() and not (tmp_path / "out").exists()

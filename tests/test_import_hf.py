@@ -343,3 +343,72 @@ def test_continue_pretraining_an_imported_llama_with_its_tokenizer(tmp_path, cor
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
     assert rows[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+MALFORMED = {  # config.json field values of the wrong kind: (changes, the field the error line names)
+    "context as a string": (dict(max_position_embeddings="64"), "max_position_embeddings='64'"),
+    "context infinite": (dict(max_position_embeddings=math.inf), "max_position_embeddings=inf"),
+    "context null": (dict(max_position_embeddings=None), "max_position_embeddings=None"),
+    "context fractional": (dict(max_position_embeddings=63.5), "max_position_embeddings=63.5"),
+    "eps as a list": (dict(rms_norm_eps=[1e-6]), "rms_norm_eps=[1e-06]"),
+    "eps NaN": (dict(rms_norm_eps=math.nan), "rms_norm_eps=nan"),
+    "eps null": (dict(rms_norm_eps=None), "rms_norm_eps=None"),
+    "theta infinite": (dict(rope_parameters={"rope_type": "default", "rope_theta": math.inf}), "rope_theta=inf"),
+    "theta as a string": (dict(rope_parameters={"rope_type": "default", "rope_theta": "5e5"}), "rope_theta='5e5'"),
+    "tie as a string": (dict(tie_word_embeddings="false"), "tie_word_embeddings='false'"),
+    "kv heads as a string": (dict(num_key_value_heads="2"), "num_key_value_heads='2'"),
+    "kv heads fractional": (dict(num_key_value_heads=2.5), "num_key_value_heads=2.5"),
+    "vocabulary infinite": (dict(vocab_size=math.inf), "vocab_size=inf"),
+    "rope factor NaN": (dict(rope_parameters=dict(LLAMA3_ROPE, factor=math.nan)), "rope_parameters factor=nan"),
+    "rope mapping as a list": (dict(rope_parameters=[1, 2]), "rope_parameters=[1, 2]"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_config_fields_are_one_line_naming_the_field(case, tmp_path, capsys):
+    save_llama(tmp_path / "hf", **TINY_LLAMA)
+    changes, field = MALFORMED[case]
+    path = tmp_path / "hf/config.json"
+    # Written as given: a null stays in the file, NaN and Infinity as Python's json writes them.
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    capsys.readouterr()
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out.pth")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ") and field in lines[0], lines
+    assert not (tmp_path / "out.pth").exists()
+
+
+@pytest.mark.slow  # launches a training job
+def test_config_written_by_the_import_trains_as_it_is(tmp_path, corpus):
+    """--config writes a whole training config (the tiny preset with the imported model, its weights and its
+    tokenizer) that train_fsdp.py runs with no model, tokenizer or init_from flag: the loss of step 1 is the HF
+    model's own loss on that step's batch. Problems are found before anything is written."""
+    from data import load_prepared
+    from data.mixture import open_datasets
+    from tests import launcher
+    from tests.helpers import TRAIN, job_env
+    from tests.test_hf import save_tokenizer
+
+    hf_dir, written = tmp_path / "hf", tmp_path / "cfg/llama.yaml"
+    save_llama(hf_dir, **TINY_LLAMA)
+    preset = ROOT / "config/train_tiny_fsdp.yaml"
+    args = [str(hf_dir), str(tmp_path / "llama.pth"), "--config", str(written), "--base_config", str(preset)]
+    assert import_hf.main(args) == 1  # no tokenizer in the folder yet: nothing written
+    assert not (tmp_path / "llama.pth").exists() and not written.exists()
+    save_tokenizer(hf_dir, corpus)
+    assert import_hf.main(args) == 0
+
+    out, data_dir = tmp_path / "out", tmp_path / "data"
+    cmd = [str(TRAIN), str(written), f"--data.files=[{corpus}]", f"--data.dataset_dir={data_dir}",
+           f"--run.output_dir={out}", "--train.max_steps=1", "--train.eval_interval=0", "--logging.trackers=[]"]
+    proc = launcher.launch(cmd, nproc=1, env=job_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cfg = load_config(written)
+    assert (cfg.run.name, cfg.model.dim, cfg.model.rope_theta, cfg.data.seq_len) == ("llama", 64, 500000.0, 64)
+    prepared = load_prepared(data_dir)
+    train, _ = open_datasets([(prepared, 1.0)], seq_len=64, seed=cfg.run.seed)
+    x, y = train.batch(0, cfg.train.global_batch_size)
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    assert read_metrics(out)[0]["loss"] == pytest.approx(expected, rel=1e-5)

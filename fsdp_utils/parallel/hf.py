@@ -11,18 +11,23 @@ import inspect
 import logging
 import pickle
 import sys
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 from data.hf_tokenizer import names_own_code
 from model.documents import document_ids, document_positions
 from model.transformer import IGNORE_INDEX, reduce_loss
 
+from ..checkpoint.format import CheckpointError, dcp_load, load_full
+from ..checkpoint.io import read_meta, verify
 from ..distributed import DistEnv
 from .lora import has_adapters
 from .weights import BuiltModel, WeightInit
@@ -59,6 +64,15 @@ class CausalLMAdapter(nn.Module):
         return reduce_loss(total, targets, loss_reduction)
 
 
+def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """transformers' keyword for a model's dtype: `dtype`, or `torch_dtype` in the releases before 4.56 that
+    requirements.txt still admits (newer ones warn about it)."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    return {"dtype": dtype} if Version(__version__) >= Version("4.56") else {"torch_dtype": dtype}
+
+
 def _field(model_cfg) -> str:
     return f"model.hf_path={model_cfg.hf_path}" if model_cfg.hf_path else f"model.hf_config={model_cfg.hf_config}"
 
@@ -69,20 +83,21 @@ def _one_line(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def load_hf_config(model_cfg):
-    """The transformers config of model.hf_path (or model.hf_config); HFModelError in one line when it cannot
-    be read or needs the folder's own code (never run, never asked about)."""
+def load_hf_config(model_cfg, *, where: str | None = None):
+    """The transformers config of model.hf_path (or model.hf_config); HFModelError in one line, naming `where`
+    (default: the field), when it cannot be read or needs the folder's own code (never run, never asked about)."""
     from transformers import AutoConfig
 
+    where = where or _field(model_cfg)
     path = Path(model_cfg.hf_path or model_cfg.hf_config)
     folder = path if path.is_dir() else path.parent
     try:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as err:
         if names_own_code(folder, "config.json"):
-            raise HFModelError(f"{_field(model_cfg)}: its config.json needs the folder's own Python code (auto_map), "
-                               f"which is never run; use a model type that transformers includes") from None
-        raise HFModelError(f"{_field(model_cfg)}: cannot read its config.json ({_one_line(err)})") from None
+            raise HFModelError(f"{where}: its config.json needs the folder's own Python code (auto_map), which is "
+                               f"never run; use a model type that transformers includes") from None
+        raise HFModelError(f"{where}: cannot read its config.json ({_one_line(err)})") from None
 
 
 def hf_problems(model_cfg, *, document_masking: bool = False) -> list[str]:
@@ -151,12 +166,12 @@ def build_hf_model(cfg, env: DistEnv, *, on_meta: bool, eos_id: int | None = Non
     hf_config = load_hf_config(cfg.model)
     if on_meta:
         with torch.device("meta"):
-            lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32, trust_remote_code=False)
+            lm = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False, **dtype_kwarg(torch.float32))
     elif cfg.model.hf_path:
         lm = load_pretrained(cfg.model)
     else:
         torch.manual_seed(cfg.run.seed)
-        lm = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32, trust_remote_code=False)
+        lm = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False, **dtype_kwarg(torch.float32))
     lm.config.use_cache = False
     _unify_dtypes(lm)
     return CausalLMAdapter(lm, eos_id=eos_id)
@@ -168,8 +183,8 @@ def load_pretrained(model_cfg) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(model_cfg.hf_path, local_files_only=True, torch_dtype=torch.float32,
-                                                    trust_remote_code=False)
+        return AutoModelForCausalLM.from_pretrained(model_cfg.hf_path, local_files_only=True, trust_remote_code=False,
+                                                    **dtype_kwarg(torch.float32))
     except pickle.UnpicklingError:  # torch.load(weights_only=True) met something other than tensors
         raise HFModelError(f"{_field(model_cfg)}: its pickled weights (.bin) were refused: they hold something other "
                            f"than tensors (loading them would run code) or are damaged; use .safetensors weights "
@@ -236,3 +251,91 @@ def broadcast_from_rank0(model: nn.Module, full_state: dict | None, buffers: dic
             buf.copy_(buffers[name.replace("_fsdp_wrapped_module.", "")])
         dist.broadcast(buf, src=0)
 
+
+# ---- a fine-tuned Hugging Face model's checkpoint, read in one plain process (export, evaluate, generate) ----
+RUN_CONFIG_NAME = "config.yaml"  # the resolved config the trainer writes next to its checkpoints
+BASE_HINT = "pass --base MODEL_FOLDER (the Hugging Face model folder the run fine-tuned)"
+
+
+def checkpoint_source(checkpoint: Path, base: Path | None = None) -> SimpleNamespace:
+    """Where the architecture of a model.type=hf checkpoint is described (hf_path or hf_config, and `where` for
+    messages): `base` (a model folder or its config.json) when given, else the model.hf_path or model.hf_config of
+    the run's config.yaml next to the checkpoint."""
+    if base is not None:
+        folder = base.is_dir()
+        return SimpleNamespace(hf_path=str(base) if folder else "", hf_config="" if folder else str(base),
+                               where=f"--base {base}")
+    run_config = Path(checkpoint).absolute().parent / RUN_CONFIG_NAME
+    try:
+        model = yaml.safe_load(run_config.read_text())["model"]
+        source = SimpleNamespace(hf_path=str(model.get("hf_path") or ""), hf_config=str(model.get("hf_config") or ""))
+    except (OSError, yaml.YAMLError, TypeError, KeyError, AttributeError):
+        source = SimpleNamespace(hf_path="", hf_config="")
+    if not source.hf_path and not source.hf_config:
+        raise HFModelError(f"{checkpoint}: a Hugging Face model's checkpoint, but {run_config} does not name its "
+                           f"model.hf_path or model.hf_config; {BASE_HINT}")
+    source.where = f"{_field(source)} (from {run_config})"
+    return source
+
+
+def _checkpoint_config(checkpoint: Path, meta: dict, source: SimpleNamespace):
+    """The transformers config of `source`, checked against the shape the checkpoint recorded."""
+    try:
+        hf_config = load_hf_config(source, where=source.where)
+    except HFModelError as err:
+        if source.where.startswith("--base"):
+            raise
+        raise HFModelError(f"{err}; {BASE_HINT}") from None  # the folder may have moved since training
+    described = config_signature(hf_config)
+    for key, value in meta["model_config"].items():
+        if described.get(key) != value:
+            raise HFModelError(f"{checkpoint}: {source.where} describes another model ({key}={described.get(key)} "
+                               f"there, {value} in the checkpoint); {BASE_HINT}")
+    return hf_config
+
+
+def _checkpoint_weights(checkpoint: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's model tensors, exactly those of `expected` (meta tensors: names, shapes, dtypes)."""
+    if checkpoint.is_dir():
+        state = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in expected.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "loading in a single process" is what we want
+            dcp_load({"model": state}, checkpoint, no_dist=True)  # in place; a missing tensor is an error
+        return state
+    saved = load_full(checkpoint)["model"]
+    missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    wrong = sorted(name for name in set(saved) & set(expected) if saved[name].shape != expected[name].shape)
+    if missing or extra or wrong:
+        what = (f"no {missing[0]}" if missing else f"a tensor the model has no place for, {extra[0]}" if extra
+                else f"{wrong[0]} of shape {tuple(saved[wrong[0]].shape)}, not {tuple(expected[wrong[0]].shape)}")
+        raise CheckpointError(f"{checkpoint}: does not fit the model its model_config describes ({what})")
+    return saved
+
+
+def load_hf_checkpoint(checkpoint: str | Path, *, base: Path | None = None) -> tuple[CausalLMAdapter, dict,
+                                                                                         SimpleNamespace]:
+    """(the fine-tuned model in fp32 on the CPU, in eval mode; the checkpoint's metadata; where its architecture
+    came from) for a model.type=hf checkpoint, full or sharded. Its architecture is the config.json of the folder
+    the run fine-tuned (checkpoint_source), checked against the shape the checkpoint recorded."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    checkpoint = Path(checkpoint)
+    meta = read_meta(checkpoint)
+    verify(checkpoint)
+    if meta["model_config"].get("type") != "hf":
+        raise CheckpointError(f"{checkpoint}: a checkpoint of our model, not of a Hugging Face one")
+    if "lora" in meta:
+        raise CheckpointError(f"{checkpoint}: holds LoRA adapters, not a model; merge them into the base first: "
+                              "scripts/export_hf.py CHECKPOINT OUT_DIR --merge_lora")
+    source = checkpoint_source(checkpoint, base)
+    hf_config = _checkpoint_config(checkpoint, meta, source)
+    with torch.device("meta"):  # names and shapes only
+        skeleton = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False, **dtype_kwarg(torch.float32))
+    expected = {f"lm.{name}": t for name, t in skeleton.state_dict().items()}
+    weights = {name.removeprefix("lm."): t for name, t in _checkpoint_weights(checkpoint, expected).items()}
+    # transformers builds the model (its non-persistent buffers, rotary tables, included) around these weights.
+    lm = type(skeleton).from_pretrained(None, config=hf_config, state_dict=weights, local_files_only=True,
+                                        trust_remote_code=False, **dtype_kwarg(torch.float32))
+    return CausalLMAdapter(lm.float()).eval(), meta, source
