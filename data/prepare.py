@@ -14,7 +14,8 @@ the same chunks collects its sample from the whole corpus (data/tokenizer.py).
 The folder is also a cache: meta.json carries a fingerprint of the inputs and settings, so a later
 call with the same ones reuses it, and an interrupted one continues after its last finished shard.
 Only files the folder's records name are ever deleted; a folder holding anything else is refused, and
-a lock keeps two preparations of one folder from running at once.
+a lock keeps two preparations of one folder from running at once. The worker processes end with the
+process that started them, however it ends.
 """
 from __future__ import annotations
 
@@ -325,7 +326,7 @@ def _worker_pool(settings: PrepareSettings, corpus: Corpus, num_workers: int):
     # spawn, not fork: the caller may be a training rank with communication threads running, and a
     # forked copy of such a process can deadlock.
     return ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=worker.init, initargs=initargs)
+                               initializer=worker.init_process, initargs=(*initargs, os.getpid()))
 
 
 class _InProcess:

@@ -20,7 +20,7 @@ import sentencepiece as spm
 from data import DataError, PrepareSettings, handoff, load_prepared, prepare_for_training, readers
 from data.store import ShardWriter
 from data.tokenizer import TokenizerSample
-from tests.helpers import ROOT
+from tests.helpers import ROOT, alive, children
 from tests.test_data import VOCAB_SIZE, decode_split, held_out, make_documents, prep, split_tokens
 
 pa = pytest.importorskip("pyarrow")
@@ -257,6 +257,33 @@ def test_two_preparations_of_one_folder_wait_for_each_other(corpus_2mb, tmp_path
     assert prepared.vocab_size == 320
     assert sorted(path.name for path in root.iterdir()) == sorted(
         ["meta.json", "prepare.lock", "tokenizer.model", *(p.name for p in prepared.train_files + prepared.val_files)])
+
+
+@pytest.mark.slow  # starts the prepare command and its worker processes
+def test_workers_end_with_a_killed_prepare_command(corpus_2mb, tmp_path):
+    big = tmp_path / "big.jsonl"
+    big.write_text(corpus_2mb.read_text() * 4)
+    job = subprocess.Popen([sys.executable, str(ROOT / "scripts/prepare_data.py"),
+                            str(ROOT / "config/train_tiny_fsdp.yaml"), f"--data.files=[{big}]", "--data.vocab_size=320",
+                            "--data.max_corpus_mb=0", "--data.num_workers=2",
+                            f"--data.dataset_dir={tmp_path / 'prepared'}"], cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(kids := children(job.pid)) < 3:  # the two workers and multiprocessing's resource tracker
+            assert job.poll() is None and time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.02)
+        job.kill()  # SIGKILL: nothing of the command's own runs after it
+        job.wait()
+        deadline = time.monotonic() + 5
+        while (left := [pid for pid in kids if alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"still running 5 s after the prepare command was killed: {left}"
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)  # whatever is left of the command's session
+        except ProcessLookupError:
+            pass
 
 
 # ---------------------------------------------------------------- tokenizer sample, cap
