@@ -644,12 +644,13 @@ def _sound_prefix(shards: list[dict]) -> list[dict]:
 
 
 def _resumable(root: Path, progress: dict) -> bool:
-    """A progress record to continue from: its tokenizer intact, its fields of the expected kinds."""
+    """A progress record to continue from: its tokenizer intact, its fields of the expected kinds, its shards
+    hashed in blocks of the size this code hashes them in."""
     vocab_size, name = progress.get("vocab_size"), progress.get("tokenizer_file")
     if (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or not 0 < vocab_size < 2**32
             or progress.get("dtype") != token_dtype(vocab_size).name
             or progress.get("tokenizer_kind") not in ("hf", "sentencepiece") or not is_plain_name(name)
-            or not isinstance(progress.get("files"), list)):
+            or not isinstance(progress.get("files"), list) or progress.get("hash_block_bytes") != HASH_BLOCK_BYTES):
         return False
     path = root / name
     return (nofollow.check(path, folder_ok=name in FOLDER_NAMES) is not None
