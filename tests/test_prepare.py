@@ -970,3 +970,19 @@ def test_damaged_progress_json_is_one_line_or_resumes_correctly(fuzz_folders, op
             outcomes.append(outcome)
     assert (sandbox / "outside.bin").read_bytes() == b"not the library's"
     assert 10 < outcomes.count("ok") < 60, outcomes
+
+
+@pytest.mark.slow  # uses the fuzz's folders
+def test_progress_without_its_hash_block_size_is_prepared_again(fuzz_folders, tmp_path):
+    from data.store import write_record
+
+    sandbox, corpus, settings, complete = fuzz_folders
+    root = tmp_path / "no_block_size"
+    _copy_folder(sandbox / "interrupted", root)
+    progress = json.loads((root / "progress.json").read_text())
+    del progress["record_sha256"], progress["hash_block_bytes"]
+    write_record(root / "progress.json", progress)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("data.prepare.CHUNK_BYTES", 4096)
+        prepared = prep(sandbox, [str(corpus)], dataset_dir=root, **settings)
+    assert store_files(prepared) == store_files(complete)
