@@ -393,7 +393,10 @@ def _marked(root: Path) -> bool:
         marker = read_record(root / MARKER_NAME)
         if marker:
             return marker.get("kind") == MARKER_KIND and isinstance(marker.get("marker_version"), int)
-        if nofollow.kind_of(root / MARKER_NAME) != "file" or (root / MARKER_NAME).stat().st_size:
+        try:
+            if os.lstat(root / MARKER_NAME).st_size or nofollow.kind_of(root / MARKER_NAME) != "file":
+                return False
+        except OSError:  # no marker
             return False
         time.sleep(0.05)
     return False
