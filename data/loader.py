@@ -5,6 +5,9 @@ The sample order is a pure function of (seed, index), so every rank and every re
 without communicating. Memory per rank does not grow with the corpus: shards are memory-mapped (the OS
 page cache holds what was read), the shuffle is a keyed bijection computed per index rather than a
 permutation array, and the only per-shard state is one offset.
+
+With the folder's recorded hashes, each block of a shard file is checked on its first read, so a changed or
+damaged file stops training with one line naming it before any of its tokens reach the model.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 from .errors import DataError
+from .store import BlockHashes, block_digest
 
 _MASK64 = (1 << 64) - 1
 FEISTEL_ROUNDS = 6
@@ -75,11 +79,13 @@ class TokenDataset:
     window once, in the order of a RandomPermutation keyed by (seed, e) (or in order, shuffle=False).
 
     With mask_paths (data.format=chat: one byte per token, beside each token file), a target whose mask
-    byte is 0 is IGNORE_INDEX in the batches.
+    byte is 0 is IGNORE_INDEX in the batches. With hashes (a prepared folder's), every file's blocks are
+    checked against them as they are first read.
     """
 
     def __init__(self, paths: Path | str | Sequence[Path | str], *, dtype, seq_len: int, seed: int,
-                 shuffle: bool = True, mask_paths: Sequence[Path | str] = ()) -> None:
+                 shuffle: bool = True, mask_paths: Sequence[Path | str] = (),
+                 hashes: BlockHashes | None = None) -> None:
         self.paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
         if mask_paths and len(mask_paths) != len(self.paths):
             raise DataError(f"{len(mask_paths)} mask files for {len(self.paths)} token files")
@@ -96,10 +102,15 @@ class TokenDataset:
         # Empty shards (a shard's validation part may hold no document) cannot be memory-mapped: skip them.
         self._files = [path for path, size in zip(self.paths, sizes, strict=True) if size]
         self._mask_files = [Path(path) for path, size in zip(mask_paths, sizes, strict=False) if size]
-        self._mask_maps: dict[int, np.memmap] = {}
+        self._mask_maps: dict[int, _CheckedMap] = {}
+        self.hashes = hashes
+        if hashes is not None:
+            for path in self._files + self._mask_files:
+                if path.name not in hashes.by_name:
+                    raise DataError(f"{hashes.record} records no hashes for {path}")
         # offsets[i] is the global position of the i-th non-empty shard's first token; one int64 per shard.
         self._offsets = np.concatenate([[0], np.cumsum([size for size in sizes if size], dtype=np.int64)])
-        self._maps: dict[int, np.memmap] = {}
+        self._maps: dict[int, _CheckedMap] = {}
         self.num_tokens = int(self._offsets[-1])
         # Each window needs seq_len + 1 tokens (inputs plus the shifted target).
         self.num_windows = max(self.num_tokens - 1, 0) // seq_len
@@ -136,14 +147,14 @@ class TokenDataset:
         slot = self._permutation(epoch)(position) if self.shuffle else position
         return slot * self.seq_len
 
-    def _shard(self, i: int) -> np.memmap:
+    def _shard(self, i: int) -> _CheckedMap:
         if i not in self._maps:  # mapped on first use; a dict write is atomic under the GIL
-            self._maps[i] = np.memmap(self._files[i], dtype=self.dtype, mode="r")
+            self._maps[i] = _CheckedMap(self._files[i], self.dtype, self.hashes)
         return self._maps[i]
 
-    def _mask_shard(self, i: int) -> np.memmap:
+    def _mask_shard(self, i: int) -> _CheckedMap:
         if i not in self._mask_maps:
-            self._mask_maps[i] = np.memmap(self._mask_files[i], dtype=np.uint8, mode="r")
+            self._mask_maps[i] = _CheckedMap(self._mask_files[i], np.dtype(np.uint8), self.hashes)
         return self._mask_maps[i]
 
     def tokens(self, start: int, length: int) -> np.ndarray:
@@ -156,7 +167,7 @@ class TokenDataset:
         filled = 0
         while filled < length:
             begin = start + filled - int(self._offsets[shard])
-            piece = shard_map(shard)[begin : begin + length - filled]
+            piece = shard_map(shard).read(begin, begin + length - filled)
             out[filled : filled + len(piece)] = piece
             filled += len(piece)
             shard += 1
@@ -183,6 +194,41 @@ class TokenDataset:
     def batch(self, first_index: int, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples first_index .. first_index+num_samples-1 as (inputs, targets), each (num_samples, seq_len)."""
         return samples_to_batch([self.sample(i) for i in _sample_range(first_index, num_samples)])
+
+
+class _CheckedMap:
+    """A memory-mapped shard file whose blocks, with hashes, are checked against them on their first read."""
+
+    def __init__(self, path: Path, dtype: np.dtype, hashes: BlockHashes | None) -> None:
+        self.path = path
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.digests = hashes.by_name[path.name] if hashes is not None else []
+        self.block_bytes = hashes.block_bytes if hashes is not None else 1
+        self.record = hashes.record.name if hashes is not None else ""
+        num_blocks = -(-self.tokens.nbytes // self.block_bytes) if hashes is not None else 0
+        if len(self.digests) != num_blocks:
+            raise DataError(f"{path} holds {num_blocks} blocks but {self.record} records {len(self.digests)} "
+                            f"hashes; prepare {path.parent} again")
+        self.unchecked = set(range(num_blocks))
+
+    def read(self, begin: int, end: int) -> np.ndarray:
+        """Tokens [begin, end) (fewer at the end of the file), their blocks checked first."""
+        end = min(end, len(self.tokens))
+        if self.unchecked and end > begin:
+            size, itemsize = self.block_bytes, self.tokens.itemsize
+            for block in range(begin * itemsize // size, (end * itemsize - 1) // size + 1):
+                if block in self.unchecked:
+                    self._check(block)
+        return self.tokens[begin:end]
+
+    def _check(self, block: int) -> None:
+        start = block * self.block_bytes
+        data = self.tokens.view(np.uint8)[start : start + self.block_bytes]
+        if block_digest(data) != self.digests[block]:
+            raise DataError(f"{self.path}: bytes {start:,} to {start + len(data):,} do not match the hash "
+                            f"{self.record} recorded when the data was prepared (the file was changed or damaged); "
+                            f"prepare {self.path.parent} again")
+        self.unchecked.discard(block)
 
 
 def _sample_range(first_index: int, num_samples: int) -> range:

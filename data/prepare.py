@@ -13,8 +13,9 @@ the same chunks collects its sample from the whole corpus (data/tokenizer.py).
 
 The folder is also a cache: meta.json carries a fingerprint of the inputs and settings, so a later
 call with the same ones reuses it, and an interrupted one continues after its last finished shard.
-Only files the folder's records name are ever deleted; a folder holding anything else is refused, and
-a lock keeps two preparations of one folder from running at once.
+Only files the folder's records name are ever deleted; a folder that is not the library's, or that holds
+anything else, is refused, and a lock keeps two preparations of one folder from running at once. The
+worker processes end with the process that started them, however it ends.
 """
 from __future__ import annotations
 
@@ -37,15 +38,19 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import worker
+from . import nofollow, worker
 from .chat import TEMPLATES, ChatFields
 from .errors import DataError
 from .readers import expand_inputs, format_of, read_pieces, truncate
 from .store import (
+    FIXED_NAMES,
+    FOLDER_NAMES,
     FORMAT_VERSION,
     FORMATS,
+    HASH_BLOCK_BYTES,
     HF_TOKENIZER_NAME,
     LOCK_NAME,
+    MARKER_NAME,
     MASK_KEYS,
     META_NAME,
     PROGRESS_NAME,
@@ -53,10 +58,13 @@ from .store import (
     TOKENIZER_NAME,
     PreparedData,
     ShardWriter,
+    claim_folder,
     clear_folder,
     complete_fingerprint,
+    data_format,
     folder_lock,
     foreign_names,
+    is_ours,
     is_plain_name,
     load_prepared,
     read_record,
@@ -280,7 +288,8 @@ class Source:
     def difference(self, record: dict) -> str:
         """How the preparation a meta.json or progress.json record describes differs from this one."""
         theirs = record.get("source")
-        if not isinstance(theirs, dict) or not isinstance(theirs.get("settings"), dict):
+        if (not isinstance(theirs, dict) or not isinstance(theirs.get("settings"), dict)
+                or record.get("format_version", FORMAT_VERSION) != FORMAT_VERSION):
             return "prepared by another version of this library"
         names = {"seed": "run.seed", "hf_tokenizer": "data.hf_tokenizer (or model.hf_path)"}
         defaults = {"format": "text"}  # a text folder's record names no format
@@ -325,7 +334,7 @@ def _worker_pool(settings: PrepareSettings, corpus: Corpus, num_workers: int):
     # spawn, not fork: the caller may be a training rank with communication threads running, and a
     # forked copy of such a process can deadlock.
     return ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=worker.init, initargs=initargs)
+                               initializer=worker.init_process, initargs=(*initargs, os.getpid()))
 
 
 class _InProcess:
@@ -404,7 +413,7 @@ class _Preparation:
             return "hf", path
         path = self.root / TOKENIZER_NAME
         if s.tokenizer_model:
-            _replace_with(path, lambda tmp: shutil.copyfile(Path(s.tokenizer_model).expanduser(), tmp))
+            _replace_with(path, lambda tmp: _copy_into(Path(s.tokenizer_model).expanduser(), tmp))
         else:
             start = time.perf_counter()
             documents = self.tokenizer_sample()
@@ -509,9 +518,10 @@ class _Preparation:
         only names the folder's records hold are deleted."""
         progress = read_record(self.root / PROGRESS_NAME)
         if progress.get("source_fingerprint") == self.source.fingerprint and _resumable(self.root, progress):
-            (self.root / META_NAME).unlink(missing_ok=True)  # from now on, the folder is incomplete
+            nofollow.remove(self.root / META_NAME)  # from now on, the folder is incomplete
             shards = _sound_prefix(resumable_shards(self.root, progress, token_dtype(progress["vocab_size"])))
-            keep = {progress["tokenizer_file"], *(shard[split] for shard in shards for split in ("train", "val"))}
+            keys = TOKEN_KEYS + (MASK_KEYS if data_format(progress) == "chat" else ())
+            keep = {progress["tokenizer_file"], *(shard[key] for shard in shards for key in keys)}
             remove_names(self.root, recorded_names(self.root) - keep - {META_NAME, PROGRESS_NAME, LOCK_NAME})
             progress.update(shards=shards, files=sorted(keep))
             write_record(self.root / PROGRESS_NAME, progress)
@@ -519,7 +529,8 @@ class _Preparation:
         clear_folder(self.root)
         name = HF_TOKENIZER_NAME if self.settings.hf_tokenizer else TOKENIZER_NAME
         progress = {"source_fingerprint": self.source.fingerprint, "source": self.source.summary,
-                    "files": [name, name + ".tmp"], "shards": [], "format": self.settings.format}
+                    "files": [name, name + ".tmp"], "shards": [], "format": self.settings.format,
+                    "hash_block_bytes": HASH_BLOCK_BYTES}
         write_record(self.root / PROGRESS_NAME, progress)  # the tokenizer's names, before it is written
         kind, path = self.tokenizer()
         self.check_chat_template(kind, path)
@@ -561,7 +572,7 @@ class _Preparation:
             "text_bytes": totals["text_bytes"],
             "inputs": "python-stdlib" if not s.files else list(s.files),
             "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
-            "shards": [{k: shard[k] for k in (*keys, "num_train_tokens", "num_val_tokens")}
+            "shards": [{k: shard[k] for k in (*keys, "num_train_tokens", "num_val_tokens", "max_token_id", "sha256")}
                        for shard in writer.shards],
             "files": [progress["tokenizer_file"], *(shard[key] for shard in writer.shards for key in keys)],
         }
@@ -569,7 +580,7 @@ class _Preparation:
             meta |= {"chat_template": s.template, "num_trained_tokens": totals["num_trained_tokens"],
                      "num_conversations_with_eos_inside": totals["num_eos_inside"]}
         write_record(self.root / META_NAME, meta)
-        (self.root / PROGRESS_NAME).unlink(missing_ok=True)
+        nofollow.remove(self.root / PROGRESS_NAME)
         _log_summary(self.root, totals, meta, rate_mb_s=self.rate_mb_s)
         return load_prepared(self.root)
 
@@ -633,31 +644,30 @@ def _sound_prefix(shards: list[dict]) -> list[dict]:
 
 
 def _resumable(root: Path, progress: dict) -> bool:
-    """A progress record to continue from: its tokenizer intact, its fields of the expected kinds."""
+    """A progress record to continue from: its tokenizer intact, its fields of the expected kinds, its shards
+    hashed in blocks of the size this code hashes them in."""
     vocab_size, name = progress.get("vocab_size"), progress.get("tokenizer_file")
     if (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or not 0 < vocab_size < 2**32
             or progress.get("dtype") != token_dtype(vocab_size).name
             or progress.get("tokenizer_kind") not in ("hf", "sentencepiece") or not is_plain_name(name)
-            or not isinstance(progress.get("files"), list)):
+            or not isinstance(progress.get("files"), list) or progress.get("hash_block_bytes") != HASH_BLOCK_BYTES):
         return False
     path = root / name
-    return path.exists() and tokenizer_sha256(path) == progress.get("tokenizer_sha256")
+    return (nofollow.check(path, folder_ok=name in FOLDER_NAMES) is not None
+            and tokenizer_sha256(path) == progress.get("tokenizer_sha256"))
 
 
 def _replace_with(path: Path, write: Callable[[Path], object]) -> None:
-    """Write a file or folder under a .tmp name, then move it into place."""
+    """Write a file or folder under a .tmp name (made anew: never through a link), then move it into place."""
     tmp = path.with_name(path.name + ".tmp")
-    _remove(tmp)
+    nofollow.remove(tmp, folder_ok=tmp.name in FOLDER_NAMES)
     write(tmp)
-    _remove(path)
-    os.replace(tmp, path)
+    nofollow.replace(tmp, path, folder_ok=path.name in FOLDER_NAMES)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
+def _copy_into(source: Path, target: Path) -> None:
+    with open(source, "rb") as src, nofollow.create(target) as dst:
+        shutil.copyfileobj(src, dst)
 
 
 # ---------------------------------------------------------------- entry points
@@ -686,12 +696,9 @@ def prepare_data(dataset_dir: str | Path, settings: PrepareSettings, *, show_pro
                         f"{max_input_mb:g} prepares inside a training job: prepare it first with "
                         f"`python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train with "
                         f"--data.dataset_dir=DIR")
-    if not (root / LOCK_NAME).exists():
-        _refuse_foreign(root)  # before the lock file: nothing is written into a folder that is not ours
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(f"cannot create {root}: {err.strerror or err}") from None
+    if not (is_ours(root) and nofollow.kind_of(root / LOCK_NAME) == "file"):
+        _refuse_foreign(root)  # before the marker and the lock: nothing is written into a folder that is not ours
+    claim_folder(root)
     with folder_lock(root) as waited:
         if waited:
             if (prepared := _reuse(root, source)) is not None:
@@ -725,6 +732,11 @@ def _reuse(root: Path, source: Source) -> PreparedData | None:
 
 
 def _refuse_foreign(root: Path) -> None:
+    """Refuse a folder that holds files the library did not write, or a link or special file under one of the
+    names it writes whatever its records say."""
+    if is_ours(root):
+        for name in (*FIXED_NAMES, MARKER_NAME):
+            nofollow.check(root / name)
     if foreign := foreign_names(root):
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise DataError(f"{root} holds files this library did not write ({shown}): data.dataset_dir must be a new "

@@ -9,6 +9,7 @@
     DIR/progress.json                        while preparing: the finished shards, for resuming
     DIR/meta.json                            written last: its presence means the folder is complete
     DIR/prepare.lock                         held (flock) by the process preparing the folder
+    DIR/data-folder.json                     the marker: written first, into a new or empty folder
 
 A shard's files are written under a .tmp name and renamed once complete, then recorded in
 progress.json (written atomically), so an interrupted preparation leaves only whole, recorded shards
@@ -16,7 +17,13 @@ and a rerun continues after the last of them; nothing without meta.json is ever 
 
 Every name a preparation may create is recorded ("files" in progress.json) before the file is made, so
 the folder's records always name everything the library wrote there: only those are ever deleted, and a
-folder holding anything else is not the library's to write into.
+folder holding anything else is not the library's to write into. A folder is the library's only when its
+marker says so (or, in a folder without one, a meta.json or progress.json with a valid checksum); in any
+other, every name is the user's, meta.json included. Nothing in it is written, read or deleted through a
+link (data/nofollow.py).
+
+Each shard file's sha256 is recorded per block of hash_block_bytes, and each shard's largest token id: the
+loader checks a block's hash on its first read, so damaged data never reaches the model.
 """
 from __future__ import annotations
 
@@ -26,8 +33,8 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,17 +43,27 @@ from typing import TypeGuard
 
 import numpy as np
 
+from . import nofollow
 from .errors import DataError
 
 log = logging.getLogger(__name__)
 
 # Bump when the on-disk layout or tokenisation recipe changes, so old folders are rebuilt.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 META_NAME = "meta.json"
 PROGRESS_NAME = "progress.json"
 TOKENIZER_NAME = "tokenizer.model"
 HF_TOKENIZER_NAME = "hf_tokenizer"  # a folder saved by a transformers tokenizer
+# The only names the library writes folders under: any other folder in the dataset folder is the user's.
+FOLDER_NAMES = (HF_TOKENIZER_NAME, HF_TOKENIZER_NAME + ".tmp")
 LOCK_NAME = "prepare.lock"
+MARKER_NAME = "data-folder.json"
+MARKER_KIND = "a prepared data folder of this library: only the files its records name are the library's"
+MARKER_VERSION = 1
+# Shard files are hashed in blocks of this size: the loader checks a block on its first read, so the
+# check costs each rank one block's hash for each block it reads, and nothing at start-up, whatever the
+# size of the store (docs/data.md gives the figures).
+HASH_BLOCK_BYTES = 16 << 20
 # Written by the library under these names whatever its records say (write_json_atomic, the lock).
 FIXED_NAMES = (META_NAME, META_NAME + ".tmp", PROGRESS_NAME, PROGRESS_NAME + ".tmp", LOCK_NAME)
 
@@ -65,6 +82,17 @@ class PreparedData:
     format: str = "text"  # "chat": conversations, with a mask store beside the token store
     train_mask_files: list[Path] = field(default_factory=list)  # data.format=chat: one per train file
     val_mask_files: list[Path] = field(default_factory=list)
+    hashes: BlockHashes | None = None  # of every shard file, checked by the loader as it reads
+    max_token_id: int = -1  # the largest token id in the shards (below vocab_size)
+
+
+@dataclass(frozen=True)
+class BlockHashes:
+    """The sha256 (hex) of each block_bytes block of each shard file of a folder, by file name."""
+
+    block_bytes: int
+    by_name: dict[str, list[str]]
+    record: Path  # the meta.json they come from, for messages
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -106,7 +134,9 @@ def tokenizer_sha256(path: Path) -> str:
 
 def read_json(path: Path) -> dict:
     try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
+        payload = json.loads(nofollow.read_bytes(path).decode("utf-8"))
+    except DataError:
+        raise
     except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or bad UTF-8
         raise DataError(f"cannot read {path}: {err}") from None
     if not isinstance(payload, dict):
@@ -115,9 +145,7 @@ def read_json(path: Path) -> dict:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    nofollow.write_atomic(path, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
 
 
 def _record_digest(record: dict) -> str:
@@ -132,9 +160,10 @@ def write_record(path: Path, record: dict) -> None:
 
 
 def read_record(path: Path) -> dict:
-    """meta.json or progress.json as written by write_record; {} when missing, unreadable or damaged."""
+    """meta.json or progress.json as written by write_record; {} when missing, unreadable, damaged, or not a
+    file (a link is not followed)."""
     try:
-        record = read_json(path) if path.is_file() else {}
+        record = read_json(path) if nofollow.kind_of(path) == "file" else {}
     except DataError:
         return {}
     return record if record.get("record_sha256") == _record_digest(record) else {}
@@ -167,14 +196,40 @@ def _file_name(meta: dict, name: str, where: Path) -> str:
     return value
 
 
+def hash_block_bytes(record: dict, where: Path) -> int:
+    """The block size a record's shard hashes were taken with."""
+    value = _count(record, "hash_block_bytes", where)
+    if not (4096 <= value <= 1 << 40 and value % 8 == 0):
+        raise DataError(f"{where}: field 'hash_block_bytes' is {value}, not a multiple of 8 from 4096 to 2**40")
+    return value
+
+
+def block_digest(data) -> str:
+    """The recorded hash of one block of a shard file (bytes, or any contiguous buffer)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def scan_file(path: Path, *, block_bytes: int, dtype: np.dtype | None = None) -> tuple[list[str], int]:
+    """(the hash of each block, the largest token id or -1) of a shard file; the largest id only with dtype."""
+    digests, largest = [], -1
+    with os.fdopen(nofollow.open_file(path, os.O_RDONLY), "rb") as file:
+        while block := file.read(block_bytes):
+            digests.append(block_digest(block))
+            if dtype is not None and len(block) >= dtype.itemsize:
+                whole = len(block) // dtype.itemsize * dtype.itemsize
+                largest = max(largest, int(np.frombuffer(block[:whole], dtype=dtype).max()))
+    return digests, largest
+
+
 # ---------------------------------------------------------------- reading a complete folder
 
 
 def load_prepared(dataset_dir: str | Path) -> PreparedData:
-    """Open a complete prepared folder, checking that every file meta.json names is there, whole."""
+    """Open a complete prepared folder, checking that every file meta.json names is there, whole, and that the
+    tokenizer is the one the tokens were made with (the shards' contents are checked as they are read)."""
     root = Path(dataset_dir)
     meta_path = root / META_NAME
-    if not meta_path.is_file():
+    if nofollow.check(meta_path) is None:
         raise DataError(f"no prepared data in {root}: {meta_path} not found (prepare it with scripts/prepare_data.py)")
     meta = read_json(meta_path)
     if meta.get("format_version") != FORMAT_VERSION:
@@ -193,8 +248,10 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
     if fmt not in FORMATS:
         raise DataError(f"{meta_path}: field 'format' is {str(fmt)[:20]!r}, expected text or chat")
     shards = _field(meta, "shards", list, meta_path)
+    block_bytes = hash_block_bytes(meta, meta_path)
     for shard in shards:
-        check_shard(root, shard, dtype, where=meta_path, masked=fmt == "chat")
+        check_shard(root, shard, dtype, where=meta_path, masked=fmt == "chat", block_bytes=block_bytes)
+        _check_token_range(shard, vocab_size, where=meta_path)
     prepared = PreparedData(
         root=root,
         train_files=[root / shard["train"] for shard in shards],
@@ -208,18 +265,50 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
         format=fmt,
         train_mask_files=[root / shard["train_mask"] for shard in shards] if fmt == "chat" else [],
         val_mask_files=[root / shard["val_mask"] for shard in shards] if fmt == "chat" else [],
+        hashes=BlockHashes(block_bytes, {shard[key]: shard["sha256"][key] for shard in shards
+                                         for key in _shard_keys(fmt == "chat")}, meta_path),
+        max_token_id=max((shard["max_token_id"] for shard in shards), default=-1),
     )
     for split, num in (("train", prepared.num_train_tokens), ("val", prepared.num_val_tokens)):
         if num != sum(shard[f"num_{split}_tokens"] for shard in shards):
             raise DataError(f"{meta_path}: field 'num_{split}_tokens' ({num}) is not the sum of its shards' tokens")
-    if not prepared.tokenizer_path.exists():
-        raise DataError(f"prepared tokenizer missing: {prepared.tokenizer_path}")
+    check_tokenizer(prepared.tokenizer_path, prepared.tokenizer_sha256, where=meta_path)
     return prepared
 
 
-def check_shard(root: Path, shard: dict, dtype: np.dtype, *, where: Path, masked: bool = False) -> None:
+def check_tokenizer(path: Path, sha256: str, *, where: Path) -> None:
+    """The folder's tokenizer (a file, or a saved folder) is there and is the one its tokens were made with."""
+    if nofollow.check(path, folder_ok=path.name in FOLDER_NAMES) is None:
+        raise DataError(f"prepared tokenizer missing: {path}")
+    if tokenizer_sha256(path) != sha256:
+        raise DataError(f"{path} is not the tokenizer the data in {path.parent} was made with (its sha256 differs "
+                        f"from the one {where.name} records); put the original back or prepare {path.parent} again")
+
+
+def _shard_keys(masked: bool) -> tuple[str, ...]:
+    return TOKEN_KEYS + (MASK_KEYS if masked else ())
+
+
+def _check_token_range(shard: dict, vocab_size: int, *, where: Path) -> None:
+    largest = _field(shard, "max_token_id", int, where)
+    if not -1 <= largest < vocab_size:
+        raise DataError(f"{where}: shard {shard['train']} holds token id {largest}, outside the tokenizer's "
+                        f"vocabulary of {vocab_size}; prepare {where.parent} again")
+
+
+def _check_hashes(shard: dict, key: str, num_bytes: int, block_bytes: int, *, where: Path) -> None:
+    hashes = shard.get("sha256")
+    digests = hashes.get(key) if isinstance(hashes, dict) else None
+    expected = -(-num_bytes // block_bytes)
+    if (not isinstance(digests, list) or len(digests) != expected
+            or not all(isinstance(d, str) and len(d) == 64 and set(d) <= set("0123456789abcdef") for d in digests)):
+        raise DataError(f"{where}: the hashes of {shard[key]} are missing or not {expected} sha256 digests")
+
+
+def check_shard(root: Path, shard: dict, dtype: np.dtype, *, where: Path, masked: bool = False,
+                block_bytes: int) -> None:
     """A recorded shard's two token files (and with masked, its two mask files, one byte per token) exist
-    with exactly the recorded number of tokens."""
+    with exactly the recorded number of tokens, and with a recorded hash for each block."""
     if not isinstance(shard, dict):
         raise DataError(f"{where}: a shard is {type(shard).__name__}, not an object")
     for split in ("train", "val"):
@@ -228,11 +317,26 @@ def check_shard(root: Path, shard: dict, dtype: np.dtype, *, where: Path, masked
         for key, itemsize, kind in files:
             path = root / _file_name(shard, key, where)
             expected = num_tokens * itemsize
-            if not path.is_file():
+            if nofollow.check(path) is None:
                 raise DataError(f"prepared {kind} file missing: {path}")
             if path.stat().st_size != expected:
                 raise DataError(f"{path} is {path.stat().st_size} bytes but {where.name} says {num_tokens} tokens "
                                 f"({expected} bytes); delete {root} to prepare it again")
+            _check_hashes(shard, key, expected, block_bytes, where=where)
+
+
+def verify_shard(root: Path, shard: dict, dtype: np.dtype, *, masked: bool, block_bytes: int) -> None:
+    """Read a recorded shard's files whole: each block must have its recorded hash, and the tokens the recorded
+    largest id."""
+    largest = -1
+    for key in _shard_keys(masked):
+        path = root / shard[key]
+        digests, file_max = scan_file(path, block_bytes=block_bytes, dtype=None if key in MASK_KEYS else dtype)
+        if digests != shard["sha256"][key]:
+            raise DataError(f"{path} does not match its recorded hashes")
+        largest = max(largest, file_max)
+    if largest != shard.get("max_token_id"):
+        raise DataError(f"{root / shard['train']}: its largest token id is {largest}, not the recorded one")
 
 
 def complete_fingerprint(root: Path) -> str | None:
@@ -245,17 +349,21 @@ def complete_fingerprint(root: Path) -> str | None:
 
 def resumable_shards(root: Path, progress: dict, dtype: np.dtype) -> list[dict]:
     """The finished shards an interrupted preparation recorded in progress (read from progress.json, of
-    the same inputs and settings), in order. The prefix stops at the first shard whose files are not whole."""
+    the same inputs and settings), in order. The prefix stops at the first shard whose files are not whole,
+    or not what was recorded (each is read once, to check its hashes)."""
     shards = progress.get("shards")
     if progress.get("dtype") != dtype.name or not isinstance(shards, list):
         return []
+    masked, where = data_format(progress) == "chat", root / PROGRESS_NAME
     kept = []
-    for shard in shards:
-        try:
-            check_shard(root, shard, dtype, where=root / PROGRESS_NAME, masked=data_format(progress) == "chat")
-        except DataError:
-            break
-        kept.append(shard)
+    try:
+        block_bytes = hash_block_bytes(progress, where)
+        for shard in shards:
+            check_shard(root, shard, dtype, where=where, masked=masked, block_bytes=block_bytes)
+            verify_shard(root, shard, dtype, masked=masked, block_bytes=block_bytes)
+            kept.append(shard)
+    except DataError:
+        pass
     return kept
 
 
@@ -274,28 +382,68 @@ def _names_in(record: dict) -> set[str]:
 
 
 def recorded_names(root: Path) -> set[str]:
-    """Every name in root that the library can show it wrote: its fixed files and those its records name."""
+    """Every name in root that the library can show it wrote: its fixed files and those its records name
+    (not the marker, which stays for the folder's life)."""
     return {*FIXED_NAMES, *_names_in(read_record(root / META_NAME)), *_names_in(read_record(root / PROGRESS_NAME))}
 
 
+def _marked(root: Path) -> bool:
+    """root holds the library's marker. One being written by a process that just created it is waited for."""
+    for _ in range(20):
+        marker = read_record(root / MARKER_NAME)
+        if marker:
+            return marker.get("kind") == MARKER_KIND and isinstance(marker.get("marker_version"), int)
+        try:
+            if os.lstat(root / MARKER_NAME).st_size or nofollow.kind_of(root / MARKER_NAME) != "file":
+                return False
+        except OSError:  # no marker
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def is_ours(root: Path) -> bool:
+    """root is a folder this library prepared: its marker says so or, in a folder without one (the marker is
+    written once a preparation starts), a meta.json or progress.json whose checksum holds."""
+    return _marked(root) or bool(read_record(root / META_NAME)) or bool(read_record(root / PROGRESS_NAME))
+
+
 def foreign_names(root: Path) -> list[str]:
-    """What root holds that the library's records do not name (the user's files), sorted."""
+    """What root holds that the library's records do not name (the user's files), sorted: everything, in a
+    folder that is not the library's."""
     try:
-        return sorted(set(os.listdir(root)) - recorded_names(root))
+        names = set(os.listdir(root))
     except (FileNotFoundError, NotADirectoryError):
         return []  # nothing there yet (creating it says why it cannot be)
     except OSError as err:
         raise DataError(f"cannot list {root}: {err.strerror or err}") from None
+    if names and is_ours(root):
+        names -= {*recorded_names(root), MARKER_NAME}
+    return sorted(names)
+
+
+def claim_folder(root: Path) -> None:
+    """Create root if need be and mark it as the library's (a new or empty folder, or one of an earlier
+    preparation: the caller has checked that it holds nothing else)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"cannot create {root}: {err.strerror or err}") from None
+    marker = {"kind": MARKER_KIND, "marker_version": MARKER_VERSION}
+    payload = json.dumps({**marker, "record_sha256": _record_digest(marker)}, indent=1) + "\n"
+    try:
+        with os.fdopen(nofollow.open_file(root / MARKER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as file:
+            file.write(payload.encode("utf-8"))
+    except FileExistsError:
+        return  # marked already (by an earlier preparation, or one running beside this)
+    except OSError as err:
+        raise DataError(f"cannot write in {root}: {err.strerror or err}") from None
 
 
 def remove_names(root: Path, names: set[str]) -> None:
     """Delete these recorded names (files, or a saved tokenizer folder); missing ones are fine."""
     for name in sorted(names):
-        path = root / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+        nofollow.remove(root / name, folder_ok=name in FOLDER_NAMES)
 
 
 def clear_folder(root: Path) -> None:
@@ -303,7 +451,7 @@ def clear_folder(root: Path) -> None:
     over the names meta.json records, so an interruption midway leaves every survivor recorded."""
     names = recorded_names(root) - set(FIXED_NAMES)
     write_record(root / PROGRESS_NAME, {"files": sorted(names), "shards": []})
-    (root / META_NAME).unlink(missing_ok=True)
+    nofollow.remove(root / META_NAME)
     remove_names(root, names)
 
 
@@ -313,7 +461,7 @@ def folder_lock(root: Path) -> Iterator[bool]:
     process held it first and this one waited for it to finish."""
     path = root / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = nofollow.open_file(path, os.O_RDWR | os.O_CREAT)
     except OSError as err:
         raise DataError(f"cannot write in {root}: {err.strerror or err}") from None
     try:
@@ -342,8 +490,9 @@ class ShardWriter:
     def __init__(self, root: Path, *, dtype: np.dtype, progress: dict):
         self.root = root
         self.dtype = dtype
-        self.progress = progress  # source_fingerprint, dtype, tokenizer, format, shards (finished so far)
+        self.progress = progress  # source_fingerprint, dtype, tokenizer, format, hash_block_bytes, shards so far
         self.masked = data_format(progress) == "chat"  # a mask file beside each token file
+        self.block_bytes = hash_block_bytes(progress, root / PROGRESS_NAME)
         self._files: list = []
         self._paths: list[Path] = []
         self.num_tokens = [0, 0]  # train, val tokens of the current shard
@@ -385,7 +534,7 @@ class ShardWriter:
                 write_record(self.root / PROGRESS_NAME, self.progress)
         for path in self._paths:
             with self._writing(path):
-                self._files.append(open(path, "wb"))
+                self._files.append(nofollow.create(path))
 
     def finish_shard(self, *, end_chunk: int, totals: dict) -> None:
         if not self._files:
@@ -396,10 +545,13 @@ class ShardWriter:
                 file.flush()
                 os.fsync(file.fileno())  # on disk before progress.json says so
                 file.close()
-            os.replace(tmp, self.root / name)
-        self.shards.append({**dict(zip(TOKEN_KEYS + MASK_KEYS, names, strict=False)),
-                            "num_train_tokens": self.num_tokens[0], "num_val_tokens": self.num_tokens[1],
-                            "end_chunk": end_chunk, "totals": totals})
+                nofollow.replace(tmp, self.root / name)
+        shard = {**dict(zip(TOKEN_KEYS + MASK_KEYS, names, strict=False)),
+                 "num_train_tokens": self.num_tokens[0], "num_val_tokens": self.num_tokens[1],
+                 "end_chunk": end_chunk, "totals": totals}
+        with self._writing(self.root / names[0]):
+            self._record_contents(shard)
+        self.shards.append(shard)
         with self._writing(self.root / PROGRESS_NAME):
             write_record(self.root / PROGRESS_NAME, self.progress)
         self._files, self._paths, self.num_tokens = [], [], [0, 0]
@@ -412,8 +564,16 @@ class ShardWriter:
             except OSError:
                 pass  # flushing what is buffered fails again on a full disk; the file goes anyway
         for path in self._paths:
-            path.unlink(missing_ok=True)
+            if nofollow.kind_of(path) == "file":  # anything else was never this writer's
+                path.unlink()
         self._files, self._paths = [], []
+
+    def _record_contents(self, shard: dict) -> None:
+        """The hash of each block of the shard's files, and its largest token id, read back from the disk."""
+        scans = {key: scan_file(self.root / shard[key], block_bytes=self.block_bytes,
+                                dtype=None if key in MASK_KEYS else self.dtype) for key in _shard_keys(self.masked)}
+        shard["sha256"] = {key: digests for key, (digests, _) in scans.items()}
+        shard["max_token_id"] = max(largest for _, largest in scans.values())
 
     @contextmanager
     def _writing(self, path: Path):
@@ -438,10 +598,11 @@ class ShardWriter:
             pairs.append(("train_mask", "val_mask", np.dtype(np.uint8)))
         for train_key, val_key, dtype in pairs:
             train_path, val_path = self.root / shard[train_key], self.root / shard[val_key]
-            tail = np.fromfile(train_path, dtype=dtype, offset=keep * dtype.itemsize)
+            tail = nofollow.read_bytes(train_path)[keep * dtype.itemsize:]
             with self._writing(val_path):
-                val_path.write_bytes(tail.data)
-            os.truncate(train_path, keep * dtype.itemsize)
+                nofollow.write_atomic(val_path, tail)
+                nofollow.truncate(train_path, keep * dtype.itemsize)
         shard.update(num_train_tokens=keep, num_val_tokens=shard["num_val_tokens"] + num_tokens)
+        self._record_contents(shard)
         write_record(self.root / PROGRESS_NAME, self.progress)
         return num_tokens

@@ -3,10 +3,19 @@
 A document's split and its tokenizer-sample key come from a keyed hash of its text, so they depend on
 nothing but the document (and the seed): not on its position, the chunking or the worker count. Equal
 documents always land in the same split, so exact duplicates never leak from train into val.
+
+A worker ends with the process that started it, however that one ends (a kill -9 included): nothing else
+would, since each worker holds its own end of the pool's pipes and waits on them forever.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +72,36 @@ _tokenizer: tuple[tuple[str, str], object] | None = None  # ((kind, path), token
 def init(settings: WorkerSettings) -> None:
     global _settings
     _settings = settings
+
+
+# prctl(2): the signal the kernel sends this process when its parent ends.
+PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 1.0
+
+
+def init_process(settings: WorkerSettings, parent_pid: int) -> None:
+    """The initializer of a worker process started by the process parent_pid."""
+    die_with_parent(parent_pid)
+    init(settings)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when parent_pid ends: at once on Linux (the kernel's parent-death signal), else
+    within PARENT_POLL_S (a thread that watches for this process being handed to another parent)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass  # no prctl in this C library: the thread below still watches
+    if os.getppid() != parent_pid:  # the parent ended before the signal was asked for
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
 
 
 def document_keys(utf8: bytes, *, seed: int) -> tuple[int, int]:

@@ -269,6 +269,81 @@ def test_load_prepared_errors(txt_prepared, tmp_path):
         load_prepared(str(tmp_path))
 
 
+# ---------------------------------------------------------------- damaged data
+
+
+def reseal(meta_path: Path, change) -> None:
+    """Edit meta.json and seal it again, as a program that knows the checksum would."""
+    from data.store import write_record
+
+    meta = json.loads(meta_path.read_text())
+    del meta["record_sha256"]
+    change(meta)
+    write_record(meta_path, meta)
+
+
+@pytest.fixture
+def hashed_in_small_blocks(tmp_path, monkeypatch) -> PreparedData:
+    """A folder whose training shard spans several hash blocks of 4 KB."""
+    monkeypatch.setattr("data.prepare.HASH_BLOCK_BYTES", 4096, raising=False)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in make_documents(600, seed=3)))
+    prepared = prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    assert prepared.train_files[0].stat().st_size > 4 * 4096
+    return prepared
+
+
+def test_a_shard_changed_in_place_stops_at_the_first_read_of_the_change(hashed_in_small_blocks):
+    prepared = hashed_in_small_blocks
+    shard = prepared.train_files[0]
+    original = np.fromfile(shard, dtype=prepared.dtype)
+    damaged = original.copy()
+    # In-range garbage over the fourth block (tokens 6144 to 8191 at 2 bytes a token), the file's size unchanged.
+    damaged[3 * 2048 : 4 * 2048] = np.random.default_rng(0).integers(0, prepared.vocab_size, 2048)
+    damaged.tofile(shard)
+    train, _ = open_datasets([(load_prepared(prepared.root), 1.0)], seq_len=64, seed=0)  # opening reads no shard
+    assert np.array_equal(train.tokens(0, 3 * 2048), original[: 3 * 2048])  # the blocks before it read as they were
+    with pytest.raises(DataError) as caught:
+        train.tokens(3 * 2048 + 100, 8)
+    assert str(caught.value) == (f"{shard}: bytes 12,288 to 16,384 do not match the hash meta.json recorded when the "
+                                 f"data was prepared (the file was changed or damaged); prepare {prepared.root} again")
+
+
+def test_out_of_range_token_ids_never_reach_a_batch(txt_prepared, tmp_path):
+    prepared, _, _ = txt_prepared
+    root = tmp_path / "copy"
+    root.mkdir()
+    for path in prepared.root.iterdir():
+        (root / path.name).write_bytes(path.read_bytes())
+    # Ids past the vocabulary, as garbage of the right size: the first batch is refused, naming the file.
+    shard = root / prepared.train_files[0].name
+    np.full(shard.stat().st_size // 2, 65535, dtype=np.uint16).tofile(shard)
+    train, _ = open_datasets([(load_prepared(root), 1.0)], seq_len=16, seed=0)
+    with pytest.raises(DataError, match=f"^{shard}: bytes 0 to .* do not match the hash meta.json recorded"):
+        train.batch(0, 4)
+    # The largest id is recorded at preparation ...
+    meta = json.loads((prepared.root / "meta.json").read_text())
+    files = prepared.train_files + prepared.val_files
+    largest = max(int(np.fromfile(path, dtype=prepared.dtype).max()) for path in files)
+    assert prepared.max_token_id == largest == max(shard["max_token_id"] for shard in meta["shards"])
+    # ... and a meta.json that records one past the vocabulary is refused when the folder is opened.
+    reseal(root / "meta.json", lambda meta: meta["shards"][0].update(max_token_id=meta["vocab_size"]))
+    with pytest.raises(DataError) as caught:
+        load_prepared(root)
+    assert str(caught.value) == (f"{root / 'meta.json'}: shard train-00000.bin holds token id {VOCAB_SIZE}, outside "
+                                 f"the tokenizer's vocabulary of {VOCAB_SIZE}; prepare {root} again")
+
+
+def test_a_swapped_tokenizer_is_refused_when_the_folder_is_opened(txt_prepared, tmp_path):
+    prepared, _, root = txt_prepared
+    other = prep(tmp_path, [str(root / "corpus")], vocab_size=VOCAB_SIZE + 8)
+    (other.root / "tokenizer.model").write_bytes(prepared.tokenizer_path.read_bytes())
+    with pytest.raises(DataError) as caught:
+        load_prepared(other.root)
+    assert str(caught.value) == (f"{other.tokenizer_path} is not the tokenizer the data in {other.root} was made with "
+                                 f"(its sha256 differs from the one meta.json records); put the original back or "
+                                 f"prepare {other.root} again")
+
+
 # ---------------------------------------------------------------- TokenDataset
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from data import PrepareSettings, load_prepared, prepare_data
@@ -46,6 +47,25 @@ def test_corpus_too_large_for_the_job_is_one_line(tmp_path):
         "a training job: prepare it first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then "
         "train with --data.dataset_dir=DIR"], proc.stderr[-3000:]
     assert not (tmp_path / "prepared" / "meta.json").exists()
+
+
+def test_out_of_range_token_ids_stop_the_run_before_step_1(tmp_path, corpus):
+    # A shard overwritten with ids past the vocabulary, its size unchanged: the embedding would fail on them with
+    # an IndexError; the shard's hash check ends the run with one line before the first step.
+    dataset_dir = tmp_path / "prepared"
+    prepare_data(dataset_dir, PrepareSettings(files=(str(corpus),), vocab_size=320, num_workers=0),
+                 show_progress=False)
+    shard = dataset_dir / "train-00000.bin"
+    tokens = np.fromfile(shard, dtype=np.uint16)
+    tokens[len(tokens) // 2 :] = 65535
+    tokens.tofile(shard)
+    proc = run_train("--data.files=[]", "--data.vocab_size=320", out_dir=tmp_path / "out", corpus=corpus,
+                     dataset_dir=dataset_dir, check=False, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: {shard}: bytes ") and "do not match the hash meta.json recorded" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not losses(tmp_path / "out")
 
 
 def test_unwritable_dataset_dir_ends_every_rank_at_once(tmp_path, corpus):

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
 
@@ -17,10 +19,19 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from data import DataError, PrepareSettings, handoff, load_prepared, prepare_for_training, readers
+from data import (
+    DataError,
+    PrepareSettings,
+    handoff,
+    load_prepared,
+    nofollow,
+    prepare_data,
+    prepare_for_training,
+    readers,
+)
 from data.store import ShardWriter
 from data.tokenizer import TokenizerSample
-from tests.helpers import ROOT
+from tests.helpers import ROOT, alive, children
 from tests.test_data import VOCAB_SIZE, decode_split, held_out, make_documents, prep, split_tokens
 
 pa = pytest.importorskip("pyarrow")
@@ -132,6 +143,22 @@ def test_jsonl_text_field(tmp_path, jsonl_reference):
 def small_chunks(monkeypatch):
     """Work units of 4 KB: the 2 MB corpus below becomes ~500 chunks and, at 20k tokens, ~25 shards."""
     monkeypatch.setattr("data.prepare.CHUNK_BYTES", 4096)
+
+
+@contextmanager
+def stopped_after(num_shards: int) -> Iterator[None]:
+    """A preparation inside stops with KeyboardInterrupt, as at Ctrl-C, once num_shards shards are finished."""
+    finish_shard = ShardWriter.finish_shard
+
+    def stop(self, **kwargs):
+        if len(self.shards) == num_shards:
+            raise KeyboardInterrupt
+        finish_shard(self, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ShardWriter, "finish_shard", stop)
+        with pytest.raises(KeyboardInterrupt):
+            yield
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +283,52 @@ def test_two_preparations_of_one_folder_wait_for_each_other(corpus_2mb, tmp_path
     prepared = load_prepared(root)
     assert prepared.vocab_size == 320
     assert sorted(path.name for path in root.iterdir()) == sorted(
-        ["meta.json", "prepare.lock", "tokenizer.model", *(p.name for p in prepared.train_files + prepared.val_files)])
+        ["data-folder.json", "meta.json", "prepare.lock", "tokenizer.model",
+         *(p.name for p in prepared.train_files + prepared.val_files)])
+
+
+@pytest.mark.slow  # starts the prepare command and its worker processes
+def test_workers_end_with_a_killed_prepare_command(corpus_2mb, tmp_path):
+    big = tmp_path / "big.jsonl"
+    big.write_text(corpus_2mb.read_text() * 4)
+    job = subprocess.Popen([sys.executable, str(ROOT / "scripts/prepare_data.py"),
+                            str(ROOT / "config/train_tiny_fsdp.yaml"), f"--data.files=[{big}]", "--data.vocab_size=320",
+                            "--data.max_corpus_mb=0", "--data.num_workers=2",
+                            f"--data.dataset_dir={tmp_path / 'prepared'}"], cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(kids := children(job.pid)) < 3:  # the two workers and multiprocessing's resource tracker
+            assert job.poll() is None and time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.02)
+        job.kill()  # SIGKILL: nothing of the command's own runs after it
+        job.wait()
+        deadline = time.monotonic() + 5
+        while (left := [pid for pid in kids if alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"still running 5 s after the prepare command was killed: {left}"
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)  # whatever is left of the command's session
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow  # prepares chat data twice
+def test_interrupted_chat_preparation_keeps_its_masks(tmp_path, monkeypatch):
+    from tests.test_chat import chat_settings, make_conversations, write_jsonl
+
+    monkeypatch.setattr("data.prepare.CHUNK_BYTES", 2048)
+    path = write_jsonl(tmp_path / "c.jsonl", make_conversations(200, seed=2))
+    clean = prepare_data(tmp_path / "clean", chat_settings(path, shard_tokens=3000), show_progress=False)
+    with stopped_after(2):
+        prepare_data(tmp_path / "resumed", chat_settings(path, shard_tokens=3000), show_progress=False)
+    resumed = prepare_data(tmp_path / "resumed", chat_settings(path, shard_tokens=3000), show_progress=False)
+
+    def files(prepared) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in prepared.root.iterdir() if p.suffix in (".bin", ".mask")}
+
+    assert len(clean.train_mask_files) >= 3 and files(resumed) == files(clean)
 
 
 # ---------------------------------------------------------------- tokenizer sample, cap
@@ -471,15 +543,17 @@ def test_unsupported_and_unmatched_inputs(tmp_path):
 
 @pytest.mark.slow
 def test_disk_full_while_writing_a_shard(small_chunks, corpus_2mb, tmp_path, monkeypatch):
-    # The fifth shard's file is /dev/full, where every write fails with ENOSPC, as on a full disk.
-    open_shard = ShardWriter._open
+    # The fifth shard's file is created, but written to /dev/full, where every write fails with ENOSPC, as on a
+    # full disk.
+    create = nofollow.create
 
-    def fifth_shard_on_a_full_disk(self):
-        if len(self.shards) == 4:
-            (self.root / "train-00004.bin.tmp").symlink_to("/dev/full")
-        open_shard(self)
+    def fifth_shard_on_a_full_disk(path):
+        if path.name != "train-00004.bin.tmp":
+            return create(path)
+        create(path).close()
+        return open("/dev/full", "wb")
 
-    monkeypatch.setattr(ShardWriter, "_open", fifth_shard_on_a_full_disk)
+    monkeypatch.setattr(nofollow, "create", fifth_shard_on_a_full_disk)
     root = tmp_path / "prepared"
     with pytest.raises(DataError) as caught:
         prep(tmp_path, [str(corpus_2mb)], shard_tokens=20_000)
@@ -511,6 +585,66 @@ def test_a_folder_of_the_users_files_is_refused_and_left_as_it_was(tmp_path):
                                  f"train-00000-of-00001.parquet, val-notes.txt): data.dataset_dir must be a new or "
                                  f"empty folder, or one prepared by this library; nothing was changed there")
     assert snapshot(corpus) == before  # not even a lock file
+
+
+@pytest.mark.parametrize("name", ["meta.json", "progress.json", "meta.json.tmp", "progress.json.tmp", "prepare.lock"])
+@pytest.mark.parametrize("caller", ["prepare_data", "training job"])
+def test_a_folder_of_only_the_librarys_file_names_is_refused(name, caller, tmp_path):
+    # Names the library writes prove nothing: a folder is the library's only when its marker (or a sealed
+    # record) says so. Here the user's own file of that name is the only thing there.
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / name).write_text('{"format_version": 4, "my": "notes"}\n')
+    before = snapshot(folder)
+    settings = PrepareSettings(files=(str(tmp_path / "c.jsonl"),), vocab_size=VOCAB_SIZE, num_workers=0)
+    with pytest.raises(DataError) as caught:
+        if caller == "prepare_data":
+            prepare_data(folder, settings, show_progress=False)
+        else:
+            prepare_for_training(folder, settings, named_dir=True, max_input_mb=1)
+    assert str(caught.value) == (f"{folder} holds files this library did not write ({name}): data.dataset_dir "
+                                 f"must be a new or empty folder, or one prepared by this library; nothing was "
+                                 f"changed there")
+    assert snapshot(folder) == before
+
+
+def _as_format_3(root: Path) -> None:
+    """The folder as format 3 of the store holds it: no marker, no hashes or largest ids in meta.json, which
+    stays sealed, and another source fingerprint (the format version is part of it)."""
+    from data.store import MARKER_NAME, write_record
+
+    (root / MARKER_NAME).unlink()
+    meta = json.loads((root / "meta.json").read_text())
+    for shard in meta["shards"]:
+        del shard["sha256"], shard["max_token_id"]
+    del meta["hash_block_bytes"], meta["record_sha256"]
+    write_record(root / "meta.json", {**meta, "format_version": 3, "source_fingerprint": "0" * 64})
+
+
+def test_a_sealed_folder_without_the_marker_is_recognised(tmp_path, caplog):
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
+    root = tmp_path / "prepared"
+    prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    _as_format_3(root)
+    with pytest.raises(DataError, match=r"prepared by another version of this library \(format 3, expected 4\); "
+                                        "prepare it again"):
+        load_prepared(root)
+    settings = PrepareSettings(files=(str(tmp_path / "c.jsonl"),), vocab_size=VOCAB_SIZE, val_fraction=0.1, seed=7)
+    with pytest.raises(DataError, match=r"already holds data prepared from other inputs or settings \(prepared by "
+                                        r"another version of this library\); delete it"):
+        prepare_for_training(root, settings, named_dir=True, max_input_mb=1)
+    # Its sealed meta.json shows it is the library's: prepared again in place, and marked.
+    again = prep(tmp_path, [str(tmp_path / "c.jsonl")])
+    assert sorted(p.name for p in root.iterdir()) == ["data-folder.json", "meta.json", "prepare.lock",
+                                                     "tokenizer.model", "train-00000.bin", "val-00000.bin"]
+    assert load_prepared(root) == again
+    # One of this version without its marker is reused as it is.
+    (root / "data-folder.json").unlink()
+    before = snapshot(root)
+    with caplog.at_level(logging.INFO, logger="data.prepare"):
+        assert prep(tmp_path, [str(tmp_path / "c.jsonl")]) == again
+    assert "using the data prepared earlier in" in caplog.text and snapshot(root) == before
 
 
 @pytest.mark.slow
@@ -555,8 +689,8 @@ def test_interrupted_tokenizer_leaves_recorded_names(tmp_path, monkeypatch):
     assert (tmp_path / "prepared" / "tokenizer.model.tmp").exists()
     monkeypatch.undo()
     prepared = prep(tmp_path, [str(tmp_path / "c.jsonl")])
-    assert sorted(p.name for p in prepared.root.iterdir()) == ["meta.json", "prepare.lock", "tokenizer.model",
-                                                                "train-00000.bin", "val-00000.bin"]
+    assert sorted(p.name for p in prepared.root.iterdir()) == ["data-folder.json", "meta.json", "prepare.lock",
+                                                                "tokenizer.model", "train-00000.bin", "val-00000.bin"]
 
 
 def test_unwritable_dataset_dir_is_one_line(tmp_path):
@@ -746,15 +880,7 @@ def fuzz_folders(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("data.prepare.CHUNK_BYTES", 4096)
         complete = prep(sandbox, [str(corpus)], dataset_dir=sandbox / "complete", **settings)
-        finish_shard = ShardWriter.finish_shard
-
-        def stop_after_two(self, **kwargs):
-            if len(self.shards) == 2:
-                raise KeyboardInterrupt
-            finish_shard(self, **kwargs)
-
-        mp.setattr(ShardWriter, "finish_shard", stop_after_two)
-        with pytest.raises(KeyboardInterrupt):
+        with stopped_after(2):
             prep(sandbox, [str(corpus)], dataset_dir=sandbox / "interrupted", **settings)
     assert len(complete.train_files) >= 4
     (sandbox / "outside.bin").write_bytes(b"not the library's")
@@ -844,3 +970,19 @@ def test_damaged_progress_json_is_one_line_or_resumes_correctly(fuzz_folders, op
             outcomes.append(outcome)
     assert (sandbox / "outside.bin").read_bytes() == b"not the library's"
     assert 10 < outcomes.count("ok") < 60, outcomes
+
+
+@pytest.mark.slow  # uses the fuzz's folders
+def test_progress_without_its_hash_block_size_is_prepared_again(fuzz_folders, tmp_path):
+    from data.store import write_record
+
+    sandbox, corpus, settings, complete = fuzz_folders
+    root = tmp_path / "no_block_size"
+    _copy_folder(sandbox / "interrupted", root)
+    progress = json.loads((root / "progress.json").read_text())
+    del progress["record_sha256"], progress["hash_block_bytes"]
+    write_record(root / "progress.json", progress)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("data.prepare.CHUNK_BYTES", 4096)
+        prepared = prep(sandbox, [str(corpus)], dataset_dir=root, **settings)
+    assert store_files(prepared) == store_files(complete)

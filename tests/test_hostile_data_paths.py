@@ -1,0 +1,158 @@
+"""Links and special files at every path of the prepared folder the library reads or writes: each ends in
+one DataError line naming it, or is handled safely; nothing is written through a link, nothing hangs on a
+FIFO or reads a device, and the hostile entry itself is left as it was."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+
+from data import DataError, PrepareSettings, load_prepared, open_datasets, prepare_data
+from tests.test_data import make_documents
+from tests.test_prepare import stopped_after
+
+# Every name of the folder that the library writes, reads or deletes (a one-shard folder).
+NAMES = ["meta.json", "meta.json.tmp", "progress.json", "progress.json.tmp", "prepare.lock", "data-folder.json",
+         "tokenizer.model", "tokenizer.model.tmp", "train-00000.bin", "val-00000.bin", "train-00000.bin.tmp"]
+KINDS = ["link to a file", "link to a folder", "FIFO", "device", "folder"]
+USER_FILE = b"the user's file\n"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A complete folder, an interrupted one (no meta.json, progress.json naming one finished shard) of the same
+    settings, and a new one (only the marker); the user's file and folder that links point at."""
+    sandbox = tmp_path_factory.mktemp("hostile")
+    corpus = sandbox / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in make_documents(120, seed=4)))
+    tokenizer = prepare_data(sandbox / "t", PrepareSettings(files=(str(corpus),), vocab_size=320, num_workers=0),
+                             show_progress=False).tokenizer_path
+    settings = dict(files=(str(corpus),), tokenizer_model=str(tokenizer), num_workers=0, val_fraction=0.1,
+                    shard_tokens=500)
+    prepare_data(sandbox / "complete", PrepareSettings(**settings), show_progress=False)
+    with stopped_after(1):
+        prepare_data(sandbox / "interrupted", PrepareSettings(**settings), show_progress=False)
+    (sandbox / "new").mkdir()
+    (sandbox / "new" / "data-folder.json").write_bytes((sandbox / "complete" / "data-folder.json").read_bytes())
+    (sandbox / "user.txt").write_bytes(USER_FILE)
+    (sandbox / "user_dir").mkdir()
+    (sandbox / "user_dir" / "keep.txt").write_bytes(USER_FILE)
+    return sandbox, settings
+
+
+def make_hostile(path: Path, kind: str, sandbox: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    if kind == "link to a file":
+        path.symlink_to(sandbox / "user.txt")
+    elif kind == "link to a folder":
+        path.symlink_to(sandbox / "user_dir")
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "device":
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # /dev/zero's numbers: endless if ever read
+    else:
+        path.mkdir()
+        (path / "keep.txt").write_bytes(USER_FILE)
+
+
+def describe(path: Path) -> tuple:
+    """What a hostile entry is: its kind, and where it points (a link) or what it holds (a folder)."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return "link", os.readlink(path)
+    if stat.S_ISDIR(mode):
+        return "folder", sorted((p.name, p.read_bytes()) for p in path.iterdir())
+    return stat.S_IFMT(mode), os.lstat(path).st_rdev
+
+
+class _Hung(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hung
+
+
+def outcome(call) -> str:
+    """'ok', or the DataError's one line; anything else, or a call that hangs for 10 s, fails the test."""
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(10)
+    try:
+        call()
+    except DataError as err:
+        assert "\n" not in str(err), str(err)
+        return str(err)
+    except _Hung:
+        pytest.fail("hung")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return "ok"
+
+
+def train_open(root: Path) -> None:
+    """What a training job does with the folder: open it, then read its first batches."""
+    train, val = open_datasets([(load_prepared(root), 1.0)], seq_len=16, seed=0)
+    train.batch(0, 8)
+    val.batch(0, 2)
+
+
+def copy_folder(source: Path, target: Path) -> None:
+    target.mkdir()
+    for path in source.iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hostile_entries_are_refused_in_one_line_or_left_alone(folders, kind, tmp_path):
+    if kind == "device" and os.geteuid() != 0:
+        pytest.skip("making a device file needs root")
+    sandbox, settings = folders
+    other = PrepareSettings(**{**settings, "val_fraction": 0.2})
+    calls = {"training": lambda root: train_open(root),
+             "same settings": lambda root: prepare_data(root, PrepareSettings(**settings), show_progress=False),
+             "other settings": lambda root: prepare_data(root, other, show_progress=False)}
+    refused = 0
+    for name in NAMES:
+        for start in ("complete", "interrupted", "new"):
+            for what, call in calls.items():
+                if start != "complete" and what != "same settings":
+                    continue  # an interrupted folder is only ever continued, a new one prepared
+                root = tmp_path / f"{name}-{start}-{what.replace(' ', '_')}"
+                copy_folder(sandbox / start, root)
+                make_hostile(root / name, kind, sandbox)
+                entry = describe(root / name)
+                said = outcome(lambda: call(root))
+                case = (name, kind, start, what, said)
+                assert said == "ok" or str(root / name) in said or f"did not write ({name})" in said, case
+                refused += said != "ok"
+                # Nothing reached the user's files, and the hostile entry is as it was.
+                assert (sandbox / "user.txt").read_bytes() == USER_FILE, case
+                assert sorted(p.name for p in (sandbox / "user_dir").iterdir()) == ["keep.txt"], case
+                assert (sandbox / "user_dir" / "keep.txt").read_bytes() == USER_FILE, case
+                assert describe(root / name) == entry, case
+    assert refused >= len(NAMES), refused
+
+
+def test_links_to_the_users_files_are_never_written_through(folders, tmp_path):
+    # prepare.lock, meta.json.tmp and progress.json.tmp linked to a file of the user's, in a folder the library
+    # prepared, then prepared again with other settings (which rewrites those three).
+    sandbox, settings = folders
+    for name in ("prepare.lock", "meta.json.tmp", "progress.json.tmp"):
+        root = tmp_path / name
+        copy_folder(sandbox / "complete", root)
+        (root / name).unlink(missing_ok=True)
+        (root / name).symlink_to(sandbox / "user.txt")
+        said = outcome(lambda: prepare_data(root, PrepareSettings(**{**settings, "val_fraction": 0.2}),
+                                            show_progress=False))
+        assert said == (f"{root / name} is a symbolic link, not a file this library wrote: it is never written "
+                        f"through, read or deleted; move it away or choose another data.dataset_dir"), said
+        assert (sandbox / "user.txt").read_bytes() == USER_FILE
