@@ -171,9 +171,14 @@ def plant(checkpoint: Path, where: str, target: str, marker: Path) -> Path:
         (checkpoint / "rng.pt").write_bytes(torch_save_calling({"rng": payload}, target))
         fix_records(checkpoint)
         return checkpoint / "rng.pt"
-    # a non-tensor entry of a .distcp file (the optimizer's lr), pointed at a payload appended to the shard
+    point_lr_at(checkpoint, torch_save_calling(payload, target))
+    fix_records(checkpoint)
+    return checkpoint
+
+
+def point_lr_at(checkpoint: Path, blob: bytes) -> None:
+    """Make a non-tensor entry of a .distcp file (the optimizer's lr) the bytes `blob`, appended to its shard."""
     metadata = pickle.loads((checkpoint / ".metadata").read_bytes())  # our own checkpoint: trusted here
-    blob = torch_save_calling(payload, target)
     index = next(i for i in metadata.storage_data if i.fqn == "optimizer.param_groups.0.lr")
     info = metadata.storage_data[index]
     shard = checkpoint / info.relative_path
@@ -182,8 +187,6 @@ def plant(checkpoint: Path, where: str, target: str, marker: Path) -> Path:
         f.write(blob)
     metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(blob))
     (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
-    fix_records(checkpoint)
-    return checkpoint
 
 
 @pytest.mark.parametrize("target", ["os.system", "posix.system", "builtins.eval"])
@@ -203,6 +206,80 @@ def test_an_unsafe_checkpoint_is_refused_and_left_alone(saved, tmp_path, where, 
     line = one_line(caught.value)
     assert str(named) in line and f"refused: it references {target}" in line, line
     assert sorted(p.name for p in out.iterdir()) == before and not marker.exists()
+
+
+def torch_save_with_pickle(data_pkl: bytes) -> bytes:
+    """A torch.save archive whose data.pkl is `data_pkl` (the archive's other records are torch's own)."""
+    buf, out = io.BytesIO(), io.BytesIO()
+    torch.save({"rng": None}, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(out, "w") as zout:
+        for name in zin.namelist():
+            zout.writestr(name, data_pkl if name.endswith("data.pkl") else zin.read(name))
+    return out.getvalue()
+
+
+def crafted_pickle(how: str, marker: Path) -> bytes:
+    """A pickle that calls os.system(f"touch {marker}") when unpickled, written by hand: `inst` by protocol 0's
+    INST opcode; `decoys` by STACK_GLOBAL with two decoy strings pushed above the real names and popped
+    before it (a reader that takes the last two strings pushed sees `safe.names`)."""
+    command = f"touch {marker}".encode()
+    if how == "inst":
+        return b"(S'" + command + b"'\nios\nsystem\n."
+    strings = b"".join(b"\x8c" + bytes([len(s)]) + s for s in (b"os", b"system", b"safe", b"names"))
+    return strings + b"00\x93" + b"\x8c" + bytes([len(command)]) + command + b"\x85R."
+
+
+def plant_pickle(checkpoint: Path, where: str, data_pkl: bytes) -> Path:
+    """Put a torch.save archive holding `data_pkl` where a checkpoint loads one; return the file that holds it."""
+    blob = torch_save_with_pickle(data_pkl)
+    if where == "pth":
+        checkpoint.write_bytes(blob)
+    elif where == "rng":
+        (checkpoint / "rng.pt").write_bytes(blob)
+    else:
+        point_lr_at(checkpoint, blob)
+    fix_records(checkpoint)
+    return checkpoint / "rng.pt" if where == "rng" else checkpoint
+
+
+@pytest.mark.parametrize("how", ["inst", "decoys"])
+@pytest.mark.parametrize("where", ["pth", "rng", "distcp"])
+def test_a_hand_written_unsafe_pickle_is_refused_not_called_corrupt(saved, tmp_path, where, how):
+    """What the unpickler would import decides, whatever opcodes lead there: neither moved aside as corrupt
+    nor skipped for the previous checkpoint, and never run."""
+    fmt = "full" if where == "pth" else "sharded"
+    out = run_copy(saved, fmt, tmp_path)
+    marker = tmp_path / "ran"
+    named = plant_pickle(newest(out, fmt), where, crafted_pickle(how, marker))
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(CheckpointUnsafe) as caught:
+        load(out, fmt)
+    line = one_line(caught.value)
+    assert str(named) in line and "refused: it references os.system" in line, line
+    assert sorted(p.name for p in out.iterdir()) == before and not marker.exists()
+
+
+@pytest.mark.parametrize(("global_", "python3"), [("commands\nPopen", "subprocess.Popen"),
+                                                  ("__builtin__\nexec", "builtins.exec"),
+                                                  ("copy_reg\n_reconstructor", "copyreg._reconstructor")])
+@pytest.mark.parametrize("where", ["pth", "metadata"])
+def test_a_refusal_names_globals_as_python_3_imports_them(saved, tmp_path, where, global_, python3):
+    """Protocol 0-2 pickles may spell globals the Python 2 way; the unpickler maps them, and so does the
+    refusal (pickle's own mapping: commands is subprocess, copy_reg is copyreg, __builtin__ is builtins)."""
+    data_pkl = b"\x80\x02c" + global_.encode() + b"\nq\x00)\x81q\x01."  # NEWOBJ of that global
+    fmt = "full" if where == "pth" else "sharded"
+    out = run_copy(saved, fmt, tmp_path)
+    checkpoint = newest(out, fmt)
+    if where == "pth":
+        plant_pickle(checkpoint, "pth", data_pkl)
+    else:
+        (checkpoint / ".metadata").write_bytes(data_pkl)
+        fix_records(checkpoint)
+    with pytest.raises(CheckpointUnsafe) as caught:
+        load(out, fmt)
+    line = one_line(caught.value)
+    assert f"refused: it references {python3}" in line, line
+    assert global_.replace("\n", ".") not in line, line
 
 
 # ---- metadata ------------------------------------------------------------------------------------

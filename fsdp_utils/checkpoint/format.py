@@ -18,6 +18,7 @@ Measured on one core: CRC32 5 GB/s, SHA-256 0.8 GB/s, BLAKE2b 0.7 GB/s (docs/che
 """
 from __future__ import annotations
 
+import _compat_pickle
 import json
 import os
 import pickle
@@ -381,7 +382,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _METADATA_GLOBALS or is_dtype:
             return super().find_class(module, name)
         raise CheckpointUnsafe(
-            f"{self.where}: refused: it references {module}.{name}, which checkpoint metadata never holds "
+            f"{self.where}: refused: it references {_py3_name(module, name)}, which checkpoint metadata never holds "
             f"(loading it would run code; a tampered or foreign file)")
 
 
@@ -429,38 +430,74 @@ _BLOCKED_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "impor
 
 
 def _py3_name(module: str, name: str) -> str:
-    """`module.name` as Python 3 imports it: protocol 2 pickles write builtins as __builtin__."""
-    return f"{ {'__builtin__': 'builtins', 'exceptions': 'builtins'}.get(module, module)}.{name}"
+    """`module.name` as Python 3 imports it: pickles of protocols 0 to 2 may name Python 2 modules
+    (`__builtin__.exec`, `copy_reg._reconstructor`, `commands.Popen`), which the unpickler maps."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return f"{module}.{name}"
+
+
+_MARK = object()  # a MARK on the simulated stack
+
+
+def _pop(stack: list, before: list) -> list:
+    """Pop what an opcode consumes (pickletools' stack_before): through the topmost mark where it takes a
+    mark and the items above it, then the fixed items below. Returns the fixed items, bottom first."""
+    if pickletools.markobject in before:
+        while stack.pop() is not _MARK:  # IndexError: no mark, not a whole pickle
+            pass
+        fixed = before.index(pickletools.markobject)
+    else:
+        fixed = len(before)
+    taken = [stack.pop() for _ in range(fixed)][::-1]
+    return taken
 
 
 def pickle_globals(data: bytes) -> list[str] | None:
-    """`module.name` of every global a pickle imports (GLOBAL and STACK_GLOBAL opcodes, in order), read
-    without unpickling; None when the bytes do not decode as one whole pickle (damage, not a refusal)."""
+    """`module.name` of every global a pickle imports (GLOBAL, INST, STACK_GLOBAL), in order, in Python 3
+    names, read without unpickling: the unpickler's stack is simulated (strings, memo, marks), so
+    STACK_GLOBAL names what it would really take, whatever was pushed and popped around it. None when the
+    bytes do not decode as one whole pickle (damage, not a refusal)."""
     found: list[str] = []
-    strings: list[str] = []  # the strings pushed so far, in order
-    memo: dict[Any, str | None] = {}  # memo index -> the string at the top of the stack when memoized
-    last: str | None = None
+    stack: list = []
+    memo: dict[Any, Any] = {}
     try:
         for op, arg, _ in pickletools.genops(data):
-            pushed = None  # a string this opcode pushes, for STACK_GLOBAL to take its module and name from
-            if op.name == "GLOBAL":
-                assert isinstance(arg, str)  # pickletools decodes GLOBAL's argument as "module name"
+            if op.name in ("GLOBAL", "INST"):
+                assert isinstance(arg, str)  # pickletools decodes their argument as "module name"
                 found.append(_py3_name(*arg.split(" ", 1)))
-            elif op.name == "STACK_GLOBAL":
-                found.append(_py3_name(*strings[-2:]) if len(strings) >= 2 else "?")
-            elif isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name):
-                pushed = arg
-            elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-                memo[len(memo) if op.name == "MEMOIZE" else arg] = last
-                continue  # the stack is unchanged: its top is still `last`
+            if op.name in _IN_PLACE:
+                _in_place(op.name, arg, stack, memo)
+                continue
+            taken = _pop(stack, op.stack_before)
+            pushed: list = [None] * len(op.stack_after)
+            if op.name == "STACK_GLOBAL":
+                module, name = taken
+                found.append(_py3_name(module, name) if isinstance(module, str) and isinstance(name, str) else "?")
+            elif isinstance(arg, str) and len(pushed) == 1:  # the string opcodes
+                pushed = [arg]
             elif op.name in ("GET", "BINGET", "LONG_BINGET"):
-                pushed = memo.get(arg)
-            if pushed is not None:
-                strings.append(pushed)
-            last = pushed
-    except ValueError:  # bytes that are not one whole pickle
+                pushed = [memo.get(arg)]
+            stack.extend(_MARK if kind is pickletools.markobject else value
+                         for kind, value in zip(op.stack_after, pushed, strict=True))
+    except (ValueError, IndexError):  # bytes that are not one whole pickle
         return None
     return found
+
+
+# Opcodes that leave the stack's items as they are (pickletools' stack effects would lose their values).
+_IN_PLACE = ("DUP", "POP", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE")
+
+
+def _in_place(name: str, arg: Any, stack: list, memo: dict) -> None:
+    if name == "DUP":
+        stack.append(stack[-1])
+    elif name == "POP":  # the top item, or the topmost mark when that is on top
+        stack.pop()
+    else:  # PUT and MEMOIZE store the top item, which stays
+        memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
 
 
 def _pickle_of(f: Any) -> bytes | None:
