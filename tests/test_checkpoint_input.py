@@ -418,7 +418,7 @@ def test_nothing_is_written_through_a_symbolic_link(tmp_path):
     for name in ("run.lock", "config.yaml", "tokenizer.model"):
         (elsewhere / name).write_text("the user's own file")
         (out / name).symlink_to(elsewhere / name)
-    with pytest.raises(RunLocked, match="run.lock is a symbolic link"):
+    with pytest.raises(RunLocked, match="run.lock: a symbolic link"):
         take_run_lock(out, ENV)
     save_config(Config(), out / "config.yaml")
     source = tmp_path / "new.model"

@@ -24,6 +24,7 @@ import os
 import pickle
 import pickletools
 import re
+import stat
 import time
 import zipfile
 import zlib
@@ -37,11 +38,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from . import nofollow
+
 FULL_RE = re.compile(r"^fsdp_cpt(\d+)\.pth$")
 SHARDED_RE = re.compile(r"^fsdp_sharded_cpt(\d+)$")
 TMP_PREFIX = ".tmp-"  # an interrupted save: never loaded, removed by the next save
 CORRUPT_PREFIX = "corrupt-"  # moved aside after failing its checks: never loaded, never deleted automatically
 META_NAME = "meta.json"
+_META_LIMIT = 64 << 20  # bytes: far more than the metadata of any model's checkpoint holds
 RNG_NAME = "rng.pt"
 FORMAT_VERSION = 1
 META_KEYS = ("format_version", "world_size", "model_config", "train_state")
@@ -169,9 +173,10 @@ def check_file(path: Path, record: dict) -> str | None:
 
 
 def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
-    """torch.save `obj` to `path`, flushed and fsynced; return the file's {"size", "crc32"} and the
-    seconds spent computing the CRC32."""
-    with path.open("wb") as f:
+    """torch.save `obj` to a new file at `path` (whatever was there, a link too, removed first), flushed and
+    fsynced; return the file's {"size", "crc32"} and the seconds spent computing the CRC32."""
+    nofollow.remove(path)
+    with nofollow.open_new(path) as f:
         writer = ChecksumWriter(f)
         try:
             torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save needs only write(); stubs ask for IO
@@ -185,9 +190,11 @@ def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    """Write a small JSON file durably (flushed and fsynced) before it is renamed into place."""
-    with path.open("w") as f:
-        json.dump(payload, f, indent=1)
+    """Write a small JSON file durably (flushed and fsynced) before it is renamed into place; whatever was at
+    `path` (a link too) is removed first, never written through."""
+    nofollow.remove(path)
+    with nofollow.open_new(path) as f:
+        f.write(json.dumps(payload, indent=1).encode())
         f.flush()
         os.fsync(f.fileno())
 
@@ -195,7 +202,7 @@ def write_json(path: Path, payload: dict) -> None:
 def install_full(tmp: Path, final: Path) -> None:
     """Rename a written full checkpoint into place. A record left by a file of the same name goes first:
     it must never describe the new file (until its own is written, the new file loads unverified)."""
-    sidecar_of(final).unlink(missing_ok=True)
+    nofollow.remove(sidecar_of(final))
     os.replace(tmp, final)
 
 
@@ -207,7 +214,7 @@ def write_record(final: Path, record: dict) -> None:
         write_json(tmp, {"format_version": FORMAT_VERSION, "files": {final.name: record}})
         os.replace(tmp, sidecar)
     finally:
-        tmp.unlink(missing_ok=True)
+        nofollow.remove(tmp)
 
 
 # ---- metadata -------------------------------------------------------------------------------------
@@ -234,17 +241,36 @@ def _records(files: object, where: Path) -> dict[str, dict]:
     return records
 
 
+def _folder_entries(path: Path) -> list[str]:
+    """The names of a sharded checkpoint's files, every one a regular file of the folder: a link (which could
+    lead anywhere), a folder, a FIFO or a device is never something a save wrote, and is refused."""
+    names = []
+    for entry in os.scandir(path):
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointUnsafe(f"{entry.path}: refused: {nofollow.kind_of(mode)} inside a checkpoint, which a save "
+                                   "never writes (a tampered or foreign folder)")
+        names.append(entry.name)
+    return names
+
+
+def _parse_meta(meta_path: Path) -> Any:
+    """meta.json's contents; CheckpointCorrupt for anything that does not decode."""
+    try:
+        return json.loads(nofollow.read_small(meta_path, limit=_META_LIMIT))
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: nested deeper than any metadata
+        raise CheckpointCorrupt(f"{meta_path}: incomplete or corrupt checkpoint ({first_line(err)})") from None
+
+
 def read_sharded_meta(path: Path) -> dict:
-    """meta.json of a complete sharded checkpoint, validated, after checking that every file it lists has
-    its size."""
+    """meta.json of a complete sharded checkpoint, validated, after checking that the folder holds only
+    regular files and that every file it lists has its size."""
+    names = _folder_entries(path)
     meta_path = path / META_NAME
-    if not meta_path.is_file():
+    if META_NAME not in names:
         raise CheckpointCorrupt(f"{path}: not a complete sharded checkpoint (no meta.json: an interrupted save or "
                                 "another folder)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointCorrupt(f"{meta_path}: incomplete or corrupt checkpoint ({err})") from None
+    meta = _parse_meta(meta_path)
     check_meta(meta, meta_path, checkpoint=path, extra_keys=("files",))
     meta["files"] = _records(meta.get("files"), meta_path)
     for name, record in meta["files"].items():
@@ -257,12 +283,14 @@ def read_full_record(pth: Path) -> dict[str, dict] | None:
     """The checksum record of a full checkpoint file, or None when it has none (a file converted or
     copied without its sidecar, or written before checksums were recorded)."""
     sidecar = sidecar_of(pth)
-    if not sidecar.is_file():
+    if not os.path.lexists(sidecar):
         return None
     try:
-        files = json.loads(sidecar.read_text()).get("files")
-    except (OSError, ValueError, AttributeError) as err:
-        raise CheckpointCorrupt(f"{sidecar}: corrupt checksum record ({err})") from None
+        files = json.loads(nofollow.read_small(sidecar, limit=_META_LIMIT)).get("files")
+    except nofollow.UnsafePath as err:
+        raise CheckpointUnsafe(str(err)) from None
+    except (OSError, ValueError, AttributeError, RecursionError) as err:
+        raise CheckpointCorrupt(f"{sidecar}: corrupt checksum record ({first_line(err)})") from None
     records = _records(files, sidecar)
     if len(records) != 1:
         raise CheckpointCorrupt(f"{sidecar}: corrupt checksum record (expected the record of one file)")
@@ -278,12 +306,21 @@ def checksum_records(path: Path) -> dict[str, dict] | None:
 
 def check_structure(path: Path) -> None:
     """Cheap checks that need no reading of tensor data: the path exists, a file is a torch.save zip
-    of the size recorded, a folder has its meta.json and every file it lists. Raises CheckpointError."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
-    if path.is_dir():
+    of the size recorded, a folder has its meta.json and every file it lists. Raises CheckpointError.
+    Only a regular file or a folder is read (a link to one is followed: the user named it): a FIFO would
+    block, a device such as /dev/zero would never end."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file or directory") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({first_line(err)})") from None
+    if stat.S_ISDIR(mode):
         read_sharded_meta(path)
         return
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path}: {nofollow.kind_of(mode)}, not a checkpoint (a checkpoint is a file written by "
+                              "torch.save or a sharded checkpoint's folder)")
     if not zipfile.is_zipfile(path):
         raise CheckpointCorrupt(f"{path}: not a checkpoint (not a file written by torch.save)")
     record = read_full_record(path)

@@ -6,7 +6,6 @@ background write the same way."""
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..distributed import agree, barrier
+from . import nofollow
 from .base import (
     CheckpointFormat,
     TrainState,
@@ -52,13 +52,12 @@ from .verify import hash_own_files
 def replace_dir(src: Path, dst: Path) -> None:
     """Rename folder `src` to `dst`. os.replace cannot replace a non-empty folder, so an existing `dst` is
     first renamed to a `.tmp-` name, which the next save removes should we stop before deleting it here."""
-    if dst.exists():
+    if os.path.lexists(dst):
         old = dst.with_name(f"{TMP_PREFIX}replaced-{dst.name}")
-        if old.exists():
-            shutil.rmtree(old)
+        nofollow.remove(old)
         os.replace(dst, old)
         os.replace(src, dst)
-        shutil.rmtree(old)
+        nofollow.remove(old)
     else:
         os.replace(src, dst)
 
