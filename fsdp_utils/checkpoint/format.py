@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import json
+import math
 import os
 import pickle
 import pickletools
@@ -45,7 +46,9 @@ SHARDED_RE = re.compile(r"^fsdp_sharded_cpt(\d+)$")
 TMP_PREFIX = ".tmp-"  # an interrupted save: never loaded, removed by the next save
 CORRUPT_PREFIX = "corrupt-"  # moved aside after failing its checks: never loaded, never deleted automatically
 META_NAME = "meta.json"
+META_CRC_KEY = "meta_crc32"  # meta.json's own checksum, over its other keys
 _META_LIMIT = 64 << 20  # bytes: far more than the metadata of any model's checkpoint holds
+MAX_COUNT = 2**63 - 1  # steps, samples and tokens are int64 wherever they are used
 RNG_NAME = "rng.pt"
 FORMAT_VERSION = 1
 META_KEYS = ("format_version", "world_size", "model_config", "train_state")
@@ -241,6 +244,17 @@ def _records(files: object, where: Path) -> dict[str, dict]:
     return records
 
 
+def meta_crc32(meta: dict) -> str:
+    """The CRC32 of a sharded checkpoint's metadata (its canonical JSON, without the checksum itself): meta.json
+    cannot hold the CRC32 of its own bytes, so it holds the one of its contents."""
+    body = {k: v for k, v in meta.items() if k != META_CRC_KEY}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
+
+
+def with_meta_crc32(meta: dict) -> dict:
+    return {**meta, META_CRC_KEY: meta_crc32(meta)}
+
+
 def _folder_entries(path: Path) -> list[str]:
     """The names of a sharded checkpoint's files, every one a regular file of the folder: a link (which could
     lead anywhere), a folder, a FIFO or a device is never something a save wrote, and is refused."""
@@ -255,24 +269,34 @@ def _folder_entries(path: Path) -> list[str]:
 
 
 def _parse_meta(meta_path: Path) -> Any:
-    """meta.json's contents; CheckpointCorrupt for anything that does not decode."""
+    """meta.json's contents: its CRC32 checked where it records one (a checkpoint written before meta.json
+    carried one is taken as it is); CheckpointCorrupt for anything that does not decode."""
     try:
-        return json.loads(nofollow.read_small(meta_path, limit=_META_LIMIT))
+        meta = json.loads(nofollow.read_small(meta_path, limit=_META_LIMIT))
+        recorded = meta.get(META_CRC_KEY) if isinstance(meta, dict) else None
+        actual = meta_crc32(meta) if recorded is not None else None
     except (OSError, ValueError, RecursionError) as err:  # RecursionError: nested deeper than any metadata
         raise CheckpointCorrupt(f"{meta_path}: incomplete or corrupt checkpoint ({first_line(err)})") from None
+    if actual != recorded:
+        raise CheckpointCorrupt(f"{meta_path}: corrupt checkpoint (CRC32 of its contents {actual}, recorded "
+                                f"{recorded!r}: it changed after the save)")
+    return meta
 
 
 def read_sharded_meta(path: Path) -> dict:
-    """meta.json of a complete sharded checkpoint, validated, after checking that the folder holds only
-    regular files and that every file it lists has its size."""
+    """meta.json of a complete sharded checkpoint, validated, after checking that the folder holds exactly
+    the files it lists (nothing else: every file read is checked), each of its recorded size."""
     names = _folder_entries(path)
     meta_path = path / META_NAME
     if META_NAME not in names:
         raise CheckpointCorrupt(f"{path}: not a complete sharded checkpoint (no meta.json: an interrupted save or "
                                 "another folder)")
     meta = _parse_meta(meta_path)
-    check_meta(meta, meta_path, checkpoint=path, extra_keys=("files",))
+    check_meta(meta, meta_path, checkpoint=path, extra_keys=("files", META_CRC_KEY))
     meta["files"] = _records(meta.get("files"), meta_path)
+    if unlisted := sorted(set(names) - set(meta["files"]) - {META_NAME}):
+        raise CheckpointCorrupt(f"{path / unlisted[0]}: not listed in {META_NAME}, so it cannot be checked "
+                                "(a foreign file, or a damaged meta.json)")
     for name, record in meta["files"].items():
         if problem := check_size(path / name, record):
             raise CheckpointCorrupt(problem)
@@ -328,8 +352,9 @@ def check_structure(path: Path) -> None:
         raise CheckpointCorrupt(problem)
 
 
-def _is_int(value: object, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+def _is_int(value: object, minimum: int, maximum: int | None = None) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+            and (maximum is None or value <= maximum))
 
 
 def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
@@ -339,8 +364,8 @@ def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
         return f"missing {', '.join(missing)}"
     if unknown := sorted(str(k) for k in meta if k not in allowed):
         return f"unknown key {', '.join(unknown)}"
-    if not _is_int(meta["world_size"], 1):
-        return f"world_size {meta['world_size']!r} is not a positive integer"
+    if not _is_int(meta["world_size"], 1, 2**31 - 1):
+        return f"world_size {meta['world_size']!r} is not a positive integer below 2**31"
     config = meta["model_config"]
     if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
         return "model_config is not a mapping of field names"
@@ -356,12 +381,13 @@ def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
     if unknown := sorted(str(k) for k in state if k not in TRAIN_STATE_KEYS):
         return f"train_state has unknown key {', '.join(unknown)}"
     for key in ("step", "samples_seen", "tokens_seen"):
-        if key in state and not _is_int(state[key], 0):
-            return f"train_state.{key} {state[key]!r} is not a non-negative integer"
+        if key in state and not _is_int(state[key], 0, MAX_COUNT):
+            return f"train_state.{key} {state[key]!r} is not an integer from 0 to 2**63-1"
     if state.get("grad_scaler") is not None and not isinstance(state["grad_scaler"], dict):
         return "train_state.grad_scaler is not a mapping"
-    if state.get("lr") is not None and (isinstance(state["lr"], bool) or not isinstance(state["lr"], (int, float))):
-        return "train_state.lr is not a number"
+    lr = state.get("lr")
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0):
+        return f"train_state.lr {lr!r} is not a finite non-negative number"
     return None
 
 

@@ -43,6 +43,7 @@ from .format import (
     read_sharded_meta,
     save_with_checksum,
     sharded_name,
+    with_meta_crc32,
     write_json,
 )
 from .retention import remove
@@ -121,8 +122,8 @@ class ShardedCheckpoint(CheckpointFormat):
                 if error is None:
                     records[RNG_NAME], rng_crc_s = save_with_checksum({"rng": state.rng}, tmp / RNG_NAME)
                     crc_s += rng_crc_s
-                    write_json(tmp / META_NAME, {**self.context.metadata(state),
-                                                 "files": dict(sorted(records.items()))})
+                    write_json(tmp / META_NAME, with_meta_crc32({**self.context.metadata(state),
+                                                                 "files": dict(sorted(records.items()))}))
                     replace_dir(tmp, final)
             except Exception as err:  # agreed with the other ranks below
                 error = write_error(final, err)
