@@ -286,11 +286,11 @@ def _parse_meta(meta_path: Path) -> Any:
 def read_sharded_meta(path: Path) -> dict:
     """meta.json of a complete sharded checkpoint, validated, after checking that the folder holds exactly
     the files it lists (nothing else: every file read is checked), each of its recorded size."""
-    names = _folder_entries(path)
     meta_path = path / META_NAME
-    if META_NAME not in names:
+    if not os.path.lexists(meta_path):
         raise CheckpointCorrupt(f"{path}: not a complete sharded checkpoint (no meta.json: an interrupted save or "
                                 "another folder)")
+    names = _folder_entries(path)
     meta = _parse_meta(meta_path)
     check_meta(meta, meta_path, checkpoint=path, extra_keys=("files", META_CRC_KEY))
     meta["files"] = _records(meta.get("files"), meta_path)

@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
+from typing import BinaryIO, TextIO
 
 
 class UnsafePath(OSError):
@@ -57,14 +58,14 @@ def open_fd(path: Path | str, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
-def open_append(path: Path | str):
+def open_append(path: Path | str) -> TextIO:
     """A text file opened for appending (created if missing), never through a link."""
-    return os.fdopen(open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
+    return open(path, "a", opener=lambda name, _: open_fd(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT))
 
 
-def open_new(path: Path | str):
+def open_new(path: Path | str) -> BinaryIO:
     """A new binary file for writing: O_EXCL, so nothing that exists there (file, link) is ever opened."""
-    return os.fdopen(open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")
+    return open(path, "wb", opener=lambda name, _: open_fd(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
 
 
 def read_small(path: Path | str, *, limit: int) -> bytes:
