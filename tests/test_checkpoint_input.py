@@ -260,6 +260,15 @@ def test_a_hand_written_unsafe_pickle_is_refused_not_called_corrupt(saved, tmp_p
     assert sorted(p.name for p in out.iterdir()) == before and not marker.exists()
 
 
+@pytest.mark.parametrize("target", ["pty spawn", "ctypes CDLL", "operator attrgetter", "marshal loads"])
+def test_an_inst_pickle_of_a_module_no_checkpoint_imports_is_unsafe(saved, tmp_path, target):
+    """INST's refusal does not name its global in torch's words (an unsupported opcode): the module decides."""
+    out = run_copy(saved, "full", tmp_path)
+    plant_pickle(newest(out, "full"), "pth", b"(S'x'\ni" + target.replace(" ", "\n").encode() + b"\n.")
+    with pytest.raises(CheckpointUnsafe, match=f"refused: it references {target.replace(' ', '.')}"):
+        load(out, "full")
+
+
 @pytest.mark.parametrize(("global_", "python3"), [("commands\nPopen", "subprocess.Popen"),
                                                   ("__builtin__\nexec", "builtins.exec"),
                                                   ("copy_reg\n_reconstructor", "copyreg._reconstructor")])

@@ -489,7 +489,9 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 # Modules a checkpoint never imports from: a refused pickle that names one is unsafe, whatever the refusal says.
-_BLOCKED_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "importlib", "runpy", "shutil", "socket")
+_BLOCKED_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "importlib", "runpy", "shutil", "socket",
+                    "pty", "ctypes", "pickle", "_pickle", "marshal", "code", "pdb", "timeit", "webbrowser",
+                    "multiprocessing", "operator")
 
 
 def _py3_name(module: str, name: str) -> str:
@@ -514,8 +516,7 @@ def _pop(stack: list, before: list) -> list:
         fixed = before.index(pickletools.markobject)
     else:
         fixed = len(before)
-    taken = [stack.pop() for _ in range(fixed)][::-1]
-    return taken
+    return [stack.pop() for _ in range(fixed)][::-1]
 
 
 def pickle_globals(data: bytes) -> list[str] | None:
