@@ -434,3 +434,48 @@ def test_no_room_for_a_checkpoint_stops_the_run_before_step_1(fmt, corpus, datas
     assert "step 1/" not in proc.stderr and checkpoint_names(out) == []
 
 
+
+
+# ---- units: the start of the run -------------------------------------------------------------------------
+
+
+def test_a_file_size_limit_on_the_shared_arena_falls_back_to_synchronous_saves(tmp_path, caplog):
+    """The process writer's staging arena is one file in /dev/shm: under a file size limit (RLIMIT_FSIZE)
+    smaller than the state it cannot be made. Asynchronous saves turn off with the one warning before step 1,
+    and saves are synchronous."""
+    import dataclasses
+    import resource
+
+    import torch.distributed as dist
+
+    from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
+    from fsdp_utils.checkpoint.staging import arena_bytes
+    from fsdp_utils.checkpoint.writer import HAS_PROCESS_WRITER
+    from tests.test_checkpoint_input import CONFIG, ENV, model_and_optimizer
+
+    if not HAS_PROCESS_WRITER:
+        pytest.skip("this torch has no process writer")
+    limit = 16 << 10
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    manager = None
+    try:
+        model, optimizer = model_and_optimizer()
+        assert arena_bytes(model, optimizer) > limit  # the arena must exceed the limit for the test to mean anything
+        manager = CheckpointManager(tmp_path, fmt="sharded", keep_last_n=0, model_config=dataclasses.asdict(CONFIG),
+                                    env=ENV, async_save=True, async_writer="process")
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            manager.prepare_saving(model, optimizer)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert not manager.background.enabled and manager.background.failed
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and "cannot be staged in host memory" in warned[0], warned
+        assert "File too large" in warned[0] and "every save of this run is synchronous" in warned[0], warned
+        saved = manager.save(model, optimizer, TrainState(step=1, samples_seen=8, tokens_seen=64))
+        assert saved == tmp_path / "fsdp_sharded_cpt1" and checkpoint_io.read_meta(saved)["train_state"]["step"] == 1
+    finally:
+        if manager is not None:
+            manager.close()
+        dist.destroy_process_group()

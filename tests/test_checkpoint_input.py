@@ -43,6 +43,7 @@ from fsdp_utils.checkpoint.format import (
     SafeFileSystemReader,
     file_record,
     sidecar_of,
+    with_meta_crc32,
 )
 from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
 from fsdp_utils.distributed import DistEnv
@@ -118,7 +119,7 @@ def fix_records(checkpoint: Path) -> None:
     if checkpoint.is_dir():
         meta = json.loads((checkpoint / "meta.json").read_text())
         meta["files"] = {name: file_record(checkpoint / name) for name in meta["files"]}
-        (checkpoint / "meta.json").write_text(json.dumps(meta))
+        (checkpoint / "meta.json").write_text(json.dumps(with_meta_crc32(meta)))
     else:
         sidecar_of(checkpoint).write_text(json.dumps({"format_version": 1,
                                                       "files": {checkpoint.name: file_record(checkpoint)}}))
@@ -171,9 +172,14 @@ def plant(checkpoint: Path, where: str, target: str, marker: Path) -> Path:
         (checkpoint / "rng.pt").write_bytes(torch_save_calling({"rng": payload}, target))
         fix_records(checkpoint)
         return checkpoint / "rng.pt"
-    # a non-tensor entry of a .distcp file (the optimizer's lr), pointed at a payload appended to the shard
+    point_lr_at(checkpoint, torch_save_calling(payload, target))
+    fix_records(checkpoint)
+    return checkpoint
+
+
+def point_lr_at(checkpoint: Path, blob: bytes) -> None:
+    """Make a non-tensor entry of a .distcp file (the optimizer's lr) the bytes `blob`, appended to its shard."""
     metadata = pickle.loads((checkpoint / ".metadata").read_bytes())  # our own checkpoint: trusted here
-    blob = torch_save_calling(payload, target)
     index = next(i for i in metadata.storage_data if i.fqn == "optimizer.param_groups.0.lr")
     info = metadata.storage_data[index]
     shard = checkpoint / info.relative_path
@@ -182,8 +188,6 @@ def plant(checkpoint: Path, where: str, target: str, marker: Path) -> Path:
         f.write(blob)
     metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(blob))
     (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
-    fix_records(checkpoint)
-    return checkpoint
 
 
 @pytest.mark.parametrize("target", ["os.system", "posix.system", "builtins.eval"])
@@ -205,6 +209,89 @@ def test_an_unsafe_checkpoint_is_refused_and_left_alone(saved, tmp_path, where, 
     assert sorted(p.name for p in out.iterdir()) == before and not marker.exists()
 
 
+def torch_save_with_pickle(data_pkl: bytes) -> bytes:
+    """A torch.save archive whose data.pkl is `data_pkl` (the archive's other records are torch's own)."""
+    buf, out = io.BytesIO(), io.BytesIO()
+    torch.save({"rng": None}, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(out, "w") as zout:
+        for name in zin.namelist():
+            zout.writestr(name, data_pkl if name.endswith("data.pkl") else zin.read(name))
+    return out.getvalue()
+
+
+def crafted_pickle(how: str, marker: Path) -> bytes:
+    """A pickle that calls os.system(f"touch {marker}") when unpickled, written by hand: `inst` by protocol 0's
+    INST opcode; `decoys` by STACK_GLOBAL with two decoy strings pushed above the real names and popped
+    before it (a reader that takes the last two strings pushed sees `safe.names`)."""
+    command = f"touch {marker}".encode()
+    if how == "inst":
+        return b"(S'" + command + b"'\nios\nsystem\n."
+    strings = b"".join(b"\x8c" + bytes([len(s)]) + s for s in (b"os", b"system", b"safe", b"names"))
+    return strings + b"00\x93" + b"\x8c" + bytes([len(command)]) + command + b"\x85R."
+
+
+def plant_pickle(checkpoint: Path, where: str, data_pkl: bytes) -> Path:
+    """Put a torch.save archive holding `data_pkl` where a checkpoint loads one; return the file that holds it."""
+    blob = torch_save_with_pickle(data_pkl)
+    if where == "pth":
+        checkpoint.write_bytes(blob)
+    elif where == "rng":
+        (checkpoint / "rng.pt").write_bytes(blob)
+    else:
+        point_lr_at(checkpoint, blob)
+    fix_records(checkpoint)
+    return checkpoint / "rng.pt" if where == "rng" else checkpoint
+
+
+@pytest.mark.parametrize("how", ["inst", "decoys"])
+@pytest.mark.parametrize("where", ["pth", "rng", "distcp"])
+def test_a_hand_written_unsafe_pickle_is_refused_not_called_corrupt(saved, tmp_path, where, how):
+    """What the unpickler would import decides, whatever opcodes lead there: neither moved aside as corrupt
+    nor skipped for the previous checkpoint, and never run."""
+    fmt = "full" if where == "pth" else "sharded"
+    out = run_copy(saved, fmt, tmp_path)
+    marker = tmp_path / "ran"
+    named = plant_pickle(newest(out, fmt), where, crafted_pickle(how, marker))
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(CheckpointUnsafe) as caught:
+        load(out, fmt)
+    line = one_line(caught.value)
+    assert str(named) in line and "refused: it references os.system" in line, line
+    assert sorted(p.name for p in out.iterdir()) == before and not marker.exists()
+
+
+@pytest.mark.parametrize("target", ["pty spawn", "ctypes CDLL", "operator attrgetter", "marshal loads"])
+def test_an_inst_pickle_of_a_module_no_checkpoint_imports_is_unsafe(saved, tmp_path, target):
+    """INST's refusal does not name its global in torch's words (an unsupported opcode): the module decides."""
+    out = run_copy(saved, "full", tmp_path)
+    plant_pickle(newest(out, "full"), "pth", b"(S'x'\ni" + target.replace(" ", "\n").encode() + b"\n.")
+    with pytest.raises(CheckpointUnsafe, match=f"refused: it references {target.replace(' ', '.')}"):
+        load(out, "full")
+
+
+@pytest.mark.parametrize(("global_", "python3"), [("commands\nPopen", "subprocess.Popen"),
+                                                  ("__builtin__\nexec", "builtins.exec"),
+                                                  ("copy_reg\n_reconstructor", "copyreg._reconstructor")])
+@pytest.mark.parametrize("where", ["pth", "metadata"])
+def test_a_refusal_names_globals_as_python_3_imports_them(saved, tmp_path, where, global_, python3):
+    """Protocol 0-2 pickles may spell globals the Python 2 way; the unpickler maps them, and so does the
+    refusal (pickle's own mapping: commands is subprocess, copy_reg is copyreg, __builtin__ is builtins)."""
+    data_pkl = b"\x80\x02c" + global_.encode() + b"\nq\x00)\x81q\x01."  # NEWOBJ of that global
+    fmt = "full" if where == "pth" else "sharded"
+    out = run_copy(saved, fmt, tmp_path)
+    checkpoint = newest(out, fmt)
+    if where == "pth":
+        plant_pickle(checkpoint, "pth", data_pkl)
+    else:
+        (checkpoint / ".metadata").write_bytes(data_pkl)
+        fix_records(checkpoint)
+    with pytest.raises(CheckpointUnsafe) as caught:
+        load(out, fmt)
+    line = one_line(caught.value)
+    assert f"refused: it references {python3}" in line, line
+    assert global_.replace("\n", ".") not in line, line
+
+
 # ---- metadata ------------------------------------------------------------------------------------
 
 
@@ -213,7 +300,7 @@ def mutate_meta(checkpoint: Path, change) -> None:
     if checkpoint.is_dir():
         meta = json.loads((checkpoint / "meta.json").read_text())
         change(meta)
-        (checkpoint / "meta.json").write_text(json.dumps(meta))
+        (checkpoint / "meta.json").write_text(json.dumps(with_meta_crc32(meta)))
     else:
         payload = torch.load(checkpoint, weights_only=True)
         change(payload)
@@ -229,6 +316,13 @@ META_CASES = {
     "a string step": (lambda m: m["train_state"].update(step="2"), CheckpointCorrupt, "train_state.step '2'"),
     "negative samples_seen": (lambda m: m["train_state"].update(samples_seen=-8), CheckpointCorrupt, "samples_seen -8"),
     "format_version 99": (lambda m: m.update(format_version=99), CheckpointMismatch, "format_version 99"),
+    # Beyond int64, which every count is where it is used (a step past any max_steps would end the run at once).
+    "a step of 10**30": (lambda m: m["train_state"].update(step=10**30), CheckpointCorrupt,
+                         "train_state.step 1000000000000000000000000000000 is not an integer from 0 to 2**63-1"),
+    "tokens_seen of 2**63": (lambda m: m["train_state"].update(tokens_seen=2**63), CheckpointCorrupt,
+                             "train_state.tokens_seen 9223372036854775808"),
+    "an infinite lr": (lambda m: m["train_state"].update(lr=float("inf")), CheckpointCorrupt, "train_state.lr inf"),
+    "world_size 2**40": (lambda m: m.update(world_size=2**40), CheckpointCorrupt, "world_size 1099511627776"),
     "a step other than the name's": (lambda m: m["train_state"].update(step=7), CheckpointMismatch, "holds step 7"),
 }
 
@@ -258,6 +352,78 @@ def test_a_checkpoint_renamed_to_a_later_step_is_refused_and_nothing_is_deleted(
     before = sorted(p.name for p in out.iterdir())
     with pytest.raises(CheckpointMismatch, match="holds step 2, its name says step 9"):
         load(out, fmt)
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+# ---- meta.json's own checksum, and the folder holding exactly what it lists ---------------------
+
+
+def resume_latest_sharded(out: Path) -> tuple[TrainState, list[str]]:
+    """Resume from `latest`; the state loaded and the names in the output directory afterwards."""
+    state = load(out, "sharded")
+    return state, sorted(p.name for p in out.iterdir())
+
+
+def test_a_flipped_digit_in_meta_json_falls_back_to_the_previous_checkpoint(saved, tmp_path, caplog):
+    """samples_seen of step 2 is 16 (8 per step, the `saved` fixture); one digit changed to 76 without its
+    CRC32 updated would resume at a shifted data position: it is corrupt, moved aside, step 1 loads."""
+    out = run_copy(saved, "sharded", tmp_path)
+    meta_path = newest(out, "sharded") / "meta.json"
+    text = meta_path.read_text()
+    assert text.count('"samples_seen": 16') == 1
+    meta_path.write_text(text.replace('"samples_seen": 16', '"samples_seen": 76'))
+    state, names = resume_latest_sharded(out)
+    assert (state.step, state.samples_seen) == (1, 8)
+    assert "corrupt-fsdp_sharded_cpt2" in names and "fsdp_sharded_cpt2" not in names
+    warned = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(warned) == 1 and f"{meta_path}: corrupt checkpoint (CRC32 of its contents" in warned[0], warned
+
+
+def test_meta_json_without_its_own_checksum_still_loads(saved, tmp_path):
+    """A checkpoint written before meta.json carried a CRC32 of its own loads, its fields range-checked."""
+    out = run_copy(saved, "sharded", tmp_path)
+    meta_path = newest(out, "sharded") / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["meta_crc32"]
+    meta_path.write_text(json.dumps(meta))
+    assert (load(out, "sharded").step, load(out, "sharded").samples_seen) == (2, 16)
+
+
+def test_meta_json_nested_too_deep_falls_back_to_the_previous_checkpoint(saved, tmp_path):
+    out = run_copy(saved, "sharded", tmp_path)
+    (newest(out, "sharded") / "meta.json").write_text("[" * 100_000 + "]" * 100_000)
+    state, names = resume_latest_sharded(out)
+    assert state.step == 1 and "corrupt-fsdp_sharded_cpt2" in names
+
+
+def test_a_file_meta_json_does_not_list_is_not_loaded_unchecked(saved, tmp_path):
+    """The shard dropped from meta.json's list (its record with it) would be read without any check."""
+    out = run_copy(saved, "sharded", tmp_path)
+    checkpoint = newest(out, "sharded")
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    del meta["files"]["__0_0.distcp"]
+    (checkpoint / "meta.json").write_text(json.dumps(with_meta_crc32(meta)))
+    with pytest.raises(CheckpointCorrupt) as caught:
+        load(out, "sharded", str(checkpoint))
+    assert one_line(caught.value).startswith(f"{checkpoint / '__0_0.distcp'}: not listed in meta.json")
+    state, names = resume_latest_sharded(out)
+    assert state.step == 1 and "corrupt-fsdp_sharded_cpt2" in names
+
+
+def test_a_link_inside_a_checkpoint_is_refused_and_left_alone(saved, tmp_path):
+    """rng.pt replaced by a link to an identical copy outside the folder: same bytes, same records, and yet
+    nothing a save writes; reading it would read wherever the link leads."""
+    out = run_copy(saved, "sharded", tmp_path)
+    checkpoint = newest(out, "sharded")
+    outside = tmp_path / "outside-rng.pt"
+    shutil.move(checkpoint / "rng.pt", outside)
+    (checkpoint / "rng.pt").symlink_to(outside)
+    before = sorted(p.name for p in out.iterdir())
+    for read in (lambda: load(out, "sharded"), lambda: checkpoint_io.load_model(checkpoint)):
+        with pytest.raises(CheckpointUnsafe) as caught:
+            read()
+        assert one_line(caught.value).startswith(f"{checkpoint / 'rng.pt'}: refused: a symbolic link inside a "
+                                                 "checkpoint"), caught.value
     assert sorted(p.name for p in out.iterdir()) == before
 
 
@@ -341,7 +507,7 @@ def test_nothing_is_written_through_a_symbolic_link(tmp_path):
     for name in ("run.lock", "config.yaml", "tokenizer.model"):
         (elsewhere / name).write_text("the user's own file")
         (out / name).symlink_to(elsewhere / name)
-    with pytest.raises(RunLocked, match="run.lock is a symbolic link"):
+    with pytest.raises(RunLocked, match="run.lock: a symbolic link"):
         take_run_lock(out, ENV)
     save_config(Config(), out / "config.yaml")
     source = tmp_path / "new.model"
@@ -464,6 +630,8 @@ def mutated_json(text: str, rng: random.Random) -> str:
         node.pop(key, None)
     else:
         node[rng.choice(["../outside.distcp", "extra", "files", "step"])] = rng.choice(FIELD_VALUES)
+    if "meta_crc32" in doc and rng.random() < 0.8:  # mostly past meta.json's own checksum, to its validation
+        doc = with_meta_crc32(doc)
     return json.dumps(doc)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_utils.checkpoint.format import META_NAME, file_record, sidecar_of
+from fsdp_utils.checkpoint.format import META_NAME, file_record, sidecar_of, with_meta_crc32
 from scripts import convert_checkpoint, export_hf, generate
 from tests.helpers import run_train
 
@@ -39,7 +39,7 @@ def fix_records(checkpoint: Path) -> None:
     meta_path = checkpoint / META_NAME
     meta = json.loads(meta_path.read_text())
     meta["files"] = {name: file_record(checkpoint / name) for name in meta["files"]}
-    meta_path.write_text(json.dumps(meta))
+    meta_path.write_text(json.dumps(with_meta_crc32(meta)))
 
 
 @pytest.fixture(scope="module")

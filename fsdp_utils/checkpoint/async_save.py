@@ -100,23 +100,30 @@ class AsyncSaver:
             log.info("sharded checkpoints %s, staged in host memory: %s", how, where)
         # The arena holds copies of whatever may be live training state. FSDP1 on GPUs makes its pieces
         # on the host for each save (see CheckpointContext.offload), so there only the process writer needs it.
-        if self._staging is not None and (share or not offload):
-            seconds = self._staging.reserve(arena_bytes(model, optimizer))
-            if self.env.is_main:
-                log.info("checkpoint staging: reserved %s of %shost memory per rank in %.1f s, reused by every save",
-                         format_size(self._staging.nbytes),
-                         "pinned " if self._staging.pin else "shared " if share else "",
-                         seconds)
         if self.enabled:
-            self._try_staging(model, optimizer)
+            self._try_staging(model, optimizer, reserve=arena_bytes(model, optimizer) if share or not offload else None)
 
-    def _try_staging(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Stage this run's state dict once, as a save will. Before the first optimizer step the optimizer
-        holds no state: one moment-like tensor (zeros_like of a parameter, as AdamW makes them) per kind of
-        parameter stands in for it, so a tensor kind the staging cannot copy shows now too."""
+    def _reserve(self, staging: HostStaging, nbytes: int) -> AsyncSaveFailed | None:
+        """Allocate the staging arena; the failure of a host that cannot give it (/dev/shm full, a file size
+        limit on its shared segment) as an AsyncSaveFailed."""
+        try:
+            seconds = staging.reserve(nbytes)
+        except (RuntimeError, OSError) as err:
+            return AsyncSaveFailed(first_line(err))
+        if self.env.is_main:
+            log.info("checkpoint staging: reserved %s of %shost memory per rank in %.1f s, reused by every save",
+                     format_size(staging.nbytes), "pinned " if staging.pin else "shared " if staging.share else "",
+                     seconds)
+        return None
+
+    def _try_staging(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, reserve: int | None) -> None:
+        """Reserve the arena (`reserve` bytes, None: none) and stage this run's state dict once, as a save will.
+        Before the first optimizer step the optimizer holds no state: one moment-like tensor (zeros_like of a
+        parameter, as AdamW makes them) per kind of parameter stands in for it, so a tensor kind the staging
+        cannot copy shows now too. Any failure turns asynchronous saves off, on every rank."""
         staging = self._staging
         assert staging is not None, "prepare() makes the staging of asynchronous saves"
-        error = None
+        error = self._reserve(staging, reserve) if reserve is not None else None
         with quiet_state_dict_warnings():
             options = state_dict_options(model, cpu_offload=self.context.offload(model))
             if optimizer.state:  # resumed
@@ -128,7 +135,8 @@ class AsyncSaver:
                     kinds.setdefault(tuple(type(t).__name__ for t in (p, *storage_tensors(p))), (name, p))
                 optim_sd = {"state": {name: {"exp_avg": torch.zeros_like(p.detach())} for name, p in kinds.values()}}
             try:
-                staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
+                if error is None:  # the state dict above is a collective: every rank takes it either way
+                    staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
             except Exception as err:
                 error = AsyncSaveFailed(first_line(err))
         del model_sd, optim_sd

@@ -18,11 +18,14 @@ Measured on one core: CRC32 5 GB/s, SHA-256 0.8 GB/s, BLAKE2b 0.7 GB/s (docs/che
 """
 from __future__ import annotations
 
+import _compat_pickle
 import json
+import math
 import os
 import pickle
 import pickletools
 import re
+import stat
 import time
 import zipfile
 import zlib
@@ -37,11 +40,16 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from . import nofollow
+
 FULL_RE = re.compile(r"^fsdp_cpt(\d+)\.pth$")
 SHARDED_RE = re.compile(r"^fsdp_sharded_cpt(\d+)$")
 TMP_PREFIX = ".tmp-"  # an interrupted save: never loaded, removed by the next save
 CORRUPT_PREFIX = "corrupt-"  # moved aside after failing its checks: never loaded, never deleted automatically
 META_NAME = "meta.json"
+META_CRC_KEY = "meta_crc32"  # meta.json's own checksum, over its other keys
+_META_LIMIT = 64 << 20  # bytes: far more than the metadata of any model's checkpoint holds
+MAX_COUNT = 2**63 - 1  # steps, samples and tokens are int64 wherever they are used
 RNG_NAME = "rng.pt"
 FORMAT_VERSION = 1
 META_KEYS = ("format_version", "world_size", "model_config", "train_state")
@@ -169,9 +177,10 @@ def check_file(path: Path, record: dict) -> str | None:
 
 
 def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
-    """torch.save `obj` to `path`, flushed and fsynced; return the file's {"size", "crc32"} and the
-    seconds spent computing the CRC32."""
-    with path.open("wb") as f:
+    """torch.save `obj` to a new file at `path` (whatever was there, a link too, removed first), flushed and
+    fsynced; return the file's {"size", "crc32"} and the seconds spent computing the CRC32."""
+    nofollow.remove(path)
+    with nofollow.open_new(path) as f:
         writer = ChecksumWriter(f)
         try:
             torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save needs only write(); stubs ask for IO
@@ -185,9 +194,11 @@ def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
 
 
 def write_json(path: Path, payload: dict) -> None:
-    """Write a small JSON file durably (flushed and fsynced) before it is renamed into place."""
-    with path.open("w") as f:
-        json.dump(payload, f, indent=1)
+    """Write a small JSON file durably (flushed and fsynced) before it is renamed into place; whatever was at
+    `path` (a link too) is removed first, never written through."""
+    nofollow.remove(path)
+    with nofollow.open_new(path) as f:
+        f.write(json.dumps(payload, indent=1).encode())
         f.flush()
         os.fsync(f.fileno())
 
@@ -195,7 +206,7 @@ def write_json(path: Path, payload: dict) -> None:
 def install_full(tmp: Path, final: Path) -> None:
     """Rename a written full checkpoint into place. A record left by a file of the same name goes first:
     it must never describe the new file (until its own is written, the new file loads unverified)."""
-    sidecar_of(final).unlink(missing_ok=True)
+    nofollow.remove(sidecar_of(final))
     os.replace(tmp, final)
 
 
@@ -207,7 +218,7 @@ def write_record(final: Path, record: dict) -> None:
         write_json(tmp, {"format_version": FORMAT_VERSION, "files": {final.name: record}})
         os.replace(tmp, sidecar)
     finally:
-        tmp.unlink(missing_ok=True)
+        nofollow.remove(tmp)
 
 
 # ---- metadata -------------------------------------------------------------------------------------
@@ -234,19 +245,59 @@ def _records(files: object, where: Path) -> dict[str, dict]:
     return records
 
 
+def meta_crc32(meta: dict) -> str:
+    """The CRC32 of a sharded checkpoint's metadata (its canonical JSON, without the checksum itself): meta.json
+    cannot hold the CRC32 of its own bytes, so it holds the one of its contents."""
+    body = {k: v for k, v in meta.items() if k != META_CRC_KEY}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
+
+
+def with_meta_crc32(meta: dict) -> dict:
+    return {**meta, META_CRC_KEY: meta_crc32(meta)}
+
+
+def _folder_entries(path: Path) -> list[str]:
+    """The names of a sharded checkpoint's files, every one a regular file of the folder: a link (which could
+    lead anywhere), a folder, a FIFO or a device is never something a save wrote, and is refused."""
+    names = []
+    for entry in os.scandir(path):
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointUnsafe(f"{entry.path}: refused: {nofollow.kind_of(mode)} inside a checkpoint, which a save "
+                                   "never writes (a tampered or foreign folder)")
+        names.append(entry.name)
+    return names
+
+
+def _parse_meta(meta_path: Path) -> Any:
+    """meta.json's contents: its CRC32 checked where it records one (a checkpoint written before meta.json
+    carried one is taken as it is); CheckpointCorrupt for anything that does not decode."""
+    try:
+        meta = json.loads(nofollow.read_small(meta_path, limit=_META_LIMIT))
+        recorded = meta.get(META_CRC_KEY) if isinstance(meta, dict) else None
+        actual = meta_crc32(meta) if recorded is not None else None
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: nested deeper than any metadata
+        raise CheckpointCorrupt(f"{meta_path}: incomplete or corrupt checkpoint ({first_line(err)})") from None
+    if actual != recorded:
+        raise CheckpointCorrupt(f"{meta_path}: corrupt checkpoint (CRC32 of its contents {actual}, recorded "
+                                f"{recorded!r}: it changed after the save)")
+    return meta
+
+
 def read_sharded_meta(path: Path) -> dict:
-    """meta.json of a complete sharded checkpoint, validated, after checking that every file it lists has
-    its size."""
+    """meta.json of a complete sharded checkpoint, validated, after checking that the folder holds exactly
+    the files it lists (nothing else: every file read is checked), each of its recorded size."""
     meta_path = path / META_NAME
-    if not meta_path.is_file():
+    if not os.path.lexists(meta_path):
         raise CheckpointCorrupt(f"{path}: not a complete sharded checkpoint (no meta.json: an interrupted save or "
                                 "another folder)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointCorrupt(f"{meta_path}: incomplete or corrupt checkpoint ({err})") from None
-    check_meta(meta, meta_path, checkpoint=path, extra_keys=("files",))
+    names = _folder_entries(path)
+    meta = _parse_meta(meta_path)
+    check_meta(meta, meta_path, checkpoint=path, extra_keys=("files", META_CRC_KEY))
     meta["files"] = _records(meta.get("files"), meta_path)
+    if unlisted := sorted(set(names) - set(meta["files"]) - {META_NAME}):
+        raise CheckpointCorrupt(f"{path / unlisted[0]}: not listed in {META_NAME}, so it cannot be checked "
+                                "(a foreign file, or a damaged meta.json)")
     for name, record in meta["files"].items():
         if problem := check_size(path / name, record):
             raise CheckpointCorrupt(problem)
@@ -257,12 +308,14 @@ def read_full_record(pth: Path) -> dict[str, dict] | None:
     """The checksum record of a full checkpoint file, or None when it has none (a file converted or
     copied without its sidecar, or written before checksums were recorded)."""
     sidecar = sidecar_of(pth)
-    if not sidecar.is_file():
+    if not os.path.lexists(sidecar):
         return None
     try:
-        files = json.loads(sidecar.read_text()).get("files")
-    except (OSError, ValueError, AttributeError) as err:
-        raise CheckpointCorrupt(f"{sidecar}: corrupt checksum record ({err})") from None
+        files = json.loads(nofollow.read_small(sidecar, limit=_META_LIMIT)).get("files")
+    except nofollow.UnsafePath as err:
+        raise CheckpointUnsafe(str(err)) from None
+    except (OSError, ValueError, AttributeError, RecursionError) as err:
+        raise CheckpointCorrupt(f"{sidecar}: corrupt checksum record ({first_line(err)})") from None
     records = _records(files, sidecar)
     if len(records) != 1:
         raise CheckpointCorrupt(f"{sidecar}: corrupt checksum record (expected the record of one file)")
@@ -278,12 +331,21 @@ def checksum_records(path: Path) -> dict[str, dict] | None:
 
 def check_structure(path: Path) -> None:
     """Cheap checks that need no reading of tensor data: the path exists, a file is a torch.save zip
-    of the size recorded, a folder has its meta.json and every file it lists. Raises CheckpointError."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
-    if path.is_dir():
+    of the size recorded, a folder has its meta.json and every file it lists. Raises CheckpointError.
+    Only a regular file or a folder is read (a link to one is followed: the user named it): a FIFO would
+    block, a device such as /dev/zero would never end."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file or directory") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({first_line(err)})") from None
+    if stat.S_ISDIR(mode):
         read_sharded_meta(path)
         return
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path}: {nofollow.kind_of(mode)}, not a checkpoint (a checkpoint is a file written by "
+                              "torch.save or a sharded checkpoint's folder)")
     if not zipfile.is_zipfile(path):
         raise CheckpointCorrupt(f"{path}: not a checkpoint (not a file written by torch.save)")
     record = read_full_record(path)
@@ -291,8 +353,9 @@ def check_structure(path: Path) -> None:
         raise CheckpointCorrupt(problem)
 
 
-def _is_int(value: object, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+def _is_int(value: object, minimum: int, maximum: int | None = None) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+            and (maximum is None or value <= maximum))
 
 
 def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
@@ -302,8 +365,8 @@ def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
         return f"missing {', '.join(missing)}"
     if unknown := sorted(str(k) for k in meta if k not in allowed):
         return f"unknown key {', '.join(unknown)}"
-    if not _is_int(meta["world_size"], 1):
-        return f"world_size {meta['world_size']!r} is not a positive integer"
+    if not _is_int(meta["world_size"], 1, 2**31 - 1):
+        return f"world_size {meta['world_size']!r} is not a positive integer below 2**31"
     config = meta["model_config"]
     if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
         return "model_config is not a mapping of field names"
@@ -319,12 +382,13 @@ def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
     if unknown := sorted(str(k) for k in state if k not in TRAIN_STATE_KEYS):
         return f"train_state has unknown key {', '.join(unknown)}"
     for key in ("step", "samples_seen", "tokens_seen"):
-        if key in state and not _is_int(state[key], 0):
-            return f"train_state.{key} {state[key]!r} is not a non-negative integer"
+        if key in state and not _is_int(state[key], 0, MAX_COUNT):
+            return f"train_state.{key} {state[key]!r} is not an integer from 0 to 2**63-1"
     if state.get("grad_scaler") is not None and not isinstance(state["grad_scaler"], dict):
         return "train_state.grad_scaler is not a mapping"
-    if state.get("lr") is not None and (isinstance(state["lr"], bool) or not isinstance(state["lr"], (int, float))):
-        return "train_state.lr is not a number"
+    lr = state.get("lr")
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0):
+        return f"train_state.lr {lr!r} is not a finite non-negative number"
     return None
 
 
@@ -392,7 +456,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         if admitted:
             return super().find_class(module, name)
         raise CheckpointUnsafe(
-            f"{self.where}: refused: it references {module}.{name}, which {self.holds} never holds "
+            f"{self.where}: refused: it references {_py3_name(module, name)}, which {self.holds} never holds "
             f"(loading it would run code; a tampered or foreign file)")
 
 
@@ -436,42 +500,79 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 # Modules a checkpoint never imports from: a refused pickle that names one is unsafe, whatever the refusal says.
-_BLOCKED_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "importlib", "runpy", "shutil", "socket")
+_BLOCKED_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "importlib", "runpy", "shutil", "socket",
+                    "pty", "ctypes", "pickle", "_pickle", "marshal", "code", "pdb", "timeit", "webbrowser",
+                    "multiprocessing", "operator")
 
 
 def _py3_name(module: str, name: str) -> str:
-    """`module.name` as Python 3 imports it: protocol 2 pickles write builtins as __builtin__."""
-    return f"{ {'__builtin__': 'builtins', 'exceptions': 'builtins'}.get(module, module)}.{name}"
+    """`module.name` as Python 3 imports it: pickles of protocols 0 to 2 may name Python 2 modules
+    (`__builtin__.exec`, `copy_reg._reconstructor`, `commands.Popen`), which the unpickler maps."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return f"{module}.{name}"
+
+
+_MARK = object()  # a MARK on the simulated stack
+
+
+def _pop(stack: list, before: list) -> list:
+    """Pop what an opcode consumes (pickletools' stack_before): through the topmost mark where it takes a
+    mark and the items above it, then the fixed items below. Returns the fixed items, bottom first."""
+    if pickletools.markobject in before:
+        while stack.pop() is not _MARK:  # IndexError: no mark, not a whole pickle
+            pass
+        fixed = before.index(pickletools.markobject)
+    else:
+        fixed = len(before)
+    return [stack.pop() for _ in range(fixed)][::-1]
 
 
 def pickle_globals(data: bytes) -> list[str] | None:
-    """`module.name` of every global a pickle imports (GLOBAL and STACK_GLOBAL opcodes, in order), read
-    without unpickling; None when the bytes do not decode as one whole pickle (damage, not a refusal)."""
+    """`module.name` of every global a pickle imports (GLOBAL, INST, STACK_GLOBAL), in order, in Python 3
+    names, read without unpickling: the unpickler's stack is simulated (strings, memo, marks), so
+    STACK_GLOBAL names what it would really take, whatever was pushed and popped around it. None when the
+    bytes do not decode as one whole pickle (damage, not a refusal)."""
     found: list[str] = []
-    strings: list[str] = []  # the strings pushed so far, in order
-    memo: dict[Any, str | None] = {}  # memo index -> the string at the top of the stack when memoized
-    last: str | None = None
+    stack: list = []
+    memo: dict[Any, Any] = {}
     try:
         for op, arg, _ in pickletools.genops(data):
-            pushed = None  # a string this opcode pushes, for STACK_GLOBAL to take its module and name from
-            if op.name == "GLOBAL":
-                assert isinstance(arg, str)  # pickletools decodes GLOBAL's argument as "module name"
+            if op.name in ("GLOBAL", "INST"):
+                assert isinstance(arg, str)  # pickletools decodes their argument as "module name"
                 found.append(_py3_name(*arg.split(" ", 1)))
-            elif op.name == "STACK_GLOBAL":
-                found.append(_py3_name(*strings[-2:]) if len(strings) >= 2 else "?")
-            elif isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name):
-                pushed = arg
-            elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-                memo[len(memo) if op.name == "MEMOIZE" else arg] = last
-                continue  # the stack is unchanged: its top is still `last`
+            if op.name in _IN_PLACE:
+                _in_place(op.name, arg, stack, memo)
+                continue
+            taken = _pop(stack, op.stack_before)
+            pushed: list = [None] * len(op.stack_after)
+            if op.name == "STACK_GLOBAL":
+                module, name = taken
+                found.append(_py3_name(module, name) if isinstance(module, str) and isinstance(name, str) else "?")
+            elif isinstance(arg, str) and len(pushed) == 1:  # the string opcodes
+                pushed = [arg]
             elif op.name in ("GET", "BINGET", "LONG_BINGET"):
-                pushed = memo.get(arg)
-            if pushed is not None:
-                strings.append(pushed)
-            last = pushed
-    except ValueError:  # bytes that are not one whole pickle
+                pushed = [memo.get(arg)]
+            stack.extend(_MARK if kind is pickletools.markobject else value
+                         for kind, value in zip(op.stack_after, pushed, strict=True))
+    except (ValueError, IndexError):  # bytes that are not one whole pickle
         return None
     return found
+
+
+# Opcodes that leave the stack's items as they are (pickletools' stack effects would lose their values).
+_IN_PLACE = ("DUP", "POP", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE")
+
+
+def _in_place(name: str, arg: Any, stack: list, memo: dict) -> None:
+    if name == "DUP":
+        stack.append(stack[-1])
+    elif name == "POP":  # the top item, or the topmost mark when that is on top
+        stack.pop()
+    else:  # PUT and MEMOIZE store the top item, which stays
+        memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
 
 
 def _pickle_of(f: Any) -> bytes | None:

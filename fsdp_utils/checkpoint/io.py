@@ -23,6 +23,7 @@ import torch
 from data.store import HF_TOKENIZER_NAME, tokenizer_sha256
 from model import ModelConfig, Transformer
 
+from . import nofollow
 from .format import (
     META_KEYS,
     OPTIONAL_META_KEYS,
@@ -139,6 +140,9 @@ def install_tokenizer(source: Path, out_dir: Path) -> None:
     written through a symbolic link (the copy is renamed into place, which replaces a link itself)."""
     dest = out_dir / run_tokenizer_name(source)
     new = tokenizer_sha256(source)
+    if dest.exists() and not (dest.is_file() or dest.is_dir()):  # reading a FIFO or a device would never end
+        raise CheckpointError(f"{dest}: {nofollow.kind_of(dest.stat().st_mode)} where the run's tokenizer goes; "
+                              "move it away")
     if dest.exists():
         old = tokenizer_sha256(dest)
         if old == new:
@@ -155,10 +159,7 @@ def install_tokenizer(source: Path, out_dir: Path) -> None:
     elif dest.is_symlink() and source.is_dir():  # a broken link: renaming a folder onto it would fail
         raise CheckpointError(f"{dest}: a broken symbolic link where the run's tokenizer goes; remove it")
     tmp = out_dir / f"{TMP_PREFIX}{dest.name}"  # a leftover of an interrupted copy, if any, is ours
-    if tmp.is_dir() and not tmp.is_symlink():
-        shutil.rmtree(tmp)
-    elif tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
+    nofollow.remove(tmp)
     if source.is_dir():
         shutil.copytree(source, tmp)
     else:

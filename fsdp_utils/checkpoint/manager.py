@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..distributed import DistEnv, agree, barrier
+from . import nofollow
 from .async_save import AsyncSaveFailed, AsyncSaver
 from .base import CheckpointContext, CheckpointFormat, TrainState, gather_rng, restore_rng
 from .format import (
@@ -31,12 +32,13 @@ from .format import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointMismatch,
+    CheckpointUnsafe,
     check_structure,
     first_line,
     size_of,
 )
 from .full import FullCheckpoint
-from .retention import complete_checkpoints, move_aside
+from .retention import complete_checkpoints, move_aside, odd_checkpoints
 from .sharded import ShardedCheckpoint
 from .staging import state_bytes
 from .verify import verify
@@ -177,6 +179,10 @@ class CheckpointManager:
     def resolve(self, resume_from: str) -> list[Path]:
         """Candidates to try in order: the given path, or for `latest` every complete one, newest first."""
         if resume_from == "latest":
+            if odd := odd_checkpoints(self.dir):  # never read, counted or deleted: the user's to sort out
+                raise CheckpointUnsafe(f"{odd[0]}: {nofollow.kind_of(os.lstat(odd[0]).st_mode)} under a checkpoint's "
+                                       "name in the output directory, where only the run's own checkpoints belong; "
+                                       "move it away")
             candidates = [path for _, path in self.complete_checkpoints()]
             if not candidates:
                 raise CheckpointError(f"--resume_from latest: no complete checkpoint in {self.dir}")

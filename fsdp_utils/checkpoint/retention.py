@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
+import stat
 from pathlib import Path
 
+from . import nofollow
 from .format import CORRUPT_PREFIX, FULL_RE, META_NAME, SHARDED_RE, TMP_PREFIX, sidecar_of
 
 log = logging.getLogger(__name__)
@@ -15,23 +16,40 @@ log = logging.getLogger(__name__)
 
 def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint in `directory`, newest first. A sharded folder counts
-    once its meta.json is there (written last); `.tmp-` and `corrupt-` names never match."""
+    once its meta.json is there (written last, so whatever is there under that name marks a save that ended;
+    loading checks what it is); `.tmp-` and `corrupt-` names never match. Only the run's own files and
+    folders count: a link under a checkpoint's name is never loaded, counted or deleted (`odd_checkpoints`
+    names them)."""
     found = []
     if directory.is_dir():
-        for path in directory.iterdir():
-            if m := FULL_RE.match(path.name):
+        for entry in os.scandir(directory):
+            path = Path(entry.path)
+            if (m := FULL_RE.match(entry.name)) and entry.is_file(follow_symlinks=False):
                 found.append((int(m.group(1)), path))
-            elif (m := SHARDED_RE.match(path.name)) and (path / META_NAME).is_file():
+            elif ((m := SHARDED_RE.match(entry.name)) and entry.is_dir(follow_symlinks=False)
+                  and os.path.lexists(path / META_NAME)):
                 found.append((int(m.group(1)), path))
     return sorted(found, key=lambda item: item[0], reverse=True)
 
 
+def odd_checkpoints(directory: Path) -> list[Path]:
+    """Entries of `directory` under a checkpoint's name that a save never makes: a link, a FIFO, a device, a
+    folder under a full checkpoint's name or a file under a sharded one's."""
+    odd = []
+    for entry in os.scandir(directory) if directory.is_dir() else ():
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if (FULL_RE.match(entry.name) and not stat.S_ISREG(mode)) or (SHARDED_RE.match(entry.name)
+                                                                      and not stat.S_ISDIR(mode)):
+            odd.append(Path(entry.path))
+    return sorted(odd)
+
+
 def remove(path: Path) -> None:
-    """Remove a file or a folder, if there."""
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    """Remove a file or a folder, if there (a link itself, never what it points to); a failure is logged."""
+    try:
+        nofollow.remove(path)
+    except OSError as err:
+        log.warning("cannot remove %s (%s)", path, err)
 
 
 def remove_incomplete(directory: Path) -> None:
@@ -50,18 +68,18 @@ def apply_retention(directory: Path, newest: Path, *, keep_last_n: int) -> None:
     for path in others[keep_last_n - 1:]:
         log.info("removing old checkpoint %s (checkpoint.keep_last_n=%d)", path, keep_last_n)
         remove(path)
-        sidecar_of(path).unlink(missing_ok=True)
+        remove(sidecar_of(path))
 
 
 def move_aside(path: Path) -> Path:
     """Rename a corrupt checkpoint (and its checksum record) to a name that is never loaded or deleted;
     returns the new path."""
     target, n = path.with_name(CORRUPT_PREFIX + path.name), 1
-    while target.exists():
+    while os.path.lexists(target):
         n += 1
         target = path.with_name(f"{CORRUPT_PREFIX}{n}-{path.name}")
     os.replace(path, target)
-    if sidecar_of(path).exists():
+    if os.path.lexists(sidecar_of(path)):
         os.replace(sidecar_of(path), sidecar_of(target))
     log.warning("moved %s aside to %s: it is never loaded or deleted automatically; delete it once inspected",
                 path.name, target.name)

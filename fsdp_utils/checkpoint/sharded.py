@@ -6,7 +6,6 @@ background write the same way."""
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..distributed import agree, barrier
+from . import nofollow
 from .base import (
     CheckpointFormat,
     TrainState,
@@ -43,6 +43,7 @@ from .format import (
     read_sharded_meta,
     save_with_checksum,
     sharded_name,
+    with_meta_crc32,
     write_json,
 )
 from .retention import remove
@@ -52,13 +53,12 @@ from .verify import hash_own_files
 def replace_dir(src: Path, dst: Path) -> None:
     """Rename folder `src` to `dst`. os.replace cannot replace a non-empty folder, so an existing `dst` is
     first renamed to a `.tmp-` name, which the next save removes should we stop before deleting it here."""
-    if dst.exists():
+    if os.path.lexists(dst):
         old = dst.with_name(f"{TMP_PREFIX}replaced-{dst.name}")
-        if old.exists():
-            shutil.rmtree(old)
+        nofollow.remove(old)
         os.replace(dst, old)
         os.replace(src, dst)
-        shutil.rmtree(old)
+        nofollow.remove(old)
     else:
         os.replace(src, dst)
 
@@ -122,8 +122,8 @@ class ShardedCheckpoint(CheckpointFormat):
                 if error is None:
                     records[RNG_NAME], rng_crc_s = save_with_checksum({"rng": state.rng}, tmp / RNG_NAME)
                     crc_s += rng_crc_s
-                    write_json(tmp / META_NAME, {**self.context.metadata(state),
-                                                 "files": dict(sorted(records.items()))})
+                    write_json(tmp / META_NAME, with_meta_crc32({**self.context.metadata(state),
+                                                                 "files": dict(sorted(records.items()))}))
                     replace_dir(tmp, final)
             except Exception as err:  # agreed with the other ranks below
                 error = write_error(final, err)

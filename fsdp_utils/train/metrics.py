@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.nofollow import open_append
 from .peak_flops import resolve_peak_flops
 from .trackers import Tracker, scalars
 
@@ -43,7 +44,7 @@ class MetricsWriter:
 
     def __init__(self, output_dir: Path, *, trackers: Sequence[Tracker] = ()):
         self.path = output_dir / "metrics.jsonl"
-        self.file = self.path.open("a")
+        self.file = open_append(self.path)  # never through a link, a FIFO or a device at that name
         self.trackers = list(trackers)
 
     def write(self, row: dict) -> None:

@@ -15,6 +15,7 @@ import os
 import socket
 from pathlib import Path
 
+from ..checkpoint.nofollow import open_fd
 from ..distributed import DistEnv, agree
 
 log = logging.getLogger(__name__)
@@ -29,12 +30,8 @@ def _acquire(out_dir: Path) -> int | None:
     """The open, locked lock file's descriptor; RunLocked naming the holder if another process has it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK_NAME
-    try:  # O_NOFOLLOW: the holder's line is written into run.lock itself, never through a link to another file
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise RunLocked(f"{path} is a symbolic link; refusing to write through it (remove the link)") from None
-        raise
+    # The holder's line is written into run.lock itself, never through a link, and a FIFO there never blocks.
+    fd = open_fd(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:

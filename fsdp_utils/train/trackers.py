@@ -21,6 +21,8 @@ import yaml
 
 from config import Config
 
+from ..checkpoint import nofollow
+
 log = logging.getLogger("train")
 
 # tracker -> (the module it imports, the package that provides it)
@@ -80,7 +82,8 @@ class TensorBoardTracker:
     def __init__(self, out_dir: Path, *, run_name: str, config: dict):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(out_dir / "tensorboard"))
+        # The event files go into the run's own folder, never through a link to another one.
+        self.writer = SummaryWriter(str(nofollow.make_dir(out_dir / "tensorboard")))
         text = yaml.safe_dump(config, sort_keys=False)
         self.writer.add_text("config", f"run {run_name}\n\n```yaml\n{text}```".replace("\n", "  \n"))
 
@@ -157,12 +160,27 @@ def mlflow_uri(cfg: Config) -> str:
             or (cfg.output_dir / "mlruns").resolve().as_uri())
 
 
+def read_ids(path: Path) -> dict:
+    """The tracked runs' ids kept in trackers.json ({} when there is none); one line naming it if unreadable."""
+    if not os.path.lexists(path):
+        return {}
+    try:
+        ids = json.loads(nofollow.read_small(path, limit=1 << 20))
+    except nofollow.UnsafePath:
+        raise
+    except (OSError, ValueError, RecursionError) as err:
+        raise nofollow.UnsafePath(f"{path}: unreadable ({type(err).__name__}: {err}); fix or remove it") from None
+    if not isinstance(ids, dict) or not all(isinstance(v, str) for v in ids.values()):
+        raise nofollow.UnsafePath(f"{path}: not a record of tracked run ids; fix or remove it")
+    return ids
+
+
 def open_trackers(cfg: Config, *, resumed: bool) -> list[Tracker]:
     """The trackers of logging.trackers, on rank 0. A resumed run reuses the run ids kept in trackers.json;
     a fresh one starts new tracked runs and records their ids there."""
     out_dir = cfg.output_dir
     ids_path = out_dir / IDS_FILE
-    ids = json.loads(ids_path.read_text()) if resumed and ids_path.is_file() else {}
+    ids = read_ids(ids_path) if resumed else {}
     config = cfg.to_dict()
     trackers: list[Tracker] = []
     for name in cfg.logging.tracker_names:
@@ -182,6 +200,8 @@ def open_trackers(cfg: Config, *, resumed: bool) -> list[Tracker]:
             log.info("%s: tracking run %s", name, ids[name])
     if ids:
         tmp = ids_path.with_name(f".tmp-{IDS_FILE}")
-        tmp.write_text(json.dumps(ids, indent=1) + "\n")
-        os.replace(tmp, ids_path)
+        nofollow.remove(tmp)
+        with nofollow.open_new(tmp) as f:
+            f.write((json.dumps(ids, indent=1) + "\n").encode())
+        os.replace(tmp, ids_path)  # replaces a link at that name itself
     return trackers
