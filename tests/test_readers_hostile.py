@@ -1,0 +1,148 @@
+"""The corpus readers on hostile input: decompression bombs, special files, links, deep JSON."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data import DataError, readers
+from tests.helpers import ROOT
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+zstandard = pytest.importorskip("zstandard")
+
+BOMB_MB = 128  # what each bomb decompresses to
+MiB = 1 << 20
+
+# Reads each file named on the command line as preparation does (pieces, then their documents, with
+# data.max_document_mb=1 and data.on_bad_record=skip) and prints, per file, how far the peak resident size
+# rose above the resident size before reading it (Linux: writing 5 to clear_refs resets the peak), the
+# documents read and the bad records.
+READ_FILES = """
+import json, re, sys
+from pathlib import Path
+import pyarrow.parquet  # imported before measuring: the import is no part of reading
+from data import readers
+
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
+
+for name in sys.argv[1:]:
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status("VmRSS")
+    bad, documents = [], 0
+    for piece in readers.read_pieces(Path(name), piece_bytes=1 << 20, text_field="text", max_document_mb=1,
+                                     skip_long=True):
+        documents += sum(1 for _ in readers.piece_documents(piece, text_field="text", strict=True,
+                                                             max_document_mb=1, bad_record=bad.append))
+    rise = (status("VmHWM") - before) / 1024
+    print(json.dumps({"file": name, "rise_mb": rise, "documents": documents, "bad": bad}), flush=True)
+"""
+
+
+def _zst_bomb(path: Path) -> None:
+    with open(path, "wb") as f, zstandard.ZstdCompressor(level=3).stream_writer(f) as out:
+        out.write(b'{"text": "')
+        for _ in range(BOMB_MB):
+            out.write(b"a" * MiB)
+        out.write(b'"}\n{"text": "after"}\n')
+
+
+def _gz_bomb(path: Path) -> None:
+    with gzip.open(path, "wb", compresslevel=1) as out:
+        out.write(b'{"text": "')
+        for _ in range(BOMB_MB):
+            out.write(b"a" * MiB)
+        out.write(b'"}\n{"text": "after"}\n')
+
+
+def _parquet_cell_bomb(path: Path) -> None:
+    """One value of BOMB_MB MB between two small ones, in one row group."""
+    table = pa.table({"text": ["before", "a" * (BOMB_MB * MiB), "after"]})
+    pq.write_table(table, path, compression="zstd", write_statistics=False)  # statistics of it would take seconds
+
+
+def _parquet_dictionary_bomb(path: Path) -> None:
+    """A 2 MB value written once in the dictionary page and referenced by BOMB_MB / 2 rows: small pages,
+    but BOMB_MB MB of text once the rows are decoded."""
+    rows = pa.DictionaryArray.from_arrays(pa.array([0] * (BOMB_MB // 2), pa.int32()), pa.array(["a" * (2 * MiB)]))
+    pq.write_table(pa.table({"text": rows}), path, compression="zstd", store_schema=False)
+
+
+def _sparse(path: Path, head: bytes) -> None:
+    """A file of BOMB_MB MB without a line end (sparse on disk: holes read as zero bytes)."""
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(BOMB_MB * MiB)
+
+
+BOMBS = {
+    "bomb.jsonl.zst": _zst_bomb,
+    "bomb.jsonl.gz": _gz_bomb,
+    "cell.parquet": _parquet_cell_bomb,
+    "dictionary.parquet": _parquet_dictionary_bomb,
+    "endless.jsonl": lambda p: _sparse(p, b'{"text": "'),
+    "endless.txt": lambda p: _sparse(p, b"text"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures the peak resident size on Linux")
+def test_decompression_bombs_are_read_in_bounded_memory(tmp_path):
+    for name, write in BOMBS.items():
+        write(tmp_path / name)
+    assert max((tmp_path / name).stat().st_blocks * 512 for name in BOMBS) < 4 * MiB  # small on disk
+    out = subprocess.run([sys.executable, "-c", READ_FILES, *(str(tmp_path / name) for name in BOMBS)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    reports = {Path(r["file"]).name: r for r in map(json.loads, out.stdout.splitlines())}
+    assert list(reports) == list(BOMBS)
+    for name, report in reports.items():
+        # Bounded by the settings, never by the bomb's size: pieces and documents of 1 MB, zstd's window, and
+        # parquet batches of 16 MB (PARQUET_BATCH_BYTES), which pyarrow and the worker's Python strings hold
+        # a few times over while decoding.
+        assert report["rise_mb"] < 100, (name, report["rise_mb"])
+    for name in ("bomb.jsonl.zst", "bomb.jsonl.gz"):  # the long line skipped, the next one read
+        assert reports[name]["documents"] == 1
+        assert reports[name]["bad"] == [f"{tmp_path / name} line 1: a record of more than data.max_document_mb=1 MB"]
+    assert reports["cell.parquet"]["documents"] == 0
+    assert reports["cell.parquet"]["bad"] == [
+        f"{tmp_path / 'cell.parquet'} rows 0 to 2: a page of {BOMB_MB:.1f} MB in column 'text' could hold a record "
+        f"of more than data.max_document_mb=1 MB"]
+    assert reports["dictionary.parquet"]["documents"] == 0
+    assert len(reports["dictionary.parquet"]["bad"]) == BOMB_MB // 2  # each row: a record of 2 MB
+    assert reports["endless.jsonl"]["documents"] == 0 and len(reports["endless.jsonl"]["bad"]) == 1
+    assert reports["endless.txt"]["documents"] == BOMB_MB  # cut into documents of 1 MB
+
+
+def test_a_parquet_page_past_the_document_bound_is_an_error_naming_the_rows(tmp_path):
+    path = tmp_path / "c.parquet"
+    big = "b" * (17 * MiB)  # past the document bound of 0.5 MB plus PARQUET_PAGE_SLACK
+    pq.write_table(pa.table({"text": ["one", "two", big, "four", "five", "six"]}), path, row_group_size=3)
+    with pytest.raises(DataError) as caught:
+        list(readers.read_pieces(path, piece_bytes=MiB, text_field="text", max_document_mb=0.5, skip_long=False))
+    assert str(caught.value) == (f"{path} rows 0 to 2: a page of 17.0 MB in column 'text' could hold a record of "
+                                 f"more than data.max_document_mb=0.5 MB (data.on_bad_record=skip skips such records)")
+    pieces = list(readers.read_pieces(path, piece_bytes=MiB, text_field="text", max_document_mb=0.5, skip_long=True))
+    assert [p.kind for p in pieces] == ["too_long", "rows"]
+    assert pieces[1].first == 3 and pieces[1].data.to_pylist() == ["four", "five", "six"]
+
+
+@pytest.mark.parametrize("options", [{}, {"use_dictionary": False, "data_page_size": 4096},
+                                     {"use_dictionary": False, "column_encoding": {"text": "DELTA_BYTE_ARRAY"}},
+                                     {"data_page_version": "2.0", "compression": "zstd"}])
+def test_parquet_pages_are_measured_in_every_layout(options, tmp_path):
+    """The page headers are read for every encoding and page version pyarrow writes; the largest page bounds
+    the batch, and every row comes through once, in order."""
+    documents = [f"document {i} " * (1 + i % 40) for i in range(3000)]
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"id": list(range(len(documents))), "text": documents}), path, row_group_size=1000,
+                   **options)
+    pieces = list(readers.read_pieces(path, piece_bytes=MiB, text_field="text", max_document_mb=1, skip_long=False))
+    assert [text for p in pieces for text in p.data.to_pylist()] == documents
+    assert [p.first for p in pieces] == [sum(len(q.data) for q in pieces[:i]) for i in range(len(pieces))]
