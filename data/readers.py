@@ -16,6 +16,7 @@ import glob
 import gzip
 import importlib
 import json
+import stat
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -63,28 +64,65 @@ def format_of(path: Path) -> tuple[str, str | None] | None:
 
 
 def expand_inputs(entries: list[str]) -> list[Path]:
-    """Files named by data.files entries: files, folders (every supported file below, sorted) and globs."""
+    """Files named by data.files entries: files, folders (every supported file below, sorted) and globs.
+
+    Only regular files are read (a FIFO or device would block reading or never end): any other file an entry
+    names or matches is an error. Symbolic links to directories are not followed below a folder or a `**`
+    (a link to a directory above it would repeat the tree without end), and each file is read once, however
+    many entries or links name it: the first name is kept."""
     paths: list[Path] = []
     for entry in entries:
         path = Path(entry).expanduser()
         if glob.has_magic(str(path)):
-            matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-            found = [p for p in matches if format_of(p)]
+            found = [p for p in sorted(_glob(path)) if format_of(p) and _regular_file(p)]
             if not found:
                 raise DataError(f"no {SUPPORTED} files match {entry}")
             paths.extend(found)
         elif not path.exists():
             raise DataError(f"data file not found: {path}")
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and format_of(p))
+            found = sorted(p for p in path.rglob("*") if format_of(p) and _regular_file(p))
             if not found:
                 raise DataError(f"no {SUPPORTED} files under directory {path}")
             paths.extend(found)
-        elif format_of(path):
-            paths.append(path)
-        else:
+        elif not format_of(path):
             raise DataError(f"unsupported data file {path}: expected one of {SUPPORTED}, a folder or a glob of them")
-    return paths
+        elif _regular_file(path):
+            paths.append(path)
+    return _once_each(paths)
+
+
+def _glob(pattern: Path) -> Iterator[Path]:
+    """pathlib's glob from the pattern's first wildcard: unlike glob.glob, its `**` does not follow links."""
+    parts = pattern.parts if pattern.name != "**" else (*pattern.parts, "*")  # glob.glob's `**` matches files too
+    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    return Path(*parts[:first]).glob(str(Path(*parts[first:]))) if first else Path().glob(str(Path(*parts)))
+
+
+def _regular_file(path: Path) -> bool:
+    """True for a regular file (or a link to one), False for a directory; DataError for anything else."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as err:
+        raise DataError(f"cannot read data file {path}: {err.strerror or err}") from None
+    if stat.S_ISDIR(mode):
+        return False
+    if not stat.S_ISREG(mode):
+        raise DataError(f"data file {path} is not a regular file (a FIFO, device or socket): data.files takes "
+                        f"files, folders and globs of them")
+    return True
+
+
+def _once_each(paths: list[Path]) -> list[Path]:
+    """The paths without a second name for the same file (the same device and inode)."""
+    seen: set[tuple[int, int]] = set()
+    unique = []
+    for path in paths:
+        identity = (path.stat().st_dev, path.stat().st_ino)
+        if identity not in seen:
+            seen.add(identity)
+            unique.append(path)
+    return unique
 
 
 def optional_import(module: str, package: str, path: Path):

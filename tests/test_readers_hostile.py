@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +147,40 @@ def test_parquet_pages_are_measured_in_every_layout(options, tmp_path):
     pieces = list(readers.read_pieces(path, piece_bytes=MiB, text_field="text", max_document_mb=1, skip_long=False))
     assert [text for p in pieces for text in p.data.to_pylist()] == documents
     assert [p.first for p in pieces] == [sum(len(q.data) for q in pieces[:i]) for i in range(len(pieces))]
+
+
+# ---------------------------------------------------------------- which files are read
+
+
+def test_only_regular_files_are_read(tmp_path):
+    (tmp_path / "ok.jsonl").write_text('{"text": "x"}\n')
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    (tmp_path / "device.jsonl").symlink_to("/dev/zero")
+    for entry in ("pipe.jsonl", "device.jsonl"):
+        with pytest.raises(DataError) as caught:
+            readers.expand_inputs([str(tmp_path / entry)])
+        assert str(caught.value) == (f"data file {tmp_path / entry} is not a regular file (a FIFO, device or socket): "
+                                     f"data.files takes files, folders and globs of them")
+    for entry in (str(tmp_path), str(tmp_path / "*.jsonl"), str(tmp_path / "**")):  # found by a folder or a glob
+        with pytest.raises(DataError, match=r"device\.jsonl is not a regular file"):
+            readers.expand_inputs([entry])
+    (tmp_path / "device.jsonl").unlink()
+    with pytest.raises(DataError, match=r"pipe\.jsonl is not a regular file"):
+        readers.expand_inputs([str(tmp_path)])
+    (tmp_path / "pipe.jsonl").unlink()
+    (tmp_path / "folder.jsonl").mkdir()  # a folder whose name looks like a file is not one
+    assert readers.expand_inputs([str(tmp_path / "*.jsonl")]) == [tmp_path / "ok.jsonl"]
+
+
+def test_each_file_is_read_once_and_link_loops_are_not_followed(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "a").mkdir(parents=True)
+    (corpus / "a" / "x.jsonl").write_text('{"text": "x"}\n')
+    (corpus / "b.jsonl").write_text('{"text": "b"}\n')
+    (corpus / "a" / "up").symlink_to("..")  # a loop: corpus/a/up/a/up/...
+    (corpus / "link-to-b.jsonl").symlink_to("b.jsonl")  # after b.jsonl in sorted order: b.jsonl is kept
+    expected = [corpus / "a" / "x.jsonl", corpus / "b.jsonl"]
+    assert readers.expand_inputs([str(corpus / "**" / "*.jsonl")]) == expected
+    assert readers.expand_inputs([str(corpus)]) == expected
+    assert readers.expand_inputs([str(corpus / "b.jsonl"), str(corpus), str(corpus / "*.jsonl")]) == [
+        corpus / "b.jsonl", corpus / "a" / "x.jsonl"]
