@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from data import DataError, readers
+from config import ConfigError, load_config
+from data import DataError, PrepareSettings, readers
 from tests.helpers import ROOT
+from tests.test_data import prep
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -184,3 +186,23 @@ def test_each_file_is_read_once_and_link_loops_are_not_followed(tmp_path):
     assert readers.expand_inputs([str(corpus)]) == expected
     assert readers.expand_inputs([str(corpus / "b.jsonl"), str(corpus), str(corpus / "*.jsonl")]) == [
         corpus / "b.jsonl", corpus / "a" / "x.jsonl"]
+
+
+# ---------------------------------------------------------------- settings
+
+
+def test_a_document_bound_below_one_byte_is_refused(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["--data.max_document_mb=1e-7"])
+    assert caught.value.problems == ["data.max_document_mb must be at least one byte (9.54e-07 MB), got 1e-07"]
+    with pytest.raises(DataError, match=r"^data.max_document_mb must be at least one byte \(9.54e-07 MB\), got 1e-07$"):
+        prep(tmp_path, [str(tmp_path / "c.jsonl")], max_document_mb=1e-7)
+    load_config(None, [f"--data.max_document_mb={1 / 2**20}"])  # one byte is a bound
+
+
+def test_worker_processes_are_at_most_the_usable_cpus():
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert PrepareSettings(num_workers=100_000).processes(1 << 30) == cpus
+    assert PrepareSettings(num_workers=1).processes(1 << 30) == 1
+    assert PrepareSettings().processes(1 << 30) == cpus
