@@ -541,6 +541,8 @@ def _jsonl_records(piece: Piece, *, bad_record: Callable[[str], None]) -> Iterat
             bad_record(f"{where}: not valid UTF-8 ({err.reason})")
         except json.JSONDecodeError as err:
             bad_record(f"{where}: invalid JSON ({err.msg})")
+        except RecursionError:  # json.loads recurses once per nesting level
+            bad_record(f"{where}: JSON nested too deeply to read")
 
 
 def piece_conversations(piece: Piece, *, fields: ChatFields,

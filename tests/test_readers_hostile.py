@@ -12,6 +12,8 @@ import pytest
 
 from config import ConfigError, load_config
 from data import DataError, PrepareSettings, readers
+from data.chat import ChatFields
+from data.mixture import BLOCK as MIX_BLOCK, block_slots, source_problems
 from tests.helpers import ROOT
 from tests.test_data import prep
 
@@ -206,3 +208,32 @@ def test_worker_processes_are_at_most_the_usable_cpus():
     assert PrepareSettings(num_workers=100_000).processes(1 << 30) == cpus
     assert PrepareSettings(num_workers=1).processes(1 << 30) == 1
     assert PrepareSettings().processes(1 << 30) == cpus
+
+
+def test_weights_whose_sum_overflows_are_relative_weights_like_any(tmp_path):
+    assert block_slots([1e308, 1e308]) == [MIX_BLOCK // 2, MIX_BLOCK // 2]
+    assert block_slots([1.5e308, 1e308, 1e308, 0.5e308]) == block_slots([3, 2, 2, 1])
+    assert block_slots([1e308, 1e-10]) == [MIX_BLOCK, 0]  # a share too small for a slot, said by the config check
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for folder in folders:
+        folder.mkdir()
+        (folder / "meta.json").write_text(json.dumps({"format": "text", "tokenizer_sha256": "t", "vocab_size": 320,
+                                                      "dtype": "uint16"}))
+    assert source_problems([(str(folders[0]), 1e308), (str(folders[1]), 1e308)]) == []
+
+
+# ---------------------------------------------------------------- records
+
+
+def test_json_nested_too_deeply_is_a_bad_record(tmp_path):
+    lines = b'{"text": "before"}\n' + b"[" * 100_000 + b"\n" + b'{"text": "after"}\n'
+    piece = readers.Piece("jsonl", "c.jsonl", lines, 1, len(lines), len(lines))
+    bad: list[str] = []
+    documents = list(readers.piece_documents(piece, text_field="text", strict=True, max_document_mb=1,
+                                             bad_record=bad.append))
+    assert [text for text, _ in documents] == ["before", "after"]
+    assert bad == ["c.jsonl line 2: JSON nested too deeply to read"]
+    assert list(readers.piece_conversations(piece, fields=ChatFields(), bad_record=bad.append)) == []
+    assert bad[1:] == ["c.jsonl line 1: expected a list 'messages', or string fields 'prompt' and 'response'",
+                       "c.jsonl line 2: JSON nested too deeply to read",
+                       "c.jsonl line 3: expected a list 'messages', or string fields 'prompt' and 'response'"]
