@@ -554,6 +554,17 @@ class _BoundedLoader(yaml.SafeLoader):
                              f"write the values out instead")
         return super().construct_document(node)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value):,} characters is too long to be a setting",
+                node.start_mark) from None
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
     """One line for a YAML error: what went wrong and, when known, where."""

@@ -203,6 +203,19 @@ def test_a_document_bound_below_one_byte_is_refused(tmp_path):
     load_config(None, [f"--data.max_document_mb={1 / 2**20}"])  # one byte is a bound
 
 
+def test_an_integer_too_long_for_python_is_one_config_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  name: x\n  seed: " + "1" * 5000 + "\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems == [f"{path}: not valid YAML: an integer of 5,000 characters is too long to be a "
+                                     f"setting (line 3, column 9)"]
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["--run.seed=" + "1" * 5000])
+    assert caught.value.problems == ["override --run.seed: not valid YAML: an integer of 5,000 characters is too long "
+                                     "to be a setting (line 1, column 1)"]
+
+
 def test_worker_processes_are_at_most_the_usable_cpus():
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert PrepareSettings(num_workers=100_000).processes(1 << 30) == cpus
