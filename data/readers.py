@@ -141,8 +141,10 @@ def read_pieces(path: Path, *, piece_bytes: int, text_field: str, max_document_m
     """The file's content as pieces of about piece_bytes (one document each for .txt and .py files).
 
     A line longer than max_document_mb: a .txt line is cut into documents of at most that size; a JSON
-    line is read through without being kept, then given as a "too_long" piece (skip_long), or is an error
-    at once. With max_read_bytes (> 0), reading stops after the piece that reaches it.
+    line is given as a "too_long" piece, after reading through it without keeping it (skip_long), or at
+    once, as the file's last piece (the record is an error: the worker that reaches it raises it, after the
+    records before it, so the first bad record of the file is the one named). With max_read_bytes (> 0),
+    reading stops after the piece that reaches it.
     """
     layout, compression = format_of(path) or ("text", None)  # the stdlib corpus's .py files are text
     max_document_bytes = int(max_document_mb * 2**20)
@@ -154,22 +156,29 @@ def read_pieces(path: Path, *, piece_bytes: int, text_field: str, max_document_m
 
     def long_line() -> str:
         problem = f"{path} line {first_line}: a record of more than data.max_document_mb={max_document_mb:g} MB"
-        if not skip_long:  # said at once, rather than after reading the whole line
-            raise DataError(f"{problem} (data.on_bad_record=skip skips such records)")
+        if not skip_long:
+            raise _LongRecord(problem)
         return problem
 
     with open(path, "rb") as raw:
         stream = _decompressed(raw, compression, path)
         lines = _cut_after_lines(stream, size, path=path, compression=compression, max_line=max_document_bytes,
                                  cut_long=layout == "text", limit=max_read_bytes, on_long_line=long_line)
-        for data in lines:
-            if isinstance(data, tuple):
-                problem, num_bytes = data
-                yield Piece("too_long", str(path), problem, first_line, num_bytes, raw.tell())
-                first_line += 1
-                continue
-            yield Piece(layout, str(path), data, first_line, len(data), raw.tell())
-            first_line += data.count(b"\n")
+        try:
+            for data in lines:
+                if isinstance(data, tuple):
+                    problem, num_bytes = data
+                    yield Piece("too_long", str(path), problem, first_line, num_bytes, raw.tell())
+                    first_line += 1
+                    continue
+                yield Piece(layout, str(path), data, first_line, len(data), raw.tell())
+                first_line += data.count(b"\n")
+        except _LongRecord as stop:
+            yield Piece("too_long", str(path), str(stop), first_line, 0, raw.tell())
+
+
+class _LongRecord(Exception):
+    """Stops reading a file at a record over the document bound that is an error (data.on_bad_record)."""
 
 
 class _Readable(Protocol):
@@ -326,9 +335,9 @@ def _parquet_pieces(path: Path, field: str, *, max_document_bytes: int, skip_lon
                 problem = (f"{path} rows {row} to {row + group_rows - 1}: a page of {largest / 2**20:.1f} MB in column "
                            f"'{field}' could hold a record of more than data.max_document_mb="
                            f"{max_document_bytes / 2**20:g} MB")
-                if not skip_long:
-                    raise DataError(f"{problem} (data.on_bad_record=skip skips such records)")
                 yield Piece("too_long", str(path), problem, row, 0, done)
+                if not skip_long:  # an error, raised by the worker that reaches it (see read_pieces)
+                    return
             else:
                 batch_rows = max(1, min(PARQUET_BATCH_ROWS, PARQUET_BATCH_BYTES // max(largest, 1)))
                 yield from _row_group_pieces(parquet, group, field, path, batch_rows=batch_rows, first=row, done=done)

@@ -125,17 +125,31 @@ def test_decompression_bombs_are_read_in_bounded_memory(tmp_path):
     assert reports["endless.txt"]["documents"] == BOMB_MB  # cut into documents of 1 MB
 
 
-def test_a_parquet_page_past_the_document_bound_is_an_error_naming_the_rows(tmp_path):
+def test_a_parquet_page_past_the_document_bound_is_a_bad_record_naming_the_rows(tmp_path):
     path = tmp_path / "c.parquet"
     big = "b" * (17 * MiB)  # past the document bound of 0.5 MB plus PARQUET_PAGE_SLACK
     pq.write_table(pa.table({"text": ["one", "two", big, "four", "five", "six"]}), path, row_group_size=3)
     with pytest.raises(DataError) as caught:
-        list(readers.read_pieces(path, piece_bytes=MiB, text_field="text", max_document_mb=0.5, skip_long=False))
+        prep(tmp_path, [str(path)], max_document_mb=0.5, num_workers=0)
     assert str(caught.value) == (f"{path} rows 0 to 2: a page of 17.0 MB in column 'text' could hold a record of "
                                  f"more than data.max_document_mb=0.5 MB (data.on_bad_record=skip skips such records)")
     pieces = list(readers.read_pieces(path, piece_bytes=MiB, text_field="text", max_document_mb=0.5, skip_long=True))
     assert [p.kind for p in pieces] == ["too_long", "rows"]
     assert pieces[1].first == 3 and pieces[1].data.to_pylist() == ["four", "five", "six"]
+
+
+def test_the_first_bad_record_is_the_one_named(tmp_path, monkeypatch):
+    """A record over the document bound is an error in its place: the worker process that reaches it says
+    so, after the records before it, even while the reading process is many chunks ahead."""
+    monkeypatch.setattr("data.prepare.CHUNK_BYTES", 4096)
+    path = tmp_path / "c.jsonl"
+    lines = [json.dumps({"text": f"document {i} " * 8}) for i in range(3000)]
+    lines[1] = "{not json"
+    lines[80] = json.dumps({"text": "z" * 3000})  # two chunks on: within what the reading process reads ahead
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path, [str(path)], max_document_mb=2000 / MiB, num_workers=1)
+    assert str(caught.value).startswith(f"{path} line 2: invalid JSON")
 
 
 @pytest.mark.parametrize("options", [{}, {"use_dictionary": False, "data_page_size": 4096},
