@@ -40,7 +40,8 @@ PARQUET_BATCH_ROWS = 1024
 # A parquet batch has at most as many rows as this over the largest page keeps it to.
 PARQUET_BATCH_BYTES = 16 << 20
 # A parquet page is read when it is at most this much larger than data.max_document_mb: a page of several
-# records is larger than any of them, and pyarrow writes pages of about 1 MB.
+# records is larger than any of them, and pyarrow writes pages of about 1 MB (or of 1,024 values, where
+# those are larger).
 PARQUET_PAGE_SLACK = 16 << 20
 READ_BLOCK_BYTES = 1 << 20
 ZSTD_FEED_BYTES = 256
