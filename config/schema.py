@@ -129,7 +129,8 @@ class DataConfig:
     """Read at most this many MB of the (uncompressed) corpus, logging where it stops (0: all of it)."""
     max_document_mb: float = 64.0
     """Longest document (MB of text) preparation holds, which bounds its memory: a longer .txt line is cut
-    into documents of this size; a longer .jsonl line or parquet value is a bad record (data.on_bad_record)."""
+    into documents of this size; a longer .jsonl line or parquet value is a bad record (data.on_bad_record).
+    At least one byte (1/1048576)."""
     text_field: str = "text"
     """The .jsonl field, or parquet column, that holds each document's text."""
     on_bad_record: str = "error"
@@ -137,7 +138,7 @@ class DataConfig:
     error (stop, naming the file and line or row) or skip (count them and report the first)."""
     num_workers: int = 0
     """Processes that parse and tokenise the corpus in parallel (0: one per CPU core, or none for a corpus
-    under 16 MB); the output is the same for any number."""
+    under 16 MB; never more than the CPU cores preparation may run on); the output is the same for any number."""
     shard_tokens: int = 100_000_000
     """Training tokens per shard file of the prepared folder (a shard closes at the first work unit past it)."""
     max_in_job_mb: float = 1024.0
@@ -805,9 +806,11 @@ def _data_problems(cfg: Config) -> list[str]:
     for name in ("max_corpus_mb", "num_workers", "max_in_job_mb"):
         if getattr(d, name) < 0:
             p.append(f"data.{name} must not be negative, got {getattr(d, name)}")
-    for name in ("shard_tokens", "prepare_wait_s", "max_document_mb"):
+    for name in ("shard_tokens", "prepare_wait_s"):
         if getattr(d, name) <= 0:
             p.append(f"data.{name} must be positive, got {getattr(d, name)}")
+    if not d.max_document_mb * 2**20 >= 1:  # a smaller bound leaves no byte of a document to read
+        p.append(f"data.max_document_mb must be at least one byte ({1 / 2**20:.3g} MB), got {d.max_document_mb}")
     if not d.text_field:
         p.append("data.text_field must name the field or column holding the text")
     if cfg.model.type == "hf" and d.document_masking != cfg.model.reset_positions:

@@ -30,8 +30,11 @@ BLOCK = 1 << BLOCK_BITS
 
 def block_slots(weights: list[float]) -> list[int]:
     """Slots per source in a block of BLOCK: differences of the rounded-down cumulative shares."""
-    total = sum(weights)
-    bounds = [math.floor(BLOCK * sum(weights[: i + 1]) / total + 1e-9) for i in range(len(weights))]
+    shares, total = weights, sum(weights)
+    if not math.isfinite(BLOCK * total):  # finite weights too large to add: the same shares, relative to the largest
+        shares = [weight / max(weights) for weight in weights]
+        total = sum(shares)
+    bounds = [math.floor(BLOCK * sum(shares[: i + 1]) / total + 1e-9) for i in range(len(shares))]
     return [hi - lo for lo, hi in zip([0, *bounds[:-1]], bounds, strict=True)]
 
 

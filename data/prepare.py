@@ -131,8 +131,9 @@ class PrepareSettings:
             raise DataError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.max_corpus_mb < 0:
             raise DataError(f"data.max_corpus_mb must be >= 0 (0 = no cap), got {self.max_corpus_mb}")
-        if self.max_document_mb <= 0:
-            raise DataError(f"data.max_document_mb must be positive, got {self.max_document_mb}")
+        if not self.max_document_mb * 2**20 >= 1:
+            raise DataError(f"data.max_document_mb must be at least one byte ({1 / 2**20:.3g} MB), "
+                            f"got {self.max_document_mb}")
         if self.vocab_size < 1:
             raise DataError(f"data.vocab_size must be positive, got {self.vocab_size}")
         if self.shard_tokens < 1:
@@ -170,10 +171,18 @@ class PrepareSettings:
 
     def processes(self, corpus_bytes: int) -> int:
         """Worker processes to start: num_workers, or by default one per CPU core, or none (this process
-        does the work) for a corpus so small that starting processes would cost more than they save."""
+        does the work) for a corpus so small that starting processes would cost more than they save. Never
+        more than the CPU cores this process may run on: more would only share them."""
         if self.num_workers:
-            return self.num_workers
-        return len(os.sched_getaffinity(0)) if corpus_bytes > IN_PROCESS_MAX_BYTES else 0
+            return min(self.num_workers, usable_cpus())
+        return usable_cpus() if corpus_bytes > IN_PROCESS_MAX_BYTES else 0
+
+
+def usable_cpus() -> int:
+    """The CPU cores this process may run on (its affinity where the platform tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 # ---------------------------------------------------------------- the corpus

@@ -3,7 +3,9 @@
 The parent process streams each file as *pieces*, a bounded amount of raw input cut where a record ends:
 a block of JSON lines (plain, gzip or zstd), one document of a .txt file, or a batch of a parquet text
 column. No piece holds more than data.max_document_mb of one line: a longer .txt line is cut into
-documents of that size, and a longer JSON line is read through without being kept (a bad record).
+documents of that size, and a longer JSON line is read through without being kept (a bad record). Compressed
+input is decompressed a bounded amount at a time, and a parquet row group is decoded only when its page
+headers show no page that could hold a value past that bound (else it is one bad record).
 Worker processes turn pieces into documents (`piece_documents`), so JSON parsing and UTF-8 decoding
 run in parallel with everything else. pyarrow and zstandard are imported only when a parquet
 or zstd file is read.
@@ -14,6 +16,7 @@ import glob
 import gzip
 import importlib
 import json
+import stat
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +37,14 @@ SUPPORTED = ", ".join(FORMATS)
 # so no process ever holds a whole big file.
 TXT_DOCUMENT_BYTES = 1 << 20
 PARQUET_BATCH_ROWS = 1024
+# A parquet batch has at most as many rows as this over the largest page keeps it to.
+PARQUET_BATCH_BYTES = 16 << 20
+# A parquet page is read when it is at most this much larger than data.max_document_mb: a page of several
+# records is larger than any of them, and pyarrow writes pages of about 1 MB (or of 1,024 values, where
+# those are larger).
+PARQUET_PAGE_SLACK = 16 << 20
 READ_BLOCK_BYTES = 1 << 20
+ZSTD_FEED_BYTES = 256
 
 
 @dataclass
@@ -55,28 +65,65 @@ def format_of(path: Path) -> tuple[str, str | None] | None:
 
 
 def expand_inputs(entries: list[str]) -> list[Path]:
-    """Files named by data.files entries: files, folders (every supported file below, sorted) and globs."""
+    """Files named by data.files entries: files, folders (every supported file below, sorted) and globs.
+
+    Only regular files are read (a FIFO or device would block reading or never end): any other file an entry
+    names or matches is an error. Symbolic links to directories are not followed below a folder or a `**`
+    (a link to a directory above it would repeat the tree without end), and each file is read once, however
+    many entries or links name it: the first name is kept."""
     paths: list[Path] = []
     for entry in entries:
         path = Path(entry).expanduser()
         if glob.has_magic(str(path)):
-            matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-            found = [p for p in matches if format_of(p)]
+            found = [p for p in sorted(_glob(path)) if format_of(p) and _regular_file(p)]
             if not found:
                 raise DataError(f"no {SUPPORTED} files match {entry}")
             paths.extend(found)
         elif not path.exists():
             raise DataError(f"data file not found: {path}")
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and format_of(p))
+            found = sorted(p for p in path.rglob("*") if format_of(p) and _regular_file(p))
             if not found:
                 raise DataError(f"no {SUPPORTED} files under directory {path}")
             paths.extend(found)
-        elif format_of(path):
-            paths.append(path)
-        else:
+        elif not format_of(path):
             raise DataError(f"unsupported data file {path}: expected one of {SUPPORTED}, a folder or a glob of them")
-    return paths
+        elif _regular_file(path):
+            paths.append(path)
+    return _once_each(paths)
+
+
+def _glob(pattern: Path) -> Iterator[Path]:
+    """pathlib's glob from the pattern's first wildcard: unlike glob.glob, its `**` does not follow links."""
+    parts = pattern.parts if pattern.name != "**" else (*pattern.parts, "*")  # glob.glob's `**` matches files too
+    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    return Path(*parts[:first]).glob(str(Path(*parts[first:]))) if first else Path().glob(str(Path(*parts)))
+
+
+def _regular_file(path: Path) -> bool:
+    """True for a regular file (or a link to one), False for a directory; DataError for anything else."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as err:
+        raise DataError(f"cannot read data file {path}: {err.strerror or err}") from None
+    if stat.S_ISDIR(mode):
+        return False
+    if not stat.S_ISREG(mode):
+        raise DataError(f"data file {path} is not a regular file (a FIFO, device or socket): data.files takes "
+                        f"files, folders and globs of them")
+    return True
+
+
+def _once_each(paths: list[Path]) -> list[Path]:
+    """The paths without a second name for the same file (the same device and inode)."""
+    seen: set[tuple[int, int]] = set()
+    unique = []
+    for path in paths:
+        identity = (path.stat().st_dev, path.stat().st_ino)
+        if identity not in seen:
+            seen.add(identity)
+            unique.append(path)
+    return unique
 
 
 def optional_import(module: str, package: str, path: Path):
@@ -95,35 +142,44 @@ def read_pieces(path: Path, *, piece_bytes: int, text_field: str, max_document_m
     """The file's content as pieces of about piece_bytes (one document each for .txt and .py files).
 
     A line longer than max_document_mb: a .txt line is cut into documents of at most that size; a JSON
-    line is read through without being kept, then given as a "too_long" piece (skip_long), or is an error
-    at once. With max_read_bytes (> 0), reading stops after the piece that reaches it.
+    line is given as a "too_long" piece, after reading through it without keeping it (skip_long), or at
+    once, as the file's last piece (the record is an error: the worker that reaches it raises it, after the
+    records before it, so the first bad record of the file is the one named). With max_read_bytes (> 0),
+    reading stops after the piece that reaches it.
     """
     layout, compression = format_of(path) or ("text", None)  # the stdlib corpus's .py files are text
-    if layout == "parquet":
-        yield from _parquet_pieces(path, text_field)
-        return
     max_document_bytes = int(max_document_mb * 2**20)
+    if layout == "parquet":
+        yield from _parquet_pieces(path, text_field, max_document_bytes=max_document_bytes, skip_long=skip_long)
+        return
     size = min(TXT_DOCUMENT_BYTES if layout == "text" else piece_bytes, max_document_bytes)
     first_line = 1
 
     def long_line() -> str:
         problem = f"{path} line {first_line}: a record of more than data.max_document_mb={max_document_mb:g} MB"
-        if not skip_long:  # said at once, rather than after reading the whole line
-            raise DataError(f"{problem} (data.on_bad_record=skip skips such records)")
+        if not skip_long:
+            raise _LongRecord(problem)
         return problem
 
     with open(path, "rb") as raw:
         stream = _decompressed(raw, compression, path)
         lines = _cut_after_lines(stream, size, path=path, compression=compression, max_line=max_document_bytes,
                                  cut_long=layout == "text", limit=max_read_bytes, on_long_line=long_line)
-        for data in lines:
-            if isinstance(data, tuple):
-                problem, num_bytes = data
-                yield Piece("too_long", str(path), problem, first_line, num_bytes, raw.tell())
-                first_line += 1
-                continue
-            yield Piece(layout, str(path), data, first_line, len(data), raw.tell())
-            first_line += data.count(b"\n")
+        try:
+            for data in lines:
+                if isinstance(data, tuple):
+                    problem, num_bytes = data
+                    yield Piece("too_long", str(path), problem, first_line, num_bytes, raw.tell())
+                    first_line += 1
+                    continue
+                yield Piece(layout, str(path), data, first_line, len(data), raw.tell())
+                first_line += data.count(b"\n")
+        except _LongRecord as stop:
+            yield Piece("too_long", str(path), str(stop), first_line, 0, raw.tell())
+
+
+class _LongRecord(Exception):
+    """Stops reading a file at a record over the document bound that is an error (data.on_bad_record)."""
 
 
 class _Readable(Protocol):
@@ -139,30 +195,44 @@ def _decompressed(raw: BinaryIO, compression: str | None, path: Path) -> _Readab
 
 
 class _ZstdFrames:
-    """A readable stream of zstd frames written back to back. zstandard's own stream_reader ends quietly
-    at a truncated frame; this raises EOFError there."""
+    """A readable stream of zstd frames written back to back, whose reads return at most `size` bytes.
+
+    zstandard's own stream_reader ends quietly at a truncated frame (this raises EOFError there), and its
+    decompressobj returns everything a block of input holds: a zstd block of a few bytes can stand for
+    128 KB, so input is fed ZSTD_FEED_BYTES at a time, which bounds what one call can give to about
+    ZSTD_FEED_BYTES / 4 blocks."""
 
     def __init__(self, raw: BinaryIO, zstandard):
         self.raw = raw
         self.zstd = zstandard.ZstdDecompressor()
         self.frame: Any = None  # the decompressor of the current frame (zstandard has no type hints)
+        self.pending = b""  # compressed input read from the file, fed from self.fed on
+        self.fed = 0
+        self.out = bytearray()  # decompressed output not yet returned
 
     def read(self, size: int) -> bytes:
-        while True:
-            # A small compressed block keeps the output of even a very compressible one bounded.
-            block = self.raw.read(max(size // 16, 1))
-            if not block:
+        while len(self.out) < size and self._feed():
+            pass
+        data = bytes(self.out[:size])
+        del self.out[:size]
+        return data
+
+    def _feed(self) -> bool:
+        """Decompress the next few bytes of input into self.out; False at the end of the input."""
+        if self.fed == len(self.pending):
+            self.pending, self.fed = self.raw.read(READ_BLOCK_BYTES), 0
+            if not self.pending:
                 if self.frame is not None and not self.frame.eof:
                     raise EOFError("the last zstd frame ends early")
-                return b""
-            out = []
-            while block:
-                if self.frame is None or self.frame.eof:
-                    self.frame = self.zstd.decompressobj()
-                out.append(self.frame.decompress(block))
-                block = self.frame.unused_data if self.frame.eof else b""
-            if any(out):
-                return b"".join(out)
+                return False
+        block = self.pending[self.fed : self.fed + ZSTD_FEED_BYTES]
+        self.fed += len(block)
+        while block:
+            if self.frame is None or self.frame.eof:
+                self.frame = self.zstd.decompressobj()
+            self.out += self.frame.decompress(block)
+            block = self.frame.unused_data if self.frame.eof else b""
+        return True
 
 
 def _cut_after_lines(stream: _Readable, size: int, *, path: Path, compression: str | None, max_line: int,
@@ -251,7 +321,32 @@ def _read_block(stream: _Readable, path: Path, compression: str | None) -> bytes
         raise
 
 
-def _parquet_pieces(path: Path, field: str) -> Iterator[Piece]:
+def _parquet_pieces(path: Path, field: str, *, max_document_bytes: int, skip_long: bool) -> Iterator[Piece]:
+    """The text column, row group after row group. What a row group's pages hold is checked in their headers
+    first (see _largest_page): a row group whose largest page could hold a value past the document bound is
+    a bad record as a whole, never decoded, and batches have as few rows as keeps them to PARQUET_BATCH_BYTES."""
+    parquet, column = _open_parquet(path, field)
+    num_rows, disk_size, row = parquet.metadata.num_rows, path.stat().st_size, 0
+    with open(path, "rb") as raw:
+        for group in range(parquet.num_row_groups):
+            group_rows = parquet.metadata.row_group(group).num_rows
+            largest = _largest_page(raw, parquet.metadata.row_group(group).column(column), path, group)
+            done = disk_size * (row + group_rows) // max(num_rows, 1)
+            if largest > max_document_bytes + PARQUET_PAGE_SLACK:
+                problem = (f"{path} rows {row} to {row + group_rows - 1}: a page of {largest / 2**20:.1f} MB in column "
+                           f"'{field}' could hold a record of more than data.max_document_mb="
+                           f"{max_document_bytes / 2**20:g} MB")
+                yield Piece("too_long", str(path), problem, row, 0, done)
+                if not skip_long:  # an error, raised by the worker that reaches it (see read_pieces)
+                    return
+            else:
+                batch_rows = max(1, min(PARQUET_BATCH_ROWS, PARQUET_BATCH_BYTES // max(largest, 1)))
+                yield from _row_group_pieces(parquet, group, field, path, batch_rows=batch_rows, first=row, done=done)
+            row += group_rows
+
+
+def _open_parquet(path: Path, field: str):
+    """The ParquetFile and the index of its text column, checked."""
     pq = optional_import("pyarrow.parquet", "pyarrow", path)
     import pyarrow as pa
 
@@ -265,15 +360,125 @@ def _parquet_pieces(path: Path, field: str) -> Iterator[Piece]:
     column_type = parquet.schema_arrow.field(field).type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
         raise DataError(f"{path}: column '{field}' holds {column_type}, not text")
-    num_rows, disk_size, row = parquet.metadata.num_rows, path.stat().st_size, 0
+    schema = parquet.metadata.schema
+    return parquet, next(i for i in range(len(schema)) if schema.column(i).path == field)
+
+
+def _row_group_pieces(parquet, group: int, field: str, path: Path, *, batch_rows: int, first: int,
+                      done: int) -> Iterator[Piece]:
+    import pyarrow as pa
+
+    row = first
     try:
-        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
+        for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=[group], columns=[field]):
             column = batch.column(0)
-            done = disk_size * (row + len(column)) // max(num_rows, 1)
             yield Piece("rows", str(path), column, row, column.nbytes, done)
             row += len(column)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path} row {row}: cannot read parquet ({err})") from None
+
+
+def _largest_page(raw: BinaryIO, chunk, path: Path, group: int) -> int:
+    """The largest uncompressed page of a column chunk, read from the page headers alone (the file's metadata
+    has only the chunk's total). Every value of the chunk fits in one page: a plain value in its data page, a
+    dictionary value in the dictionary page, and a DELTA_BYTE_ARRAY value, built from the suffixes before it
+    in its page, is no longer than that page."""
+    start = chunk.data_page_offset
+    if chunk.has_dictionary_page and chunk.dictionary_page_offset:
+        start = min(start, chunk.dictionary_page_offset)
+    end, largest = start + chunk.total_compressed_size, 0
+    try:
+        raw.seek(start)
+        while raw.tell() < end:
+            header = _ThriftCompact(raw, end).struct()
+            uncompressed, compressed = header.get(2, -1), header.get(3, -1)
+            if uncompressed < 0 or compressed < 0:
+                raise ValueError("a page header without its sizes")
+            largest = max(largest, uncompressed)
+            raw.seek(compressed, 1)
+    except (ValueError, EOFError, OSError) as err:
+        raise DataError(f"{path}: not a readable parquet file (row group {group}: {err})") from None
+    return largest
+
+
+class _ThriftCompact:
+    """As much of Thrift's compact protocol as reading a parquet page header's integer fields takes."""
+
+    MAX_DEPTH = 32  # nesting a page header never comes near: deeper is a damaged file, not a recursion
+
+    def __init__(self, raw: BinaryIO, end: int):
+        self.raw = raw
+        self.end = end  # where the column chunk ends: no length in a header may reach past it
+
+    def struct(self, depth: int = 0) -> dict[int, int]:
+        """The struct's integer fields by id; everything else is read past."""
+        if depth > self.MAX_DEPTH:
+            raise ValueError("page header nested too deeply")
+        fields: dict[int, int] = {}
+        field = 0
+        while (head := self._byte()) != 0:
+            delta, kind = head >> 4, head & 0x0F
+            field = field + delta if delta else self._zigzag()
+            if kind in (4, 5, 6):
+                fields[field] = self._zigzag()
+            else:
+                self._skip(kind, depth, in_collection=False)
+        return fields
+
+    def _skip(self, kind: int, depth: int, *, in_collection: bool) -> None:
+        if kind in (1, 2):  # a boolean: in its field header, but a byte of its own inside a list or map
+            self._read(1 if in_collection else 0)
+        elif kind == 3:
+            self._read(1)
+        elif kind in (4, 5, 6):
+            self._varint()
+        elif kind == 7:
+            self._read(8)
+        elif kind == 8:
+            self.raw.seek(self._length(), 1)
+        elif kind in (9, 10):
+            head = self._byte()
+            size = head >> 4 if head >> 4 != 15 else self._length()
+            for _ in range(size):
+                self._skip(head & 0x0F, depth + 1, in_collection=True)
+        elif kind == 11:
+            size = self._length()
+            kinds = self._byte() if size else 0
+            for _ in range(size):
+                self._skip(kinds >> 4, depth + 1, in_collection=True)
+                self._skip(kinds & 0x0F, depth + 1, in_collection=True)
+        elif kind == 12:
+            self.struct(depth + 1)
+        else:
+            raise ValueError(f"page header holds an unknown Thrift type {kind}")
+
+    def _read(self, size: int) -> bytes:
+        data = self.raw.read(size)
+        if len(data) < size:
+            raise EOFError("the file ends inside a page header")
+        return data
+
+    def _byte(self) -> int:
+        return self._read(1)[0]
+
+    def _varint(self) -> int:
+        value = shift = 0
+        while (byte := self._byte()) & 0x80:
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if shift > 63:
+                raise ValueError("a page header integer of more than 64 bits")
+        return value | byte << shift
+
+    def _length(self) -> int:
+        """A byte or element count, each at least a byte: at most what is left of the column chunk."""
+        if (size := self._varint()) > self.end - self.raw.tell():
+            raise ValueError("a page header length runs past its column chunk")
+        return size
+
+    def _zigzag(self) -> int:
+        value = self._varint()
+        return (value >> 1) ^ -(value & 1)
 
 
 def truncate(piece: Piece, max_bytes: int) -> Piece:
@@ -346,6 +551,8 @@ def _jsonl_records(piece: Piece, *, bad_record: Callable[[str], None]) -> Iterat
             bad_record(f"{where}: not valid UTF-8 ({err.reason})")
         except json.JSONDecodeError as err:
             bad_record(f"{where}: invalid JSON ({err.msg})")
+        except RecursionError:  # json.loads recurses once per nesting level
+            bad_record(f"{where}: JSON nested too deeply to read")
 
 
 def piece_conversations(piece: Piece, *, fields: ChatFields,

@@ -321,7 +321,7 @@ def test_a_key_given_twice_is_refused(tmp_path):
         "override --data.sources: key 'path' is given twice (line 1, column 12), first at line 1, column 3; give "
         "each key once"]
     # A merge key (<<) brings in values that the mapping's own keys override: that is what it is for.
-    path.write_text("train:\n  <<: {max_steps: 5, lr: 0.1}\n  lr: 0.2\n")
+    path.write_text("train:\n  <<: {max_steps: 5, lr: 0.1}\n  lr: 0.2\n  warmup_steps: 5\n")
     cfg = load_config(path)
     assert (cfg.train.max_steps, cfg.train.lr) == (5, 0.2)
 
