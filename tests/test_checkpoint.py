@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint import io as checkpoint_io
-from fsdp_utils.checkpoint.format import sidecar_of
+from fsdp_utils.checkpoint.format import META_CRC_KEY, meta_crc32, sidecar_of
 from fsdp_utils.train.run_lock import LOCK_NAME
 from model import ModelConfig, Transformer
 from tests import helpers
@@ -637,6 +637,7 @@ def test_convert_full_to_sharded(runs, tmp_path):
     # The metadata a sharded save of this state writes: the full file's, the world size it was saved at included.
     full = load_full(source)
     meta = json.loads((converted / "meta.json").read_text())
+    assert meta.pop(META_CRC_KEY) == meta_crc32(meta)  # sealed as a save seals it
     assert meta.pop("files") and meta == {k: v for k, v in full.items() if k not in ("model", "optimizer", "rng")}
 
     baseline = runs.baseline()
@@ -661,6 +662,7 @@ def test_convert_sharded_to_full_to_sharded_loses_nothing(runs, tmp_path):
     convert(tmp_path / "first.pth", back)
     convert(back, tmp_path / "second.pth")
     metas = [json.loads((path / "meta.json").read_text()) for path in (source, back)]
+    assert all(meta.pop(META_CRC_KEY) == meta_crc32(meta) for meta in metas)  # each sealed over its own files
     assert [meta.pop("files") and meta for meta in metas] == [metas[0], metas[0]]
     first, second = load_full(tmp_path / "first.pth"), load_full(tmp_path / "second.pth")
     assert list(first) == list(second)

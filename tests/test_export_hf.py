@@ -435,6 +435,7 @@ def test_merged_lora_of_a_chat_model_keeps_its_chat_template(template_in_config,
     """--merge_lora writes the base's tokenizer with its chat template, wherever the base keeps it."""
     save_chat_model(tmp_path / "base", corpus, template_in_config=template_in_config)
     run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'base'}", "--data.tokenizer=hf", "--train.max_steps=1",
+              "--train.warmup_steps=1",
               "--train.lora.rank=4", "--fsdp.version=2", "--checkpoint.format=full", out_dir=tmp_path / "run",
               corpus=corpus, dataset_dir=tmp_path / "data")
     assert export_hf.main([str(tmp_path / "run/fsdp_cpt1.pth"), str(tmp_path / "merged"), "--merge_lora"]) == 0
@@ -456,7 +457,8 @@ def test_a_lora_checkpoint_naming_a_base_with_its_own_code_is_refused_without_a_
 
     save_tiny("llama", tmp_path / "base")
     where = tmp_path / "base" if field == "hf_path" else tmp_path / "base/config.json"
-    run_train("--model.type=hf", f"--model.{field}={where}", "--train.max_steps=1", "--train.lora.rank=4",
+    run_train("--model.type=hf", f"--model.{field}={where}", "--train.max_steps=1",
+              "--train.warmup_steps=1", "--train.lora.rank=4",
               "--fsdp.version=2", "--checkpoint.format=full", out_dir=tmp_path / "run", corpus=corpus,
               dataset_dir=tmp_path / "data")
     payload = torch.load(tmp_path / "run/fsdp_cpt1.pth", weights_only=True)

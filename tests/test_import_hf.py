@@ -400,7 +400,8 @@ def test_config_written_by_the_import_trains_as_it_is(tmp_path, corpus):
 
     out, data_dir = tmp_path / "out", tmp_path / "data"
     cmd = [str(TRAIN), str(written), f"--data.files=[{corpus}]", f"--data.dataset_dir={data_dir}",
-           f"--run.output_dir={out}", "--train.max_steps=1", "--train.eval_interval=0", "--logging.trackers=[]"]
+           f"--run.output_dir={out}", "--train.max_steps=1", "--train.warmup_steps=1", "--train.eval_interval=0",
+           "--logging.trackers=[]"]
     proc = launcher.launch(cmd, nproc=1, env=job_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     cfg = load_config(written)

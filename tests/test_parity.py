@@ -89,7 +89,9 @@ def test_fsdp2_two_ranks_without_accumulation_match_one_process(tmp_path_factory
     # Global batch 4: one process accumulates 2 micro-batches of 2 (FSDP1), two FSDP2 ranks take one each,
     # so FSDP2 is also compared without any accumulation.
     ref = train_rows(tmp_path_factory, corpus, dataset_dir, "ref4", "--train.global_batch_size=4", nproc=1,
-                     expect_log=["world size 1 ", "FSDP1 FULL_SHARD, grad accumulation 2,"])
+                     expect_log=["world size 1 ",
+                                 "FSDP1 NO_SHARD (one process; fsdp.sharding_strategy=FULL_SHARD), "
+                                 "grad accumulation 2,"])
     rows = train_rows(tmp_path_factory, corpus, dataset_dir, "fsdp2", "--train.global_batch_size=4", "--fsdp.version=2",
                       nproc=2, expect_log=["world size 2 ", "FSDP2 FULL_SHARD, grad accumulation 1,"])
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.2
