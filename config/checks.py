@@ -20,7 +20,8 @@ MAX_SECONDS = 10**9
 
 
 def validate(cfg: Config) -> list[str]:
-    """Value checks that do not depend on the world size (see check_batch_split for that)."""
+    """Value checks that do not depend on the world size (see check_batch_split for that): every field typed
+    Literal against its choices, then the values and how they combine, section by section."""
     p = [problem for section in dataclasses.fields(Config)
          for problem in choice_problems(getattr(cfg, section.name), section.name)]
     p += _model_problems(cfg) + _data_problems(cfg) + _train_problems(cfg) + _run_problems(cfg.run)
