@@ -1,15 +1,21 @@
-"""Config schema (schema.py) and YAML presets (*.yaml)."""
-from .schema import (
+"""The typed config tree: its sections (sections.py), reading and writing it (loading.py), its value and launch
+checks (checks.py); and the YAML presets (*.yaml)."""
+from .checks import check_batch_split, launch_problems, output_dir_problems
+from .errors import ConfigError
+from .loading import load_config, save_config, split_known_args, summarize_config
+from .sections import (
+    CheckpointConfig,
     Config,
-    ConfigError,
-    check_batch_split,
-    launch_problems,
-    load_config,
-    save_config,
-    split_known_args,
-    summarize_config,
+    DataConfig,
+    FSDPConfig,
+    LoggingConfig,
+    LoRAConfig,
+    ModelSection,
+    RunConfig,
+    SourceConfig,
+    TrainConfig,
 )
 
-__all__ = ["Config", "ConfigError", "check_batch_split", "launch_problems", "load_config", "save_config",
-           "split_known_args",
-           "summarize_config"]
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "FSDPConfig", "LoRAConfig", "LoggingConfig",
+           "ModelSection", "RunConfig", "SourceConfig", "TrainConfig", "check_batch_split", "launch_problems",
+           "load_config", "output_dir_problems", "save_config", "split_known_args", "summarize_config"]

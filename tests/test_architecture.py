@@ -60,7 +60,7 @@ def test_the_resolver_sees_relative_and_package_imports(graph):
     assert "model.config" in graph["model.transformer"]  # from .config import ModelConfig
     assert "fsdp_utils.distributed" in graph["fsdp_utils.parallel.build"]  # from ..distributed import DistEnv
     assert "fsdp_utils.parallel.hf" in graph["fsdp_utils.parallel.build"]  # from . import hf
-    assert "model" in graph["config.schema"]  # from model import ModelConfig
+    assert "model" in graph["config.sections"]  # from model import ModelConfig
 
 
 @pytest.mark.parametrize(("importer", "forbidden"), [

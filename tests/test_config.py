@@ -2,10 +2,12 @@
 and the command line's exit codes for config errors (before any process group starts)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,46 @@ def test_misspelt_sharding_strategy_suggests_valid_one():
     (problem,) = problems_of("--fsdp.sharding_strategy=FULL_SHRAD")
     assert problem.startswith("fsdp.sharding_strategy='FULL_SHRAD' is not one of ")
     assert "(did you mean 'FULL_SHARD'?)" in problem
+
+
+def literal_fields(cls: type, prefix: str) -> list[tuple[str, tuple, bool]]:
+    """(field, choices, is a list) for every Literal-typed field under a section, subsections included."""
+    found = []
+    for name, hint in typing.get_type_hints(cls).items():
+        is_list = typing.get_origin(hint) is list
+        item = typing.get_args(hint)[0] if is_list else hint
+        if typing.get_origin(item) is typing.Literal:
+            found.append((f"{prefix}{name}", typing.get_args(item), is_list))
+        elif dataclasses.is_dataclass(item):
+            found += literal_fields(item, f"{prefix}{name}.")
+    return found
+
+
+LITERAL_FIELDS = literal_fields(Config, "")
+
+
+def test_the_choices_are_typed_literal():
+    # The fields the one choice check reads; a string choice typed plain str would escape it.
+    names = {name for name, _, _ in LITERAL_FIELDS}
+    assert {"fsdp.sharding_strategy", "train.precision", "train.lr_schedule", "checkpoint.format",
+            "checkpoint.async_writer", "fsdp.activation_checkpointing", "train.lora.targets",
+            "logging.trackers", "data.format"} <= names
+
+
+@pytest.mark.parametrize(("name", "choices", "is_list"), LITERAL_FIELDS, ids=[f[0] for f in LITERAL_FIELDS])
+def test_every_choice_refuses_a_value_outside_it(name, choices, is_list):
+    # "zzz" is near no choice, so the message ends without a suggestion; train.lora is checked with LoRA on.
+    lora = ["--train.lora.rank=4"] if name.startswith("train.lora.") else []
+    value = "[zzz]" if is_list else "zzz"
+    assert f"{name}='zzz' is not one of {', '.join(choices)}" in problems_of(f"--{name}={value}", *lora)
+
+
+def test_lora_targets_are_not_checked_with_lora_off():
+    assert load_config(TINY, ["--train.lora.targets=[zzz]"]).train.lora.rank == 0
+
+
+def test_a_choice_of_another_type_is_a_type_problem():
+    assert problems_of("--train.precision=16") == ["train.precision: expected a string, got the integer 16"]
 
 
 def test_wrong_type_names_the_field():

@@ -279,7 +279,7 @@ def test_unknown_tasks_missing_folders_and_a_missing_lm_eval_are_one_line_each(s
 # ---- several ranks -------------------------------------------------------------------------------------------
 def evaluate_sharded(rank: int, world_size: int, *, tasks: str, tokenizer: str) -> dict:
     """On each rank: the peaked model sharded by FSDP1, then by FSDP2, evaluated on every task."""
-    from config.schema import FSDPConfig
+    from config import FSDPConfig
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from model import DecoderBlock
 

@@ -13,8 +13,7 @@ import functools
 import pytest
 import torch
 
-from config import load_config
-from config.schema import launch_problems
+from config import launch_problems, load_config
 from tests.helpers import ROOT
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -66,7 +65,7 @@ def reference() -> list[tuple[float, float]]:
 def train_grid(rank: int, world_size: int, *, local_world_size: int, setups: list) -> dict:
     """On this rank: each setup (version, strategy, group size) trained STEPS steps from the same start,
     with this rank's share of each global batch; its (loss, gradient norm) per step."""
-    from config.schema import FSDPConfig
+    from config import FSDPConfig
     from fsdp_utils.distributed import DistEnv
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from fsdp_utils.train.step import train_step
@@ -135,7 +134,7 @@ def test_every_sharding_trains_like_one_process_or_is_refused(world_size, tmp_pa
 
 
 def test_the_log_names_the_sharding_that_runs():
-    from config.schema import FSDPConfig
+    from config import FSDPConfig
     from fsdp_utils.distributed import DistEnv
     from fsdp_utils.parallel.parallelize import describe_sharding
 

@@ -4,18 +4,23 @@ the exports (merged, and a PEFT adapter folder that peft loads)."""
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
 
 from config import ConfigError, load_config
+from config.sections import LoRATarget
 from fsdp_utils.checkpoint import CheckpointMismatch
 from fsdp_utils.parallel.lora import (
+    GROUPS,
+    PROJECTIONS,
     LoRASettings,
     adapter_initial_value,
     adapters_of,
     attach_adapters,
     lora_record,
+    lora_targets,
     merged_state_dict,
 )
 from fsdp_utils.train import trainer
@@ -26,6 +31,13 @@ from tests.helpers import ROOT, TINY, read_metrics
 from tests.test_step import tiny_cfg
 
 LORA = ["--train.lora.rank=4", "--train.lora.alpha=8"]
+
+
+def test_the_config_accepts_exactly_the_projections_and_groups():
+    assert set(typing.get_args(LoRATarget)) == set(PROJECTIONS) | set(GROUPS)
+    # Groups written out in projection order, each once.
+    assert lora_targets(["v", "attention", "down"]) == ["q", "k", "v", "o", "down"]
+    assert lora_targets(["all"]) == list(PROJECTIONS) == ["q", "k", "v", "o", "gate", "up", "down"]
 SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
 
 

@@ -224,6 +224,17 @@ def test_config_accepts_auto_and_rejects_other_words():
                                    "train.auto_micro_batch_margin must be in [0, 1), got 1.5"]
 
 
+def test_the_split_is_derived_from_the_config_and_refused_when_not_whole():
+    cfg = load_config(TINY_PRESET, ["--train.micro_batch_size=auto", "--train.global_batch_size=16"])
+    split = BatchSplit.from_config(cfg, 2, 4)
+    assert (split.per_rank, split.grad_accum) == (8, 2)  # 16 / 2 ranks, then 8 / 4
+    with pytest.raises(ConfigError) as info:
+        BatchSplit.from_config(cfg, 2, 3)  # 16 % (3 * 2) = 4
+    assert info.value.problems == [
+        "train.global_batch_size=16 is not divisible by train.micro_batch_size * world size = 3 * 2 = 6; pick a "
+        "global batch that is a multiple of 6"]
+
+
 def test_auto_needs_a_global_batch_that_splits_over_the_ranks():
     cfg = load_config(TINY_PRESET, ["--train.micro_batch_size=auto", "--train.global_batch_size=16"])
     with pytest.raises(ConfigError) as info:

@@ -182,7 +182,7 @@ def gradient_numel(model) -> int:
 def accumulate_two_micro_batches(rank: int, world_size: int) -> dict:
     """On each rank, for each FSDP version and fsdp.grad_sync: the gradients' size after the first of two
     micro-batches (sharded: reduced already; whole: held until the last), and the weights after a step."""
-    from config.schema import FSDPConfig
+    from config import FSDPConfig
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from model import DecoderBlock, ModelConfig, Transformer
     from tests.distributed_harness import cpu_env

@@ -62,7 +62,7 @@ def hardware_problem(recipe: str, *, device_type: str, capability: tuple[int, in
 
 
 def float8_problems(recipe: str, *, run_device: str, local_rank: int) -> list[str]:
-    """Environment checks for train.float8 (the config checks are in config/schema.py): torchao is
+    """Environment checks for train.float8 (the config checks are in config/checks.py): torchao is
     installed and this rank's device runs FP8 matmuls. Empty when FP8 is off or can run."""
     if recipe == "none":
         return []

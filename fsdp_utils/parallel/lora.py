@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -32,6 +33,10 @@ from .weights import BuiltModel, WeightInit
 # Canonical target name -> the Hugging Face (Llama, Qwen2, Mistral, ...) module name.
 HF_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
             "down": "down_proj"}
+# The canonical target names, one per projection of a Llama-style block, and the groups train.lora.targets may
+# name instead (the config accepts exactly these names: config.sections.LoRATarget).
+PROJECTIONS = tuple(HF_NAMES)
+GROUPS = {"attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"), "all": PROJECTIONS}
 # Bytes read from the start and the end of each base weights file for its fingerprint.
 _SAMPLE_BYTES = 1 << 20
 
@@ -106,13 +111,17 @@ class LoRASettings:
     rank: int
     alpha: float
     dropout: float
-    targets: tuple[str, ...]  # canonical names (config.schema.LORA_TARGETS), groups written out
+    targets: tuple[str, ...]  # names of PROJECTIONS, groups written out
+
+
+def lora_targets(names: Sequence[str]) -> list[str]:
+    """train.lora.targets with the groups written out, in PROJECTIONS order."""
+    chosen = {t for name in names for t in GROUPS.get(name, (name,))}
+    return [t for t in PROJECTIONS if t in chosen]
 
 
 def settings_of(cfg) -> LoRASettings | None:
     """train.lora as settings, or None when it is off."""
-    from config.schema import lora_targets
-
     lora = cfg.train.lora
     if lora.rank <= 0:
         return None

@@ -36,7 +36,8 @@ from .lora import LoRAAdapter, has_adapters
 from .weights import WeightInit
 
 if TYPE_CHECKING:
-    from config.schema import FSDPConfig
+    from config import FSDPConfig
+    from config.sections import ShardingStrategy as StrategyName
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def hybrid_group_size(f: FSDPConfig, env: DistEnv) -> int:
     return f.hybrid_shard_group_size or env.local_world_size
 
 
-def resolve_sharding(f: FSDPConfig, env: DistEnv) -> str:
+def resolve_sharding(f: FSDPConfig, env: DistEnv) -> StrategyName:
     """The sharding strategy that runs. HYBRID_SHARD with shard groups of one rank replicates everywhere:
     NO_SHARD over the whole world (FSDP1 would otherwise switch to NO_SHARD inside each group of one and
     never reduce across the groups); with one group of the whole world it shards everywhere: FULL_SHARD."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from config import Config, check_batch_split
+
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -17,8 +19,15 @@ class BatchSplit:
     micro_batch_size: int
 
     def __post_init__(self):
-        # The config's check_batch_split reports an impossible split to the user before any split is made.
+        # A split from the config comes through from_config, which reports an impossible one to the user.
         assert self.global_batch_size % (self.micro_batch_size * self.world_size) == 0, self
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int, micro_batch: int) -> BatchSplit:
+        """train.global_batch_size over `world_size` ranks in micro-batches of `micro_batch`; ConfigError (the
+        config's check_batch_split, which launch_problems also runs) when it does not split whole."""
+        check_batch_split(cfg, world_size, micro_batch=micro_batch)
+        return cls(cfg.train.global_batch_size, world_size, micro_batch)
 
     @property
     def per_rank(self) -> int:

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from config import Config, check_batch_split
+from config import Config
 
 from ..checkpoint.host_memory import host_memory
 from ..distributed import DistEnv
@@ -56,7 +56,6 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
     when it has one (training does; the benchmark measures afresh). `fused_matmul`: build_model's. `fused_adamw`:
     False for the multi-tensor AdamW; fp16 always gets that one, as the fused kernel does not accept the sharded grad
     scaler's inf flag."""
-    check_batch_split(cfg, env.world_size)
     t = cfg.train
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
     # On the meta device when sharded; refused in one line where the weights cannot fit.
@@ -84,8 +83,7 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
     if choice.how == "search":
         for converter in converters:  # the trial steps' weights were put back: their FP8 scales too
             converter.refresh(model)
-    check_batch_split(cfg, env.world_size, micro_batch=choice.micro_batch_size)
-    split = BatchSplit(t.global_batch_size, env.world_size, choice.micro_batch_size)
+    split = BatchSplit.from_config(cfg, env.world_size, choice.micro_batch_size)
     if probe is not None:
         probe.begin(split.micro_batch_size)  # the memory figures from here on are the training's
     return BuiltRun(model, optimizer, converters, switch, precision, scaler, probe, key, choice, split)

@@ -10,8 +10,6 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
-from config.schema import wsd_decay_steps
-
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
                     fused: bool = True) -> torch.optim.AdamW:
@@ -45,8 +43,8 @@ class LRSchedule:
 
     Every schedule warms up linearly over `warmup_steps`, then:
       cosine: half a cosine from max_lr down to the floor at max_steps;
-      wsd: stable at max_lr, then the final `decay_fraction` of max_steps decays to the floor (linear or
-           1-sqrt), the last step at the floor exactly;
+      wsd: stable at max_lr, then the final `decay_steps` (train.decay_fraction of max_steps) decay to the
+           floor (linear or 1-sqrt), the last step at the floor exactly;
       constant: max_lr to the end.
     The floor is max_lr * min_lr_ratio (train.min_lr given: min_lr / max_lr as that ratio)."""
 
@@ -55,19 +53,19 @@ class LRSchedule:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 0
     max_steps: int = 1
-    decay_fraction: float = 0.2
+    decay_steps: int = 1
     decay_shape: str = "linear"
 
     @classmethod
     def from_config(cls, t) -> LRSchedule:
         """From the `train` section (config.TrainConfig)."""
         return cls(kind=t.lr_schedule, max_lr=t.lr, min_lr_ratio=t.resolved_min_lr_ratio, warmup_steps=t.warmup_steps,
-                   max_steps=t.max_steps, decay_fraction=t.decay_fraction, decay_shape=t.decay_shape)
+                   max_steps=t.max_steps, decay_steps=t.wsd_decay_steps, decay_shape=t.decay_shape)
 
     @property
     def decay_start(self) -> int:
         """wsd: the first step (0-based) of the decay; it moves with max_steps."""
-        return self.max_steps - wsd_decay_steps(self.max_steps, self.decay_fraction)
+        return self.max_steps - self.decay_steps
 
     def describe(self) -> str:
         warmup = f"linear warmup over {self.warmup_steps} steps, then " if self.warmup_steps else ""

@@ -105,7 +105,7 @@ class WandbTracker:
         # resume="allow": the run of run_id continues if W&B knows it, and starts under that id otherwise.
         self.run = wandb.init(project=lg.wandb_project, entity=lg.wandb_entity or None, name=cfg.run.name,
                               id=run_id, resume="allow", dir=str(out_dir),
-                              mode=lg.wandb_mode or None,  # type: ignore[arg-type]  # checked by the config
+                              mode=lg.wandb_mode or None,
                               config=config, allow_val_change=True)
         self.run_id = self.run.id
 

@@ -13,7 +13,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from config import Config, ConfigError, check_batch_split, save_config, summarize_config
+from config import Config, ConfigError, save_config, summarize_config
 from data import BatchPrefetcher, open_datasets
 from data.store import tokenizer_sha256
 from data.tokenizer import prepared_eos_id
@@ -83,7 +83,6 @@ class Trainer:
 
     def __init__(self, cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | None = None):
         self.cfg, self.env, self.stop = cfg, env, stop
-        check_batch_split(cfg, env.world_size)
         torch.manual_seed(cfg.run.seed)
         self._setup_data()
         self.downstream = self._setup_downstream()

@@ -1,0 +1,394 @@
+"""Value checks of a loaded config, each problem naming the field (and for a choice the closest valid one), and
+the checks against the launch (world size, GPUs, output directory) made before any process group starts."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from pathlib import Path
+
+from model import ModelConfig
+
+from .errors import ConfigError, closest
+from .sections import CheckpointConfig, Config, DataConfig, FSDPConfig, LoggingConfig, RunConfig, TrainConfig
+
+# Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order.
+MAX_SEED = 2**63 - 1
+# Waits longer than about 31 years are "never" in practice; the process group's store and time.sleep count
+# in int64 nanoseconds and overflow at 2**63 ns (292 years).
+MAX_SECONDS = 10**9
+
+
+def validate(cfg: Config) -> list[str]:
+    """Value checks that do not depend on the world size (see check_batch_split for that): every field typed
+    Literal against its choices, then the values and how they combine, section by section."""
+    p = [problem for section in dataclasses.fields(Config)
+         for problem in choice_problems(getattr(cfg, section.name), section.name)]
+    p += _model_problems(cfg) + _data_problems(cfg) + _train_problems(cfg) + _run_problems(cfg.run)
+    p += _fsdp_problems(cfg.fsdp) + _checkpoint_problems(cfg.checkpoint)
+    p += _logging_problems(cfg.logging, max_steps=cfg.train.max_steps)
+    return p
+
+
+def _choices(section: type) -> dict[str, tuple]:
+    """The fields of a section typed Literal, or a list of a Literal, with their choices."""
+    found = {}
+    for name, hint in typing.get_type_hints(section).items():
+        if typing.get_origin(hint) is list:
+            (hint,) = typing.get_args(hint)
+        if typing.get_origin(hint) is typing.Literal:
+            found[name] = typing.get_args(hint)
+    return found
+
+
+def choice_problems(section: object, where: str) -> list[str]:
+    """Each Literal-typed field of one section (not of its subsections) against its choices."""
+    p = []
+    for name, options in _choices(type(section)).items():
+        value = getattr(section, name)
+        for item in value if isinstance(value, list) else [value]:
+            if item not in options:
+                p.append(f"{where}.{name}='{item}' is not one of {', '.join(options)}{closest(str(item), options)}")
+    return p
+
+
+def _logging_problems(lg: LoggingConfig, *, max_steps: int) -> list[str]:
+    p: list[str] = []
+    if lg.interval <= 0:
+        p.append(f"logging.interval must be positive, got {lg.interval}")
+    if len(set(lg.trackers)) < len(lg.trackers):
+        p.append(f"logging.trackers names a tracker twice: {lg.trackers}")
+    for name in ("peak_tflops", "peak_flops"):
+        if getattr(lg, name) < 0:
+            p.append(f"logging.{name} must not be negative, got {getattr(lg, name)}")
+    if lg.peak_tflops and lg.peak_flops:
+        p.append("logging.peak_flops (deprecated, FLOP/s) and logging.peak_tflops are both set: keep only "
+                 f"logging.peak_tflops={lg.peak_flops / 1e12:g}")
+    elif 0 < lg.peak_flops < 1e9:
+        p.append(f"logging.peak_flops={lg.peak_flops:g} is in FLOP/s (989e12 for an H100); for TFLOP/s use "
+                 f"logging.peak_tflops={lg.peak_flops:g}")
+    return p + _profile_problems(lg, max_steps=max_steps)
+
+
+def _profile_problems(lg: LoggingConfig, *, max_steps: int) -> list[str]:
+    """logging.profile_steps and the memory snapshot's settings."""
+    p: list[str] = []
+    if lg.profile_steps:
+        if len(lg.profile_steps) != 2 or not 1 <= lg.profile_steps[0] <= lg.profile_steps[1]:
+            p.append(f"logging.profile_steps must be [start, end] with 1 <= start <= end, got {lg.profile_steps}")
+        elif lg.profile_steps[1] > max_steps:
+            p.append(f"logging.profile_steps={lg.profile_steps} ends after train.max_steps={max_steps}")
+    if lg.memory_snapshot_step < 0:
+        p.append(f"logging.memory_snapshot_step must not be negative, got {lg.memory_snapshot_step}")
+    elif lg.memory_snapshot_step and not lg.memory_snapshot:
+        p.append("logging.memory_snapshot_step needs logging.memory_snapshot: true (the history is recorded "
+                 "from the start of training)")
+    elif lg.memory_snapshot_step > max_steps:
+        p.append(f"logging.memory_snapshot_step={lg.memory_snapshot_step} is after train.max_steps={max_steps}")
+    if lg.memory_snapshot_max_entries <= 0:
+        p.append(f"logging.memory_snapshot_max_entries must be positive, got {lg.memory_snapshot_max_entries}")
+    return p
+
+
+def _model_problems(cfg: Config) -> list[str]:
+    p: list[str] = []
+    m = cfg.model
+    if m.vocab_size and m.vocab_size < 0:
+        p.append(f"model.vocab_size must be 0 (take it from the tokenizer) or positive, got {m.vocab_size}")
+    if m.type == "llama":
+        dims = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}
+        p += ModelConfig(**dims | {"vocab_size": m.vocab_size or 1}).problems()
+        if cfg.data.tokenizer == "hf" and not cfg.data.hf_tokenizer:
+            p.append("data.tokenizer=hf with model.type=llama needs data.hf_tokenizer (a folder with a Hugging Face "
+                     "tokenizer)")
+    elif m.type == "hf":
+        p += _hf_model_problems(cfg)
+    for where, path in (("model.init_from", m.init_from), ("data.hf_tokenizer", cfg.data.hf_tokenizer)):
+        if path and not Path(path).exists():
+            p.append(f"{where}: not found: {path}")
+    return p
+
+
+def _hf_model_problems(cfg: Config) -> list[str]:
+    p: list[str] = []
+    m = cfg.model
+    if bool(m.hf_path) == bool(m.hf_config):
+        p.append("model.type=hf needs exactly one of model.hf_path (pretrained folder) or model.hf_config "
+                 "(config.json)")
+    for name in ("hf_path", "hf_config"):
+        if getattr(m, name) and not Path(getattr(m, name)).exists():
+            p.append(f"model.{name}: not found: {getattr(m, name)}")
+    if cfg.data.tokenizer == "hf" and not m.hf_path and not cfg.data.hf_tokenizer:
+        p.append("data.tokenizer=hf needs data.hf_tokenizer or model.hf_path (a folder with the tokenizer files)")
+    return p
+
+
+def _data_problems(cfg: Config) -> list[str]:
+    p: list[str] = []
+    d = cfg.data
+    if d.seq_len <= 0:
+        p.append(f"data.seq_len must be positive, got {d.seq_len}")
+    elif cfg.model.type == "llama" and d.seq_len > cfg.model.max_seq_len:
+        p.append(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    if not 0 < d.val_fraction < 1:
+        p.append(f"data.val_fraction must be between 0 and 1, got {d.val_fraction}")
+    if d.vocab_size < 16 and not d.tokenizer_model:
+        p.append(f"data.vocab_size must be at least 16, got {d.vocab_size}")
+    for name in ("max_corpus_mb", "num_workers", "max_in_job_mb"):
+        if getattr(d, name) < 0:
+            p.append(f"data.{name} must not be negative, got {getattr(d, name)}")
+    for name in ("shard_tokens", "prepare_wait_s"):
+        if getattr(d, name) <= 0:
+            p.append(f"data.{name} must be positive, got {getattr(d, name)}")
+    if not d.max_document_mb * 2**20 >= 1:  # a smaller bound leaves no byte of a document to read
+        p.append(f"data.max_document_mb must be at least one byte ({1 / 2**20:.3g} MB), got {d.max_document_mb}")
+    if not d.text_field:
+        p.append("data.text_field must name the field or column holding the text")
+    if cfg.model.type == "hf" and d.document_masking != cfg.model.reset_positions:
+        # transformers detects packed documents only where position_ids restart, and masks at every restart.
+        p.append(f"model.type=hf: data.document_masking={d.document_masking} needs model.reset_positions="
+                 f"{d.document_masking} (transformers masks documents exactly where their positions restart)")
+    return p + _format_problems(d) + _sources_problems(d)
+
+
+def _sources_problems(d: DataConfig) -> list[str]:
+    if not d.sources:
+        return []
+    p: list[str] = []
+    if d.files or d.dataset_dir:
+        p.append("data.sources replaces data.files and data.dataset_dir: leave those empty (--data.files=[])")
+    from data.mixture import source_problems  # reads the folders' meta.json; imported only when needed
+
+    return p + source_problems([(s.path, s.weight) for s in d.sources], wanted_format=d.format)
+
+
+def _format_problems(d: DataConfig) -> list[str]:
+    p: list[str] = []
+    for name in ("messages_field", "prompt_field", "response_field"):
+        if not getattr(d, name):
+            p.append(f"data.{name} must name a field of the records")
+    if d.format == "chat" and not d.files and not d.dataset_dir and not d.sources:
+        p.append("data.format=chat needs data.files (.jsonl conversations) or a prepared data.dataset_dir")
+    meta_path = Path(d.dataset_dir) / "meta.json"
+    if d.dataset_dir and meta_path.is_file():
+        from data.mixture import format_problem
+        from data.store import read_record
+
+        if (problem := format_problem(d.dataset_dir, read_record(meta_path), d.format)) is not None:
+            p.append(f"data.format={d.format}: {problem}")
+    return p
+
+
+def _batch_problems(t: TrainConfig) -> list[str]:
+    p: list[str] = []
+    for name in ("max_steps", "global_batch_size"):
+        if getattr(t, name) <= 0:
+            p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+    if isinstance(t.micro_batch_size, str):
+        if t.micro_batch_size != "auto":
+            p.append(f"train.micro_batch_size must be a positive integer or auto, got '{t.micro_batch_size}'")
+    elif t.micro_batch_size <= 0:
+        p.append(f"train.micro_batch_size must be positive, got {t.micro_batch_size}")
+    elif t.global_batch_size % t.micro_batch_size:
+        p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                 f"train.micro_batch_size={t.micro_batch_size}")
+    if not 0 <= t.auto_micro_batch_margin < 1:
+        p.append(f"train.auto_micro_batch_margin must be in [0, 1), got {t.auto_micro_batch_margin}")
+    if t.auto_micro_batch_cpu <= 0:
+        p.append(f"train.auto_micro_batch_cpu must be positive, got {t.auto_micro_batch_cpu}")
+    if t.eval_batches <= 0:
+        p.append(f"train.eval_batches must be positive, got {t.eval_batches}")
+    return p
+
+
+def _train_problems(cfg: Config) -> list[str]:
+    t = cfg.train
+    p = _batch_problems(t)
+    for name in ("warmup_steps", "eval_interval", "grad_clip", "weight_decay"):
+        if getattr(t, name) < 0:
+            p.append(f"train.{name} must not be negative, got {getattr(t, name)}")
+    if t.lr <= 0:
+        p.append(f"train.lr must be positive, got {t.lr}")
+    for name in ("beta1", "beta2"):  # AdamW's decay rates: 1 never forgets, past it the moments diverge
+        if not 0 <= getattr(t, name) < 1:
+            p.append(f"train.{name} must be in [0, 1), got {getattr(t, name)}")
+    if t.loss_chunk_tokens < 0:
+        p.append(f"train.loss_chunk_tokens must be 0 (off) or positive, got {t.loss_chunk_tokens}")
+    p += _schedule_problems(t)
+    if t.float8 != "none" and cfg.fsdp.version == 1:
+        p.append(f"train.float8={t.float8} needs fsdp.version: 2 (torchao's FP8 training, FP8 all-gather of the "
+                 f"sharded weights included, is built for FSDP2's fully_shard)")
+    if t.compile_tuning and not t.compile:
+        p.append("train.compile_tuning=true tunes the compiled kernels and needs train.compile: true")
+    if t.max_bad_steps < 0:
+        p.append(f"train.max_bad_steps must not be negative, got {t.max_bad_steps}")
+    return p + _lora_problems(cfg) + _eval_tasks_problems(t)
+
+
+def _lora_problems(cfg: Config) -> list[str]:
+    lora, p = cfg.train.lora, []
+    if lora.rank < 0:
+        p.append(f"train.lora.rank must be 0 (off) or positive, got {lora.rank}")
+    if lora.rank <= 0:
+        return p
+    if lora.alpha <= 0:
+        p.append(f"train.lora.alpha must be positive, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        p.append(f"train.lora.dropout must be in [0, 1), got {lora.dropout}")
+    p += choice_problems(lora, "train.lora")  # checked only with LoRA on, like the rest of train.lora
+    if not lora.targets:
+        p.append("train.lora.targets is empty: name the projections to adapt, e.g. [all] or [q, v]")
+    if cfg.train.float8 != "none":
+        p.append(f"train.float8={cfg.train.float8} cannot be combined with train.lora (the FP8 converter replaces the "
+                 f"linear layers that carry the adapters): set train.float8: none for LoRA fine-tuning")
+    if cfg.fsdp.version == 1 and not cfg.fsdp.use_orig_params:
+        p.append("train.lora needs fsdp.use_orig_params: true with fsdp.version 1 (frozen and trainable "
+                 "parameters are told apart by their original names)")
+    return p
+
+
+def _schedule_problems(t: TrainConfig) -> list[str]:
+    p: list[str] = []
+    if t.min_lr is not None and t.min_lr_ratio is not None:
+        p.append(f"train.min_lr={t.min_lr} and train.min_lr_ratio={t.min_lr_ratio} are both set: give one (min_lr is "
+                 "the floor itself, min_lr_ratio the floor as a fraction of train.lr)")
+    elif t.min_lr is not None and not 0 <= t.min_lr <= t.lr:
+        p.append(f"train.min_lr must be in [0, train.lr={t.lr}], got {t.min_lr}")
+    elif t.min_lr_ratio is not None and not 0 <= t.min_lr_ratio <= 1:
+        p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    if t.lr_schedule != "wsd" and t.warmup_steps > t.max_steps > 0:  # wsd: below, its decay must fit too
+        p.append(f"train.warmup_steps={t.warmup_steps} exceeds train.max_steps={t.max_steps}: the run would end "
+                 f"inside its warmup, before reaching train.lr; lower train.warmup_steps to at most {t.max_steps}")
+    if not 0 < t.decay_fraction <= 1:
+        p.append(f"train.decay_fraction must be in (0, 1], got {t.decay_fraction}")
+    elif t.lr_schedule == "wsd" and t.max_steps > 0 and t.warmup_steps >= 0:
+        decay = t.wsd_decay_steps
+        if t.warmup_steps + decay > t.max_steps:
+            p.append(f"train.lr_schedule=wsd: train.warmup_steps={t.warmup_steps} plus the decay's "
+                     f"{decay} steps (train.decay_fraction={t.decay_fraction} of train.max_steps={t.max_steps}) "
+                     f"exceed train.max_steps; shorten the warmup or the decay")
+    return p
+
+
+def _eval_tasks_problems(t: TrainConfig) -> list[str]:
+    """The shape of train.eval_tasks*; whether lm-eval knows the tasks is checked at launch (train_fsdp.py)."""
+    p: list[str] = []
+    if t.eval_tasks_limit < 0:
+        p.append(f"train.eval_tasks_limit must be 0 (all documents) or positive, got {t.eval_tasks_limit}")
+    if any(not name.strip() for name in t.eval_tasks):
+        p.append("train.eval_tasks: a task name is empty")
+    if t.eval_tasks and t.eval_interval == 0:
+        p.append("train.eval_tasks run at every train.eval_interval, which is 0 (off); set train.eval_interval")
+    p += [f"train.eval_tasks_path: not found: {path}" for path in t.eval_tasks_path if not Path(path).exists()]
+    return p
+
+
+def _run_name_problem(name: str) -> str | None:
+    """run.name names a folder of checkpoints/: one path component, so that the output stays inside it."""
+    separators = {"/", "\\", os.sep, os.altsep or "/"}
+    too_long = len(name.encode("utf-8", "surrogatepass")) > 255  # a file name's limit on Linux filesystems
+    if name in ("", ".", "..") or too_long or any(c in separators or not c.isprintable() for c in name):
+        return (f"run.name={name!r} must be a plain folder name (1 to 255 bytes, not '.' or '..', no '/', '\\' or "
+                f"control characters): the output goes to checkpoints/<run.name>; set run.output_dir for another place")
+    return None
+
+
+def _run_problems(r: RunConfig) -> list[str]:
+    p: list[str] = []
+    if (problem := _run_name_problem(r.name)) is not None:
+        p.append(problem)
+    for name in r.stop_signals:
+        if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"):
+            p.append(f"run.stop_signals: '{name}' is not one of SIGTERM, SIGUSR1, SIGUSR2, SIGINT, SIGHUP")
+    if not 0 <= r.seed <= MAX_SEED:
+        p.append(f"run.seed must be in [0, 2**63 - 1], got {r.seed}")
+    for name in ("timeout_s", "preemption_grace_s"):
+        if not 0 < getattr(r, name) <= MAX_SECONDS:
+            p.append(f"run.{name} must be in (0, 10**9] seconds, got {getattr(r, name)}")
+    return p
+
+
+def _fsdp_problems(f: FSDPConfig) -> list[str]:
+    p: list[str] = []
+    if f.version not in (1, 2):
+        p.append(f"fsdp.version must be 1 or 2, got {f.version}")
+    if f.ac_every_n_layers <= 0:
+        p.append(f"fsdp.ac_every_n_layers must be positive, got {f.ac_every_n_layers}")
+    if f.hybrid_shard_group_size < 0:
+        p.append(f"fsdp.hybrid_shard_group_size must not be negative, got {f.hybrid_shard_group_size}")
+    return p
+
+
+def _checkpoint_problems(c: CheckpointConfig) -> list[str]:
+    p: list[str] = []
+    for name in ("interval", "keep_last_n"):
+        if getattr(c, name) < 0:
+            p.append(f"checkpoint.{name} must not be negative, got {getattr(c, name)}")
+    if isinstance(c.async_save, str) and c.async_save != "auto":
+        p.append(f"checkpoint.async_save must be auto, true or false, got '{c.async_save}'")
+    elif c.async_save is True and c.format == "full":
+        p.append("checkpoint.async_save=true needs checkpoint.format=sharded (full checkpoints are written "
+                 "synchronously)")
+    return p
+
+
+def check_batch_split(cfg: Config, world_size: int, micro_batch: int | None = None) -> int | None:
+    """Gradient accumulation steps for this world size and micro-batch (train.micro_batch_size unless given);
+    ConfigError when the split is not whole. With micro_batch_size=auto and no micro_batch: only checks that
+    the global batch splits over the ranks, and returns None (the micro-batch is measured later)."""
+    t = cfg.train
+    if micro_batch is None and t.micro_batch_size == "auto":
+        if t.global_batch_size % world_size:
+            raise ConfigError([
+                f"train.global_batch_size={t.global_batch_size} is not divisible by the world size {world_size} "
+                f"(train.micro_batch_size=auto splits each rank's share of it); pick a multiple of {world_size}"
+            ])
+        return None
+    micro = micro_batch or t.micro_batch_size
+    assert isinstance(micro, int), "micro_batch_size=auto returned above"
+    per_step = micro * world_size
+    if t.global_batch_size % per_step:
+        raise ConfigError([
+            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * world size "
+            f"= {micro} * {world_size} = {per_step}; pick a global batch that is a multiple of {per_step}"
+        ])
+    return t.global_batch_size // per_step
+
+
+def launch_problems(cfg: Config, *, world_size: int, local_world_size: int, num_gpus: int) -> list[str]:
+    """Checks of the config against the launch (world size, GPUs, the output directory): every problem
+    that can be found before the process group starts."""
+    p: list[str] = []
+    try:
+        check_batch_split(cfg, world_size)
+    except ConfigError as err:
+        p += err.problems
+    f = cfg.fsdp
+    if f.sharding_strategy == "HYBRID_SHARD":
+        group = f.hybrid_shard_group_size or local_world_size
+        if world_size % group:
+            where = f"fsdp.hybrid_shard_group_size={group}" if f.hybrid_shard_group_size else \
+                f"fsdp.hybrid_shard_group_size=0 (the processes per node, {group})"
+            p.append(f"{where} does not divide the world size {world_size}; pick a divisor of {world_size}")
+    if cfg.run.device == "cuda" and num_gpus == 0:
+        p.append("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    elif cfg.run.device != "cpu" and 0 < num_gpus < local_world_size:
+        p.append(f"{local_world_size} processes on this node but only {num_gpus} CUDA devices are visible; "
+                 f"start at most {num_gpus} (--nproc_per_node), or use run.device=cpu")
+    p += output_dir_problems(cfg.output_dir)
+    return p
+
+
+def output_dir_problems(out: Path) -> list[str]:
+    """run.output_dir is a directory (or can be made one) that this user may write into."""
+    existing = out
+    while not os.path.exists(existing) and existing != existing.parent:  # the nearest part that exists
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == out else f"cannot be created: {existing} is a file"
+        return [f"run.output_dir={out} {what}, not a directory"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"run.output_dir={out} is not writable ({existing}: permission denied or a read-only filesystem)"]
+    return []
+
+

@@ -1,0 +1,337 @@
+"""Reading a config: YAML in (bounded: no alias bombs, no deep nesting, no key given twice), `--section.key=value`
+overrides on top, each value checked against its field's type, then every value check (config/checks.py); every
+problem is collected and raised together in one ConfigError. Also writing the resolved config and its summary."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from .checks import validate
+from .errors import ConfigError, closest
+from .sections import Config
+
+# A config file is a few kilobytes: a file far larger is a checkpoint or a corpus given in its place.
+MAX_CONFIG_BYTES = 16 * 2**20
+# Anchors and aliases may repeat a few sections; more than this many repeated values is an attack.
+MAX_ALIAS_VALUES = 10_000
+# A config nests four levels (section, key, list, mapping); YAML's composer recurses once per level.
+MAX_NESTING = 64
+
+
+# How a type problem names what was expected and what was given, in the words of YAML.
+_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_GIVEN = {int: "the integer", float: "the number", bool: "the boolean", str: "the string", list: "the list",
+          dict: "the mapping", type(None): "null"}
+
+
+def _type_problem(where: str, value, kinds: Sequence[type]) -> str:
+    """"model.dim: expected an integer, got the string '128'", with a hint where quotes are the mistake."""
+    expected = " or ".join(_EXPECTED.get(t, t.__name__) for t in kinds)
+    given = "null" if value is None else f"{_GIVEN.get(type(value), type(value).__name__)} {value!r}"
+    text = f"{where}: expected {expected}, got {given}"
+    if isinstance(value, str) and int in kinds and value.strip().lstrip("+-").isdigit():
+        text += " (in quotes, a number is a string: write it without them)"
+    return text
+
+
+def _is_a(value, kind: type) -> bool:
+    """isinstance, except that a boolean is no integer (YAML's true is not 1)."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _coerce(value, hint, where: str, problems: list[str]):
+    """Check `value` against type `hint`; return it (ints accepted for floats). Appends to problems."""
+    if isinstance(value, _LongInt):  # whatever the field's type: no value of a config has that many digits
+        problems.append(f"{where}: an integer of {value.digits:,} digits, far out of range")
+        return value
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        kinds = [t for t in options if t is not type(None)]
+        if len(kinds) > 1:  # e.g. int | str: a value of one of them, as it is
+            if not any(_is_a(value, t) for t in kinds):
+                problems.append(_type_problem(where, value, kinds))
+            return value
+        hint = kinds[0]
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:  # its type here; whether it is one of the choices: config/checks.py
+        hint = type(typing.get_args(hint)[0])
+    if origin is list:
+        return _coerce_list(value, typing.get_args(hint)[0], where, problems)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a section of its own, e.g. data.sources[0]
+        if not isinstance(value, dict):
+            problems.append(f"{where}: expected a mapping, got {value!r}")
+            return hint()
+        return _build(hint, value, where, problems)
+    if hint is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        return _coerce_float(value, where, problems)
+    if not _is_a(value, hint):
+        problems.append(_type_problem(where, value, [hint]))
+    return value
+
+
+def _coerce_list(value, item, where: str, problems: list[str]):
+    if isinstance(value, str):  # a single path is accepted where a list is expected
+        value = [value]
+    if not isinstance(value, list):
+        problems.append(f"{where}: expected a list, got {value!r}")
+        return value
+    return [_coerce(v, item, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+
+
+def _coerce_float(value: int | float | str, where: str, problems: list[str]) -> float | str:
+    """A float field's value: ints become floats; a string that reads as a number is accepted, because
+    YAML reads 3e-4 as a string (YAML 1.1 needs a dot); NaN and infinities are refused."""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            problems.append(_type_problem(where, value, [float]))
+            return value
+    else:
+        number = float(value)
+    if not math.isfinite(number):
+        problems.append(f"{where}: must be a finite number, got {value!r}")
+        return value if isinstance(value, float) else number
+    return number
+
+
+def _build(cls, raw: dict, where: str, problems: list[str]):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if not isinstance(key, str):  # YAML keys may be numbers, null or lists
+            problems.append(f"{where.lstrip('.') or 'top level'}: key {key!r} is not a name")
+            continue
+        if key not in names:
+            full_key, prefix = (where + "." + key).lstrip("."), (where + ".").lstrip(".")
+            problems.append(f"unknown key '{full_key}'{closest(key, names, prefix)}")
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            value = {} if value is None else value  # a section whose keys are all commented out
+            if not isinstance(value, dict):
+                problems.append(f"{(where + '.' + key).lstrip('.')}: expected a section (mapping), got {value!r}")
+                continue
+            kwargs[key] = _build(hint, value, f"{where}.{key}", problems)
+        else:
+            before = len(problems)
+            coerced = _coerce(value, hint, f"{where}.{key}".lstrip("."), problems)
+            if len(problems) == before:  # a mistyped value keeps the default, so value checks still run
+                kwargs[key] = coerced
+    return cls(**kwargs)
+
+
+def split_known_args(parser, argv: list[str]):
+    """parser.parse_known_args, the rest being `--section.key=value` overrides; anything else is a usage
+    error (argparse's, exit 2). Shared by train_fsdp.py and the scripts that take the same config."""
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "=" in o and "." in o.split("=", 1)[0])]
+    if bad:
+        parser.error(f"unrecognised argument {bad[0]!r}: overrides look like --section.key=value")
+    return args, overrides
+
+
+class _Refused(yaml.YAMLError):
+    """Valid YAML that the loader refuses; the message says why and where."""
+
+
+def _at(mark: yaml.Mark | None) -> str:
+    return f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+
+
+def _expansion(root: yaml.Node) -> int:
+    """How many more values the document holds once every alias (and merge key) is written out than it
+    spells out itself; _Refused when an alias refers to a value that contains it."""
+    sizes: dict[int, int] = {}  # id(node) -> values in it, aliases expanded
+    ancestors: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:  # depth first, without recursion: nesting depth is the document's to choose
+        node, finished = stack.pop()
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = []
+        if finished:
+            ancestors.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
+        elif id(node) in ancestors:
+            raise _Refused("an alias refers to a value that contains it")
+        elif id(node) not in sizes:
+            ancestors.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in children)
+    return sizes[id(root)] - len(sizes)
+
+
+class _LongInt:
+    """A YAML integer with more digits than Python converts (sys.get_int_max_str_digits), kept as its length
+    so that the type check reports it under its key."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits:,} digits>"
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses what a config never holds and would otherwise fail far from its cause:
+    aliases that repeat more than MAX_ALIAS_VALUES values ("billion laughs": a few hundred bytes that grow
+    to gigabytes once the tree is walked), nesting deeper than MAX_NESTING (the composer recurses once per
+    level, a RecursionError), and a key given twice in one mapping (the last would silently win)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        if self.depth >= MAX_NESTING:
+            raise _Refused(f"nested more than {MAX_NESTING} levels deep{_at(self.peek_event().start_mark)}")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_document(self, node: yaml.Node):
+        if _expansion(node) > MAX_ALIAS_VALUES:
+            raise _Refused(f"its aliases repeat more than {MAX_ALIAS_VALUES:,} values (an alias bomb?); "
+                           f"write the values out instead")
+        return super().construct_document(node)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict = {}  # key -> its key node; merge keys (<<) are overridden by design, so not counted
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                earlier = first.setdefault(key, key_node)
+            except TypeError:  # a list or mapping as a key: SafeConstructor says so itself
+                continue
+            if earlier is not key_node:
+                raise _Refused(f"key {key!r} is given twice{_at(key_node.start_mark)}, first at line "
+                               f"{earlier.start_mark.line + 1}, column {earlier.start_mark.column + 1}; give each "
+                               f"key once")
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode):
+        try:
+            value = super().construct_yaml_int(node)
+        except ValueError:  # past Python's limit on the digits of a decimal integer
+            return _LongInt(sum(c.isdigit() for c in node.value))
+        # Hexadecimal, binary and base-60 integers have no such limit, yet could not be printed in decimal.
+        digits = int(value.bit_length() * math.log10(2)) + 1
+        return _LongInt(digits) if 0 < sys.get_int_max_str_digits() < digits else value
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """One line for a YAML error: what went wrong and, when known, where."""
+    problem = getattr(err, "problem", None)
+    if not problem:
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"{problem}{_at(getattr(err, 'problem_mark', None))}"
+
+
+def parse_override(arg: str) -> tuple[list[str], object]:
+    """'--train.lr=1e-3' -> (['train', 'lr'], 0.001). Values are parsed as YAML scalars."""
+    body = arg[2:] if arg.startswith("--") else arg
+    if "=" not in body:
+        raise ConfigError([f"override '{arg}' must look like --section.key=value"])
+    key, value = body.split("=", 1)
+    try:
+        return key.split("."), yaml.load(value, Loader=_BoundedLoader) if value != "" else ""
+    except yaml.YAMLError as err:  # the value itself may be long (a list of files): name the key
+        if isinstance(err, _Refused):
+            raise ConfigError([f"override --{key}: {err}"]) from None
+        raise ConfigError([f"override --{key}: not valid YAML: {_yaml_problem(err)}"]) from None
+
+
+def _read_yaml(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError([f"{path} is a directory; give a config file, e.g. config/train_tiny_fsdp.yaml"])
+    if not path.is_file():
+        raise ConfigError([f"config file not found: {path}"])
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError([f"{path}: {path.stat().st_size:,} bytes is not a config file (at most "
+                               f"{MAX_CONFIG_BYTES:,}); give the YAML file, e.g. config/train_tiny_fsdp.yaml"])
+        text = path.read_bytes()  # bytes: YAML finds the encoding, and undecodable text is a YAMLError
+    except OSError as err:
+        raise ConfigError([f"{path}: cannot read: {err.strerror or err}"]) from None
+    try:
+        raw = yaml.load(text, Loader=_BoundedLoader) or {}
+    except _Refused as err:
+        raise ConfigError([f"{path}: {err}"]) from None
+    except yaml.YAMLError as err:
+        raise ConfigError([f"{path}: not valid YAML: {_yaml_problem(err)}"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{path}: top level must be a mapping of sections"])
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Read YAML, apply overrides, validate everything; raise ConfigError listing every problem."""
+    raw = {} if path is None else _read_yaml(Path(path))
+    problems: list[str] = []
+    for arg in overrides:
+        try:
+            keys, value = parse_override(arg)
+        except ConfigError as err:
+            problems += err.problems
+            continue
+        node = raw
+        for k in keys[:-1]:
+            if node.get(k) is None:
+                node[k] = {}
+            node = node[k]
+            if not isinstance(node, dict):
+                problems.append(f"override '{arg}': '{k}' is not a section")
+                break
+        else:
+            node[keys[-1]] = value
+    cfg = _build(Config, raw, "", problems)
+    problems += validate(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+
+def summarize_config(cfg: Config) -> list[str]:
+    """A few lines for the console; the whole resolved config goes to <output_dir>/config.yaml."""
+    d, t, f, c = cfg.data, cfg.train, cfg.fsdp, cfg.checkpoint
+    corpus = d.dataset_dir or ", ".join(d.files) or ", ".join(s.path for s in d.sources)
+    return [
+        f"run {cfg.run.name}: output {cfg.output_dir} (the resolved config: config.yaml there), seed {cfg.run.seed}",
+        f"data: {corpus or 'the default corpus'}, seq {d.seq_len}, tokenizer {d.tokenizer}, format {d.format}",
+        f"train: {t.max_steps} steps, global batch {t.global_batch_size}, micro-batch {t.micro_batch_size}, "
+        f"lr {t.lr:g} ({t.lr_schedule}, warmup {t.warmup_steps}), precision {t.precision}, float8 {t.float8}, "
+        f"compile {t.compile}",
+        f"fsdp: version {f.version}, {f.sharding_strategy}, activation checkpointing {f.activation_checkpointing}; "
+        f"checkpoint: {c.format} every {c.interval} steps, keep {c.keep_last_n}",
+    ]
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config, renamed into place: a symbolic link at `path` is replaced, never written through."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.unlink(missing_ok=True)
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
