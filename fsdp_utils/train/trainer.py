@@ -153,13 +153,9 @@ class Trainer:
         self.cache_key, self.choice, self.split = run.cache_key, run.choice, run.split
         for line in describe_choice(self.choice, cfg, world_size=env.world_size):
             log.info("%s", line)
-        c = cfg.checkpoint
-        self.ckpt = CheckpointManager(cfg.output_dir, fmt=c.format, keep_last_n=c.keep_last_n, interval=c.interval,
-                                      model_config=self.model_signature, env=env, verify=c.verify,
-                                      async_save=c.async_save, async_writer=c.async_writer,
-                                      on_async_error=c.on_async_error, timeout_s=cfg.run.timeout_s,
+        self.ckpt = CheckpointManager(cfg.checkpoint, cfg.output_dir, env=env, model_config=self.model_signature,
+                                      timeout_s=cfg.run.timeout_s,
                                       tokenizer_sha256=tokenizer_sha256(self.prepared.tokenizer_path),
-                                      allow_tokenizer_change=c.allow_tokenizer_change,
                                       lora=lora_record(cfg, self.model_signature, base_dtype=self.precision.compute))
         if env.is_main:
             self._log_trainable()
