@@ -357,18 +357,15 @@ class Trainer:
         """The out-of-memory guard, the memory snapshots it dumps into, the profiler and the log with its
         trackers (rank 0's), for a loop that starts after step first_step."""
         cfg, env, t, lg = self.cfg, self.env, self.cfg.train, self.cfg.logging
-        self.memory = MemorySnapshots(cfg.output_dir, enabled=lg.memory_snapshot, at_step=lg.memory_snapshot_step,
-                                      max_entries=lg.memory_snapshot_max_entries, ranks=lg.profile_ranks,
-                                      rank=env.rank, device=env.device)
+        self.memory = MemorySnapshots(lg, cfg.output_dir, rank=env.rank, device=env.device)
         self.oom = OutOfMemoryGuard(env, probe=self.probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s,
                                     compile=t.compile, on_oom=self.memory.on_oom)
-        self.profiler = StepProfiler(cfg.output_dir, steps=lg.profile_steps, ranks=lg.profile_ranks, rank=env.rank,
-                                     device=env.device, first_step=first_step)
+        self.profiler = StepProfiler(lg, cfg.output_dir, rank=env.rank, device=env.device, first_step=first_step)
         peak_flops, peak_note = resolve_peak_flops(env.device, override_flops=lg.peak_override_flops)
         if env.is_main:
             log.info("%s", peak_note)
         trackers = open_trackers(cfg, resumed=first_step > 0) if env.is_main else []
-        self.log = TrainingLog(cfg.output_dir if env.is_main else None, interval=lg.interval, max_steps=t.max_steps,
+        self.log = TrainingLog(lg, cfg.output_dir if env.is_main else None, max_steps=t.max_steps,
                                first_step=first_step, tokens_per_step=t.global_batch_size * cfg.data.seq_len,
                                world_size=env.world_size, flops_per_token=self.flops_per_token, device=env.device,
                                peak_flops=peak_flops, trackers=trackers)
