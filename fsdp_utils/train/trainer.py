@@ -128,8 +128,7 @@ class Trainer:
             return None
         evaluator, error = None, None
         try:
-            evaluator = DownstreamEvaluator(t.eval_tasks, include_path=t.eval_tasks_path, limit=t.eval_tasks_limit,
-                                            tokenizer_kind=self.cfg.data.tokenizer,
+            evaluator = DownstreamEvaluator(t, tokenizer_kind=self.cfg.data.tokenizer,
                                             tokenizer_path=self.prepared.tokenizer_path,
                                             max_length=self.cfg.data.seq_len, env=self.env)
         except DownstreamError as err:
