@@ -264,13 +264,9 @@ def _cut_after_lines(stream: _Readable, size: int, *, path: Path, compression: s
                     yield bytes(buffer[:line_start])
                 problem, dropped = on_long_line(), len(buffer) - line_start
                 del buffer[:]
-                while not limit or done + line_start + dropped < limit:
-                    block = _read_block(stream, path, compression)
-                    if (newline := block.find(b"\n")) >= 0 or not block:
-                        dropped += newline + 1
-                        buffer += block[newline + 1 :] if block else b""
-                        break
-                    dropped += len(block)
+                dropped, rest = _read_past_line_end(stream, path, compression, dropped=dropped,
+                                                    until=limit - done - line_start if limit else None)
+                buffer += rest
                 yield problem, dropped
                 cut = line_start + dropped
             elif end < 0:  # cut_long: a document of max_line bytes
@@ -296,6 +292,19 @@ def _cut_after_lines(stream: _Readable, size: int, *, path: Path, compression: s
             if buffer:
                 yield bytes(buffer)
             return
+
+
+def _read_past_line_end(stream: _Readable, path: Path, compression: str | None, *, dropped: int,
+                        until: int | None) -> tuple[int, bytes]:
+    """Reads through the end of a line of which `dropped` bytes are already gone, holding one block at a
+    time: (the line's bytes dropped in all, what the last block held after the line end). Stops early at
+    the end of the stream, or once `until` bytes of the line are dropped (the reading limit)."""
+    while until is None or dropped < until:
+        block = _read_block(stream, path, compression)
+        if (newline := block.find(b"\n")) >= 0 or not block:
+            return dropped + newline + 1, block[newline + 1 :]
+        dropped += len(block)
+    return dropped, b""
 
 
 def _utf8_boundary(data: bytearray, position: int) -> int:

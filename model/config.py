@@ -85,6 +85,19 @@ class ModelConfig:
 
     def problems(self) -> list[str]:
         """Every inconsistency in these dimensions, phrased for the user (empty when valid)."""
+        out = self._shape_problems() + self._size_limit_problems()
+        # theta <= 1 makes the rotary frequencies theta^(-2i/d) grow instead of fall (towards inf at 0: NaN).
+        if not self.rope_theta > 1:
+            out.append(f"model.rope_theta must be greater than 1, got {self.rope_theta}")
+        out += self._rope_scaling_problems()
+        if not self.norm_eps > 0:  # RMSNorm divides by sqrt(mean(x^2) + eps): NaN at 0 on a zero input, or below
+            out.append(f"model.norm_eps must be positive, got {self.norm_eps}")
+        if not self.init_std > 0:
+            out.append(f"model.init_std must be positive, got {self.init_std}")
+        return out
+
+    def _shape_problems(self) -> list[str]:
+        """Sizes that are not positive, and heads that do not divide the width."""
         out = []
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             if getattr(self, name) <= 0:
@@ -100,24 +113,15 @@ class ModelConfig:
         if self.multiple_of <= 0:
             out.append("model.multiple_of must be positive (it rounds the derived ffn_hidden_dim), "
                        f"got {self.multiple_of}")
-        for name, limit, text in (("dim", MAX_DIM, "2**20"), ("n_layers", MAX_LAYERS, "2**16"),
-                                  ("ffn_hidden_dim", MAX_FFN_HIDDEN_DIM, "2**22"),
-                                  ("multiple_of", MAX_FFN_HIDDEN_DIM, "2**22")):
-            if (getattr(self, name) or 0) > limit:
-                out.append(f"model.{name} must be at most {text} = {limit}, got {getattr(self, name)}")
-        if self.vocab_size > MAX_VOCAB_SIZE:
-            out.append(f"model.vocab_size must be at most 2**24 = {MAX_VOCAB_SIZE}, got {self.vocab_size}")
-        if self.max_seq_len > MAX_SEQ_LEN:
-            out.append(f"model.max_seq_len must be at most 2**20 = {MAX_SEQ_LEN}, got {self.max_seq_len}")
-        # theta <= 1 makes the rotary frequencies theta^(-2i/d) grow instead of fall (towards inf at 0: NaN).
-        if not self.rope_theta > 1:
-            out.append(f"model.rope_theta must be greater than 1, got {self.rope_theta}")
-        out += self._rope_scaling_problems()
-        if not self.norm_eps > 0:  # RMSNorm divides by sqrt(mean(x^2) + eps): NaN at 0 on a zero input, or below
-            out.append(f"model.norm_eps must be positive, got {self.norm_eps}")
-        if not self.init_std > 0:
-            out.append(f"model.init_std must be positive, got {self.init_std}")
         return out
+
+    def _size_limit_problems(self) -> list[str]:
+        """Sizes over the largest this library builds."""
+        limits = (("dim", MAX_DIM, "2**20"), ("n_layers", MAX_LAYERS, "2**16"),
+                  ("ffn_hidden_dim", MAX_FFN_HIDDEN_DIM, "2**22"), ("multiple_of", MAX_FFN_HIDDEN_DIM, "2**22"),
+                  ("vocab_size", MAX_VOCAB_SIZE, "2**24"), ("max_seq_len", MAX_SEQ_LEN, "2**20"))
+        return [f"model.{name} must be at most {text} = {limit}, got {getattr(self, name)}"
+                for name, limit, text in limits if (getattr(self, name) or 0) > limit]
 
     def _rope_scaling_problems(self) -> list[str]:
         if self.rope_scaling_factor is None:

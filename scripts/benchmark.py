@@ -61,6 +61,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
+from config.schema import CheckpointConfig  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.distributed import (  # noqa: E402
     destroy_distributed,
@@ -279,9 +280,9 @@ def bench_saves(cfg, env, args) -> list[dict]:
     rows = []
     for mode in args.save_modes.split(","):
         sync = mode in ("sync", "sync_gpu")
-        manager = CheckpointManager(root / mode, fmt="sharded", keep_last_n=0, model_config={}, env=env,
-                                    async_save=not sync, async_writer="thread" if sync else mode,
-                                    timeout_s=cfg.run.timeout_s)
+        section = CheckpointConfig(format="sharded", keep_last_n=0, async_save=not sync,
+                                   async_writer="thread" if sync else mode)
+        manager = CheckpointManager(section, root / mode, env=env, model_config={}, timeout_s=cfg.run.timeout_s)
         if mode == "sync_gpu":
             # Measurement only: the state dict as FSDP1 makes it, on the GPU.
             manager.context.offload = lambda model: False

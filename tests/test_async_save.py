@@ -448,6 +448,7 @@ def test_a_file_size_limit_on_the_shared_arena_falls_back_to_synchronous_saves(t
 
     import torch.distributed as dist
 
+    from config.schema import CheckpointConfig
     from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
     from fsdp_utils.checkpoint.staging import arena_bytes
     from fsdp_utils.checkpoint.writer import HAS_PROCESS_WRITER
@@ -461,8 +462,9 @@ def test_a_file_size_limit_on_the_shared_arena_falls_back_to_synchronous_saves(t
     try:
         model, optimizer = model_and_optimizer()
         assert arena_bytes(model, optimizer) > limit  # the arena must exceed the limit for the test to mean anything
-        manager = CheckpointManager(tmp_path, fmt="sharded", keep_last_n=0, model_config=dataclasses.asdict(CONFIG),
-                                    env=ENV, async_save=True, async_writer="process")
+        manager = CheckpointManager(CheckpointConfig(format="sharded", keep_last_n=0, async_save=True,
+                                                     async_writer="process"),
+                                    tmp_path, model_config=dataclasses.asdict(CONFIG), env=ENV)
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
         try:

@@ -135,6 +135,7 @@ from pathlib import Path
 sys.path.insert(0, {root!r})
 import torch
 import torch.distributed.checkpoint as dcp
+from config.schema import CheckpointConfig
 from fsdp_utils.checkpoint import manager as ckpt
 
 kill_at = os.environ.get("KILL_AT_STEP")
@@ -158,8 +159,8 @@ def load_then_save(self, model, optimizer, resume_from):
     torch.manual_seed(1000 + self.env.rank)
     state = load(self, model, optimizer, resume_from)
     out = Path(os.environ["SAVE_LOADED_TO"])
-    ckpt.CheckpointManager(out, fmt="full", keep_last_n=0, model_config=self.model_config, env=self.env).save(
-        model, optimizer, state)
+    section = CheckpointConfig(format="full", keep_last_n=0)
+    ckpt.CheckpointManager(section, out, model_config=self.model_config, env=self.env).save(model, optimizer, state)
     return state
 
 torch.save, dcp.save = save, sharded_save

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from config import Config, save_config
+from config.schema import CheckpointConfig
 from fsdp_utils.checkpoint import io as checkpoint_io
 from fsdp_utils.checkpoint.async_save import _InFlight
 from fsdp_utils.checkpoint.format import (
@@ -73,9 +74,10 @@ def model_and_optimizer(seed: int = 0) -> tuple[Transformer, torch.optim.Optimiz
     return model, optimizer
 
 
-def manager(out: Path, fmt: str, **kwargs) -> CheckpointManager:
+def manager(out: Path, fmt: str, *, allow_tokenizer_change: bool = False, **kwargs) -> CheckpointManager:
+    section = CheckpointConfig(format=fmt, keep_last_n=0, allow_tokenizer_change=allow_tokenizer_change)
     kwargs = {"model_config": dataclasses.asdict(CONFIG), "tokenizer_sha256": TOKENIZER, **kwargs}
-    return CheckpointManager(out, fmt=fmt, keep_last_n=0, env=ENV, **kwargs)
+    return CheckpointManager(section, out, env=ENV, **kwargs)
 
 
 @pytest.fixture(scope="module")

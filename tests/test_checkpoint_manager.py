@@ -138,12 +138,12 @@ def differences(a: dict, b: dict) -> list[str]:
     return diff
 
 
-def new_manager(out: Path, rank: int, world_size: int, fmt: str, **kwargs):
+def new_manager(out: Path, rank: int, world_size: int, fmt: str, **section_fields):
+    from config.schema import CheckpointConfig
     from fsdp_utils.checkpoint import CheckpointManager
 
-    kwargs = {"keep_last_n": 0, **kwargs}
-    return CheckpointManager(out, fmt=fmt, model_config=dataclasses.asdict(CONFIG), env=cpu_env(rank, world_size),
-                             **kwargs)
+    section = CheckpointConfig(**{"format": fmt, "keep_last_n": 0, **section_fields})
+    return CheckpointManager(section, out, model_config=dataclasses.asdict(CONFIG), env=cpu_env(rank, world_size))
 
 
 def load_and_compare(out: Path, rank: int, world_size: int, fmt: str, reference: dict, resume_from: str = "latest"):

@@ -244,6 +244,7 @@ def test_unknown_tasks_missing_folders_and_a_missing_lm_eval_are_one_line_each(s
         f"--tasks: task folder not found: {tmp_path / 'nowhere'}"]
     assert task_problems([str(setup["tasks"] / "tiny_gen.yaml")], [], where="--tasks") == []  # a task file
     from config import ConfigError, load_config
+    from config.schema import TrainConfig
 
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "config/train_tiny_fsdp.yaml", ["--train.eval_tasks=[tiny_gen]", "--train.eval_interval=0",
@@ -269,8 +270,9 @@ def test_unknown_tasks_missing_folders_and_a_missing_lm_eval_are_one_line_each(s
     spec = (setup["tasks"] / "tiny_gen.yaml").read_text().replace("tiny_gen", "tiny_broken")
     (broken / "tiny_broken.yaml").write_text(spec.replace(str(setup["tasks"]), str(tmp_path / "gone")))
     with pytest.raises(DownstreamError, match=r"^cannot load the lm-eval task\(s\) tiny_broken: \w+"):
-        DownstreamEvaluator(["tiny_broken"], include_path=[str(broken)], limit=0, tokenizer_kind="sentencepiece",
-                            tokenizer_path=setup["root"] / "tokenizer.model", max_length=MAX_LEN, env=cpu_env(0, 1))
+        DownstreamEvaluator(TrainConfig(eval_tasks=["tiny_broken"], eval_tasks_path=[str(broken)], eval_tasks_limit=0),
+                            tokenizer_kind="sentencepiece", tokenizer_path=setup["root"] / "tokenizer.model",
+                            max_length=MAX_LEN, env=cpu_env(0, 1))
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails, as without the package
     assert task_problems(["tiny_gen"], include, where="train.eval_tasks") == [
         "train.eval_tasks needs the lm-eval package (EleutherAI's lm-evaluation-harness): pip install lm-eval"]

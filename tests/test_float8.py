@@ -389,6 +389,7 @@ def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
     # FP8 all-gather off (the matmuls would still be FP8, so nothing else would notice).
     import torch.distributed as dist
 
+    from config.schema import CheckpointConfig
     from fsdp_utils.checkpoint import CheckpointManager, TrainState
     from fsdp_utils.distributed import DistEnv
 
@@ -402,7 +403,7 @@ def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
         kind, saved = type(weight.to_local()), weight.full_tensor().clone()
         assert kind.__module__.startswith("torchao")
         env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-        manager = CheckpointManager(tmp_path, fmt=fmt, keep_last_n=0, model_config={}, env=env)
+        manager = CheckpointManager(CheckpointConfig(format=fmt, keep_last_n=0), tmp_path, model_config={}, env=env)
         manager.save(model, optimizer, TrainState(step=1))
         with torch.no_grad():
             weight.zero_()

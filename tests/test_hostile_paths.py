@@ -20,6 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from config import Config, save_config
+from config.schema import CheckpointConfig
 from fsdp_utils.checkpoint import io as checkpoint_io
 from fsdp_utils.checkpoint.format import CheckpointError, check_structure
 from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
@@ -40,7 +41,8 @@ def process_group():
 
 
 def manager(out: Path, fmt: str) -> CheckpointManager:
-    return CheckpointManager(out, fmt=fmt, keep_last_n=0, env=ENV, model_config=dataclasses.asdict(CONFIG))
+    section = CheckpointConfig(format=fmt, keep_last_n=0)
+    return CheckpointManager(section, out, env=ENV, model_config=dataclasses.asdict(CONFIG))
 
 
 def save(out: Path, fmt: str, step: int = 1) -> Path:

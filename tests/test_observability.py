@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from config import ConfigError, load_config
+from config.schema import LoggingConfig
 from fsdp_utils.train import peak_flops, trainer
 from fsdp_utils.train.metrics import MetricsWriter
 from fsdp_utils.train.preemption import StopSignal
@@ -412,8 +413,9 @@ def test_metrics_writer_sends_any_metric_to_every_tracker(tmp_path):
 
 def test_memory_snapshot_on_the_cpu_is_one_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="train"):
-        snaps = MemorySnapshots(tmp_path, enabled=True, at_step=1, max_entries=10, ranks="rank0", rank=0,
-                                device=torch.device("cpu"))
+        section = LoggingConfig(memory_snapshot=True, memory_snapshot_step=1, memory_snapshot_max_entries=10,
+                                profile_ranks="rank0")
+        snaps = MemorySnapshots(section, tmp_path, rank=0, device=torch.device("cpu"))
         snaps.on_step_end(1)
         snaps.on_oom(1, "training")
         snaps.close()

@@ -20,6 +20,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,27 +45,35 @@ from .staging import state_bytes
 from .verify import verify
 from .writer import resolve_async_save
 
+if TYPE_CHECKING:
+    from config.schema import CheckpointConfig
+
 __all__ = ["AsyncSaveFailed", "CheckpointManager", "TrainState"]
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
-    def __init__(self, output_dir: Path, *, fmt: str, keep_last_n: int, model_config: dict, env: DistEnv,
-                 interval: int = 0, verify: bool = True, async_save: bool | str = False, async_writer: str = "thread",
-                 on_async_error: str = "stop", timeout_s: float = 600, tokenizer_sha256: str | None = None,
-                 allow_tokenizer_change: bool = False, lora: dict | None = None):
+    """The run's checkpoints as the `checkpoint` config section describes them (format, interval, retention,
+    verification, asynchronous saves, tokenizer changes), in `output_dir`. The rest is what the section
+    cannot know: the ranks (`env`), the model's signature (`model_config`), the tokenizer's hash, the LoRA
+    record and the process group's timeout (run.timeout_s), which bounds a background write."""
+
+    def __init__(self, section: CheckpointConfig, output_dir: Path, *, env: DistEnv, model_config: dict,
+                 timeout_s: float = 600, tokenizer_sha256: str | None = None, lora: dict | None = None):
         self.dir = Path(output_dir)
         self.env = env
-        self.interval = interval  # save every `interval` steps (0: only at a stop signal and the last step)
-        self.verify = verify
-        self.context = CheckpointContext(self.dir, env, fmt, keep_last_n, model_config, tokenizer_sha256,
-                                         allow_tokenizer_change, lora)
+        self.interval = section.interval  # save every `interval` steps (0: only at a stop signal and the last step)
+        self.verify = section.verify
+        fmt = section.format
+        self.context = CheckpointContext(self.dir, env, fmt, section.keep_last_n, model_config, tokenizer_sha256,
+                                         section.allow_tokenizer_change, lora)
         self.stats = self.context.stats  # one row per committed save: what scripts/benchmark.py reports
         self._full, self._sharded = FullCheckpoint(self.context), ShardedCheckpoint(self.context)
         self.format: CheckpointFormat = self._sharded if fmt == "sharded" else self._full
-        self.background = AsyncSaver(self._sharded, enabled=resolve_async_save(async_save, fmt=fmt, device=env.device),
-                                     writer=async_writer, on_error=on_async_error, timeout_s=timeout_s)
+        enabled = resolve_async_save(section.async_save, fmt=fmt, device=env.device)
+        self.background = AsyncSaver(self._sharded, enabled=enabled, writer=section.async_writer,
+                                     on_error=section.on_async_error, timeout_s=timeout_s)
         self._prepared = False
 
     @property

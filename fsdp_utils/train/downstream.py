@@ -15,13 +15,16 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ..distributed import DistEnv
+
+if TYPE_CHECKING:
+    from config.schema import TrainConfig
 
 log = logging.getLogger("train")
 
@@ -154,14 +157,17 @@ class DownstreamEvaluator:
     so a task that cannot load stops the run then); `run` evaluates the model as it is (sharded: every rank
     takes part), in eval mode, and puts it back in train mode."""
 
-    def __init__(self, names: Sequence[str], *, include_path: Sequence[str], limit: int, tokenizer_kind: str,
-                 tokenizer_path: Path, max_length: int, env: DistEnv):
+    def __init__(self, section: TrainConfig, *, tokenizer_kind: str, tokenizer_path: Path, max_length: int,
+                 env: DistEnv):
+        """section: train.eval_tasks, eval_tasks_path and eval_tasks_limit; the tokenizer and the longest
+        sequence (data.tokenizer, the prepared tokenizer file, data.seq_len) are the run's."""
         from .lm_eval_model import open_codec
 
         quiet_lm_eval()
-        self.names, self.limit, self.max_length, self.env = list(names), limit, max_length, env
+        self.names, self.limit = list(section.eval_tasks), section.eval_tasks_limit
+        self.max_length, self.env = max_length, env
         # Loaded once: lm_eval rebuilds a task's requests at every evaluation.
-        self.tasks = load_tasks(task_manager(self.names, include_path), self.names)
+        self.tasks = load_tasks(task_manager(self.names, section.eval_tasks_path), self.names)
         try:
             self.codec = open_codec(tokenizer_kind, tokenizer_path)
         except (OSError, ValueError) as err:

@@ -9,12 +9,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..checkpoint.nofollow import open_append
 from .peak_flops import resolve_peak_flops
 from .trackers import Tracker, scalars
+
+if TYPE_CHECKING:
+    from config.schema import LoggingConfig
 
 log = logging.getLogger("train")
 
@@ -70,10 +74,11 @@ class TrainingLog:
     in metrics.jsonl and every tracker (rank 0 writes). Validation losses and any other metrics
     (`log_metrics`) go the same way."""
 
-    def __init__(self, output_dir: Path | None, *, interval: int, max_steps: int, first_step: int, tokens_per_step: int,
-                 world_size: int, flops_per_token: float, peak_flops: float | None, device: torch.device,
-                 trackers: Sequence[Tracker] = ()):
-        self.interval, self.max_steps, self.device = interval, max_steps, device
+    def __init__(self, section: LoggingConfig, output_dir: Path | None, *, max_steps: int, first_step: int,
+                 tokens_per_step: int, world_size: int, flops_per_token: float, peak_flops: float | None,
+                 device: torch.device, trackers: Sequence[Tracker] = ()):
+        """section: logging.interval; output_dir: None on the ranks that do not write (all but rank 0)."""
+        self.interval, self.max_steps, self.device = section.interval, max_steps, device
         self.tokens_per_gpu_step = tokens_per_step / world_size
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.writer = MetricsWriter(output_dir, trackers=trackers) if output_dir is not None else None

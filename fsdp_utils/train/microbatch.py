@@ -236,13 +236,7 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
             if not fitting:
                 last = tried[next(reversed(tried))]
                 raise nothing_fits(micro_batch or min(last), last)
-            chosen = fitting[0]
-            if len(fitting) > 1:  # auto: each pair that fits has a larger micro-batch at more recompute; time them
-                for policy, size, _ in fitting:
-                    trials.use(policy)
-                    speeds[pair_name(policy, size)] = trials.tokens_per_s(size)
-                chosen = max(fitting, key=lambda f: speeds[pair_name(f[0], f[1])])
-            policy, best, measured = chosen
+            policy, best, measured = _fastest_pair(trials, fitting, speeds)
             trials.use(policy)
             while compile:
                 # This step compiles the run's own graphs (static at the chosen size) and checks the figure.
@@ -274,6 +268,18 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     return MicroBatchChoice(best, "search", {b: m / GiB for b, m in sorted(measured.items())}, capacity / GiB,
                             budget / GiB, time.perf_counter() - start, checkpointing=trials.policy_name,
                             tried_gib=tried_gib if switch is not None else {}, tokens_per_s=speeds)
+
+
+def _fastest_pair(trials: _Trials, fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]],
+                  speeds: dict[str, float]) -> tuple[CheckpointPolicy | None, int, dict[int, float]]:
+    """The one pair that fits, or (auto: each pair that fits has a larger micro-batch at more recompute) the
+    pair whose full step trains the most tokens/s; each timed pair's speed is recorded in `speeds`."""
+    if len(fitting) == 1:
+        return fitting[0]
+    for policy, size, _ in fitting:
+        trials.use(policy)
+        speeds[pair_name(policy, size)] = trials.tokens_per_s(size)
+    return max(fitting, key=lambda f: speeds[pair_name(f[0], f[1])])
 
 
 def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], candidates: list[int], *, budget: float,

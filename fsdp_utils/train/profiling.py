@@ -8,10 +8,14 @@ from __future__ import annotations
 import logging
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils.checkpoint
 from torch.profiler import ProfilerActivity, profile, record_function
+
+if TYPE_CHECKING:
+    from config.schema import LoggingConfig
 
 log = logging.getLogger("train")
 
@@ -36,14 +40,15 @@ class StepProfiler:
     evaluation and checkpoint save, if any), then writes a chrome trace (CPU ops, and CUDA kernels and
     memory copies on GPUs)."""
 
-    def __init__(self, out_dir: Path, *, steps: list[int], ranks: str, rank: int, device: torch.device,
-                 first_step: int):
+    def __init__(self, section: LoggingConfig, out_dir: Path, *, rank: int, device: torch.device, first_step: int):
+        """section: logging.profile_steps and logging.profile_ranks."""
+        steps = section.profile_steps
         self.prof: profile | None = None
         self.step_range: AbstractContextManager | None = None
         self.device, self.rank = device, rank
         self.start, self.end = steps if steps else (0, 0)
         self.path = profile_path(out_dir, start=self.start, end=self.end, rank=rank)
-        self.enabled = bool(steps) and chosen_rank(ranks, rank)
+        self.enabled = bool(steps) and chosen_rank(section.profile_ranks, rank)
         if self.enabled and first_step >= self.start:
             if rank == 0:
                 log.warning("logging.profile_steps=%s: this run resumes after step %d, no profile is written",
@@ -100,16 +105,17 @@ class MemorySnapshots:
     start of training and dumps it as a pickle for pytorch.org/memory_viz: after step `at_step` and when
     a CUDA out-of-memory error is caught (on_oom, from the out-of-memory guard), into <output_dir>/memory/."""
 
-    def __init__(self, out_dir: Path, *, enabled: bool, at_step: int, max_entries: int, ranks: str, rank: int,
-                 device: torch.device):
-        self.dir, self.at_step, self.rank = out_dir / "memory", at_step, rank
-        self.recording = enabled and chosen_rank(ranks, rank) and device.type == "cuda"
+    def __init__(self, section: LoggingConfig, out_dir: Path, *, rank: int, device: torch.device):
+        """section: logging.memory_snapshot, memory_snapshot_step, memory_snapshot_max_entries, profile_ranks."""
+        enabled = section.memory_snapshot
+        self.dir, self.at_step, self.rank = out_dir / "memory", section.memory_snapshot_step, rank
+        self.recording = enabled and chosen_rank(section.profile_ranks, rank) and device.type == "cuda"
         if enabled and device.type != "cuda" and rank == 0:
             log.warning("logging.memory_snapshot: the CUDA allocator's history exists only on GPUs; this %s run "
                         "records no memory snapshot", device.type)
         self.early_stop_off: AbstractContextManager | None = None
         if self.recording:
-            torch.cuda.memory._record_memory_history(max_entries=max_entries)
+            torch.cuda.memory._record_memory_history(max_entries=section.memory_snapshot_max_entries)
             # Activation checkpointing stops a recomputation early by raising an exception from inside the
             # recomputed forward; when that happens inside a custom autograd Function (torchao's Float8
             # matmul), the Python stacks the allocator records as the tensors are freed lose the exception and

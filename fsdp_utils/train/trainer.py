@@ -127,8 +127,7 @@ class Trainer:
             return None
         evaluator, error = None, None
         try:
-            evaluator = DownstreamEvaluator(t.eval_tasks, include_path=t.eval_tasks_path, limit=t.eval_tasks_limit,
-                                            tokenizer_kind=self.cfg.data.tokenizer,
+            evaluator = DownstreamEvaluator(t, tokenizer_kind=self.cfg.data.tokenizer,
                                             tokenizer_path=self.prepared.tokenizer_path,
                                             max_length=self.cfg.data.seq_len, env=self.env)
         except DownstreamError as err:
@@ -152,13 +151,9 @@ class Trainer:
         self.cache_key, self.choice, self.split = run.cache_key, run.choice, run.split
         for line in describe_choice(self.choice, cfg, world_size=env.world_size):
             log.info("%s", line)
-        c = cfg.checkpoint
-        self.ckpt = CheckpointManager(cfg.output_dir, fmt=c.format, keep_last_n=c.keep_last_n, interval=c.interval,
-                                      model_config=self.model_signature, env=env, verify=c.verify,
-                                      async_save=c.async_save, async_writer=c.async_writer,
-                                      on_async_error=c.on_async_error, timeout_s=cfg.run.timeout_s,
+        self.ckpt = CheckpointManager(cfg.checkpoint, cfg.output_dir, env=env, model_config=self.model_signature,
+                                      timeout_s=cfg.run.timeout_s,
                                       tokenizer_sha256=tokenizer_sha256(self.prepared.tokenizer_path),
-                                      allow_tokenizer_change=c.allow_tokenizer_change,
                                       lora=lora_record(cfg, self.model_signature, base_dtype=self.precision.compute))
         if env.is_main:
             self._log_trainable()
@@ -360,18 +355,15 @@ class Trainer:
         """The out-of-memory guard, the memory snapshots it dumps into, the profiler and the log with its
         trackers (rank 0's), for a loop that starts after step first_step."""
         cfg, env, t, lg = self.cfg, self.env, self.cfg.train, self.cfg.logging
-        self.memory = MemorySnapshots(cfg.output_dir, enabled=lg.memory_snapshot, at_step=lg.memory_snapshot_step,
-                                      max_entries=lg.memory_snapshot_max_entries, ranks=lg.profile_ranks,
-                                      rank=env.rank, device=env.device)
+        self.memory = MemorySnapshots(lg, cfg.output_dir, rank=env.rank, device=env.device)
         self.oom = OutOfMemoryGuard(env, probe=self.probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s,
                                     compile=t.compile, on_oom=self.memory.on_oom)
-        self.profiler = StepProfiler(cfg.output_dir, steps=lg.profile_steps, ranks=lg.profile_ranks, rank=env.rank,
-                                     device=env.device, first_step=first_step)
+        self.profiler = StepProfiler(lg, cfg.output_dir, rank=env.rank, device=env.device, first_step=first_step)
         peak_flops, peak_note = resolve_peak_flops(env.device, override_flops=lg.peak_override_flops)
         if env.is_main:
             log.info("%s", peak_note)
         trackers = open_trackers(cfg, resumed=first_step > 0) if env.is_main else []
-        self.log = TrainingLog(cfg.output_dir if env.is_main else None, interval=lg.interval, max_steps=t.max_steps,
+        self.log = TrainingLog(lg, cfg.output_dir if env.is_main else None, max_steps=t.max_steps,
                                first_step=first_step, tokens_per_step=t.global_batch_size * cfg.data.seq_len,
                                world_size=env.world_size, flops_per_token=self.flops_per_token, device=env.device,
                                peak_flops=peak_flops, trackers=trackers)
