@@ -60,8 +60,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from config import ConfigError, load_config  # noqa: E402
-from config.schema import CheckpointConfig  # noqa: E402
+from config import (  # noqa: E402
+    CheckpointConfig,  # noqa: E402
+    ConfigError,
+    load_config,
+)
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.distributed import (  # noqa: E402
     destroy_distributed,

@@ -448,7 +448,7 @@ def test_a_file_size_limit_on_the_shared_arena_falls_back_to_synchronous_saves(t
 
     import torch.distributed as dist
 
-    from config.schema import CheckpointConfig
+    from config import CheckpointConfig
     from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
     from fsdp_utils.checkpoint.staging import arena_bytes
     from fsdp_utils.checkpoint.writer import HAS_PROCESS_WRITER

@@ -135,7 +135,7 @@ from pathlib import Path
 sys.path.insert(0, {root!r})
 import torch
 import torch.distributed.checkpoint as dcp
-from config.schema import CheckpointConfig
+from config import CheckpointConfig
 from fsdp_utils.checkpoint import manager as ckpt
 
 kill_at = os.environ.get("KILL_AT_STEP")

@@ -31,8 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from config import Config, save_config
-from config.schema import CheckpointConfig
+from config import CheckpointConfig, Config, save_config
 from fsdp_utils.checkpoint import io as checkpoint_io
 from fsdp_utils.checkpoint.async_save import _InFlight
 from fsdp_utils.checkpoint.format import (

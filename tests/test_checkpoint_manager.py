@@ -139,7 +139,7 @@ def differences(a: dict, b: dict) -> list[str]:
 
 
 def new_manager(out: Path, rank: int, world_size: int, fmt: str, **section_fields):
-    from config.schema import CheckpointConfig
+    from config import CheckpointConfig
     from fsdp_utils.checkpoint import CheckpointManager
 
     section = CheckpointConfig(**{"format": fmt, "keep_last_n": 0, **section_fields})

@@ -243,8 +243,7 @@ def test_unknown_tasks_missing_folders_and_a_missing_lm_eval_are_one_line_each(s
     assert task_problems(["tiny_gen"], [str(tmp_path / "nowhere")], where="--tasks") == [
         f"--tasks: task folder not found: {tmp_path / 'nowhere'}"]
     assert task_problems([str(setup["tasks"] / "tiny_gen.yaml")], [], where="--tasks") == []  # a task file
-    from config import ConfigError, load_config
-    from config.schema import TrainConfig
+    from config import ConfigError, TrainConfig, load_config
 
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "config/train_tiny_fsdp.yaml", ["--train.eval_tasks=[tiny_gen]", "--train.eval_interval=0",

@@ -389,7 +389,7 @@ def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
     # FP8 all-gather off (the matmuls would still be FP8, so nothing else would notice).
     import torch.distributed as dist
 
-    from config.schema import CheckpointConfig
+    from config import CheckpointConfig
     from fsdp_utils.checkpoint import CheckpointManager, TrainState
     from fsdp_utils.distributed import DistEnv
 

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from config import Config, save_config
-from config.schema import CheckpointConfig
+from config import CheckpointConfig, Config, save_config
 from fsdp_utils.checkpoint import io as checkpoint_io
 from fsdp_utils.checkpoint.format import CheckpointError, check_structure
 from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState

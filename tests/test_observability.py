@@ -17,8 +17,7 @@ import pytest
 import torch
 import yaml
 
-from config import ConfigError, load_config
-from config.schema import LoggingConfig
+from config import ConfigError, LoggingConfig, load_config
 from fsdp_utils.train import peak_flops, trainer
 from fsdp_utils.train.metrics import MetricsWriter
 from fsdp_utils.train.preemption import StopSignal

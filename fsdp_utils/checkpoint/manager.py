@@ -46,7 +46,7 @@ from .verify import verify
 from .writer import resolve_async_save
 
 if TYPE_CHECKING:
-    from config.schema import CheckpointConfig
+    from config import CheckpointConfig
 
 __all__ = ["AsyncSaveFailed", "CheckpointManager", "TrainState"]
 

@@ -24,7 +24,7 @@ from torch import nn
 from ..distributed import DistEnv
 
 if TYPE_CHECKING:
-    from config.schema import TrainConfig
+    from config import TrainConfig
 
 log = logging.getLogger("train")
 

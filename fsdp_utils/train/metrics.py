@@ -18,7 +18,7 @@ from .peak_flops import resolve_peak_flops
 from .trackers import Tracker, scalars
 
 if TYPE_CHECKING:
-    from config.schema import LoggingConfig
+    from config import LoggingConfig
 
 log = logging.getLogger("train")
 

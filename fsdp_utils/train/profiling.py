@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 from torch.profiler import ProfilerActivity, profile, record_function
 
 if TYPE_CHECKING:
-    from config.schema import LoggingConfig
+    from config import LoggingConfig
 
 log = logging.getLogger("train")
 
@@ -46,6 +46,8 @@ class StepProfiler:
         self.prof: profile | None = None
         self.step_range: AbstractContextManager | None = None
         self.device, self.rank = device, rank
+        self.start: int
+        self.end: int
         self.start, self.end = steps if steps else (0, 0)
         self.path = profile_path(out_dir, start=self.start, end=self.end, rank=rank)
         self.enabled = bool(steps) and chosen_rank(section.profile_ranks, rank)
