@@ -63,6 +63,7 @@ import torch.distributed as dist  # noqa: E402
 from config import (  # noqa: E402
     CheckpointConfig,  # noqa: E402
     ConfigError,
+    check_batch_split,
     load_config,
 )
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
@@ -137,6 +138,7 @@ def build_ours(cfg, env, args, *, micro_batch: int | str,
     run_cfg = run_config(cfg, env, micro_batch=micro_batch, grad_accum=grad_accum)
     vocab_size, signature, _ = describe_model(run_cfg, run_cfg.data.vocab_size)
     try:
+        check_batch_split(run_cfg, env.world_size)  # before the build: a split that cannot work costs no model
         run = build_run(run_cfg, env, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID, use_cache=False,
                         fused_matmul=True if args.fused_projections else None, fused_adamw=not args.unfused_adamw)
     except ConfigError as err:
