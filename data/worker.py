@@ -70,8 +70,10 @@ _tokenizer: tuple[tuple[str, str], object] | None = None  # ((kind, path), token
 
 
 def init(settings: WorkerSettings) -> None:
-    global _settings
+    global _settings, _tokenizer
     _settings = settings
+    # A new preparation may have trained a new tokenizer at the same path: never encode with the last one's.
+    _tokenizer = None
 
 
 # prctl(2): the signal the kernel sends this process when its parent ends.

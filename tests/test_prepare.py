@@ -986,3 +986,17 @@ def test_progress_without_its_hash_block_size_is_prepared_again(fuzz_folders, tm
         mp.setattr("data.prepare.CHUNK_BYTES", 4096)
         prepared = prep(sandbox, [str(corpus)], dataset_dir=root, **settings)
     assert store_files(prepared) == store_files(complete)
+
+
+def test_preparing_again_in_one_process_encodes_with_the_new_tokenizer(tmp_path):
+    # Small corpora are prepared in the calling process (num_workers=0). A second preparation of the same folder
+    # with another vocabulary trains a new tokenizer.model at the same path: its shards must be what a fresh
+    # process writes with that tokenizer, not the first tokenizer's ids.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(make_documents(60)))
+    prep(tmp_path, [str(corpus)], dataset_dir=tmp_path / "again", num_workers=0)
+    again = prep(tmp_path, [str(corpus)], dataset_dir=tmp_path / "again", num_workers=0, vocab_size=VOCAB_SIZE + 40)
+    fresh = prep(tmp_path, [str(corpus)], dataset_dir=tmp_path / "fresh", num_workers=0, vocab_size=VOCAB_SIZE + 40)
+    assert again.vocab_size == fresh.vocab_size == VOCAB_SIZE + 40
+    for split in ("train", "val"):
+        assert np.array_equal(split_tokens(again, split), split_tokens(fresh, split))
