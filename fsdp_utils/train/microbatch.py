@@ -370,7 +370,7 @@ def save_to_cache(out_dir: Path, key: dict, choice: MicroBatchChoice) -> None:
     if path.is_file():
         try:
             entries = [e for e in json.loads(path.read_text())["entries"] if e.get("key") != key]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):  # not a cache: this run's entry replaces it
             entries = []
     entries.append({"key": key, "micro_batch_size": choice.micro_batch_size,
                     "measured_gib": {str(b): round(m, 3) for b, m in choice.measured_gib.items()},
