@@ -296,6 +296,7 @@ def export_lora(checkpoint: Path, out_dir: Path, *, adapter_only: bool, dtype: s
         _write_folder(out_dir, fill)
         return out_dir
     base = meta["lora"]["base"]
+    _check_out_dir(out_dir, [checkpoint, *_base_paths(base.get("hf_path"), base.get("hf_config"))], force)
     lm = model.lm  # type: ignore[union-attr]  # model.type=hf: ours is merged by export()
     merged = {k.removeprefix("lm."): v.to(DTYPES[dtype]) for k, v in merged_state_dict(model).items()}
     with torch.device("meta"):
@@ -335,7 +336,7 @@ def export_hf_model(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", for
     settings; returns out_dir."""
     model, meta, source = load_hf_checkpoint(checkpoint, base=base)
     tokenizer = find_tokenizer(checkpoint, tokenizer, meta.get("tokenizer_sha256"))  # the one it was trained with
-    _check_out_dir(out_dir, [checkpoint, tokenizer], force)
+    _check_out_dir(out_dir, [checkpoint, tokenizer, *_base_paths(source.hf_path, source.hf_config)], force)
     lm = model.lm.to(DTYPES[dtype])
     hf_tok, num_tokens = export_tokenizer(tokenizer, getattr(lm.config, "max_position_embeddings", None))
     if num_tokens > lm.config.vocab_size:
@@ -352,6 +353,11 @@ def export_hf_model(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", for
 
     _write_folder(out_dir, fill)
     return out_dir
+
+
+def _base_paths(hf_path: str | None, hf_config: str | None) -> list[Path]:
+    """The Hugging Face base a model.type=hf export reads: its folder (or config.json), an input like any."""
+    return [Path(p) for p in (hf_path, hf_config) if p]
 
 
 def _check_out_dir(out_dir: Path, inputs: list[Path], force: bool) -> None:

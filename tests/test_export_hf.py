@@ -429,6 +429,14 @@ def test_hf_finetune_finds_its_base_or_says_how(hf_finetune, tmp_path, capsys):
                            str(hf_finetune["base"] / "config.json")]) == 0
     assert (tmp_path / "a/model.safetensors").is_file()
 
+    # The base folder is an input: --force never replaces the pretrained model the run started from.
+    base = tmp_path / "base"
+    shutil.copytree(hf_finetune["base"], base)
+    before = {path.name: path.read_bytes() for path in base.iterdir() if path.is_file()}
+    assert export_hf.main([str(lone / "fsdp_cpt2.pth"), str(base), "--base", str(base), "--force"]) == 1
+    assert f"{base} holds the input {base}; choose another output directory" in _error(capsys)
+    assert {path.name: path.read_bytes() for path in base.iterdir() if path.is_file()} == before
+
 
 @pytest.mark.parametrize("template_in_config", [False, True])
 def test_merged_lora_of_a_chat_model_keeps_its_chat_template(template_in_config, corpus, tmp_path):
