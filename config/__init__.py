@@ -2,7 +2,7 @@
 checks (checks.py); and the YAML presets (*.yaml)."""
 from .checks import check_batch_split, launch_problems, output_dir_problems
 from .errors import ConfigError
-from .loading import load_config, save_config, split_known_args, summarize_config
+from .loading import load_config, read_yaml_file, save_config, split_known_args, summarize_config
 from .sections import (
     CheckpointConfig,
     Config,
@@ -18,4 +18,5 @@ from .sections import (
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "FSDPConfig", "LoRAConfig", "LoggingConfig",
            "ModelSection", "RunConfig", "SourceConfig", "TrainConfig", "check_batch_split", "launch_problems",
-           "load_config", "output_dir_problems", "save_config", "split_known_args", "summarize_config"]
+           "load_config", "output_dir_problems", "read_yaml_file", "save_config", "split_known_args",
+           "summarize_config"]

@@ -263,7 +263,9 @@ def parse_override(arg: str) -> tuple[list[str], object]:
         raise ConfigError([f"override --{key}: not valid YAML: {_yaml_problem(err)}"]) from None
 
 
-def _read_yaml(path: Path) -> dict:
+def read_yaml_file(path: Path) -> dict:
+    """A YAML mapping from a file, within the loader's bounds (size, nesting, aliases, duplicate keys);
+    ConfigError in one line otherwise. Also for config.yaml files that came with a copied run folder."""
     if path.is_dir():
         raise ConfigError([f"{path} is a directory; give a config file, e.g. config/train_tiny_fsdp.yaml"])
     if not path.is_file():
@@ -288,7 +290,7 @@ def _read_yaml(path: Path) -> dict:
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     """Read YAML, apply overrides, validate everything; raise ConfigError listing every problem."""
-    raw = {} if path is None else _read_yaml(Path(path))
+    raw = {} if path is None else read_yaml_file(Path(path))
     problems: list[str] = []
     for arg in overrides:
         try:

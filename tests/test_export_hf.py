@@ -411,6 +411,14 @@ def test_hf_finetune_finds_its_base_or_says_how(hf_finetune, tmp_path, capsys):
     assert export_hf.main([str(lone / "fsdp_cpt2.pth"), str(tmp_path / "a")]) == 1
     err = _error(capsys)
     assert "config.yaml does not name its model.hf_path" in err and "--base" in err and not (tmp_path / "a").exists()
+    # A config.yaml that came with the folder is read within the config loader's bounds: an alias bomb (a
+    # million strings from six lines) is refused like a missing model.hf_path, not expanded into a path.
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 6)]
+    (lone / "config.yaml").write_text("\n".join(levels) + "\nmodel:\n  type: hf\n  hf_path: *a5\n")
+    assert export_hf.main([str(lone / "fsdp_cpt2.pth"), str(tmp_path / "a")]) == 1
+    err = _error(capsys)
+    assert "config.yaml does not name its model.hf_path" in err and len(err) < 1000
     (lone / "config.yaml").write_text(f"model:\n  type: hf\n  hf_path: {tmp_path / 'moved'}\n")
     assert export_hf.main([str(lone / "fsdp_cpt2.pth"), str(tmp_path / "a")]) == 1
     err = _error(capsys)

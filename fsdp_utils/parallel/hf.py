@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import yaml
 from torch import nn
 
+from config import ConfigError, read_yaml_file
 from data.hf_tokenizer import names_own_code
 from model.documents import document_ids, document_positions
 from model.transformer import IGNORE_INDEX, reduce_loss
@@ -266,10 +266,10 @@ def checkpoint_source(checkpoint: Path, base: Path | None = None) -> SimpleNames
         return SimpleNamespace(hf_path=str(base) if folder else "", hf_config="" if folder else str(base),
                                where=f"--base {base}")
     run_config = Path(checkpoint).absolute().parent / RUN_CONFIG_NAME
-    try:
-        model = yaml.safe_load(run_config.read_text())["model"]
+    try:  # the bounded loader: a copied run folder's config.yaml is input like any other
+        model = read_yaml_file(run_config)["model"]
         source = SimpleNamespace(hf_path=str(model.get("hf_path") or ""), hf_config=str(model.get("hf_config") or ""))
-    except (OSError, yaml.YAMLError, TypeError, KeyError, AttributeError):
+    except (ConfigError, TypeError, KeyError, AttributeError):
         source = SimpleNamespace(hf_path="", hf_config="")
     if not source.hf_path and not source.hf_config:
         raise HFModelError(f"{checkpoint}: a Hugging Face model's checkpoint, but {run_config} does not name its "
