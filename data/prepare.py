@@ -747,6 +747,10 @@ def _refuse_foreign(root: Path) -> None:
         for name in (*FIXED_NAMES, MARKER_NAME):
             nofollow.check(root / name)
     if foreign := foreign_names(root):
+        if nofollow.kind_of(root / META_NAME) == "file" and not read_record(root / META_NAME):
+            raise DataError(f"{root / META_NAME} is damaged or was edited, so which files in {root} this library "
+                            f"wrote can no longer be proven and none is replaced: delete the folder and prepare "
+                            f"again, or choose another data.dataset_dir")
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise DataError(f"{root} holds files this library did not write ({shown}): data.dataset_dir must be a new "
                         f"or empty folder, or one prepared by this library; nothing was changed there")

@@ -236,7 +236,8 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
         raise DataError(f"{root} was prepared by another version of this library (format "
                         f"{str(meta.get('format_version'))[:20]}, expected {FORMAT_VERSION}); prepare it again")
     if meta.get("record_sha256") != _record_digest(meta):
-        raise DataError(f"{meta_path} is damaged or was edited (its checksum does not match); prepare {root} again")
+        raise DataError(f"{meta_path} is damaged or was edited (its checksum does not match); delete {root} and "
+                        f"prepare it again, or choose another data.dataset_dir")
     dtype_name = _field(meta, "dtype", str, meta_path)
     if dtype_name not in ("uint16", "uint32"):
         raise DataError(f"{meta_path}: field 'dtype' is {dtype_name!r}, expected uint16 or uint32")

@@ -1000,3 +1000,21 @@ def test_preparing_again_in_one_process_encodes_with_the_new_tokenizer(tmp_path)
     assert again.vocab_size == fresh.vocab_size == VOCAB_SIZE + 40
     for split in ("train", "val"):
         assert np.array_equal(split_tokens(again, split), split_tokens(fresh, split))
+
+
+def test_an_edited_meta_json_says_to_delete_the_folder_and_nothing_is_replaced(tmp_path):
+    # Once meta.json's checksum fails, the library cannot prove which files in the folder it wrote: training says
+    # so, preparing again refuses without touching anything, and both tell the user the one way on.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(make_documents(30)))
+    folder = tmp_path / "prepared"
+    prep(tmp_path, [str(corpus)], dataset_dir=folder, num_workers=0)
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, "vocab_size": meta["vocab_size"] + 1}))
+    before = {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+    with pytest.raises(DataError, match="delete .* and prepare it again, or choose another data.dataset_dir"):
+        load_prepared(folder)
+    with pytest.raises(DataError, match=r"meta.json is damaged or was edited, so which files in .* this library wrote "
+                                        r"can no longer be proven and none is replaced: delete the folder"):
+        prep(tmp_path, [str(corpus)], dataset_dir=folder, num_workers=0)
+    assert {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()} == before
