@@ -64,6 +64,7 @@ from .store import (
     data_format,
     folder_lock,
     foreign_names,
+    is_marked,
     is_ours,
     is_plain_name,
     load_prepared,
@@ -747,7 +748,7 @@ def _refuse_foreign(root: Path) -> None:
         for name in (*FIXED_NAMES, MARKER_NAME):
             nofollow.check(root / name)
     if foreign := foreign_names(root):
-        if nofollow.kind_of(root / META_NAME) == "file" and not read_record(root / META_NAME):
+        if is_marked(root) and nofollow.kind_of(root / META_NAME) == "file" and not read_record(root / META_NAME):
             raise DataError(f"{root / META_NAME} is damaged or was edited, so which files in {root} this library "
                             f"wrote can no longer be proven and none is replaced: delete the folder and prepare "
                             f"again, or choose another data.dataset_dir")

@@ -388,7 +388,7 @@ def recorded_names(root: Path) -> set[str]:
     return {*FIXED_NAMES, *_names_in(read_record(root / META_NAME)), *_names_in(read_record(root / PROGRESS_NAME))}
 
 
-def _marked(root: Path) -> bool:
+def is_marked(root: Path) -> bool:
     """root holds the library's marker. One being written by a process that just created it is waited for."""
     for _ in range(20):
         marker = read_record(root / MARKER_NAME)
@@ -406,7 +406,7 @@ def _marked(root: Path) -> bool:
 def is_ours(root: Path) -> bool:
     """root is a folder this library prepared: its marker says so or, in a folder without one (the marker is
     written once a preparation starts), a meta.json or progress.json whose checksum holds."""
-    return _marked(root) or bool(read_record(root / META_NAME)) or bool(read_record(root / PROGRESS_NAME))
+    return is_marked(root) or bool(read_record(root / META_NAME)) or bool(read_record(root / PROGRESS_NAME))
 
 
 def foreign_names(root: Path) -> list[str]:
