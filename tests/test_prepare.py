@@ -663,13 +663,14 @@ def test_only_recorded_files_are_replaced(tmp_path):
     with pytest.raises(DataError, match=r"prepared holds files this library did not write \(train-notes\.txt\)"):
         prep(tmp_path, [str(tmp_path / "c.jsonl")])
     assert snapshot(root) == before
-    # A progress.json edited to claim the user's file is not trusted (its checksum no longer matches).
+    # A meta.json edited to claim the user's file is not trusted (its checksum no longer matches).
     (root / "train-notes.txt").unlink()
     meta = json.loads((root / "meta.json").read_text())
     meta["files"].append("c.jsonl")
     (root / "meta.json").write_text(json.dumps(meta))
     (root / "c.jsonl").write_text("the user's")
-    with pytest.raises(DataError, match=r"did not write \(c\.jsonl, tokenizer\.model, train-00000\.bin"):
+    with pytest.raises(DataError, match=r"meta\.json is damaged or was edited, so which files in .* this library "
+                                        r"wrote can no longer be proven and none is replaced"):
         prep(tmp_path, [str(tmp_path / "c.jsonl")])
     assert (root / "c.jsonl").read_text() == "the user's"
 
