@@ -13,7 +13,8 @@ from model import ModelConfig
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
-ActivationCheckpointing = Literal["none", "full", "selective", "selective_op", "selective_op_lean", "auto"]
+ActivationCheckpointing = Literal["none", "full", "selective", "selective_op_wide", "selective_op", "selective_op_lean",
+                                  "auto"]
 Float8 = Literal["none", "tensorwise", "rowwise"]
 LRScheduleKind = Literal["cosine", "wsd", "constant"]
 DecayShape = Literal["linear", "1-sqrt"]
@@ -271,12 +272,13 @@ class FSDPConfig:
     """Broadcast rank 0's weights at wrap time (for weights loaded on rank 0 only)."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """none; full (every DecoderBlock keeps only its input); selective (full, on every
-    ac_every_n_layers-th block); selective_op (every block keeps its matmul and attention outputs and
-    recomputes the elementwise ops); selective_op_lean (selective_op, but the feed-forward's gate and up
-    outputs, the largest, are recomputed too: much less memory for about half the forward's matmuls again);
-    auto (on GPUs: trial steps measure none, selective_op, selective_op_lean, selective and full with the
-    micro-batch search, and the pair of policy and micro-batch with the most tokens/s within the
-    memory budget trains; cached with the micro-batch; on the CPU: none)."""
+    ac_every_n_layers-th block); selective_op_wide (every block keeps its matmul and attention outputs and
+    recomputes the elementwise ops); selective_op (the same, but about half the matmul outputs' bytes are
+    recomputed too: the output and up projections', or with FP8's fused gate/up matmul its output);
+    selective_op_lean (the output, gate and up projections' outputs recomputed); auto (on GPUs: trial steps
+    measure none, selective_op, selective_op_lean, selective and full with the micro-batch search, and the
+    pair of policy and micro-batch with the most tokens/s within the memory budget trains; cached with the
+    micro-batch; on the CPU: none)."""
     ac_every_n_layers: int = 2
     """With selective activation checkpointing: checkpoint one block in this many."""
     reduce_dtype: Literal["fp32", "compute"] = "fp32"

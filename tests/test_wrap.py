@@ -24,7 +24,7 @@ def backward_ops(mode: str) -> tuple[collections.Counter, list[torch.Tensor], fl
     model = Transformer(CFG)
     model.init_weights(seed=3)
     count = apply_activation_checkpointing(list(model.layers), mode, every_n=2)
-    assert count == {"none": 0, "full": 4, "selective": 2, "selective_op": 4, "selective_op_lean": 4}[mode]
+    assert count == {"none": 0, "full": 4, "selective": 2}.get(mode, 4)
     tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     with CountOps() as counter:
@@ -32,7 +32,7 @@ def backward_ops(mode: str) -> tuple[collections.Counter, list[torch.Tensor], fl
     return counter.counts, [p.grad.clone() for p in model.parameters()], loss.item()
 
 
-@pytest.mark.parametrize("mode", ["full", "selective", "selective_op", "selective_op_lean"])
+@pytest.mark.parametrize("mode", ["full", "selective", "selective_op_wide", "selective_op", "selective_op_lean"])
 def test_checkpointing_keeps_loss_and_gradients(mode):
     _, grads_ref, loss_ref = backward_ops("none")
     _, grads, loss = backward_ops(mode)
@@ -45,21 +45,66 @@ def test_each_mode_recomputes_what_it_promises():
     none, _, _ = backward_ops("none")
     full, _, _ = backward_ops("full")
     selective, _, _ = backward_ops("selective")
+    wide, _, _ = backward_ops("selective_op_wide")
     by_op, _, _ = backward_ops("selective_op")
     lean, _, _ = backward_ops("selective_op_lean")
     # Each block has 7 matmuls (q, k, v, output, gate, up, down); full recomputes the first six (the
     # down projection's output is not needed, so recomputation stops before it), selective does so in
-    # half the blocks, selective_op in none: it kept their outputs.
+    # half the blocks, selective_op_wide in none: it kept their outputs.
     assert full["mm"] - none["mm"] == 6 * CFG.n_layers
     assert selective["mm"] - none["mm"] == 6 * CFG.n_layers // 2
-    assert by_op["mm"] == none["mm"]
+    assert wide["mm"] == none["mm"]
     # ...but it does recompute the elementwise work: the RMSNorms (rsqrt) and the SwiGLU activation.
-    assert by_op["rsqrt"] >= none["rsqrt"] + 2 * CFG.n_layers
-    assert by_op["silu"] >= none["silu"] + CFG.n_layers
-    assert by_op["_scaled_dot_product_flash_attention_for_cpu"] == none["_scaled_dot_product_flash_attention_for_cpu"]
-    # selective_op_lean recomputes the gate and up matmuls as well, and nothing else of selective_op's.
-    assert lean["mm"] == none["mm"] + 2 * CFG.n_layers
-    assert lean["_scaled_dot_product_flash_attention_for_cpu"] == by_op["_scaled_dot_product_flash_attention_for_cpu"]
+    assert wide["rsqrt"] >= none["rsqrt"] + 2 * CFG.n_layers
+    assert wide["silu"] >= none["silu"] + CFG.n_layers
+    attention = "_scaled_dot_product_flash_attention_for_cpu"
+    assert wide[attention] == by_op[attention] == lean[attention] == none[attention]
+    # selective_op recomputes two matmuls a block (output and up projections), selective_op_lean three (and gate).
+    assert by_op["mm"] == none["mm"] + 2 * CFG.n_layers
+    assert lean["mm"] == none["mm"] + 3 * CFG.n_layers
+
+
+def weight_matmuls(mode: str, fused: bool) -> collections.Counter:
+    """How often one block's backward multiplies by each weight (its parameter's name, and the offset of the slice:
+    q/k/v of wqkv, gate/up of w13) under AC `mode`: once for the input gradient, once more where it reruns the
+    forward's matmul."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model.transformer import DecoderBlock, rotary_tables
+
+    torch.manual_seed(0)
+    block = DecoderBlock(CFG, fused_matmul=fused)
+    apply_activation_checkpointing([block], mode, every_n=1)
+    names = {p.untyped_storage().data_ptr(): name.split(".")[-2] for name, p in block.named_parameters()}
+    seen = collections.Counter()
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            weight = args[1] if func is torch.ops.aten.mm.default else None
+            if weight is not None and weight.untyped_storage().data_ptr() in names:
+                seen[names[weight.untyped_storage().data_ptr()], weight.storage_offset()] += 1
+            return func(*args, **(kwargs or {}))
+
+    cos, sin = (t[:8] for t in rotary_tables(CFG.head_dim, 16, CFG.rope_theta))
+    out = block(torch.randn(1, 8, CFG.dim, requires_grad=True), cos, sin)
+    with Matmuls():
+        out.sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_op_level_policies_recompute_the_matmuls_of_their_roles(fused):
+    # q and the output projection have square weights of the same shape here (dim 32, 4 heads of 8): the policy
+    # tells them apart by their order in the forward, and recomputes o, never q.
+    q_size, hidden = CFG.dim, CFG.hidden_dim
+    o, up = ("wo", 0), ("w13", hidden * CFG.dim)
+    gate_up = gate = ("w13", 0)
+    expected = {"selective_op_wide": set(), "selective_op": {gate_up} if fused else {o, up},
+                "selective_op_lean": {o, gate_up} if fused else {o, gate, up}}
+    plain = weight_matmuls("none", fused)
+    assert ("wqkv", 0) in plain and ("wqkv", q_size * CFG.dim) in plain or fused
+    for mode, recomputed in expected.items():
+        assert set(weight_matmuls(mode, fused) - plain) == recomputed, mode
 
 
 def test_a_switchable_model_recomputes_and_computes_as_the_policy_it_is_set_to():
@@ -70,7 +115,7 @@ def test_a_switchable_model_recomputes_and_computes_as_the_policy_it_is_set_to()
     switch = CheckpointSwitch()
     apply_switchable_checkpointing(list(model.layers), switch)
     tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    for mode in ("full", "none", "selective_op", "selective", "selective_op_lean"):
+    for mode in ("full", "none", "selective_op", "selective", "selective_op_lean", "selective_op_wide"):
         switch.policy = CheckpointPolicy(mode, every_n=2)
         model.zero_grad(set_to_none=True)
         loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -85,6 +130,7 @@ def test_a_switchable_model_recomputes_and_computes_as_the_policy_it_is_set_to()
 
 def test_policy_names_read_back():
     for policy in (CheckpointPolicy("none"), CheckpointPolicy("full"), CheckpointPolicy("selective_op"),
+                   CheckpointPolicy("selective_op_wide"),
                    CheckpointPolicy("selective_op_lean"), CheckpointPolicy("selective", 3)):
         assert CheckpointPolicy.parse(policy.name) == policy
     assert CheckpointPolicy("selective", 2).name == "selective/2"
@@ -139,44 +185,46 @@ def boxed(gm, _inputs):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_keep_checkpointing_and_selective_op_saves_less():
+def test_compiled_blocks_keep_checkpointing_and_each_op_level_policy_saves_what_it_promises():
     unit = 2 * 64 * 64 * 4  # one (B, T, D) fp32 activation
-    modes = ("none", "selective_op", "full")
-    (none, ops_none), (by_op, ops_by_op), (full, ops_full) = (compiled_block_saves(m) for m in modes)
+    modes = ("none", "selective_op_wide", "full")
+    (none, ops_none), (wide, ops_wide), (full, ops_full) = (compiled_block_saves(m) for m in modes)
     # The checkpointed block is compiled (once it silently ran uncompiled), as one checkpointed region.
     assert "tag_activation_checkpoint" not in ops_none and len(ops_none) > 10
-    assert "tag_activation_checkpoint" in ops_by_op and "tag_activation_checkpoint" in ops_full
+    assert "tag_activation_checkpoint" in ops_wide and "tag_activation_checkpoint" in ops_full
     # Without AC the block keeps about 21 units here (hidden 4 x dim): x, norm outputs, q, k, v,
-    # attention out, residual, gate/up, SwiGLU product. selective_op drops the elementwise results
+    # attention out, residual, gate/up, SwiGLU product. selective_op_wide drops the elementwise results
     # (norm outputs, rotated q/k, SwiGLU product); full keeps little beyond the block's input.
     assert none / unit > 18
-    assert by_op / unit < none / unit - 5
+    assert wide / unit < none / unit - 5
     assert full / unit < 3
-    # A switchable block (fsdp.activation_checkpointing=auto) compiles to the same region and savings.
-    assert compiled_block_saves("selective_op", switchable=True)[0] == by_op
-    # selective_op_lean drops the gate and up outputs too (hidden 4 x dim: 8 units), here and switchable.
-    lean = compiled_block_saves("selective_op_lean")[0]
-    assert by_op - lean >= 7.5 * unit and lean > full
-    assert compiled_block_saves("selective_op_lean", switchable=True)[0] == lean
+    # selective_op drops the output projection's (1 unit) and the up projection's (4) outputs, selective_op_lean
+    # the gate's (4) as well; a switchable block (fsdp.activation_checkpointing=auto) compiles to the same.
+    by_op, lean = compiled_block_saves("selective_op")[0], compiled_block_saves("selective_op_lean")[0]
+    assert wide - by_op == 5 * unit and by_op - lean == 4 * unit and lean > full
+    for mode, saved in (("selective_op_wide", wide), ("selective_op", by_op), ("selective_op_lean", lean)):
+        assert compiled_block_saves(mode, switchable=True)[0] == saved
 
 
-def test_selective_op_lean_needs_a_feed_forward_it_knows():
-    class Bare(torch.nn.Module):  # a block with no feed-forward gate/up projection
+def test_the_policies_by_role_need_projections_they_know():
+    class Bare(torch.nn.Module):  # a block with no attention or feed-forward projections
         def __init__(self):
             super().__init__()
             self.proj = torch.nn.Linear(4, 4)
 
-    with pytest.raises(ValueError, match="selective_op_lean: Bare has no feed-forward"):
-        apply_activation_checkpointing([Bare()], "selective_op_lean", every_n=1)
+    for mode in ("selective_op", "selective_op_lean"):
+        with pytest.raises(ValueError, match=f"checkpointing={mode}: Bare has no attention and feed-forward"):
+            apply_activation_checkpointing([Bare()], mode, every_n=1)
+    assert apply_activation_checkpointing([Bare()], "selective_op_wide", every_n=1) == 1
     switch = CheckpointSwitch()
     apply_switchable_checkpointing([Bare()], switch)
-    assert not switch.lean  # auto then leaves selective_op_lean out of its candidates
+    assert not switch.roles_known  # auto then tries selective_op_wide in their place
     model = Transformer(CFG)
     apply_switchable_checkpointing(list(model.layers), switch)
-    assert switch.lean
+    assert switch.roles_known
     from fsdp_utils.train.microbatch import auto_policies
 
-    assert [p.name for p in auto_policies(3, lean=False)] == ["none", "selective_op", "selective/3", "full"]
+    assert [p.name for p in auto_policies(3, roles_known=False)] == ["none", "selective_op_wide", "selective/3", "full"]
     assert [p.name for p in auto_policies(1)] == ["none", "selective_op", "selective_op_lean", "selective/2", "full"]
 
 
@@ -206,3 +254,20 @@ def test_compile_tuning_needs_compile_and_reaches_every_compiled_function(monkey
                         compile=cfg.train.compile, compile_tuning=cfg.train.compile_tuning)  # each block
             assert options == [compile_options(tuning)] * (1 + cfg.model.n_layers), (tuning, version, options)
     assert compile_options(True) == {"coordinate_descent_tuning": True} and compile_options(False) is None
+
+
+def test_matmul_roles_of_our_blocks_and_of_a_llama_like_layer():
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    from fsdp_utils.parallel.parallelize import matmul_roles
+    from model.transformer import DecoderBlock
+
+    d, hidden, q, kv = CFG.dim, CFG.hidden_dim, CFG.n_heads * CFG.head_dim, CFG.num_kv_heads * CFG.head_dim
+    assert matmul_roles(DecoderBlock(CFG)) == [("q", (d, q)), ("k", (d, kv)), ("v", (d, kv)), ("o", (q, d)),
+                                               ("gate", (d, hidden)), ("up", (d, hidden)), ("down", (hidden, d))]
+    assert matmul_roles(DecoderBlock(CFG, fused_matmul=True)) == [("qkv", (d, q + 2 * kv)), ("o", (q, d)),
+                                                                  ("gate_up", (d, 2 * hidden)), ("down", (hidden, d))]
+    hf = Qwen2Config(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+    assert [role for role, _ in matmul_roles(Qwen2DecoderLayer(hf, 0))] == ["q", "k", "v", "o", "gate", "up", "down"]
+    assert matmul_roles(torch.nn.Linear(4, 4)) == []

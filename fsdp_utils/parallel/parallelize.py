@@ -70,14 +70,14 @@ def resolve_precision(precision: str, reduce_dtype: str, device: torch.device) -
 
 
 def _ops_worth_saving() -> list:
-    """Ops whose outputs selective_op keeps: matmuls and attention, the expensive ones to recompute.
-    FP8 matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and compiled,
-    in the releases tested; `_scaled_mm`, the op they run, is listed for releases where the policy sees
-    that instead (torchtitan's list has it too). Everything else in a block (norms, rotary, SwiGLU's activation,
-    residual adds, FP8 casts) is elementwise and is recomputed in backward from those. Also kept: full
-    max reductions, the FP8 scales' amax: a scalar each, and compile's recompute need not reduce again.
-    Document masking's FlexAttention is a higher-order op; its block mask is built outside the blocks
-    and reaches the recompute as an input, so it is never rebuilt there."""
+    """Ops whose outputs the op-level policies may keep: matmuls and attention, the expensive ones to
+    recompute. FP8 matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and
+    compiled, in the releases tested; `_scaled_mm`, the op they run, is listed for releases where the policy
+    sees that instead. Everything else in a block (norms, rotary, SwiGLU's activation, residual adds, FP8
+    casts) is elementwise and is recomputed in backward from those. Also kept: full max reductions, the FP8
+    scales' amax: a scalar each, and compile's recompute need not reduce again. Document masking's
+    FlexAttention is a higher-order op; its block mask is built outside the blocks and reaches the recompute
+    as an input, so it is never rebuilt there."""
     aten = torch.ops.aten
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
@@ -85,41 +85,82 @@ def _ops_worth_saving() -> list:
         [getattr(aten, n).default for n in names if hasattr(aten, n)] + [torch.ops.higher_order.flex_attention]
 
 
-def _selective_op_policy(recompute_widths: frozenset[int]):
-    """selective_op's policy; with `recompute_widths` (selective_op_lean), matmuls whose output has one of
-    those widths are recomputed instead of kept."""
+# The matmuls each op-level policy recomputes, by role (matmul_roles): with the feed-forward's gate and up
+# matmuls apart, and fused into one (FP8). selective_op_wide keeps every matmul output; selective_op keeps about
+# half their bytes, like torchtitan's op-level policy (for less recompute: it drops the largest outputs), with the
+# gate and up fused the gate/up output alone; selective_op_lean recomputes the feed-forward's input matmuls and the
+# output projection. Every role but `down` reads the model width, so each recomputed byte costs the same work;
+# `down`'s output is never needed in backward, so no policy keeps it.
+OP_POLICY_RECOMPUTES = {
+    "selective_op_wide": (frozenset({"down"}), frozenset({"down"})),
+    "selective_op": (frozenset({"o", "up", "down"}), frozenset({"gate_up", "down"})),
+    "selective_op_lean": (frozenset({"o", "gate", "up", "down"}), frozenset({"o", "gate_up", "down"})),
+}
+
+
+def matmul_roles(block: nn.Module) -> list[tuple[str, tuple[int, int]]]:
+    """The block's forward matmuls in the order they run, each as (role, shape of its right-hand operand,
+    (in_features, out_features)): q, k, v (or qkv), o, gate, up (or gate_up), down. Ours and a Hugging Face
+    Llama-like layer (self_attn.*_proj, mlp.*_proj); empty for a block of another shape."""
+    attention, ffn = getattr(block, "attention", None), getattr(block, "feed_forward", None)
+    if attention is not None and hasattr(attention, "wqkv") and ffn is not None and hasattr(ffn, "w13"):
+        d, qkv = attention.wqkv.in_features, attention.wqkv.out_features
+        heads = attention.n_heads * attention.head_dim
+        kv = (qkv - heads) // 2
+        hidden = ffn.w13.out_features // 2
+        attn = [("qkv", (d, qkv))] if attention.fused_matmul else [("q", (d, heads)), ("k", (d, kv)), ("v", (d, kv))]
+        mlp = [("gate_up", (d, 2 * hidden))] if ffn.fused_matmul else [("gate", (d, hidden)), ("up", (d, hidden))]
+        return [*attn, ("o", (heads, d)), *mlp, ("down", (hidden, d))]
+    attention, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    names = [(attention, "q_proj", "q"), (attention, "k_proj", "k"), (attention, "v_proj", "v"),
+             (attention, "o_proj", "o"), (mlp, "gate_proj", "gate"), (mlp, "up_proj", "up"),
+             (mlp, "down_proj", "down")]
+    linears = [(getattr(parent, name, None), role) for parent, name, role in names]
+    if not all(isinstance(linear, nn.Linear) for linear, _ in linears):
+        return []
+    return [(role, (linear.in_features, linear.out_features)) for linear, role in linears]
+
+
+def _op_policy(roles: list[tuple[str, tuple[int, int]]], recompute: frozenset[str]):
+    """An op-level policy recomputing the matmuls of the `recompute` roles: each matmul is known by its
+    right-hand operand's shape and how many of that shape ran before it in the block's forward (q and o
+    are both model width square in many models). Counted apart for the forward and for backward's
+    recompute, which must decide alike; a fresh count for each checkpointed call (the context function)."""
     save = set(_ops_worth_saving())
-    matmuls = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}
+    aten = torch.ops.aten
+    rhs_index = {aten.mm.default: 1, aten._scaled_mm.default: 1, aten.addmm.default: 2}
+    seen: dict[tuple[int, int], int] = {}
+    role_of = {}
+    for role, shape in roles:
+        role_of[(shape, seen.get(shape, 0))] = role
+        seen[shape] = seen.get(shape, 0) + 1
 
-    def policy(_ctx, func, *args, **_kwargs):
-        if func in matmuls and args[1].shape[-1] in recompute_widths:
-            return OpPolicy.PREFER_RECOMPUTE
-        return OpPolicy.MUST_SAVE if func in save else OpPolicy.PREFER_RECOMPUTE
+    def context():
+        counts: dict[tuple, int] = {}
 
-    return policy
+        def policy(ctx, func, *args, **_kwargs):
+            if func in rhs_index:
+                shape = tuple(args[rhs_index[func]].shape)
+                key = (ctx.is_recompute, func, shape)
+                occurrence = counts.get(key, 0)
+                counts[key] = occurrence + 1
+                if role_of.get((shape, occurrence)) in recompute:
+                    return OpPolicy.PREFER_RECOMPUTE
+            return OpPolicy.MUST_SAVE if func in save else OpPolicy.PREFER_RECOMPUTE
 
+        return create_selective_checkpoint_contexts(policy)
 
-def feed_forward_up_widths(block: nn.Module) -> frozenset[int]:
-    """The output widths of a block's feed-forward gate and up matmuls, the ones selective_op_lean recomputes:
-    of all the block's matmul outputs they are the largest, and the cheapest to recompute per byte kept
-    (the down projection reads 2.5 to 3.5 times more inputs per output). Ours: w13, as one matmul (FP8) or as
-    its two halves; a Hugging Face Llama-like MLP: gate_proj and up_proj. Empty if the block has neither."""
-    ffn = getattr(block, "feed_forward", None)
-    if ffn is not None and hasattr(ffn, "w13"):
-        width = ffn.w13.weight.shape[0]
-        return frozenset({width, width // 2})
-    mlp = getattr(block, "mlp", None)
-    return frozenset(getattr(mlp, name).weight.shape[0] for name in ("gate_proj", "up_proj")
-                     if isinstance(getattr(mlp, name, None), nn.Linear))
+    return context
 
 
-POLICY_MODES = ("none", "full", "selective", "selective_op", "selective_op_lean")
+POLICY_MODES = ("none", "full", "selective", *OP_POLICY_RECOMPUTES)
+NEEDS_ROLES = ("selective_op", "selective_op_lean")  # the policies that recompute some matmuls by role
 
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """One activation checkpointing policy (fsdp.activation_checkpointing): none, full, selective (every
-    every_n-th block), selective_op or selective_op_lean."""
+    every_n-th block), or one of the op-level policies (OP_POLICY_RECOMPUTES)."""
     mode: str
     every_n: int = 1
 
@@ -149,45 +190,48 @@ class CheckpointSwitch:
 
     def __init__(self, policy: CheckpointPolicy = CheckpointPolicy("none")):
         self.policy = policy
-        self.lean = True  # whether selective_op_lean is a candidate (the blocks have a feed-forward it knows)
+        self.roles_known = True  # whether selective_op and selective_op_lean are candidates (matmul_roles)
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every_n: int) -> int:
     """Recompute chosen blocks' activations in backward instead of storing them; returns how many.
 
-    full: every block keeps only its input; selective: the same for every every_n-th block;
-    selective_op: every block keeps its matmul and attention outputs and recomputes the elementwise
-    work, most of the memory of `full` saved for a small part of its recompute cost; selective_op_lean:
-    the same but the feed-forward's gate and up outputs are recomputed too (feed_forward_up_widths): most of
-    selective_op's memory saved again, for about half of the forward's matmul work."""
+    full: every block keeps only its input; selective: the same for every every_n-th block; the op-level
+    policies keep attention outputs and some matmul outputs (OP_POLICY_RECOMPUTES) and recompute the
+    elementwise work and the other matmuls."""
     policy = CheckpointPolicy(mode, every_n)
     count = 0
     for i, block in enumerate(blocks):
         if policy.checkpoints(i):
-            block.forward = _checkpointed(block.forward, **_policy_arguments(policy.mode, block))
+            block.forward = _checkpointed(block.forward, _context_fn(policy.mode, block))
             count += 1
     return count
 
 
-def _policy_arguments(mode: str, block: nn.Module) -> dict:
-    """_checkpointed's arguments for a checkpointing mode (one that checkpoints) on this block."""
-    widths = feed_forward_up_widths(block) if mode == "selective_op_lean" else frozenset()
-    if mode == "selective_op_lean" and not widths:
-        raise ValueError(f"fsdp.activation_checkpointing=selective_op_lean: {type(block).__name__} has no "
-                         "feed-forward gate/up projection it knows (ours, or a Llama-like mlp.gate_proj/up_proj)")
-    return {"by_op": mode.startswith("selective_op"), "recompute_widths": widths}
+def _context_fn(mode: str, block: nn.Module):
+    """checkpoint's context function for a checkpointing mode (one that checkpoints) on this block; None for
+    the whole-block modes."""
+    if mode not in OP_POLICY_RECOMPUTES:
+        return None
+    roles = matmul_roles(block)
+    if not roles and mode != "selective_op_wide":
+        raise ValueError(f"fsdp.activation_checkpointing={mode}: {type(block).__name__} has no attention and "
+                         "feed-forward projections it knows (ours, or a Llama-like self_attn.*_proj and mlp.*_proj): "
+                         "use selective_op_wide")
+    separate, fused = OP_POLICY_RECOMPUTES[mode]
+    return _op_policy(roles, fused if any(role == "gate_up" for role, _ in roles) else separate)
 
 
 def apply_switchable_checkpointing(blocks: list[nn.Module], switch: CheckpointSwitch) -> None:
     """Like apply_activation_checkpointing, with the policy read from `switch` at every forward."""
-    switch.lean = all(feed_forward_up_widths(block) for block in blocks)
+    switch.roles_known = all(matmul_roles(block) for block in blocks)
     for i, block in enumerate(blocks):
         block.forward = _switchable(block.forward, i, switch, block)
 
 
 def _switchable(forward, index: int, switch: CheckpointSwitch, block: nn.Module):
-    modes = [m for m in POLICY_MODES if m != "none" and (m != "selective_op_lean" or switch.lean)]
-    variants = {mode: _checkpointed(forward, **_policy_arguments(mode, block)) for mode in modes}
+    modes = [m for m in POLICY_MODES if m != "none" and (switch.roles_known or m not in NEEDS_ROLES)]
+    variants = {mode: _checkpointed(forward, _context_fn(mode, block)) for mode in modes}
 
     def switchable_forward(*args, **kwargs):
         policy = switch.policy
@@ -198,13 +242,12 @@ def _switchable(forward, index: int, switch: CheckpointSwitch, block: nn.Module)
     return switchable_forward
 
 
-def _checkpointed(forward, *, by_op: bool, recompute_widths: frozenset[int] = frozenset()):
+def _checkpointed(forward, context_fn):
     # A plain function of ours, not a functools.partial of checkpoint: torch.compile traces this frame
     # and turns the checkpoint call into its own region, which the compiled block then recomputes (and,
-    # by_op, partitions by the policy). A partial's first frame is torch's checkpoint itself, which
-    # compile skips, and the whole block then ran uncompiled.
-    policy = _selective_op_policy(recompute_widths) if by_op else None
-    extra = {"context_fn": lambda: create_selective_checkpoint_contexts(policy)} if by_op else {}
+    # with an op-level policy, partitions by it). A partial's first frame is torch's checkpoint itself,
+    # which compile skips, and the whole block then ran uncompiled.
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
 
     def checkpointed_forward(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)

@@ -109,25 +109,34 @@ def pair_name(policy: CheckpointPolicy | None, micro_batch: int) -> str:
     return f"{policy.name if policy else None}@{micro_batch}"
 
 
-def auto_policies(every_n: int, *, lean: bool = True) -> list[CheckpointPolicy]:
+def auto_policies(every_n: int, *, roles_known: bool = True) -> list[CheckpointPolicy]:
     """fsdp.activation_checkpointing=auto's candidates, in the order of what they recompute in backward: nothing,
-    the elementwise work, that and the feed-forward's gate and up matmuls (`lean`: where the blocks have them),
-    every_n-th blocks' whole forward, every block's (so at the same micro-batch, each is slower than the one
-    before, and is tried only for a micro-batch the ones before could not fit)."""
-    return [CheckpointPolicy("none"), CheckpointPolicy("selective_op"),
-            *([CheckpointPolicy("selective_op_lean")] if lean else []),
-            CheckpointPolicy("selective", max(every_n, 2)), CheckpointPolicy("full")]
+    the elementwise work and about half the matmuls, the gate matmul too (those two where the blocks' matmul
+    roles are known, else selective_op_wide, the elementwise work only), every_n-th blocks' whole forward, every
+    block's (so at the same micro-batch, each is slower than the one before, and is tried only for a micro-batch
+    the ones before could not fit). selective_op_wide is not a candidate where the roles are known: it sits
+    between none and selective_op, and one candidate fewer keeps the search short."""
+    by_op = ([CheckpointPolicy("selective_op"), CheckpointPolicy("selective_op_lean")] if roles_known
+             else [CheckpointPolicy("selective_op_wide")])
+    return [CheckpointPolicy("none"), *by_op, CheckpointPolicy("selective", max(every_n, 2)), CheckpointPolicy("full")]
+
+
+OP_LEVEL_ORDER = ("selective_op_wide", "selective_op", "selective_op_lean")  # each keeps what the next one does
 
 
 def keeps_at_least(a: CheckpointPolicy | None, b: CheckpointPolicy | None) -> bool:
     """Whether policy `a` keeps at least what `b` keeps for backward in every block, so that `b` fits where `a` did.
-    none keeps the most and full the least; selective_op keeps what selective_op_lean does and the gate/up output.
-    Every n-th block's whole forward against the op-level policies depends on the model: no order. (selective_op
-    also keeps matmul outputs that plain autograd would not; in bf16 none's fp32 norm inputs outweigh them, and in
-    fp32 the difference stays within train.auto_micro_batch_margin's default.)"""
+    none keeps the most and full the least; among the op-level policies each keeps what the next in
+    OP_LEVEL_ORDER does and more. Every n-th block's whole forward against the op-level policies depends on the
+    model: no order. (selective_op_wide also keeps matmul outputs that plain autograd would not; in bf16 none's
+    fp32 norm inputs outweigh them, and in fp32 the difference stays within train.auto_micro_batch_margin's
+    default.)"""
     if a is None or b is None or a == b:
         return True
-    return a.name == "none" or b.name == "full" or (a.name, b.name) == ("selective_op", "selective_op_lean")
+    if a.name == "none" or b.name == "full":
+        return True
+    return a.name in OP_LEVEL_ORDER and b.name in OP_LEVEL_ORDER and \
+        OP_LEVEL_ORDER.index(a.name) <= OP_LEVEL_ORDER.index(b.name)
 
 
 class _Trials:
@@ -192,8 +201,9 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     auto search, no size runs before it is known or predicted to fit but the smallest. Leaves the weights,
     the optimizer state and the RNGs as they were."""
     candidates = divisors(micro_batch or per_rank)
-    policies: list[CheckpointPolicy | None] = (list(auto_policies(every_n, lean=switch.lean)) if switch is not None
-                                               else [None])
+    policies: list[CheckpointPolicy | None] = [None]
+    if switch is not None:
+        policies = list(auto_policies(every_n, roles_known=switch.roles_known))
     assert not optimizer.state, "search before the first optimizer step (or a resume): its state is cleared afterwards"
     start = time.perf_counter()
     saved = [_local(p).detach().to("cpu", copy=True) for p in model.parameters()]
