@@ -321,14 +321,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             total += loss
             grad_h[start:start + chunk_tokens] = grad_logits @ weight
             grad_weight += (grad_logits.t() @ h_chunk).float()
-        ctx.save_for_backward(grad_h, grad_weight)
-        ctx.weight_dtype = weight.dtype
+        # Kept in the weight's dtype, as grad_h is: the fp32 sum (twice the bytes of a bf16 output projection) is
+        # freed before backward, which starts at the peak of the activations.
+        ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_h, grad_weight = ctx.saved_tensors
-        return grad_h * grad_total.to(grad_h.dtype), (grad_weight * grad_total).to(ctx.weight_dtype), None, None, None
+        return grad_h * grad_total.to(grad_h.dtype), grad_weight * grad_total.to(grad_weight.dtype), None, None, None
 
 
 def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], *, seed: int, device, dtype) -> torch.Tensor:

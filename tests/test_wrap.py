@@ -59,8 +59,9 @@ def test_each_mode_recomputes_what_it_promises():
     assert wide["silu"] >= none["silu"] + CFG.n_layers
     attention = "_scaled_dot_product_flash_attention_for_cpu"
     assert wide[attention] == by_op[attention] == lean[attention] == none[attention]
-    # selective_op recomputes two matmuls a block (output and up projections), selective_op_lean three (and gate).
-    assert by_op["mm"] == none["mm"] + 2 * CFG.n_layers
+    # selective_op recomputes three matmuls a block (k, output and up projections), selective_op_lean three (output,
+    # gate and up).
+    assert by_op["mm"] == none["mm"] + 3 * CFG.n_layers
     assert lean["mm"] == none["mm"] + 3 * CFG.n_layers
 
 
@@ -97,9 +98,9 @@ def test_the_op_level_policies_recompute_the_matmuls_of_their_roles(fused):
     # q and the output projection have square weights of the same shape here (dim 32, 4 heads of 8): the policy
     # tells them apart by their order in the forward, and recomputes o, never q.
     q_size, hidden = CFG.dim, CFG.hidden_dim
-    o, up = ("wo", 0), ("w13", hidden * CFG.dim)
+    o, up, k = ("wo", 0), ("w13", hidden * CFG.dim), ("wqkv", q_size * CFG.dim)
     gate_up = gate = ("w13", 0)
-    expected = {"selective_op_wide": set(), "selective_op": {gate_up} if fused else {o, up},
+    expected = {"selective_op_wide": set(), "selective_op": {gate_up} if fused else {k, o, up},
                 "selective_op_lean": {o, gate_up} if fused else {o, gate, up}}
     plain = weight_matmuls("none", fused)
     assert ("wqkv", 0) in plain and ("wqkv", q_size * CFG.dim) in plain or fused
@@ -198,10 +199,10 @@ def test_compiled_blocks_keep_checkpointing_and_each_op_level_policy_saves_what_
     assert none / unit > 18
     assert wide / unit < none / unit - 5
     assert full / unit < 3
-    # selective_op drops the output projection's (1 unit) and the up projection's (4) outputs, selective_op_lean
-    # the gate's (4) as well; a switchable block (fsdp.activation_checkpointing=auto) compiles to the same.
+    # selective_op drops the k (1 unit), output (1) and up projections' (4) outputs, selective_op_lean the output,
+    # gate (4) and up projections'; a switchable block (fsdp.activation_checkpointing=auto) compiles to the same.
     by_op, lean = compiled_block_saves("selective_op")[0], compiled_block_saves("selective_op_lean")[0]
-    assert wide - by_op == 5 * unit and by_op - lean == 4 * unit and lean > full
+    assert wide - by_op == 6 * unit and by_op - lean == 3 * unit and lean > full
     for mode, saved in (("selective_op_wide", wide), ("selective_op", by_op), ("selective_op_lean", lean)):
         assert compiled_block_saves(mode, switchable=True)[0] == saved
 
