@@ -320,7 +320,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss, grad_logits = chunk_loss_fn(F.linear(h_chunk, weight), t_chunk)
             total += loss
             grad_h[start:start + chunk_tokens] = grad_logits @ weight
-            grad_weight += (grad_logits.t() @ h_chunk).float()
+            # In place, with the cast on the fly: no fp32 copy of the chunk's (V, D) product beside the sum.
+            grad_weight.add_(grad_logits.t() @ h_chunk)
         # Kept in the weight's dtype, as grad_h is: the fp32 sum (twice the bytes of a bf16 output projection) is
         # freed before backward, which starts at the peak of the activations.
         ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))

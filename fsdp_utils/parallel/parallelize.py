@@ -110,16 +110,17 @@ def matmul_roles(block: nn.Module) -> list[tuple[str, tuple[int, int]]]:
         kv = (qkv - heads) // 2
         hidden = ffn.w13.out_features // 2
         attn = [("qkv", (d, qkv))] if attention.fused_matmul else [("q", (d, heads)), ("k", (d, kv)), ("v", (d, kv))]
-        mlp = [("gate_up", (d, 2 * hidden))] if ffn.fused_matmul else [("gate", (d, hidden)), ("up", (d, hidden))]
-        return [*attn, ("o", (heads, d)), *mlp, ("down", (hidden, d))]
-    attention, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-    names = [(attention, "q_proj", "q"), (attention, "k_proj", "k"), (attention, "v_proj", "v"),
-             (attention, "o_proj", "o"), (mlp, "gate_proj", "gate"), (mlp, "up_proj", "up"),
+        gate_up = [("gate_up", (d, 2 * hidden))] if ffn.fused_matmul else [("gate", (d, hidden)), ("up", (d, hidden))]
+        return [*attn, ("o", (heads, d)), *gate_up, ("down", (hidden, d))]
+    self_attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    names = [(self_attn, "q_proj", "q"), (self_attn, "k_proj", "k"), (self_attn, "v_proj", "v"),
+             (self_attn, "o_proj", "o"), (mlp, "gate_proj", "gate"), (mlp, "up_proj", "up"),
              (mlp, "down_proj", "down")]
     linears = [(getattr(parent, name, None), role) for parent, name, role in names]
-    if not all(isinstance(linear, nn.Linear) for linear, _ in linears):
+    found = [(linear, role) for linear, role in linears if isinstance(linear, nn.Linear)]
+    if len(found) < len(linears):
         return []
-    return [(role, (linear.in_features, linear.out_features)) for linear, role in linears]
+    return [(role, (linear.in_features, linear.out_features)) for linear, role in found]
 
 
 def _op_policy(roles: list[tuple[str, tuple[int, int]]], recompute: frozenset[str]):
