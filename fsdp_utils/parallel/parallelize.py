@@ -87,14 +87,11 @@ def _ops_worth_saving() -> list:
 
 # The matmuls each op-level policy recomputes, by role (matmul_roles): with the feed-forward's gate and up
 # matmuls apart, and fused into one (FP8). selective_op_wide keeps every matmul output; selective_op recomputes
-# the k, output and up projections, about half the bytes, as torchtitan's op-level policy does; selective_op_lean
-# recomputes the feed-forward's input matmuls and the output projection. Every role but the down projection reads
-# the model width, so each recomputed byte costs the same work. The down projection's output is kept: backward
-# never reads it, so compile drops it, and in eager mode keeping it spares a rerun of its FP8 matmul.
-# With the gate and up fused, their output is two thirds of a block's matmul output bytes: selective_op
-# recomputes it in two blocks of every FUSED_KEEP_EVERY and keeps every output of the third, which on average
-# keeps the bytes and costs the recompute work of the separate case.
-FUSED_KEEP_EVERY = 3
+# the k, output and up projections, about half the bytes, as torchtitan's op-level policy does; with the gate
+# and up fused, their output alone (two thirds of the bytes); selective_op_lean recomputes the feed-forward's input
+# matmuls and the output projection. Every role but the down projection reads the model width, so each
+# recomputed byte costs the same work. The down projection's output is kept: backward never reads it, so
+# compile drops it, and in eager mode keeping it spares a rerun of its FP8 matmul.
 OP_POLICY_RECOMPUTES = {
     "selective_op_wide": (frozenset(), frozenset()),
     "selective_op": (frozenset({"k", "o", "up"}), frozenset({"gate_up"})),
@@ -208,14 +205,14 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every_n: 
     count = 0
     for i, block in enumerate(blocks):
         if policy.checkpoints(i):
-            block.forward = _checkpointed(block.forward, _context_fn(policy.mode, block, i))
+            block.forward = _checkpointed(block.forward, _context_fn(policy.mode, block))
             count += 1
     return count
 
 
-def _context_fn(mode: str, block: nn.Module, index: int):
-    """checkpoint's context function for a checkpointing mode (one that checkpoints) on the index-th block; None
-    for the whole-block modes."""
+def _context_fn(mode: str, block: nn.Module):
+    """checkpoint's context function for a checkpointing mode (one that checkpoints) on this block; None for
+    the whole-block modes."""
     if mode not in OP_POLICY_RECOMPUTES:
         return None
     roles = matmul_roles(block)
@@ -224,11 +221,7 @@ def _context_fn(mode: str, block: nn.Module, index: int):
                          "feed-forward projections it knows (ours, or a Llama-like self_attn.*_proj and mlp.*_proj): "
                          "use selective_op_wide")
     separate, fused = OP_POLICY_RECOMPUTES[mode]
-    if not any(role == "gate_up" for role, _ in roles):
-        return _op_policy(roles, separate)
-    if mode == "selective_op" and index % FUSED_KEEP_EVERY == FUSED_KEEP_EVERY - 1:
-        fused = frozenset()
-    return _op_policy(roles, fused)
+    return _op_policy(roles, fused if any(role == "gate_up" for role, _ in roles) else separate)
 
 
 def apply_switchable_checkpointing(blocks: list[nn.Module], switch: CheckpointSwitch) -> None:
@@ -240,7 +233,7 @@ def apply_switchable_checkpointing(blocks: list[nn.Module], switch: CheckpointSw
 
 def _switchable(forward, index: int, switch: CheckpointSwitch, block: nn.Module):
     modes = [m for m in POLICY_MODES if m != "none" and (switch.roles_known or m not in NEEDS_ROLES)]
-    variants = {mode: _checkpointed(forward, _context_fn(mode, block, index)) for mode in modes}
+    variants = {mode: _checkpointed(forward, _context_fn(mode, block)) for mode in modes}
 
     def switchable_forward(*args, **kwargs):
         policy = switch.policy
