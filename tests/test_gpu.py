@@ -234,3 +234,56 @@ def test_sharded_saves_on_two_gpus_resume(tmp_path, corpus, dataset_dir, mode, v
     assert sorted(resumed) == [5, 6, 7, 8]
     for step in resumed:
         assert math.isclose(resumed[step], first[step], rel_tol=2e-2), (step, resumed[step], first[step])
+
+
+# A small model whose large vocabulary makes the loss's buffers count: the 90M preset (FSDP2, compiled, tied
+# embeddings) with 4 blocks of width 1024 (4 kv heads, feed-forward 2816), 32,768 tokens, sequence 1024, micro-batch 4
+# per GPU.
+MEMORY_MODEL = ["--model.dim=1024", "--model.n_layers=4", "--model.n_heads=16", "--model.n_kv_heads=4",
+                "--model.vocab_size=32768", "--model.max_seq_len=1024", "--data.seq_len=1024",
+                "--train.micro_batch_size=4", "--data.document_masking=false"]
+
+
+def benchmark_peak(nproc: int, policy: str, tmp_path) -> tuple[float, int]:
+    """scripts/benchmark.py's peak GPU memory (bytes, after two warm-up steps) and the model's parameter count."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    out = tmp_path / f"{policy}-{nproc}.jsonl"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                    str(ROOT / "scripts/benchmark.py"), str(ROOT / "config/train90M_fsdp.yaml"), *MEMORY_MODEL,
+                    f"--train.global_batch_size={4 * nproc}", f"--fsdp.activation_checkpointing={policy}",
+                    "--steps", "2", "--warmup", "2", "--json", str(out)], check=True, cwd=ROOT, timeout=400)
+    record = json.loads(out.read_text().splitlines()[-1])
+    return record["rows"][0]["peak_mem_gib"] * 2**30, record["params"]
+
+
+@pytest.mark.gpu_exclusive  # measures GPU memory: alone on its GPUs
+@needs_gpus(2)
+def test_peak_memory_is_the_sharded_states_plus_what_the_policy_keeps(tmp_path):
+    from model import ModelConfig
+
+    cfg = ModelConfig(vocab_size=32768, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, max_seq_len=1024)
+    d, kv, hidden, vocab = cfg.dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
+    layers = cfg.n_layers
+    tokens = 4 * 1024
+    block_params = d * (d + 2 * kv) + d * d + 3 * d * hidden
+    # selective_op keeps per token and block, in bf16: its input, q, v, the gate projection and attention's output;
+    # selective_op_wide also the k, output and up projections.
+    kept = 2 * tokens * layers * (3 * d + kv + hidden)
+    wide_extra = 2 * tokens * layers * (kv + d + hidden)
+    # Beside them: the loss's weight gradient (an fp32 sum, a bf16 chunk product, the bf16 copy kept for backward),
+    # the gathered bf16 embedding (the preset ties the output projection to it), and two blocks' gathered weights
+    # and gradient buffers.
+    beside = 8 * vocab * d + 2 * vocab * d + 2 * 12 * block_params
+    for nproc in (1, 2):
+        peak, params = benchmark_peak(nproc, "selective_op", tmp_path)
+        wide, _ = benchmark_peak(nproc, "selective_op_wide", tmp_path)
+        states = 16 * params / nproc  # fp32 parameters, gradients and AdamW's two moments, sharded
+        # What selective_op drops is exactly the outputs it recomputes (measured equal to a few MiB).
+        assert abs((wide - peak) - wide_extra) < 0.1 * wide_extra, (nproc, (wide - peak) / 2**20, wide_extra / 2**20)
+        # Nothing more than the states, the activations the policy keeps and the buffers beside them: a second
+        # sharded copy of the parameters, fp32 copies of the loss's gradient or more kept activations exceed it.
+        assert peak - states < 1.2 * (kept + beside), (nproc, (peak - states) / 2**20, (kept + beside) / 2**20)
