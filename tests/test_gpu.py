@@ -236,7 +236,7 @@ def test_sharded_saves_on_two_gpus_resume(tmp_path, corpus, dataset_dir, mode, v
         assert math.isclose(resumed[step], first[step], rel_tol=2e-2), (step, resumed[step], first[step])
 
 
-# A small model whose large vocabulary makes the loss's buffers count: the 90M preset (FSDP2, compiled, tied
+# A small model whose large vocabulary makes the loss's buffers count: the 90M preset (FSDP1, compiled, tied
 # embeddings) with 4 blocks of width 1024 (4 kv heads, feed-forward 2816), 32,768 tokens, sequence 1024, micro-batch 4
 # per GPU.
 MEMORY_MODEL = ["--model.dim=1024", "--model.n_layers=4", "--model.n_heads=16", "--model.n_kv_heads=4",
