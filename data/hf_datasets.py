@@ -54,7 +54,8 @@ class OpenedDataset:
         import pyarrow as pa
 
         row = num_bytes = 0
-        for table in self.rows.select_columns(self.columns).with_format("arrow").iter(batch_size=BATCH_ROWS):
+        tables = self.rows.select_columns(self.columns).with_format("arrow").iter(batch_size=BATCH_ROWS)
+        while (table := self._next(tables, row)) is not None:
             # Copies: a slice of a memory-mapped file would send its whole record batch to a worker.
             columns = [pa.concat_arrays(column.chunks) for column in table.columns]
             data = pa.Table.from_arrays(columns, names=table.column_names) if self.chat else columns[0]
@@ -62,6 +63,15 @@ class OpenedDataset:
             num_bytes += data.nbytes
             done = disk_bytes * row // self.num_rows if self.num_rows else min(num_bytes, disk_bytes)
             yield Piece("records" if self.chat else "rows", self.where, data, row - table.num_rows, data.nbytes, done)
+
+    def _next(self, tables: Iterator, row: int):
+        """The next batch of rows (a pyarrow table), or None at the end; a file that cannot be read is one line."""
+        import pyarrow as pa
+
+        try:
+            return next(tables, None)
+        except (pa.ArrowException, OSError, ValueError) as err:  # damaged files, JSON that is not
+            raise DataError(f"{self.where}: cannot read the rows from {row} on ({err})") from None
 
 
 def open_dataset(spec: HFDataset, *, text_field: str, chat: ChatFields | None) -> OpenedDataset:
@@ -144,9 +154,12 @@ def _load(datasets, path: str, spec: HFDataset, *, streaming: bool):
     except (ConnectionError, FileNotFoundError) as err:
         if Path(path).is_dir():
             raise DataError(f"{path}: no data files the datasets library reads ({err})") from None
+        if Path(path).expanduser().exists():
+            raise DataError(f"data.hf_dataset.path={path} is a file: give the dataset's folder (or name the file in "
+                            f"data.files)") from None
         raise DataError(f"data.hf_dataset.path={path} is not a folder, and no dataset of that name is in the local "
                         f"caches (the hub cache and the datasets cache); nothing is downloaded: download it first "
-                        f"(huggingface-cli download --repo-type dataset {path}), or give its folder") from None
+                        f"(huggingface-cli download --repo-type dataset NAME), or give its folder") from None
     except ValueError as err:  # an unknown configuration name, or files the library cannot read
         raise DataError(f"cannot read {path} with the datasets library: {err}") from None
     return _split(splits, spec, path)

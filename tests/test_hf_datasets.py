@@ -63,12 +63,16 @@ def write_saved(folder: Path, rows: list[dict]) -> Path:
     return folder
 
 
-def write_snapshot(folder: Path, rows: list[dict]) -> Path:
-    """The layout of a hub dataset's parquet export: data/<split>-0000k-of-0000n.parquet."""
+def write_snapshot(folder: Path, rows: list[dict], *, suffix: str = ".parquet") -> Path:
+    """The layout of a hub dataset's files: data/<split>-0000k-of-0000n.parquet (or .jsonl)."""
     (folder / "data").mkdir(parents=True)
     half = len(rows) // 2
     for k, part in enumerate((rows[:half], rows[half:])):
-        pq.write_table(pa.Table.from_pylist(part), folder / "data" / f"train-0000{k}-of-00002.parquet")
+        path = folder / "data" / f"train-0000{k}-of-00002{suffix}"
+        if suffix == ".parquet":
+            pq.write_table(pa.Table.from_pylist(part), path)
+        else:
+            write_jsonl(path, part)
     return folder
 
 
@@ -105,7 +109,8 @@ def test_every_form_of_a_dataset_prepares_the_shards_of_its_jsonl(tmp_path):
     assert set(expected) == {"tokenizer.model", "train-00000.bin", "val-00000.bin"}
     saved, snapshot = write_saved(tmp_path / "saved", rows), write_snapshot(tmp_path / "snapshot", rows)
     forms = {"saved": str(saved), "snapshot": str(snapshot), "cached": write_cached(tmp_path, rows),
-             "hub": write_hub_cache(tmp_path, rows)}
+             "hub": write_hub_cache(tmp_path, rows),
+             "jsonl_snapshot": str(write_snapshot(tmp_path / "jsonl_snapshot", rows, suffix=".jsonl"))}
     # The names are found where each cache keeps them: the datasets cache's arrow files, the hub cache's snapshot.
     for form, cache in (("cached", "datasets"), ("hub", "hub")):
         found = open_dataset(HFDataset(forms[form]), text_field="text", chat=None).files
@@ -225,6 +230,7 @@ def test_the_prepare_script_takes_a_dataset_folder(tmp_path, capsys):
     ("chat_without_messages", r"has no column 'messages' \(nor 'prompt' and 'response'\); it has id, text"),
     ("without_datasets", r"needs the datasets package: pip install datasets"),
     ("with_files", r"data.hf_dataset.path and data.files \(or data.sources\) both name a corpus"),
+    ("a_file", r"data.hf_dataset.path=\S*train-00000-of-00002.parquet is a file: give the dataset's folder"),
 ])
 def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch, case, message):
     rows = make_rows(20)
@@ -245,6 +251,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch
         "chat_without_messages": [f"--data.hf_dataset.path={saved}", "--data.format=chat"],
         "without_datasets": [f"--data.hf_dataset.path={saved}"],
         "with_files": [f"--data.hf_dataset.path={saved}", f"--data.files=[{write_jsonl(tmp_path / 'c.jsonl', rows)}]"],
+        "a_file": [f"--data.hf_dataset.path={snapshot / 'data' / 'train-00000-of-00002.parquet'}"],
     }[case]
     if case == "without_datasets":
         monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
@@ -252,6 +259,18 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch
     assert code != 0 and len(lines) == 1 and lines[0].startswith("error: "), lines
     assert re.search(message, lines[0]), lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_file_of_a_dataset_is_one_line(tmp_path, capsys):
+    snapshot = write_snapshot(tmp_path / "snapshot", make_rows(40))
+    damaged = snapshot / "data" / "train-00001-of-00002.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:-40])  # the footer's end, and the file's closing magic, cut off
+    code, lines = run_prepare_script(tmp_path, capsys, f"--data.hf_dataset.path={snapshot}")
+    lines = [line for line in lines if "sampling for the tokenizer" not in line]  # the progress bar's
+    assert code != 0 and len(lines) == 1, lines
+    expected = r"error: \S*snapshot\[train\]: cannot read the rows from \d+ on \(.*Parquet magic bytes not found.*\)$"
+    assert re.match(expected, lines[0]), lines[0]
+    assert not (tmp_path / "out" / "meta.json").exists()
 
 
 @pytest.mark.slow  # a training job
