@@ -80,16 +80,13 @@ def open_dataset(spec: HFDataset, *, text_field: str, chat: ChatFields | None) -
     datasets = optional_import("datasets", "datasets", Path(spec.path))
     root = Path(spec.path).expanduser()
     folder = root if root.is_dir() else _hub_snapshot(spec.path)
-    if folder is not None and any((folder / name).is_file() for name in SAVED_MARKERS):
-        rows, files = _saved(datasets, folder, spec), None
-    elif folder is not None:
-        rows, files = _load(datasets, str(folder), spec, streaming=spec.streaming), None
-    else:
+    if folder is None:
         # A name the datasets cache holds (from an earlier load_dataset): memory-mapped arrow files already.
         rows = _load(datasets, spec.path, spec, streaming=False)
         files = [Path(entry["filename"]) for entry in rows.cache_files]
-    if files is None:
-        assert folder is not None
+    else:
+        saved = any((folder / name).is_file() for name in SAVED_MARKERS)
+        rows = _saved(datasets, folder, spec) if saved else _load(datasets, str(folder), spec, streaming=spec.streaming)
         files = _files_below(folder)
     where = f"{spec.path}{f' ({spec.name})' if spec.name else ''}[{spec.split}]"
     columns = _columns(datasets, rows, where, text_field=text_field, chat=chat)
