@@ -148,7 +148,18 @@ def _data_problems(cfg: Config) -> list[str]:
         # transformers detects packed documents only where position_ids restart, and masks at every restart.
         p.append(f"model.type=hf: data.document_masking={d.document_masking} needs model.reset_positions="
                  f"{d.document_masking} (transformers masks documents exactly where their positions restart)")
-    return p + _format_problems(d) + _sources_problems(d)
+    return p + _format_problems(d) + _sources_problems(d) + _hf_dataset_problems(d)
+
+
+def _hf_dataset_problems(d: DataConfig) -> list[str]:
+    hf = d.hf_dataset
+    if not hf.path:
+        given = [f"data.hf_dataset.{name}" for name, default in (("name", ""), ("split", "train"))
+                 if getattr(hf, name) != default]
+        return [f"{' and '.join(given)} without data.hf_dataset.path: name the dataset"] if given else []
+    if d.files or d.sources:
+        return ["data.hf_dataset.path and data.files (or data.sources) both name a corpus: give one of them"]
+    return []
 
 
 def _sources_problems(d: DataConfig) -> list[str]:
@@ -167,7 +178,7 @@ def _format_problems(d: DataConfig) -> list[str]:
     for name in ("messages_field", "prompt_field", "response_field"):
         if not getattr(d, name):
             p.append(f"data.{name} must name a field of the records")
-    if d.format == "chat" and not d.files and not d.dataset_dir and not d.sources:
+    if d.format == "chat" and not d.files and not d.dataset_dir and not d.sources and not d.hf_dataset.path:
         p.append("data.format=chat needs data.files (.jsonl conversations) or a prepared data.dataset_dir")
     meta_path = Path(d.dataset_dir) / "meta.json"
     if d.dataset_dir and meta_path.is_file():

@@ -75,10 +75,27 @@ class SourceConfig:
 
 
 @dataclass
+class HFDatasetConfig:
+    """data.hf_dataset: a Hugging Face dataset as the corpus, read offline with the datasets library (docs/data.md)."""
+
+    path: str = ""
+    """A save_to_disk folder, a folder of the dataset's parquet/jsonl files (a hub snapshot), or a dataset name
+    (org/name) in the local caches; empty: data.files is the corpus. The text is in column data.text_field."""
+    name: str = ""
+    """The dataset's configuration (load_dataset's name); empty: its default."""
+    split: str = "train"
+    """The split to prepare."""
+    streaming: bool = True
+    """Read a folder of data files as a stream, in one pass, without first converting it into the datasets cache
+    (a save_to_disk folder and a cached name are read from their memory-mapped files either way)."""
+
+
+@dataclass
 class DataConfig:
     files: list[str] = field(default_factory=list)
     """.txt, .jsonl, .json.gz/.jsonl.gz, .jsonl.zst/.json.zst and .parquet files, folders of them and glob
-    patterns; empty means the Python standard library sources."""
+    patterns; empty means the Python standard library sources (or data.hf_dataset)."""
+    hf_dataset: HFDatasetConfig = field(default_factory=HFDatasetConfig)
     sources: list[SourceConfig] = field(default_factory=list)
     """Train on a mixture of prepared folders instead of data.files: [{path: DIR, weight: 0.7}, ...], all made
     with the same tokenizer; samples are drawn from each in proportion to its weight (docs/data.md)."""

@@ -41,7 +41,8 @@ from tqdm import tqdm
 from . import nofollow, worker
 from .chat import TEMPLATES, ChatFields
 from .errors import DataError
-from .readers import expand_inputs, format_of, read_pieces, truncate
+from .hf_datasets import HFDataset, OpenedDataset, open_dataset
+from .readers import Piece, expand_inputs, format_of, read_pieces, truncate
 from .store import (
     FIXED_NAMES,
     FOLDER_NAMES,
@@ -113,6 +114,7 @@ class PrepareSettings:
     prompt_field: str = "prompt"
     response_field: str = "response"
     chat_template: str = "auto"
+    hf_dataset: HFDataset | None = None  # a Hugging Face dataset instead of files (data/hf_datasets.py)
 
     @classmethod
     def from_config(cls, cfg) -> PrepareSettings:
@@ -125,7 +127,8 @@ class PrepareSettings:
                    max_document_mb=d.max_document_mb, seed=cfg.run.seed,
                    text_field=d.text_field, on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens,
                    num_workers=d.num_workers, format=d.format, messages_field=d.messages_field,
-                   prompt_field=d.prompt_field, response_field=d.response_field, chat_template=d.chat_template)
+                   prompt_field=d.prompt_field, response_field=d.response_field, chat_template=d.chat_template,
+                   hf_dataset=HFDataset(**vars(d.hf_dataset)) if d.hf_dataset.path else None)
 
     def check(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
@@ -146,6 +149,8 @@ class PrepareSettings:
                             f"got {self.on_bad_record!r}")
         if self.format not in FORMATS:
             raise DataError(f"data.format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.files and self.hf_dataset:
+            raise DataError("data.files and data.hf_dataset.path both name a corpus: give one of them")
         if self.chat_template not in TEMPLATES:
             raise DataError(f"data.chat_template must be one of {', '.join(TEMPLATES)}, got {self.chat_template!r}")
 
@@ -165,6 +170,9 @@ class PrepareSettings:
         """The settings that decide the prepared folder; a text preparation's record holds no chat field, so
         folders prepared before chat data keep their fingerprint."""
         settings = {**asdict(self), "num_workers": None, "files": None}
+        settings.pop("hf_dataset")
+        if self.hf_dataset:
+            settings["hf_dataset"] = self.hf_dataset.record()
         if self.format == "text":
             for name in CHAT_SETTINGS:
                 settings.pop(name)
@@ -209,9 +217,14 @@ class Corpus:
     strict: bool  # undecodable bytes are an error (users' files) or replaced (the stdlib)
     max_mb: float  # data.max_corpus_mb
     max_document_mb: float
+    hf: OpenedDataset | None = None  # a Hugging Face dataset (paths: its files)
 
     @classmethod
     def of(cls, settings: PrepareSettings) -> Corpus:
+        if settings.hf_dataset:
+            hf = open_dataset(settings.hf_dataset, text_field=settings.text_field, chat=settings.chat)
+            return cls(hf.files, hf.where, strict=True, max_mb=settings.max_corpus_mb,
+                       max_document_mb=settings.max_document_mb, hf=hf)
         if not settings.files:
             if settings.format == "chat":
                 raise DataError("data.format=chat needs data.files: .jsonl files of conversations")
@@ -239,29 +252,44 @@ def _chunks(corpus: Corpus, *, text_field: str, skip_long: bool, say_cut: bool) 
     data.max_corpus_mb, reading stops at the first line, row or document that reaches it (said in the log)."""
     max_bytes = int(corpus.max_mb * 2**20)
     pieces: list = []
-    num_bytes = read = done_files = 0
+    num_bytes = read = 0
     index = 0
+    for piece, disk_done in _located_pieces(corpus, text_field=text_field, skip_long=skip_long):
+        if max_bytes and read + piece.num_bytes >= max_bytes:
+            piece = truncate(piece, max_bytes - read)
+            pieces.append(piece)
+            if say_cut:
+                log.info("data.max_corpus_mb=%g: read the first %.2f MB of the corpus (%.2f MB on disk), "
+                         "stopping in %s", corpus.max_mb, (read + piece.num_bytes) / 2**20, corpus.disk_bytes / 2**20,
+                         piece.path)
+            yield worker.Chunk(index, pieces, disk_done)
+            return
+        pieces.append(piece)
+        num_bytes += piece.num_bytes
+        read += piece.num_bytes
+        if num_bytes >= CHUNK_BYTES:
+            yield worker.Chunk(index, pieces, disk_done)
+            pieces, num_bytes, index = [], 0, index + 1
+    if pieces:
+        yield worker.Chunk(index, pieces, corpus.disk_bytes)
+
+
+def _located_pieces(corpus: Corpus, *, text_field: str, skip_long: bool) -> Iterator[tuple[Piece, int]]:
+    """Each piece of the corpus, with the bytes of the corpus on disk read once it is done. With
+    data.max_corpus_mb, a file is read no further than the piece that reaches it."""
+    if corpus.hf is not None:
+        for piece in corpus.hf.pieces(disk_bytes=corpus.disk_bytes):
+            yield piece, piece.disk_end
+        return
+    max_bytes = int(corpus.max_mb * 2**20)
+    read = done_files = 0
     for path in corpus.paths:
         for piece in read_pieces(path, piece_bytes=CHUNK_BYTES, text_field=text_field,
                                  max_document_mb=corpus.max_document_mb, skip_long=skip_long,
                                  max_read_bytes=max_bytes - read if max_bytes else 0):
-            if max_bytes and read + piece.num_bytes >= max_bytes:
-                piece = truncate(piece, max_bytes - read)
-                pieces.append(piece)
-                if say_cut:
-                    log.info("data.max_corpus_mb=%g: read the first %.2f MB of the corpus (%.2f MB on disk), stopping "
-                             "in %s", corpus.max_mb, (read + piece.num_bytes) / 2**20, corpus.disk_bytes / 2**20, path)
-                yield worker.Chunk(index, pieces, done_files + piece.disk_end)
-                return
-            pieces.append(piece)
-            num_bytes += piece.num_bytes
             read += piece.num_bytes
-            if num_bytes >= CHUNK_BYTES:
-                yield worker.Chunk(index, pieces, done_files + piece.disk_end)
-                pieces, num_bytes, index = [], 0, index + 1
+            yield piece, done_files + piece.disk_end
         done_files += path.stat().st_size
-    if pieces:
-        yield worker.Chunk(index, pieces, done_files)
 
 
 @dataclass(frozen=True)
@@ -323,9 +351,10 @@ def default_dataset_dir(settings: PrepareSettings) -> str:
     """Where the data of these settings is cached when data.dataset_dir is empty."""
     tokenizer = settings.hf_tokenizer or settings.tokenizer_model
     chat = [] if settings.format == "text" else [settings.record()[name] for name in CHAT_SETTINGS]
+    hf = [settings.hf_dataset.record()] if settings.hf_dataset else []
     what = json.dumps([list(settings.files), tokenizer, settings.vocab_size, settings.val_fraction,
-                       settings.max_corpus_mb, settings.seed, FORMAT_VERSION, *chat])
-    kind = "stdlib" if not settings.files else "custom"
+                       settings.max_corpus_mb, settings.seed, FORMAT_VERSION, *chat, *hf])
+    kind = "stdlib" if not settings.files and not hf else "custom"
     return str(Path("data/cache") / f"{kind}-{hashlib.sha1(what.encode()).hexdigest()[:10]}")
 
 
@@ -580,7 +609,7 @@ class _Preparation:
             "num_skipped_records": totals["num_bad_records"],
             "first_skipped_record": totals["first_bad_record"],
             "text_bytes": totals["text_bytes"],
-            "inputs": "python-stdlib" if not s.files else list(s.files),
+            "inputs": {"hf_dataset": s.hf_dataset.record()} if s.hf_dataset else list(s.files) or "python-stdlib",
             "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
             "shards": [{k: shard[k] for k in (*keys, "num_train_tokens", "num_val_tokens", "max_token_id", "sha256")}
                        for shard in writer.shards],
@@ -770,7 +799,7 @@ def prepare_for_training(dataset_dir: str | Path, settings: PrepareSettings, *, 
     root = Path(dataset_dir)
     found = read_record(root / META_NAME)
     if named_dir and found:
-        if not settings.files:
+        if not settings.files and not settings.hf_dataset:
             log.info("training on the data prepared in %s (data.files is empty)", root)
             return
         source = Source.of(settings, Corpus.of(settings))

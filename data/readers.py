@@ -49,8 +49,9 @@ ZSTD_FEED_BYTES = 256
 
 @dataclass
 class Piece:
-    # "jsonl": whole JSON lines; "text": one document; "rows": a pyarrow string array; "too_long": a JSON
-    # line longer than data.max_document_mb, read through and dropped (data: the problem, for bad_record)
+    # "jsonl": whole JSON lines; "text": one document; "rows": a pyarrow string array; "records": a pyarrow table
+    # of conversations (data/hf_datasets.py); "too_long": a JSON line longer than data.max_document_mb, read
+    # through and dropped (data: the problem, for bad_record)
     kind: str
     path: str
     data: Any  # bytes, a pyarrow array for "rows" (pyarrow has no type hints), a message for "too_long"
@@ -492,8 +493,8 @@ class _ThriftCompact:
 
 def truncate(piece: Piece, max_bytes: int) -> Piece:
     """The start of a piece holding at least max_bytes: whole lines or rows. A "text" piece is one
-    document and is kept whole."""
-    if piece.num_bytes <= max_bytes or piece.kind in ("text", "too_long"):
+    document and is kept whole, as is a "records" piece (its rows have no one size to count)."""
+    if piece.num_bytes <= max_bytes or piece.kind in ("text", "too_long", "records"):
         return piece
     if piece.kind == "jsonl":
         end = piece.data.find(b"\n", max_bytes - 1)
@@ -571,9 +572,10 @@ def piece_conversations(piece: Piece, *, fields: ChatFields,
     if piece.kind == "too_long":
         bad_record(piece.data)
         return
-    if piece.kind != "jsonl":
+    if piece.kind not in ("jsonl", "records"):
         raise DataError(f"{piece.path}: data.format=chat reads .jsonl files (also .gz, .zst) of conversations")
-    for where, record in _jsonl_records(piece, bad_record=bad_record):
+    records = _jsonl_records(piece, bad_record=bad_record) if piece.kind == "jsonl" else _table_records(piece)
+    for where, record in records:
         try:
             messages = conversation(record, fields)
         except BadConversation as err:
@@ -581,6 +583,13 @@ def piece_conversations(piece: Piece, *, fields: ChatFields,
             continue
         if (utf8 := _utf8(canonical_text(messages), where, bad_record)) is not None:
             yield Conversation(messages, where), utf8
+
+
+def _table_records(piece: Piece) -> Iterator[tuple[str, dict]]:
+    """(where, record) of each row of a "records" piece (a pyarrow table); a null column is a field the row lacks,
+    as in a JSON line."""
+    for offset, row in enumerate(piece.data.to_pylist()):
+        yield f"{piece.path} row {piece.first + offset}", {key: val for key, val in row.items() if val is not None}
 
 
 def _jsonl_documents(piece: Piece, *, text_field: str, bad_record: Callable[[str], None]) -> Iterator[Document]:

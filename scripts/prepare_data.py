@@ -3,6 +3,8 @@ r"""Prepare a corpus once, outside any training job: tokenizer plus sharded toke
     python scripts/prepare_data.py config/train1B_fsdp.yaml --data.files=[/corpus/*.jsonl.zst] \
         --data.dataset_dir=/data/c1
     torchrun --nproc_per_node=8 train_fsdp.py config/train1B_fsdp.yaml --data.dataset_dir=/data/c1
+    python scripts/prepare_data.py config/train1B_fsdp.yaml --data.hf_dataset.path=/data/saved_dataset \
+        --data.dataset_dir=/data/c2       # a Hugging Face dataset (docs/data.md)
 
 Takes the same config file and --section.key=value overrides as train_fsdp.py. Streams the corpus through
 data.num_workers processes (default: one per CPU core) in bounded memory; rerun the same command after an

@@ -1,0 +1,203 @@
+"""Hugging Face datasets as a corpus (data.hf_dataset): a `save_to_disk` folder, a folder of data files as a hub
+snapshot holds them, or a dataset name found in the local caches. Read with the `datasets` library (imported only
+here, only when used) and offline only: nothing is ever downloaded.
+
+The parent process reads the dataset in order, a batch of rows at a time, as pieces like a parquet file's (the
+text column; the conversation columns for data.format=chat), so the workers, the chunking, the resume and the
+output are those of local files: the same documents in the same order give the same token shards.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .chat import ChatFields
+from .errors import DataError
+from .readers import Piece, optional_import
+
+BATCH_ROWS = 1024  # rows per piece, as a parquet file's batches
+SAVED_MARKERS = ("state.json", "dataset_dict.json")  # what Dataset.save_to_disk / DatasetDict.save_to_disk write
+
+
+@dataclass(frozen=True)
+class HFDataset:
+    """data.hf_dataset: which dataset, configuration and split to read."""
+
+    path: str
+    name: str = ""
+    split: str = "train"
+    streaming: bool = True
+
+    def record(self) -> dict:
+        """What decides the prepared data (streaming only decides how it is read)."""
+        return {"path": self.path, "name": self.name, "split": self.split}
+
+
+@dataclass
+class OpenedDataset:
+    """A dataset ready to read: its rows (a datasets Dataset or IterableDataset), the files they come from (for the
+    fingerprint and the corpus size), and the columns to read."""
+
+    where: str  # the path or name, for messages
+    rows: Any
+    files: list[Path]
+    columns: list[str]
+    num_rows: int | None  # None for a streamed dataset, whose length is known only at its end
+    chat: bool  # data.format=chat: the rows are conversations
+
+    def pieces(self, *, disk_bytes: int) -> Iterator[Piece]:
+        """Each batch of rows as a piece: "rows" (the text column) or "records" (the conversation columns); its
+        disk_end is the share of the corpus's bytes on disk read so far (by rows where the length is known)."""
+        import pyarrow as pa
+
+        row = num_bytes = 0
+        tables = self.rows.select_columns(self.columns).with_format("arrow").iter(batch_size=BATCH_ROWS)
+        while (table := self._next(tables, row)) is not None:
+            # Copies: a slice of a memory-mapped file would send its whole record batch to a worker.
+            columns = [pa.concat_arrays(column.chunks) for column in table.columns]
+            data = pa.Table.from_arrays(columns, names=table.column_names) if self.chat else columns[0]
+            row += table.num_rows
+            num_bytes += data.nbytes
+            done = disk_bytes * row // self.num_rows if self.num_rows else min(num_bytes, disk_bytes)
+            yield Piece("records" if self.chat else "rows", self.where, data, row - table.num_rows, data.nbytes, done)
+
+    def _next(self, tables: Iterator, row: int):
+        """The next batch of rows (a pyarrow table), or None at the end; a file that cannot be read is one line."""
+        import pyarrow as pa
+
+        try:
+            return next(tables, None)
+        except (pa.ArrowException, OSError, ValueError) as err:  # damaged files, JSON that is not
+            raise DataError(f"{self.where}: cannot read the rows from {row} on ({err})") from None
+
+
+def open_dataset(spec: HFDataset, *, text_field: str, chat: ChatFields | None) -> OpenedDataset:
+    """The dataset at spec.path, checked: its split exists and has the text column (or the conversation columns).
+    Reads only local files; DataError in one line otherwise."""
+    datasets = optional_import("datasets", "datasets", Path(spec.path))
+    root = Path(spec.path).expanduser()
+    folder = root if root.is_dir() else _hub_snapshot(spec.path)
+    if folder is None:
+        # A name the datasets cache holds (from an earlier load_dataset): memory-mapped arrow files already.
+        rows = _load(datasets, spec.path, spec, streaming=False)
+        files = [Path(entry["filename"]) for entry in rows.cache_files]
+    else:
+        saved = any((folder / name).is_file() for name in SAVED_MARKERS)
+        rows = _saved(datasets, folder, spec) if saved else _load(datasets, str(folder), spec, streaming=spec.streaming)
+        files = _files_below(folder)
+    where = f"{spec.path}{f' ({spec.name})' if spec.name else ''}[{spec.split}]"
+    columns = _columns(datasets, rows, where, text_field=text_field, chat=chat)
+    num_rows = None if isinstance(rows, datasets.IterableDataset) else rows.num_rows
+    return OpenedDataset(where, rows, files, columns, num_rows, chat=chat is not None)
+
+
+@contextlib.contextmanager
+def hub_offline(datasets) -> Iterator[None]:
+    """datasets and huggingface_hub in offline mode while a dataset is opened: a name is looked up in the local
+    caches only, and nothing reaches the network whatever HF_HUB_OFFLINE says. Every call that opens a dataset is
+    made inside it (tests/test_hf_loading.py checks the source)."""
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
+def _hub_snapshot(name: str) -> Path | None:
+    """The hub cache's snapshot folder of dataset `name` (where `huggingface-cli download --repo-type dataset`
+    puts it), at the revision its main ref names, or None."""
+    if name.count("/") != 1 or name.startswith(("/", ".", "~")):
+        return None
+    import huggingface_hub.constants as hub
+
+    repo = Path(hub.HF_HUB_CACHE) / ("datasets--" + name.replace("/", "--"))
+    try:
+        revision = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / revision
+    return snapshot if revision and snapshot.is_dir() else None
+
+
+def _saved(datasets, folder: Path, spec: HFDataset):
+    """A save_to_disk folder: one Dataset (one split), or a DatasetDict of splits."""
+    if spec.name:
+        raise DataError(f"data.hf_dataset.name={spec.name}: {folder} is a save_to_disk folder, which has no "
+                        f"configurations; leave data.hf_dataset.name empty")
+    try:
+        with hub_offline(datasets):
+            saved = datasets.load_from_disk(str(folder))
+    except (OSError, ValueError) as err:
+        raise DataError(f"{folder}: not a readable save_to_disk folder ({err})") from None
+    if isinstance(saved, datasets.DatasetDict):
+        return _split(saved, spec, str(folder))
+    if saved.split is not None and str(saved.split) != spec.split:
+        raise DataError(f"{folder} holds the split '{saved.split}', not '{spec.split}'; set "
+                        f"data.hf_dataset.split={saved.split}")
+    return saved
+
+
+def _load(datasets, path: str, spec: HFDataset, *, streaming: bool):
+    """load_dataset of a local folder or a cached name, all its splits, then the one asked for."""
+    try:
+        with hub_offline(datasets):
+            splits = datasets.load_dataset(path, spec.name or None, streaming=streaming)
+    except (ConnectionError, FileNotFoundError) as err:
+        if Path(path).is_dir():
+            raise DataError(f"{path}: no data files the datasets library reads ({err})") from None
+        if Path(path).expanduser().exists():
+            raise DataError(f"data.hf_dataset.path={path} is a file: give the dataset's folder (or name the file in "
+                            f"data.files)") from None
+        raise DataError(f"data.hf_dataset.path={path} is not a folder, and no dataset of that name is in the local "
+                        f"caches (the hub cache and the datasets cache); nothing is downloaded: download it first "
+                        f"(huggingface-cli download --repo-type dataset NAME), or give its folder") from None
+    except ValueError as err:  # an unknown configuration name, or files the library cannot read
+        raise DataError(f"cannot read {path} with the datasets library: {err}") from None
+    return _split(splits, spec, path)
+
+
+def _split(splits, spec: HFDataset, where: str):
+    if spec.split not in splits:
+        raise DataError(f"{where} has no split '{spec.split}' (it has {', '.join(splits)}); set "
+                        f"data.hf_dataset.split")
+    return splits[spec.split]
+
+
+def _files_below(folder: Path) -> list[Path]:
+    """The regular files below a dataset folder, sorted, outside hidden folders (a download's own records)."""
+    return sorted(path for path in folder.rglob("*") if path.is_file()
+                  and not any(part.startswith(".") for part in path.relative_to(folder).parts))
+
+
+def _columns(datasets, rows, where: str, *, text_field: str, chat: ChatFields | None) -> list[str]:
+    """The columns to read, checked against those the dataset has."""
+    kinds = _column_kinds(datasets, rows)
+    names = ", ".join(kinds)
+    if chat is not None:
+        if chat.messages in kinds or (chat.prompt in kinds and chat.response in kinds):
+            return [name for name in (chat.messages, chat.prompt, chat.response) if name in kinds]
+        raise DataError(f"{where} has no column '{chat.messages}' (nor '{chat.prompt}' and '{chat.response}'); it has "
+                        f"{names}: set data.messages_field")
+    if text_field not in kinds:
+        raise DataError(f"{where} has no column '{text_field}' (it has {names}); set data.text_field")
+    if kinds[text_field] not in ("string", "large_string"):
+        raise DataError(f"{where}: column '{text_field}' holds {kinds[text_field]}, not text")
+    return [text_field]
+
+
+def _column_kinds(datasets, rows) -> dict[str, str]:
+    """Each column's name and type (a string column's: string or large_string), from the dataset's features, or from
+    its first row where it has none (a streamed folder of JSON lines)."""
+    import pyarrow as pa
+
+    if rows.features is not None:
+        return {name: feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__
+                for name, feature in rows.features.items()}
+    first = next(iter(rows.with_format("arrow").iter(batch_size=1)), pa.table({}))
+    return {field.name: str(field.type) for field in first.schema}
