@@ -44,8 +44,8 @@ from config import Config, ConfigError, load_config  # noqa: E402
 
 BENCHMARK = ROOT / "scripts" / "benchmark.py"
 DEFAULT_LAUNCHER = "torchrun --standalone --nproc_per_node={nproc}"
-# Set for both runs where the user left them unset: NVLink multicast (NVLS) off, as the lent machines need;
-# the allocator's expandable segments, which benchmark.py turns on by itself and the peer would not.
+# Set for both runs where the user left them unset: NVLink multicast (NVLS) off, as docs/benchmarks.md's commands
+# run; the allocator's expandable segments, which benchmark.py turns on by itself and the peer would not.
 # Both allocator names: torch reads the newer one, older releases the other.
 ENVIRONMENT = {"NCCL_NVLS_ENABLE": ("0", ("NCCL_NVLS_ENABLE",)),
                "PYTORCH_ALLOC_CONF": ("expandable_segments:True", ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))}

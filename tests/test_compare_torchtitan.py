@@ -15,6 +15,8 @@ from config import ConfigError, load_config
 from scripts import benchmark, compare_torchtitan as ct
 
 ROOT = Path(__file__).resolve().parents[1]
+# The peer as the docs' command names it, beside the checkout; its tests skip where it is not there.
+PEER_SCRIPT = ROOT.parent / "shared" / "peers" / "torchtitan_peer.py"
 
 # A result line as torchtitan_peer.py prints it (its f-string filled in), among the lines around it.
 PEER_OUTPUT = [
@@ -72,6 +74,25 @@ def test_presets_give_the_peer_our_model(name, overrides, peer_ac, peer_mbs, exp
     assert torchtitan_width(args) == cfg.model.hidden_dim == int(flag(args, "--ffn"))
     assert "--compile" in args and (flag(args, "--steps"), flag(args, "--warmup")) == ("5", "2")
     assert ("--float8" in args) == (name == "train8B_fsdp.yaml")
+
+
+def peer_parser(path: Path):
+    """The peer script's own argument parser: its text up to parse_args() (plain argparse), run here."""
+    text = path.read_text()
+    namespace: dict = {}
+    exec(compile(text[:text.index("a = p.parse_args()")], str(path), "exec"), namespace)
+    return namespace["p"]
+
+
+@pytest.mark.parametrize(("name", "overrides", "peer_ac", "peer_mbs", "expected"), PRESETS,
+                         ids=[p[0] for p in PRESETS])
+def test_peer_script_accepts_the_arguments(name, overrides, peer_ac, peer_mbs, expected):
+    if not PEER_SCRIPT.is_file():
+        pytest.skip(f"no peer script at {PEER_SCRIPT}")
+    cfg = load_config(ROOT / "config" / name, overrides)
+    parsed = peer_parser(PEER_SCRIPT).parse_args(ct.peer_arguments(cfg, peer_ac=peer_ac, peer_mbs=peer_mbs,
+                                                                   steps=5, warmup=2))
+    assert (parsed.dim, parsed.ffn, parsed.mbs) == (cfg.model.dim, cfg.model.hidden_dim, int(expected["--mbs"]))
 
 
 @pytest.mark.parametrize("dim", [256, 1000, 2048, 4096, 8192])
