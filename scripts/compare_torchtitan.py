@@ -277,8 +277,8 @@ def table(case: str, ours: dict, peer: dict) -> tuple[list[str], float | None, f
         memory = ours["peak_mem_gib"] - peer["peak_mem_gib"]
 
     def cells(side: dict) -> tuple[str, str]:
-        if "error" in side:
-            return side["error"], "-"
+        if "error" in side:  # a Markdown cell: its text's own bars escaped
+            return side["error"].replace("|", "\\|"), "-"
         return f"{side['tokens_per_sec_per_gpu']:,.0f}", f"{side['peak_mem_gib']:.1f}"
 
     (ours_tps, ours_mem), (peer_tps, peer_mem) = cells(ours), cells(peer)
@@ -432,6 +432,8 @@ def report(args, p: dict, ours: dict, peer: dict, ours_cmd: list[str]) -> None:
             print(f"{side}: micro-batch {done[-1]['micro_batch']} x {done[-1]['grad_accum']} accumulated", flush=True)
         if summary.get("mfu") is not None:
             print(f"{side}: MFU {100 * summary['mfu']:.1f}%", flush=True)
+        for code in {r["exit"] for r in done if r["exit"]}:
+            print(f"{side}: exited {code} after printing its result", flush=True)
         for reason in summary.get("failed_rounds", []):
             print(f"{side}: a round failed: {reason}", flush=True)
     print("commands:")

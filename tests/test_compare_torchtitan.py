@@ -210,6 +210,9 @@ def test_table_reports_a_failed_side():
     lines, ratio, memory = ct.table("8B", ours, peer)
     assert lines[-1] == "| 8B | 12,000 | out of memory | - | 80.5 | - | - |"
     assert ratio is None and memory is None
+    crashed = ct.summarise([{"error": "failed, exit 1, last line: ValueError: a | b", "exit": 1}])
+    assert ct.table("8B", ours, crashed)[0][-1] == (
+        "| 8B | 12,000 | failed, exit 1, last line: ValueError: a \\| b | - | 80.5 | - | - |")
     lines, ratio, memory = ct.table("8B", ours, ct.summarise([{"tokens_per_sec_per_gpu": 10000.0, "mfu": 0.35,
                                                                "peak_mem_gib": 81.0, "exit": 0}]))
     assert lines[-1] == "| 8B | 12,000 | 10,000 | 1.200 | 80.5 | 81.0 | -0.5 |"
