@@ -77,7 +77,8 @@ class SourceConfig:
 class DataConfig:
     files: list[str] = field(default_factory=list)
     """.txt, .jsonl, .json.gz/.jsonl.gz, .jsonl.zst/.json.zst and .parquet files, folders of them and glob
-    patterns; empty means the Python standard library sources."""
+    patterns, local or URLs (s3://, gs:// with folders and globs; http(s):// files; docs/data.md); empty means
+    the Python standard library sources."""
     sources: list[SourceConfig] = field(default_factory=list)
     """Train on a mixture of prepared folders instead of data.files: [{path: DIR, weight: 0.7}, ...], all made
     with the same tokenizer; samples are drawn from each in proportion to its weight (docs/data.md)."""

@@ -41,7 +41,8 @@ from tqdm import tqdm
 from . import nofollow, worker
 from .chat import TEMPLATES, ChatFields
 from .errors import DataError
-from .readers import expand_inputs, format_of, read_pieces, truncate
+from .readers import InputFile, expand_inputs, format_of, input_size, read_pieces, truncate
+from .remote import RemoteFile, display
 from .store import (
     FIXED_NAMES,
     FOLDER_NAMES,
@@ -204,7 +205,7 @@ def stdlib_source_files() -> list[Path]:
 
 @dataclass
 class Corpus:
-    paths: list[Path]
+    paths: list[InputFile]
     name: str  # for messages
     strict: bool  # undecodable bytes are an error (users' files) or replaced (the stdlib)
     max_mb: float  # data.max_corpus_mb
@@ -215,18 +216,18 @@ class Corpus:
         if not settings.files:
             if settings.format == "chat":
                 raise DataError("data.format=chat needs data.files: .jsonl files of conversations")
-            return cls(stdlib_source_files(), "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb,
+            return cls([*stdlib_source_files()], "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb,
                        max_document_mb=settings.max_document_mb)
         paths = expand_inputs(list(settings.files))
         if settings.format == "chat" and (other := [p for p in paths if (format_of(p) or ("",))[0] != "jsonl"]):
             raise DataError(f"{other[0]}: data.format=chat reads .jsonl files (also .jsonl.gz, .jsonl.zst) of "
                             f"conversations, one JSON object a line")
-        return cls(paths, ", ".join(settings.files), strict=True, max_mb=settings.max_corpus_mb,
+        return cls(paths, ", ".join(map(display, settings.files)), strict=True, max_mb=settings.max_corpus_mb,
                    max_document_mb=settings.max_document_mb)
 
     @cached_property
     def disk_bytes(self) -> int:
-        return sum(path.stat().st_size for path in self.paths)
+        return sum(input_size(path) for path in self.paths)
 
     @property
     def read_bytes(self) -> int:
@@ -259,7 +260,7 @@ def _chunks(corpus: Corpus, *, text_field: str, skip_long: bool, say_cut: bool) 
             if num_bytes >= CHUNK_BYTES:
                 yield worker.Chunk(index, pieces, done_files + piece.disk_end)
                 pieces, num_bytes, index = [], 0, index + 1
-        done_files += path.stat().st_size
+        done_files += input_size(path)
     if pieces:
         yield worker.Chunk(index, pieces, done_files)
 
@@ -274,7 +275,9 @@ class Source:
 
     @classmethod
     def of(cls, settings: PrepareSettings, corpus: Corpus) -> Source:
-        def describe(path: Path) -> list:
+        def describe(path: InputFile) -> list:
+            if isinstance(path, RemoteFile):
+                return path.identity()  # its URL, size and ETag (or modification time)
             stat = path.stat()
             return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
@@ -580,7 +583,7 @@ class _Preparation:
             "num_skipped_records": totals["num_bad_records"],
             "first_skipped_record": totals["first_bad_record"],
             "text_bytes": totals["text_bytes"],
-            "inputs": "python-stdlib" if not s.files else list(s.files),
+            "inputs": "python-stdlib" if not s.files else [display(entry) for entry in s.files],
             "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
             "shards": [{k: shard[k] for k in (*keys, "num_train_tokens", "num_val_tokens", "max_token_id", "sha256")}
                        for shard in writer.shards],
