@@ -3,6 +3,7 @@ requests (and fails on request), and moto's S3 server, whose listings page every
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import re
 import sys
@@ -337,3 +338,33 @@ def test_urls_are_shown_without_secrets():
         "https://example.com:8443/a/b.jsonl"
     assert remote.scrub("GET 'https://me:pw@h/x?sig=1' failed") == "GET 'https://h/x' failed"
     assert remote.display("/local/path?.jsonl") == "/local/path?.jsonl"
+
+
+# ---------------------------------------------------------------- training, and memory
+
+
+@pytest.mark.slow  # a training job
+def test_training_prepares_and_trains_on_a_corpus_in_s3(s3_server, tmp_path):
+    from tests.helpers import read_metrics, run_train
+
+    endpoint, _ = s3_server
+    files = f"s3://{BUCKET}/corpus/*.jsonl"
+    run_train("--train.max_steps=3", out_dir=tmp_path / "out", corpus=files,  # type: ignore[arg-type]
+              dataset_dir=tmp_path / "prepared", extra_env=aws_env(endpoint))
+    losses = [row["loss"] for row in read_metrics(tmp_path / "out") if "loss" in row]
+    assert len(losses) == 3 and all(0 < loss < 20 for loss in losses), losses
+    meta = json.loads((tmp_path / "prepared" / "meta.json").read_text())
+    assert meta["inputs"] == [files]
+    assert meta["num_train_documents"] + meta["num_val_documents"] == NUM_FILES // len(FORMATS) * 6
+
+
+@pytest.mark.slow  # two preparations of a 128 MB corpus, each in its own process
+def test_a_corpus_streamed_from_s3_prepares_in_bounded_memory(tmp_path):
+    from scripts.benchmark_remote_memory import measure
+
+    runs = measure(128, file_mb=128, workers=2, workdir=tmp_path, vocab_size=512)
+    assert runs["s3"]["shards"] == runs["local"]["shards"]
+    # One object of 128 MB: holding it whole would add that much to the heap of the processes; streamed, it adds
+    # the store's libraries and the fetched blocks (remote.BLOCK_BYTES, one ahead).
+    extra = runs["s3"]["peak_anon"] - runs["local"]["peak_anon"]
+    assert extra < 64 * 2**20, f"{extra / 2**20:.0f} MB more than from the disk"
