@@ -310,7 +310,7 @@ class Source:
                  f"{value!r} here" for key, value in self.summary["settings"].items()
                  if theirs["settings"].get(key, defaults.get(key)) != value]
         if theirs.get("inputs") != self.summary["inputs"]:
-            parts.append("other input files (names, sizes or modification times)")
+            parts.append("other input files (names, sizes, modification times or ETags)")
         if theirs.get("tokenizer") != self.summary["tokenizer"]:
             parts.append("another given tokenizer")
         return "; ".join(parts) or "the same inputs and settings"

@@ -182,34 +182,23 @@ class RemoteReader:
         self.remote = remote
         self.position = 0
         self.closed = False
-        self.file = self._retrying(self._open)
+        self.file = _call(remote.url, self._open)
 
     def _open(self):
         file = self.remote.fs.open(self.remote.url, "rb", block_size=BLOCK_BYTES)
         file.seek(self.position)
         return file
 
-    def _retrying(self, action: Callable[[], T]) -> T:
-        for attempt in range(RETRIES + 1):
-            try:
-                return action()
-            except Exception as err:  # noqa: BLE001 - classified here; anything else becomes one DataError line
-                if attempt == RETRIES or not is_transient(err):
-                    raise remote_error(self.remote.url, err, retried=attempt) from None
-            time.sleep(RETRY_DELAY_S * 2**attempt)
-            if hasattr(self, "file"):
-                self._reopen()
-        raise AssertionError("unreachable: the last attempt returns or raises")
-
     def _reopen(self) -> None:
+        """A new file at the same position: the old one's connection or cache may be broken."""
         try:
             self.file.close()
         except Exception:  # noqa: BLE001, S110 - a broken connection's file may fail to close; it is dropped
             pass
-        self.file = self._open()
+        self.file = _call(self.remote.url, self._open)
 
     def read(self, size: int = -1) -> bytes:
-        data = self._retrying(lambda: self.file.read(size))
+        data = _call(self.remote.url, lambda: self.file.read(size), before_retry=self._reopen)
         self.position += len(data)
         return data
 
@@ -243,8 +232,9 @@ class RemoteReader:
         self.close()
 
 
-def _call(url: str, action: Callable[..., T], *args, **kwargs) -> T:
-    """action(*args, **kwargs), retried on a transient error; a DataError line naming url otherwise."""
+def _call(url: str, action: Callable[..., T], *args, before_retry: Callable[[], None] | None = None, **kwargs) -> T:
+    """action(*args, **kwargs), retried after before_retry() on a transient error; a DataError line naming url
+    otherwise."""
     for attempt in range(RETRIES + 1):
         try:
             return action(*args, **kwargs)
@@ -252,6 +242,8 @@ def _call(url: str, action: Callable[..., T], *args, **kwargs) -> T:
             if attempt == RETRIES or not is_transient(err):
                 raise remote_error(url, err, retried=attempt) from None
         time.sleep(RETRY_DELAY_S * 2**attempt)
+        if before_retry is not None:
+            before_retry()
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
