@@ -369,7 +369,8 @@ def test_a_corpus_streamed_from_s3_prepares_in_bounded_memory(tmp_path):
 
     runs = measure(128, file_mb=128, workers=2, workdir=tmp_path, vocab_size=512)
     assert runs["s3"]["shards"] == runs["local"]["shards"]
-    # One object of 128 MB: holding it whole would add that much to the heap of the processes; streamed, it adds
-    # the store's libraries and the fetched blocks (remote.BLOCK_BYTES, one ahead).
+    # One object of 128 MB: holding it whole would add at least that much to the heap of the processes; streamed,
+    # it adds the store's libraries (botocore's service models, aiohttp) and the fetched blocks (remote.BLOCK_BYTES,
+    # one ahead): about 50 MB, measured in docs/benchmarks (the bound leaves room for the 0.1 s sampling).
     extra = runs["s3"]["peak_anon"] - runs["local"]["peak_anon"]
-    assert extra < 64 * 2**20, f"{extra / 2**20:.0f} MB more than from the disk"
+    assert extra < 96 * 2**20, f"{extra / 2**20:.0f} MB more than from the disk"
