@@ -129,7 +129,7 @@ class FileServer(ThreadingHTTPServer):
 @pytest.fixture
 def http_server(corpus):
     server = FileServer(corpus.parent)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield server
     server.shutdown()
