@@ -148,7 +148,7 @@ def _data_problems(cfg: Config) -> list[str]:
         # transformers detects packed documents only where position_ids restart, and masks at every restart.
         p.append(f"model.type=hf: data.document_masking={d.document_masking} needs model.reset_positions="
                  f"{d.document_masking} (transformers masks documents exactly where their positions restart)")
-    return p + _format_problems(d) + _sources_problems(d) + _hf_dataset_problems(d)
+    return p + _format_problems(d) + _sources_problems(d) + _hf_dataset_problems(d) + _url_problems(d)
 
 
 def _hf_dataset_problems(d: DataConfig) -> list[str]:
@@ -160,6 +160,13 @@ def _hf_dataset_problems(d: DataConfig) -> list[str]:
     if d.files or d.sources:
         return ["data.hf_dataset.path and data.files (or data.sources) both name a corpus: give one of them"]
     return []
+
+
+def _url_problems(d: DataConfig) -> list[str]:
+    """URLs in data.files of a scheme not read, or whose package is not installed."""
+    from data.remote import url_problem  # the standard library only: no store package is imported
+
+    return [problem for entry in d.files if (problem := url_problem(entry))]
 
 
 def _sources_problems(d: DataConfig) -> list[str]:

@@ -318,8 +318,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
 def summarize_config(cfg: Config) -> list[str]:
     """A few lines for the console; the whole resolved config goes to <output_dir>/config.yaml."""
+    from data.remote import display  # a URL's password or query string is not printed
+
     d, t, f, c = cfg.data, cfg.train, cfg.fsdp, cfg.checkpoint
-    corpus = d.dataset_dir or ", ".join(d.files) or ", ".join(s.path for s in d.sources) or d.hf_dataset.path
+    corpus = (d.dataset_dir or ", ".join(map(display, d.files)) or ", ".join(s.path for s in d.sources)
+              or d.hf_dataset.path)
     return [
         f"run {cfg.run.name}: output {cfg.output_dir} (the resolved config: config.yaml there), seed {cfg.run.seed}",
         f"data: {corpus or 'the default corpus'}, seq {d.seq_len}, tokenizer {d.tokenizer}, format {d.format}",

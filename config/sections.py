@@ -94,7 +94,8 @@ class HFDatasetConfig:
 class DataConfig:
     files: list[str] = field(default_factory=list)
     """.txt, .jsonl, .json.gz/.jsonl.gz, .jsonl.zst/.json.zst and .parquet files, folders of them and glob
-    patterns; empty means the Python standard library sources (or data.hf_dataset)."""
+    patterns, local or URLs (s3://, gs:// with folders and globs; http(s):// files; docs/data.md); empty means
+    the Python standard library sources (or data.hf_dataset)."""
     hf_dataset: HFDatasetConfig = field(default_factory=HFDatasetConfig)
     sources: list[SourceConfig] = field(default_factory=list)
     """Train on a mixture of prepared folders instead of data.files: [{path: DIR, weight: 0.7}, ...], all made

@@ -42,7 +42,8 @@ from . import nofollow, worker
 from .chat import TEMPLATES, ChatFields
 from .errors import DataError
 from .hf_datasets import HFDataset, OpenedDataset, open_dataset
-from .readers import Piece, expand_inputs, format_of, read_pieces, truncate
+from .readers import InputFile, Piece, expand_inputs, format_of, input_size, read_pieces, truncate
+from .remote import RemoteFile, display
 from .store import (
     FIXED_NAMES,
     FOLDER_NAMES,
@@ -212,7 +213,7 @@ def stdlib_source_files() -> list[Path]:
 
 @dataclass
 class Corpus:
-    paths: list[Path]
+    paths: list[InputFile]
     name: str  # for messages
     strict: bool  # undecodable bytes are an error (users' files) or replaced (the stdlib)
     max_mb: float  # data.max_corpus_mb
@@ -223,23 +224,23 @@ class Corpus:
     def of(cls, settings: PrepareSettings) -> Corpus:
         if settings.hf_dataset:
             hf = open_dataset(settings.hf_dataset, text_field=settings.text_field, chat=settings.chat)
-            return cls(hf.files, hf.where, strict=True, max_mb=settings.max_corpus_mb,
+            return cls([*hf.files], hf.where, strict=True, max_mb=settings.max_corpus_mb,
                        max_document_mb=settings.max_document_mb, hf=hf)
         if not settings.files:
             if settings.format == "chat":
                 raise DataError("data.format=chat needs data.files: .jsonl files of conversations")
-            return cls(stdlib_source_files(), "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb,
+            return cls([*stdlib_source_files()], "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb,
                        max_document_mb=settings.max_document_mb)
         paths = expand_inputs(list(settings.files))
         if settings.format == "chat" and (other := [p for p in paths if (format_of(p) or ("",))[0] != "jsonl"]):
             raise DataError(f"{other[0]}: data.format=chat reads .jsonl files (also .jsonl.gz, .jsonl.zst) of "
                             f"conversations, one JSON object a line")
-        return cls(paths, ", ".join(settings.files), strict=True, max_mb=settings.max_corpus_mb,
+        return cls(paths, ", ".join(map(display, settings.files)), strict=True, max_mb=settings.max_corpus_mb,
                    max_document_mb=settings.max_document_mb)
 
     @cached_property
     def disk_bytes(self) -> int:
-        return sum(path.stat().st_size for path in self.paths)
+        return sum(input_size(path) for path in self.paths)
 
     @property
     def read_bytes(self) -> int:
@@ -289,7 +290,7 @@ def _located_pieces(corpus: Corpus, *, text_field: str, skip_long: bool) -> Iter
                                  max_read_bytes=max_bytes - read if max_bytes else 0):
             read += piece.num_bytes
             yield piece, done_files + piece.disk_end
-        done_files += path.stat().st_size
+        done_files += input_size(path)
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,9 @@ class Source:
 
     @classmethod
     def of(cls, settings: PrepareSettings, corpus: Corpus) -> Source:
-        def describe(path: Path) -> list:
+        def describe(path: InputFile) -> list:
+            if isinstance(path, RemoteFile):
+                return path.identity()  # its URL, size and ETag (or modification time)
             stat = path.stat()
             return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
@@ -335,7 +338,7 @@ class Source:
                  f"{value!r} here" for key, value in self.summary["settings"].items()
                  if theirs["settings"].get(key, defaults.get(key)) != value]
         if theirs.get("inputs") != self.summary["inputs"]:
-            parts.append("other input files (names, sizes or modification times)")
+            parts.append("other input files (names, sizes, modification times or ETags)")
         if theirs.get("tokenizer") != self.summary["tokenizer"]:
             parts.append("another given tokenizer")
         return "; ".join(parts) or "the same inputs and settings"
@@ -609,7 +612,8 @@ class _Preparation:
             "num_skipped_records": totals["num_bad_records"],
             "first_skipped_record": totals["first_bad_record"],
             "text_bytes": totals["text_bytes"],
-            "inputs": {"hf_dataset": s.hf_dataset.record()} if s.hf_dataset else list(s.files) or "python-stdlib",
+            "inputs": ({"hf_dataset": s.hf_dataset.record()} if s.hf_dataset
+                       else [display(entry) for entry in s.files] or "python-stdlib"),
             "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
             "shards": [{k: shard[k] for k in (*keys, "num_train_tokens", "num_val_tokens", "max_token_id", "sha256")}
                        for shard in writer.shards],

@@ -19,12 +19,14 @@ import json
 import stat
 import zlib
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from .chat import BadConversation, ChatFields, Conversation, canonical_text, conversation
 from .errors import DataError
+from .remote import RemoteFile, expand_url, is_url
 
 # suffix -> (how records are laid out, compression). Longest suffixes first, so .jsonl.gz is not .gz.
 FORMATS = {
@@ -60,20 +62,28 @@ class Piece:
     disk_end: int  # bytes of the file on disk read once this piece is done (for progress)
 
 
-def format_of(path: Path) -> tuple[str, str | None] | None:
+# A file of the corpus: on a local disk, or a URL's (data/remote.py).
+InputFile = Path | RemoteFile
+
+
+def format_of(path: InputFile) -> tuple[str, str | None] | None:
     name = path.name.lower()
     return next((fmt for suffix, fmt in FORMATS.items() if name.endswith(suffix)), None)
 
 
-def expand_inputs(entries: list[str]) -> list[Path]:
-    """Files named by data.files entries: files, folders (every supported file below, sorted) and globs.
+def expand_inputs(entries: list[str]) -> list[InputFile]:
+    """Files named by data.files entries: files, folders (every supported file below, sorted) and globs, local
+    or URLs (data/remote.py).
 
     Only regular files are read (a FIFO or device would block reading or never end): any other file an entry
     names or matches is an error. Symbolic links to directories are not followed below a folder or a `**`
     (a link to a directory above it would repeat the tree without end), and each file is read once, however
     many entries or links name it: the first name is kept."""
-    paths: list[Path] = []
+    paths: list[InputFile] = []
     for entry in entries:
+        if is_url(entry):
+            paths.extend(expand_url(entry, lambda name: format_of(Path(name)) is not None, SUPPORTED))
+            continue
         path = Path(entry).expanduser()
         if glob.has_magic(str(path)):
             found = [p for p in sorted(_glob(path)) if format_of(p) and _regular_file(p)]
@@ -115,19 +125,29 @@ def _regular_file(path: Path) -> bool:
     return True
 
 
-def _once_each(paths: list[Path]) -> list[Path]:
-    """The paths without a second name for the same file (the same device and inode)."""
-    seen: set[tuple[int, int]] = set()
+def _once_each(paths: list[InputFile]) -> list[InputFile]:
+    """The paths without a second name for the same file (the same device and inode, or the same URL)."""
+    seen: set[tuple[int, int] | str] = set()
     unique = []
     for path in paths:
-        identity = (path.stat().st_dev, path.stat().st_ino)
+        identity = path.url if isinstance(path, RemoteFile) else (path.stat().st_dev, path.stat().st_ino)
         if identity not in seen:
             seen.add(identity)
             unique.append(path)
     return unique
 
 
-def optional_import(module: str, package: str, path: Path):
+def input_size(path: InputFile) -> int:
+    """The file's size in bytes, as stored (compressed)."""
+    return path.size if isinstance(path, RemoteFile) else path.stat().st_size
+
+
+def open_input(path: InputFile) -> BinaryIO:
+    """The file for reading as a binary stream (a URL's is fetched as it is read, never downloaded first)."""
+    return path.open() if isinstance(path, RemoteFile) else open(path, "rb")  # type: ignore[return-value]
+
+
+def optional_import(module: str, package: str, path: InputFile):
     """Import a format's library on first need, or say in one line which package to install."""
     try:
         return importlib.import_module(module)
@@ -138,7 +158,7 @@ def optional_import(module: str, package: str, path: Path):
 # ---------------------------------------------------------------- parent side: files -> pieces
 
 
-def read_pieces(path: Path, *, piece_bytes: int, text_field: str, max_document_mb: float, skip_long: bool,
+def read_pieces(path: InputFile, *, piece_bytes: int, text_field: str, max_document_mb: float, skip_long: bool,
                 max_read_bytes: int = 0) -> Iterator[Piece]:
     """The file's content as pieces of about piece_bytes (one document each for .txt and .py files).
 
@@ -162,7 +182,7 @@ def read_pieces(path: Path, *, piece_bytes: int, text_field: str, max_document_m
             raise _LongRecord(problem)
         return problem
 
-    with open(path, "rb") as raw:
+    with open_input(path) as raw:
         stream = _decompressed(raw, compression, path)
         lines = _cut_after_lines(stream, size, path=path, compression=compression, max_line=max_document_bytes,
                                  cut_long=layout == "text", limit=max_read_bytes, on_long_line=long_line)
@@ -187,7 +207,7 @@ class _Readable(Protocol):
     def read(self, size: int, /) -> bytes: ...
 
 
-def _decompressed(raw: BinaryIO, compression: str | None, path: Path) -> _Readable:
+def _decompressed(raw: BinaryIO, compression: str | None, path: InputFile) -> _Readable:
     if compression == "gz":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if compression == "zst":
@@ -236,7 +256,7 @@ class _ZstdFrames:
         return True
 
 
-def _cut_after_lines(stream: _Readable, size: int, *, path: Path, compression: str | None, max_line: int,
+def _cut_after_lines(stream: _Readable, size: int, *, path: InputFile, compression: str | None, max_line: int,
                      cut_long: bool, limit: int, on_long_line: Callable[[], str]) -> Iterator[bytes | tuple[str, int]]:
     """Blocks of whole lines, each cut at the first line end at or after `size` bytes (size <= max_line).
 
@@ -295,7 +315,7 @@ def _cut_after_lines(stream: _Readable, size: int, *, path: Path, compression: s
             return
 
 
-def _read_past_line_end(stream: _Readable, path: Path, compression: str | None, *, dropped: int,
+def _read_past_line_end(stream: _Readable, path: InputFile, compression: str | None, *, dropped: int,
                         until: int | None) -> tuple[int, bytes]:
     """Reads through the end of a line of which `dropped` bytes are already gone, holding one block at a
     time: (the line's bytes dropped in all, what the last block held after the line end). Stops early at
@@ -317,7 +337,7 @@ def _utf8_boundary(data: bytearray, position: int) -> int:
     return position
 
 
-def _read_block(stream: _Readable, path: Path, compression: str | None) -> bytes:
+def _read_block(stream: _Readable, path: InputFile, compression: str | None) -> bytes:
     try:
         return stream.read(READ_BLOCK_BYTES)
     except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
@@ -331,13 +351,13 @@ def _read_block(stream: _Readable, path: Path, compression: str | None) -> bytes
         raise
 
 
-def _parquet_pieces(path: Path, field: str, *, max_document_bytes: int, skip_long: bool) -> Iterator[Piece]:
+def _parquet_pieces(path: InputFile, field: str, *, max_document_bytes: int, skip_long: bool) -> Iterator[Piece]:
     """The text column, row group after row group. What a row group's pages hold is checked in their headers
     first (see _largest_page): a row group whose largest page could hold a value past the document bound is
     a bad record as a whole, never decoded, and batches have as few rows as keeps them to PARQUET_BATCH_BYTES."""
-    parquet, column = _open_parquet(path, field)
-    num_rows, disk_size, row = parquet.metadata.num_rows, path.stat().st_size, 0
-    with open(path, "rb") as raw:
+    with open_input(path) as raw, (open_input(path) if isinstance(path, RemoteFile) else nullcontext()) as source:
+        parquet, column = _open_parquet(path, field, source)
+        num_rows, disk_size, row = parquet.metadata.num_rows, input_size(path), 0
         for group in range(parquet.num_row_groups):
             group_rows = parquet.metadata.row_group(group).num_rows
             largest = _largest_page(raw, parquet.metadata.row_group(group).column(column), path, group)
@@ -355,13 +375,14 @@ def _parquet_pieces(path: Path, field: str, *, max_document_bytes: int, skip_lon
             row += group_rows
 
 
-def _open_parquet(path: Path, field: str):
-    """The ParquetFile and the index of its text column, checked."""
+def _open_parquet(path: InputFile, field: str, source: BinaryIO | None):
+    """The ParquetFile (of source, a file object, else of the local path) and the index of its text column,
+    checked."""
     pq = optional_import("pyarrow.parquet", "pyarrow", path)
     import pyarrow as pa
 
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(path if source is None else source)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path}: not a readable parquet file ({err})") from None
     names = parquet.schema_arrow.names
@@ -374,7 +395,7 @@ def _open_parquet(path: Path, field: str):
     return parquet, next(i for i in range(len(schema)) if schema.column(i).path == field)
 
 
-def _row_group_pieces(parquet, group: int, field: str, path: Path, *, batch_rows: int, first: int,
+def _row_group_pieces(parquet, group: int, field: str, path: InputFile, *, batch_rows: int, first: int,
                       done: int) -> Iterator[Piece]:
     import pyarrow as pa
 
@@ -388,7 +409,7 @@ def _row_group_pieces(parquet, group: int, field: str, path: Path, *, batch_rows
         raise DataError(f"{path} row {row}: cannot read parquet ({err})") from None
 
 
-def _largest_page(raw: BinaryIO, chunk, path: Path, group: int) -> int:
+def _largest_page(raw: BinaryIO, chunk, path: InputFile, group: int) -> int:
     """The largest uncompressed page of a column chunk, read from the page headers alone (the file's metadata
     has only the chunk's total). Every value of the chunk fits in one page: a plain value in its data page, a
     dictionary value in the dictionary page, and a DELTA_BYTE_ARRAY value, built from the suffixes before it
@@ -406,6 +427,8 @@ def _largest_page(raw: BinaryIO, chunk, path: Path, group: int) -> int:
                 raise ValueError("a page header without its sizes")
             largest = max(largest, uncompressed)
             raw.seek(compressed, 1)
+    except DataError:  # a URL that could not be read: its own line
+        raise
     except (ValueError, EOFError, OSError) as err:
         raise DataError(f"{path}: not a readable parquet file (row group {group}: {err})") from None
     return largest

@@ -87,7 +87,7 @@ def tree_memory(pid: int) -> list[tuple[int, int]]:
     return found
 
 
-def prepare(corpus: Path, out: Path, *, workers: int, extra: list[str]) -> dict:
+def prepare(corpus: Path | str, out: Path, *, workers: int, extra: list[str]) -> dict:
     """Run scripts/prepare_data.py once: wall and CPU time, peak memory, and what meta.json says."""
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), str(CONFIG), f"--data.files=[{corpus}]",

@@ -1,0 +1,312 @@
+"""data.files entries that are URLs: object stores (s3://, gs://) and HTTP(S), read as streams through fsspec.
+
+fsspec and the scheme's package (s3fs, gcsfs; aiohttp for http) are imported only when such a URL is given, and
+find their credentials where they always do (AWS_* variables and ~/.aws for s3, Application Default Credentials
+for gs): the config never holds any. A URL in a message has no user, password or query string. A transient
+network error (a dropped connection, a timeout, HTTP 5xx or 429, S3 throttling) is retried RETRIES times with
+exponential backoff, a read continuing where it stopped, then named in one line.
+"""
+from __future__ import annotations
+
+import errno
+import glob
+import importlib
+import importlib.util
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from .errors import DataError
+
+# scheme -> the package fsspec needs for it
+PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
+LISTED_SCHEMES = ("s3", "gs", "gcs")  # stores whose folders and globs are listed; an http(s) URL names one file
+RETRIES = 5
+RETRY_DELAY_S = 0.5  # before the first retry; doubled before each next one
+# fsspec fetches a file in requests of this size, one block ahead: what one open file holds in memory.
+BLOCK_BYTES = 8 << 20
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://[^\s'\"<>]+")
+# Error types (by name, so that none of their packages is imported here) of a connection that failed or broke.
+_TRANSIENT_TYPES = {"ClientConnectionError", "ClientPayloadError", "ServerTimeoutError", "FSTimeoutError",
+                    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+                    "IncompleteRead", "ResponseStreamingError"}
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+                    "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests"}
+_CREDENTIAL_TYPES = {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}
+CREDENTIALS_HELP = {"s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials",
+                    "gs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`"}
+CREDENTIALS_HELP["gcs"] = CREDENTIALS_HELP["gs"]
+
+T = TypeVar("T")
+
+
+def scheme_of(entry: str) -> str | None:
+    """The URL scheme of a data.files entry ("s3", "https", ...), None for a local path."""
+    match = _SCHEME.match(entry)
+    return match.group(1).lower() if match else None
+
+
+def is_url(entry: str) -> bool:
+    return scheme_of(entry) is not None
+
+
+def display(url: str) -> str:
+    """The URL without what may be a secret: a user, password, query string or fragment."""
+    if not is_url(url):
+        return url
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.hostname or "" if parts.port is None else f"{parts.hostname}:{parts.port}",
+                       parts.path, "", ""))
+
+
+def scrub(text: str) -> str:
+    """text with every URL in it as display() shows it."""
+    return _URL_IN_TEXT.sub(lambda match: display(match.group(0)), text)
+
+
+def url_problem(entry: str) -> str | None:
+    """Why a URL entry cannot be read here (an unknown scheme, a package not installed), or None."""
+    scheme = scheme_of(entry)
+    if scheme is None:
+        return None
+    if scheme not in PACKAGES:
+        return (f"data.files: {display(entry)}: URLs of scheme {scheme}:// are not read (s3://, gs://, http:// and "
+                f"https:// are)")
+    for package in ("fsspec", PACKAGES[scheme]):
+        if importlib.util.find_spec(package) is None:
+            return f"data.files: {display(entry)} needs the package {package} (pip install {package})"
+    return None
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of a store or HTTP server, with what the store says of it when it was listed."""
+
+    url: str  # as given to fsspec (an http URL keeps its query string)
+    size: int
+    version: str  # the ETag, else the modification time: a changed object has another
+    fs: Any = field(compare=False, repr=False)  # the fsspec filesystem (fsspec has no type hints)
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(urlsplit(self.url).path).name
+
+    def __str__(self) -> str:
+        return display(self.url)
+
+    def identity(self) -> list:
+        """What the preparation's fingerprint holds of this file: a changed object changes it."""
+        return [display(self.url), self.size, self.version]
+
+    def open(self) -> RemoteReader:
+        return RemoteReader(self)
+
+
+def expand_url(entry: str, accept: Callable[[str], bool], supported: str) -> list[RemoteFile]:
+    """The files a URL entry names: one file, every accepted file below a folder of a store, or a glob's matches
+    (sorted by URL; a listing is read to its end, however many pages it takes)."""
+    if problem := url_problem(entry):
+        raise DataError(problem)
+    scheme = scheme_of(entry)
+    assert scheme is not None
+    fs = _filesystem(entry, scheme)
+    if scheme not in LISTED_SCHEMES:
+        return [_one_file(fs, entry, _call(entry, fs.info, entry), accept, supported)]
+    if glob.has_magic(entry):
+        found = _call(entry, fs.glob, entry, detail=True)
+    else:
+        info = _call(entry, fs.info, entry)
+        if info.get("type") != "directory":
+            return [_one_file(fs, entry, info, accept, supported)]
+        found = _call(entry, fs.find, entry, detail=True)
+    files = [_remote_file(fs, scheme, info) for info in found.values()
+             if info.get("type") == "file" and accept(PurePosixPath(info["name"]).name)]
+    if not files:
+        bucket = _bucket(entry)
+        if not _call(entry, _exists, fs, bucket):
+            raise DataError(f"data.files: {display(entry)}: the bucket {display(bucket)} does not exist")
+        raise DataError(f"data.files: no {supported} files match {display(entry)}")
+    return sorted(files, key=lambda remote: remote.url)
+
+
+def _exists(fs, bucket: str) -> bool:
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _filesystem(entry: str, scheme: str):
+    """A new filesystem object: fsspec's cached one would keep the listings and settings of an earlier call."""
+    fsspec = importlib.import_module("fsspec")
+    try:
+        return fsspec.filesystem(scheme, skip_instance_cache=True, **({} if scheme in LISTED_SCHEMES else
+                                                                       {"block_size": BLOCK_BYTES}))
+    except ImportError:
+        raise DataError(f"data.files: {display(entry)} needs the package {PACKAGES[scheme]} "
+                        f"(pip install {PACKAGES[scheme]})") from None
+
+
+def _bucket(entry: str) -> str:
+    parts = urlsplit(entry)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _one_file(fs, entry: str, info: dict, accept: Callable[[str], bool], supported: str) -> RemoteFile:
+    if not accept(PurePosixPath(urlsplit(entry).path).name):
+        raise DataError(f"unsupported data file {display(entry)}: expected one of {supported}, or for s3:// and "
+                        f"gs:// a folder or a glob of them")
+    return _remote_file(fs, scheme_of(entry) or "", {**info, "name": entry})
+
+
+def _remote_file(fs, scheme: str, info: dict) -> RemoteFile:
+    name = info["name"]
+    url = name if is_url(name) else f"{scheme}://{name}"
+    version = next((str(info[key]) for key in ("ETag", "etag", "md5Hash", "LastModified", "mtime", "updated",
+                                                "Last-Modified") if info.get(key)), "")
+    return RemoteFile(url, int(info.get("size") or 0), version, fs)
+
+
+class RemoteReader:
+    """A read-only, seekable binary file of a RemoteFile. On a transient error it is opened again where the
+    read stopped, up to RETRIES times with backoff; any other error, or the last, is one DataError line."""
+
+    def __init__(self, remote: RemoteFile):
+        self.remote = remote
+        self.position = 0
+        self.closed = False
+        self.file = _call(remote.url, self._open)
+
+    def _open(self):
+        file = self.remote.fs.open(self.remote.url, "rb", block_size=BLOCK_BYTES)
+        file.seek(self.position)
+        return file
+
+    def _reopen(self) -> None:
+        """A new file at the same position: the old one's connection or cache may be broken."""
+        try:
+            self.file.close()
+        except Exception:  # noqa: BLE001, S110 - a broken connection's file may fail to close; it is dropped
+            pass
+        self.file = _call(self.remote.url, self._open)
+
+    def read(self, size: int = -1) -> bytes:
+        data = _call(self.remote.url, lambda: self.file.read(size), before_retry=self._reopen)
+        self.position += len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.position, 2: self.remote.size}[whence]
+        self.position = max(0, base + offset)
+        self.file.seek(self.position)  # fsspec's files only move their position here: no request
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.file.close()
+
+    def __enter__(self) -> RemoteReader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _call(url: str, action: Callable[..., T], *args, before_retry: Callable[[], None] | None = None, **kwargs) -> T:
+    """action(*args, **kwargs), retried after before_retry() on a transient error; a DataError line naming url
+    otherwise."""
+    for attempt in range(RETRIES + 1):
+        try:
+            return action(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - classified here; anything else becomes one DataError line
+            if attempt == RETRIES or not is_transient(err):
+                raise remote_error(url, err, retried=attempt) from None
+        time.sleep(RETRY_DELAY_S * 2**attempt)
+        if before_retry is not None:
+            before_retry()
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _causes(err: BaseException) -> list[BaseException]:
+    """err and the errors it came from (a library's own error often wraps the network's)."""
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and current not in chain and len(chain) < 8:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def _status(err: BaseException) -> int | None:
+    """The HTTP status of an error response (aiohttp's, or botocore's), None for other errors."""
+    status = getattr(err, "status", None)
+    response = getattr(err, "response", None)
+    if status is None and isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
+
+
+def _code(err: BaseException) -> str:
+    response = getattr(err, "response", None)
+    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+
+
+def is_transient(err: BaseException) -> bool:
+    """A network error that may pass: a connection refused, reset or timed out, HTTP 5xx or 429, throttling."""
+    for cause in _causes(err):
+        names = {kind.__name__ for kind in type(cause).__mro__}
+        status = _status(cause)
+        if (isinstance(cause, (TimeoutError, ConnectionError)) or names & _TRANSIENT_TYPES
+                or (status is not None and (status >= 500 or status == 429)) or _code(cause) in _TRANSIENT_CODES
+                or (type(cause) is OSError and cause.errno in (errno.EBUSY, errno.EREMOTEIO))):  # s3fs's 5xx
+            return True
+    return False
+
+
+def remote_error(url: str, err: BaseException, *, retried: int = 0) -> DataError:
+    """One line naming the URL and what went wrong, with what to do where that is known."""
+    scheme = scheme_of(url) or ""
+    where = f"data.files: {display(url)}"
+    causes = _causes(err)
+    names = {kind.__name__ for cause in causes for kind in type(cause).__mro__}
+    statuses = [status for cause in causes if (status := _status(cause)) is not None]
+    if names & _CREDENTIAL_TYPES:
+        return DataError(f"{where}: no credentials found; set {CREDENTIALS_HELP.get(scheme, 'the credentials')}")
+    if isinstance(err, PermissionError) or any(status in (401, 403) for status in statuses):
+        message = _message(err)
+        detail = "" if "://" in message or message.startswith("HTTP ") else f": {message}"
+        help = f"; the credentials come from {CREDENTIALS_HELP[scheme]}" if scheme in CREDENTIALS_HELP else ""
+        return DataError(f"{where}: access denied (HTTP 403{detail}){help}")
+    if isinstance(err, FileNotFoundError) or 404 in statuses:
+        return DataError(f"{where}: not found")
+    if retried:
+        return DataError(f"{where}: {_message(err)} (a network error, still there after {retried} retries)")
+    return DataError(f"{where}: {_message(err)}")
+
+
+def _message(err: BaseException) -> str:
+    status = getattr(err, "status", None)
+    if isinstance(status, int):  # aiohttp's message repeats the URL, query string and all
+        return f"HTTP {status} {getattr(err, 'message', '')}".strip()
+    text = (err.args[0] if isinstance(err, OSError) and err.args and isinstance(err.args[0], str) else str(err))
+    return scrub(text or type(err).__name__)
