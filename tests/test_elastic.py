@@ -3,6 +3,7 @@ torchrun agent with 2 gloo processes, meeting in a c10d rendezvous that node ran
 a node that joins, and a world size that cannot hold the global batch."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -12,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, kill_tree, losses, read_metrics, run_train
+from config import load_config
+from fsdp_utils.train.elastic import fitting_world_sizes, unfit_world
+from tests.helpers import ROOT, TINY, kill_tree, losses, read_metrics, run_train
+from tests.test_failures import Job, poll, train_cmd
 from tests.test_launchers import CONFIG, free_port, script_env, train_args
-
-pytestmark = pytest.mark.slow  # real torchrun agents and their workers
 
 # Short rendezvous timeouts: a lone agent forms its world 1 s after it came, and a dead node drops out of the
 # rendezvous 8 s after its last heartbeat (not less: a loaded machine may delay a live one's).
@@ -96,6 +98,35 @@ def nodes():
         node.kill()
 
 
+@pytest.mark.parametrize("batch,micro,sizes", [(8, 2, [1, 2, 4]), (6, 1, [1, 2, 3, 6]),
+                                              (12, "auto", [1, 2, 3, 4, 6, 12])])
+def test_the_world_sizes_that_fit(batch, micro, sizes):
+    cfg = load_config(CONFIG, [*TINY, f"--train.global_batch_size={batch}", f"--train.micro_batch_size={micro}"])
+    assert fitting_world_sizes(cfg) == sizes
+    assert [w for w in range(1, 13) if not unfit_world(cfg, w)] == sizes
+
+
+@pytest.mark.slow
+def test_torchruns_sigterm_to_one_worker_has_every_worker_save_and_ask_for_a_restart(corpus, dataset_dir, tmp_path):
+    """torchrun stops its workers with SIGTERM to restart them; another node's workers stop with them after the
+    same step without a signal of their own: they too must exit non-zero, or their torchrun ends the job. Here
+    rank 0 plays such a worker: only rank 1 gets the signal."""
+    out = tmp_path / "out"
+    cmd = train_cmd("--train.max_steps=1000", "--checkpoint.interval=0", nproc=2, out_dir=out, corpus=corpus,
+                    dataset_dir=dataset_dir)
+    job = Job(cmd, tmp_path / "run", extra_env={"FSDP_ELASTIC": "1"})
+    try:
+        poll(lambda: len(logged_steps(out)) >= 2, job=job, timeout=TIMEOUT_S, what="second metrics row")
+        os.kill(job.workers()[1], signal.SIGTERM)
+        assert job.wait(timeout=TIMEOUT_S) != 0  # torchrun without --max-restarts reports the failure
+    finally:
+        job.kill()
+    k = logged_steps(out)[-1]
+    assert f"rank0] stopped by torchrun at step {k} after saving" in job.stderr, job.stderr[-4000:]
+    assert "exitcode: 75" in job.stderr and (out / f"fsdp_cpt{k}.pth").exists()
+
+
+@pytest.mark.slow
 def test_a_node_that_dies_leaves_the_job_at_world_2_resumed_exactly(corpus, dataset_dir, tmp_path, nodes):
     out = tmp_path / "out"
     port = free_port()
@@ -124,6 +155,7 @@ def test_a_node_that_dies_leaves_the_job_at_world_2_resumed_exactly(corpus, data
     assert [got[k] for k in after] == pytest.approx([reference[k] for k in after], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_node_that_joins_continues_at_world_4_without_losing_a_step(corpus, dataset_dir, tmp_path, nodes):
     out = tmp_path / "out"
     args = job_args(out, corpus, dataset_dir, "--checkpoint.interval=0")
@@ -140,6 +172,7 @@ def test_a_node_that_joins_continues_at_world_4_without_losing_a_step(corpus, da
     assert logged_steps(out) == list(range(1, last + 1))  # every step once, in order
 
 
+@pytest.mark.slow
 def test_a_world_size_that_cannot_hold_the_batch_waits_for_the_next(corpus, dataset_dir, tmp_path, nodes):
     out = tmp_path / "out"
     # 6 sequences of 1 per step: worlds 1, 2, 3 and 6 can hold them, world 4 cannot.

@@ -36,12 +36,12 @@ def fitting_world_sizes(cfg: Config) -> list[int]:
 
 
 def unfit_world(cfg: Config, world_size: int) -> list[str]:
-    """The problems that this world size alone causes (the batch split), where another world size would
-    train this config; [] when it fits, or when no world size could (then the config is at fault)."""
+    """The problems of this world size's batch split ([] when it fits); the config loader has made sure that
+    some world size fits (the global batch is a multiple of the micro-batch)."""
     try:
         check_batch_split(cfg, world_size)
     except ConfigError as err:
-        return err.problems if fitting_world_sizes(cfg) else []
+        return err.problems
     return []
 
 
