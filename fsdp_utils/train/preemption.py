@@ -7,12 +7,13 @@ together after the same step. The handlers are installed before the process grou
 signal during setup never ends a worker with a traceback: the run then stops after its first step.
 
 In an elastic job (Launch.elastic) a SIGTERM is torchrun's agent stopping its workers in order to restart
-them at another world size: it sends SIGTERM, and nothing else, when a node joins, and after a failure
-elsewhere. The workers save as for any stop, then exit with RESTART_EXIT_CODE rather than 0: the agent
-that sent the signal restarts them whatever their exit code, but another node's agent, whose workers
-stopped with them after the same step (the flag is shared), sees them exit by themselves and would take
-0 for the job's end. A user's stop reaches the workers as another signal (the launchers forward Ctrl-C,
-SIGTERM and SIGHUP as SIGINT; Slurm's warning is SIGUSR1) and still ends the job with 0.
+them: it sends SIGTERM whenever it restarts them (a node joins, a worker failed); signalled itself, it
+passes that signal on and ends whatever the workers' exit codes. The workers save as for any stop, then
+exit with RESTART_EXIT_CODE rather than 0: the agent that sent the signal restarts them whatever their
+exit code, but another node's agent, whose workers stopped with them after the same step (the flag is
+shared), sees them exit by themselves and would take 0 for the job's end. A user's stop reaches the
+workers as another signal (the launchers forward Ctrl-C, SIGTERM and SIGHUP as SIGINT; Slurm's warning
+is SIGUSR1) and still ends the job with 0.
 """
 from __future__ import annotations
 
