@@ -35,8 +35,9 @@ from fsdp_utils.parallel.build import ModelMemoryError
 from fsdp_utils.parallel.float8 import float8_problems
 from fsdp_utils.parallel.hf import HFModelError, hf_problems
 from fsdp_utils.train.downstream import DownstreamError, task_problems
+from fsdp_utils.train.elastic import unfit_world, wait_for_membership_change
 from fsdp_utils.train.oom_guard import OutOfMemory
-from fsdp_utils.train.preemption import StopSignal
+from fsdp_utils.train.preemption import RESTART_EXIT_CODE, StopSignal
 from fsdp_utils.train.run_lock import RunLocked, take_run_lock
 from fsdp_utils.train.trackers import tracker_problems
 from fsdp_utils.train.trainer import NonFiniteError, Trainer
@@ -109,22 +110,30 @@ def main(argv: list[str] | None = None) -> int:
     prefer_expandable_segments()  # before anything touches the GPU
     launch = read_torchrun_env()
     # Every problem with the config and the launch is found before any process group starts.
+    unfit: list[str] = []
     try:
         cfg = load_config(args.config, overrides)
         problems = early_problems(cfg, launch, args.resume_from)
+        if launch.elastic:  # a world size that cannot hold the batch waits for the next (fsdp_utils/train/elastic.py)
+            unfit = unfit_world(cfg, launch.world_size)
+            problems = [p for p in problems if p not in unfit]
     except ConfigError as err:
         problems = err.problems
     if problems:
         return exit_early(problems, launch)
 
-    stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s)  # Ctrl-C from here on saves
+    stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s,  # Ctrl-C from here on saves
+                      elastic=launch.elastic)
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
     lock = None
     try:
         setup_logging(env)
+        if unfit:
+            return wait_for_membership_change(cfg, env, stop)
         lock = take_run_lock(cfg.output_dir, env)  # before anything is written into the output directory
-        Trainer(cfg, env, stop=stop, resume_from=args.resume_from).fit()
-        return 0
+        trainer = Trainer(cfg, env, stop=stop, resume_from=args.resume_from)
+        trainer.fit()
+        return RESTART_EXIT_CODE if trainer.restarting else 0
     except RunLocked as err:
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)

@@ -35,6 +35,9 @@ class Launch:
     local_world_size: int
     under_torchrun: bool  # torchrun's agent watches this process (and stops it when another rank fails)
     agent_store: tuple[str, int] | None  # torchrun's own TCPStore, which it shares with the workers
+    # An elastic job (FSDP_ELASTIC=1, set by scripts/fsdp_multi_node.sh with a MIN:MAX node range): torchrun
+    # restarts the workers at another world size when nodes leave or join (fsdp_utils/train/elastic.py).
+    elastic: bool = False
 
 
 def read_torchrun_env() -> Launch:
@@ -48,6 +51,7 @@ def read_torchrun_env() -> Launch:
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
         under_torchrun="TORCHELASTIC_RUN_ID" in os.environ,
         agent_store=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if shared else None,
+        elastic="TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("FSDP_ELASTIC") == "1",
     )
 
 

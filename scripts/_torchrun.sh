@@ -25,6 +25,10 @@ run_torchrun() {
 }
 
 forward_signal() {
+  local sig="$1"
+  # In an elastic job (FSDP_ELASTIC=1) the training processes take a SIGTERM for torchrun's own, sent to
+  # restart them at a new world size; the user's stop reaches them as SIGINT and ends the job.
+  [[ "${FSDP_ELASTIC:-}" == 1 ]] && sig=INT
   echo "SIG$1: the training processes save a checkpoint after this step and stop (again: abort without saving)" >&2
-  pkill "-$1" -P "$TORCHRUN_PID" || true  # torchrun's children are the training processes
+  pkill "-$sig" -P "$TORCHRUN_PID" || true  # torchrun's children are the training processes
 }

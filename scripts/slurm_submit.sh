@@ -5,6 +5,9 @@
 # Five minutes before the time limit Slurm sends SIGUSR1 to this script, which forwards it to every
 # training process: they save a complete checkpoint and exit 0. Resubmit the same command to continue
 # (checkpoint.auto_resume picks up the newest complete checkpoint).
+# Elastic: ELASTIC_MIN_NODES=N keeps the job going on at least N of its nodes when others fail; submit with
+# `sbatch --no-kill` so that Slurm keeps the job when a node fails. A Slurm job cannot gain nodes, so it only
+# shrinks; the first node hosts the rendezvous and must stay up (docs/running.md, "Elastic runs").
 #SBATCH --job-name=fsdp-train
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -21,6 +24,10 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
 MICRO_BATCH="${MICRO_BATCH:-2}"
 NNODES="${SLURM_NNODES:-1}"
 WORLD=$((NNODES * GPUS_PER_NODE))
+if [[ -n "${ELASTIC_MIN_NODES:-}" ]] && { ! [[ "$ELASTIC_MIN_NODES" =~ ^[1-9][0-9]*$ ]] || (( ELASTIC_MIN_NODES > NNODES )); }; then
+  echo "error: ELASTIC_MIN_NODES=$ELASTIC_MIN_NODES is not a node count from 1 to the job's $NNODES nodes" >&2
+  exit 2
+fi
 if [[ "$MICRO_BATCH" == auto ]]; then
   # The largest micro-batch that fits is measured by the training job itself (train.micro_batch_size: auto).
   if [[ -z "${GLOBAL_BATCH:-}" ]]; then
@@ -53,10 +60,23 @@ forward_signal() {
 }
 trap forward_signal USR1 TERM
 
-srun --kill-on-bad-exit=1 torchrun \
-  --nnodes="$NNODES" --nproc_per_node="$GPUS_PER_NODE" \
+NODES="$NNODES"
+SRUN_KILL=(--kill-on-bad-exit=1)
+RESTARTS="${MAX_RESTARTS:-1}"
+if [[ -n "${ELASTIC_MIN_NODES:-}" ]]; then
+  NODES="$ELASTIC_MIN_NODES:$NNODES"
+  SRUN_KILL=(--no-kill --kill-on-bad-exit=0)  # a lost node ends its own task, not the job step
+  RESTARTS="${MAX_RESTARTS:-100}"  # every node that leaves is a failure to torchrun, and uses one up
+  # What fsdp_multi_node.sh sets for an elastic run: the workers take torchrun's SIGTERM for a restart, and the
+  # rendezvous store is not shared with the workers (with it, torch's rendezvous hangs when nodes change).
+  export FSDP_ELASTIC=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+  echo "elastic: $NODES nodes; the rendezvous lives on $HEAD_NODE, which must stay up"
+fi
+
+srun "${SRUN_KILL[@]}" torchrun \
+  --nnodes="$NODES" --nproc_per_node="$GPUS_PER_NODE" \
   --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$PORT" \
-  --max-restarts="${MAX_RESTARTS:-1}" \
+  --max-restarts="$RESTARTS" \
   "$ROOT/train_fsdp.py" "$CONFIG" \
   --train.global_batch_size="$GLOBAL_BATCH" --train.micro_batch_size="$MICRO_BATCH" "$@" &
 TRAIN_PID=$!

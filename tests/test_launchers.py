@@ -25,7 +25,8 @@ CONFIG = ROOT / "config/train_tiny_fsdp.yaml"
 STEPS = 3
 # What the scripts read from the environment: only what a test sets may reach them.
 SCRIPT_VARIABLES = {"CONFIG", "NGPU", "NPROC_PER_NODE", "MASTER_PORT", "MAX_RESTARTS", "GPUS_PER_NODE", "MICRO_BATCH",
-                    "GLOBAL_BATCH", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+                    "GLOBAL_BATCH", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "RDZV_ID", "RDZV_CONF", "FSDP_ELASTIC",
+                    "ELASTIC_MIN_NODES"}
 
 
 def script_env(**extra: str) -> dict:
@@ -183,6 +184,47 @@ def test_slurm_launch_and_signal_forwarding(train_status, tmp_path):
     assert len(lines) == 3
     # No workaround in the environment: the workers give each restart attempt a store of their own.
     assert (tmp_path / "train_env.txt").read_text() == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=\n"
+
+
+def test_slurm_elastic_launch(tmp_path):
+    """ELASTIC_MIN_NODES: a node range for torchrun, a job step that outlives a lost node, and the environment of
+    an elastic run (the workers take torchrun's SIGTERM for a restart; the rendezvous store is not shared)."""
+    bin_dir, calls = slurm_stubs(tmp_path)
+    env = script_env(SLURM_NNODES="3", GPUS_PER_NODE="2", MICRO_BATCH="2", GLOBAL_BATCH="24", SLURM_JOB_ID="9",
+                     SLURM_JOB_NODELIST="node[1-3]", SLURM_SUBMIT_DIR=str(ROOT), TRAIN_STATUS="0",
+                     ELASTIC_MIN_NODES="2")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    (tmp_path / "release").touch()
+    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm_submit.sh")], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "elastic: 2:3 nodes; the rendezvous lives on node17, which must stay up" in proc.stdout
+    assert calls.read_text().splitlines()[1].startswith(
+        "srun --no-kill --kill-on-bad-exit=0 torchrun --nnodes=2:3 --nproc_per_node=2 --rdzv_id=9 --rdzv_backend=c10d "
+        "--rdzv_endpoint=node17:29500 --max-restarts=100 ")
+    assert (tmp_path / "train_env.txt").read_text() == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n"
+
+
+@pytest.mark.parametrize("value", ["4", "0", "two"])
+def test_slurm_elastic_minimum_is_checked_before_launching(value, tmp_path):
+    bin_dir, calls = slurm_stubs(tmp_path)
+    env = script_env(SLURM_NNODES="3", GPUS_PER_NODE="2", MICRO_BATCH="2", GLOBAL_BATCH="24", SLURM_JOB_ID="9",
+                     SLURM_JOB_NODELIST="node[1-3]", ELASTIC_MIN_NODES=value)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm_submit.sh")], env=env, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: ELASTIC_MIN_NODES={value} is not a node count from 1 to the job's 3 nodes"], proc.stderr
+    assert not calls.exists()
+
+
+@pytest.mark.parametrize("nnodes", ["2:1", "0:2", "1:", "a:b"])
+def test_multi_node_rejects_a_bad_node_range(nnodes):
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", "0", nnodes], env=script_env(),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: NNODES={nnodes} is not a node range MIN:MAX with 1 <= MIN <= MAX\n"
 
 
 # ---- real runs -----------------------------------------------------------------------------------------------

@@ -75,6 +75,7 @@ class CheckpointManager:
         self.background = AsyncSaver(self._sharded, enabled=enabled, writer=section.async_writer,
                                      on_error=section.on_async_error, timeout_s=timeout_s)
         self._prepared = False
+        self.loaded: tuple[Path, int] | None = None  # what a resume loaded, and the world size it was saved at
 
     @property
     def model_config(self) -> dict:
@@ -268,6 +269,7 @@ class CheckpointManager:
         state = TrainState(**meta["train_state"])
         state.rng = rng
         restore_rng(rng, self.env)
+        self.loaded = (path, meta["world_size"])
         if self.env.is_main:
             log.info("loaded checkpoint %s (%.1f MiB, step %d, saved at world size %d) in %.2f s (CRC32 check %.2f s)",
                      path, size_of(path) / 2**20, state.step, meta["world_size"], time.perf_counter() - start, crc_s)

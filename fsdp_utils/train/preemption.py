@@ -5,6 +5,15 @@ Any rank may receive the signal (Slurm signals every task, a failing node only i
 forwards a Ctrl-C to every worker); the loop all-reduces the flag each step so that all ranks stop
 together after the same step. The handlers are installed before the process group starts, so that a
 signal during setup never ends a worker with a traceback: the run then stops after its first step.
+
+In an elastic job (Launch.elastic) a SIGTERM is torchrun's agent stopping its workers in order to restart
+them: it sends SIGTERM whenever it restarts them (a node joins, a worker failed); signalled itself, it
+passes that signal on and ends whatever the workers' exit codes. The workers save as for any stop, then
+exit with RESTART_EXIT_CODE rather than 0: the agent that sent the signal restarts them whatever their
+exit code, but another node's agent, whose workers stopped with them after the same step (the flag is
+shared), sees them exit by themselves and would take 0 for the job's end. A user's stop reaches the
+workers as another signal (the launchers forward Ctrl-C, SIGTERM and SIGHUP as SIGINT; Slurm's warning
+is SIGUSR1) and still ends the job with 0.
 """
 from __future__ import annotations
 
@@ -16,10 +25,14 @@ import time
 
 log = logging.getLogger(__name__)
 
+# Not 0, which an agent takes for the job's end: torchrun restarts the workers after any other code.
+RESTART_EXIT_CODE = 75
+
 
 class StopSignal:
-    def __init__(self, signal_names: list[str], *, grace_s: float):
+    def __init__(self, signal_names: list[str], *, grace_s: float, elastic: bool = False):
         self.grace_s = grace_s
+        self.elastic = elastic
         self.received_at: float | None = None
         self.name = ""
         for name in signal_names:
@@ -41,6 +54,11 @@ class StopSignal:
     @property
     def requested(self) -> bool:
         return self.received_at is not None
+
+    @property
+    def restart(self) -> bool:
+        """The stop is torchrun's, in order to restart the workers (see the module docstring)."""
+        return self.elastic and self.name == "SIGTERM"
 
     def _watchdog(self) -> None:
         log.warning("%s received: saving a checkpoint after the current step (grace period %.0f s; "

@@ -97,6 +97,7 @@ class Trainer:
         self.ckpt.prepare_saving(self.model, self.optimizer)  # a run that cannot save stops now, not at its first save
         self.num_bad_steps = 0
         self.lr = cfg.train.lr
+        self.restarting = False  # stopped by torchrun to restart the workers (fsdp_utils/train/preemption.py)
         # Made by fit(): the batches at the current split, the out-of-memory guard, the log, the profilers.
         self.batches: BatchPrefetcher
         self.oom: OutOfMemoryGuard
@@ -198,7 +199,16 @@ class Trainer:
             self.scaler.load_state_dict(state.grad_scaler)
         if self.env.is_main:
             self._check_schedule_continues(state)
+            self._log_world_change(state)
         return state
+
+    def _log_world_change(self, state: TrainState) -> None:
+        """Where an elastic job's restart, or a resume at another world size, continues from."""
+        assert self.ckpt.loaded is not None, "called after a load"
+        path, saved_world = self.ckpt.loaded
+        if saved_world != self.env.world_size or self.stop.elastic:
+            log.info("world %d -> %d at step %d: resumed from checkpoint %s", saved_world, self.env.world_size,
+                     state.step, path)
 
     def _check_schedule_continues(self, state: TrainState) -> None:
         """Warn when the schedule, under this run's config, gives the last step taken another learning rate than
@@ -328,9 +338,7 @@ class Trainer:
                                       last=self.state.step == t.max_steps)
                 self.profiler.on_step_end(self.state.step)  # a profiled step's range holds its log, eval and save
                 if result.stop_requested:
-                    if env.is_main:
-                        log.info("stopped by a signal at step %d after saving; rerun the same command to continue "
-                                 "(checkpoint.auto_resume), or pass --resume_from latest", self.state.step)
+                    self._say_stopped()
                     break
             self.ckpt.finish()  # a clean end waits for the save in flight
         finally:
@@ -340,6 +348,22 @@ class Trainer:
             self.memory.close()
             self.log.close()
         return self.log.last_row
+
+    def _say_stopped(self) -> None:
+        """After the save of a stop: whether torchrun restarts the workers (any rank's SIGTERM in an elastic job,
+        decided together), and the line that says so."""
+        if self.stop.elastic:
+            restart = torch.tensor([float(self.stop.restart)], device=self.env.device)
+            dist.all_reduce(restart, op=dist.ReduceOp.MAX)
+            self.restarting = restart.item() > 0
+        if not self.env.is_main:
+            return
+        if self.restarting:
+            log.info("stopped by torchrun at step %d after saving: the elastic job's nodes change, and the workers "
+                     "restart from this checkpoint at the new world size", self.state.step)
+        else:
+            log.info("stopped by a signal at step %d after saving; rerun the same command to continue "
+                     "(checkpoint.auto_resume), or pass --resume_from latest", self.state.step)
 
     def _nothing_to_train(self) -> str:
         """The line of a run resumed at or past train.max_steps (a finished run started again)."""

@@ -1,0 +1,74 @@
+"""Elastic jobs (torchrun --nnodes=MIN:MAX): the world sizes a config can train at, and what the workers of a
+world that cannot hold the global batch do: wait for the next membership change.
+
+torchrun's agent restarts its workers only when they fail (a non-zero exit, which uses up --max-restarts)
+or when a node waits to join; workers that exit 0 end the job. Workers that refused the world size and
+exited would therefore either end the job or be restarted into the same world until the restarts run out.
+Instead they stay up and idle: the agent restarts them when a node joins, and a peer that dies ends the
+small collective they meet in every few seconds, whose failure has them restarted without it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from config import Config, ConfigError, check_batch_split
+
+from ..distributed import DistEnv
+from .preemption import RESTART_EXIT_CODE, StopSignal
+
+log = logging.getLogger("train")
+
+POLL_S = 2.0  # how often idle workers check on each other and on stop signals
+
+
+def fitting_world_sizes(cfg: Config) -> list[int]:
+    """Every world size at which train.global_batch_size splits into whole micro-batches on every rank."""
+    t = cfg.train
+    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1  # auto: each rank's share whole
+    if t.global_batch_size % micro:
+        return []
+    per_micro = t.global_batch_size // micro
+    return [w for w in range(1, per_micro + 1) if per_micro % w == 0]
+
+
+def unfit_world(cfg: Config, world_size: int) -> list[str]:
+    """The problems of this world size's batch split ([] when it fits); the config loader has made sure that
+    some world size fits (the global batch is a multiple of the micro-batch)."""
+    try:
+        check_batch_split(cfg, world_size)
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
+def refusal_line(cfg: Config, world_size: int) -> str:
+    t = cfg.train
+    sizes = ", ".join(map(str, fitting_world_sizes(cfg)))
+    return (f"world size {world_size} cannot hold train.global_batch_size={t.global_batch_size} "
+            f"(train.micro_batch_size={t.micro_batch_size}); the world sizes that can: {sizes}. Waiting for a node "
+            "to join or leave: torchrun then restarts the workers at the new size")
+
+
+def wait_for_membership_change(cfg: Config, env: DistEnv, stop: StopSignal) -> int:
+    """Idle until torchrun restarts the workers or a stop signal arrives; returns the exit code.
+
+    Every POLL_S the ranks all-reduce their stop signals: a user's stop ends the job (0), torchrun's
+    (a node joins) or a failed collective (a peer is gone) restarts it (RESTART_EXIT_CODE)."""
+    if env.is_main:
+        log.warning("%s", refusal_line(cfg, env.world_size))
+    while True:
+        flags = torch.tensor([float(stop.requested and not stop.restart), float(stop.restart)], device=env.device)
+        try:
+            dist.all_reduce(flags)
+        except (RuntimeError, OSError):  # gloo/NCCL errors: a peer left the world
+            return RESTART_EXIT_CODE
+        user_stop, restart = flags.tolist()
+        if restart:
+            return RESTART_EXIT_CODE
+        if user_stop:
+            return 0
+        time.sleep(POLL_S)

@@ -1,0 +1,201 @@
+"""Elastic runs through scripts/fsdp_multi_node.sh with a node range (1:2): two "nodes" on this machine, each a
+torchrun agent with 2 gloo processes, meeting in a c10d rendezvous that node rank 0 hosts. A node that dies,
+a node that joins, and a world size that cannot hold the global batch."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from config import load_config
+from fsdp_utils.train.elastic import fitting_world_sizes, unfit_world
+from tests.helpers import ROOT, TINY, kill_tree, losses, read_metrics, run_train
+from tests.test_failures import Job, poll, train_cmd
+from tests.test_launchers import CONFIG, free_port, script_env, train_args
+
+# Short rendezvous timeouts: a lone agent forms its world 1 s after it came, and a dead node drops out of the
+# rendezvous 8 s after its last heartbeat (not less: a loaded machine may delay a live one's).
+RDZV_CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=8"
+TIMEOUT_S = 150  # bound on every wait: generous for a loaded machine, far from a hang
+RESUMED = re.compile(r"world (\d+) -> (\d+) at step (\d+): resumed from checkpoint (\S+)")
+
+
+class Node:
+    """One agent: scripts/fsdp_multi_node.sh 127.0.0.1 RANK 1:2, its output in a file."""
+
+    def __init__(self, tmp_path: Path, node_rank: int, port: int, args: list[str]):
+        self.log_path = tmp_path / f"node{node_rank}.log"
+        self._log = open(self.log_path, "w")
+        env = script_env(NPROC_PER_NODE="2", MASTER_PORT=str(port), CONFIG=str(CONFIG), RDZV_CONF=RDZV_CONF,
+                         RDZV_ID=f"test-{port}")
+        self.proc = subprocess.Popen([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", str(node_rank), "1:2",
+                                      *args], cwd=tmp_path, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def kill(self) -> None:
+        """SIGKILL the launcher, its torchrun and the workers (they live in sessions of their own)."""
+        kill_tree(self.proc)
+        self._log.close()
+
+
+def wait_until(what: str, condition: Callable[[], bool], nodes: list[Node]) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        ended = [n for n in nodes if n.proc.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            logs = "\n\n".join(n.text()[-4000:] for n in nodes)
+            pytest.fail(f"{what}: {'a node ended' if ended else 'timed out'}\n{logs}")
+        time.sleep(0.05)
+
+
+def finish(nodes: list[Node]) -> list[int]:
+    return [n.proc.wait(timeout=TIMEOUT_S) for n in nodes]
+
+
+def logged_steps(out: Path) -> list[int]:
+    return [row["step"] for row in read_metrics(out) if "loss" in row] if (out / "metrics.jsonl").exists() else []
+
+
+def saved_steps(out: Path) -> list[int]:
+    return [int(p.name[len("fsdp_cpt"):-len(".pth")]) for p in out.glob("fsdp_cpt*.pth")]
+
+
+def resumed(text: str) -> list[tuple[int, int, int, str]]:
+    return [(int(a), int(b), int(step), path) for a, b, step, path in RESUMED.findall(text)]
+
+
+def stop_after(node: Node, out: Path, step: int, nodes: list[Node]) -> int:
+    """Ctrl-C on `node` once `step` is logged (a user's stop: the job saves and ends with 0); the step it stops at."""
+    wait_until(f"step {step} logged", lambda: max(logged_steps(out), default=0) >= step, nodes)
+    node.proc.send_signal(signal.SIGINT)
+    assert finish(nodes) == [0] * len(nodes), "\n\n".join(n.text()[-4000:] for n in nodes)
+    text = "".join(n.text() for n in nodes)
+    stopped = [int(s) for s in re.findall(r"stopped by a signal at step (\d+) after saving", text)]
+    assert len(stopped) == 1, text[-6000:]
+    return stopped[0]
+
+
+# A constant learning rate: a reference that stops at another train.max_steps follows the same schedule.
+def job_args(out: Path, corpus: Path, dataset_dir: Path, *extra: str) -> list[str]:
+    return train_args(out, corpus, dataset_dir, "--train.max_steps=1000", "--train.lr_schedule=constant",
+                      "--checkpoint.auto_resume=true", "--checkpoint.keep_last_n=0", *extra)
+
+
+@pytest.fixture
+def nodes():
+    started: list[Node] = []
+    yield started
+    for node in started:
+        node.kill()
+
+
+@pytest.mark.parametrize("batch,micro,sizes", [(8, 2, [1, 2, 4]), (6, 1, [1, 2, 3, 6]),
+                                              (12, "auto", [1, 2, 3, 4, 6, 12])])
+def test_the_world_sizes_that_fit(batch, micro, sizes):
+    cfg = load_config(CONFIG, [*TINY, f"--train.global_batch_size={batch}", f"--train.micro_batch_size={micro}"])
+    assert fitting_world_sizes(cfg) == sizes
+    assert [w for w in range(1, 13) if not unfit_world(cfg, w)] == sizes
+
+
+@pytest.mark.slow
+def test_torchruns_sigterm_to_one_worker_has_every_worker_save_and_ask_for_a_restart(corpus, dataset_dir, tmp_path):
+    """torchrun stops its workers with SIGTERM to restart them; another node's workers stop with them after the
+    same step without a signal of their own: they too must exit non-zero, or their torchrun ends the job. Here
+    rank 0 plays such a worker: only rank 1 gets the signal."""
+    out = tmp_path / "out"
+    cmd = train_cmd("--train.max_steps=1000", "--checkpoint.interval=0", nproc=2, out_dir=out, corpus=corpus,
+                    dataset_dir=dataset_dir)
+    job = Job(cmd, tmp_path / "run", extra_env={"FSDP_ELASTIC": "1"})
+    try:
+        poll(lambda: len(logged_steps(out)) >= 2, job=job, timeout=TIMEOUT_S, what="second metrics row")
+        os.kill(job.workers()[1], signal.SIGTERM)
+        assert job.wait(timeout=TIMEOUT_S) != 0  # torchrun without --max-restarts reports the failure
+    finally:
+        job.kill()
+    k = logged_steps(out)[-1]
+    assert f"rank0] stopped by torchrun at step {k} after saving" in job.stderr, job.stderr[-4000:]
+    assert "exitcode: 75" in job.stderr and (out / f"fsdp_cpt{k}.pth").exists()
+
+
+@pytest.mark.slow
+def test_a_node_that_dies_leaves_the_job_at_world_2_resumed_exactly(corpus, dataset_dir, tmp_path, nodes):
+    out = tmp_path / "out"
+    port = free_port()
+    nodes += [Node(tmp_path, 0, port, job_args(out, corpus, dataset_dir, "--checkpoint.interval=5")),
+              Node(tmp_path, 1, port, job_args(out, corpus, dataset_dir, "--checkpoint.interval=5"))]
+    wait_until("world 4", lambda: "world size 4 on cpu" in nodes[0].text() + nodes[1].text(), nodes)
+    first = max(logged_steps(out), default=0)
+    wait_until("a checkpoint of world 4", lambda: max(saved_steps(out), default=0) > first, nodes)
+    nodes[1].kill()  # node rank 1 does not host the rendezvous store
+    wait_until("the resume at world 2", lambda: any(r[:2] == (4, 2) for r in resumed(nodes[0].text())), nodes[:1])
+    (_, _, step, path), = [r for r in resumed(nodes[0].text()) if r[:2] == (4, 2)]
+    assert path == str(out / f"fsdp_cpt{step}.pth") and step > first
+    last = stop_after(nodes[0], out, step + 8, nodes[:1])
+    got = losses(out)
+    assert sorted(got) == list(range(1, last + 1))
+
+    # The reference: world 4 to the same checkpoint, then resumed at world 2 to the same last step.
+    ref = tmp_path / "ref"
+    ref_args = ("--train.lr_schedule=constant", "--checkpoint.interval=0", "--checkpoint.keep_last_n=0")
+    run_train(*ref_args, f"--train.max_steps={step}", nproc=4, out_dir=ref, corpus=corpus, dataset_dir=dataset_dir,
+              timeout=TIMEOUT_S)
+    run_train(*ref_args, f"--train.max_steps={last}", "--resume_from=latest", nproc=2, out_dir=ref, corpus=corpus,
+              dataset_dir=dataset_dir, timeout=TIMEOUT_S)
+    reference = losses(ref)
+    after = range(step + 1, last + 1)
+    assert [got[k] for k in after] == pytest.approx([reference[k] for k in after], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_node_that_joins_continues_at_world_4_without_losing_a_step(corpus, dataset_dir, tmp_path, nodes):
+    out = tmp_path / "out"
+    args = job_args(out, corpus, dataset_dir, "--checkpoint.interval=0")
+    port = free_port()
+    nodes.append(Node(tmp_path, 0, port, args))
+    wait_until("world 2 trained a few steps", lambda: len(logged_steps(out)) >= 5, nodes)
+    nodes.append(Node(tmp_path, 1, port, args))
+    wait_until("the resume at world 4", lambda: bool(resumed(nodes[0].text() + nodes[1].text())), nodes)
+    text = nodes[0].text() + nodes[1].text()
+    stopped = [int(s) for s in re.findall(r"stopped by torchrun at step (\d+) after saving", text)]
+    (before, after, step, _), = resumed(text)
+    assert (before, after) == (2, 4) and stopped == [step], text[-6000:]  # resumed where it stopped: nothing lost
+    last = stop_after(nodes[0], out, step + 5, nodes)
+    assert logged_steps(out) == list(range(1, last + 1))  # every step once, in order
+
+
+@pytest.mark.slow
+def test_a_world_size_that_cannot_hold_the_batch_waits_for_the_next(corpus, dataset_dir, tmp_path, nodes):
+    out = tmp_path / "out"
+    # 6 sequences of 1 per step: worlds 1, 2, 3 and 6 can hold them, world 4 cannot.
+    args = job_args(out, corpus, dataset_dir, "--checkpoint.interval=0", "--train.global_batch_size=6",
+                    "--train.micro_batch_size=1")
+    port = free_port()
+    nodes.append(Node(tmp_path, 0, port, args))
+    wait_until("world 2 trained a few steps", lambda: len(logged_steps(out)) >= 3, nodes)
+    nodes.append(Node(tmp_path, 1, port, args))
+    refusal = ("world size 4 cannot hold train.global_batch_size=6 (train.micro_batch_size=1); the world sizes that "
+               "can: 1, 2, 3, 6. Waiting for a node to join or leave")
+    wait_until("world 4 refused", lambda: refusal in nodes[0].text() + nodes[1].text(), nodes)
+    # No restart loop: the agents keep their idle workers (a loop would restart them every few tenths of a second).
+    time.sleep(3)
+    text = nodes[0].text() + nodes[1].text()
+    assert text.count(refusal) == 1 and "Worker group FAILED" not in text, text[-6000:]
+    assert "world size 4 on cpu" not in text
+    nodes[1].kill()  # the idle workers of node 0 see their peers go, and torchrun restarts them at world 2
+    # World 4 never trained: the restart continues where world 2 stopped for it.
+    wait_until("the resume at world 2", lambda: bool(resumed(nodes[0].text())), nodes[:1])
+    (before, after, step, _), = resumed(nodes[0].text())
+    assert (before, after) == (2, 2)
+    assert [int(s) for s in re.findall(r"stopped by torchrun at step (\d+) after saving", nodes[0].text())] == [step]
+    last = stop_after(nodes[0], out, max(logged_steps(out)) + 3, nodes[:1])
+    assert logged_steps(out) == list(range(1, last + 1))
+    assert "".join(n.text() for n in nodes).count("cannot hold") == 1
