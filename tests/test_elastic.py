@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -199,3 +201,22 @@ def test_a_world_size_that_cannot_hold_the_batch_waits_for_the_next(corpus, data
     last = stop_after(nodes[0], out, max(logged_steps(out)) + 3, nodes[:1])
     assert logged_steps(out) == list(range(1, last + 1))
     assert "".join(n.text() for n in nodes).count("cannot hold") == 1
+
+
+STORE_SCRIPT = ROOT / "scripts/rendezvous_store.py"
+
+
+def test_the_store_script_names_a_port_it_cannot_serve(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for bad, culprit in [(["--port=70000"], "--port=70000 is not a port number"),
+                             ([f"--port={port}"], f"cannot serve the rendezvous store at 127.0.0.1:{port}"),
+                             (["--host=203.0.113.7", "--port=29400"], "--host=203.0.113.7 is not an address of this")]:
+            proc = subprocess.run([sys.executable, str(STORE_SCRIPT), "--host=127.0.0.1", *bad], capture_output=True,
+                                  text=True, env=script_env(), timeout=60)
+            assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+            assert proc.stderr.startswith("error: ") and culprit in proc.stderr, proc.stderr
+            assert proc.stderr.count("\n") == 1, proc.stderr
+
