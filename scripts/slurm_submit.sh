@@ -7,7 +7,8 @@
 # (checkpoint.auto_resume picks up the newest complete checkpoint).
 # Elastic: ELASTIC_MIN_NODES=N keeps the job going on at least N of its nodes when others fail; submit with
 # `sbatch --no-kill` so that Slurm keeps the job when a node fails. A Slurm job cannot gain nodes, so it only
-# shrinks; the first node hosts the rendezvous and must stay up (docs/running.md, "Elastic runs").
+# shrinks; the first node hosts the rendezvous and must stay up (docs/running.md, "Elastic runs"). RDZV_STORE is
+# not read: this script and its srun run on the first node, which must stay up whoever hosts the store.
 #SBATCH --job-name=fsdp-train
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

@@ -1,12 +1,14 @@
 """Elastic runs through scripts/fsdp_multi_node.sh with a node range (1:2): two "nodes" on this machine, each a
-torchrun agent with 2 gloo processes, meeting in a c10d rendezvous that node rank 0 hosts. A node that dies,
-a node that joins, and a world size that cannot hold the global batch."""
+torchrun agent with 2 gloo processes, meeting in a c10d rendezvous that node rank 0 hosts or a store run apart
+hosts. A node that dies, a node that joins, and a world size that cannot hold the global batch."""
 from __future__ import annotations
 
 import os
 import re
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,11 +31,11 @@ RESUMED = re.compile(r"world (\d+) -> (\d+) at step (\d+): resumed from checkpoi
 class Node:
     """One agent: scripts/fsdp_multi_node.sh 127.0.0.1 RANK 1:2, its output in a file."""
 
-    def __init__(self, tmp_path: Path, node_rank: int, port: int, args: list[str]):
+    def __init__(self, tmp_path: Path, node_rank: int, port: int, args: list[str], **extra_env: str):
         self.log_path = tmp_path / f"node{node_rank}.log"
         self._log = open(self.log_path, "w")
         env = script_env(NPROC_PER_NODE="2", MASTER_PORT=str(port), CONFIG=str(CONFIG), RDZV_CONF=RDZV_CONF,
-                         RDZV_ID=f"test-{port}")
+                         RDZV_ID=f"test-{port}", **extra_env)
         self.proc = subprocess.Popen([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", str(node_rank), "1:2",
                                       *args], cwd=tmp_path, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -199,3 +201,71 @@ def test_a_world_size_that_cannot_hold_the_batch_waits_for_the_next(corpus, data
     last = stop_after(nodes[0], out, max(logged_steps(out)) + 3, nodes[:1])
     assert logged_steps(out) == list(range(1, last + 1))
     assert "".join(n.text() for n in nodes).count("cannot hold") == 1
+
+
+STORE_SCRIPT = ROOT / "scripts/rendezvous_store.py"
+
+
+@pytest.fixture
+def rendezvous_store(tmp_path):
+    """scripts/rendezvous_store.py on a free port of this machine: its address, once it serves."""
+    port = free_port()
+    log_path = tmp_path / "store.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, str(STORE_SCRIPT), "--host=127.0.0.1", f"--port={port}"],
+                                stdout=log, stderr=subprocess.STDOUT, env=script_env())
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while "keep it up for the job's life" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, log_path.read_text()
+
+
+@pytest.mark.slow
+def test_with_the_store_run_apart_node_rank_0_may_die(corpus, dataset_dir, tmp_path, nodes, rendezvous_store):
+    """Node rank 0 is the node that would host the store; it also started first, so its agent, the oldest
+    process, is usually rank 0 of the round too, whose workers hold the process group's store."""
+    out = tmp_path / "out"
+    port = free_port()
+    args = job_args(out, corpus, dataset_dir, "--checkpoint.interval=3")
+    nodes += [Node(tmp_path, rank, port, args, RDZV_STORE=rendezvous_store) for rank in (0, 1)]
+    wait_until("world 4", lambda: "world size 4 on cpu" in nodes[0].text() + nodes[1].text(), nodes)
+    assert f"rendezvous test-{port} at {rendezvous_store}, a store run apart from the nodes" in nodes[0].text()
+    first = max(logged_steps(out), default=0)
+    wait_until("a checkpoint of world 4", lambda: max(saved_steps(out), default=0) > first, nodes)
+    nodes[0].kill()
+    wait_until("the resume at world 2", lambda: any(r[:2] == (4, 2) for r in resumed(nodes[1].text())), nodes[1:])
+    (_, _, step, path), = [r for r in resumed(nodes[1].text()) if r[:2] == (4, 2)]
+    assert path == str(out / f"fsdp_cpt{step}.pth") and step > first
+    last = stop_after(nodes[1], out, step + 3, nodes[1:])
+    assert sorted(losses(out)) == list(range(1, last + 1))
+
+
+def test_the_store_script_names_a_port_it_cannot_serve(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for bad, culprit in [(["--port=70000"], "--port=70000 is not a port number"),
+                             ([f"--port={port}"], f"cannot serve the rendezvous store at 127.0.0.1:{port}"),
+                             (["--host=203.0.113.7", "--port=29400"], "--host=203.0.113.7 is not an address of this")]:
+            proc = subprocess.run([sys.executable, str(STORE_SCRIPT), "--host=127.0.0.1", *bad], capture_output=True,
+                                  text=True, env=script_env(), timeout=60)
+            assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+            assert proc.stderr.startswith("error: ") and culprit in proc.stderr, proc.stderr
+            assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.parametrize("nnodes,store,culprit", [
+    ("2", "storehost:29400", "RDZV_STORE=storehost:29400 is for elastic runs (NNODES as a range MIN:MAX)"),
+    ("1:2", "storehost", "RDZV_STORE=storehost is not HOST:PORT"),
+    ("1:2", "storehost:70000", "RDZV_STORE=storehost:70000 is not HOST:PORT")])
+def test_the_launcher_names_a_store_it_cannot_use(nnodes, store, culprit, tmp_path):
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", "0", nnodes], capture_output=True,
+                          text=True, cwd=tmp_path, env=script_env(RDZV_STORE=store, NPROC_PER_NODE="2"), timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {culprit}"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not list(tmp_path.iterdir())

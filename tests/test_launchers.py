@@ -26,7 +26,7 @@ STEPS = 3
 # What the scripts read from the environment: only what a test sets may reach them.
 SCRIPT_VARIABLES = {"CONFIG", "NGPU", "NPROC_PER_NODE", "MASTER_PORT", "MAX_RESTARTS", "GPUS_PER_NODE", "MICRO_BATCH",
                     "GLOBAL_BATCH", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "RDZV_ID", "RDZV_CONF", "FSDP_ELASTIC",
-                    "ELASTIC_MIN_NODES"}
+                    "ELASTIC_MIN_NODES", "RDZV_STORE"}
 
 
 def script_env(**extra: str) -> dict:
