@@ -273,14 +273,19 @@ def _code(err: BaseException) -> str:
 
 def is_transient(err: BaseException) -> bool:
     """A network error that may pass: a connection refused, reset or timed out, HTTP 5xx or 429, throttling."""
+    return _transient_cause(err) is not None
+
+
+def _transient_cause(err: BaseException) -> BaseException | None:
+    """The network error that may pass among err and its causes, or None."""
     for cause in _causes(err):
         names = {kind.__name__ for kind in type(cause).__mro__}
         status = _status(cause)
         if (isinstance(cause, (TimeoutError, ConnectionError)) or names & _TRANSIENT_TYPES
                 or (status is not None and (status >= 500 or status == 429)) or _code(cause) in _TRANSIENT_CODES
                 or (type(cause) is OSError and cause.errno in (errno.EBUSY, errno.EREMOTEIO))):  # s3fs's 5xx
-            return True
-    return False
+            return cause
+    return None
 
 
 def remote_error(url: str, err: BaseException, *, retried: int = 0) -> DataError:
@@ -297,10 +302,12 @@ def remote_error(url: str, err: BaseException, *, retried: int = 0) -> DataError
         detail = "" if "://" in message or message.startswith("HTTP ") else f": {message}"
         help = f"; the credentials come from {CREDENTIALS_HELP[scheme]}" if scheme in CREDENTIALS_HELP else ""
         return DataError(f"{where}: access denied (HTTP 403{detail}){help}")
-    if isinstance(err, FileNotFoundError) or 404 in statuses:
+    network = _transient_cause(err)
+    # fsspec's HTTP filesystem raises FileNotFoundError for any failed request, a refused connection included.
+    if 404 in statuses or (isinstance(err, FileNotFoundError) and network is None):
         return DataError(f"{where}: not found")
-    if retried:
-        return DataError(f"{where}: {_message(err)} (a network error, still there after {retried} retries)")
+    if retried and network is not None:
+        return DataError(f"{where}: {_message(network)} (a network error, still there after {retried} retries)")
     return DataError(f"{where}: {_message(err)}")
 
 

@@ -326,6 +326,18 @@ def test_http_bad_inputs_are_one_line_each_without_secrets(http_server, quick_re
         1, [f"error: data.files: http://{host}/corpus/none.jsonl: not found"])
 
 
+def test_a_server_that_cannot_be_reached_is_a_network_error_not_a_missing_file(quick_retries, tmp_path, capsys):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on: every connection is refused
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}/corpus/a.jsonl"
+    code, errors = run_prepare(tmp_path, url, capsys)
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: data.files: {url}: Cannot connect to host"), errors
+    assert errors[0].endswith("(a network error, still there after 2 retries)"), errors
+
+
 def test_a_scheme_without_its_package_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
     assert run_prepare(tmp_path, "gs://bucket/corpus/*.parquet", capsys) == (
