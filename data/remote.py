@@ -78,6 +78,9 @@ def url_problem(entry: str) -> str | None:
     if scheme not in PACKAGES:
         return (f"data.files: {display(entry)}: URLs of scheme {scheme}:// are not read (s3://, gs://, http:// and "
                 f"https:// are)")
+    if scheme not in LISTED_SCHEMES and glob.has_magic(urlsplit(entry).path):
+        return (f"data.files: {display(entry)}: an http(s):// URL names one file, never a glob (s3:// and gs:// URLs "
+                f"take globs)")
     for package in ("fsspec", PACKAGES[scheme]):
         if importlib.util.find_spec(package) is None:
             return f"data.files: {display(entry)} needs the package {package} (pip install {package})"

@@ -350,6 +350,13 @@ def test_a_scheme_without_its_package_is_one_line(tmp_path, capsys, monkeypatch)
     assert not (tmp_path / "out").exists()
 
 
+def test_a_glob_of_http_urls_is_one_line_before_anything_starts(tmp_path, capsys):
+    assert run_prepare(tmp_path, "https://example.org/corpus/*.jsonl", capsys) == (
+        2, ["error: data.files: https://example.org/corpus/*.jsonl: an http(s):// URL names one file, never a glob "
+            "(s3:// and gs:// URLs take globs)"])
+    assert remote.url_problem("https://example.org/corpus/a.jsonl?part=1") is None  # a query string is no glob
+
+
 def test_urls_are_shown_without_secrets():
     assert remote.display("https://me:pw@example.com:8443/a/b.jsonl?X-Amz-Signature=abc#f") == \
         "https://example.com:8443/a/b.jsonl"
