@@ -231,6 +231,8 @@ def test_the_prepare_script_takes_a_dataset_folder(tmp_path, capsys):
     ("without_datasets", r"needs the datasets package: pip install datasets"),
     ("with_files", r"data.hf_dataset.path and data.files \(or data.sources\) both name a corpus"),
     ("a_file", r"data.hf_dataset.path=\S*train-00000-of-00002.parquet is a file: give the dataset's folder"),
+    ("empty_saved", r"cannot load \S*empty with the datasets library: a split of it has no arrow file"),
+    ("unread_line", r"cannot read \S*jsonl with the datasets library: JSON parse error"),
 ])
 def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch, case, message):
     rows = make_rows(20)
@@ -252,7 +254,16 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch
         "without_datasets": [f"--data.hf_dataset.path={saved}"],
         "with_files": [f"--data.hf_dataset.path={saved}", f"--data.files=[{write_jsonl(tmp_path / 'c.jsonl', rows)}]"],
         "a_file": [f"--data.hf_dataset.path={snapshot / 'data' / 'train-00000-of-00002.parquet'}"],
+        "empty_saved": [f"--data.hf_dataset.path={tmp_path / 'empty'}"],
+        "unread_line": [f"--data.hf_dataset.path={tmp_path / 'jsonl'}", "--data.hf_dataset.streaming=false"],
     }[case]
+    if case == "empty_saved":
+        datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")})
+                                   ).save_to_disk(str(tmp_path / "empty"))
+    if case == "unread_line":
+        with (write_snapshot(tmp_path / "jsonl", rows, suffix=".jsonl") / "data" / "train-00001-of-00002.jsonl"
+              ).open("a") as file:
+            file.write('{"text": "a line cut sho\n')
     if case == "without_datasets":
         monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
     code, lines = run_prepare_script(tmp_path, capsys, *overrides)
