@@ -364,6 +364,18 @@ def test_urls_are_shown_without_secrets():
     assert remote.display("/local/path?.jsonl") == "/local/path?.jsonl"
 
 
+def test_the_resolved_config_holds_no_secret_of_a_url(tmp_path):
+    from config.loading import load_config, save_config
+
+    secret = "https://me:hunter2@example.org/corpus/a.jsonl?X-Amz-Signature=hunter2"
+    cfg = load_config(None, [f"--data.files=['{secret}', 'local/b.jsonl']"])
+    assert cfg.data.files == [secret, "local/b.jsonl"]  # what preparation reads keeps them
+    save_config(cfg, tmp_path / "config.yaml")  # also what the trackers are given
+    saved = load_config(tmp_path / "config.yaml")
+    assert saved.data.files == ["https://example.org/corpus/a.jsonl", "local/b.jsonl"]
+    assert "hunter2" not in (tmp_path / "config.yaml").read_text()
+
+
 # ---------------------------------------------------------------- training, and memory
 
 
