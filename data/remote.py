@@ -61,8 +61,7 @@ def display(url: str) -> str:
     if not is_url(url):
         return url
     parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.hostname or "" if parts.port is None else f"{parts.hostname}:{parts.port}",
-                       parts.path, "", ""))
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))  # the host as written
 
 
 def scrub(text: str) -> str:

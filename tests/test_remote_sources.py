@@ -364,6 +364,11 @@ def test_urls_are_shown_without_secrets():
     assert remote.display("/local/path?.jsonl") == "/local/path?.jsonl"
 
 
+def test_a_url_is_shown_with_its_host_as_written():
+    assert remote.display("http://me:pw@[::1]:8080/a.jsonl?sig=1") == "http://[::1]:8080/a.jsonl"
+    assert remote.display("s3://My-Bucket/a.jsonl") == "s3://My-Bucket/a.jsonl"
+
+
 def test_the_resolved_config_holds_no_secret_of_a_url(tmp_path):
     from config.loading import load_config, save_config
 
