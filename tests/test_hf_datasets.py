@@ -202,6 +202,17 @@ def test_a_changed_dataset_is_prepared_again(tmp_path, caplog):
     assert "using the data prepared earlier" in caplog.text
 
 
+def test_a_named_folder_of_another_corpus_names_the_dataset_setting_to_clear(tmp_path):
+    from data import DataError, prepare_for_training
+
+    prepare(tmp_path / "prepared", hf=HFDataset(str(write_saved(tmp_path / "a", make_rows(60)))))
+    other = PrepareSettings(hf_dataset=HFDataset(str(write_saved(tmp_path / "b", make_rows(60, seed=1)))),
+                            vocab_size=320, num_workers=0)
+    with pytest.raises(DataError, match=r"delete it to prepare data.hf_dataset.path there, or leave "
+                                        r"data.hf_dataset.path empty to train on it as it is$"):
+        prepare_for_training(tmp_path / "prepared", other, named_dir=True, max_input_mb=1000)
+
+
 def run_prepare_script(tmp_path: Path, capsys, *overrides: str) -> tuple[int, list[str]]:
     """scripts/prepare_data.py in this process: its exit code and the lines it wrote to stderr."""
     code = prepare_script.main([str(ROOT / "config/train_tiny_fsdp.yaml"), "--data.vocab_size=320",
