@@ -119,6 +119,7 @@ def expand_url(entry: str, accept: Callable[[str], bool], supported: str) -> lis
     assert scheme is not None
     fs = _filesystem(entry, scheme)
     if scheme not in LISTED_SCHEMES:
+        _check_format(entry, accept, supported)  # before any request
         return [_one_file(fs, entry, _call(entry, fs.info, entry), accept, supported)]
     if glob.has_magic(entry):
         found = _call(entry, fs.glob, entry, detail=True)
@@ -161,10 +162,14 @@ def _bucket(entry: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def _one_file(fs, entry: str, info: dict, accept: Callable[[str], bool], supported: str) -> RemoteFile:
+def _check_format(entry: str, accept: Callable[[str], bool], supported: str) -> None:
     if not accept(PurePosixPath(urlsplit(entry).path).name):
         raise DataError(f"unsupported data file {display(entry)}: expected one of {supported}, or for s3:// and "
                         f"gs:// a folder or a glob of them")
+
+
+def _one_file(fs, entry: str, info: dict, accept: Callable[[str], bool], supported: str) -> RemoteFile:
+    _check_format(entry, accept, supported)
     return _remote_file(fs, scheme_of(entry) or "", {**info, "name": entry})
 
 

@@ -338,6 +338,13 @@ def test_a_server_that_cannot_be_reached_is_a_network_error_not_a_missing_file(q
     assert errors[0].endswith("(a network error, still there after 2 retries)"), errors
 
 
+def test_an_http_url_of_another_format_is_refused_before_any_request(quick_retries, tmp_path, capsys):
+    url = "http://127.0.0.1:1/corpus/a.csv"  # nothing is asked of this server: it would refuse
+    assert run_prepare(tmp_path, url, capsys) == (
+        1, [f"error: unsupported data file {url}: expected one of .jsonl.gz, .json.gz, .jsonl.zst, .json.zst, "
+            f".jsonl, .txt, .parquet, or for s3:// and gs:// a folder or a glob of them"])
+
+
 def test_a_scheme_without_its_package_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
     assert run_prepare(tmp_path, "gs://bucket/corpus/*.parquet", capsys) == (
