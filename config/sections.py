@@ -414,4 +414,10 @@ class Config:
         return Path(self.run.output_dir or Path("checkpoints") / self.run.name)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as plain data, for config.yaml and the trackers: the URLs in data.files without a user,
+        password or query string, which may be credentials."""
+        from data.remote import display  # the standard library only
+
+        values = dataclasses.asdict(self)
+        values["data"]["files"] = [display(entry) for entry in self.data.files]
+        return values

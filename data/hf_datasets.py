@@ -135,6 +135,9 @@ def _saved(datasets, folder: Path, spec: HFDataset):
             saved = datasets.load_from_disk(str(folder))
     except (OSError, ValueError) as err:
         raise DataError(f"{folder}: not a readable save_to_disk folder ({err})") from None
+    except IndexError:  # datasets concatenates a split's arrow files, of which one saved without rows has none
+        raise DataError(f"cannot load {folder} with the datasets library: a split of it has no arrow file (one saved "
+                        f"without rows)") from None
     if isinstance(saved, datasets.DatasetDict):
         return _split(saved, spec, str(folder))
     if saved.split is not None and str(saved.split) != spec.split:
@@ -159,6 +162,8 @@ def _load(datasets, path: str, spec: HFDataset, *, streaming: bool):
                         f"(huggingface-cli download --repo-type dataset NAME), or give its folder") from None
     except ValueError as err:  # an unknown configuration name, or files the library cannot read
         raise DataError(f"cannot read {path} with the datasets library: {err}") from None
+    except datasets.exceptions.DatasetGenerationError as err:  # a data file that fails while converted into the cache
+        raise DataError(f"cannot read {path} with the datasets library: {err.__cause__ or err}") from None
     return _split(splits, spec, path)
 
 

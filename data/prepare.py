@@ -795,8 +795,8 @@ def prepare_for_training(dataset_dir: str | Path, settings: PrepareSettings, *, 
     """Rank 0's share of train_fsdp.py: make sure dataset_dir holds the data to train on.
 
     A complete folder the user named (named_dir) that was prepared from other inputs or settings is
-    trained on as it is when data.files is empty (the `--data.dataset_dir=DIR` of a folder made by
-    scripts/prepare_data.py), and is an error when data.files is set: it is never overwritten by a job.
+    trained on as it is when data.files and data.hf_dataset.path are empty (the `--data.dataset_dir=DIR` of a folder
+    made by scripts/prepare_data.py), and is an error when either is set: it is never overwritten by a job.
     Otherwise the corpus is prepared (or an earlier preparation reused or continued), when no larger
     than max_input_mb.
     """
@@ -808,7 +808,8 @@ def prepare_for_training(dataset_dir: str | Path, settings: PrepareSettings, *, 
             return
         source = Source.of(settings, Corpus.of(settings))
         if found.get("source_fingerprint") != source.fingerprint:
+            corpus = "data.hf_dataset.path" if settings.hf_dataset else "data.files"
             raise DataError(f"{root} already holds data prepared from other inputs or settings "
-                            f"({source.difference(found)}); delete it to prepare data.files there, or leave "
-                            f"data.files empty to train on it as it is")
+                            f"({source.difference(found)}); delete it to prepare {corpus} there, or leave "
+                            f"{corpus} empty to train on it as it is")
     prepare_data(root, settings, max_input_mb=max_input_mb)

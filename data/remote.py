@@ -61,8 +61,7 @@ def display(url: str) -> str:
     if not is_url(url):
         return url
     parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.hostname or "" if parts.port is None else f"{parts.hostname}:{parts.port}",
-                       parts.path, "", ""))
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))  # the host as written
 
 
 def scrub(text: str) -> str:
@@ -78,6 +77,9 @@ def url_problem(entry: str) -> str | None:
     if scheme not in PACKAGES:
         return (f"data.files: {display(entry)}: URLs of scheme {scheme}:// are not read (s3://, gs://, http:// and "
                 f"https:// are)")
+    if scheme not in LISTED_SCHEMES and glob.has_magic(urlsplit(entry).path):
+        return (f"data.files: {display(entry)}: an http(s):// URL names one file, never a glob (s3:// and gs:// URLs "
+                f"take globs)")
     for package in ("fsspec", PACKAGES[scheme]):
         if importlib.util.find_spec(package) is None:
             return f"data.files: {display(entry)} needs the package {package} (pip install {package})"
@@ -117,6 +119,7 @@ def expand_url(entry: str, accept: Callable[[str], bool], supported: str) -> lis
     assert scheme is not None
     fs = _filesystem(entry, scheme)
     if scheme not in LISTED_SCHEMES:
+        _check_format(entry, accept, supported)  # before any request
         return [_one_file(fs, entry, _call(entry, fs.info, entry), accept, supported)]
     if glob.has_magic(entry):
         found = _call(entry, fs.glob, entry, detail=True)
@@ -159,10 +162,14 @@ def _bucket(entry: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def _one_file(fs, entry: str, info: dict, accept: Callable[[str], bool], supported: str) -> RemoteFile:
+def _check_format(entry: str, accept: Callable[[str], bool], supported: str) -> None:
     if not accept(PurePosixPath(urlsplit(entry).path).name):
         raise DataError(f"unsupported data file {display(entry)}: expected one of {supported}, or for s3:// and "
                         f"gs:// a folder or a glob of them")
+
+
+def _one_file(fs, entry: str, info: dict, accept: Callable[[str], bool], supported: str) -> RemoteFile:
+    _check_format(entry, accept, supported)
     return _remote_file(fs, scheme_of(entry) or "", {**info, "name": entry})
 
 
@@ -273,14 +280,19 @@ def _code(err: BaseException) -> str:
 
 def is_transient(err: BaseException) -> bool:
     """A network error that may pass: a connection refused, reset or timed out, HTTP 5xx or 429, throttling."""
+    return _transient_cause(err) is not None
+
+
+def _transient_cause(err: BaseException) -> BaseException | None:
+    """The network error that may pass among err and its causes, or None."""
     for cause in _causes(err):
         names = {kind.__name__ for kind in type(cause).__mro__}
         status = _status(cause)
         if (isinstance(cause, (TimeoutError, ConnectionError)) or names & _TRANSIENT_TYPES
                 or (status is not None and (status >= 500 or status == 429)) or _code(cause) in _TRANSIENT_CODES
                 or (type(cause) is OSError and cause.errno in (errno.EBUSY, errno.EREMOTEIO))):  # s3fs's 5xx
-            return True
-    return False
+            return cause
+    return None
 
 
 def remote_error(url: str, err: BaseException, *, retried: int = 0) -> DataError:
@@ -297,10 +309,12 @@ def remote_error(url: str, err: BaseException, *, retried: int = 0) -> DataError
         detail = "" if "://" in message or message.startswith("HTTP ") else f": {message}"
         help = f"; the credentials come from {CREDENTIALS_HELP[scheme]}" if scheme in CREDENTIALS_HELP else ""
         return DataError(f"{where}: access denied (HTTP 403{detail}){help}")
-    if isinstance(err, FileNotFoundError) or 404 in statuses:
+    network = _transient_cause(err)
+    # fsspec's HTTP filesystem raises FileNotFoundError for any failed request, a refused connection included.
+    if 404 in statuses or (isinstance(err, FileNotFoundError) and network is None):
         return DataError(f"{where}: not found")
-    if retried:
-        return DataError(f"{where}: {_message(err)} (a network error, still there after {retried} retries)")
+    if retried and network is not None:
+        return DataError(f"{where}: {_message(network)} (a network error, still there after {retried} retries)")
     return DataError(f"{where}: {_message(err)}")
 
 

@@ -202,6 +202,17 @@ def test_a_changed_dataset_is_prepared_again(tmp_path, caplog):
     assert "using the data prepared earlier" in caplog.text
 
 
+def test_a_named_folder_of_another_corpus_names_the_dataset_setting_to_clear(tmp_path):
+    from data import DataError, prepare_for_training
+
+    prepare(tmp_path / "prepared", hf=HFDataset(str(write_saved(tmp_path / "a", make_rows(60)))))
+    other = PrepareSettings(hf_dataset=HFDataset(str(write_saved(tmp_path / "b", make_rows(60, seed=1)))),
+                            vocab_size=320, num_workers=0)
+    with pytest.raises(DataError, match=r"delete it to prepare data.hf_dataset.path there, or leave "
+                                        r"data.hf_dataset.path empty to train on it as it is$"):
+        prepare_for_training(tmp_path / "prepared", other, named_dir=True, max_input_mb=1000)
+
+
 def run_prepare_script(tmp_path: Path, capsys, *overrides: str) -> tuple[int, list[str]]:
     """scripts/prepare_data.py in this process: its exit code and the lines it wrote to stderr."""
     code = prepare_script.main([str(ROOT / "config/train_tiny_fsdp.yaml"), "--data.vocab_size=320",
@@ -231,6 +242,8 @@ def test_the_prepare_script_takes_a_dataset_folder(tmp_path, capsys):
     ("without_datasets", r"needs the datasets package: pip install datasets"),
     ("with_files", r"data.hf_dataset.path and data.files \(or data.sources\) both name a corpus"),
     ("a_file", r"data.hf_dataset.path=\S*train-00000-of-00002.parquet is a file: give the dataset's folder"),
+    ("empty_saved", r"cannot load \S*empty with the datasets library: a split of it has no arrow file"),
+    ("unread_line", r"cannot read \S*jsonl with the datasets library: JSON parse error"),
 ])
 def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch, case, message):
     rows = make_rows(20)
@@ -252,7 +265,16 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch
         "without_datasets": [f"--data.hf_dataset.path={saved}"],
         "with_files": [f"--data.hf_dataset.path={saved}", f"--data.files=[{write_jsonl(tmp_path / 'c.jsonl', rows)}]"],
         "a_file": [f"--data.hf_dataset.path={snapshot / 'data' / 'train-00000-of-00002.parquet'}"],
+        "empty_saved": [f"--data.hf_dataset.path={tmp_path / 'empty'}"],
+        "unread_line": [f"--data.hf_dataset.path={tmp_path / 'jsonl'}", "--data.hf_dataset.streaming=false"],
     }[case]
+    if case == "empty_saved":
+        datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")})
+                                   ).save_to_disk(str(tmp_path / "empty"))
+    if case == "unread_line":
+        with (write_snapshot(tmp_path / "jsonl", rows, suffix=".jsonl") / "data" / "train-00001-of-00002.jsonl"
+              ).open("a") as file:
+            file.write('{"text": "a line cut sho\n')
     if case == "without_datasets":
         monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
     code, lines = run_prepare_script(tmp_path, capsys, *overrides)

@@ -326,6 +326,25 @@ def test_http_bad_inputs_are_one_line_each_without_secrets(http_server, quick_re
         1, [f"error: data.files: http://{host}/corpus/none.jsonl: not found"])
 
 
+def test_a_server_that_cannot_be_reached_is_a_network_error_not_a_missing_file(quick_retries, tmp_path, capsys):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on: every connection is refused
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}/corpus/a.jsonl"
+    code, errors = run_prepare(tmp_path, url, capsys)
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: data.files: {url}: Cannot connect to host"), errors
+    assert errors[0].endswith("(a network error, still there after 2 retries)"), errors
+
+
+def test_an_http_url_of_another_format_is_refused_before_any_request(quick_retries, tmp_path, capsys):
+    url = "http://127.0.0.1:1/corpus/a.csv"  # nothing is asked of this server: it would refuse
+    assert run_prepare(tmp_path, url, capsys) == (
+        1, [f"error: unsupported data file {url}: expected one of .jsonl.gz, .json.gz, .jsonl.zst, .json.zst, "
+            f".jsonl, .txt, .parquet, or for s3:// and gs:// a folder or a glob of them"])
+
+
 def test_a_scheme_without_its_package_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
     assert run_prepare(tmp_path, "gs://bucket/corpus/*.parquet", capsys) == (
@@ -338,11 +357,35 @@ def test_a_scheme_without_its_package_is_one_line(tmp_path, capsys, monkeypatch)
     assert not (tmp_path / "out").exists()
 
 
+def test_a_glob_of_http_urls_is_one_line_before_anything_starts(tmp_path, capsys):
+    assert run_prepare(tmp_path, "https://example.org/corpus/*.jsonl", capsys) == (
+        2, ["error: data.files: https://example.org/corpus/*.jsonl: an http(s):// URL names one file, never a glob "
+            "(s3:// and gs:// URLs take globs)"])
+    assert remote.url_problem("https://example.org/corpus/a.jsonl?part=1") is None  # a query string is no glob
+
+
 def test_urls_are_shown_without_secrets():
     assert remote.display("https://me:pw@example.com:8443/a/b.jsonl?X-Amz-Signature=abc#f") == \
         "https://example.com:8443/a/b.jsonl"
     assert remote.scrub("GET 'https://me:pw@h/x?sig=1' failed") == "GET 'https://h/x' failed"
     assert remote.display("/local/path?.jsonl") == "/local/path?.jsonl"
+
+
+def test_a_url_is_shown_with_its_host_as_written():
+    assert remote.display("http://me:pw@[::1]:8080/a.jsonl?sig=1") == "http://[::1]:8080/a.jsonl"
+    assert remote.display("s3://My-Bucket/a.jsonl") == "s3://My-Bucket/a.jsonl"
+
+
+def test_the_resolved_config_holds_no_secret_of_a_url(tmp_path):
+    from config.loading import load_config, save_config
+
+    secret = "https://me:hunter2@example.org/corpus/a.jsonl?X-Amz-Signature=hunter2"
+    cfg = load_config(None, [f"--data.files=['{secret}', 'local/b.jsonl']"])
+    assert cfg.data.files == [secret, "local/b.jsonl"]  # what preparation reads keeps them
+    save_config(cfg, tmp_path / "config.yaml")  # also what the trackers are given
+    saved = load_config(tmp_path / "config.yaml")
+    assert saved.data.files == ["https://example.org/corpus/a.jsonl", "local/b.jsonl"]
+    assert "hunter2" not in (tmp_path / "config.yaml").read_text()
 
 
 # ---------------------------------------------------------------- training, and memory
