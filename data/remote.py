@@ -176,9 +176,13 @@ def _one_file(fs, entry: str, info: dict, accept: Callable[[str], bool], support
 def _remote_file(fs, scheme: str, info: dict) -> RemoteFile:
     name = info["name"]
     url = name if is_url(name) else f"{scheme}://{name}"
-    version = next((str(info[key]) for key in ("ETag", "etag", "md5Hash", "LastModified", "mtime", "updated",
-                                                "Last-Modified") if info.get(key)), "")
-    return RemoteFile(url, int(info.get("size") or 0), version, fs)
+    return RemoteFile(url, int(info.get("size") or 0), _version(info), fs)
+
+
+def _version(info: dict) -> str:
+    """What a store says of an object that changes when it is replaced: its ETag, else its modification time."""
+    return next((str(info[key]) for key in ("ETag", "etag", "md5Hash", "LastModified", "mtime", "updated",
+                                            "Last-Modified") if info.get(key)), "")
 
 
 class RemoteReader:
@@ -197,12 +201,23 @@ class RemoteReader:
         return file
 
     def _reopen(self) -> None:
-        """A new file at the same position: the old one's connection or cache may be broken."""
+        """A new file at the same position: the old one's connection or cache may be broken. An object replaced
+        since it was listed would continue with another file's bytes: that is an error, not a retry."""
         try:
             self.file.close()
         except Exception:  # noqa: BLE001, S110 - a broken connection's file may fail to close; it is dropped
             pass
+        self.verify()
         self.file = _call(self.remote.url, self._open)
+
+    def verify(self) -> None:
+        """The object is still the one listed. The HTTP client may itself repeat a request whose connection
+        dropped, so a file replaced while it was read is caught here, after the read, as well as on a retry."""
+        self.remote.fs.invalidate_cache(self.remote.url)
+        now = _version(_call(self.remote.url, self.remote.fs.info, self.remote.url))
+        if self.remote.version and now != self.remote.version:
+            raise DataError(f"data.files: {self.remote}: changed while it was read (version {self.remote.version} "
+                            f"when listed, {now} now): prepare again once it no longer changes")
 
     def read(self, size: int = -1) -> bytes:
         data = _call(self.remote.url, lambda: self.file.read(size), before_retry=self._reopen)
@@ -235,8 +250,12 @@ class RemoteReader:
     def __enter__(self) -> RemoteReader:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *_exc_info) -> None:
+        try:
+            if exc_type is None and not self.closed:  # read to its end (or as far as asked): the bytes were the listed
+                self.verify()
+        finally:
+            self.close()
 
 
 def _call(url: str, action: Callable[..., T], *args, before_retry: Callable[[], None] | None = None, **kwargs) -> T:

@@ -6,6 +6,7 @@ import gzip
 import json
 import logging
 import re
+import shutil
 import sys
 import threading
 from http import HTTPStatus
@@ -63,7 +64,8 @@ def corpus(tmp_path_factory) -> Path:
 class RangeHandler(BaseHTTPRequestHandler):
     """Serves the server's folder with HEAD and GET, GET with a byte range too. A GET of a name in
     server.faults takes the next fault of its list first: a status to answer with, "drop" (the
-    connection closes without an answer) or "ok" (none this time); once a list is empty the file is served."""
+    connection closes without an answer), "replace" (the file is rewritten, then the connection drops) or "ok"
+    (none this time); once a list is empty the file is served."""
 
     server: FileServer
 
@@ -77,7 +79,10 @@ class RangeHandler(BaseHTTPRequestHandler):
         with self.server.lock:
             faults = self.server.faults.get(urlsplit(self.path).path.lstrip("/"), [])
             fault = faults.pop(0) if faults else None
-        if fault == "drop":
+        if fault in ("drop", "replace"):
+            if fault == "replace":  # the object is rewritten (a new ETag) as the connection drops
+                path = self.server.root / unquote(urlsplit(self.path).path).lstrip("/")
+                path.write_bytes(path.read_bytes() + b"\n")
             self.close_connection = True
             self.connection.shutdown(2)
             return
@@ -247,6 +252,26 @@ def test_a_persistent_error_is_one_line(corpus, http_server, quick_retries, tmp_
     assert code == 1
     assert errors == [f"error: data.files: {url}: HTTP 503 Service Unavailable (a network error, still there "
                       f"after 2 retries)"]
+
+
+def test_an_object_replaced_while_it_is_read_is_one_line(corpus, http_server, quick_retries, tmp_path, capsys,
+                                                         monkeypatch):
+    # A retry after a dropped connection (ours, or the HTTP client's own) would continue at the same offset in
+    # another file's bytes.
+    monkeypatch.setattr(remote, "BLOCK_BYTES", 256)
+    monkeypatch.setattr("data.readers.READ_BLOCK_BYTES", 256)
+    served = tmp_path / "served"
+    shutil.copytree(corpus, served / "corpus")
+    http_server.root = served
+    url = f"{http_server.url}/corpus/part-0010.jsonl"
+    http_server.faults = {"corpus/part-0010.jsonl": ["ok", "replace"]}
+    code = prepare_script.main(["config/train_tiny_fsdp.yaml", f"--data.files=[{url}]",
+                                f"--data.dataset_dir={tmp_path / 'out'}", "--data.num_workers=0",
+                                "--data.vocab_size=400"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: data.files: {url}: changed while it was read (version ")
+    assert not any(http_server.faults.values())
 
 
 # ---------------------------------------------------------------- resuming
