@@ -75,8 +75,9 @@ def url_problem(entry: str) -> str | None:
     if scheme is None:
         return None
     if scheme not in PACKAGES:
+        hint = "; a Hugging Face dataset goes in data.hf_dataset.path" if scheme == "hf" else ""
         return (f"data.files: {display(entry)}: URLs of scheme {scheme}:// are not read (s3://, gs://, http:// and "
-                f"https:// are)")
+                f"https:// are){hint}")
     if scheme not in LISTED_SCHEMES and glob.has_magic(urlsplit(entry).path):
         return (f"data.files: {display(entry)}: an http(s):// URL names one file, never a glob (s3:// and gs:// URLs "
                 f"take globs)")

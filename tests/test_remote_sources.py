@@ -377,6 +377,9 @@ def test_a_scheme_without_its_package_is_one_line(tmp_path, capsys, monkeypatch)
     assert run_prepare(tmp_path, "ftp://host/a.jsonl", capsys) == (
         2, ["error: data.files: ftp://host/a.jsonl: URLs of scheme ftp:// are not read (s3://, gs://, http:// and "
             "https:// are)"])
+    assert run_prepare(tmp_path, "hf://datasets/org/name", capsys) == (
+        2, ["error: data.files: hf://datasets/org/name: URLs of scheme hf:// are not read (s3://, gs://, http:// and "
+            "https:// are); a Hugging Face dataset goes in data.hf_dataset.path"])
     with pytest.raises(DataError, match=r"^data.files: gs://bucket/a.jsonl needs the package gcsfs"):
         prepare_data(tmp_path / "out", PrepareSettings(files=("gs://bucket/a.jsonl",), vocab_size=VOCAB_SIZE))
     assert not (tmp_path / "out").exists()
