@@ -20,6 +20,7 @@ from fsdp_utils.train.microbatch import (
     CACHE_FILE,
     MicroBatchChoice,
     _fitting_pairs,
+    _fixed_part,
     auto_policies,
     climb,
     keeps_at_least,
@@ -159,6 +160,30 @@ def test_each_policy_runs_only_sizes_known_or_predicted_to_fit():
     assert {name: {b: round(m, 2) for b, m in sizes.items()} for name, sizes in tried.items()} == {
         "none": {1: 4, 2: 7}, "selective_op": {2: 4, 4: 7}, "selective_op_lean": {4: 5.8, 2: 3.4},
         "selective/2": {2: 6, 1: 3.5}, "full": {4: 4.6, 8: 8.2}}
+
+
+def test_later_policies_predict_from_the_fixed_part_of_the_first_ones_line():
+    # peak = 20 GiB that no micro-batch changes (states and buffers, of which 10 are resident after the first
+    # step) + GiB per sample: none 10, selective_op 5, full 1. none's line through 4 and 8 meets 0 at 20, so one
+    # measurement of selective_op (at 8, which none fit) gives its slope: 16 is predicted at 100 and run. From the
+    # resident 10 alone, its bound (6.25 per sample) would put 16 over the budget and need a second point.
+    per_sample = {"none": 10, "selective_op": 5, "selective_op_lean": 5, "selective/2": 10, "full": 1}
+
+    class Trials:
+        policy = policy_name = None
+
+        def use(self, policy):
+            self.policy, self.policy_name = policy, policy.name
+
+        def measure(self, size):
+            return 20 + per_sample[self.policy_name] * size
+
+    tried = {}
+    fitting = _fitting_pairs(Trials(), auto_policies(2), divisors(32), budget=100, resident=10, tried=tried)
+    assert _fixed_part(tried["none"], 100) == 20
+    assert tried["none"] == {1: 30, 4: 60, 8: 100} and tried["selective_op"] == {8: 60, 16: 100}
+    assert [(policy.name, best) for policy, best, _ in fitting] == [("none", 8), ("selective_op", 16), ("full", 32)]
+    assert _fixed_part({1: 30, 2: 30}, 100) == 0 and _fixed_part({4: 60, 8: 120}, 100) == 0  # no rising pair that fits
 
 
 def test_climb_nothing_fits():

@@ -26,6 +26,7 @@ from .step import train_step
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "microbatch_cache.json"
+TRIAL_GRAPHS = 64  # compiled graphs per block the search may keep: one per policy, micro-batch and block kind
 
 
 # ---- the search ----------------------------------------------------------------------------------
@@ -85,13 +86,26 @@ def _predicted_peak(size: int, best: int, measured: dict[int, float], *, residen
     """The peak at `size` predicted from `best`'s measurement: the line through it and the largest smaller one
     that reads lower, else the bound (everything above `resident` grows with the micro-batch)."""
     peak = measured[best]
-    slope = (peak - resident) / best
+    slope = (peak - resident) / best if peak > resident else peak / best
     lower = [b for b in measured if b < best and measured[b] <= peak]
     if lower:
         a = max(lower)
         if measured[a] < peak:
             slope = (peak - measured[a]) / (best - a)
     return peak + slope * (size - best)
+
+
+def _fixed_part(measured: dict[int, float], budget: float) -> float:
+    """The part of a step's peak that does not grow with the micro-batch (states, gradient and loss buffers): where
+    the line through the two largest measurements that fit meets micro-batch 0; 0 without two that rise. The same
+    for every checkpointing policy (only the activations differ), so one measurement of a later policy gives its
+    slope, where the bound from the resident states alone would climb in several steps."""
+    fits = sorted(b for b, peak in measured.items() if peak <= budget)[-2:]
+    if len(fits) < 2 or measured[fits[1]] <= measured[fits[0]]:
+        return 0.0
+    a, b = fits
+    slope = (measured[b] - measured[a]) / (b - a)
+    return measured[a] - slope * a
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -158,11 +172,11 @@ class _Trials:
         return self.policy.name if self.policy else None
 
     def use(self, policy: CheckpointPolicy | None) -> None:
+        """Compiled blocks guard on the switch's policy: a new one compiles its own graphs, and a policy used
+        before (to time it after its memory trials) runs the graphs it compiled then."""
         self.policy = policy
         if self.switch is not None and policy is not None:
             self.switch.policy = policy
-        if self.compile:
-            torch.compiler.reset()  # a new policy compiles anew; one size at a time keeps each graph static
 
     def step(self, micro_batch: int, num_micro: int) -> None:
         self.size = micro_batch
@@ -235,7 +249,9 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     tried: dict[str, dict[int, float]] = {}
     speeds: dict[str, float] = {}
     try:
-        with torch.random.fork_rng(devices=rng_devices):
+        # Every pair of policy and micro-batch tried keeps its compiled graphs until the run's own are compiled
+        # (below): more than torch.compile keeps by default, past which it would run the blocks uncompiled.
+        with torch.random.fork_rng(devices=rng_devices), torch._dynamo.config.patch(recompile_limit=TRIAL_GRAPHS):
             trials.use(policies[0])
             probe.begin(candidates[0], trials.policy_name)
             trials.step(candidates[0], min(2, per_rank // candidates[0]))  # allocates the optimizer state, compiles
@@ -248,15 +264,10 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
                 raise nothing_fits(micro_batch or min(last), last)
             policy, best, measured = _fastest_pair(trials, fitting, speeds)
             trials.use(policy)
-            while compile:
-                # This step compiles the run's own graphs (static at the chosen size) and checks the figure.
-                peak = measured[best] = trials.measure(best)
-                if peak <= budget:
-                    break
-                if best == candidates[0] or micro_batch is not None:
-                    raise nothing_fits(best, measured)
-                best = max(c for c in candidates if c < best)
-                trials.use(policy)
+            if compile:
+                torch.compiler.reset()  # the trials' graphs go; the run compiles its own, within the usual limit
+                best = _compile_the_runs_graphs(trials, best, measured, budget=budget, nothing_fits=nothing_fits,
+                                                smaller=candidates if micro_batch is None else [])
     except torch.OutOfMemoryError as err:
         # The run stops: no point restoring the state of a step that an exception interrupted.
         during = f" with activation checkpointing {trials.policy_name}" if switch is not None else ""
@@ -280,6 +291,20 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
                             tried_gib=tried_gib if switch is not None else {}, tokens_per_s=speeds)
 
 
+def _compile_the_runs_graphs(trials: _Trials, best: int, measured: dict[int, float], *, budget: float,
+                             smaller: list[int], nothing_fits: Callable[[int, dict[int, float]], Exception]) -> int:
+    """A trial step at the chosen size that compiles the run's own graphs (static at that size) and checks the
+    figure; where it no longer fits, the next smaller of the `smaller` sizes, and so on. Returns the size."""
+    while True:
+        peak = measured[best] = trials.measure(best)
+        if peak <= budget:
+            return best
+        below = [c for c in smaller if c < best]
+        if not below:
+            raise nothing_fits(best, measured)
+        best = max(below)
+
+
 def _fastest_pair(trials: _Trials, fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]],
                   speeds: dict[str, float]) -> tuple[CheckpointPolicy | None, int, dict[int, float]]:
     """The one pair that fits, or (auto: each pair that fits has a larger micro-batch at more recompute) the
@@ -299,6 +324,7 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
     micro-batch than the policies before it (which recompute less: at the same size they are faster). Records
     every policy's measurements in `tried`."""
     fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]] = []
+    fixed = resident
     for policy in policies:
         sizes = [c for c in candidates if c > (fitting[-1][1] if fitting else 0)]
         if not sizes:
@@ -310,8 +336,10 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
         # first policy (none, which keeps the most) ran without running out of memory.
         safe = max((best for kept, best, _ in fitting if keeps_at_least(kept, policy)), default=0)
         fit = sorted((c for c in candidates if c <= safe), reverse=True) or candidates[:1]
-        best, measured = climb(sizes, budget=budget, resident=resident, measure=trials.measure, fit=fit)
+        best, measured = climb(sizes, budget=budget, resident=fixed, measure=trials.measure, fit=fit)
         tried[trials.policy_name or ""] = measured
+        if fixed == resident:
+            fixed = max(resident, _fixed_part(measured, budget))
         if best is not None:
             fitting.append((policy, best, measured))
     return fitting
