@@ -292,7 +292,7 @@ class FSDPConfig:
     """none; full (every DecoderBlock keeps only its input); selective (full, on every
     ac_every_n_layers-th block); selective_op_wide (every block keeps its matmul and attention outputs and
     recomputes the elementwise ops); selective_op (the same, but about half the matmul outputs' bytes are
-    recomputed too: the k, output and up projections', or with FP8's fused gate/up matmul its output);
+    recomputed too: the k, output and up projections');
     selective_op_lean (the output, gate and up projections' outputs recomputed); auto (on GPUs: trial steps
     measure none, selective_op, selective_op_lean, selective and full with the micro-batch search, and the
     pair of policy and micro-batch with the most tokens/s within the memory budget trains; cached with the

@@ -71,6 +71,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotated * sin).type_as(x)
 
 
+def per_slice_matmuls(linear: nn.Module, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """One matmul of x per slice of the linear layer's weight (`sizes` along its outputs), as if each slice
+    were its own layer. A layer that runs its slices itself (it has `output_slices`: FP8's, which slicing its
+    weight here would bypass; fsdp_utils/parallel/float8.py) is called and returns them."""
+    if getattr(linear, "output_slices", None) is not None:
+        return list(linear(x))
+    weight: torch.Tensor = linear.weight  # type: ignore[assignment]
+    return [F.linear(x, w) for w in weight.split(sizes)]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, fused_matmul: bool = False, flex_attention_fn: Callable | None = None):
         super().__init__()
@@ -79,8 +89,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # False: one matmul per slice of wqkv (below). True: one call of the wqkv module, its output
-        # split afterwards; for when wqkv becomes a module whose forward must run, e.g. an FP8 linear,
-        # which slicing its weight would bypass.
+        # split afterwards (LoRA's adapters add to that output).
         self.fused_matmul = fused_matmul
         # Used only with a block mask (document masking); a torch.compile'd flex_attention on GPUs, where
         # the uncompiled one materialises every score.
@@ -94,8 +103,8 @@ class Attention(nn.Module):
         # Three matmuls on slices of the one weight, not one matmul split afterwards: measured faster
         # (docs/benchmarks.md), and q, k, v are separate tensors, so attention saving v for backward
         # does not keep a fused output buffer alive, and backward concatenates no gradients.
-        wq, wk, wv = self.wqkv.weight.split([q_size, kv_size, kv_size])
-        return F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
+        q, k, v = per_slice_matmuls(self.wqkv, x, [q_size, kv_size, kv_size])
+        return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: BlockMask | torch.Tensor | None = None) -> torch.Tensor:
@@ -137,8 +146,8 @@ class FeedForward(nn.Module):
         # Two matmuls on the halves of w13 (see Attention.project_qkv): with one matmul, compile's
         # SwiGLU backward kernel must also concatenate the two gradients, and measured slower
         # (docs/benchmarks.md).
-        w_gate, w_up = self.w13.weight.chunk(2)
-        return F.linear(x, w_gate), F.linear(x, w_up)
+        gate, up = per_slice_matmuls(self.w13, x, [self.hidden_dim, self.hidden_dim])
+        return gate, up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
@@ -300,6 +309,9 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[to
     return loss, grad.to(logits.dtype)
 
 
+VOCAB_SLICES = 8  # the chunked loss's weight gradient is summed in this many slices of the vocabulary
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of h @ weight.T, one chunk of tokens at a time, gradients included.
 
@@ -315,13 +327,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        vocab_slice = -(-weight.shape[0] // VOCAB_SLICES)
         for start in range(0, h.shape[0], chunk_tokens):
             h_chunk, t_chunk = h[start:start + chunk_tokens], targets[start:start + chunk_tokens]
             loss, grad_logits = chunk_loss_fn(F.linear(h_chunk, weight), t_chunk)
             total += loss
             grad_h[start:start + chunk_tokens] = grad_logits @ weight
-            # In place, with the cast on the fly: no fp32 copy of the chunk's (V, D) product beside the sum.
-            grad_weight.add_(grad_logits.t() @ h_chunk)
+            # The chunk's (V, D) product added to the fp32 sum a slice of the vocabulary at a time: its
+            # compute-precision copy is then an eighth of the output projection, not a whole one beside the sum.
+            for rows in range(0, weight.shape[0], vocab_slice):
+                grad_weight[rows:rows + vocab_slice].add_(grad_logits[:, rows:rows + vocab_slice].t() @ h_chunk)
         # Kept in the weight's dtype, as grad_h is: the fp32 sum (twice the bytes of a bf16 output projection) is
         # freed before backward, which starts at the peak of the activations.
         ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))

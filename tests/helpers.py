@@ -187,3 +187,17 @@ class CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+
+class MatmulWidths(TorchDispatchMode):
+    """Counts the `mm` ops run inside it by their output's width (its last dimension)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "mm":
+            self.counts[out.shape[-1]] += 1
+        return out

@@ -9,6 +9,7 @@ The CUDA cases (marked gpu) run the same code on GPUs.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import importlib.util
 import math
@@ -106,10 +107,10 @@ def test_cli_float8_on_cpu_exits_2_before_the_process_group(tmp_path):
 # ---- conversion and numerics (torchao) ------------------------------------------------------------
 
 
-def tiny_model(**overrides) -> Transformer:
+def tiny_model(fused: bool = False, **overrides) -> Transformer:
     cfg = ModelConfig(**{**dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
                          **overrides})
-    model = Transformer(cfg, fused_matmul=True)  # as build_model makes it for FP8
+    model = Transformer(cfg, fused_matmul=fused)  # build_model's default for FP8: not fused
     model.init_weights(seed=1)
     return model
 
@@ -118,15 +119,45 @@ def tiny_model(**overrides) -> Transformer:
 def test_conversion_covers_exactly_the_block_linears():
     from torchao.float8.float8_linear import Float8Linear  # the type convert_to_float8_training swaps in
 
-    # ffn_hidden_dim=72: w13 is 64 -> 144 (converted), w2 is 72 -> 64 (72 is no multiple of 16: kept).
-    model = tiny_model(tie_embeddings=False, ffn_hidden_dim=72)
-    assert float8.Float8Converter("tensorwise", float8_all_gather=False).convert(list(model.layers)) == 3 * 2
+    # ffn_hidden_dim=80: w13 is 64 -> 2 x 80 and w2 80 -> 64 (multiples of 16: FP8); q is 64 wide, k and v 32.
+    model = tiny_model(tie_embeddings=False, ffn_hidden_dim=80)
+    assert float8.Float8Converter("tensorwise", float8_all_gather=False).convert(list(model.layers)) == 4 * 2
     fp8 = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
-    assert fp8 == {f"layers.{i}.{n}" for i in range(2) for n in ("attention.wqkv", "attention.wo", "feed_forward.w13")}
-    assert type(model.output) is nn.Linear and type(model.layers[0].feed_forward.w2) is nn.Linear
-    assert type(model.tok_embeddings) is nn.Embedding
-    for layer in model.layers:  # the fused projections now go through the FP8 modules
-        assert layer.attention.fused_matmul and layer.feed_forward.fused_matmul
+    assert fp8 == {f"layers.{i}.{n}" for i in range(2)
+                   for n in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")}
+    assert type(model.output) is nn.Linear and type(model.tok_embeddings) is nn.Embedding
+    # The fused weights run one FP8 matmul per slice, as the bf16 model runs one per slice.
+    layer = model.layers[0]
+    assert (layer.attention.wqkv.output_slices, layer.feed_forward.w13.output_slices) == ((64, 32, 32), (80, 80))
+    assert type(layer.attention.wo) is Float8Linear
+    # A slice that is no multiple of 16 (gate and up of 72 each) keeps its layer in the compute precision;
+    # built with fused_matmul (one matmul, split after) the whole 144-wide layer is one FP8 matmul.
+    for fused, w13_fp8 in ((False, False), (True, True)):
+        model = tiny_model(ffn_hidden_dim=72) if not fused else tiny_model(ffn_hidden_dim=72, fused=True)
+        float8.Float8Converter("tensorwise", float8_all_gather=False).convert(list(model.layers))
+        w13 = model.layers[0].feed_forward.w13
+        assert isinstance(w13, Float8Linear) == w13_fp8 and getattr(w13, "output_slices", None) is None
+        assert type(model.layers[0].feed_forward.w2) is nn.Linear  # 72 -> 64
+
+
+@needs_torchao
+def test_sliced_fp8_layers_give_the_fused_fp8_layers_results():
+    """One FP8 matmul per slice of wqkv and w13 against one FP8 matmul per fused weight: the results differ
+    only by each slice's own scales (of its weight here, without the FP8 all-gather, which casts the whole
+    weight with one; of its output gradient in backward), by far less than FP8's error."""
+    def run(fused: bool):
+        model = tiny_model(fused=fused)
+        float8.Float8Converter("tensorwise", float8_all_gather=False).convert(list(model.layers))
+        tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters()}
+
+    (loss_sliced, sliced), (loss_fused, fused) = run(False), run(True)
+    assert torch.allclose(loss_sliced, loss_fused, rtol=1e-3) and not torch.equal(loss_sliced, loss_fused)
+    for name, grad in sliced.items():
+        assert ((grad - fused[name]).norm() / fused[name].norm()).item() < FP8_TOLERANCE, name
+    assert any(not torch.equal(sliced[n], fused[n]) for n in sliced)  # the output gradients' own scales
 
 
 def block_fwd_bwd(block: DecoderBlock, x: torch.Tensor, grad_out: torch.Tensor,
@@ -149,7 +180,7 @@ def relative_errors(device: str, recipe: str | None, dtype: torch.dtype) -> dict
     """Norm-wise relative error of each block_fwd_bwd result against fp32 without FP8."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=97, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=64)
-    reference = Transformer(cfg, fused_matmul=True)  # as build_model makes it for FP8
+    reference = Transformer(cfg)  # as build_model makes it for FP8
     reference.init_weights(seed=2)  # the model's own initialisation: std 0.02, residual projections smaller
     block = reference.layers[0].to(device)
     x, grad_out = torch.randn(4, 64, cfg.dim, device=device), torch.randn(4, 64, cfg.dim, device=device)
@@ -193,7 +224,7 @@ def test_fp8_block_matches_fp32_within_fp8_tolerance(device, dtype, recipe):
 @needs_torchao
 def test_the_op_level_policies_keep_or_recompute_the_fp8_matmuls_of_their_roles():
     from fsdp_utils.parallel.parallelize import apply_activation_checkpointing
-    from tests.helpers import CountOps
+    from tests.helpers import CountOps, MatmulWidths
 
     def backward(mode: str):
         model = tiny_model()
@@ -201,28 +232,33 @@ def test_the_op_level_policies_keep_or_recompute_the_fp8_matmuls_of_their_roles(
         apply_activation_checkpointing(list(model.layers), mode, every_n=1)
         tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
         loss = model(tokens[:, :-1], tokens[:, 1:])
-        with CountOps() as counter:
+        with CountOps() as counter, MatmulWidths() as widths:
             loss.backward()
-        return counter.counts, [p.grad for p in model.parameters()]
+        return counter.counts, widths.counts, [p.grad for p in model.parameters()]
 
     modes = ("none", "selective_op_wide", "full", "selective_op", "selective_op_lean")
     runs = [backward(m) for m in modes]
-    (none, _), (wide, _), (full, _), (by_op, _), (lean, _) = runs
+    (none, none_widths, _), (wide, _, _), (full, _, _), (by_op, by_op_widths, _), (lean, lean_widths, _) = runs
     # In eager mode an FP8 matmul is an `mm` on torchao's FP8 tensors (compile traces it down to
-    # `_scaled_mm`, see the compiled test below). Backward runs 2 per FP8 linear (input and weight
-    # gradients), 4 linears per block, plus 2 for the output projection.
-    assert none["mm"] == 2 * 4 * 2 + 2
-    # full reruns the forward of every FP8 linear (its autograd function runs whole); selective_op_wide
+    # `_scaled_mm`, see the compiled test below). Backward runs 2 per FP8 matmul (input and weight
+    # gradients), 7 matmuls per block (q, k, v, o, gate, up, down: one per slice of wqkv and w13), plus 2
+    # for the output projection.
+    assert none["mm"] == 2 * 7 * 2 + 2
+    # full reruns the forward of every FP8 matmul (its autograd function runs whole); selective_op_wide
     # kept those outputs, so it runs none again...
-    assert full["mm"] == none["mm"] + 4 * 2
+    assert full["mm"] == none["mm"] + 7 * 2
     assert wide["mm"] == none["mm"]
     # ...but it does recompute the elementwise work (norms, casts), except the FP8 scales' amax (kept).
     assert wide["rsqrt"] > none["rsqrt"] and wide["abs"] > none["abs"] and wide["max"] == none["max"] < full["max"]
-    # selective_op reruns the fused gate/up FP8 matmul (w13) of each block, selective_op_lean the output projection too.
-    assert by_op["mm"] == none["mm"] + 2 and lean["mm"] == none["mm"] + 4
-    for _, grads in runs[1:]:
+    # selective_op reruns the k, output and up projections of each block, selective_op_lean the output, gate
+    # and up projections: told apart by their outputs' widths (k 32, o 64, gate and up the hidden width).
+    assert by_op["mm"] == lean["mm"] == none["mm"] + 3 * 2
+    hidden = tiny_model().cfg.hidden_dim
+    assert by_op_widths - none_widths == collections.Counter({32: 2, 64: 2, hidden: 2}), by_op_widths - none_widths
+    assert lean_widths - none_widths == collections.Counter({64: 2, hidden: 4}), lean_widths - none_widths
+    for _, _, grads in runs[1:]:
         # Recomputed FP8 casts see the same inputs and amax: the same gradients, bit for bit.
-        assert all(torch.equal(g, g_none) for g, g_none in zip(grads, runs[0][1], strict=True))
+        assert all(torch.equal(g, g_none) for g, g_none in zip(grads, runs[0][2], strict=True))
 
 
 @needs_torchao
@@ -250,8 +286,9 @@ def test_fp8_inputs_are_cast_once_for_forward_and_backward(recipe):
         return
     assert hooked == 4 * 2  # every FP8 linear of the 2 blocks
     _, loss_torchao, torchao, grads_torchao = run(False)
-    # Backward reduces only the gradients' maxima: torchao alone also reduces each saved input's again.
-    assert torchao["max"] - once["max"] == hooked, (once["max"], torchao["max"])
+    # Backward reduces only the gradients' maxima: torchao alone also reduces each matmul's saved input
+    # again (7 FP8 matmuls a block: wqkv and w13 run one per slice).
+    assert torchao["max"] - once["max"] == 7 * 2, (once["max"], torchao["max"])
     # The same scales, so the same bits as torchao's own casts.
     assert loss_once.item() == loss_torchao.item()
     for a, b in zip(grads_once, grads_torchao, strict=True):
@@ -270,14 +307,14 @@ def test_compiled_fp8_block_keeps_checkpointing_and_its_fp8_matmul_outputs():
     (none, ops_none), (wide, ops_wide), (by_op, _), (lean, _) = (compiled_block_saves(m, convert) for m in modes)
     # One graph per block (the FP8 autograd functions traced, no graph break), checkpointed as a region.
     assert len(ops_none) > 40 and "tag_activation_checkpoint" in ops_wide
-    # selective_op_wide keeps the FP8 matmul outputs (q/k/v 2 units, attention output 1, gate/up 6, down 1)
-    # and attention's: measured 14.3 units against 14.6 without checkpointing, where the partitioner
-    # already keeps FP8 copies (a quarter unit each) in place of several fp32 activations. Had the
+    # selective_op_wide keeps the FP8 matmul outputs (q, k, v 1 unit each, attention output 1, gate and up 3
+    # each, down 1) and attention's: measured 14.3 units against 14.6 without checkpointing, where the
+    # partitioner already keeps FP8 copies (a quarter unit each) in place of several fp32 activations. Had the
     # policy missed the FP8 matmuls, they would be recomputed and 2.3 units kept (measured).
     assert 8 * unit < wide <= none, (none / unit, wide / unit)
-    # selective_op recomputes the fused gate/up FP8 matmul instead of keeping its output (6 units), selective_op_lean
-    # the output projection's too (1 unit).
-    assert wide - by_op >= 5.5 * unit and by_op - lean >= 0.5 * unit, (wide / unit, by_op / unit, lean / unit)
+    # selective_op recomputes the k, output and up projections instead of keeping their outputs (5 units;
+    # measured 6.0), selective_op_lean the output, gate and up projections (7; measured 9.0).
+    assert wide - by_op >= 5 * unit and by_op - lean >= 2 * unit, (wide / unit, by_op / unit, lean / unit)
 
 
 # ---- real runs: 2 ranks, FSDP2 with FP8 all-gather, checkpoints (torchao) ------------------------------

@@ -399,9 +399,9 @@ def test_flops_per_token_terms(tie):
 
 @pytest.mark.parametrize("n_kv_heads", [1, 4], ids=["mqa", "mha"])
 def test_fused_matmul_calls_the_modules_and_keeps_outputs_and_gradients(n_kv_heads):
-    # fused_matmul (build_model sets it for FP8 layers) computes q/k/v and gate/up as one call
-    # of wqkv / w13, so a module replacing the nn.Linear runs; the numbers are those of the per-slice
-    # matmuls up to float32 summation order.
+    # fused_matmul (build_model sets it for LoRA, whose adapters add to the layer's output) computes q/k/v and
+    # gate/up as one call of wqkv / w13, so a module replacing the nn.Linear runs; the numbers are those of the
+    # per-slice matmuls up to float32 summation order.
     cfg = small_cfg(n_kv_heads=n_kv_heads)
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
     results = []

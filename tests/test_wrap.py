@@ -165,7 +165,7 @@ def compiled_block_saves(mode: str, convert=None, switchable: bool = False) -> t
 
     torch._dynamo.reset()
     cfg = ModelConfig(vocab_size=97, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, max_seq_len=64)
-    block = DecoderBlock(cfg, fused_matmul=convert is not None)  # as build_model makes it for FP8
+    block = DecoderBlock(cfg)  # as build_model makes it, for FP8 too
     if convert is not None:
         convert(block)
     if switchable:
@@ -205,6 +205,50 @@ def test_compiled_blocks_keep_checkpointing_and_each_op_level_policy_saves_what_
     assert wide - by_op == 6 * unit and by_op - lean == 3 * unit and lean > full
     for mode, saved in (("selective_op_wide", wide), ("selective_op", by_op), ("selective_op_lean", lean)):
         assert compiled_block_saves(mode, switchable=True)[0] == saved
+
+
+@pytest.mark.slow
+def test_a_compiled_switchable_block_compiles_each_policy_once_and_runs_the_one_set():
+    # The micro-batch search switches policy without dropping compiled graphs: the blocks must guard on the
+    # switch (a graph compiled for another policy would run its checkpointing silently) and reuse a policy's
+    # graphs when it is set again. Each compile records what its forward keeps for backward.
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from model.transformer import DecoderBlock, rotary_tables
+
+    compiles: list[int] = []
+
+    def partition(joint, inputs, **kwargs):
+        forward, backward = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        compiles.append(sum(n.meta["val"].numel() for n in backward.graph.nodes
+                            if n.op == "placeholder" and not n.name.startswith("tangents")))
+        return forward, backward
+
+    torch._dynamo.reset()
+    cfg = ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=64)
+    blocks = [DecoderBlock(cfg) for _ in range(cfg.n_layers)]
+    switch = CheckpointSwitch()
+    apply_switchable_checkpointing(blocks, switch)
+    for block in blocks:
+        block.compile(backend=aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition),
+                      dynamic=False)
+    cos, sin = rotary_tables(cfg.head_dim, 64, cfg.rope_theta)
+    new_compiles = {}
+    for step, mode in enumerate(("none", "selective_op", "none", "full", "selective_op")):
+        switch.policy = CheckpointPolicy(mode)
+        before = len(compiles)
+        x = torch.randn(2, 64, 64, requires_grad=True)
+        for block in blocks:
+            x = block(x, cos, sin)
+        x.sum().backward()
+        new_compiles[step] = compiles[before:]
+    # Each policy compiles at its first use only (two graphs: the first block's input is a leaf, the second's
+    # is not), and selective_op's keep less than none's.
+    none, by_op, again_none, full, again_by_op = new_compiles.values()
+    assert len(none) == len(by_op) == len(full) == 2 and again_none == again_by_op == []
+    assert none[0] > by_op[0]
+    torch._dynamo.reset()
 
 
 def test_the_policies_by_role_need_projections_they_know():

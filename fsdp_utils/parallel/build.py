@@ -36,11 +36,12 @@ def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: 
     """The model of `cfg.model` (our Transformer or model.type=hf), unsharded, on the meta device when
     it will be sharded over several ranks, with train.lora's adapters when set (the base then frozen in
     the compute dtype). `fused_matmul` (our model): one matmul per fused q/k/v and gate/up weight instead
-    of one per slice; by default exactly when FP8 or LoRA changes those layers (an FP8 module must be
-    called whole, and an adapter adds to the layer's output). `eos_id`: the tokenizer's EOS, which
-    separates documents; needed with data.document_masking or model.reset_positions. `host_free`: the
-    bytes this host can still give, if known: our model's weights are checked against it (on the CPU; a
-    GPU's free memory is read here) before anything is allocated. A collective with several ranks."""
+    of one per slice; by default exactly when LoRA adapts those layers (an adapter adds to the layer's
+    output). FP8 runs either way: its modules compute their slices themselves (parallel/float8.py).
+    `eos_id`: the tokenizer's EOS, which separates documents; needed with data.document_masking or
+    model.reset_positions. `host_free`: the bytes this host can still give, if known: our model's weights
+    are checked against it (on the CPU; a GPU's free memory is read here) before anything is allocated. A
+    collective with several ranks."""
     _agree(env, _memory_problem(cfg, env, host_free=host_free))
     documents = model_documents(cfg, eos_id)
     base_dtype = resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device).compute
@@ -98,7 +99,7 @@ def _memory_problem(cfg, env: DistEnv, *, host_free: int | None) -> ModelMemoryE
 
 def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None, documents: Documents | None) -> BuiltModel:
     use_meta = builds_on_meta(cfg, env)
-    fused = cfg.train.float8 != "none" or cfg.train.lora.rank > 0 if fused_matmul is None else fused_matmul
+    fused = cfg.train.lora.rank > 0 if fused_matmul is None else fused_matmul
     # The per-chunk softmax work of the chunked loss, compiled into a couple of kernels with train.compile.
     options = compile_options(cfg.train.compile_tuning)
     chunk_loss_fn = torch.compile(chunk_loss_and_grad, dynamic=False, options=options) if cfg.train.compile else None

@@ -19,6 +19,7 @@ fewer per linear and micro-batch, with the same bits.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from typing import Any
@@ -92,8 +93,9 @@ class Float8Converter:
     FP8 all-gather weights' scales, computed for all weights at once) onto the optimizer's step, so every
     step that updates the weights, wherever it runs, keeps them current and no loop has to know FP8.
 
-    Our model must be built with `fused_matmul` (build_model does so for FP8): its fused q/k/v and
-    gate/up weights are then applied by calling the module, which FP8 replaces."""
+    Our model's fused q/k/v and gate/up weights (wqkv, w13) become FP8 layers that run one FP8 matmul per
+    slice (Float8SlicedLinear), as the model runs one matmul per slice in bf16; with the model built with
+    `fused_matmul` (one matmul, split after: the benchmark's --fused_projections), plain FP8 layers."""
 
     def __init__(self, recipe: str, *, float8_all_gather: bool):
         self.recipe, self.float8_all_gather = recipe, float8_all_gather
@@ -111,11 +113,14 @@ class Float8Converter:
         cast_input = CastInputOnce() if CastInputOnce.applies_to(config) else None
         linears_before = sum(type(m) is nn.Linear for block in blocks for m in block.modules())
         for block in blocks:
-            for module in block.modules():
-                if isinstance(module, (Attention, FeedForward)) and not module.fused_matmul:
-                    raise ValueError("FP8 needs the model built with fused_matmul=True: the slices of its fused "
-                                     "weights would bypass the FP8 modules")
-            convert_to_float8_training(block, module_filter_fn=_convertible, config=config)
+            sliced = _sliced_linears(block)
+            convert_to_float8_training(block, config=config,
+                                       module_filter_fn=lambda m, fqn, s=sliced: _convertible(m, fqn) and m not in s)
+            for parent, name, sizes in sliced.values():
+                if all(size % 16 == 0 for size in sizes) and _convertible(getattr(parent, name), name):
+                    linear = float8_sliced_linear().from_float(getattr(parent, name), config=config)
+                    linear.output_slices = sizes
+                    setattr(parent, name, linear)
             if cast_input is not None:
                 for module in block.modules():
                     if isinstance(module, Float8Linear):
@@ -141,6 +146,47 @@ class Float8Converter:
         if self.float8_all_gather:
             precompute_float8_scales(model)
             cast_float8_shards(model)
+
+
+def _sliced_linears(block: nn.Module) -> dict[nn.Linear, tuple[nn.Module, str, tuple[int, ...]]]:
+    """The linear layers of our block that the model runs one matmul per slice (not fused_matmul), each with
+    its parent, its name there and its slices' sizes along the outputs: q/k/v of wqkv, gate/up of w13."""
+    sliced: dict[nn.Linear, tuple[nn.Module, str, tuple[int, ...]]] = {}
+    for module in block.modules():
+        if isinstance(module, Attention) and not module.fused_matmul:
+            kv = module.n_kv_heads * module.head_dim
+            sliced[module.wqkv] = (module, "wqkv", (module.n_heads * module.head_dim, kv, kv))
+        elif isinstance(module, FeedForward) and not module.fused_matmul:
+            sliced[module.w13] = (module, "w13", (module.hidden_dim, module.hidden_dim))
+    return sliced
+
+
+@functools.cache
+def float8_sliced_linear() -> Any:
+    """torchao's FP8 linear layer run as one FP8 matmul per slice of its weight (`output_slices`: sizes along the
+    outputs), returning the slices' outputs (model/transformer.py's per_slice_matmuls calls it). Each slice is
+    then its own matmul, as in the bf16 model, which the op-level checkpointing policies keep or recompute by
+    role (torchtitan's policy recomputes the k and up projections, not q, v and gate). The input is cast to FP8
+    once for all slices (CastInputOnce). With the tensorwise FP8 all-gather the whole weight arrives cast with
+    one scale, and its slices keep it: their products are the fused product's columns. A class made on first
+    use: torchao is imported only when FP8 is asked for."""
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    class Float8SlicedLinear(Float8Linear):
+        output_slices: tuple[int, ...]
+
+        def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            if torch.is_autocast_enabled():  # as Float8Linear: the output in autocast's precision
+                input = input.to(torch.get_autocast_gpu_dtype())
+            outputs, start = [], 0
+            for size in self.output_slices:
+                weight = self.weight.narrow(0, start, size)  # a slice: the FP8 tensors keep their scale
+                outputs.append(matmul_with_hp_or_float8_args.apply(input, weight.t(), self.linear_mm_config,
+                                                                   self.config))
+                start += size
+            return tuple(outputs)
+
+    return Float8SlicedLinear
 
 
 class CastInputOnce:

@@ -86,9 +86,10 @@ def _ops_worth_saving() -> list:
 
 
 # The matmuls each op-level policy recomputes, by role (matmul_roles): with the feed-forward's gate and up
-# matmuls apart, and fused into one (FP8). selective_op_wide keeps every matmul output; selective_op recomputes
-# the k, output and up projections, about half the bytes, as torchtitan's op-level policy does; with the gate
-# and up fused, their output alone (two thirds of the bytes); selective_op_lean recomputes the feed-forward's input
+# matmuls apart (bf16 and FP8 alike), and fused into one (the benchmark's --fused_projections). selective_op_wide
+# keeps every matmul output; selective_op recomputes the k, output and up projections, about half the bytes, as
+# torchtitan's op-level policy does; with the gate and up fused, their output alone (two thirds of the bytes);
+# selective_op_lean recomputes the feed-forward's input
 # matmuls and the output projection. Every role but the down projection reads the model width, so each
 # recomputed byte costs the same work. The down projection's output is kept: backward never reads it, so
 # compile drops it, and in eager mode keeping it spares a rerun of its FP8 matmul.
@@ -187,8 +188,8 @@ class CheckpointPolicy:
 class CheckpointSwitch:
     """The policy of blocks made switchable by `apply_switchable_checkpointing`, for
     fsdp.activation_checkpointing=auto: the micro-batch search (train/microbatch.py) sets each candidate
-    in turn and leaves the chosen one. Compiled blocks read it as a constant: after a change,
-    torch.compiler.reset() (which the search calls) lets them compile the new policy."""
+    in turn and leaves the chosen one. Compiled blocks guard on it: a new policy compiles its own graphs, and
+    one compiled before runs again without compiling."""
 
     def __init__(self, policy: CheckpointPolicy = CheckpointPolicy("none")):
         self.policy = policy
