@@ -96,3 +96,23 @@ def test_fsdp2_two_ranks_without_accumulation_match_one_process(tmp_path_factory
                       nproc=2, expect_log=["world size 2 ", "FSDP2 FULL_SHARD, grad accumulation 1,"])
     assert ref[-1]["loss"] < ref[0]["loss"] - 0.2
     assert_same_training(rows, ref)
+
+
+def test_fsdp2_with_untied_embeddings_matches_one_process_and_resumes_exactly(tmp_path_factory, corpus, dataset_dir):
+    # Untied, the embedding and the final norm with the output projection are FSDP2 units of their own
+    # (parallelize.edge_modules): the embedding's gathered weight is freed after its forward and gathered again
+    # for its gradient at the end of backward. Two ranks still train as one process, and resume bit for bit.
+    untied = ["--model.tie_embeddings=false"]
+    ref = train_rows(tmp_path_factory, corpus, dataset_dir, "ref_untied", *untied, nproc=1,
+                     expect_log=["world size 1 "])
+    out = tmp_path_factory.mktemp("fsdp2_untied")
+    args = [*COMMON, *untied, "--fsdp.version=2", "--checkpoint.format=sharded", "--checkpoint.interval=3"]
+    run_train(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, timeout=180)
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert ref[-1]["loss"] < ref[0]["loss"] - 0.2
+    assert_same_training(rows, ref)
+    resumed = tmp_path_factory.mktemp("fsdp2_untied_resumed")
+    run_train(*args, f"--resume_from={out / 'fsdp_sharded_cpt3'}", nproc=2, out_dir=resumed, corpus=corpus,
+              dataset_dir=dataset_dir, timeout=180)
+    again = {row["step"]: row["loss"] for row in read_metrics(resumed) if "loss" in row}
+    assert again == {row["step"]: row["loss"] for row in rows if row["step"] > 3}

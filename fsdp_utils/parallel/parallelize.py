@@ -425,4 +425,30 @@ def _wrap_fsdp2(model: nn.Module, blocks: list[nn.Module], f: FSDPConfig, env: D
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in blocks:
         fully_shard(block, **kwargs)
+    edges = edge_modules(model)
+    if edges is not None:
+        # Units of their own, as torchtitan's, so neither stays gathered in the root's unit for the whole step:
+        # the embedding's gathered weight goes after its forward (and is gathered again at the end of backward),
+        # the output projection's, with its gathered gradient, after its backward, the first of the step. Kept
+        # gathered from forward to backward, as the root's would be (backward starts with it).
+        embedding, head = edges
+        fully_shard(embedding, **kwargs)
+        fully_shard(head, **{**kwargs, "reshard_after_forward": False})
     fully_shard(model, **kwargs)
+
+
+def edge_modules(model: nn.Module) -> tuple[nn.Module, list[nn.Module]] | None:
+    """(input embedding, [final norm, output projection]) of our Transformer or a Hugging Face causal LM whose
+    output projection has its own weight; None when it is tied to the embedding (one weight for the first and
+    the last op of the step: it stays in the root's unit) or the model has no such parts."""
+    lm = getattr(model, "lm", model)  # a Hugging Face model inside its adapter (parallel/hf.py)
+    if hasattr(lm, "tok_embeddings"):  # ours
+        embedding, norm, output = lm.tok_embeddings, lm.norm, lm.output
+    elif hasattr(lm, "get_input_embeddings") and hasattr(lm, "get_output_embeddings"):
+        embedding, output = lm.get_input_embeddings(), lm.get_output_embeddings()  # type: ignore[operator]
+        norm = getattr(getattr(lm, "model", None), "norm", None)
+    else:
+        return None
+    if not isinstance(embedding, nn.Module) or not isinstance(output, nn.Module) or output.weight is embedding.weight:
+        return None
+    return embedding, [m for m in (norm, output) if isinstance(m, nn.Module)]
