@@ -183,6 +183,15 @@ def test_later_policies_predict_from_the_fixed_part_of_the_first_ones_line():
     assert _fixed_part(tried["none"], 100) == 20
     assert tried["none"] == {1: 30, 4: 60, 8: 100} and tried["selective_op"] == {8: 60, 16: 100}
     assert [(policy.name, best) for policy, best, _ in fitting] == [("none", 8), ("selective_op", 16), ("full", 32)]
+    # From one measurement and an estimated fixed part, a jump of at most twice the size: 8 -> 16 -> 32, not 8 -> 32.
+    calls = []
+
+    def measure(size):
+        calls.append(size)
+        return 20 + 5 * size
+
+    assert climb([16, 32], budget=200, resident=20, measure=measure, fit=[8], one_point_jump=2)[0] == 32
+    assert calls == [8, 16, 32]
     assert _fixed_part({1: 30, 2: 30}, 100) == 0 and _fixed_part({4: 60, 8: 120}, 100) == 0  # no rising pair that fits
 
 
