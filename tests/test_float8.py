@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import importlib.util
 import math
 import os
@@ -442,7 +443,8 @@ def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
         kind, saved = type(weight.to_local()), weight.full_tensor().clone()
         assert kind.__module__.startswith("torchao")
         env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-        manager = CheckpointManager(CheckpointConfig(format=fmt, keep_last_n=0), tmp_path, model_config={}, env=env)
+        manager = CheckpointManager(CheckpointConfig(format=fmt, keep_last_n=0), tmp_path,
+                                    model_config=dataclasses.asdict(model.cfg), env=env)
         manager.save(model, optimizer, TrainState(step=1))
         with torch.no_grad():
             weight.zero_()
