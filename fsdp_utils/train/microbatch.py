@@ -340,9 +340,10 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
         # first policy (none, which keeps the most) ran without running out of memory.
         safe = max((best for kept, best, _ in fitting if keeps_at_least(kept, policy)), default=0)
         fit = sorted((c for c in candidates if c <= safe), reverse=True) or candidates[:1]
-        # From the first policy's fixed part, one measurement predicts at most twice its size: at 8B, selective_op_lean
-        # measured at 8 predicted 32 at 118 GiB, which peaked at 136 (the fixed part read from a line of peaks
-        # reserved is an estimate, where the resident bound is a bound).
+        # From the first policy's fixed part, one measurement predicts at most twice its size: that part is read
+        # from a line of reserved peaks, an estimate (the resident states are a bound), and up to twice the size
+        # the prediction errs by no more than the estimate does. At 8B, selective_op_lean measured at 8 was
+        # predicted at 118 GiB at 32 and peaked at 136.
         best, measured = climb(sizes, budget=budget, resident=fixed, measure=trials.measure, fit=fit,
                                one_point_jump=2 if fixed > resident else None)
         tried[trials.policy_name or ""] = measured
