@@ -90,8 +90,9 @@ def _ops_worth_saving() -> list:
 # keeps every matmul output; selective_op recomputes the k, output and up projections, about half the bytes, as
 # torchtitan's op-level policy does; with the gate and up fused, their output alone (two thirds of the bytes);
 # selective_op_lean recomputes the feed-forward's input matmuls and the output projection. Every role but the
-# down projection reads the model width, so each recomputed byte costs the same work. The down projection's output is kept: backward never reads it, so
-# compile drops it, and in eager mode keeping it spares a rerun of its FP8 matmul.
+# down projection reads the model width, so each recomputed byte costs the same work. The down projection's
+# output is kept: backward never reads it, so compile drops it, and in eager mode keeping it spares a rerun of
+# its FP8 matmul.
 OP_POLICY_RECOMPUTES = {
     "selective_op_wide": (frozenset(), frozenset()),
     "selective_op": (frozenset({"k", "o", "up"}), frozenset({"gate_up"})),
