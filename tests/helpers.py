@@ -178,26 +178,17 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 class CountOps(TorchDispatchMode):
-    """Counts the aten ops run inside it, by name (e.g. counts["mm"])."""
+    """Counts the aten ops run inside it, by name (e.g. counts["mm"]), and the `mm` ops by their output's width
+    (its last dimension: mm_widths[64])."""
 
     def __init__(self):
         super().__init__()
         self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class MatmulWidths(TorchDispatchMode):
-    """Counts the `mm` ops run inside it by their output's width (its last dimension)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
+        self.mm_widths = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.counts[func.overloadpacket.__name__] += 1
         if func.overloadpacket.__name__ == "mm":
-            self.counts[out.shape[-1]] += 1
+            self.mm_widths[out.shape[-1]] += 1
         return out

@@ -225,7 +225,7 @@ def test_fp8_block_matches_fp32_within_fp8_tolerance(device, dtype, recipe):
 @needs_torchao
 def test_the_op_level_policies_keep_or_recompute_the_fp8_matmuls_of_their_roles():
     from fsdp_utils.parallel.parallelize import apply_activation_checkpointing
-    from tests.helpers import CountOps, MatmulWidths
+    from tests.helpers import CountOps
 
     def backward(mode: str):
         model = tiny_model()
@@ -233,9 +233,9 @@ def test_the_op_level_policies_keep_or_recompute_the_fp8_matmuls_of_their_roles(
         apply_activation_checkpointing(list(model.layers), mode, every_n=1)
         tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
         loss = model(tokens[:, :-1], tokens[:, 1:])
-        with CountOps() as counter, MatmulWidths() as widths:
+        with CountOps() as counter:
             loss.backward()
-        return counter.counts, widths.counts, [p.grad for p in model.parameters()]
+        return counter.counts, counter.mm_widths, [p.grad for p in model.parameters()]
 
     modes = ("none", "selective_op_wide", "full", "selective_op", "selective_op_lean")
     runs = [backward(m) for m in modes]

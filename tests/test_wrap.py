@@ -145,23 +145,15 @@ def compiled_block_saves(mode: str, convert=None, switchable: bool = False) -> t
     parallelize converts to FP8); return the activation bytes the compiled forward keeps for backward
     (compile's partitioner decides, as on GPUs) and the ops of the traced graph."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     from model.transformer import DecoderBlock, rotary_tables
 
-    saved, ops = [], []
-
-    def partition(joint, inputs, **kwargs):
-        forward, backward = min_cut_rematerialization_partition(joint, inputs, **kwargs)
-        for node in backward.graph.nodes:  # the backward's non-gradient inputs are the saved tensors
-            value = node.meta.get("val")
-            if node.op == "placeholder" and not node.name.startswith("tangents") and isinstance(value, torch.Tensor):
-                saved.append(value.numel() * value.element_size())
-        return forward, backward
+    saved: list[list[torch.Tensor]] = []
+    ops: list[str] = []
 
     def record_ops(gm, _inputs):
         ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)(gm, _inputs)
+        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=recording_partition(saved))(gm, _inputs)
 
     torch._dynamo.reset()
     cfg = ModelConfig(vocab_size=97, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, max_seq_len=64)
@@ -176,7 +168,21 @@ def compiled_block_saves(mode: str, convert=None, switchable: bool = False) -> t
     cos, sin = rotary_tables(cfg.head_dim, 64, cfg.rope_theta)
     block(torch.randn(2, 64, 64, requires_grad=True), cos, sin).sum().backward()
     weights = sum(p.numel() * p.element_size() for p in block.parameters())
-    return sum(saved) - weights, ops
+    return sum(v.numel() * v.element_size() for graph in saved for v in graph) - weights, ops
+
+
+def recording_partition(saved: list[list[torch.Tensor]]):
+    """aot_autograd's partition_fn: compile's own min-cut partition, which appends to `saved` what each compiled
+    forward keeps for backward (the backward graph's inputs that are not gradients)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint, inputs, **kwargs):
+        forward, backward = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        saved.append([node.meta["val"] for node in backward.graph.nodes if node.op == "placeholder"
+                      and not node.name.startswith("tangents") and isinstance(node.meta.get("val"), torch.Tensor)])
+        return forward, backward
+
+    return partition
 
 
 def boxed(gm, _inputs):
@@ -213,17 +219,10 @@ def test_a_compiled_switchable_block_compiles_each_policy_once_and_runs_the_one_
     # switch (a graph compiled for another policy would run its checkpointing silently) and reuse a policy's
     # graphs when it is set again. Each compile records what its forward keeps for backward.
     from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     from model.transformer import DecoderBlock, rotary_tables
 
-    compiles: list[int] = []
-
-    def partition(joint, inputs, **kwargs):
-        forward, backward = min_cut_rematerialization_partition(joint, inputs, **kwargs)
-        compiles.append(sum(n.meta["val"].numel() for n in backward.graph.nodes
-                            if n.op == "placeholder" and not n.name.startswith("tangents")))
-        return forward, backward
+    saved: list[list[torch.Tensor]] = []
 
     torch._dynamo.reset()
     cfg = ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=64)
@@ -231,18 +230,18 @@ def test_a_compiled_switchable_block_compiles_each_policy_once_and_runs_the_one_
     switch = CheckpointSwitch()
     apply_switchable_checkpointing(blocks, switch)
     for block in blocks:
-        block.compile(backend=aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition),
-                      dynamic=False)
+        block.compile(backend=aot_autograd(fw_compiler=boxed, bw_compiler=boxed,
+                                           partition_fn=recording_partition(saved)), dynamic=False)
     cos, sin = rotary_tables(cfg.head_dim, 64, cfg.rope_theta)
     new_compiles = {}
     for step, mode in enumerate(("none", "selective_op", "none", "full", "selective_op")):
         switch.policy = CheckpointPolicy(mode)
-        before = len(compiles)
+        before = len(saved)
         x = torch.randn(2, 64, 64, requires_grad=True)
         for block in blocks:
             x = block(x, cos, sin)
         x.sum().backward()
-        new_compiles[step] = compiles[before:]
+        new_compiles[step] = [sum(v.numel() for v in graph) for graph in saved[before:]]
     # Each policy compiles at its first use only (two graphs: the first block's input is a leaf, the second's
     # is not), and selective_op's keep less than none's.
     none, by_op, again_none, full, again_by_op = new_compiles.values()
