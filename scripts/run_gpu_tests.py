@@ -2,6 +2,7 @@
 
     python scripts/run_gpu_tests.py                    # all tests marked `gpu`
     python scripts/run_gpu_tests.py -k matrix          # extra arguments go to pytest (selection only)
+    python scripts/run_gpu_tests.py --shard 1/2        # then --shard 2/2: the suite in two calls of half the time
 
 Tests marked `gpu_exclusive` (they measure GPU memory, or need more than 2 GPUs) run first, one pytest with
 every GPU visible. The others run next, shared out as they go: several workers per pair of GPUs
@@ -10,7 +11,9 @@ pair has room and compute for a few at once) each take the next test from one qu
 process of its own, stopped with everything it started after --test_timeout seconds. A test that hangs
 then fails alone, and a slow one does not hold back the tests dealt after it. The queue holds the longest
 tests first (seconds recorded in tests/gpu_durations.json; tests without a record before all): the suite
-takes about as long as its busiest worker, so a slow test must not be the last to start. Prints one line per failure
+takes about as long as its busiest worker, so a slow test must not be the last to start. --shard K/N runs the
+K-th of N parts of about equal recorded time (the exclusive tests in the first), for machines or jobs with a time
+limit shorter than the suite: the N calls together run every test once. Prints one line per failure
 and a closing `N passed, N failed, N skipped` line; exits non-zero if anything failed. The logs and JUnit
 files of every pytest are kept in --log_dir.
 """
@@ -85,6 +88,45 @@ def longest_first(tests: list[str], durations: dict[str, float]) -> list[str]:
     return sorted(tests, key=lambda test: (test in durations, -durations.get(test, 0.0)))
 
 
+def deal_shards(exclusive: list[str], shared: list[str], durations: dict[str, float], *, num_shards: int,
+                parallel: int) -> list[tuple[list[str], list[str]]]:
+    """The suite cut into `num_shards` parts of about equal wall time, as (exclusive tests, shared tests) each:
+    the exclusive tests all in the first (they run alone, one after another: their seconds count `parallel`
+    times, against shared tests that run `parallel` at once); the shared ones longest first, each to the part
+    with the least recorded seconds so far. A test with no record counts as the longest recorded. The same
+    tests and records give the same parts, so the N calls of a suite split it alike."""
+    longest = max(durations.values(), default=0.0)
+    seconds = lambda test: durations.get(test, longest)  # noqa: E731
+    parts: list[tuple[list[str], list[str]]] = [([], []) for _ in range(num_shards)]
+    loads = [0.0] * num_shards
+    parts[0][0].extend(exclusive)
+    loads[0] = parallel * sum(seconds(test) for test in exclusive)
+    for test in longest_first(shared, durations):
+        lightest = loads.index(min(loads))
+        parts[lightest][1].append(test)
+        loads[lightest] += seconds(test)
+    return parts
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """K/N (1 <= K <= N) as (K, N); one error line otherwise."""
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise SystemExit(f"error: --shard must be K/N, e.g. 1/2; got {text!r}") from None
+    if not 1 <= k <= n:
+        raise SystemExit(f"error: --shard K/N needs 1 <= K <= N; got {text!r}")
+    return k, n
+
+
+def junit_durations(junit: Path) -> dict[str, float]:
+    """Seconds per test of a pytest's JUnit file, by node id (tests/test_x.py::test_y[param])."""
+    if not junit.exists():
+        return {}
+    return {f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}": float(case.get("time", 0))
+            for case in ET.parse(junit).getroot().iter("testcase")}
+
+
 def measured_durations(runs: list[tuple[str, Path, bool]], timeout: float) -> dict[str, float]:
     """Seconds each test of run_shared took (its JUnit time; a test stopped at the timeout: the timeout)."""
     durations = {}
@@ -149,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test_timeout", type=float, default=400,
                         help="seconds one test may take before it is stopped and counted as failed")
     parser.add_argument("--log_dir", type=Path, default=Path("/tmp/gpu-tests"))
+    parser.add_argument("--shard", default="1/1", help="K/N: run the K-th of N parts of about equal recorded time")
     parser.add_argument("--durations", type=Path, default=DURATIONS,
                         help="recorded seconds per test, which order the queue (longest first); LOG_DIR/durations.json "
                              "gets them with this run's, as tests finish: copy it here to refresh them")
     args, pytest_args = parser.parse_known_args(argv)
+    shard, num_shards = parse_shard(args.shard)
     import torch
 
     num_gpus = torch.cuda.device_count()
@@ -164,20 +208,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.log_dir.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
-    exclusive = collect("gpu and gpu_exclusive", pytest_args)
     recorded = read_durations(args.durations)
-    shared = longest_first(collect("gpu and not gpu_exclusive", pytest_args), recorded)
     pairs = [f"{i},{i + 1}" for i in range(0, num_gpus - 1, 2)]
-    print(f"{len(exclusive) + len(shared)} GPU tests on {num_gpus} GPUs: {len(exclusive)} alone first, then "
+    exclusive, shared = deal_shards(collect("gpu and gpu_exclusive", pytest_args),
+                                    collect("gpu and not gpu_exclusive", pytest_args), recorded,
+                                    num_shards=num_shards, parallel=len(pairs) * args.workers_per_pair)[shard - 1]
+    part = f" (part {shard} of {num_shards})" if num_shards > 1 else ""
+    print(f"{len(exclusive) + len(shared)} GPU tests{part} on {num_gpus} GPUs: {len(exclusive)} alone first, then "
           f"{len(shared)} over {len(pairs)} pair(s) x {args.workers_per_pair} workers", flush=True)
+    merged = dict(recorded)
 
     runs: list[tuple[str, Path, bool]] = []
     if exclusive:
         junit, stopped = run_pytest(exclusive, name="exclusive", gpus=",".join(map(str, range(num_gpus))),
                                     log_dir=args.log_dir, timeout=args.test_timeout * len(exclusive))
         runs.append(("the exclusive tests", junit, stopped))
-
-    merged = dict(recorded)
+        merged.update({test: round(t, 1) for test, t in junit_durations(junit).items() if test in exclusive})
 
     def save_durations(finished: list[tuple[str, Path, bool]]) -> None:
         # Written as tests finish, over the recorded ones: a run cut short, or a -k selection, loses no record.
@@ -199,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         for failure in failures:
             print(f"FAILED {failure}")
     seconds = time.perf_counter() - begin
-    print(f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped "
+    print(f"{totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped{part} "
           f"in {seconds:.0f} s on {num_gpus} GPUs ({torch.cuda.get_device_name(0)}); logs in {args.log_dir}")
     return 1 if totals["failed"] else 0
 

@@ -64,10 +64,35 @@ def test_queue_holds_unrecorded_tests_then_the_longest_first():
     assert run_gpu_tests.longest_first(tests, {}) == tests
 
 
+def test_shards_run_every_test_once_with_the_exclusive_ones_first_and_even_loads():
+    durations = {"x": 10.0, "a": 100.0, "b": 90.0, "c": 50.0, "d": 40.0, "e": 30.0, "f": 20.0}
+    shared = ["a", "b", "c", "d", "e", "f", "new"]  # "new": no record, counted as the longest (100)
+    parts = run_gpu_tests.deal_shards(["x"], shared, durations, num_shards=2, parallel=4)
+    assert parts[0][0] == ["x"] and parts[1][0] == []
+    assert sorted(parts[0][1] + parts[1][1]) == sorted(shared)
+    # "x" alone is worth 4 x 10 s of shared tests; the rest is dealt longest first to the lighter part.
+    assert parts == [(["x"], ["a", "c", "d"]), ([], ["new", "b", "e", "f"])]  # 230 s and 240 s
+    assert run_gpu_tests.deal_shards(["x"], shared, durations, num_shards=1, parallel=4) == [
+        (["x"], run_gpu_tests.longest_first(shared, durations))]
+    for bad in ("3/2", "0/2", "half", "1/2/3"):
+        with pytest.raises(SystemExit) as err:
+            run_gpu_tests.parse_shard(bad)
+        assert str(err.value).startswith("error: --shard"), err.value
+    assert run_gpu_tests.parse_shard("2/3") == (2, 3)
+
+
+def test_junit_durations_are_keyed_by_node_id(tmp_path):
+    junit = tmp_path / "r.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="tests.test_gpu" name="test_a[1-2]" time="12.5"/>'
+                     '</testsuite></testsuites>')
+    assert run_gpu_tests.junit_durations(junit) == {"tests/test_gpu.py::test_a[1-2]": 12.5}
+    assert run_gpu_tests.junit_durations(tmp_path / "none.xml") == {}
+
+
 @pytest.mark.slow  # collect() starts a pytest
 def test_durations_file_names_collected_gpu_tests_and_bad_files_are_one_line(tmp_path):
     recorded = run_gpu_tests.read_durations(run_gpu_tests.DURATIONS)
-    collected = set(run_gpu_tests.collect("gpu and not gpu_exclusive", []))
+    collected = set(run_gpu_tests.collect("gpu", []))
     assert recorded and set(recorded) <= collected, sorted(set(recorded) - collected)
     assert run_gpu_tests.read_durations(tmp_path / "none.json") == {}
     for text in ("{not json", '["a"]', '{"a": "slow"}'):
