@@ -99,6 +99,7 @@ class Float8Converter:
 
     def __init__(self, recipe: str, *, float8_all_gather: bool):
         self.recipe, self.float8_all_gather = recipe, float8_all_gather
+        self.cast_shards_once = True
 
     def convert(self, blocks: list[nn.Module]) -> int:
         """Swap the blocks' linear layers; return how many were swapped. With float8_all_gather (FSDP2,
@@ -145,7 +146,16 @@ class Float8Converter:
         trial weights put back): scales and FP8 shards of the weights as they are now, not of those before."""
         if self.float8_all_gather:
             precompute_float8_scales(model)
-            cast_float8_shards(model)
+            if self.cast_shards_once:
+                cast_float8_shards(model)
+
+    def use_accumulation(self, model: nn.Module, grad_accum: int) -> None:
+        """Once the run's micro-batches per step are known: the FP8 shards are cast once per step (CastOncePerStep)
+        only where a step gathers each weight for several micro-batches. With one, the kept cast would save a
+        single re-cast (the backward's all-gather) and hold a byte per parameter through the step's peak."""
+        self.cast_shards_once = grad_accum > 1
+        if not self.cast_shards_once:
+            uncast_float8_shards(model)
 
 
 def _sliced_linears(block: nn.Module) -> dict[nn.Linear, tuple[nn.Module, str, tuple[int, ...]]]:
@@ -275,6 +285,14 @@ class CastOncePerStep:
         if self.cast is not None and self._versions() == self.versions:
             return self.cast
         return self.torchao_cast(mesh)
+
+
+def uncast_float8_shards(model: nn.Module) -> None:
+    """The FP8 all-gather weights back to torchao's cast at every all-gather; their kept casts freed."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, DTensor):
+            weight._local_tensor.__dict__.pop("fsdp_pre_all_gather", None)
 
 
 def cast_float8_shards(model: nn.Module) -> None:

@@ -316,8 +316,9 @@ def _mesh(env: DistEnv, f: FSDPConfig) -> DeviceMesh:
 
 def model_converters(cfg) -> list:
     """The converters a run applies to its blocks before parallelizing (FP8 with train.float8). Each has
-    `convert(blocks)`, `register(model, optimizer)` for work after every optimizer step, and
-    `refresh(model)` for the same work after the weights changed otherwise (a checkpoint loaded)."""
+    `convert(blocks)`, `register(model, optimizer)` for work after every optimizer step,
+    `refresh(model)` for the same work after the weights changed otherwise (a checkpoint loaded), and
+    `use_accumulation(model, grad_accum)` once the micro-batches per step are known."""
     if cfg.train.float8 == "none":
         return []
     from .float8 import Float8Converter

@@ -80,10 +80,11 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
                     gpu=probe.name if probe else "cpu", precision=precision.name)
     choice = resolve_micro_batch(cfg, env, model=model, optimizer=optimizer, vocab_size=vocab_size, key=key,
                                  probe=probe, switch=switch, use_cache=use_cache)
-    if choice.how == "search":
-        for converter in converters:  # the trial steps' weights were put back: their FP8 scales too
-            converter.refresh(model)
     split = BatchSplit.from_config(cfg, env.world_size, choice.micro_batch_size)
+    for converter in converters:
+        converter.use_accumulation(model, split.grad_accum)
+        if choice.how == "search":  # the trial steps' weights were put back: their FP8 scales too
+            converter.refresh(model)
     if probe is not None:
         probe.begin(split.micro_batch_size)  # the memory figures from here on are the training's
     return BuiltRun(model, optimizer, converters, switch, precision, scaler, probe, key, choice, split)

@@ -91,8 +91,6 @@ class Trainer:
         if env.is_main:
             log.info("lr schedule: %s", self.schedule.describe())
         self.state = self._resume(resume_from)
-        for converter in self.converters:  # the weights changed outside an optimizer step (search, resume)
-            converter.refresh(self.model)
         self._write_run_files()
         self.ckpt.prepare_saving(self.model, self.optimizer)  # a run that cannot save stops now, not at its first save
         self.num_bad_steps = 0
@@ -193,14 +191,20 @@ class Trainer:
         if resume_from is None:
             if self.cfg.model.init_from:  # a resume (above) continues the run's own weights instead
                 self.ckpt.load_weights(self.model, self.cfg.model.init_from)
+                self._weights_loaded()
             return TrainState()
         state = self.ckpt.load(self.model, self.optimizer, resume_from)
+        self._weights_loaded()
         if self.scaler is not None and state.grad_scaler:
             self.scaler.load_state_dict(state.grad_scaler)
         if self.env.is_main:
             self._check_schedule_continues(state)
             self._log_world_change(state)
         return state
+
+    def _weights_loaded(self) -> None:
+        for converter in self.converters:  # the weights changed outside an optimizer step
+            converter.refresh(self.model)
 
     def _log_world_change(self, state: TrainState) -> None:
         """Where an elastic job's restart, or a resume at another world size, continues from."""
