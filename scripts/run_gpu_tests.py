@@ -13,8 +13,9 @@ then fails alone, and a slow one does not hold back the tests dealt after it. Th
 tests first (seconds recorded in tests/gpu_durations.json; tests without a record before all): the suite
 takes about as long as its busiest worker, so a slow test must not be the last to start. --shard K/N runs the
 K-th of N parts of about equal recorded time (the exclusive tests in the first), for machines or jobs with a time
-limit shorter than the suite: the N calls together run every test once. Prints one line per failure
-and a closing `N passed, N failed, N skipped` line; exits non-zero if anything failed. The logs and JUnit
+limit shorter than the suite: the N calls together run every test once. Prints each test's outcome as it
+finishes, one line per failure at the end and a closing `N passed, N failed, N skipped` line; exits non-zero
+if anything failed. The logs and JUnit
 files of every pytest are kept in --log_dir.
 """
 from __future__ import annotations
@@ -80,6 +81,15 @@ def results(junit: Path) -> tuple[dict[str, int], list[str]]:
         else:
             counts["passed"] += 1
     return counts, failures
+
+
+def outcome(junit: Path, stopped: bool) -> str:
+    """One word for a finished single-test pytest, printed as it finishes (a run cut short still says how its
+    finished tests went)."""
+    if stopped:
+        return "TIMEOUT"
+    counts, _ = results(junit)
+    return "FAILED" if counts["failed"] else "skipped" if counts["skipped"] and not counts["passed"] else "passed"
 
 
 def longest_first(tests: list[str], durations: dict[str, float]) -> list[str]:
@@ -173,7 +183,7 @@ def run_shared(tests: list[str], *, pairs: list[str], workers_per_pair: int, log
             junit, stopped = run_pytest([test], name=f"test{index:03d}", gpus=gpus, log_dir=log_dir, timeout=timeout)
             with lock:
                 done.append((test, junit, stopped))
-                print(f"[{len(done)}/{len(tests)}] {'TIMEOUT' if stopped else 'done'} {test}", flush=True)
+                print(f"[{len(done)}/{len(tests)}] {outcome(junit, stopped)} {test}", flush=True)
                 if on_done is not None:
                     on_done(done)
 

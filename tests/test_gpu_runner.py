@@ -54,6 +54,8 @@ def test_queue_runs_each_test_alone_and_stops_a_hanging_one_with_its_children(tm
     # What the next run's queue is ordered by: JUnit times, and the timeout for the stopped test.
     durations = run_gpu_tests.measured_durations(runs, timeout=8)
     assert durations[tests[2]] == 8 and 0 <= durations[tests[0]] < 8 and 0 <= durations[tests[1]] < 8
+    assert [run_gpu_tests.outcome(junit, stopped) for _, junit, stopped in sorted(runs)] == [
+        "FAILED", "TIMEOUT", "passed"]  # test_fails, test_hangs, test_passes
 
 
 def test_queue_holds_unrecorded_tests_then_the_longest_first():
