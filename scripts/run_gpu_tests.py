@@ -162,6 +162,10 @@ def read_durations(path: Path) -> dict[str, float]:
     return durations
 
 
+def write_durations(log_dir: Path, durations: dict[str, float]) -> None:
+    (log_dir / "durations.json").write_text(json.dumps(durations, indent=1, sort_keys=True) + "\n")
+
+
 def run_shared(tests: list[str], *, pairs: list[str], workers_per_pair: int, log_dir: Path, timeout: float,
                on_done: Callable[[list[tuple[str, Path, bool]]], None] | None = None) -> list[tuple[str, Path, bool]]:
     """Every test in a pytest of its own, taken from one queue by workers_per_pair workers per GPU pair:
@@ -234,12 +238,13 @@ def main(argv: list[str] | None = None) -> int:
                                     log_dir=args.log_dir, timeout=args.test_timeout * len(exclusive))
         runs.append(("the exclusive tests", junit, stopped))
         merged.update({test: round(t, 1) for test, t in junit_durations(junit).items() if test in exclusive})
+        write_durations(args.log_dir, merged)
 
     def save_durations(finished: list[tuple[str, Path, bool]]) -> None:
         # Written as tests finish, over the recorded ones: a run cut short, or a -k selection, loses no record.
         # Only the test that just finished is read: the earlier ones are in `merged` already.
         merged.update(measured_durations(finished[-1:], args.test_timeout))
-        (args.log_dir / "durations.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+        write_durations(args.log_dir, merged)
 
     runs += run_shared(shared, pairs=pairs, workers_per_pair=args.workers_per_pair, log_dir=args.log_dir,
                        timeout=args.test_timeout, on_done=save_durations)
