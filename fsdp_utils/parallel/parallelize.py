@@ -392,6 +392,13 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: 
         # Unsharded (NO_SHARD, or any strategy on one rank), a frozen unit is never handed its parameters
         # back after backward (torch reshards such units only when they are sharded). Unsharded, FSDP
         # would only hold the same full copy on every rank: the frozen base is left to the ranks instead.
+        if param_init_fn is not None:
+            # Materialised by FSDP1, a meta-device module gets new Parameter objects, which ignored_states
+            # (naming the meta ones) would miss: FSDP1 would then flatten part of the base and fail at the
+            # first state dict. Every rank holds the whole model here anyway, so it is materialised first.
+            for module in model.modules():
+                param_init_fn(module)
+            param_init_fn = None
         ignored = [p for p in model.parameters() if not p.requires_grad]
     return FSDP(
             model,
