@@ -13,7 +13,8 @@ compiled kernels tuned in three FSDP2 jobs, train.compile_tuning), on a corpus o
 cross a boundary); for the Hugging Face model, FSDP version x activation checkpointing in bf16.
 For a Hugging Face model (`model.type=hf`) in bf16, and for LoRA (train.lora, base frozen in bf16, fp32
 adapters) on both models with torch.compile where activation checkpointing is on, the combinations are a
-pairwise cover of the same options (every pair of values of any two options occurs in some job).
+pairwise cover of the same options (every pair of values of any two options occurs in some job); a Hugging
+Face model with LoRA on FSDP1 also saves full checkpoints sharded and unsharded (NO_SHARD).
 Combinations that cannot run (FP8 with FSDP1, FP8 with LoRA) are refused before any process starts: that
 part runs on the CPU too.
 """
@@ -242,3 +243,18 @@ def test_lora_combination_saves_and_resumes(tmp_path, corpus, dataset_dir, model
         save_tiny("llama", tmp_path / "hf")
         args = ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", *args]
     train_save_resume(tmp_path, corpus, dataset_dir, args, save)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@TWO_GPUS
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_hf_lora_on_fsdp1_saves_full_checkpoints_and_resumes(tmp_path, corpus, dataset_dir, strategy):
+    """A Hugging Face model with LoRA on FSDP1, full saves (gathered to rank 0 through host memory on GPUs), outside
+    the cover: sharded, and unsharded, where FSDP1 leaves the frozen base out of its units."""
+    from tests.test_hf import save_tiny
+
+    save_tiny("llama", tmp_path / "hf")
+    args = ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", *LORA_ARGS,
+            *matrix_args(1, "bf16", "full", "none"), f"--fsdp.sharding_strategy={strategy}"]
+    train_save_resume(tmp_path, corpus, dataset_dir, args, "full")
