@@ -107,6 +107,24 @@ def test_hf_config_errors(tmp_path, corpus, dataset_dir):
     assert proc.returncode == 2 and "not found" in proc.stderr
 
 
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_config_too_large_to_build_is_one_line(tmp_path, corpus, dataset_dir, nproc):
+    """6e18 parameters (hidden_size 10^9): refused from the meta-device skeleton before any allocation, on
+    every rank alike."""
+    cfg = transformers.LlamaConfig(**{**TINY_HF, "hidden_size": 10**9})
+    cfg.save_pretrained(tmp_path / "huge")
+    proc = run_train("--model.type=hf", f"--model.hf_config={tmp_path / 'huge'}", "--train.max_steps=2", nproc=nproc,
+                     out_dir=tmp_path / "out", corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120)
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(
+        f"error: the model (model.hf_config={tmp_path / 'huge'}: hidden_size 1000000000, intermediate_size 128, "
+        "num_hidden_layers 2, vocab_size 320: 6,000,001,413,000,000,000 parameters) needs ") and (
+        " GiB of host memory for its fp32 weights alone (rank 0's full copy of 22,351,747,054.6 GiB and "
+        f"{nproc} shard") in line and line.endswith("; use a smaller model: rank 0 reads all of its weights"), line
+    assert proc.returncode == 1 and worker_tracebacks(proc.stderr) == 0, proc.stderr[-4000:]
+
+
 # ---- what a model folder must not make us do: run its code, ask about it, or unpickle code -----------
 
 

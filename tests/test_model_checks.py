@@ -138,3 +138,63 @@ def test_on_gpus_the_share_is_held_against_the_gpu_unless_offloaded_to_the_host(
         f"needs {huge_params() * 4 / 8 / GiB:,.1f} GiB of cuda:0 memory for its fp32 weights alone, 16.0 GiB free; "
         "use a smaller model, or more GPUs") in str(problem)
     assert _memory_problem(load_config(None, [*HUGE[:-1], "--fsdp.cpu_offload=true"]), gpus, host_free=None) is None
+
+
+# ---- a Hugging Face model (model.type=hf): sized from its meta-device skeleton, before any allocation ---------
+
+
+def hf_config_file(folder, **sizes) -> str:
+    """A Llama config.json of the given sizes (over tiny ones), as model.hf_config names it."""
+    transformers = pytest.importorskip("transformers")
+    tiny = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaConfig(**{**tiny, **sizes}).save_pretrained(folder)
+    return str(folder / "config.json")
+
+
+def test_a_hugging_face_model_too_large_for_host_memory_is_refused_before_any_allocation(tmp_path):
+    path = hf_config_file(tmp_path, hidden_size=10**9)
+    cfg = load_config(None, ["--model.type=hf", f"--model.hf_config={path}", "--run.device=cpu"])
+    # Per layer q, o (h x h), k, v (h x h/2: 2 of 4 heads), the MLP (3 x h x 128), two norms; embedding, head, norm.
+    h = 10**9
+    params = 2 * (3 * h * h + 3 * h * 128 + 2 * h) + 2 * 320 * h + h
+    with pytest.raises(ModelMemoryError) as err:
+        build_model(cfg, ONE_RANK, host_free=16 * GiB)
+    assert str(err.value) == (
+        f"the model (model.hf_config={path}: hidden_size 1000000000, intermediate_size 128, num_hidden_layers 2, "
+        f"vocab_size 320: {params:,} parameters) needs {2 * params * 4 / GiB:,.1f} GiB of host memory for its fp32 "
+        f"weights alone (rank 0's full copy of {params * 4 / GiB:,.1f} GiB and 1 shard of {params * 4 / GiB:,.1f} "
+        "GiB), 16.0 GiB free; use a smaller model: rank 0 reads all of its weights")
+
+
+def test_a_hugging_face_model_is_held_against_each_host_s_share(tmp_path):
+    from fsdp_utils.parallel import hf
+    from fsdp_utils.parallel.build import _hf_memory_problem
+
+    cfg = load_config(None, ["--model.type=hf", f"--model.hf_config={hf_config_file(tmp_path)}", "--run.device=cpu"])
+    model = hf.build_for_sharding(cfg, ONE_RANK).module
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    assert _hf_memory_problem(cfg, ONE_RANK, model, host_free=2 * weights) is None  # exactly enough
+
+    def host(rank: int) -> DistEnv:  # 2 hosts of 2 ranks
+        return DistEnv(rank=rank, local_rank=rank % 2, world_size=4, local_world_size=2, device=torch.device("cpu"))
+
+    # Rank 0's host holds its full copy besides two quarters; the other host only its two quarters.
+    assert _hf_memory_problem(cfg, host(1), model, host_free=weights + weights // 2) is None
+    assert "(rank 0's full copy of " in str(_hf_memory_problem(cfg, host(1), model, host_free=weights))
+    assert _hf_memory_problem(cfg, host(3), model, host_free=weights // 2) is None
+    assert str(_hf_memory_problem(cfg, host(3), model, host_free=weights // 2 - 1)).endswith(
+        "(2 shards of 0.0 GiB), 0.0 GiB free; use a smaller model, or more nodes")
+
+
+def test_hugging_face_sizes_transformers_cannot_build_are_one_line(tmp_path):
+    from fsdp_utils.parallel.hf import HFModelError
+
+    path = hf_config_file(tmp_path, hidden_size=10**9, intermediate_size=10**10)  # 10^19 elements in one matrix
+    cfg = load_config(None, ["--model.type=hf", f"--model.hf_config={path}", "--run.device=cpu"])
+    with pytest.raises(HFModelError) as err:
+        build_model(cfg, ONE_RANK, host_free=16 * GiB)
+    assert str(err.value) == (
+        f"model.hf_config={path}: hidden_size 1000000000, intermediate_size 10000000000, num_hidden_layers 2, "
+        "vocab_size 320: transformers cannot build this model (RuntimeError: Storage size calculation overflowed "
+        "with sizes=[10000000000, 1000000000]); correct these sizes in its config.json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import cast
 
 import torch
 from torch import nn
@@ -39,14 +40,16 @@ def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: 
     of one per slice; by default exactly when LoRA adapts those layers (an adapter adds to the layer's
     output). FP8 runs either way: its modules compute their slices themselves (parallel/float8.py).
     `eos_id`: the tokenizer's EOS, which separates documents; needed with data.document_masking or
-    model.reset_positions. `host_free`: the bytes this host can still give, if known: our model's weights
-    are checked against it (on the CPU; a GPU's free memory is read here) before anything is allocated. A
-    collective with several ranks."""
+    model.reset_positions. `host_free`: the bytes this host can still give, if known: the model's weights
+    are checked against it (on the CPU; a GPU's free memory is read here) before anything is allocated (a
+    Hugging Face model's once its meta-device skeleton tells its size). A collective with several ranks."""
     _agree(env, _memory_problem(cfg, env, host_free=host_free))
     documents = model_documents(cfg, eos_id)
     base_dtype = resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device).compute
     if cfg.model.type == "hf":
+        # Its size is known once transformers has built the meta-device skeleton, before any allocation.
         built = hf.build_for_sharding(cfg, env, eos_id=documents.eos_id if documents else None)
+        _agree(env, _hf_memory_problem(cfg, env, cast(hf.CausalLMAdapter, built.module), host_free=host_free))
         return apply_lora(built, cfg, base_dtype=base_dtype)
     return apply_lora(_build_ours(cfg, env, fused_matmul, documents), cfg, base_dtype=base_dtype)
 
@@ -88,13 +91,45 @@ def _memory_problem(cfg, env: DistEnv, *, host_free: int | None) -> ModelMemoryE
         return None
     ranks = f" ({env.local_world_size} ranks x {share / GiB:,.1f} GiB)" if needed != share else ""
     if on_meta or env.world_size == 1:
-        hint = (f"use a smaller model, or more {'GPUs' if env.device.type == 'cuda' else 'nodes'}: with several "
-                f"ranks the weights are built on the meta device and sharded")
+        hint = (f"use a smaller model, or more {_more(env)}: with several ranks the weights are built on the meta "
+                f"device and sharded")
     else:
         hint = "set fsdp.meta_init: true and fsdp.sync_module_states: false so that each rank holds only its shard"
-    return ModelMemoryError(
-        f"the model ({_shape(m)}) needs {needed / GiB:,.1f} GiB of {where} for its fp32 "
-        f"weights alone{ranks}, {free / GiB:,.1f} GiB free; {hint}")
+    return _too_large(_shape(m), needed, free, where, ranks, hint)
+
+
+def _more(env: DistEnv) -> str:
+    return "GPUs" if env.device.type == "cuda" else "nodes"
+
+
+def _too_large(shape: str, needed: int, free: int, where: str, parts: str, hint: str) -> ModelMemoryError:
+    return ModelMemoryError(f"the model ({shape}) needs {needed / GiB:,.1f} GiB of {where} for its fp32 weights "
+                            f"alone{parts}, {free / GiB:,.1f} GiB free; {hint}")
+
+
+def _hf_memory_problem(cfg, env: DistEnv, model: hf.CausalLMAdapter, *,
+                       host_free: int | None) -> ModelMemoryError | None:
+    """_memory_problem for a Hugging Face model (`model`: its meta-device skeleton), which every rank holds a
+    share of; rank 0 also reads all of its fp32 weights into host memory to broadcast them (hf.Rank0Weights)."""
+    n_params = sum(p.numel() for p in model.parameters())  # tied weights once
+    weights = n_params * 4
+    share = -(-weights // env.world_size)
+    shape = hf.describe_size(cfg.model, model.lm.config, n_params)
+    if env.device.type == "cuda" and not cfg.fsdp.cpu_offload:
+        free = torch.cuda.mem_get_info(env.device)[0]
+        if share > free:
+            return _too_large(shape, share, free, f"{env.device} memory", "", "use a smaller model, or more GPUs")
+    # torchrun numbers ranks host by host: rank 0 is on the host whose local ranks start at 0.
+    copy = weights if env.rank == env.local_rank else 0
+    shards = share * env.local_world_size if env.device.type == "cpu" or cfg.fsdp.cpu_offload else 0
+    if host_free is None or copy + shards <= host_free:
+        return None
+    n = env.local_world_size
+    parts = [f"rank 0's full copy of {copy / GiB:,.1f} GiB"] if copy else []
+    parts += [f"{n} shard{'s' if n > 1 else ''} of {share / GiB:,.1f} GiB"] if shards else []
+    hint = ("use a smaller model: rank 0 reads all of its weights" if copy > host_free
+            else f"use a smaller model, or more {_more(env)}")
+    return _too_large(shape, copy + shards, host_free, "host memory", f" ({' and '.join(parts)})", hint)
 
 
 def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None, documents: Documents | None) -> BuiltModel:

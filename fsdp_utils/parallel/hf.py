@@ -133,6 +133,13 @@ def packed_sequences_unsupported(hf_config) -> str | None:
     return None
 
 
+def describe_size(model_cfg, hf_config, n_params: int | None = None) -> str:
+    """The config.json values that size the model, for messages: `model.hf_config=...: hidden_size 64, ...`."""
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    sizes = ", ".join(f"{k} {getattr(hf_config, k)}" for k in keys if getattr(hf_config, k, None) is not None)
+    return f"{_field(model_cfg)}: {sizes}" + (f": {n_params:,} parameters" if n_params is not None else "")
+
+
 def config_signature(hf_config) -> dict:
     """The fields that decide parameter shapes, stored in checkpoints to catch a mismatched resume."""
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -165,8 +172,13 @@ def build_hf_model(cfg, env: DistEnv, *, on_meta: bool, eos_id: int | None = Non
 
     hf_config = load_hf_config(cfg.model)
     if on_meta:
-        with torch.device("meta"):
-            lm = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False, **dtype_kwarg(torch.float32))
+        try:
+            with torch.device("meta"):
+                lm = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False,
+                                                      **dtype_kwarg(torch.float32))
+        except (RuntimeError, ValueError, OverflowError) as err:  # no memory is used here: its sizes are wrong
+            raise HFModelError(f"{describe_size(cfg.model, hf_config)}: transformers cannot build this model "
+                               f"({_one_line(err)}); correct these sizes in its config.json") from None
     elif cfg.model.hf_path:
         lm = load_pretrained(cfg.model)
     else:
