@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from pathlib import Path
 
@@ -350,13 +350,24 @@ def _hf_fingerprint(path: str) -> str:
     return tokenizer_files_digest(Path(path))
 
 
+# The settings the default folder's name has held from the start, and num_workers, which changes nothing prepared.
+FIRST_NAMED = ("files", "num_workers", "tokenizer_model", "hf_tokenizer", "vocab_size", "val_fraction",
+               "max_corpus_mb", "seed", *CHAT_SETTINGS, "hf_dataset")
+
+
 def default_dataset_dir(settings: PrepareSettings) -> str:
-    """Where the data of these settings is cached when data.dataset_dir is empty."""
+    """Where the data of these settings is cached when data.dataset_dir is empty: a name from every setting
+    that decides the folder, so that settings that differ never share one."""
     tokenizer = settings.hf_tokenizer or settings.tokenizer_model
-    chat = [] if settings.format == "text" else [settings.record()[name] for name in CHAT_SETTINGS]
+    record = settings.record()
+    chat = [] if settings.format == "text" else [record[name] for name in CHAT_SETTINGS]
     hf = [settings.hf_dataset.record()] if settings.hf_dataset else []
+    # The others join the name only away from their defaults, so that the folders named before keep their names.
+    defaults = {f.name: f.default for f in fields(PrepareSettings)}
+    others = {name: value for name, value in record.items() if name not in FIRST_NAMED and value != defaults[name]}
     what = json.dumps([list(settings.files), tokenizer, settings.vocab_size, settings.val_fraction,
-                       settings.max_corpus_mb, settings.seed, FORMAT_VERSION, *chat, *hf])
+                       settings.max_corpus_mb, settings.seed, FORMAT_VERSION, *chat, *hf]
+                      + ([others] if others else []))
     kind = "stdlib" if not settings.files and not hf else "custom"
     return str(Path("data/cache") / f"{kind}-{hashlib.sha1(what.encode()).hexdigest()[:10]}")
 

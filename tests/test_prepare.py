@@ -22,6 +22,7 @@ import sentencepiece as spm
 from data import (
     DataError,
     PrepareSettings,
+    default_dataset_dir,
     handoff,
     load_prepared,
     nofollow,
@@ -166,6 +167,26 @@ def corpus_2mb(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "c.jsonl"
     path.write_text(jsonl_lines(make_documents(8000, seed=5)))
     return path
+
+
+@pytest.mark.parametrize("change", [{"text_field": "body"}, {"max_document_mb": 1.0}, {"on_bad_record": "skip"},
+                                    {"shard_tokens": 1000}])
+def test_settings_that_change_the_output_get_their_own_default_folder(change):
+    base = PrepareSettings(files=("corpus.jsonl",), vocab_size=320)
+    changed = PrepareSettings(**{**vars(base), **change})
+    assert default_dataset_dir(changed) != default_dataset_dir(base)
+    assert default_dataset_dir(PrepareSettings(**{**vars(base), **change})) == default_dataset_dir(changed)
+    assert default_dataset_dir(PrepareSettings(**{**vars(base), "num_workers": 3})) == default_dataset_dir(base)
+
+
+def test_default_folders_of_default_settings_keep_their_names():
+    """The names given before data.text_field, max_document_mb, on_bad_record and shard_tokens were part of them."""
+    assert default_dataset_dir(PrepareSettings()) == "data/cache/stdlib-a1fce57cb6"
+    assert default_dataset_dir(PrepareSettings(files=("a.jsonl",), text_field="text", max_document_mb=64,
+                                               on_bad_record="error", shard_tokens=100_000_000)) == \
+        "data/cache/custom-cd0367a213"
+    assert default_dataset_dir(PrepareSettings(files=("a.jsonl",), vocab_size=320, format="chat")) == \
+        "data/cache/custom-7c809fffea"
 
 
 @pytest.mark.slow
