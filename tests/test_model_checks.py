@@ -198,3 +198,21 @@ def test_hugging_face_sizes_transformers_cannot_build_are_one_line(tmp_path):
         f"model.hf_config={path}: hidden_size 1000000000, intermediate_size 10000000000, num_hidden_layers 2, "
         "vocab_size 320: transformers cannot build this model (RuntimeError: Storage size calculation overflowed "
         "with sizes=[10000000000, 1000000000]); correct these sizes in its config.json")
+
+
+def test_on_gpus_a_hugging_face_model_s_share_is_held_against_the_gpu(tmp_path, monkeypatch):
+    from fsdp_utils.parallel import hf
+    from fsdp_utils.parallel.build import _hf_memory_problem
+
+    cfg = load_config(None, ["--model.type=hf", f"--model.hf_config={hf_config_file(tmp_path)}"])
+    model = hf.build_for_sharding(cfg, ONE_RANK).module
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    gpus = DistEnv(rank=0, local_rank=0, world_size=8, local_world_size=8, device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (weights // 8 - 1, 80 * GiB))
+    assert str(_hf_memory_problem(cfg, gpus, model, host_free=None)).endswith(
+        "GiB of cuda:0 memory for its fp32 weights alone, 0.0 GiB free; use a smaller model, or more GPUs")
+    # Offloaded, the shards join rank 0's full copy in host memory.
+    cfg.fsdp.cpu_offload = True
+    assert _hf_memory_problem(cfg, gpus, model, host_free=2 * weights) is None
+    assert "(rank 0's full copy of 0.0 GiB and 8 shards of 0.0 GiB)" in str(
+        _hf_memory_problem(cfg, gpus, model, host_free=2 * weights - 1))
