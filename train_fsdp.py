@@ -61,6 +61,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                      epilog=OVERRIDES_HELP)
     parser.add_argument("config", help="YAML config, e.g. config/train_tiny_fsdp.yaml")
     parser.add_argument("--resume_from", default=None, help="checkpoint file, sharded folder, or 'latest'")
+    parser.add_argument("--check", action="store_true",
+                        help="only check the config, --resume_from and what the options need on this machine "
+                             "(all but the world size): print the problems and exit 2, or exit 0; the elastic "
+                             "launchers run it first, since torchrun would repeat a config error at every restart")
     return split_known_args(parser, argv)
 
 
@@ -70,10 +74,11 @@ def setup_logging(env: DistEnv) -> None:
     logging.basicConfig(level=level, format=f"[%(asctime)s rank{env.rank}] %(message)s", datefmt="%H:%M:%S", force=True)
 
 
-def early_problems(cfg: Config, launch: Launch, resume_from: str | None) -> list[str]:
-    """Everything that can be checked before the process group starts, beyond the config itself."""
-    problems = launch_problems(cfg, world_size=launch.world_size, local_world_size=launch.local_world_size,
-                               num_gpus=torch.cuda.device_count())
+def early_problems(cfg: Config, launch: Launch, resume_from: str | None, *, any_world: bool = False) -> list[str]:
+    """Everything that can be checked before the process group starts, beyond the config itself; with
+    `any_world`, all but what depends on the world size."""
+    problems = launch_problems(cfg, world_size=None if any_world else launch.world_size,
+                               local_world_size=launch.local_world_size, num_gpus=torch.cuda.device_count())
     if resume_from not in (None, "latest"):
         try:
             check_structure(Path(resume_from))  # exists, a torch.save file or a folder with all its files
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     unfit: list[str] = []
     try:
         cfg = load_config(args.config, overrides)
-        problems = early_problems(cfg, launch, args.resume_from)
+        problems = early_problems(cfg, launch, args.resume_from, any_world=args.check)
         if launch.elastic:  # a world size that cannot hold the batch waits for the next (fsdp_utils/train/elastic.py)
             unfit = unfit_world(cfg, launch.world_size)
             problems = [p for p in problems if p not in unfit]
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         problems = err.problems
     if problems:
         return exit_early(problems, launch)
+    if args.check:
+        return 0
 
     stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s,  # Ctrl-C from here on saves
                       elastic=launch.elastic)

@@ -373,16 +373,18 @@ def check_batch_split(cfg: Config, world_size: int, micro_batch: int | None = No
     return t.global_batch_size // per_step
 
 
-def launch_problems(cfg: Config, *, world_size: int, local_world_size: int, num_gpus: int) -> list[str]:
+def launch_problems(cfg: Config, *, world_size: int | None, local_world_size: int, num_gpus: int) -> list[str]:
     """Checks of the config against the launch (world size, GPUs, the output directory): every problem
-    that can be found before the process group starts."""
+    that can be found before the process group starts. world_size None (not known yet: an elastic job's
+    check before it starts) leaves out the checks against it."""
     p: list[str] = []
-    try:
-        check_batch_split(cfg, world_size)
-    except ConfigError as err:
-        p += err.problems
+    if world_size is not None:
+        try:
+            check_batch_split(cfg, world_size)
+        except ConfigError as err:
+            p += err.problems
     f = cfg.fsdp
-    if f.sharding_strategy == "HYBRID_SHARD":
+    if f.sharding_strategy == "HYBRID_SHARD" and world_size is not None:
         group = f.hybrid_shard_group_size or local_world_size
         if world_size % group:
             where = f"fsdp.hybrid_shard_group_size={group}" if f.hybrid_shard_group_size else \

@@ -67,6 +67,8 @@ else
   echo "elastic: $NNODES nodes of $NPROC_PER_NODE processes, rendezvous $RDZV_ID at $ENDPOINT, hosted by node" \
     "rank 0, which must stay up (any other node may leave or join); this is node rank $NODE_RANK" >&2
 fi
+# torchrun cannot tell a config error from a lost node and would repeat it at every restart: checked once, here.
+python3 "$ROOT/train_fsdp.py" "$CONFIG" --check "$@" || exit $?
 # FSDP_ELASTIC: the workers take torchrun's SIGTERM for a restart (fsdp_utils/train/preemption.py).
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the shared store, a node that joins a running job waits forever
 # for the new round's MASTER_ADDR, which the agent of rank 0 publishes only at its first rendezvous. With it

@@ -72,6 +72,9 @@ if [[ -n "${ELASTIC_MIN_NODES:-}" ]]; then
   # rendezvous store is not shared with the workers (with it, torch's rendezvous hangs when nodes change).
   export FSDP_ELASTIC=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
   echo "elastic: $NODES nodes; the rendezvous lives on $HEAD_NODE, which must stay up"
+  # torchrun cannot tell a config error from a lost node and would repeat it at every restart: checked once, here.
+  python3 "$ROOT/train_fsdp.py" "$CONFIG" --check \
+    --train.global_batch_size="$GLOBAL_BATCH" --train.micro_batch_size="$MICRO_BATCH" "$@" || exit $?
 fi
 
 srun "${SRUN_KILL[@]}" torchrun \

@@ -205,6 +205,19 @@ def test_slurm_elastic_launch(tmp_path):
     assert (tmp_path / "train_env.txt").read_text() == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n"
 
 
+def test_slurm_elastic_launch_checks_the_config_before_launching(tmp_path):
+    bin_dir, calls = slurm_stubs(tmp_path)
+    env = script_env(SLURM_NNODES="3", GPUS_PER_NODE="2", MICRO_BATCH="2", GLOBAL_BATCH="24", SLURM_JOB_ID="9",
+                     SLURM_JOB_NODELIST="node[1-3]", SLURM_SUBMIT_DIR=str(ROOT), ELASTIC_MIN_NODES="2")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm_submit.sh"), "--train.max_stepz=5"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "train.max_stepz" in errors[0], proc.stderr
+    assert "srun" not in calls.read_text()  # scontrol only: no job step started
+
+
 @pytest.mark.parametrize("value", ["4", "0", "two"])
 def test_slurm_elastic_minimum_is_checked_before_launching(value, tmp_path):
     bin_dir, calls = slurm_stubs(tmp_path)
@@ -225,6 +238,35 @@ def test_multi_node_rejects_a_bad_node_range(nnodes):
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr == f"error: NNODES={nnodes} is not a node range MIN:MAX with 1 <= MIN <= MAX\n"
+
+
+def test_check_only_finds_the_config_problems_of_any_world_size_and_starts_nothing(tmp_path):
+    """train_fsdp.py --check: the checks a job makes before its process group, but those against the world size
+    (unknown before an elastic job's rendezvous); exit 0 or 2, and no output folder made."""
+    def check(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "train_fsdp.py"), str(CONFIG), "--check", *TINY,
+                               f"--run.output_dir={tmp_path / 'out'}", *args], capture_output=True, text=True,
+                              env=script_env(), timeout=120)
+
+    ok = check()
+    assert ok.returncode == 0 and ok.stdout == "" and "error" not in ok.stderr, ok.stderr
+    # A hybrid group of 3 divides some world sizes, and the batch of 8 splits over some: fine before the world is known.
+    assert check("--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.hybrid_shard_group_size=3").returncode == 0
+    bad = check("--train.max_stepz=5", "--resume_from=/nonexistent/ckpt")
+    assert bad.returncode == 2, bad.stderr
+    assert [line for line in bad.stderr.splitlines() if line.startswith("error:")] == bad.stderr.splitlines()
+    assert "train.max_stepz" in bad.stderr and not (tmp_path / "out").exists()
+
+
+def test_elastic_launch_stops_at_a_config_error_once_without_starting_torchrun(tmp_path):
+    # torchrun would restart workers that fail on it MAX_RESTARTS (100) times: the launcher checks first.
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", "0", "1:2", *TINY,
+                           "--train.max_stepz=5"], cwd=tmp_path, env=script_env(NPROC_PER_NODE="2", CONFIG=str(CONFIG)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "train.max_stepz" in errors[0], proc.stderr[-3000:]
+    assert "torch.distributed" not in proc.stderr and not list(tmp_path.iterdir())
 
 
 # ---- real runs -----------------------------------------------------------------------------------------------
