@@ -15,8 +15,7 @@ takes about as long as its busiest worker, so a slow test must not be the last t
 K-th of N parts of about equal recorded time (the exclusive tests in the first), for machines or jobs with a time
 limit shorter than the suite: the N calls together run every test once. Prints each test's outcome as it
 finishes, one line per failure at the end and a closing `N passed, N failed, N skipped` line; exits non-zero
-if anything failed. The logs and JUnit
-files of every pytest are kept in --log_dir.
+if anything failed. The logs and JUnit files of every pytest are kept in --log_dir.
 """
 from __future__ import annotations
 
@@ -144,8 +143,7 @@ def measured_durations(runs: list[tuple[str, Path, bool]], timeout: float) -> di
         if stopped or not junit.exists():
             durations[test] = timeout
         else:
-            cases = ET.parse(junit).getroot().iter("testcase")
-            durations[test] = round(sum(float(case.get("time", 0)) for case in cases), 1)
+            durations[test] = round(sum(junit_durations(junit).values()), 1)
     return durations
 
 

@@ -219,9 +219,7 @@ def test_hf_model_lora_on_fsdp1_saves_full_checkpoints_and_resumes_exactly(tmp_p
     """An HF Llama with LoRA on FSDP1, full checkpoints: each holds the adapters alone, and a job resumed from
     step 2 takes steps 3 and 4 as the uninterrupted job did, bit for bit. Unsharded (NO_SHARD, or one process),
     FSDP1 leaves the frozen base to the ranks (ignored_states); the model, built on the meta device, is then
-    materialised before wrapping. (Before, FSDP1 materialised it into new parameters that the ignored list did
-    not name, flattened the root's part of the base, and the first save failed: "FSDP assumes
-    lm.model.embed_tokens.weight is in the state_dict".)"""
+    materialised before wrapping, so that the ignored parameters are the ones FSDP1 and the saves see."""
     from tests.test_hf import save_tiny
 
     save_tiny("llama", tmp_path / "hf")
