@@ -128,11 +128,24 @@ def parse_shard(text: str) -> tuple[int, int]:
     return k, n
 
 
+def node_id(case: ET.Element) -> str:
+    """A JUnit test case's pytest node id (tests/test_x.py::test_y[param])."""
+    return f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+
+
 def junit_durations(junit: Path) -> dict[str, float]:
-    """Seconds per test of a pytest's JUnit file, by node id (tests/test_x.py::test_y[param])."""
+    """Seconds per test of a pytest's JUnit file, by node id."""
     if not junit.exists():
         return {}
-    return {f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}": float(case.get("time", 0))
+    return {node_id(case): float(case.get("time", 0)) for case in ET.parse(junit).getroot().iter("testcase")}
+
+
+def case_outcomes(junit: Path) -> dict[str, str]:
+    """One word per test of a pytest's JUnit file, by node id: how each of a multi-test run went."""
+    if not junit.exists():
+        return {}
+    words = {"failure": "FAILED", "error": "FAILED", "skipped": "skipped"}
+    return {node_id(case): next((words[child.tag] for child in case if child.tag in words), "passed")
             for case in ET.parse(junit).getroot().iter("testcase")}
 
 
@@ -235,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         junit, stopped = run_pytest(exclusive, name="exclusive", gpus=",".join(map(str, range(num_gpus))),
                                     log_dir=args.log_dir, timeout=args.test_timeout * len(exclusive))
         runs.append(("the exclusive tests", junit, stopped))
+        for i, (test, word) in enumerate(case_outcomes(junit).items(), 1):
+            print(f"[alone {i}/{len(exclusive)}] {word} {test}", flush=True)
         merged.update({test: round(t, 1) for test, t in junit_durations(junit).items() if test in exclusive})
         write_durations(args.log_dir, merged)
 

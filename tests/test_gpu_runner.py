@@ -91,6 +91,20 @@ def test_junit_durations_are_keyed_by_node_id(tmp_path):
     assert run_gpu_tests.junit_durations(tmp_path / "none.xml") == {}
 
 
+def test_each_test_of_a_multi_test_run_gets_its_outcome(tmp_path):
+    junit = tmp_path / "r.xml"
+    junit.write_text('<testsuites><testsuite>'
+                     '<testcase classname="tests.test_gpu" name="test_a" time="1"/>'
+                     '<testcase classname="tests.test_gpu" name="test_b" time="1"><failure message="x"/></testcase>'
+                     '<testcase classname="tests.test_gpu" name="test_c" time="1"><error message="x"/></testcase>'
+                     '<testcase classname="tests.test_gpu" name="test_d" time="0"><skipped message="x"/></testcase>'
+                     '</testsuite></testsuites>')
+    assert run_gpu_tests.case_outcomes(junit) == {
+        "tests/test_gpu.py::test_a": "passed", "tests/test_gpu.py::test_b": "FAILED",
+        "tests/test_gpu.py::test_c": "FAILED", "tests/test_gpu.py::test_d": "skipped"}
+    assert run_gpu_tests.case_outcomes(tmp_path / "none.xml") == {}
+
+
 @pytest.mark.slow  # collect() starts a pytest
 def test_durations_file_names_collected_gpu_tests_and_bad_files_are_one_line(tmp_path):
     recorded = run_gpu_tests.read_durations(run_gpu_tests.DURATIONS)
