@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from config import ConfigError, check_batch_split, load_config
+from fsdp_utils.parallel.parallelize import CheckpointPolicy
 from fsdp_utils.train.batch import BatchSplit, divisors
 from fsdp_utils.train.microbatch import (
     CACHE_FILE,
@@ -129,7 +130,8 @@ def test_climb_from_sizes_that_fit_measures_only_predicted_candidates():
 def test_which_policy_keeps_at_least_what_another_keeps():
     # Where the first fits, the second fits too: the start of the second's search (none keeps the most, full the
     # least; every n-th block's whole forward has no order with the op-level policies).
-    none, op, lean, every2, full = auto_policies(2)
+    none, op, lean, full = auto_policies(2)
+    every2 = CheckpointPolicy("selective", 2)  # a candidate where the blocks' matmul roles are not known
     assert all(keeps_at_least(none, p) and keeps_at_least(p, full) for p in (none, op, lean, every2, full))
     assert keeps_at_least(op, lean) and not keeps_at_least(lean, op)
     assert not keeps_at_least(lean, every2) and not keeps_at_least(every2, lean) and not keeps_at_least(op, every2)
@@ -139,8 +141,7 @@ def test_which_policy_keeps_at_least_what_another_keeps():
 def test_each_policy_runs_only_sizes_known_or_predicted_to_fit():
     # The policies of fsdp.activation_checkpointing=auto on a 10 GiB GPU (budget 9, 1 resident), read from the
     # fake probe's formula (AC_MEMORY below), which runs out of memory over 10 GiB, as the GPU does. Started from
-    # the smallest size larger than what the policy before fit, selective_op_lean would run 8 (10.6 GiB) and
-    # selective/2 4 (11): both fatal.
+    # the smallest size larger than what the policy before fit, selective_op_lean would run 8 (10.6 GiB): fatal.
     probe = FakeProbe({"capacity_gib": 10, "fixed_gib": 1, **AC_MEMORY}, 0)
 
     class Trials:
@@ -159,7 +160,7 @@ def test_each_policy_runs_only_sizes_known_or_predicted_to_fit():
     assert [(policy.name, best) for policy, best, _ in fitting] == [("none", 2), ("selective_op", 4), ("full", 8)]
     assert {name: {b: round(m, 2) for b, m in sizes.items()} for name, sizes in tried.items()} == {
         "none": {1: 4, 2: 7}, "selective_op": {2: 4, 4: 7}, "selective_op_lean": {4: 5.8, 2: 3.4},
-        "selective/2": {2: 6, 1: 3.5}, "full": {4: 4.6, 8: 8.2}}
+        "full": {4: 4.6, 8: 8.2}}
 
 
 def test_later_policies_predict_from_the_fixed_part_of_the_first_ones_line():
@@ -167,7 +168,7 @@ def test_later_policies_predict_from_the_fixed_part_of_the_first_ones_line():
     # step) + GiB per sample: none 10, selective_op 5, full 1. none's line through 4 and 8 meets 0 at 20, so one
     # measurement of selective_op (at 8, which none fit) gives its slope: 16 is predicted at 100 and run. From the
     # resident 10 alone, its bound (6.25 per sample) would put 16 over the budget and need a second point.
-    per_sample = {"none": 10, "selective_op": 5, "selective_op_lean": 5, "selective/2": 10, "full": 1}
+    per_sample = {"none": 10, "selective_op": 5, "selective_op_lean": 5, "full": 1}
 
     class Trials:
         policy = policy_name = None
@@ -360,11 +361,10 @@ def test_auto_when_nothing_fits_is_one_error_line(corpus, dataset_dir, tmp_path)
 # Budget 10 * 0.9 = 9 GiB of a 10 GiB GPU, 1 GiB resident, per-rank batch 8 (candidates 1, 2, 4, 8). Per sample:
 # none 3 GiB (fits 2: 7 GiB); selective_op 1.5 (starts at none's 2: 4 GiB, then 4: 7, fits; 8 predicted at 13);
 # selective_op_lean 1.2 (starts at selective_op's 4: 5.8; its line through 2 puts 8 at 10.6, over the GPU itself);
-# selective/2 2.5 (starts at none's 2: 6; 8 predicted at 21); full 0.9 (starts at 4: 4.6, then 8: 8.2, fits).
+# full 0.9 (starts at 4: 4.6, then 8: 8.2, fits).
 # A timed step takes step_seconds / micro-batch: none@2 0.5 s, selective_op@4 0.25 s, full@8 0.375 s; so
 # selective_op@4 trains the most tokens/s (8 sequences of 32 tokens a step).
-AC_MEMORY = {"policy_per_sample_gib": {"none": 3, "selective_op": 1.5, "selective_op_lean": 1.2, "selective/2": 2.5,
-                                       "full": 0.9},
+AC_MEMORY = {"policy_per_sample_gib": {"none": 3, "selective_op": 1.5, "selective_op_lean": 1.2, "full": 0.9},
              "step_seconds": {"none": 1, "selective_op": 1, "full": 3}}
 
 
@@ -378,11 +378,10 @@ def test_auto_checkpointing_trains_the_fastest_pair_that_fits_like_it_by_hand_an
                       faults=fake_memory(10, 1, 1, **AC_MEMORY))
     # Each policy after none starts at the largest size a policy keeping at least as much fit and runs a larger
     # size only where its line predicts a fit: selective_op_lean at 8 (10.6 GiB) would be over the 10 GiB
-    # capacity, an out-of-memory error on a GPU (and in the fake probe), so it never runs. selective/2 keeps more
-    # than selective_op_lean here (11 GiB at 4, lean's size): it starts from none's 2 instead.
+    # capacity, an out-of-memory error on a GPU (and in the fake probe), so it never runs.
     assert ("fsdp.activation_checkpointing=auto: tried none: micro-batch 1: 4.00 GiB, 2: 7.00 GiB; selective_op: "
             "micro-batch 2: 4.00 GiB, 4: 7.00 GiB; selective_op_lean: micro-batch 2: 3.40 GiB, 4: 5.80 GiB; "
-            "selective/2: micro-batch 1: 3.50 GiB, 2: 6.00 GiB; full: micro-batch 4: 4.60 GiB, 8: 8.20 GiB; timed "
+            "full: micro-batch 4: 4.60 GiB, 8: 8.20 GiB; timed "
             "none@2 512 tokens/s per rank, selective_op@4 1,024 tokens/s per rank, full@8 683 tokens/s per rank: "
             "the most tokens/s is selective_op@4") in first.stderr
     assert "micro-batch 4, activation checkpointing selective_op," in first.stderr
@@ -414,7 +413,7 @@ def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fit
     assert "grad accumulation 2, micro-batch 4, activation checkpointing selective_op," in proc.stderr
     # Nothing fits micro-batch 4, full checkpointing included: one error line, with full's figure for 4 predicted
     # from its trials at 2 and 1 (4 itself is never run).
-    tight = {"policy_per_sample_gib": {"none": 1, "selective_op": 0.98, "selective_op_lean": 0.96, "selective/2": 0.94,
+    tight = {"policy_per_sample_gib": {"none": 1, "selective_op": 0.98, "selective_op_lean": 0.96,
                                        "full": 0.9}}
 
     def failure(out: str, faults: dict) -> list[str]:

@@ -129,14 +129,17 @@ def pair_name(policy: CheckpointPolicy | None, micro_batch: int) -> str:
 
 def auto_policies(every_n: int, *, roles_known: bool = True) -> list[CheckpointPolicy]:
     """fsdp.activation_checkpointing=auto's candidates, in the order of what they recompute in backward: nothing,
-    the elementwise work and about half the matmuls, the gate matmul too (those two where the blocks' matmul
-    roles are known, else selective_op_wide, the elementwise work only), every_n-th blocks' whole forward, every
-    block's (so at the same micro-batch, each is slower than the one before, and is tried only for a micro-batch
-    the ones before could not fit). selective_op_wide is not a candidate where the roles are known: it sits
-    between none and selective_op, and one candidate fewer keeps the search short."""
-    by_op = ([CheckpointPolicy("selective_op"), CheckpointPolicy("selective_op_lean")] if roles_known
-             else [CheckpointPolicy("selective_op_wide")])
-    return [CheckpointPolicy("none"), *by_op, CheckpointPolicy("selective", max(every_n, 2)), CheckpointPolicy("full")]
+    the elementwise work and about half the matmuls, the gate matmul too, every block's whole forward (so at the
+    same micro-batch, each is slower than the one before, and is tried only for a micro-batch the ones before
+    could not fit). Where the blocks' matmul roles are not known, selective_op_wide (the elementwise work only)
+    and every every_n-th block's whole forward take the two op-level policies' place. Where they are known,
+    every n-th block's forward is no candidate: it keeps about what selective_op keeps and recomputes as much as
+    selective_op_lean, which keeps less (measured at 1B and 8B), so it never won; one candidate fewer is one
+    compile and its trials fewer. Neither is selective_op_wide: it sits between none and selective_op."""
+    if roles_known:
+        return [CheckpointPolicy(name) for name in ("none", "selective_op", "selective_op_lean", "full")]
+    return [CheckpointPolicy("none"), CheckpointPolicy("selective_op_wide"),
+            CheckpointPolicy("selective", max(every_n, 2)), CheckpointPolicy("full")]
 
 
 OP_LEVEL_ORDER = ("selective_op_wide", "selective_op", "selective_op_lean")  # each keeps what the next one does
@@ -199,11 +202,12 @@ class _Trials:
         return max_over_ranks(self.probe.peak_reserved(), self.env)
 
     def tokens_per_s(self, micro_batch: int) -> float:
-        """Per rank, over whole steps (the accumulation of the per-rank batch), after one to warm up."""
+        """Per rank, over one whole step (the accumulation of the per-rank batch), after one to warm up: the first
+        step of a pair at its accumulation measured 7-9% slower at 8B."""
         num_micro = self.per_rank // micro_batch
         self.probe.begin(micro_batch, self.policy_name)
         self.step(micro_batch, num_micro)
-        seconds = max_over_ranks(self.probe.time(lambda: self.step(micro_batch, num_micro)), self.env)
+        seconds = max_over_ranks(self.probe.time(lambda: self.step(micro_batch, num_micro), repeats=1), self.env)
         return self.per_rank * self.seq_len / seconds
 
 
