@@ -203,7 +203,7 @@ class _Trials:
 
     def tokens_per_s(self, micro_batch: int) -> float:
         """Per rank, over one whole step (the accumulation of the per-rank batch), after one to warm up: the first
-        step of a pair at its accumulation measured 7-9% slower at 8B."""
+        step of a pair at its accumulation read 1-9% slower at 8B."""
         num_micro = self.per_rank // micro_batch
         self.probe.begin(micro_batch, self.policy_name)
         self.step(micro_batch, num_micro)
