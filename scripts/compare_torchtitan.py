@@ -322,9 +322,14 @@ def gpu_name(ours: dict) -> str | None:
 
 
 def git_commit() -> str | None:
+    """The commit measured: HEAD, with "-modified" where tracked files differ from it (a record of a tree that
+    was never committed must not name a commit as if it were)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        head = git("rev-parse", "HEAD").strip()
+        return head + ("-modified" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
 

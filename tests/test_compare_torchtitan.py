@@ -3,6 +3,7 @@ the table, and one whole invocation with the two runs played by a small fake scr
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 import types
@@ -272,7 +273,8 @@ def test_whole_comparison_with_fake_runs(tmp_path, monkeypatch, capsys):
     # ours: median of 1000, 1300, 1100 tok/s and the highest of 20, 22, 21 GiB; the peer 1000 tok/s and 18 GiB
     assert record["ratio"] == pytest.approx(1.1) and record["memory_diff_gib"] == pytest.approx(4.0)
     assert record["gpu"] == {"name": "Fake GPU", "count": 2}
-    assert len(record["git_commit"]) == 40 and record["commands"]["peer"].endswith("--steps 2 --warmup 1")
+    assert re.fullmatch(r"[0-9a-f]{40}(-modified)?", record["git_commit"])
+    assert record["commands"]["peer"].endswith("--steps 2 --warmup 1")
     printed = capsys.readouterr().out
     assert "| train300M_fsdp, bf16, AC none, mbs 4, 2 GPUs | 1,100 | 1,000 | 1.100 | 22.0 | 18.0 | +4.0 |" in printed
     assert "--data.document_masking=false added" in printed and "NCCL_NVLS_ENABLE=0" in printed
@@ -300,3 +302,23 @@ def test_both_sides_failing_exits_non_zero(tmp_path, monkeypatch):
     assert code == 1
     record = json.loads(out.read_text())
     assert record["ours"]["error"] == record["peer"]["error"] == "failed, exit 3, last line: RuntimeError: NCCL error"
+
+
+def test_the_commit_recorded_says_when_the_tree_differs_from_it(tmp_path, monkeypatch):
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "a")
+    monkeypatch.setattr(ct, "ROOT", tmp_path)
+    (tmp_path / "untracked.txt").write_text("not part of the measured code\n")
+    assert re.fullmatch(r"[0-9a-f]{40}", ct.git_commit())
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert re.fullmatch(r"[0-9a-f]{40}-modified", ct.git_commit())
+    monkeypatch.setattr(ct, "ROOT", tmp_path / "missing")
+    assert ct.git_commit() is None
