@@ -294,7 +294,8 @@ class FSDPConfig:
     recomputes the elementwise ops); selective_op (the same, but about half the matmul outputs' bytes are
     recomputed too: the k, output and up projections');
     selective_op_lean (the output, gate and up projections' outputs recomputed); auto (on GPUs: trial steps
-    measure none, selective_op, selective_op_lean, selective and full with the micro-batch search, and the
+    measure none, selective_op, selective_op_lean and full with the micro-batch search (for a Hugging Face
+    model whose projections it cannot name: none, selective_op_wide, selective and full), and the
     pair of policy and micro-batch with the most tokens/s within the memory budget trains; cached with the
     micro-batch; on the CPU: none)."""
     ac_every_n_layers: int = 2
