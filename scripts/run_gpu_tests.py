@@ -70,7 +70,7 @@ def results(junit: Path) -> tuple[dict[str, int], list[str]]:
     if not junit.exists():
         counts["failed"] = 1
         return counts, [f"{junit.stem}: no results (pytest crashed: see {junit.with_suffix('.log')})"]
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    for case in junit_cases(junit):
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), None)
         if outcome in ("failure", "error"):
             counts["failed"] += 1
@@ -133,20 +133,21 @@ def node_id(case: ET.Element) -> str:
     return f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
 
 
+def junit_cases(junit: Path) -> list[ET.Element]:
+    """The test cases of a pytest's JUnit file; none where pytest wrote no file."""
+    return list(ET.parse(junit).getroot().iter("testcase")) if junit.exists() else []
+
+
 def junit_durations(junit: Path) -> dict[str, float]:
     """Seconds per test of a pytest's JUnit file, by node id."""
-    if not junit.exists():
-        return {}
-    return {node_id(case): float(case.get("time", 0)) for case in ET.parse(junit).getroot().iter("testcase")}
+    return {node_id(case): float(case.get("time", 0)) for case in junit_cases(junit)}
 
 
 def case_outcomes(junit: Path) -> dict[str, str]:
     """One word per test of a pytest's JUnit file, by node id: how each of a multi-test run went."""
-    if not junit.exists():
-        return {}
     words = {"failure": "FAILED", "error": "FAILED", "skipped": "skipped"}
     return {node_id(case): next((words[child.tag] for child in case if child.tag in words), "passed")
-            for case in ET.parse(junit).getroot().iter("testcase")}
+            for case in junit_cases(junit)}
 
 
 def measured_durations(runs: list[tuple[str, Path, bool]], timeout: float) -> dict[str, float]:
