@@ -196,6 +196,109 @@ def test_later_policies_predict_from_the_fixed_part_of_the_first_ones_line():
     assert _fixed_part({1: 30, 2: 30}, 100) == 0 and _fixed_part({4: 60, 8: 120}, 100) == 0  # no rising pair that fits
 
 
+class _TimedTrials:
+    """Trials whose memory is AC_MEMORY's formula on a 10 GiB GPU and whose pairs time at the given tokens/s,
+    recording what ran."""
+
+    def __init__(self, speeds: dict[str, float]):
+        self.probe = FakeProbe({"capacity_gib": 10, "fixed_gib": 1, **AC_MEMORY}, 0)
+        self.speeds, self.ran = speeds, []
+        self.policy = self.policy_name = None
+
+    def use(self, policy):
+        self.policy, self.policy_name = policy, policy.name
+
+    def measure(self, size):
+        self.ran.append(f"measure {self.policy_name}@{size}")
+        self.probe.begin(size, self.policy_name)
+        return self.probe.peak_reserved() / GiB
+
+    def tokens_per_s(self, size):
+        self.ran.append(f"time {self.policy_name}@{size}")
+        return self.speeds[self.policy_name]
+
+
+def test_each_pair_is_timed_as_found_and_a_slower_one_ends_the_search():
+    # AC_MEMORY on 10 GiB fits none@2, selective_op@4 and full@8 (test above). selective_op@4 trains slower than
+    # none@2: the policies after it recompute more for a larger micro-batch, which gains less still, so
+    # selective_op_lean and full never run. Each pair is timed right after its last trial.
+    trials, tried, speeds = _TimedTrials({"none": 1000.0, "selective_op": 900.0}), {}, {}
+    fitting = _fitting_pairs(trials, auto_policies(2), divisors(8), budget=9, resident=1, tried=tried, speeds=speeds)
+    assert [(policy.name, best) for policy, best, _ in fitting] == [("none", 2), ("selective_op", 4)]
+    assert speeds == {"none@2": 1000.0, "selective_op@4": 900.0} and list(tried) == ["none", "selective_op"]
+    assert trials.ran == ["measure none@1", "measure none@2", "time none@2", "measure selective_op@2",
+                          "measure selective_op@4", "time selective_op@4"]
+    # Faster at each larger micro-batch: every policy runs, and full@8, the last, is timed too.
+    trials, speeds = _TimedTrials({"none": 1000.0, "selective_op": 1100.0, "full": 1200.0}), {}
+    fitting = _fitting_pairs(trials, auto_policies(2), divisors(8), budget=9, resident=1, tried={}, speeds=speeds)
+    assert [(policy.name, best) for policy, best, _ in fitting] == [("none", 2), ("selective_op", 4), ("full", 8)]
+    assert list(speeds) == ["none@2", "selective_op@4", "full@8"]
+    # A first pair with nothing left to compete (none fits the whole per-rank batch) is not timed.
+    trials, speeds = _TimedTrials({}), {}
+    fitting = _fitting_pairs(trials, auto_policies(2), divisors(2), budget=9, resident=1, tried={}, speeds=speeds)
+    assert [(policy.name, best) for policy, best, _ in fitting] == [("none", 2)] and speeds == {}
+    assert not any(step.startswith("time") for step in trials.ran)
+
+
+def test_a_pair_timed_right_after_its_memory_trial_takes_no_warm_up_step(monkeypatch):
+    # The memory trial that found the pair warmed it up (its graphs, kernels and allocator blocks); timed after
+    # anything else, a step warms up first. Steps are counted through train_step.
+    from fsdp_utils.train import microbatch
+
+    steps = []
+    monkeypatch.setattr(microbatch, "train_step", lambda *a, grad_accum, **k: steps.append(grad_accum))
+    probe = FakeProbe({"capacity_gib": 10, "fixed_gib": 1, "per_sample_gib": 1}, 0)
+    env = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)
+    monkeypatch.setattr(microbatch, "max_over_ranks", lambda value, env: value)
+    trials = microbatch._Trials(torch.nn.Linear(2, 2), None, per_rank=8, seq_len=4, vocab_size=16, grad_clip=1.0,
+                                compile=False, env=env, probe=probe, switch=None)
+    trials.measure(4)
+    assert steps == [2]  # a memory trial: up to two micro-batches
+    assert trials.tokens_per_s(4) == 8 * 4 / (1 / 4) and steps == [2, 2]  # one timed step, accumulation 2
+    assert trials.tokens_per_s(4) and steps == [2, 2, 2, 2]  # after a timed step: a warm-up step first
+    trials.measure(2)
+    trials.measure(4)
+    trials.tokens_per_s(2)
+    assert steps[-3:] == [2, 4, 4]  # not the last trial's size: warm-up, then the timed step
+
+
+def test_the_trials_train_at_learning_rate_zero_and_leave_the_weights_bit_for_bit(monkeypatch):
+    # Each trial runs a real AdamW step (weight decay on): at learning rate 0 the weights stay, bit for bit, with
+    # no copy of them kept; the rate and an empty state are back afterwards. An optimizer that moves the weights
+    # anyway is caught by the fingerprint, as an error rather than a run that trains from other weights.
+    from fsdp_utils.train import microbatch
+
+    def adamw_step(model, optimizer, batches, *, grad_accum, **kwargs):
+        for x, _ in (next(batches) for _ in range(grad_accum)):
+            model(x.float()).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(microbatch, "max_over_ranks", lambda value, env: value)
+    env = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def search():
+        probe = FakeProbe({"capacity_gib": 10, "fixed_gib": 1, "per_sample_gib": 1}, 0)
+        return microbatch.search_micro_batch(model, optimizer, per_rank=8, seq_len=4, vocab_size=16, grad_clip=1.0,
+                                             margin=0.1, compile=False, env=env, probe=probe)
+
+    monkeypatch.setattr(microbatch, "train_step", adamw_step)
+    assert search().micro_batch_size == 8
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert optimizer.param_groups[0]["lr"] == 0.1 and not optimizer.state
+
+    def moves_the_weights(model, optimizer, batches, *, grad_accum, **kwargs):
+        with torch.no_grad():
+            model.weight.add_(1e-3)
+
+    monkeypatch.setattr(microbatch, "train_step", moves_the_weights)
+    with pytest.raises(RuntimeError, match="the trial steps changed the weights"):
+        search()
+
+
 def test_climb_nothing_fits():
     best, measured = climb([1, 2, 4], budget=10, resident=8, measure=lambda b: 12.0)
     assert best is None and measured == {1: 12.0}

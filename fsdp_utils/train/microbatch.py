@@ -3,13 +3,14 @@ peak GPU memory of candidate micro-batches (and checkpointing policies), the lar
 trains, and the choice is cached in the output directory. docs/fsdp.md describes the search."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -116,6 +117,43 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def _fingerprint(model: nn.Module) -> torch.Tensor:
+    """A float64 sum of each parameter's local shard: the trial steps must leave every one as it was."""
+    with torch.no_grad():
+        return torch.stack([_local(p).sum(dtype=torch.float64) for p in model.parameters()])
+
+
+def _trial_compile_options(compile: bool) -> contextlib.AbstractContextManager:
+    """Inductor fuses a norm's backward reductions (mix-order reduction) only where the rows are at least twice
+    the columns, among other size tests. With the batch dimension dynamic those tests become guards: at 8B (4,096
+    columns) the graph compiled at micro-batch 2 covered 2-3 only, and 8 compiled once more. The trials skip the
+    tests (what inductor's non-strict mode is for), so one dynamic graph per policy covers every larger size; the
+    run's own graph compiles after the trials, with them, as training without the search would."""
+    if not compile:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor
+
+    if not hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):  # a torch without the fusion
+        return contextlib.nullcontext()
+    return inductor.patch({"triton.mix_order_reduction_non_strict_mode": True})
+
+
+@contextlib.contextmanager
+def _learning_rate_zero(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The trial steps run the whole optimizer step (its memory and time are a step's) at learning rate 0: AdamW
+    multiplies both its update and its weight decay by it, so the weights stay as they were, bit for bit, with no
+    host copy of them to restore (train_step skips a step whose gradients are not finite, the one case where 0
+    times the update would not be 0)."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+
+
 def auto_label(*, auto_size: bool, auto_checkpointing: bool) -> str:
     """Which of the autos a search serves, as its log and error lines name it."""
     return " and ".join(name for name, on in (("train.micro_batch_size=auto", auto_size),
@@ -173,6 +211,7 @@ class _Trials:
         self.gen = torch.Generator(device=env.device).manual_seed(20_000 + env.rank)
         self.policy: CheckpointPolicy | None = None
         self.size = 0  # the micro-batch of the step running (for the out-of-memory message)
+        self.last_measured: str | None = None  # the pair (pair_name) whose memory trial was the last step
 
     @property
     def policy_name(self) -> str | None:
@@ -186,7 +225,7 @@ class _Trials:
             self.switch.policy = policy
 
     def step(self, micro_batch: int, num_micro: int) -> None:
-        self.size = micro_batch
+        self.size, self.last_measured = micro_batch, None
         tokens = (torch.randint(0, self.vocab_size, (micro_batch, self.seq_len + 1), device=self.env.device,
                                 generator=self.gen) for _ in range(num_micro))
         # The training step itself: its optimizer step runs the model converters' hooks (FP8 scales) too.
@@ -199,15 +238,20 @@ class _Trials:
         with fsdp.grad_sync=last_micro_batch)."""
         self.probe.begin(micro_batch, self.policy_name)
         self.step(micro_batch, min(2, self.per_rank // micro_batch))
+        self.last_measured = pair_name(self.policy, micro_batch)
         return max_over_ranks(self.probe.peak_reserved(), self.env)
 
     def tokens_per_s(self, micro_batch: int) -> float:
-        """Per rank, over one whole step (the accumulation of the per-rank batch), after one to warm up: the first
-        step of a pair at its accumulation read 1-9% slower at 8B."""
+        """Per rank, over one whole step (the accumulation of the per-rank batch), warmed up: right after this
+        pair's memory trial, that trial was the warm-up (its graphs ran, its kernels were tuned for the size and
+        the allocator holds its blocks); otherwise one step warms up first (a first step after other pairs read
+        1-9% slow at 8B)."""
         num_micro = self.per_rank // micro_batch
-        self.probe.begin(micro_batch, self.policy_name)
-        self.step(micro_batch, num_micro)
+        if self.last_measured != pair_name(self.policy, micro_batch):
+            self.probe.begin(micro_batch, self.policy_name)
+            self.step(micro_batch, num_micro)
         seconds = max_over_ranks(self.probe.time(lambda: self.step(micro_batch, num_micro), repeats=1), self.env)
+        self.last_measured = None
         return self.per_rank * self.seq_len / seconds
 
 
@@ -220,15 +264,15 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     then the fitting pair of policy and micro-batch whose full step (the accumulation of the per-rank batch)
     trains the most tokens/s; the switch is left at the chosen policy. With a `micro_batch` set by hand (and a
     switch), the first policy that fits it: the trials climb to it through its divisors, so that, as in the
-    auto search, no size runs before it is known or predicted to fit but the smallest. Leaves the weights,
-    the optimizer state and the RNGs as they were."""
+    auto search, no size runs before it is known or predicted to fit but the smallest. Leaves the weights
+    (the trials train at learning rate 0), the optimizer state and the RNGs as they were."""
     candidates = divisors(micro_batch or per_rank)
     policies: list[CheckpointPolicy | None] = [None]
     if switch is not None:
         policies = list(auto_policies(every_n, roles_known=switch.roles_known))
     assert not optimizer.state, "search before the first optimizer step (or a resume): its state is cleared afterwards"
     start = time.perf_counter()
-    saved = [_local(p).detach().to("cpu", copy=True) for p in model.parameters()]
+    weights = _fingerprint(model)
     capacity = -max_over_ranks(-probe.capacity(), env)
     budget = capacity * (1 - margin)
     trials = _Trials(model, optimizer, per_rank=per_rank, seq_len=seq_len, vocab_size=vocab_size, grad_clip=grad_clip,
@@ -259,18 +303,21 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     try:
         # Every pair of policy and micro-batch tried keeps its compiled graphs until the run's own are compiled
         # (below): more than torch.compile keeps by default, past which it would run the blocks uncompiled.
-        with torch.random.fork_rng(devices=rng_devices), torch._dynamo.config.patch(recompile_limit=TRIAL_GRAPHS):
-            trials.use(policies[0])
-            probe.begin(candidates[0], trials.policy_name)
-            trials.step(candidates[0], min(2, per_rank // candidates[0]))  # allocates the optimizer state, compiles
-            resident = max_over_ranks(probe.allocated(), env)
-            fitting = _fitting_pairs(trials, policies, candidates, budget=budget, resident=resident, tried=tried)
+        with torch.random.fork_rng(devices=rng_devices), torch._dynamo.config.patch(recompile_limit=TRIAL_GRAPHS), \
+                _learning_rate_zero(optimizer):
+            with _trial_compile_options(compile):
+                trials.use(policies[0])
+                probe.begin(candidates[0], trials.policy_name)
+                trials.step(candidates[0], min(2, per_rank // candidates[0]))  # allocates the optimizer state
+                resident = max_over_ranks(probe.allocated(), env)
+                fitting = _fitting_pairs(trials, policies, candidates, budget=budget, resident=resident,
+                                         tried=tried, speeds=speeds if micro_batch is None else None)
             if micro_batch is not None:  # by hand: only the size set counts (the smaller ones led up to it)
                 fitting = [pair for pair in fitting if pair[1] == micro_batch]
             if not fitting:
                 last = tried[next(reversed(tried))]
                 raise nothing_fits(micro_batch or min(last), last)
-            policy, best, measured = _fastest_pair(trials, fitting, speeds)
+            policy, best, measured = max(fitting, key=lambda pair: speeds.get(pair_name(pair[0], pair[1]), 0.0))
             trials.use(policy)
             if compile:
                 torch.compiler.reset()  # the trials' graphs go; the run compiles its own, within the usual limit
@@ -287,9 +334,9 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
                   "turn on fsdp.activation_checkpointing, use more GPUs, or shorten data.seq_len")
         raise OutOfMemory(f"{label}: a trial step at micro-batch {trials.size}{during} ran out of memory "
                           f"({str(err).splitlines()[0]}); {advice}") from None
-    with torch.no_grad():
-        for param, value in zip(model.parameters(), saved, strict=True):
-            _local(param).copy_(value)
+    if not torch.allclose(_fingerprint(model), weights, rtol=0, atol=0, equal_nan=True):
+        raise RuntimeError(f"{label}: the trial steps changed the weights (an optimizer that moves them at learning "
+                           "rate 0); set train.micro_batch_size and fsdp.activation_checkpointing by hand")
     optimizer.state.clear()
     optimizer.zero_grad(set_to_none=True)
     probe.begin(best, trials.policy_name)
@@ -313,27 +360,20 @@ def _compile_the_runs_graphs(trials: _Trials, best: int, measured: dict[int, flo
         best = max(below)
 
 
-def _fastest_pair(trials: _Trials, fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]],
-                  speeds: dict[str, float]) -> tuple[CheckpointPolicy | None, int, dict[int, float]]:
-    """The one pair that fits, or (auto: each pair that fits has a larger micro-batch at more recompute) the
-    pair whose full step trains the most tokens/s; each timed pair's speed is recorded in `speeds`."""
-    if len(fitting) == 1:
-        return fitting[0]
-    for policy, size, _ in fitting:
-        trials.use(policy)
-        speeds[pair_name(policy, size)] = trials.tokens_per_s(size)
-    return max(fitting, key=lambda f: speeds[pair_name(f[0], f[1])])
-
-
 def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], candidates: list[int], *, budget: float,
-                   resident: float, tried: dict[str, dict[int, float]]
+                   resident: float, tried: dict[str, dict[int, float]], speeds: dict[str, float] | None = None
                    ) -> list[tuple[CheckpointPolicy | None, int, dict[int, float]]]:
     """(policy, the largest micro-batch that fits with it, its measurements) for each policy that fits a larger
     micro-batch than the policies before it (which recompute less: at the same size they are faster). Records
-    every policy's measurements in `tried`."""
+    every policy's measurements in `tried`.
+
+    With `speeds` (the pairs compete: the auto micro-batch), each pair is timed as it is found, its tokens/s
+    recorded there, unless it is the first and no later policy can fit more. A pair slower than one before it
+    ends the search: each policy after it recomputes more, for a still larger micro-batch, which gains less than
+    the last larger one did (at 8B, selective_op_lean@16 was 9% slower than none@8 and full@32 11%)."""
     fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]] = []
     fixed = resident
-    for policy in policies:
+    for index, policy in enumerate(policies):
         sizes = [c for c in candidates if c > (fitting[-1][1] if fitting else 0)]
         if not sizes:
             break
@@ -353,8 +393,20 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
         tried[trials.policy_name or ""] = measured
         if fixed == resident:
             fixed = max(resident, _fixed_part(measured, budget))
-        if best is not None:
-            fitting.append((policy, best, measured))
+        if best is None:
+            continue
+        fitting.append((policy, best, measured))
+        later = policies[index + 1:] if best < candidates[-1] else []
+        if speeds is None or (len(fitting) == 1 and not later):
+            continue
+        name = pair_name(policy, best)
+        speeds[name] = trials.tokens_per_s(best)
+        fastest = max(speeds, key=speeds.__getitem__)
+        if later and fastest != name:
+            log.info("fsdp.activation_checkpointing=auto: %s trains %.1f%% slower than %s; the policies that "
+                     "recompute more are not tried (%s)", name, 100 * (1 - speeds[name] / speeds[fastest]),
+                     fastest, ", ".join(str(p.name if p else None) for p in later))
+            break
     return fitting
 
 
