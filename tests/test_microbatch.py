@@ -24,6 +24,7 @@ from fsdp_utils.train.microbatch import (
     _fixed_part,
     auto_policies,
     climb,
+    describe_choice,
     keeps_at_least,
     read_cache,
     save_to_cache,
@@ -222,10 +223,24 @@ def test_each_pair_is_timed_as_found_and_a_slower_one_ends_the_search():
     # AC_MEMORY on 10 GiB fits none@2, selective_op@4 and full@8 (test above). selective_op@4 trains slower than
     # none@2: the policies after it recompute more for a larger micro-batch, which gains less still, so
     # selective_op_lean and full never run. Each pair is timed right after its last trial.
-    trials, tried, speeds = _TimedTrials({"none": 1000.0, "selective_op": 900.0}), {}, {}
-    fitting = _fitting_pairs(trials, auto_policies(2), divisors(8), budget=9, resident=1, tried=tried, speeds=speeds)
+    trials, tried, speeds, untried = _TimedTrials({"none": 1000.0, "selective_op": 900.0}), {}, {}, []
+    fitting = _fitting_pairs(trials, auto_policies(2), divisors(8), budget=9, resident=1, tried=tried, speeds=speeds,
+                             untried=untried)
     assert [(policy.name, best) for policy, best, _ in fitting] == [("none", 2), ("selective_op", 4)]
     assert speeds == {"none@2": 1000.0, "selective_op@4": 900.0} and list(tried) == ["none", "selective_op"]
+    assert untried == ["selective_op_lean", "full"]
+    # The log says so (describe_choice).
+    cfg = SimpleNamespace(train=SimpleNamespace(micro_batch_size="auto", global_batch_size=8,
+                                                auto_micro_batch_margin=0.1),
+                          fsdp=SimpleNamespace(activation_checkpointing="auto"))
+    choice = MicroBatchChoice(2, "search", {1: 4.0, 2: 7.0}, 10.0, 9.0, 1.0, checkpointing="none",
+                              tried_gib={"none": {1: 4.0, 2: 7.0}, "selective_op": {2: 4.0, 4: 7.0}},
+                              tokens_per_s=speeds, untried=untried)
+    assert describe_choice(choice, cfg, world_size=1)[0] == (
+        "fsdp.activation_checkpointing=auto: tried none: micro-batch 1: 4.00 GiB, 2: 7.00 GiB; selective_op: "
+        "micro-batch 2: 4.00 GiB, 4: 7.00 GiB; timed none@2 1,000 tokens/s per rank, selective_op@4 900 tokens/s "
+        "per rank: the most tokens/s is none@2; not tried: selective_op_lean, full (more recompute for a larger "
+        "micro-batch, after the last larger one was slower)")
     assert trials.ran == ["measure none@1", "measure none@2", "time none@2", "measure selective_op@2",
                           "measure selective_op@4", "time selective_op@4"]
     # Faster at each larger micro-batch: every policy runs, and full@8, the last, is timed too.

@@ -46,6 +46,7 @@ class MicroBatchChoice:
     checkpointing: str | None = None
     tried_gib: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
     tokens_per_s: dict[str, float] = dataclasses.field(default_factory=dict)  # "policy@micro-batch" -> tokens/s
+    untried: list[str] = dataclasses.field(default_factory=list)  # policies left out after a slower pair
     cached_on: str | None = None  # how == "cache": the date of the cache entry
 
 
@@ -300,6 +301,7 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     rng_devices = [env.device.index] if env.device.type == "cuda" else []
     tried: dict[str, dict[int, float]] = {}
     speeds: dict[str, float] = {}
+    untried: list[str] = []
     try:
         # Every pair of policy and micro-batch tried keeps its compiled graphs until the run's own are compiled
         # (below): more than torch.compile keeps by default, past which it would run the blocks uncompiled.
@@ -311,7 +313,8 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
                 trials.step(candidates[0], min(2, per_rank // candidates[0]))  # allocates the optimizer state
                 resident = max_over_ranks(probe.allocated(), env)
                 fitting = _fitting_pairs(trials, policies, candidates, budget=budget, resident=resident,
-                                         tried=tried, speeds=speeds if micro_batch is None else None)
+                                         tried=tried, speeds=speeds if micro_batch is None else None,
+                                         untried=untried)
             if micro_batch is not None:  # by hand: only the size set counts (the smaller ones led up to it)
                 fitting = [pair for pair in fitting if pair[1] == micro_batch]
             if not fitting:
@@ -343,7 +346,7 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     tried_gib = {name: {b: m / GiB for b, m in sorted(sizes.items())} for name, sizes in tried.items()}
     return MicroBatchChoice(best, "search", {b: m / GiB for b, m in sorted(measured.items())}, capacity / GiB,
                             budget / GiB, time.perf_counter() - start, checkpointing=trials.policy_name,
-                            tried_gib=tried_gib if switch is not None else {}, tokens_per_s=speeds)
+                            tried_gib=tried_gib if switch is not None else {}, tokens_per_s=speeds, untried=untried)
 
 
 def _compile_the_runs_graphs(trials: _Trials, best: int, measured: dict[int, float], *, budget: float,
@@ -361,16 +364,17 @@ def _compile_the_runs_graphs(trials: _Trials, best: int, measured: dict[int, flo
 
 
 def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], candidates: list[int], *, budget: float,
-                   resident: float, tried: dict[str, dict[int, float]], speeds: dict[str, float] | None = None
-                   ) -> list[tuple[CheckpointPolicy | None, int, dict[int, float]]]:
+                   resident: float, tried: dict[str, dict[int, float]], speeds: dict[str, float] | None = None,
+                   untried: list[str] | None = None) -> list[tuple[CheckpointPolicy | None, int, dict[int, float]]]:
     """(policy, the largest micro-batch that fits with it, its measurements) for each policy that fits a larger
     micro-batch than the policies before it (which recompute less: at the same size they are faster). Records
     every policy's measurements in `tried`.
 
     With `speeds` (the pairs compete: the auto micro-batch), each pair is timed as it is found, its tokens/s
     recorded there, unless it is the first and no later policy can fit more. A pair slower than one before it
-    ends the search: each policy after it recomputes more, for a still larger micro-batch, which gains less than
-    the last larger one did (at 8B, selective_op_lean@16 was 9% slower than none@8 and full@32 11%)."""
+    ends the search, the policies after it listed in `untried`: each recomputes more, for a still larger
+    micro-batch, which gains less than the last larger one did (at 8B, selective_op_lean@16 was 9% slower than
+    none@8 and full@32 11%)."""
     fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]] = []
     fixed = resident
     for index, policy in enumerate(policies):
@@ -401,11 +405,9 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
             continue
         name = pair_name(policy, best)
         speeds[name] = trials.tokens_per_s(best)
-        fastest = max(speeds, key=speeds.__getitem__)
-        if later and fastest != name:
-            log.info("fsdp.activation_checkpointing=auto: %s trains %.1f%% slower than %s; the policies that "
-                     "recompute more are not tried (%s)", name, 100 * (1 - speeds[name] / speeds[fastest]),
-                     fastest, ", ".join(str(p.name if p else None) for p in later))
+        if later and speeds[name] < max(speeds.values()):
+            if untried is not None:
+                untried.extend(str(later_policy.name if later_policy else None) for later_policy in later)
             break
     return fitting
 
@@ -563,6 +565,9 @@ def describe_choice(choice: MicroBatchChoice, cfg, *, world_size: int) -> list[s
         why = (f"timed {timed}: the most tokens/s is {choice.checkpointing}@{choice.micro_batch_size}" if timed else
                f"{choice.checkpointing} recomputes the least of the policies that fit micro-batch "
                f"{choice.micro_batch_size}" + (", and none fits a larger one" if auto_size else ""))
+        if choice.untried:
+            why += (f"; not tried: {', '.join(choice.untried)} (more recompute for a larger micro-batch, after the "
+                    "last larger one was slower)")
         lines.append(f"fsdp.activation_checkpointing=auto: tried {tried}; {why}")
     lines.append(f"{what}: micro-batch {choice.micro_batch_size} (gradient accumulation "
                  f"{per_rank // choice.micro_batch_size} on {world_size} ranks){policy}; peak memory of the trial "
