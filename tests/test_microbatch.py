@@ -255,9 +255,10 @@ def test_each_pair_is_timed_as_found_and_a_slower_one_ends_the_search():
     assert not any(step.startswith("time") for step in trials.ran)
 
 
-def test_a_pair_timed_right_after_its_memory_trial_takes_no_warm_up_step(monkeypatch):
-    # The memory trial that found the pair warmed it up (its graphs, kernels and allocator blocks); timed after
-    # anything else, a step warms up first. Steps are counted through train_step.
+def test_a_pair_timed_right_after_a_whole_step_trial_takes_no_warm_up_step(monkeypatch):
+    # A memory trial that ran the pair's whole step (accumulation 2 or less) warmed it up (its graphs, kernels and
+    # allocator blocks); after a trial of part of the step, or after anything else, a step warms up first. Steps
+    # are counted through train_step.
     from fsdp_utils.train import microbatch
 
     steps = []
@@ -275,6 +276,9 @@ def test_a_pair_timed_right_after_its_memory_trial_takes_no_warm_up_step(monkeyp
     trials.measure(4)
     trials.tokens_per_s(2)
     assert steps[-3:] == [2, 4, 4]  # not the last trial's size: warm-up, then the timed step
+    trials.measure(2)
+    trials.tokens_per_s(2)
+    assert steps[-3:] == [2, 4, 4]  # the trial ran 2 of the step's 4 micro-batches: warm-up, then the timed step
 
 
 def test_the_trials_train_at_learning_rate_zero_and_leave_the_weights_bit_for_bit(monkeypatch):

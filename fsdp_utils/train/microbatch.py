@@ -212,7 +212,7 @@ class _Trials:
         self.gen = torch.Generator(device=env.device).manual_seed(20_000 + env.rank)
         self.policy: CheckpointPolicy | None = None
         self.size = 0  # the micro-batch of the step running (for the out-of-memory message)
-        self.last_measured: str | None = None  # the pair (pair_name) whose memory trial was the last step
+        self.warm_pair: str | None = None  # the pair (pair_name) whose whole step the last step was, as a memory trial
 
     @property
     def policy_name(self) -> str | None:
@@ -226,7 +226,7 @@ class _Trials:
             self.switch.policy = policy
 
     def step(self, micro_batch: int, num_micro: int) -> None:
-        self.size, self.last_measured = micro_batch, None
+        self.size, self.warm_pair = micro_batch, None
         tokens = (torch.randint(0, self.vocab_size, (micro_batch, self.seq_len + 1), device=self.env.device,
                                 generator=self.gen) for _ in range(num_micro))
         # The training step itself: its optimizer step runs the model converters' hooks (FP8 scales) too.
@@ -238,22 +238,24 @@ class _Trials:
         up to two micro-batches: the second one's peak includes what the first left (its gradients, unsharded
         with fsdp.grad_sync=last_micro_batch)."""
         self.probe.begin(micro_batch, self.policy_name)
-        self.step(micro_batch, min(2, self.per_rank // micro_batch))
-        self.last_measured = pair_name(self.policy, micro_batch)
+        num_micro = self.per_rank // micro_batch
+        self.step(micro_batch, min(2, num_micro))
+        if num_micro <= 2:  # the trial was the whole step: timing it needs no other warm-up
+            self.warm_pair = pair_name(self.policy, micro_batch)
         return max_over_ranks(self.probe.peak_reserved(), self.env)
 
     def tokens_per_s(self, micro_batch: int) -> float:
         """Per rank, over one whole step (the accumulation of the per-rank batch), warmed up: right after this
-        pair's memory trial, that trial was the warm-up (its graphs ran, its kernels were tuned for the size and
-        the allocator holds its blocks); otherwise one step warms up first (a first step after other pairs read
-        1-9% slow at 8B)."""
+        pair's memory trial where that trial was the whole step (two micro-batches or fewer), the trial was the
+        warm-up; otherwise one step warms up first. Measured at 1B on 2 GPUs, a step timed right after a trial of
+        2 of its micro-batches read 5.4% slow at accumulation 8 and 1.0% at 4, one after a whole-step trial 0.2%
+        fast; a first step after other pairs read 1-9% slow at 8B."""
         num_micro = self.per_rank // micro_batch
-        if self.last_measured != pair_name(self.policy, micro_batch):
+        if self.warm_pair != pair_name(self.policy, micro_batch):
             self.probe.begin(micro_batch, self.policy_name)
             self.step(micro_batch, num_micro)
-        seconds = max_over_ranks(self.probe.time(lambda: self.step(micro_batch, num_micro), repeats=1), self.env)
-        self.last_measured = None
-        return self.per_rank * self.seq_len / seconds
+        return self.per_rank * self.seq_len / max_over_ranks(
+            self.probe.time(lambda: self.step(micro_batch, num_micro), repeats=1), self.env)
 
 
 def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, per_rank: int, seq_len: int,
