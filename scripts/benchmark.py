@@ -29,6 +29,16 @@ search (no cache) and then the accumulation that train.global_batch_size needs, 
 it out of memory, at half the micro-batch and twice the accumulation, and so on): one invocation, one global
 batch.
 
+`--grid none@8,selective_op@16,...`: ours again at each fixed pair of activation checkpointing policy and
+micro-batch, at train.global_batch_size (the accumulation it needs), after ours: the grid the auto search
+chooses from (fsdp.activation_checkpointing and train.micro_batch_size auto), with each pair's ratio to ours
+and the fastest of them all. A pair that does not fit the GPU ends the benchmark with the out-of-memory error,
+as training would: give the pairs the search's log lists as fitting, or measure on larger cards and compare
+the peaks with the budget.
+
+    torchrun --nproc_per_node=2 scripts/benchmark.py config/train8B_fsdp.yaml --model.vocab_size=128256 \
+        --grid none@8,selective_op@8,selective_op_lean@16,full@32 --steps 3 --warmup 1
+
 `--save_modes sync,thread[,process,sync_gpu]`: measure sharded checkpoint saves instead, in one invocation:
 after the timed training steps, for each mode, `--saves` saves through the checkpoint manager (sync: as
 train_fsdp.py with checkpoint.async_save=false; thread / process: asynchronous, with that writer;
@@ -159,9 +169,9 @@ def build_ours(cfg, env, args, *, micro_batch: int | str,
 
 def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
     """(run, baseline) pairs whose tokens/s ratio is printed: each of ours against the reference, each
-    FP8 run against ours in bf16, and each masked run against the same run unmasked."""
+    FP8 run, LoRA run and grid pair against ours, and each masked run against the same run unmasked."""
     pairs = [(name, "hf_llama_fsdp2") for name in names if name != "hf_llama_fsdp2" and "hf_llama_fsdp2" in names]
-    pairs += [(name, "ours") for name in names if name.startswith(("ours_fp8", "ours_lora")) and "ours" in names]
+    pairs += [(name, "ours") for name in names if name.startswith(("ours_fp8", "ours_lora", GRID)) and "ours" in names]
     return pairs + [(name, name.removesuffix(DOCMASK)) for name in names
                     if name.endswith(DOCMASK) and name.removesuffix(DOCMASK) in names]
 
@@ -420,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "e.g. 16,64: LoRA against full fine-tuning in one invocation")
     parser.add_argument("--lora_only", action="store_true",
                         help="with --lora: leave out the full fine-tuning run (for a model it cannot fit)")
+    parser.add_argument("--grid", default="",
+                        help="also run ours at these fixed pairs of activation checkpointing policy and micro-batch, "
+                        "POLICY@MICRO_BATCH, comma-separated (e.g. none@8,selective_op@16), at the global batch")
     parser.add_argument("--rounds", type=int, default=1,
                         help="alternate ours and the reference this many times (noisy machines)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of each run")
@@ -438,24 +451,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_configs(args, overrides: list[str], *, recipes: list[str]) -> tuple:
-    """(the config, {FP8 recipe: its config}); each FP8 run's config is the same overrides plus its recipe,
-    checked as train_fsdp.py checks it. Raises ConfigError with every problem."""
+GRID = "grid_"  # the name of a --grid run: grid_selective_op@16
+
+
+def grid_pairs(text: str) -> list[tuple[str, int]]:
+    """--grid's POLICY@MICRO_BATCH list as (policy, micro-batch); ValueError naming an entry that is not one."""
+    pairs = []
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        policy, _, size = entry.rpartition("@")
+        if not policy or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"--grid: {entry!r} is not POLICY@MICRO_BATCH (e.g. selective_op@16)")
+        pairs.append((policy, int(size)))
+    return pairs
+
+
+def load_configs(args, overrides: list[str], *, recipes: list[str], grid: list[tuple[str, int]]) -> tuple:
+    """(the config, {FP8 recipe or LoRA rank: its config}, {grid pair: its config}); each variant's config is the
+    same overrides plus its own, checked as train_fsdp.py checks it (a grid pair's split over this launch's world
+    size too). Raises ConfigError with every problem."""
     cfg = load_config(args.config, overrides)
     fp8_cfgs = {f"ours_fp8_{r}": load_config(args.config, [*overrides, f"--train.float8={r}"]) for r in recipes}
     for rank in [int(r) for r in args.lora.split(",") if r.strip()]:
         fp8_cfgs[f"ours_lora_r{rank}"] = load_config(args.config, [*overrides, f"--train.lora.rank={rank}"])
-    local_rank = read_torchrun_env().local_rank
-    problems = [p for r in recipes for p in float8_problems(r, run_device=cfg.run.device, local_rank=local_rank)]
+    launch = read_torchrun_env()
+    problems = [p for r in recipes for p in float8_problems(r, run_device=cfg.run.device,
+                                                            local_rank=launch.local_rank)]
+    grid_cfgs = {}
+    for policy, size in grid:
+        try:
+            c = load_config(args.config, [*overrides, f"--fsdp.activation_checkpointing={policy}",
+                                          f"--train.micro_batch_size={size}"])
+            check_batch_split(c, launch.world_size)
+            grid_cfgs[f"{GRID}{policy}@{size}"] = c
+        except ConfigError as err:
+            problems += [f"--grid {policy}@{size}: {problem}" for problem in err.problems]
     if problems:
         raise ConfigError(problems)
-    for c in [cfg, *fp8_cfgs.values()]:
+    for c in [cfg, *fp8_cfgs.values(), *grid_cfgs.values()]:
         if c.model.vocab_size == 0:  # no tokenizer here: random tokens over the configured vocabulary
             c.model.vocab_size = c.data.vocab_size
-    return cfg, fp8_cfgs
+    return cfg, fp8_cfgs, grid_cfgs
 
 
-def plan_runs(args, cfg, fp8_cfgs: dict) -> list[tuple]:
+def plan_runs(args, cfg, fp8_cfgs: dict, grid_cfgs: dict) -> list[tuple]:
     """(name, function, config, micro-batch, accumulation) of each run, in order: accumulation None
     follows the global batch."""
     auto = cfg.train.micro_batch_size == "auto"
@@ -468,6 +506,7 @@ def plan_runs(args, cfg, fp8_cfgs: dict) -> list[tuple]:
     if not args.peer_only:  # FP8 recipes and LoRA ranks, each named by its variant
         runs += [(name, bench_ours, c, c.train.micro_batch_size, None if auto else args.grad_accum or 1)
                  for name, c in fp8_cfgs.items()]
+        runs += [(name, bench_ours, c, c.train.micro_batch_size, None) for name, c in grid_cfgs.items()]
     if args.document_masking:  # each of ours, then the same masked
         runs = [twin for run in runs for twin in (run, (run[0] + DOCMASK, run[1], with_documents(run[2]), *run[3:]))]
     if args.peer or args.peer_only:
@@ -548,11 +587,11 @@ def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg, e
           f"cpu_offload {cfg.fsdp.cpu_offload}"
           + (f", documents of {args.doc_len} tokens on average" if args.doc_len else "")
           + "".join(f", {name}" for name in ablations))
-    print(f"{'run':<22}{'micro x acc':>12}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
+    print(f"{'run':<28}{'micro x acc':>12}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         split = f"{r['micro_batch']} x {r['grad_accum']}"
-        print(f"{r['name']:<22}{split:>12}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}"
+        print(f"{r['name']:<28}{split:>12}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}"
               f"{r['peak_mem_gib']:>10.2f}")
     ratios = {}
     by_name = {r["name"]: r for r in rows}
@@ -565,6 +604,11 @@ def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg, e
             rounds_note = f" (all rounds' steps; per round: {', '.join(f'{x:.3f}' for x in per_round)})"
         print(f"ratio {name} / {'reference' if base == 'hf_llama_fsdp2' else base} tokens/s: "
               f"{overall:.3f}{rounds_note}")
+    contenders = [name for name in by_name if name == "ours" or name.startswith(GRID)]
+    if len(contenders) > 1 and "ours" in contenders:
+        fastest = max(contenders, key=lambda name: by_name[name]["tokens_per_sec_per_gpu"])
+        share = by_name["ours"]["tokens_per_sec_per_gpu"] / by_name[fastest]["tokens_per_sec_per_gpu"]
+        print(f"fastest of ours and the grid: {fastest}; ours / fastest tokens/s: {share:.3f}")
     if args.json:
         record = {"config": args.config, "overrides": overrides, "float8": recipes, "world_size": env.world_size,
                   "device": device, "params": m.num_params(), "ablations": ablations, "rows": rows,
@@ -580,7 +624,11 @@ def main() -> int:
     args, overrides = parser.parse_known_args()
     recipes = [r for r in args.float8.split(",") if r]
     try:
-        cfg, fp8_cfgs = load_configs(args, overrides, recipes=recipes)
+        grid = grid_pairs(args.grid)
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        cfg, fp8_cfgs, grid_cfgs = load_configs(args, overrides, recipes=recipes, grid=grid)
     except ConfigError as err:
         for line in err.problems:
             print(f"error: {line}", file=sys.stderr)
@@ -597,7 +645,7 @@ def main() -> int:
         args.doc_len = 1024 if args.document_masking else 0
     elif args.doc_len < 1:
         parser.error("--doc_len must be at least 1")
-    runs = plan_runs(args, cfg, fp8_cfgs)
+    runs = plan_runs(args, cfg, fp8_cfgs, grid_cfgs)
     modes = [m for m in args.save_modes.split(",") if m]
     if unknown := [m for m in modes if m not in SAVE_MODES]:
         print(f"error: --save_modes: {', '.join(unknown)} is not one of {', '.join(SAVE_MODES)}", file=sys.stderr)

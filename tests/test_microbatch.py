@@ -705,6 +705,38 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
     assert "ratio ours_auto / reference tokens/s:" in proc.stdout
 
 
+@pytest.mark.slow
+def test_benchmark_grid_runs_each_pair_at_the_global_batch_beside_the_search():
+    # Both autos choose selective_op@4 (AC_MEMORY on a 10 GiB GPU); the grid's fixed pairs run at the same global
+    # batch of 8, each with its ratio to ours and the fastest of them named.
+    proc = subprocess.run([sys.executable, str(WITH_FAULTS), str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET),
+                           "--run.device=cpu", "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32",
+                           "--data.seq_len=32", "--train.global_batch_size=8", "--train.micro_batch_size=auto",
+                           "--fsdp.activation_checkpointing=auto", "--grid", "none@2,full@8", "--steps=1",
+                           "--warmup=1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=job_env(fault_env(fake_memory(10, 1, 1, **AC_MEMORY))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:4] for line in proc.stdout.splitlines()
+            if line.startswith(("ours", "grid_"))}
+    assert rows == {"ours": ["4", "x", "2"], "grid_none@2": ["2", "x", "4"], "grid_full@8": ["8", "x", "1"]}
+    assert "ratio grid_none@2 / ours tokens/s: " in proc.stdout and "ratio grid_full@8 / ours tokens/s: " in proc.stdout
+    assert re.search(r"fastest of ours and the grid: (ours|grid_none@2|grid_full@8); ours / fastest tokens/s: "
+                     r"[01]\.\d{3}\n", proc.stdout)
+
+
+@pytest.mark.parametrize("grid, error", [
+    ("none@3", "error: --grid none@3: "),  # 3 does not divide the per-rank batch of 8
+    ("sometimes@2", "error: --grid sometimes@2: fsdp.activation_checkpointing='sometimes' is not one of"),
+    ("none", "--grid: 'none' is not POLICY@MICRO_BATCH"),
+])
+def test_benchmark_grid_refuses_a_bad_pair_before_any_run(grid, error):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
+                           "--train.global_batch_size=8", "--grid", grid], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=job_env({}))
+    assert proc.returncode == 2 and error in proc.stderr, proc.stderr[-2000:]
+    assert "tok/s/gpu" not in proc.stdout
+
+
 def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
     # The reference keeps the whole logits and may not fit ours' micro-batch: it retries at half the
     # micro-batch and twice the accumulation (the same global batch) until it fits.
