@@ -549,6 +549,9 @@ def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str,
     for _ in range(args.rounds):
         for name, bench, run_cfg, micro_batch, grad_accum in runs:
             reset_memory(env)
+            # Each run compiles its own graphs, as its own training process would: after graphs of another
+            # micro-batch, dynamo would mark the batch dimension dynamic and the run would time slower kernels.
+            torch._dynamo.reset()
             if name in splits:
                 micro_batch, grad_accum = splits[name]
             elif bench is bench_peer:
@@ -568,7 +571,6 @@ def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str,
             times[name] += result["times"]
             memory[name] = max(memory[name], peak_memory_gib(env))
             round_step_s[name].append(statistics.median(result["times"]))
-        torch._dynamo.reset()  # recompile from the caches rather than pile up guards on old modules
     rows = [summarise(name, times[name], memory[name], splits[name], cfg, peak) for name, *_ in runs]
     return rows, round_step_s
 

@@ -787,3 +787,34 @@ def test_benchmark_reference_after_fp8_runs_only_takes_their_split(monkeypatch):
     args = SimpleNamespace(rounds=1, peer_only=False, grad_accum=None)
     rows, _ = benchmark.run_rounds(runs, cfg, SimpleNamespace(device=torch.device("cpu")), args)
     assert peer_splits == [(16, 2)] and [(r["micro_batch"], r["grad_accum"]) for r in rows] == [(16, 2), (16, 2)]
+
+
+def test_benchmark_runs_compile_static_graphs_whatever_ran_before(monkeypatch):
+    # A run after one of another micro-batch must not time dynamic-shape graphs (at 8B they ran 7% slower):
+    # each run compiles the same block code afresh, as its own training process would.
+    from scripts import benchmark
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return (x * 2).sum(0)
+
+    dynamic = []
+
+    def backend(gm, example_inputs):
+        dynamic.append(any(isinstance(a, torch.SymInt) for a in example_inputs))
+        return gm.forward
+
+    def fake_ours(cfg, env, args, *, micro_batch, grad_accum):
+        block = Block()
+        block.compile(backend=backend)
+        block(torch.ones(micro_batch, 3))
+        return {"times": [1.0], "micro_batch": micro_batch, "grad_accum": grad_accum}
+
+    for name, value in {"reset_memory": lambda env: None, "peak_memory_gib": lambda env: 0.0}.items():
+        monkeypatch.setattr(benchmark, name, value)
+    cfg = load_config(TINY_PRESET, [])
+    runs = [("ours", fake_ours, cfg, 2, 4), ("grid_none@4", fake_ours, cfg, 4, 2),
+            ("grid_none@8", fake_ours, cfg, 8, 1)]
+    benchmark.run_rounds(runs, cfg, SimpleNamespace(device=torch.device("cpu")),
+                         SimpleNamespace(rounds=2, peer_only=False, grad_accum=None))
+    assert dynamic == [False] * 6
