@@ -236,11 +236,23 @@ def _train_problems(cfg: Config) -> list[str]:
     if t.float8 != "none" and cfg.fsdp.version == 1:
         p.append(f"train.float8={t.float8} needs fsdp.version: 2 (torchao's FP8 training, FP8 all-gather of the "
                  f"sharded weights included, is built for FSDP2's fully_shard)")
+    if t.float8_output:
+        p += _float8_output_problems(cfg)
     if t.compile_tuning and not t.compile:
         p.append("train.compile_tuning=true tunes the compiled kernels and needs train.compile: true")
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps must not be negative, got {t.max_bad_steps}")
     return p + _lora_problems(cfg) + _eval_tasks_problems(t)
+
+
+def _float8_output_problems(cfg: Config) -> list[str]:
+    """train.float8_output: FP8 matmuls take sizes in multiples of 16 (the vocabulary is checked when it is known)."""
+    if cfg.model.type != "llama":
+        return [f"train.float8_output=true is for our model (model.type: llama), not model.type: {cfg.model.type}"]
+    sizes = {"model.dim": cfg.model.dim, "data.seq_len": cfg.data.seq_len,
+             "train.loss_chunk_tokens": cfg.train.loss_chunk_tokens}
+    return [f"train.float8_output=true needs {name} in a multiple of 16 (FP8 matmuls), got {value}"
+            for name, value in sizes.items() if value % 16]
 
 
 def _lora_problems(cfg: Config) -> list[str]:

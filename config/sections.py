@@ -247,6 +247,12 @@ class TrainConfig:
     built for the installed torch): none, tensorwise (one scale per tensor; FP8 all-gather of the weights)
     or rowwise (one scale per row). Needs fsdp.version 2 and a GPU of compute capability 8.9 or later (Ada, Hopper).
     Weights, optimizer state and checkpoints stay in full precision."""
+    float8_output: bool = False
+    """The output projection and its loss in FP8 while training (with or without train.float8, no torchao needed):
+    the final norm's output and the output weight in e4m3 with one scale each, the logits' gradient in e5m2,
+    the chunked loss's three matmuls through torch._scaled_mm (model/float8_projection.py). Evaluation and
+    generation compute the logits in the compute precision. Needs model.type llama, model.dim, data.seq_len,
+    train.loss_chunk_tokens and the vocabulary in multiples of 16, and on GPUs compute capability 8.9 or later."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA fine-tuning: {rank, alpha, dropout, targets}; rank 0 (the default) trains every weight."""
     loss_chunk_tokens: int = 0

@@ -84,7 +84,7 @@ from fsdp_utils.distributed import (  # noqa: E402
     read_torchrun_env,
 )
 from fsdp_utils.parallel.build import describe_model  # noqa: E402
-from fsdp_utils.parallel.float8 import float8_problems  # noqa: E402
+from fsdp_utils.parallel.float8 import float8_output_problems, float8_problems  # noqa: E402
 from fsdp_utils.parallel.parallelize import compile_options, describe_sharding  # noqa: E402
 from fsdp_utils.train.build_run import BuiltRun, build_run  # noqa: E402
 from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
@@ -420,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
     parser.add_argument("--float8", default="",
                         help="also run ours with these train.float8 recipes, e.g. tensorwise,rowwise")
+    parser.add_argument("--float8_output", action="store_true",
+                        help="also run ours with train.float8_output (the output projection and loss in FP8)")
     parser.add_argument("--document_masking", action="store_true",
                         help="also run each of ours with data.document_masking and model.reset_positions")
     parser.add_argument("--doc_len", type=int, default=None,
@@ -471,11 +473,15 @@ def load_configs(args, overrides: list[str], *, recipes: list[str], grid: list[t
     size too). Raises ConfigError with every problem."""
     cfg = load_config(args.config, overrides)
     fp8_cfgs = {f"ours_fp8_{r}": load_config(args.config, [*overrides, f"--train.float8={r}"]) for r in recipes}
+    if args.float8_output:
+        fp8_cfgs["ours_fp8_output"] = load_config(args.config, [*overrides, "--train.float8_output=true"])
     for rank in [int(r) for r in args.lora.split(",") if r.strip()]:
         fp8_cfgs[f"ours_lora_r{rank}"] = load_config(args.config, [*overrides, f"--train.lora.rank={rank}"])
     launch = read_torchrun_env()
-    problems = [p for r in recipes for p in float8_problems(r, run_device=cfg.run.device,
-                                                            local_rank=launch.local_rank)]
+    problems = [p for r in {cfg.train.float8, *recipes} for p in float8_problems(r, run_device=cfg.run.device,
+                                                                                 local_rank=launch.local_rank)]
+    problems += float8_output_problems(cfg.train.float8_output or args.float8_output, run_device=cfg.run.device,
+                                       local_rank=launch.local_rank)
     grid_cfgs = {}
     for policy, size in grid:
         try:

@@ -15,6 +15,8 @@ For a Hugging Face model (`model.type=hf`) in bf16, and for LoRA (train.lora, ba
 adapters) on both models with torch.compile where activation checkpointing is on, the combinations are a
 pairwise cover of the same options (every pair of values of any two options occurs in some job); a Hugging
 Face model with LoRA on FSDP1 also saves full checkpoints sharded and unsharded (NO_SHARD).
+train.float8_output (the output projection and loss in FP8) joins with each value of FSDP version x precision x
+checkpoint x activation checkpointing at least once, compiled in its FSDP2 jobs.
 Combinations that cannot run (FP8 with FSDP1, FP8 with LoRA) are refused before any process starts: that
 part runs on the CPU too.
 """
@@ -144,6 +146,29 @@ def test_combination_saves_and_resumes(tmp_path, corpus, dataset_dir, version, p
         if torch.cuda.get_device_capability() < (8, 9):
             pytest.skip("needs GPUs with FP8 (compute capability 8.9+)")
     train_save_resume(tmp_path, corpus, dataset_dir, matrix_args(version, precision, save, ac), save)
+
+
+FLOAT8_OUTPUT = ["--train.float8_output=true", "--train.loss_chunk_tokens=32"]  # 64 tokens per micro-batch: 2 chunks
+
+
+def float8_output_combos():
+    rows = [(version, precision, save, ac) for version, precision, save, ac
+            in itertools.product([1, 2], PRECISIONS, SAVES, [*ACS, LEAN]) if precision == "bf16" or version == 2]
+    for version, precision, save, ac in cover(rows, 1):
+        yield pytest.param(version, precision, save, ac, id=f"fsdp{version}-{precision}-{save}-{ac}")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@TWO_GPUS
+@pytest.mark.parametrize("version, precision, save, ac", list(float8_output_combos()))
+def test_float8_output_combination_saves_and_resumes(tmp_path, corpus, dataset_dir, version, precision, save, ac):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs GPUs with FP8 (compute capability 8.9+)")
+    if precision != "bf16":
+        pytest.importorskip("torchao")
+    args = [*matrix_args(version, precision, save, ac), *FLOAT8_OUTPUT, f"--train.compile={str(version == 2).lower()}"]
+    train_save_resume(tmp_path, corpus, dataset_dir, args, save)
 
 
 # fsdp.grad_sync under gradient accumulation (micro-batch 2, accumulation 4; the jobs above accumulate

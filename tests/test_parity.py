@@ -98,6 +98,23 @@ def test_fsdp2_two_ranks_without_accumulation_match_one_process(tmp_path_factory
     assert_same_training(rows, ref)
 
 
+def assert_fsdp2_matches_and_resumes(tmp_path_factory, corpus, dataset_dir, name: str, extra: list[str],
+                                     ref: list[dict]) -> None:
+    """Two FSDP2 ranks with `extra` train as `ref` (one process, the same `extra`) did, saving sharded checkpoints
+    at step 3; a job resumed from the one of step 3 continues them bit for bit."""
+    out = tmp_path_factory.mktemp(name)
+    args = [*COMMON, *extra, "--fsdp.version=2", "--checkpoint.format=sharded", "--checkpoint.interval=3"]
+    run_train(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, timeout=180)
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert ref[-1]["loss"] < ref[0]["loss"] - 0.2
+    assert_same_training(rows, ref)
+    resumed = tmp_path_factory.mktemp(f"{name}_resumed")
+    run_train(*args, f"--resume_from={out / 'fsdp_sharded_cpt3'}", nproc=2, out_dir=resumed, corpus=corpus,
+              dataset_dir=dataset_dir, timeout=180)
+    again = {row["step"]: row["loss"] for row in read_metrics(resumed) if "loss" in row}
+    assert again == {row["step"]: row["loss"] for row in rows if row["step"] > 3}
+
+
 def test_fsdp2_with_untied_embeddings_matches_one_process_and_resumes_exactly(tmp_path_factory, corpus, dataset_dir):
     # Untied, the embedding and the final norm with the output projection are FSDP2 units of their own
     # (parallelize.edge_modules): the embedding's gathered weight is freed after its forward and gathered again
@@ -105,14 +122,17 @@ def test_fsdp2_with_untied_embeddings_matches_one_process_and_resumes_exactly(tm
     untied = ["--model.tie_embeddings=false"]
     ref = train_rows(tmp_path_factory, corpus, dataset_dir, "ref_untied", *untied, nproc=1,
                      expect_log=["world size 1 "])
-    out = tmp_path_factory.mktemp("fsdp2_untied")
-    args = [*COMMON, *untied, "--fsdp.version=2", "--checkpoint.format=sharded", "--checkpoint.interval=3"]
-    run_train(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, timeout=180)
-    rows = [row for row in read_metrics(out) if "loss" in row]
-    assert ref[-1]["loss"] < ref[0]["loss"] - 0.2
-    assert_same_training(rows, ref)
-    resumed = tmp_path_factory.mktemp("fsdp2_untied_resumed")
-    run_train(*args, f"--resume_from={out / 'fsdp_sharded_cpt3'}", nproc=2, out_dir=resumed, corpus=corpus,
-              dataset_dir=dataset_dir, timeout=180)
-    again = {row["step"]: row["loss"] for row in read_metrics(resumed) if "loss" in row}
-    assert again == {row["step"]: row["loss"] for row in rows if row["step"] > 3}
+    assert_fsdp2_matches_and_resumes(tmp_path_factory, corpus, dataset_dir, "fsdp2_untied", untied, ref)
+
+
+def test_float8_output_two_ranks_match_one_process_and_resume_exactly(reference, tmp_path_factory, corpus,
+                                                                      dataset_dir):
+    # train.float8_output (the output projection and loss in FP8, emulated on the CPU): its scales are per micro-batch
+    # (the final norm's output) and per gather (the weight), so two ranks still train as one process does.
+    fp8 = ["--train.float8_output=true", "--train.loss_chunk_tokens=32"]  # 64 tokens per micro-batch: 2 chunks
+    ref = train_rows(tmp_path_factory, corpus, dataset_dir, "ref_fp8_output", *fp8, nproc=1,
+                     expect_log=["world size 1 "])
+    # FP8 changed the numbers (the option is not ignored), by what FP8 rounding does, not more.
+    assert ref[0]["loss"] != reference[0]["loss"]
+    assert abs(ref[-1]["loss"] - reference[-1]["loss"]) < 0.05 * reference[-1]["loss"]
+    assert_fsdp2_matches_and_resumes(tmp_path_factory, corpus, dataset_dir, "fp8_output", fp8, ref)

@@ -14,7 +14,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention.flex_attention import flex_attention
 
+from config import ConfigError
 from model import DecoderBlock, Documents, ModelConfig, Transformer, initial_value
+from model.float8_projection import FLOAT8_ALIGNMENT, Float8Projection, chunk_loss_and_float8_grad, float8_e4m3
 from model.transformer import chunk_loss_and_grad
 
 from ..distributed import DistEnv, agree
@@ -132,12 +134,24 @@ def _hf_memory_problem(cfg, env: DistEnv, model: hf.CausalLMAdapter, *,
     return _too_large(shape, copy + shards, host_free, "host memory", f" ({' and '.join(parts)})", hint)
 
 
+def _float8_projection(cfg, options: dict | None) -> Float8Projection:
+    """train.float8_output's functions, compiled with train.compile; the vocabulary (known now) checked."""
+    if cfg.model.vocab_size % FLOAT8_ALIGNMENT:
+        raise ConfigError([f"train.float8_output=true needs a vocabulary in a multiple of 16 (FP8 matmuls), got "
+                           f"{cfg.model.vocab_size}: set model.vocab_size to the next multiple of 16"])
+    if not cfg.train.compile:
+        return Float8Projection()
+    return Float8Projection(cast=torch.compile(float8_e4m3, dynamic=False, options=options),
+                            chunk_loss=torch.compile(chunk_loss_and_float8_grad, dynamic=False, options=options))
+
+
 def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None, documents: Documents | None) -> BuiltModel:
     use_meta = builds_on_meta(cfg, env)
     fused = cfg.train.lora.rank > 0 if fused_matmul is None else fused_matmul
     # The per-chunk softmax work of the chunked loss, compiled into a couple of kernels with train.compile.
     options = compile_options(cfg.train.compile_tuning)
     chunk_loss_fn = torch.compile(chunk_loss_and_grad, dynamic=False, options=options) if cfg.train.compile else None
+    float8_projection = _float8_projection(cfg, options) if cfg.train.float8_output else None
     # FlexAttention (document masking) compiled on GPUs: uncompiled, it materialises every score.
     flex_fn = (torch.compile(flex_attention, dynamic=False, options=options)
                if documents and env.device.type == "cuda" else None)
@@ -145,7 +159,8 @@ def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None, documents: Documen
     try:
         with torch.device("meta" if use_meta else env.device):
             model = Transformer(cfg.model, fused_matmul=fused, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-                                chunk_loss_fn=chunk_loss_fn, documents=documents, flex_attention_fn=flex_fn)
+                                chunk_loss_fn=chunk_loss_fn, float8_projection=float8_projection, documents=documents,
+                                flex_attention_fn=flex_fn)
         if not use_meta:
             model.init_weights(cfg.run.seed)
     except (MemoryError, RuntimeError) as err:  # the CPU allocator's refusal is a plain RuntimeError

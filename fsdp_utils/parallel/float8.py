@@ -82,6 +82,24 @@ def float8_problems(recipe: str, *, run_device: str, local_rank: int) -> list[st
     return problems + ([problem] if problem else [])
 
 
+def float8_output_problems(enabled: bool, *, run_device: str, local_rank: int) -> list[str]:
+    """train.float8_output on a GPU without FP8 matmuls (on the CPU torch emulates them: the tests run there)."""
+    if not enabled:
+        return []
+    try:
+        device = pick_device(run_device, local_rank)
+    except RuntimeError:
+        return []  # no such device: init_distributed reports that
+    if device.type != "cuda":
+        return []
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) >= MIN_CAPABILITY:
+        return []
+    found = ".".join(map(str, capability))
+    return [f"train.float8_output=true needs a GPU with FP8 support (compute capability 8.9 or later: Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} has {found}: set train.float8_output: false"]
+
+
 def _convertible(module: nn.Module, _fqn: str) -> bool:
     # FP8 matmuls need both dimensions to be multiples of 16.
     return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
