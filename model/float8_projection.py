@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .transformer import chunk_loss_and_grad_fp32
+from .loss import chunk_loss_and_grad_fp32
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 LOGIT_GRAD_SCALE = 2.0**14
@@ -51,7 +51,7 @@ class Float8Projection:
 
 
 class Float8ProjectionMatmuls:
-    """The chunked loss's matmuls (see ProjectionMatmuls in model/transformer.py) in FP8: h and the weight cast once per
+    """The chunked loss's matmuls (see ProjectionMatmuls in model/loss.py) in FP8: h and the weight cast once per
     forward, the weight also transposed once (grad_input's column-major operand)."""
 
     alignment = FLOAT8_ALIGNMENT  # of the vocabulary slices

@@ -18,7 +18,7 @@ from config import ConfigError, load_config
 from data import DataError, PrepareSettings, load_prepared, prepare_data
 from data.chat import PLAIN_END, ChatFields, canonical_text, conversation, plain_text, render_plain
 from data.loader import IGNORE_INDEX, TokenDataset
-from model.transformer import chunked_cross_entropy
+from model.loss import chunked_cross_entropy
 from tests.distributed_harness import run_ranks
 from tests.helpers import ROOT, job_env
 from tests.test_data import held_out

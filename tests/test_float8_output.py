@@ -7,7 +7,7 @@ import torch
 
 from config import ConfigError, load_config
 from model.float8_projection import LOGIT_GRAD_SCALE, Float8Projection, float8_e4m3
-from model.transformer import IGNORE_INDEX, chunked_cross_entropy
+from model.loss import IGNORE_INDEX, chunked_cross_entropy
 from tests.helpers import ROOT
 
 TINY_PRESET = ROOT / "config/train_tiny_fsdp.yaml"
@@ -23,9 +23,17 @@ def inputs(tokens: int = 96, dim: int = 32, vocab: int = 208):
     return h, w, targets
 
 
+def fp8_loss(h, w, targets, *, chunk: int, float8: Float8Projection | None) -> torch.Tensor:
+    """chunked_cross_entropy as the model calls it, with train.float8_output's functions or without."""
+    if float8 is None:
+        return chunked_cross_entropy(h, w, targets, chunk_tokens=chunk)
+    return chunked_cross_entropy(h, w, targets, chunk_tokens=chunk, chunk_loss_fn=float8.chunk_loss,
+                                 make_matmuls=float8.matmuls)
+
+
 def loss_and_grads(h32, w32, targets, *, chunk: int, float8: Float8Projection | None):
     h, w = (t.detach().clone().requires_grad_() for t in (h32, w32))
-    loss = chunked_cross_entropy(h, w, targets, chunk_tokens=chunk, float8=float8)
+    loss = fp8_loss(h, w, targets, chunk=chunk, float8=float8)
     (loss * 0.5).backward()  # scaled, as with gradient accumulation
     return loss.detach().double(), h.grad.double(), w.grad.double()
 
@@ -59,7 +67,7 @@ def test_float8_is_for_training_only_evaluation_is_unchanged():
     h, w, targets = inputs()
     with torch.no_grad():
         plain = chunked_cross_entropy(h, w, targets, chunk_tokens=32)
-        fp8 = chunked_cross_entropy(h, w, targets, chunk_tokens=32, float8=Float8Projection())
+        fp8 = fp8_loss(h, w, targets, chunk=32, float8=Float8Projection())
     assert torch.equal(plain, fp8)
 
 

@@ -88,9 +88,9 @@ def test_sharded_checkpoint_saved_on_four_gpus_resumes_on_two_and_one(tmp_path, 
 @needs_gpus(1)
 def test_compiled_chunked_loss_in_bf16_matches_fp32_reference():
     # What train.compile uses on GPUs: the chunk loss compiled, bf16 logits, an uneven last chunk.
-    from model import transformer
+    from model.loss import chunk_loss_and_grad, chunked_cross_entropy
 
-    compiled = torch.compile(transformer.chunk_loss_and_grad, dynamic=False)
+    compiled = torch.compile(chunk_loss_and_grad, dynamic=False)
     gen = torch.Generator(device="cuda").manual_seed(5)
     h32 = torch.randn(5000, 256, device="cuda", generator=gen)
     w32 = torch.randn(32000, 256, device="cuda", generator=gen) * 0.05
@@ -98,7 +98,7 @@ def test_compiled_chunked_loss_in_bf16_matches_fp32_reference():
 
     def run(dtype, chunk):
         h, w = (t.detach().to(dtype, copy=True).requires_grad_() for t in (h32, w32))
-        loss = transformer.chunked_cross_entropy(h, w, targets, chunk_tokens=chunk, chunk_loss_fn=compiled)
+        loss = chunked_cross_entropy(h, w, targets, chunk_tokens=chunk, chunk_loss_fn=compiled)
         (loss * 0.5).backward()
         return loss.double(), h.grad.double(), w.grad.double()
 
@@ -263,7 +263,7 @@ def benchmark_peak(nproc: int, policy: str, tmp_path) -> tuple[float, int]:
 @needs_gpus(2)  # each process's own peak (max_memory_allocated): other tests on the same GPUs do not move it
 def test_peak_memory_is_the_sharded_states_plus_what_the_policy_keeps(tmp_path):
     from model import ModelConfig
-    from model.transformer import VOCAB_SLICES
+    from model.loss import VOCAB_SLICES
 
     cfg = ModelConfig(vocab_size=32768, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, max_seq_len=1024)
     d, kv, hidden, vocab = cfg.dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_dim, cfg.vocab_size

@@ -97,7 +97,7 @@ def test_chunked_loss_equals_full_loss_and_gradients(chunk, tie):
 
 def test_chunked_loss_in_bf16_matches_fp32_reference():
     """The compute dtype of GPU runs: loss and gradients close to an fp32 computation of the same inputs."""
-    from model.transformer import chunked_cross_entropy
+    from model.loss import chunked_cross_entropy
 
     gen = torch.Generator().manual_seed(5)
     h32 = torch.randn(96, 32, generator=gen)

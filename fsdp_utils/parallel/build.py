@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from config import ConfigError
 from model import DecoderBlock, Documents, ModelConfig, Transformer, initial_value
 from model.float8_projection import FLOAT8_ALIGNMENT, Float8Projection, chunk_loss_and_float8_grad, float8_e4m3
-from model.transformer import chunk_loss_and_grad
+from model.loss import chunk_loss_and_grad
 
 from ..distributed import DistEnv, agree
 from . import hf

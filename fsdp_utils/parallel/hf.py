@@ -24,7 +24,7 @@ from torch import nn
 from config import ConfigError, read_yaml_file
 from data.hf_tokenizer import names_own_code
 from model.documents import document_ids, document_positions
-from model.transformer import IGNORE_INDEX, reduce_loss
+from model.loss import IGNORE_INDEX, reduce_loss
 
 from ..checkpoint.format import CheckpointError, dcp_load, load_full
 from ..checkpoint.io import read_meta, verify

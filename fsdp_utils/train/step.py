@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from model.transformer import IGNORE_INDEX
+from model.loss import IGNORE_INDEX
 
 from ..parallel.parallelize import GRAD_SYNC_ATTRIBUTE
 from .optim import clip_grad_norm

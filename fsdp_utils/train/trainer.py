@@ -17,7 +17,7 @@ from config import Config, ConfigError, save_config, summarize_config
 from data import BatchPrefetcher, open_datasets
 from data.store import tokenizer_sha256
 from data.tokenizer import prepared_eos_id
-from model.transformer import IGNORE_INDEX
+from model.loss import IGNORE_INDEX
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
 from ..checkpoint.io import install_tokenizer
