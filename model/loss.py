@@ -41,6 +41,7 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.
     """
     training = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     if make_matmuls is not None and training:
+        assert chunk_loss_fn is not None, "make_matmuls comes with the chunk loss function its matmuls take"
         total = _ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens if chunk_tokens > 0 else h.shape[0],
                                                  chunk_loss_fn, make_matmuls)
         return reduce_loss(total, targets, reduction)

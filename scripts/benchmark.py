@@ -478,8 +478,8 @@ def load_configs(args, overrides: list[str], *, recipes: list[str], grid: list[t
     for rank in [int(r) for r in args.lora.split(",") if r.strip()]:
         fp8_cfgs[f"ours_lora_r{rank}"] = load_config(args.config, [*overrides, f"--train.lora.rank={rank}"])
     launch = read_torchrun_env()
-    problems = [p for r in {cfg.train.float8, *recipes} for p in float8_problems(r, run_device=cfg.run.device,
-                                                                                 local_rank=launch.local_rank)]
+    problems = [p for r in dict.fromkeys([cfg.train.float8, *recipes])
+                for p in float8_problems(r, run_device=cfg.run.device, local_rank=launch.local_rank)]
     problems += float8_output_problems(cfg.train.float8_output or args.float8_output, run_device=cfg.run.device,
                                        local_rank=launch.local_rank)
     grid_cfgs = {}

@@ -126,3 +126,18 @@ def test_benchmark_float8_output_runs_ours_again_with_it():
     cfg, variants, _ = benchmark.load_configs(args, ["--run.device=cpu"], recipes=[], grid=[])
     assert not cfg.train.float8_output and variants["ours_fp8_output"].train.float8_output
     assert ("ours_fp8_output", "ours") in benchmark.ratio_pairs(["ours", "ours_fp8_output"])
+
+
+def test_float8_output_on_a_gpu_without_fp8_is_one_problem(monkeypatch):
+    from fsdp_utils.parallel.float8 import float8_output_problems
+
+    assert float8_output_problems(True, run_device="cpu", local_rank=0) == []  # emulated on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0) if device.index == 1 else (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"GPU{device.index}")
+    assert float8_output_problems(False, run_device="cuda", local_rank=1) == []
+    assert float8_output_problems(True, run_device="cuda", local_rank=0) == []
+    assert float8_output_problems(True, run_device="auto", local_rank=1) == [
+        "train.float8_output=true needs a GPU with FP8 support (compute capability 8.9 or later: Ada, Hopper); "
+        "GPU1 has 8.0: set train.float8_output: false"]

@@ -55,11 +55,28 @@ def hardware_problem(recipe: str, *, device_type: str, capability: tuple[int, in
     if device_type == "cpu":
         return (f"train.float8={recipe} needs an NVIDIA GPU with FP8 support (compute capability 8.9 or later: "
                 f"Ada, Hopper); this run is on the CPU: set train.float8: none")
-    if capability is None or tuple(capability) < MIN_CAPABILITY:
-        found = ".".join(map(str, capability)) if capability else "unknown"
-        return (f"train.float8={recipe} needs a GPU with FP8 support (compute capability 8.9 or later: Ada, Hopper); "
-                f"{name or 'this GPU'} has {found}: set train.float8: none")
-    return None
+    return _capability_problem(f"train.float8={recipe}", "train.float8: none", capability, name)
+
+
+def _capability_problem(setting: str, off: str, capability: tuple[int, int] | None, name: str) -> str | None:
+    """`setting` on a GPU below FP8's compute capability (`off`: how to turn it off), or None."""
+    if capability is not None and tuple(capability) >= MIN_CAPABILITY:
+        return None
+    found = ".".join(map(str, capability)) if capability else "unknown"
+    return (f"{setting} needs a GPU with FP8 support (compute capability 8.9 or later: Ada, Hopper); "
+            f"{name or 'this GPU'} has {found}: set {off}")
+
+
+def _rank_device(run_device: str, local_rank: int) -> tuple[str, tuple[int, int] | None, str] | None:
+    """(device type, compute capability, name) of this rank's device; None where there is no such device
+    (init_distributed reports that)."""
+    try:
+        device = pick_device(run_device, local_rank)
+    except RuntimeError:
+        return None
+    if device.type != "cuda":
+        return device.type, None, ""
+    return device.type, torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
 
 
 def float8_problems(recipe: str, *, run_device: str, local_rank: int) -> list[str]:
@@ -71,33 +88,21 @@ def float8_problems(recipe: str, *, run_device: str, local_rank: int) -> list[st
     if importlib.util.find_spec("torchao") is None:
         problems.append(f"train.float8={recipe} needs the torchao package, which is not installed: "
                         f"{torchao_hint()}")
-    try:
-        device = pick_device(run_device, local_rank)
-    except RuntimeError:
-        return problems  # no such device: init_distributed reports that
-    capability, name = None, ""
-    if device.type == "cuda":
-        capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
-    problem = hardware_problem(recipe, device_type=device.type, capability=capability, name=name)
+    device = _rank_device(run_device, local_rank)
+    if device is None:
+        return problems
+    device_type, capability, name = device
+    problem = hardware_problem(recipe, device_type=device_type, capability=capability, name=name)
     return problems + ([problem] if problem else [])
 
 
 def float8_output_problems(enabled: bool, *, run_device: str, local_rank: int) -> list[str]:
     """train.float8_output on a GPU without FP8 matmuls (on the CPU torch emulates them: the tests run there)."""
-    if not enabled:
+    device = _rank_device(run_device, local_rank) if enabled else None
+    if device is None or device[0] != "cuda":
         return []
-    try:
-        device = pick_device(run_device, local_rank)
-    except RuntimeError:
-        return []  # no such device: init_distributed reports that
-    if device.type != "cuda":
-        return []
-    capability = torch.cuda.get_device_capability(device)
-    if tuple(capability) >= MIN_CAPABILITY:
-        return []
-    found = ".".join(map(str, capability))
-    return [f"train.float8_output=true needs a GPU with FP8 support (compute capability 8.9 or later: Ada, Hopper); "
-            f"{torch.cuda.get_device_name(device)} has {found}: set train.float8_output: false"]
+    problem = _capability_problem("train.float8_output=true", "train.float8_output: false", device[1], device[2])
+    return [problem] if problem else []
 
 
 def _convertible(module: nn.Module, _fqn: str) -> bool:
