@@ -17,7 +17,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import runpy
-import signal
 import subprocess
 import sys
 import tempfile
@@ -150,8 +149,9 @@ def _stop(procs: list, err_path: str) -> None:
     """SIGTERM, then SIGKILL for a rank still there after the grace period, said in the job's stderr as
     torchrun says it, so that a test can tell a rank that ended by itself from one that was forced out."""
     for proc in procs:
-        if proc.exitcode is None:
-            os.kill(proc.pid, signal.SIGTERM)
+        # terminate(), not os.kill: a rank can have ended, and been reaped by the fork server, before its exit code
+        # reaches this process; terminate() lets such a rank be.
+        proc.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -339,6 +339,40 @@ def all_tensors(obj):
             yield from all_tensors(value)
 
 
+class _ExitCodeSeenLate:
+    """A rank whose exit code reaches the launcher only once it waits for it: the rank ended, and the fork server
+    reaped it, before the launcher stopped it."""
+
+    def __init__(self, proc):
+        self.proc, self.waited = proc, False
+
+    def __getattr__(self, name):
+        return getattr(self.proc, name)
+
+    def join(self, timeout=None):
+        self.waited = True
+        self.proc.join(timeout)
+
+    @property
+    def exitcode(self):
+        return self.proc.exitcode if self.waited else None
+
+
+def test_launcher_stops_ranks_that_end_as_they_are_stopped(tmp_path):
+    from tests import launcher
+
+    proc = launcher._fork_server().Process(target=sys.exit, args=(1,))
+    proc.start()
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{proc.pid}").exists() and time.monotonic() < deadline:  # reaped; exit code not yet read
+        time.sleep(0.01)
+    assert not Path(f"/proc/{proc.pid}").exists()
+    err = tmp_path / "stderr"
+    err.write_text("")
+    launcher._stop([_ExitCodeSeenLate(proc)], str(err))
+    assert proc.exitcode == 1 and err.read_text() == ""  # ended by itself: no SIGKILL said
+
+
 def test_nan_loss_stops_before_the_update(corpus, dataset_dir, tmp_path):
     out = tmp_path / "out"
     proc = run_train("--train.max_steps=6", "--checkpoint.interval=1", "--checkpoint.keep_last_n=0", nproc=2,
