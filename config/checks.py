@@ -8,6 +8,7 @@ import typing
 from pathlib import Path
 
 from model import ModelConfig
+from model.float8_projection import FLOAT8_ALIGNMENT
 
 from .errors import ConfigError, closest
 from .sections import CheckpointConfig, Config, DataConfig, FSDPConfig, LoggingConfig, RunConfig, TrainConfig
@@ -246,13 +247,19 @@ def _train_problems(cfg: Config) -> list[str]:
 
 
 def _float8_output_problems(cfg: Config) -> list[str]:
-    """train.float8_output: FP8 matmuls take sizes in multiples of 16 (the vocabulary is checked when it is known)."""
+    """train.float8_output: FP8 matmuls take sizes in multiples of 16 (a vocabulary taken from the tokenizer,
+    model.vocab_size 0, is checked when the model is built)."""
     if cfg.model.type != "llama":
         return [f"train.float8_output=true is for our model (model.type: llama), not model.type: {cfg.model.type}"]
     sizes = {"model.dim": cfg.model.dim, "data.seq_len": cfg.data.seq_len,
-             "train.loss_chunk_tokens": cfg.train.loss_chunk_tokens}
-    return [f"train.float8_output=true needs {name} in a multiple of 16 (FP8 matmuls), got {value}"
-            for name, value in sizes.items() if value % 16]
+             "train.loss_chunk_tokens": cfg.train.loss_chunk_tokens, "model.vocab_size": cfg.model.vocab_size}
+    return [float8_size_problem(name, value) for name, value in sizes.items() if value % FLOAT8_ALIGNMENT]
+
+
+def float8_size_problem(name: str, value: int) -> str:
+    """The one line for a size train.float8_output cannot take."""
+    return (f"train.float8_output=true needs {name} in a multiple of {FLOAT8_ALIGNMENT} (FP8 matmuls), got {value}: "
+            f"the next is {-(-value // FLOAT8_ALIGNMENT) * FLOAT8_ALIGNMENT}")
 
 
 def _lora_problems(cfg: Config) -> list[str]:

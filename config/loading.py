@@ -328,7 +328,7 @@ def summarize_config(cfg: Config) -> list[str]:
         f"data: {corpus or 'the default corpus'}, seq {d.seq_len}, tokenizer {d.tokenizer}, format {d.format}",
         f"train: {t.max_steps} steps, global batch {t.global_batch_size}, micro-batch {t.micro_batch_size}, "
         f"lr {t.lr:g} ({t.lr_schedule}, warmup {t.warmup_steps}), precision {t.precision}, float8 {t.float8}"
-        f"{' (and the output projection)' if t.float8_output else ''}, compile {t.compile}",
+        f"{', output projection in FP8' if t.float8_output else ''}, compile {t.compile}",
         f"fsdp: version {f.version}, {f.sharding_strategy}, activation checkpointing {f.activation_checkpointing}; "
         f"checkpoint: {c.format} every {c.interval} steps, keep {c.keep_last_n}",
     ]

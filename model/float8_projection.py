@@ -61,7 +61,8 @@ class Float8ProjectionMatmuls:
         self.h8, self.h_inverse = cast(h)
         self.w8, self.w_inverse = cast(weight)
         self.w8_t = self.w8.t().contiguous()
-        self.grad_inverse = torch.tensor(1.0 / LOGIT_GRAD_SCALE, device=h.device)
+        # torch.full: a fill on the GPU, where torch.tensor would copy from the host and wait for the GPU
+        self.grad_inverse = torch.full((), 1.0 / LOGIT_GRAD_SCALE, dtype=torch.float32, device=h.device)
 
     def logits(self, rows: slice) -> torch.Tensor:
         return torch._scaled_mm(self.h8[rows], self.w8.t(), scale_a=self.h_inverse, scale_b=self.w_inverse,

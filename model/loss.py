@@ -123,24 +123,27 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk_tokens, chunk_loss_fn, make_matmuls):
+        # A frozen output weight (LoRA) gets no gradient: neither its V x D fp32 sum nor a third of the matmuls.
+        wants_h, wants_weight = ctx.needs_input_grad[:2]
         matmuls = make_matmuls(h, weight)
-        grad_h = torch.empty_like(h)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_h = torch.empty_like(h) if wants_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         slices = vocab_slices(weight.shape[0], multiple=matmuls.alignment)
         for start in range(0, h.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             loss, grad_logits = chunk_loss_fn(matmuls.logits(rows), targets[rows])
             total += loss
-            grad_h[rows] = matmuls.grad_input(grad_logits)
-            matmuls.add_grad_weight(grad_weight, grad_logits, rows, slices)
+            if grad_h is not None:
+                grad_h[rows] = matmuls.grad_input(grad_logits)
+            if grad_weight is not None:
+                matmuls.add_grad_weight(grad_weight, grad_logits, rows, slices)
         # Kept in the weight's dtype, as grad_h is: the fp32 sum (twice the bytes of a bf16 output projection) is
         # freed before backward, which starts at the peak of the activations.
-        ctx.save_for_backward(grad_h, grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_h, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        grad_h, grad_weight = ctx.saved_tensors
-        return (grad_h * grad_total.to(grad_h.dtype), grad_weight * grad_total.to(grad_weight.dtype),
+        return (*(None if grad is None else grad * grad_total.to(grad.dtype) for grad in ctx.saved_tensors),
                 None, None, None, None)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from model.float8_projection import LOGIT_GRAD_SCALE, Float8Projection, float8_e4m3
-from model.loss import IGNORE_INDEX, chunked_cross_entropy
-from tests.helpers import ROOT
+from model.float8_projection import FLOAT8_ALIGNMENT, LOGIT_GRAD_SCALE, Float8Projection, float8_e4m3
+from model.loss import IGNORE_INDEX, chunked_cross_entropy, vocab_slices
+from tests.helpers import ROOT, CountOps
 
 TINY_PRESET = ROOT / "config/train_tiny_fsdp.yaml"
 
@@ -42,7 +42,7 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-@pytest.mark.parametrize("chunk", [32, 48, 0], ids=["even", "uneven", "one-chunk"])
+@pytest.mark.parametrize("chunk", [32, 64, 0], ids=["even", "short-last-chunk", "one-chunk"])
 def test_float8_loss_and_gradients_are_close_to_fp32(chunk):
     # e4m3 keeps 3 mantissa bits and e5m2 2: measured 2.7e-2 relative on the gradients, 3e-5 on the loss (and the
     # same at 8B's shapes on an H200). A scale applied the wrong way round, or a gradient left at LOGIT_GRAD_SCALE,
@@ -71,6 +71,25 @@ def test_float8_is_for_training_only_evaluation_is_unchanged():
     assert torch.equal(plain, fp8)
 
 
+@pytest.mark.parametrize("float8", [None, Float8Projection()], ids=["bf16-chunks", "float8"])
+def test_a_frozen_output_weight_costs_no_weight_gradient(float8):
+    # LoRA freezes the output weight: its V x D gradient would be computed, then dropped by autograd.
+    h32, w32, targets = inputs()
+    trained = loss_and_grads(h32, w32, targets, chunk=32, float8=float8)
+    h, w = h32.clone().requires_grad_(), w32.clone()
+    with CountOps() as ops:
+        loss = fp8_loss(h, w, targets, chunk=32, float8=float8)
+    (loss * 0.5).backward()
+    assert torch.equal(loss.double(), trained[0]) and torch.equal(h.grad.double(), trained[1])
+    chunks, matmul = 96 // 32, "mm" if float8 is None else "_scaled_mm"
+    assert ops.counts[matmul] == 2 * chunks  # the logits and the gradient of h; none for the weight
+    h.grad = None
+    with CountOps() as ops:
+        fp8_loss(h, w.requires_grad_(), targets, chunk=32, float8=float8)
+    slices = vocab_slices(w.shape[0], multiple=1 if float8 is None else FLOAT8_ALIGNMENT)  # the weight's, a chunk
+    assert ops.counts[matmul] == (2 + len(slices)) * chunks
+
+
 def test_e4m3_cast_scales_to_the_largest_value_and_back():
     x = torch.tensor([[0.5, -2.0], [1e-3, 1.0]])
     x8, inverse = float8_e4m3(x)
@@ -81,10 +100,15 @@ def test_e4m3_cast_scales_to_the_largest_value_and_back():
 
 
 @pytest.mark.parametrize("override, error", [
-    ("--model.dim=72", "train.float8_output=true needs model.dim in a multiple of 16 (FP8 matmuls), got 72"),
-    ("--data.seq_len=24", "train.float8_output=true needs data.seq_len in a multiple of 16 (FP8 matmuls), got 24"),
+    ("--model.dim=72", "train.float8_output=true needs model.dim in a multiple of 16 (FP8 matmuls), got 72: the next "
+                       "is 80"),
+    ("--data.seq_len=24", "train.float8_output=true needs data.seq_len in a multiple of 16 (FP8 matmuls), got 24: "
+                          "the next is 32"),
     ("--train.loss_chunk_tokens=24",
-     "train.float8_output=true needs train.loss_chunk_tokens in a multiple of 16 (FP8 matmuls), got 24"),
+     "train.float8_output=true needs train.loss_chunk_tokens in a multiple of 16 (FP8 matmuls), got 24: the next "
+     "is 32"),
+    ("--model.vocab_size=321",
+     "train.float8_output=true needs model.vocab_size in a multiple of 16 (FP8 matmuls), got 321: the next is 336"),
     ("--model.type=hf", "train.float8_output=true is for our model (model.type: llama), not model.type: hf"),
 ])
 def test_float8_output_sizes_are_checked_with_the_config(override, error):
@@ -96,9 +120,12 @@ def test_float8_output_sizes_are_checked_with_the_config(override, error):
 def test_float8_output_vocabulary_is_checked_at_the_build():
     from fsdp_utils.parallel.build import _float8_projection
 
-    cfg = load_config(TINY_PRESET, ["--train.float8_output=true", "--model.vocab_size=321"])
-    with pytest.raises(ConfigError, match="needs a vocabulary in a multiple of 16 .* got 321"):
+    cfg = load_config(TINY_PRESET, ["--train.float8_output=true", "--model.vocab_size=0"])  # the tokenizer's
+    cfg.model.vocab_size = 321  # what the tokenizer said
+    with pytest.raises(ConfigError) as err:
         _float8_projection(cfg, None)
+    assert err.value.problems == ["train.float8_output=true needs model.vocab_size (the tokenizer's) in a multiple of "
+                                  "16 (FP8 matmuls), got 321: the next is 336"]
     cfg.model.vocab_size = 320
     assert isinstance(_float8_projection(cfg, None), Float8Projection)
 
@@ -113,10 +140,17 @@ def test_float8_loss_on_the_gpu_compiled_in_bf16_is_close_to_fp32():
 
     cfg = load_config(TINY_PRESET, ["--train.float8_output=true", "--train.compile=true", "--model.vocab_size=320"])
     h, w, targets = (t.cuda() for t in inputs(tokens=256, dim=64, vocab=320))
+    projection = _float8_projection(cfg, None)
     want = loss_and_grads(h, w, targets, chunk=0, float8=None)
-    got = loss_and_grads(h.bfloat16(), w.bfloat16(), targets, chunk=64, float8=_float8_projection(cfg, None))
+    got = loss_and_grads(h.bfloat16(), w.bfloat16(), targets, chunk=64, float8=projection)
     assert relative(got[0].cpu(), want[0].cpu()) < 1e-3
     assert relative(got[1].cpu(), want[1].cpu()) < 6e-2 and relative(got[2].cpu(), want[2].cpu()) < 6e-2
+    h16, w16 = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    torch.cuda.set_sync_debug_mode("error")  # compiled by now: the loss never waits for the GPU (one sync a step)
+    try:
+        fp8_loss(h16, w16, targets, chunk=64, float8=projection).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_benchmark_float8_output_runs_ours_again_with_it():

@@ -23,6 +23,7 @@ from fsdp_utils.train.microbatch import (
     _fitting_pairs,
     _fixed_part,
     auto_policies,
+    cache_key,
     climb,
     describe_choice,
     keeps_at_least,
@@ -349,6 +350,18 @@ def test_cache_round_trip_and_replace(tmp_path):
         assert read_cache(tmp_path, key_a) is None
         save_to_cache(tmp_path, key_a, MicroBatchChoice(8, "search", {1: 2.0, 8: 20.0}, 79.0, 71.1, 9.0))
         assert read_cache(tmp_path, key_a)["micro_batch_size"] == 8
+
+
+@pytest.mark.parametrize("override", ["--train.float8_output=true", "--train.lora.rank=4", "--train.compile=true",
+                                      "--train.loss_chunk_tokens=64", "--fsdp.activation_checkpointing=full"])
+def test_a_cached_choice_is_not_reused_by_a_run_of_other_memory(override):
+    def key(*overrides):
+        cfg = load_config(TINY_PRESET, ["--train.micro_batch_size=auto", "--data.seq_len=32", *overrides])
+        return cache_key(cfg, model_signature={"dim": cfg.model.dim}, world_size=2, gpu="H100", precision="bf16")
+
+    plain = key()
+    assert key(override) != plain
+    assert "float8_output" not in plain and "lora" not in plain  # the entries of runs before these options still match
 
 
 @pytest.mark.parametrize("field, value", [("micro_batch_size", 0), ("micro_batch_size", -4), ("micro_batch_size", "8"),

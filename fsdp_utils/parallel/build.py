@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from config import ConfigError
+from config.checks import float8_size_problem
 from model import DecoderBlock, Documents, ModelConfig, Transformer, initial_value
 from model.float8_projection import FLOAT8_ALIGNMENT, Float8Projection, chunk_loss_and_float8_grad, float8_e4m3
 from model.loss import chunk_loss_and_grad
@@ -136,9 +137,8 @@ def _hf_memory_problem(cfg, env: DistEnv, model: hf.CausalLMAdapter, *,
 
 def _float8_projection(cfg, options: dict | None) -> Float8Projection:
     """train.float8_output's functions, compiled with train.compile; the vocabulary (known now) checked."""
-    if cfg.model.vocab_size % FLOAT8_ALIGNMENT:
-        raise ConfigError([f"train.float8_output=true needs a vocabulary in a multiple of 16 (FP8 matmuls), got "
-                           f"{cfg.model.vocab_size}: set model.vocab_size to the next multiple of 16"])
+    if cfg.model.vocab_size % FLOAT8_ALIGNMENT:  # taken from the tokenizer (a set one is checked with the config)
+        raise ConfigError([float8_size_problem("model.vocab_size (the tokenizer's)", cfg.model.vocab_size)])
     if not cfg.train.compile:
         return Float8Projection()
     return Float8Projection(cast=torch.compile(float8_e4m3, dynamic=False, options=options),

@@ -426,6 +426,8 @@ def cache_key(cfg, *, model_signature: dict, world_size: int, gpu: str, precisio
         key["micro_batch_size"] = t.micro_batch_size
     if t.lora.rank > 0:  # adapters instead of gradients and optimizer state for every weight
         key["lora"] = dataclasses.asdict(t.lora)
+    if t.float8_output:  # FP8 copies of the output weight and the final norm's output
+        key["float8_output"] = True
     return json.loads(json.dumps(key))  # as it reads back from the file
 
 
