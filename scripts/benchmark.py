@@ -76,6 +76,7 @@ from config import (  # noqa: E402
     check_batch_split,
     load_config,
 )
+from config.checks import float8_size_problem  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.distributed import (  # noqa: E402
     destroy_distributed,
@@ -90,6 +91,7 @@ from fsdp_utils.train.build_run import BuiltRun, build_run  # noqa: E402
 from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
 from fsdp_utils.train.microbatch import describe_choice  # noqa: E402
 from fsdp_utils.train.step import train_step  # noqa: E402
+from model.float8_projection import FLOAT8_ALIGNMENT  # noqa: E402
 
 # The document separator of the random tokens (--doc_len); any id serves.
 EOS_ID = 0
@@ -491,11 +493,14 @@ def load_configs(args, overrides: list[str], *, recipes: list[str], grid: list[t
             grid_cfgs[f"{GRID}{policy}@{size}"] = c
         except ConfigError as err:
             problems += [f"--grid {policy}@{size}: {problem}" for problem in err.problems]
-    if problems:
-        raise ConfigError(problems)
     for c in [cfg, *fp8_cfgs.values(), *grid_cfgs.values()]:
         if c.model.vocab_size == 0:  # no tokenizer here: random tokens over the configured vocabulary
             c.model.vocab_size = c.data.vocab_size
+            if c.train.float8_output and c.data.vocab_size % FLOAT8_ALIGNMENT:  # before any run, not at its build
+                problems.append(float8_size_problem("data.vocab_size (the model's vocabulary here)",
+                                                    c.data.vocab_size))
+    if problems:
+        raise ConfigError(list(dict.fromkeys(problems)))
     return cfg, fp8_cfgs, grid_cfgs
 
 

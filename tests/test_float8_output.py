@@ -162,6 +162,16 @@ def test_benchmark_float8_output_runs_ours_again_with_it():
     assert ("ours_fp8_output", "ours") in benchmark.ratio_pairs(["ours", "ours_fp8_output"])
 
 
+def test_benchmark_checks_the_float8_output_vocabulary_before_any_run():
+    from scripts import benchmark
+
+    args = benchmark.build_parser().parse_args([str(TINY_PRESET), "--float8_output"])
+    with pytest.raises(ConfigError) as err:  # ours runs first: its minutes would be lost to the error at the build
+        benchmark.load_configs(args, ["--run.device=cpu", "--data.vocab_size=321"], recipes=[], grid=[])
+    assert err.value.problems == ["train.float8_output=true needs data.vocab_size (the model's vocabulary here) in a "
+                                  "multiple of 16 (FP8 matmuls), got 321: the next is 336"]
+
+
 def test_float8_output_on_a_gpu_without_fp8_is_one_problem(monkeypatch):
     from fsdp_utils.parallel.float8 import float8_output_problems
 
