@@ -215,8 +215,8 @@ def _batch_problems(t: TrainConfig) -> list[str]:
         p.append(f"train.auto_micro_batch_margin must be in [0, 1), got {t.auto_micro_batch_margin}")
     if t.auto_micro_batch_cpu <= 0:
         p.append(f"train.auto_micro_batch_cpu must be positive, got {t.auto_micro_batch_cpu}")
-    if t.eval_batches <= 0:
-        p.append(f"train.eval_batches must be positive, got {t.eval_batches}")
+    if t.eval_samples <= 0:
+        p.append(f"train.eval_samples must be positive, got {t.eval_samples}")
     return p
 
 

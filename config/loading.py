@@ -16,7 +16,7 @@ import yaml
 
 from .checks import validate
 from .errors import ConfigError, closest
-from .sections import Config
+from .sections import REMOVED_FIELDS, Config
 
 # A config file is a few kilobytes: a file far larger is a checkpoint or a corpus given in its place.
 MAX_CONFIG_BYTES = 16 * 2**20
@@ -115,7 +115,10 @@ def _build(cls, raw: dict, where: str, problems: list[str]):
             continue
         if key not in names:
             full_key, prefix = (where + "." + key).lstrip("."), (where + ".").lstrip(".")
-            problems.append(f"unknown key '{full_key}'{closest(key, names, prefix)}")
+            if full_key in REMOVED_FIELDS:
+                problems.append(f"{full_key} is no longer a field: use {REMOVED_FIELDS[full_key]}")
+            else:
+                problems.append(f"unknown key '{full_key}'{closest(key, names, prefix)}")
             continue
         hint = hints[key]
         if dataclasses.is_dataclass(hint):

@@ -23,6 +23,12 @@ DecayShape = Literal["linear", "1-sqrt"]
 LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down", "attention", "mlp", "all"]
 Tracker = Literal["tensorboard", "wandb", "mlflow"]
 
+# Fields that no longer exist, each with what replaces it: a config that sets one is refused with that line.
+REMOVED_FIELDS = {
+    "train.eval_batches": "train.eval_samples, the validation sequences per evaluation (the old value times "
+                          "train.micro_batch_size gives the same data)",
+}
+
 
 @dataclass
 class RunConfig:
@@ -221,8 +227,9 @@ class TrainConfig:
     """Clip the global gradient norm (over all shards) to this; 0 disables."""
     eval_interval: int = 100
     """Compute the validation loss every this many steps (and at the end); 0 disables."""
-    eval_batches: int = 8
-    """Validation micro-batches per evaluation, in total (split over the ranks: the same data at any world size)."""
+    eval_samples: int = 64
+    """Validation sequences per evaluation, in total (split over the ranks in micro-batches): the loss is their
+    summed loss over their trained targets, the same number at any world size and micro-batch."""
     eval_tasks: list[str] = field(default_factory=list)
     """lm-evaluation-harness tasks (names, or task .yaml files) run with the validation at every eval_interval, on
     all ranks with the model as it trains (sharded), each metric logged next to val_loss as eval/<task>/<metric>;

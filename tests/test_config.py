@@ -127,6 +127,14 @@ def test_unknown_key_far_from_anything_has_no_suggestion():
     assert problem == "unknown key 'train.zzzzzzzz'"
 
 
+def test_a_removed_field_names_its_replacement(tmp_path):
+    (problem,) = problems_of("--train.eval_batches=8")
+    assert problem.startswith("train.eval_batches is no longer a field: use train.eval_samples")
+    path = tmp_path / "old.yaml"  # an older config file: the same line, not a suggestion of a near name
+    path.write_text("train:\n  eval_batches: 4\n")
+    assert problems_of(path=path) == [problem]
+
+
 def test_misspelt_sharding_strategy_suggests_valid_one():
     (problem,) = problems_of("--fsdp.sharding_strategy=FULL_SHRAD")
     assert problem.startswith("fsdp.sharding_strategy='FULL_SHRAD' is not one of ")

@@ -124,7 +124,7 @@ def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
     out = tmp_path / "auto"
     args = [*GPU, *MODEL_90M, "--model.max_seq_len=2048", "--data.seq_len=2048", "--train.compile=true",
             f"--train.global_batch_size={64 * nproc}", "--train.micro_batch_size=auto",
-            "--train.eval_interval=2", "--train.eval_batches=2", "--checkpoint.interval=2"]
+            "--train.eval_interval=2", "--train.eval_samples=4", "--checkpoint.interval=2"]
     held = {"gpu_memory_gib": 6.6}
     first = run_train(*args, "--train.max_steps=4", nproc=nproc, out_dir=out, corpus=corpus,
                       dataset_dir=tmp_path / "data", timeout=900, faults=held)

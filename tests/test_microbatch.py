@@ -664,7 +664,7 @@ def test_out_of_memory_retry_redoes_the_step_with_the_same_samples(version, wher
 
 @pytest.mark.slow
 def test_out_of_memory_retry_in_evaluation(corpus, dataset_dir, tmp_path):
-    common = ["--train.max_steps=4", "--train.eval_interval=2", "--train.eval_batches=2"]
+    common = ["--train.max_steps=4", "--train.eval_interval=2", "--train.eval_samples=4"]
     run_train(*common, nproc=2, out_dir=tmp_path / "plain", corpus=corpus, dataset_dir=dataset_dir)
     proc = run_train(*common, "--train.oom_retry_half=true", nproc=2, out_dir=tmp_path / "retry", corpus=corpus,
                      dataset_dir=dataset_dir, faults={"oom": "2:eval"})

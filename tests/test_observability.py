@@ -206,7 +206,7 @@ def tracked(tmp_path_factory, corpus, dataset_dir):
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     mp.setenv("WANDB_CONSOLE", "off")  # W&B would wrap pytest's captured stdout
     common = ["--logging.trackers=[tensorboard, wandb, mlflow]", "--logging.wandb_mode=offline",
-              "--train.eval_interval=2", "--train.eval_batches=1", "--checkpoint.interval=2", "--run.name=tracked"]
+              "--train.eval_interval=2", "--train.eval_samples=2", "--checkpoint.interval=2", "--run.name=tracked"]
     try:
         with helpers.world_of_one() as env:
             first = tiny_cfg(tmp, corpus, dataset_dir, *common, "--train.max_steps=4",

@@ -19,7 +19,7 @@ STEPS, EVAL_EVERY, LR, WARMUP = 30, 10, 1e-2, 2  # LR and WARMUP are the helper'
 def short_run(tmp_path_factory, corpus, dataset_dir):
     """30 steps of the helper's tiny model as ONE plain process (no torchrun), eval and TensorBoard on."""
     out = tmp_path_factory.mktemp("short_run")
-    proc = run_train(f"--train.max_steps={STEPS}", f"--train.eval_interval={EVAL_EVERY}", "--train.eval_batches=2",
+    proc = run_train(f"--train.max_steps={STEPS}", f"--train.eval_interval={EVAL_EVERY}", "--train.eval_samples=4",
                      "--logging.trackers=[tensorboard]", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
     return out, proc
 

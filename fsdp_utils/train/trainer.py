@@ -47,35 +47,28 @@ class NonFiniteError(RuntimeError):
 
 
 @torch.no_grad()
-def evaluate(model, val_data, *, num_samples: int, micro_batch: int, env: DistEnv,
-             masked_targets: bool = False) -> float:
-    """Mean validation loss over the first num_samples sequences of the validation set, in micro-batches,
-    whatever the world size: rank r takes batches r, r + W, ...; every rank runs the same number of forward
-    passes (FSDP needs them all), a rank past the end weighting its last one by zero. Every batch holds as
-    many tokens, so the mean of the batch means is the same for any micro-batch that divides num_samples.
-    With masked_targets (fine-tuning data) batches hold different numbers of trained targets: the mean is
-    then over all of them, their summed loss over their count."""
+def evaluate(model, val_data, *, num_samples: int, micro_batch: int, env: DistEnv) -> float:
+    """Mean validation loss per trained target over the first num_samples sequences of the validation set: their
+    summed loss over the number of their targets that are not IGNORE_INDEX, so the same sequences give the same
+    loss at any micro-batch and world size. Rank r takes micro-batches r, r + W, ...; every rank runs the same
+    number of forward passes (FSDP needs them all), rows past num_samples (the end of a last, partial micro-batch,
+    or a whole one for a rank past the end) have every target IGNORE_INDEX: computed, never counted."""
     model.eval()
     try:
-        n = num_samples // micro_batch
-        total = torch.zeros(2, device=env.device)  # the loss (a sum of means, or of losses) and the trained targets
-        for first in range(0, n, env.world_size):
+        num_batches = -(-num_samples // micro_batch)
+        total = torch.zeros(2, dtype=torch.float64, device=env.device)  # summed loss, trained targets
+        for first in range(0, num_batches, env.world_size):
             k = first + env.rank
-            x, y = val_data.batch(min(k, n - 1) * micro_batch, micro_batch)
+            start = min(k, num_batches - 1) * micro_batch
+            x, y = val_data.batch(start, micro_batch)
+            y[max(0, num_samples - start) if k < num_batches else 0:] = IGNORE_INDEX
             x, y = x.to(env.device), y.to(env.device)
-            weight = 1.0 if k < n else 0.0
-            if masked_targets:
-                loss = model(x, y, loss_reduction="sum").float()
-                total += weight * torch.stack([loss, (y != IGNORE_INDEX).sum().float()])
-            else:
-                loss = model(x, y).float()
-                total[0] += loss if k < n else 0.0 * loss
+            loss = model(x, y, loss_reduction="sum").double()
+            total += torch.stack([loss, (y != IGNORE_INDEX).sum().double()])
         dist.all_reduce(total)
     finally:
         model.train()
-    if masked_targets:
-        return total[0].item() / max(total[1].item(), 1.0)
-    return total[0].item() / n
+    return total[0].item() / max(total[1].item(), 1.0)
 
 
 class Trainer:
@@ -297,11 +290,8 @@ class Trainer:
         log.warning("%s: skipping the update (%d of train.max_bad_steps=%d)", msg, self.num_bad_steps, t.max_bad_steps)
 
     def evaluate(self) -> float:
-        # The same sequences whatever an out-of-memory retry does to the micro-batch.
-        num_samples = self.cfg.train.eval_batches * self.choice.micro_batch_size
-        return self._guarded(lambda: evaluate(self.model, self.val_data, num_samples=num_samples,
-                                              micro_batch=self.split.micro_batch_size, env=self.env,
-                                              masked_targets=self.masked_targets),
+        return self._guarded(lambda: evaluate(self.model, self.val_data, num_samples=self.cfg.train.eval_samples,
+                                              micro_batch=self.split.micro_batch_size, env=self.env),
                              phase="evaluation", step=self.state.step)
 
     def evaluate_all(self) -> None:
