@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from config import Config, ConfigError, launch_problems, load_config, split_known_args
+from config import Config, ConfigError, config_warnings, launch_problems, load_config, split_known_args
 from data import DataError
 from fsdp_utils.checkpoint import CheckpointError
 from fsdp_utils.checkpoint.format import check_structure
@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return exit_early(problems, launch)
     if args.check:
+        if launch.rank == 0:  # a run logs them at its start
+            for line in config_warnings(cfg):
+                print(f"warning: {line}", file=sys.stderr)
         return 0
 
     stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s,  # Ctrl-C from here on saves

@@ -77,14 +77,14 @@ def _profile_problems(lg: LoggingConfig, *, max_steps: int) -> list[str]:
     if lg.profile_steps:
         if len(lg.profile_steps) != 2 or not 1 <= lg.profile_steps[0] <= lg.profile_steps[1]:
             p.append(f"logging.profile_steps must be [start, end] with 1 <= start <= end, got {lg.profile_steps}")
-        elif lg.profile_steps[1] > max_steps:
+        elif lg.profile_steps[1] > max_steps > 0:  # a max_steps of 0 or less is reported on its own
             p.append(f"logging.profile_steps={lg.profile_steps} ends after train.max_steps={max_steps}")
     if lg.memory_snapshot_step < 0:
         p.append(f"logging.memory_snapshot_step must not be negative, got {lg.memory_snapshot_step}")
     elif lg.memory_snapshot_step and not lg.memory_snapshot:
         p.append("logging.memory_snapshot_step needs logging.memory_snapshot: true (the history is recorded "
                  "from the start of training)")
-    elif lg.memory_snapshot_step > max_steps:
+    elif lg.memory_snapshot_step > max_steps > 0:
         p.append(f"logging.memory_snapshot_step={lg.memory_snapshot_step} is after train.max_steps={max_steps}")
     if lg.memory_snapshot_max_entries <= 0:
         p.append(f"logging.memory_snapshot_max_entries must be positive, got {lg.memory_snapshot_max_entries}")
@@ -293,18 +293,26 @@ def _schedule_problems(t: TrainConfig) -> list[str]:
         p.append(f"train.min_lr must be in [0, train.lr={t.lr}], got {t.min_lr}")
     elif t.min_lr_ratio is not None and not 0 <= t.min_lr_ratio <= 1:
         p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    if t.lr_schedule != "wsd" and t.warmup_steps > t.max_steps > 0:  # wsd: below, its decay must fit too
-        p.append(f"train.warmup_steps={t.warmup_steps} exceeds train.max_steps={t.max_steps}: the run would end "
-                 f"inside its warmup, before reaching train.lr; lower train.warmup_steps to at most {t.max_steps}")
     if not 0 < t.decay_fraction <= 1:
         p.append(f"train.decay_fraction must be in (0, 1], got {t.decay_fraction}")
-    elif t.lr_schedule == "wsd" and t.max_steps > 0 and t.warmup_steps >= 0:
+    elif t.lr_schedule == "wsd" and 0 <= t.warmup_steps <= t.max_steps and t.max_steps > 0:  # longer: a warning
         decay = t.wsd_decay_steps
         if t.warmup_steps + decay > t.max_steps:
             p.append(f"train.lr_schedule=wsd: train.warmup_steps={t.warmup_steps} plus the decay's "
                      f"{decay} steps (train.decay_fraction={t.decay_fraction} of train.max_steps={t.max_steps}) "
                      f"exceed train.max_steps; shorten the warmup or the decay")
     return p
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """What a config allows but a run seldom means, said as warnings at startup and by --check: a short smoke run of
+    a preset (train.max_steps lowered alone) must still start."""
+    t, w = cfg.train, []
+    if t.warmup_steps > t.max_steps > 0:
+        w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.max_steps={t.max_steps}: the run ends inside its "
+                 f"warmup, at {t.max_steps / t.warmup_steps:.0%} of train.lr; for a real run, set train.warmup_steps "
+                 f"below train.max_steps")
+    return w
 
 
 def _eval_tasks_problems(t: TrainConfig) -> list[str]:

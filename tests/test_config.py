@@ -45,6 +45,21 @@ def test_preset_loads_and_is_consistent(path):
         assert split is None if cfg.train.micro_batch_size == "auto" else split >= 1
 
 
+@pytest.mark.parametrize("path", PRESETS, ids=[p.name for p in PRESETS])
+def test_a_smoke_run_of_a_preset_needs_one_flag(path):
+    """--train.max_steps=10 alone: every preset warms up over at least 10 steps, and a warmup longer than the run
+    is a warning (config_warnings), not an error."""
+    cfg = load_config(path, ["--train.max_steps=10"])
+    assert cfg.train.max_steps == 10
+
+
+@pytest.mark.parametrize("value", [-5, 0])
+@pytest.mark.parametrize("path", PRESETS, ids=[p.name for p in PRESETS])
+def test_a_max_steps_that_is_not_positive_is_one_problem(path, value):
+    # Not also "logging.memory_snapshot_step=0 is after train.max_steps=-5", with snapshots off.
+    assert problems_of(f"--train.max_steps={value}", path=path) == [f"train.max_steps must be positive, got {value}"]
+
+
 @pytest.mark.parametrize("name", ["train90M_fsdp.yaml", "train300M_fsdp.yaml", "train1B_fsdp.yaml",
                                   "train8B_fsdp.yaml"])
 def test_gpu_presets_on_the_default_corpus_stay_within_a_few_epochs(name):

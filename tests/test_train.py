@@ -136,21 +136,34 @@ def test_data_error_is_one_line(problem, nproc, tmp_path):
 
 
 def test_a_finished_run_started_again_says_there_is_nothing_to_train(tmp_path, corpus, dataset_dir):
-    """The same command after the run reached train.max_steps: one line saying so, exit 0, nothing written."""
+    """The same command after the run reached train.max_steps: one line saying so and how to start afresh, exit 0,
+    nothing written. A shorter run given the finished run's folder (a smoke run after the quick start, resumed
+    by checkpoint.auto_resume): one error line saying how to start afresh, no learning-rate warning, nothing
+    written either."""
     out = tmp_path / "out"
     run_train("--train.max_steps=2", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
     checkpoint = out / "fsdp_cpt2.pth"
-    before = (read_metrics(out), checkpoint.read_bytes(), sorted(p.name for p in out.iterdir()))
-    line = f"nothing to train: the run already reached train.max_steps=2 (checkpoint {checkpoint}); raise " \
-           f"train.max_steps to continue"
+
+    def files():
+        return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "run.lock"}  # each run its own
+
+    before = files()
+    afresh = f"to start a new run, give it its own folder (--run.name=NAME, or run.output_dir; this one is {out})"
+    line = (f"nothing to train: the run already reached train.max_steps=2 (checkpoint {checkpoint}); raise "
+            f"train.max_steps to continue, or {afresh}")
     for extra, nproc in (((), 1), (("--resume_from", "latest"), 2)):  # checkpoint.auto_resume, then explicitly
         proc = run_train("--train.max_steps=2", *extra, nproc=nproc, out_dir=out, corpus=corpus,
                          dataset_dir=dataset_dir)
         assert proc.returncode == 0 and proc.stderr.count(line) == 1, proc.stderr[-3000:]
         assert "step 1/" not in proc.stderr and "Traceback" not in proc.stderr
-        assert (read_metrics(out), checkpoint.read_bytes(), sorted(p.name for p in out.iterdir())) == before
-    # A checkpoint past a lowered train.max_steps: the same, saying so.
-    proc = run_train("--train.max_steps=1", "--train.warmup_steps=1", nproc=1, out_dir=out, corpus=corpus,
-                     dataset_dir=dataset_dir)
-    assert proc.returncode == 0
-    assert "nothing to train: the run already reached step 2, past train.max_steps=1" in proc.stderr
+        assert files() == before
+    for warmup in ("--train.warmup_steps=2", "--train.warmup_steps=1"):  # a lowered max_steps, with a warmup past it
+        steps = 1
+        proc = run_train(f"--train.max_steps={steps}", warmup, nproc=1, out_dir=out, corpus=corpus,
+                         dataset_dir=dataset_dir, check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and errors == [
+            f"error: the run in {out} already reached step 2 (checkpoint {checkpoint}), past this command's "
+            f"train.max_steps={steps}: {afresh}; to continue that run, raise train.max_steps above 2"], proc.stderr
+        assert "learning rate jumps" not in proc.stderr and "step 1/" not in proc.stderr
+        assert files() == before  # config.yaml too: the finished run's, not this command's

@@ -13,7 +13,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from config import Config, ConfigError, save_config, summarize_config
+from config import Config, ConfigError, config_warnings, save_config, summarize_config
 from data import BatchPrefetcher, open_datasets
 from data.store import tokenizer_sha256
 from data.tokenizer import prepared_eos_id
@@ -84,6 +84,9 @@ class Trainer:
         if env.is_main:
             log.info("lr schedule: %s", self.schedule.describe())
         self.state = self._resume(resume_from)
+        if self.state.step > cfg.train.max_steps:  # a shorter run than the one already there: nothing is written
+            self.ckpt.close()
+            raise CheckpointMismatch(self._nothing_to_train())
         self._write_run_files()
         self.ckpt.prepare_saving(self.model, self.optimizer)  # a run that cannot save stops now, not at its first save
         self.num_bad_steps = 0
@@ -133,6 +136,8 @@ class Trainer:
         if env.is_main:
             for line in summarize_config(cfg):
                 log.info("%s", line)
+            for line in config_warnings(cfg):
+                log.warning("%s", line)
             if cfg.model.type == "llama":
                 log_parameter_summary(cfg.model)
             else:
@@ -190,7 +195,7 @@ class Trainer:
         self._weights_loaded()
         if self.scaler is not None and state.grad_scaler:
             self.scaler.load_state_dict(state.grad_scaler)
-        if self.env.is_main:
+        if self.env.is_main and state.step < self.cfg.train.max_steps:  # else fit() says there is nothing to train
             self._check_schedule_continues(state)
             self._log_world_change(state)
         return state
@@ -360,14 +365,18 @@ class Trainer:
                      "(checkpoint.auto_resume), or pass --resume_from latest", self.state.step)
 
     def _nothing_to_train(self) -> str:
-        """The line of a run resumed at or past train.max_steps (a finished run started again)."""
+        """The line of a run resumed at or past train.max_steps: the same command after the run finished, or another
+        run (a smoke run with a lowered train.max_steps) given the finished run's folder."""
         step, max_steps = self.state.step, self.cfg.train.max_steps
         found = [path for saved, path in self.ckpt.complete_checkpoints() if saved == step]
         where = f"checkpoint {found[0]}" if found else f"checkpoint of step {step}"
-        reached = f"train.max_steps={max_steps}"
+        afresh = (f"to start a new run, give it its own folder (--run.name=NAME, or run.output_dir; this one is "
+                  f"{self.cfg.output_dir})")
         if step > max_steps:
-            reached = f"step {step}, past {reached}"
-        return f"nothing to train: the run already reached {reached} ({where}); raise train.max_steps to continue"
+            return (f"the run in {self.cfg.output_dir} already reached step {step} ({where}), past this command's "
+                    f"train.max_steps={max_steps}: {afresh}; to continue that run, raise train.max_steps above {step}")
+        return (f"nothing to train: the run already reached train.max_steps={max_steps} ({where}); raise "
+                f"train.max_steps to continue, or {afresh}")
 
     def _open_observers(self, first_step: int) -> None:
         """The out-of-memory guard, the memory snapshots it dumps into, the profiler and the log with its
