@@ -23,6 +23,7 @@ from config import Config, ConfigError, config_warnings, launch_problems, load_c
 from data import DataError
 from fsdp_utils.checkpoint import CheckpointError
 from fsdp_utils.checkpoint.format import check_structure
+from fsdp_utils.checkpoint.retention import complete_checkpoints
 from fsdp_utils.distributed import (
     DistEnv,
     Launch,
@@ -79,7 +80,9 @@ def early_problems(cfg: Config, launch: Launch, resume_from: str | None, *, any_
     `any_world`, all but what depends on the world size."""
     problems = launch_problems(cfg, world_size=None if any_world else launch.world_size,
                                local_world_size=launch.local_world_size, num_gpus=torch.cuda.device_count())
-    if resume_from not in (None, "latest"):
+    if resume_from == "latest" and not complete_checkpoints(cfg.output_dir):
+        problems.append(f"--resume_from latest: no complete checkpoint in {cfg.output_dir} (run.output_dir) to resume")
+    elif resume_from not in (None, "latest"):
         try:
             check_structure(Path(resume_from))  # exists, a torch.save file or a folder with all its files
         except CheckpointError as err:
@@ -111,6 +114,14 @@ def exit_early(problems: list[str], launch: Launch) -> int:
     return 2
 
 
+def check_passed(cfg: Config, launch: Launch) -> int:
+    """--check found no problem: print the config's warnings (a run logs them at its start) and exit 0."""
+    if launch.rank == 0:
+        for line in config_warnings(cfg):
+            print(f"warning: {line}", file=sys.stderr)
+    return 0
+
+
 @record  # an uncaught error lands in torchrun's error file, reported with its rank
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
@@ -129,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return exit_early(problems, launch)
     if args.check:
-        if launch.rank == 0:  # a run logs them at its start
-            for line in config_warnings(cfg):
-                print(f"warning: {line}", file=sys.stderr)
-        return 0
+        return check_passed(cfg, launch)
 
     stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s,  # Ctrl-C from here on saves
                       elastic=launch.elastic)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -141,7 +142,9 @@ def split_known_args(parser, argv: list[str]):
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not (o.startswith("--") and "=" in o and "." in o.split("=", 1)[0])]
     if bad:
-        parser.error(f"unrecognised argument {bad[0]!r}: overrides look like --section.key=value")
+        options = re.findall(r"--\w+", parser.format_usage())  # the script's own options
+        hint = closest(bad[0].split("=", 1)[0], options) or ": overrides look like --section.key=value"
+        parser.error(f"unrecognised argument {bad[0]!r}{hint}")
     return args, overrides
 
 
@@ -328,7 +331,9 @@ def summarize_config(cfg: Config) -> list[str]:
               or d.hf_dataset.path)
     return [
         f"run {cfg.run.name}: output {cfg.output_dir} (the resolved config: config.yaml there), seed {cfg.run.seed}",
-        f"data: {corpus or 'the default corpus'}, seq {d.seq_len}, tokenizer {d.tokenizer}, format {d.format}",
+        f"data: {corpus or 'the default corpus'}, seq {d.seq_len}, tokenizer {d.tokenizer}, format {d.format}"
+        f"{', document masking' if d.document_masking else ''}"
+        f"{', positions restart at each document' if cfg.model.reset_positions else ''}",
         f"train: {t.max_steps} steps, global batch {t.global_batch_size}, micro-batch {t.micro_batch_size}, "
         f"lr {t.lr:g} ({t.lr_schedule}, warmup {t.warmup_steps}), precision {t.precision}, float8 {t.float8}"
         f"{', output projection in FP8' if t.float8_output else ''}, compile {t.compile}",

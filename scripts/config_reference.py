@@ -2,9 +2,11 @@
 never drifts from the code. tests/test_docs.py fails when the committed file is out of date.
 
     python scripts/config_reference.py            # rewrite docs/configuration.md
+    python scripts/config_reference.py --check    # only say whether it is current (exit 1 if not)
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import sys
@@ -77,5 +79,19 @@ def _rows(prefix: str, cls, docs: dict[str, str], defaults) -> list[str]:
     return rows
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the reference is out of date")
+    args = parser.parse_args(argv)
+    path, text = ROOT / "docs" / "configuration.md", render()
+    if args.check:
+        current = path.is_file() and path.read_text() == text
+        print(f"{path.relative_to(ROOT)} is {'current' if current else 'out of date: run this script without --check'}")
+        return 0 if current else 1
+    path.write_text(text)
+    print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
 if __name__ == "__main__":
-    (ROOT / "docs" / "configuration.md").write_text(render())
+    sys.exit(main())

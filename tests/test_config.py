@@ -471,6 +471,20 @@ def test_cli_unknown_key_exits_2_with_one_error_line():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("argv,hint", [
+    (["--resum_from", "latest"], "unrecognised argument '--resum_from' (did you mean '--resume_from'?)"),
+    (["--resum_from=latest"], "unrecognised argument '--resum_from=latest' (did you mean '--resume_from'?)"),
+    (["--chek"], "unrecognised argument '--chek' (did you mean '--check'?)"),
+    (["--zzzz"], "unrecognised argument '--zzzz': overrides look like --section.key=value"),
+])
+def test_a_misspelt_option_of_the_command_line_suggests_the_closest(argv, hint, capsys):
+    import train_fsdp
+
+    with pytest.raises(SystemExit) as info:
+        train_fsdp.parse_args([str(TINY), *argv])
+    assert info.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(f": error: {hint}")
+
+
 @pytest.mark.slow
 def test_cli_missing_config_file_exits_2():
     proc, _ = run_cli("config/no_such_preset.yaml")
@@ -531,3 +545,14 @@ def test_the_console_gets_a_summary_of_the_config_not_all_of_it():
     assert len(lines) <= 5
     text = "\n".join(lines)
     assert "70 steps" in text and "version 2" in text and "config.yaml" in text
+    assert "document" not in text and "positions" not in text
+
+
+def test_the_summary_says_documents_are_masked():
+    cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", ["--data.document_masking=true"])
+    (data,) = [line for line in summarize_config(cfg) if line.startswith("data:")]
+    assert data.endswith(", format text, document masking")
+    cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml",
+                      ["--data.document_masking=true", "--model.reset_positions=true"])
+    (data,) = [line for line in summarize_config(cfg) if line.startswith("data:")]
+    assert data.endswith(", format text, document masking, positions restart at each document")

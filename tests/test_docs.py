@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,48 @@ def test_configuration_reference_is_current():
     # Regenerating the reference from the schema must give the committed file byte for byte;
     # run `python scripts/config_reference.py` after changing a config field.
     assert (ROOT / "docs" / "configuration.md").read_text() == render()
+
+
+def test_config_reference_help_and_check_write_nothing(tmp_path):
+    reference = ROOT / "docs" / "configuration.md"
+    before = reference.stat().st_mtime_ns
+    for args in (["--help"], ["--check"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts/config_reference.py"), *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert reference.stat().st_mtime_ns == before  # the tracked file is not rewritten
+    assert "--check" in subprocess.run([sys.executable, str(ROOT / "scripts/config_reference.py"), "-h"],
+                                       capture_output=True, text=True, timeout=60).stdout
+
+
+# What a documented command writes: (script, how its output is given).
+OUTPUTS = [(re.compile(r"scripts/(?:convert_checkpoint|export_hf)\.py\s+\S+\s+(\S+)"), "positional"),
+           (re.compile(r"--(?:output|json)\s+(\S+)"), "option")]
+
+
+def documented_outputs() -> set[str]:
+    """The paths, relative to the repository, that the README's and docs' commands (run from its root) write."""
+    found = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for pattern, _ in OUTPUTS:
+            for match in pattern.finditer(page.read_text()):
+                path = match.group(1).rstrip("`")
+                if not path.startswith(("/", "$", "<")) and not path.endswith(".py") and not path.isupper():
+                    found.add(path)
+    return found
+
+
+def test_what_documented_commands_write_is_ignored_by_git():
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    outputs = documented_outputs()
+    assert {"converted/fsdp_sharded_cpt750", "results.json", "llama1B_500.pth"} <= outputs, outputs
+    # A .pth written by convert_checkpoint.py comes with its checksum record, .<name>.json beside it.
+    paths = sorted(outputs | {str(Path(p).with_name(f".{Path(p).name}.json")) for p in outputs if p.endswith(".pth")})
+    proc = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *paths], cwd=ROOT,
+                          capture_output=True, text=True)
+    not_ignored = [line.split("\t")[-1] for line in proc.stdout.splitlines() if line.startswith("::")]
+    assert not not_ignored, f"written by documented commands, not in .gitignore: {not_ignored}"
 
 
 def test_every_field_is_documented():

@@ -154,3 +154,27 @@ def test_the_log_names_the_sharding_that_runs():
     assert described("FULL_SHARD", 0, 1, 1) == "NO_SHARD (one process; fsdp.sharding_strategy=FULL_SHARD)"
     assert describe_sharding(FSDPConfig(version=2), DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
                                                             device=torch.device("cpu"))) == "FULL_SHARD"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fsdp1_on_one_process_runs_no_shard_without_torch_warning_of_it(strategy, world_of_one):
+    """One process (a plain `python train_fsdp.py`, or an elastic job shrunk to one rank): NO_SHARD is what
+    runs, chosen by us and said in the log line above, not by FSDP1 with its warning that it switched."""
+    import warnings
+
+    from config import FSDPConfig
+    from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
+    from model import DecoderBlock, Transformer
+
+    module = Transformer(model_config())
+    module.init_weights(seed=SEED)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fsdp = FSDPConfig(version=1, sharding_strategy=strategy)
+        model = parallelize(module, block_classes={DecoderBlock}, fsdp=fsdp,
+                            compile=False, env=world_of_one,
+                            precision=resolve_precision("fp32", "fp32", world_of_one.device))
+    assert not [w for w in caught if "NO_SHARD" in str(w.message)], [str(w.message) for w in caught]
+    tokens = global_batches()[0]
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    assert loss.item() == pytest.approx(reference()[0][0], rel=1e-6)  # and it computes what one process does

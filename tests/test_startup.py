@@ -143,6 +143,22 @@ def test_a_sharded_checkpoint_missing_a_file(sharded_checkpoint, corpus, dataset
 
 
 @pytest.mark.slow
+def test_resume_from_latest_with_nothing_to_resume_is_refused_by_check(sharded_checkpoint, corpus, dataset_dir,
+                                                                        tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".tmp-fsdp_cpt2.pth").write_bytes(b"partial")  # an interrupted save is nothing to resume from
+    for extra in (("--check",), ()):  # --check says it, and a run stops there too, before the process group
+        proc = launch("--resume_from=latest", *extra, nproc=1, tmp_path=tmp_path, corpus=corpus,
+                      dataset_dir=dataset_dir)
+        assert_refused(proc, f"--resume_from latest: no complete checkpoint in {out} (run.output_dir)", nproc=1)
+    shutil.copytree(sharded_checkpoint, out / sharded_checkpoint.name)
+    proc = launch("--resume_from=latest", "--check", "--checkpoint.format=sharded", nproc=1, tmp_path=tmp_path,
+                  corpus=corpus, dataset_dir=dataset_dir)
+    assert proc.returncode == 0 and "error" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_a_model_too_large_for_host_memory(corpus, dataset_dir, tmp_path):
     # 11 TB of fp32 weights on a CPU: refused before the model is built, not by the allocator or the OOM killer.
     proc = launch("--model.dim=65536", "--model.n_heads=64", "--model.n_kv_heads=8", "--model.n_layers=64", nproc=1,

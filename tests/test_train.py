@@ -144,8 +144,8 @@ def test_a_finished_run_started_again_says_there_is_nothing_to_train(tmp_path, c
     run_train("--train.max_steps=2", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
     checkpoint = out / "fsdp_cpt2.pth"
 
-    def files():
-        return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "run.lock"}  # each run its own
+    def files():  # but run.lock, each run's own
+        return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "run.lock"}
 
     before = files()
     afresh = f"to start a new run, give it its own folder (--run.name=NAME, or run.output_dir; this one is {out})"

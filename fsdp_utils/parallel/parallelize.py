@@ -383,7 +383,9 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: 
     mixed = None
     if precision.compute != torch.float32:
         mixed = MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce, buffer_dtype=None)
-    mesh = _mesh(env, f) if f.sharding_strategy == "HYBRID_SHARD" else None
+    # One process holds everything whatever the strategy: FSDP1 would run it as NO_SHARD anyway, with a warning.
+    strategy = "NO_SHARD" if env.world_size == 1 else f.sharding_strategy
+    mesh = _mesh(env, f) if strategy == "HYBRID_SHARD" else None
     # Adapters (train.lora) are units of their own: a unit is one flat tensor of one dtype, and the
     # frozen base is stored in the compute dtype, the adapters in fp32.
     wrap_classes = set(block_classes) | ({LoRAAdapter} if has_adapters(model) else set())
@@ -403,7 +405,7 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: 
     return FSDP(
             model,
             auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
-            sharding_strategy=ShardingStrategy[f.sharding_strategy],
+            sharding_strategy=ShardingStrategy[strategy],
             mixed_precision=mixed,
             cpu_offload=CPUOffload(offload_params=True) if offload else None,
             backward_prefetch=None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch],
