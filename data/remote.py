@@ -2,7 +2,8 @@
 
 fsspec and the scheme's package (s3fs, gcsfs; aiohttp for http) are imported only when such a URL is given, and
 find their credentials where they always do (AWS_* variables and ~/.aws for s3, Application Default Credentials
-for gs): the config never holds any. A URL in a message has no user, password or query string. A transient
+for gs): the config never holds any, and a store URL that carries some is refused. A URL in a message has no
+user, password or query string, and no message holds a response's body. A transient
 network error (a dropped connection, a timeout, HTTP 5xx or 429, S3 throttling) is retried RETRIES times with
 exponential backoff, a read continuing where it stopped, then named in one line.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit
 
 from .errors import DataError
 
@@ -29,9 +30,11 @@ RETRIES = 5
 RETRY_DELAY_S = 0.5  # before the first retry; doubled before each next one
 # fsspec fetches a file in requests of this size, one block ahead: what one open file holds in memory.
 BLOCK_BYTES = 8 << 20
+MESSAGE_CHARS = 300  # a library's error text is cut to this in a message
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://[^\s'\"<>]+")
+_BYTES_IN_TEXT = re.compile(r"""\bb(?:'(?:[^'\\]|\\.)*'?|"(?:[^"\\]|\\.)*"?)""")  # a bytes repr: a response's body
 # Error types (by name, so that none of their packages is imported here) of a connection that failed or broke.
 _TRANSIENT_TYPES = {"ClientConnectionError", "ClientPayloadError", "ServerTimeoutError", "FSTimeoutError",
                     "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
@@ -57,11 +60,28 @@ def is_url(entry: str) -> bool:
 
 
 def display(url: str) -> str:
-    """The URL without what may be a secret: a user, password, query string or fragment."""
+    """The URL without what may be a secret: a user, password, query string or fragment. A URL whose host does
+    not parse (a password holding an unescaped '/', say) is shown from the last '@' before its query on."""
     if not is_url(url):
         return url
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))  # the host as written
+    parts = _split(url)
+    if parts is None:
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://{re.split(r'[?#]', rest, maxsplit=1)[0].rpartition('@')[2]}"
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"  # the host as written
+
+
+def _split(url: str) -> SplitResult | None:
+    """The URL's parts, or None where its host or port does not parse (or, in a store's URL, holds the ':' that
+    no bucket name has: what precedes it may be a key and secret)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number from 0 to 65535
+    except ValueError:
+        return None
+    if parts.scheme in LISTED_SCHEMES and ":" in parts.netloc.rpartition("@")[2]:
+        return None
+    return parts
 
 
 def scrub(text: str) -> str:
@@ -70,7 +90,8 @@ def scrub(text: str) -> str:
 
 
 def url_problem(entry: str) -> str | None:
-    """Why a URL entry cannot be read here (an unknown scheme, a package not installed), or None."""
+    """Why a URL entry cannot be read here (an unknown scheme, a URL that does not parse or carries credentials,
+    a package not installed), or None."""
     scheme = scheme_of(entry)
     if scheme is None:
         return None
@@ -78,12 +99,28 @@ def url_problem(entry: str) -> str | None:
         hint = "; a Hugging Face dataset goes in data.hf_dataset.path" if scheme == "hf" else ""
         return (f"data.files: {display(entry)}: URLs of scheme {scheme}:// are not read (s3://, gs://, http:// and "
                 f"https:// are){hint}")
+    if problem := _form_problem(entry, scheme):
+        return f"data.files: {display(entry)}: {problem}"
     if scheme not in LISTED_SCHEMES and glob.has_magic(urlsplit(entry).path):
         return (f"data.files: {display(entry)}: an http(s):// URL names one file, never a glob (s3:// and gs:// URLs "
                 f"take globs)")
     for package in ("fsspec", PACKAGES[scheme]):
         if importlib.util.find_spec(package) is None:
             return f"data.files: {display(entry)} needs the package {package} (pip install {package})"
+    return None
+
+
+def _form_problem(entry: str, scheme: str) -> str | None:
+    """What is wrong with the URL's form: credentials in a store's URL, a host or port that does not parse."""
+    parts = _split(entry)
+    if scheme in LISTED_SCHEMES and "@" in (entry.partition("://")[2] if parts is None else parts.netloc):
+        return (f"the URL holds credentials, which are refused (a URL shows in logs and process lists); {scheme}:// "
+                f"takes them from {CREDENTIALS_HELP[scheme]}")
+    if parts is None:
+        return ("not a valid URL: its host or port cannot be read (a user or password holding '/', '?', '#' or '@' "
+                "is written percent-encoded)")
+    if not parts.hostname:
+        return f"names no {'bucket' if scheme in LISTED_SCHEMES else 'host'}"
     return None
 
 
@@ -325,7 +362,7 @@ def remote_error(url: str, err: BaseException, *, retried: int = 0) -> DataError
     if names & _CREDENTIAL_TYPES:
         return DataError(f"{where}: no credentials found; set {CREDENTIALS_HELP.get(scheme, 'the credentials')}")
     if isinstance(err, PermissionError) or any(status in (401, 403) for status in statuses):
-        message = _message(err)
+        message = _message(err, url)
         detail = "" if "://" in message or message.startswith("HTTP ") else f": {message}"
         help = f"; the credentials come from {CREDENTIALS_HELP[scheme]}" if scheme in CREDENTIALS_HELP else ""
         return DataError(f"{where}: access denied (HTTP 403{detail}){help}")
@@ -334,13 +371,41 @@ def remote_error(url: str, err: BaseException, *, retried: int = 0) -> DataError
     if 404 in statuses or (isinstance(err, FileNotFoundError) and network is None):
         return DataError(f"{where}: not found")
     if retried and network is not None:
-        return DataError(f"{where}: {_message(network)} (a network error, still there after {retried} retries)")
-    return DataError(f"{where}: {_message(err)}")
+        return DataError(f"{where}: {_message(network, url)} (a network error, still there after {retried} retries)")
+    return DataError(f"{where}: {_message(err, url)}")
 
 
-def _message(err: BaseException) -> str:
+def _message(err: BaseException, url: str) -> str:
+    """What went wrong, in one line: never a response's body, nor what of url display() leaves out."""
+    names = {kind.__name__ for cause in _causes(err) for kind in type(cause).__mro__}
+    if "HttpProcessingError" in names:  # aiohttp's parser: its message quotes the bytes it could not parse
+        malformed = next(cause for cause in _causes(err) if "HttpProcessingError" in
+                         {kind.__name__ for kind in type(cause).__mro__})
+        first = str(getattr(malformed, "message", "") or type(malformed).__name__).strip().splitlines()[0]
+        return f"a malformed HTTP response ({_one_line(first, url).rstrip(':')})"
     status = getattr(err, "status", None)
     if isinstance(status, int):  # aiohttp's message repeats the URL, query string and all
-        return f"HTTP {status} {getattr(err, 'message', '')}".strip()
+        return f"HTTP {status} {_one_line(str(getattr(err, 'message', '')), url)}".strip()
     text = (err.args[0] if isinstance(err, OSError) and err.args and isinstance(err.args[0], str) else str(err))
-    return scrub(text or type(err).__name__)
+    return _one_line(text, url) or type(err).__name__
+
+
+def _one_line(text: str, url: str) -> str:
+    """A library's error text as one printable line of at most MESSAGE_CHARS, without the secrets of url (nor of
+    any URL in it) and without quoted bytes, which would be a response's body."""
+    for secret in _secrets(url):
+        text = text.replace(secret, "...")
+    text = scrub(_BYTES_IN_TEXT.sub("...", text))
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
+
+
+def _secrets(url: str) -> list[str]:
+    """What of url display() leaves out, which may be credentials: its user and password, query and fragment."""
+    rest = url.partition("://")[2]
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    parts = _split(url)
+    user = (parts.netloc if parts is not None else rest[:cut]).rpartition("@")[0]
+    after = rest[cut + 1 :]
+    found = [user, user.partition(":")[2], after, *after.split("#")]
+    return sorted((secret for secret in found if len(secret) >= 4), key=len, reverse=True)
