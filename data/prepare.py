@@ -43,7 +43,7 @@ from .chat import TEMPLATES, ChatFields
 from .errors import DataError
 from .hf_datasets import HFDataset, OpenedDataset, open_dataset
 from .readers import InputFile, Piece, expand_inputs, format_of, input_size, read_pieces, truncate
-from .remote import RemoteFile, display
+from .remote import TIMEOUT_S, RemoteFile, display
 from .store import (
     FIXED_NAMES,
     FOLDER_NAMES,
@@ -116,6 +116,7 @@ class PrepareSettings:
     response_field: str = "response"
     chat_template: str = "auto"
     hf_dataset: HFDataset | None = None  # a Hugging Face dataset instead of files (data/hf_datasets.py)
+    remote_timeout_s: float = TIMEOUT_S  # URLs: how long a request may get no answer (changes nothing prepared)
 
     @classmethod
     def from_config(cls, cfg) -> PrepareSettings:
@@ -129,7 +130,8 @@ class PrepareSettings:
                    text_field=d.text_field, on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens,
                    num_workers=d.num_workers, format=d.format, messages_field=d.messages_field,
                    prompt_field=d.prompt_field, response_field=d.response_field, chat_template=d.chat_template,
-                   hf_dataset=HFDataset(**vars(d.hf_dataset)) if d.hf_dataset.path else None)
+                   hf_dataset=HFDataset(**vars(d.hf_dataset)) if d.hf_dataset.path else None,
+                   remote_timeout_s=d.remote_timeout_s)
 
     def check(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
@@ -154,6 +156,8 @@ class PrepareSettings:
             raise DataError("data.files and data.hf_dataset.path both name a corpus: give one of them")
         if self.chat_template not in TEMPLATES:
             raise DataError(f"data.chat_template must be one of {', '.join(TEMPLATES)}, got {self.chat_template!r}")
+        if not self.remote_timeout_s > 0:
+            raise DataError(f"data.remote_timeout_s must be positive, got {self.remote_timeout_s}")
 
     @property
     def chat(self) -> ChatFields | None:
@@ -172,6 +176,7 @@ class PrepareSettings:
         folders prepared before chat data keep their fingerprint."""
         settings = {**asdict(self), "num_workers": None, "files": None}
         settings.pop("hf_dataset")
+        settings.pop("remote_timeout_s")
         if self.hf_dataset:
             settings["hf_dataset"] = self.hf_dataset.record()
         if self.format == "text":
@@ -231,7 +236,7 @@ class Corpus:
                 raise DataError("data.format=chat needs data.files: .jsonl files of conversations")
             return cls([*stdlib_source_files()], "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb,
                        max_document_mb=settings.max_document_mb)
-        paths = expand_inputs(list(settings.files))
+        paths = expand_inputs(list(settings.files), timeout_s=settings.remote_timeout_s)
         if settings.format == "chat" and (other := [p for p in paths if (format_of(p) or ("",))[0] != "jsonl"]):
             raise DataError(f"{other[0]}: data.format=chat reads .jsonl files (also .jsonl.gz, .jsonl.zst) of "
                             f"conversations, one JSON object a line")

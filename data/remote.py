@@ -3,9 +3,10 @@
 fsspec and the scheme's package (s3fs, gcsfs; aiohttp for http) are imported only when such a URL is given, and
 find their credentials where they always do (AWS_* variables and ~/.aws for s3, Application Default Credentials
 for gs): the config never holds any, and a store URL that carries some is refused. A URL in a message has no
-user, password or query string, and no message holds a response's body. A transient
-network error (a dropped connection, a timeout, HTTP 5xx or 429, S3 throttling) is retried RETRIES times with
-exponential backoff, a read continuing where it stopped, then named in one line.
+user, password or query string, and no message holds a response's body. A request that gets no answer for
+data.remote_timeout_s is a timeout; a transient network error (a dropped connection, a timeout, HTTP 5xx or
+429, S3 throttling) is retried RETRIES times with exponential backoff, a read continuing where it stopped, then
+named in one line.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ RETRIES = 5
 RETRY_DELAY_S = 0.5  # before the first retry; doubled before each next one
 # fsspec fetches a file in requests of this size, one block ahead: what one open file holds in memory.
 BLOCK_BYTES = 8 << 20
+TIMEOUT_S = 30.0  # data.remote_timeout_s's default: to connect, and between two arrivals of a response's bytes
 MESSAGE_CHARS = 300  # a library's error text is cut to this in a message
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
@@ -41,6 +43,7 @@ _TRANSIENT_TYPES = {"ClientConnectionError", "ClientPayloadError", "ServerTimeou
                     "IncompleteRead", "ResponseStreamingError"}
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
                     "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests"}
+_TIMEOUT_TYPES = {"ServerTimeoutError", "FSTimeoutError", "ReadTimeoutError", "ConnectTimeoutError"}
 _CREDENTIAL_TYPES = {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}
 CREDENTIALS_HELP = {"s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials",
                     "gs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`"}
@@ -148,14 +151,16 @@ class RemoteFile:
         return RemoteReader(self)
 
 
-def expand_url(entry: str, accept: Callable[[str], bool], supported: str) -> list[RemoteFile]:
+def expand_url(entry: str, accept: Callable[[str], bool], supported: str, *,
+               timeout_s: float = TIMEOUT_S) -> list[RemoteFile]:
     """The files a URL entry names: one file, every accepted file below a folder of a store, or a glob's matches
-    (sorted by URL; a listing is read to its end, however many pages it takes)."""
+    (sorted by URL; a listing is read to its end, however many pages it takes). A request that gets no answer for
+    timeout_s is a network error."""
     if problem := url_problem(entry):
         raise DataError(problem)
     scheme = scheme_of(entry)
     assert scheme is not None
-    fs = _filesystem(entry, scheme)
+    fs = _filesystem(entry, scheme, timeout_s)
     if scheme not in LISTED_SCHEMES:
         _check_format(entry, accept, supported)  # before any request
         return [_one_file(fs, entry, _call(entry, fs.info, entry), accept, supported)]
@@ -184,15 +189,31 @@ def _exists(fs, bucket: str) -> bool:
     return True
 
 
-def _filesystem(entry: str, scheme: str):
+def _filesystem(entry: str, scheme: str, timeout_s: float):
     """A new filesystem object: fsspec's cached one would keep the listings and settings of an earlier call."""
     fsspec = importlib.import_module("fsspec")
     try:
-        return fsspec.filesystem(scheme, skip_instance_cache=True, **({} if scheme in LISTED_SCHEMES else
-                                                                       {"block_size": BLOCK_BYTES}))
+        fs = fsspec.filesystem(scheme, skip_instance_cache=True, **_options(scheme, timeout_s))
     except ImportError:
         raise DataError(f"data.files: {display(entry)} needs the package {PACKAGES[scheme]} "
                         f"(pip install {PACKAGES[scheme]})") from None
+    if scheme == "s3":
+        fs.retries = 1  # s3fs's own retries (its only setting is this attribute) would multiply ours
+    return fs
+
+
+def _options(scheme: str, timeout_s: float) -> dict:
+    """The filesystem's settings: timeout_s to connect and between two arrivals of a response's bytes (aiohttp's
+    own bound is minutes a request), and no retries beneath ours, which would multiply the time a server that
+    does not answer takes to be named."""
+    if scheme == "s3":
+        return {"config_kwargs": {"connect_timeout": timeout_s, "read_timeout": timeout_s,
+                                  "retries": {"total_max_attempts": 1}}}
+    aiohttp = importlib.import_module("aiohttp")
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+    if scheme in LISTED_SCHEMES:  # gcsfs
+        return {"requests_timeout": timeout}
+    return {"block_size": BLOCK_BYTES, "client_kwargs": {"timeout": timeout}}
 
 
 def _bucket(entry: str) -> str:
@@ -383,6 +404,9 @@ def _message(err: BaseException, url: str) -> str:
                          {kind.__name__ for kind in type(cause).__mro__})
         first = str(getattr(malformed, "message", "") or type(malformed).__name__).strip().splitlines()[0]
         return f"a malformed HTTP response ({_one_line(first, url).rstrip(':')})"
+    if isinstance(err, TimeoutError) or names & _TIMEOUT_TYPES:
+        detail = _one_line(str(err), url)
+        return f"no answer within data.remote_timeout_s{f' ({detail})' if detail else ''}"
     status = getattr(err, "status", None)
     if isinstance(status, int):  # aiohttp's message repeats the URL, query string and all
         return f"HTTP {status} {_one_line(str(getattr(err, 'message', '')), url)}".strip()

@@ -1,23 +1,27 @@
 """data.files URLs against hostile or broken servers, started here on 127.0.0.1: credentials and unparsable
-URLs, a Content-Length that lies, and library errors of several lines."""
+URLs, servers that never answer or stall, a Content-Length that lies, and library errors of several lines."""
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 import pytest
 
-from data import remote
+from data import DataError, PrepareSettings, prepare_data, remote
 from scripts import prepare_data as prepare_script
+from tests.test_data import VOCAB_SIZE, make_documents
 from tests.test_prepare import jsonl_lines
-from tests.test_remote_sources import BUCKET, corpus, s3, s3_server  # noqa: F401 - fixtures
+from tests.test_remote_sources import BUCKET, aws_env, corpus, s3, s3_server  # noqa: F401 - fixtures
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("s3fs")
 
+DEADLINE_S = 30.0  # a call that takes longer is one that would wait for aiohttp's own bounds (minutes), or forever
+TIMEOUT_S = 0.5  # data.remote_timeout_s in these tests
 
 # ---------------------------------------------------------------- the server
 
@@ -138,6 +142,30 @@ def quick_retries(monkeypatch):
 
 
 
+def within_deadline(call: Callable[[], object]) -> tuple[object, float]:
+    """call()'s result (or the exception it raised) and its seconds; a failure past DEADLINE_S (the call goes on in
+    its thread until the server's teardown frees it)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            outcome.append(err)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(DEADLINE_S)
+    assert outcome, f"still waiting after {DEADLINE_S:.0f} s"
+    return outcome[0], time.monotonic() - start
+
+
+def settings(files: list[str], **overrides) -> PrepareSettings:
+    return PrepareSettings(files=tuple(files), vocab_size=VOCAB_SIZE, val_fraction=0.1, seed=7, num_workers=0,
+                           remote_timeout_s=TIMEOUT_S, **overrides)
+
+
 def error_lines(capsys) -> tuple[list[str], str]:
     captured = capsys.readouterr()
     return [line for line in captured.err.splitlines() if line.startswith("error:")], captured.out + captured.err
@@ -187,6 +215,53 @@ def test_a_url_that_does_not_parse_is_one_line_naming_it(url, shown, tmp_path, c
                           f"password holding '/', '?', '#' or '@' is written percent-encoded)"]
         assert "Traceback" not in output and "w0rd" not in output and "hunter2" not in output
     assert remote.display(url) == shown
+
+
+def test_remote_timeout_s_is_checked_with_the_config(capsys):
+    import train_fsdp
+
+    assert train_fsdp.main(["config/train_tiny_fsdp.yaml", "--check", "--data.remote_timeout_s=0"]) == 2
+    assert error_lines(capsys)[0] == ["error: data.remote_timeout_s must be in (0, 10**9] seconds, got 0.0"]
+
+
+# ---------------------------------------------------------------- servers that never answer
+
+
+def test_a_server_that_never_answers_fails_after_the_timeout_and_retries(server, quick_retries, tmp_path):
+    server.mode = "silent"
+    url = server.url("a.jsonl")
+    err, seconds = within_deadline(lambda: prepare_data(tmp_path / "out", settings([url])))
+    assert isinstance(err, DataError)
+    assert str(err) == (f"data.files: {url}: no answer within data.remote_timeout_s (Timeout on reading data from "
+                        f"socket) (a network error, still there after 2 retries)")
+    # 3 attempts of a HEAD and a GET (fsspec's way to a size), each TIMEOUT_S: no more.
+    assert 6 * TIMEOUT_S <= seconds < 6 * TIMEOUT_S + 5
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_server_that_stalls_mid_body_fails_after_the_timeout_and_retries(server, quick_retries, tmp_path):
+    server.files["a.jsonl"] = jsonl_lines(make_documents(50)).encode()
+    server.mode = "stall"  # HEAD answers; every GET sends half of what it was asked, then nothing
+    url = server.url("a.jsonl")
+    err, seconds = within_deadline(lambda: prepare_data(tmp_path / "out", settings([url])))
+    assert isinstance(err, DataError)
+    assert str(err).startswith(f"data.files: {url}: no answer within data.remote_timeout_s"), err
+    assert str(err).endswith("(a network error, still there after 2 retries)"), err
+    assert 3 * TIMEOUT_S <= seconds < 3 * TIMEOUT_S + 5
+
+
+def test_an_s3_endpoint_that_never_answers_fails_after_the_timeout_and_retries(quick_retries, tmp_path, monkeypatch):
+    with socket.socket() as listener:  # accepts connections (the kernel's backlog) and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        for name, value in aws_env(f"http://127.0.0.1:{listener.getsockname()[1]}").items():
+            monkeypatch.setenv(name, value)
+        url = f"s3://{BUCKET}/corpus/a.jsonl"
+        err, seconds = within_deadline(lambda: prepare_data(tmp_path / "out", settings([url])))
+    assert isinstance(err, DataError)
+    assert str(err).startswith(f"data.files: {url}: no answer within data.remote_timeout_s (Read timeout on "), err
+    assert str(err).endswith("(a network error, still there after 2 retries)"), err
+    assert 3 * TIMEOUT_S <= seconds < 3 * TIMEOUT_S + 5  # botocore's and s3fs's retries would multiply it
 
 
 # ---------------------------------------------------------------- what the messages hold
