@@ -7,13 +7,20 @@ user, password or query string, and no message holds a response's body. A reques
 data.remote_timeout_s is a timeout; a transient network error (a dropped connection, a timeout, HTTP 5xx or
 429, S3 throttling) is retried RETRIES times with exponential backoff, a read continuing where it stopped, then
 named in one line.
+
+Every read from a file's start hashes what it reads, so a later read of the same bytes (the next pass over the
+corpus) finds content that changed without a new ETag. A file whose server gives no ETag or Last-Modified is
+hashed once before anything else (its identity in the folder's fingerprint), and reads are bounded where the
+caller says (FetchLimit): a stream whose size the server does not give could otherwise be read without end.
 """
 from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import importlib
 import importlib.util
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -33,6 +40,8 @@ RETRY_DELAY_S = 0.5  # before the first retry; doubled before each next one
 BLOCK_BYTES = 8 << 20
 TIMEOUT_S = 30.0  # data.remote_timeout_s's default: to connect, and between two arrivals of a response's bytes
 MESSAGE_CHARS = 300  # a library's error text is cut to this in a message
+
+log = logging.getLogger(__name__)
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://[^\s'\"<>]+")
@@ -127,14 +136,51 @@ def _form_problem(entry: str, scheme: str) -> str | None:
     return None
 
 
+class SourceChanged(DataError):
+    """A file of the corpus changed while it was read: what was prepared from it may mix two versions."""
+
+
+@dataclass
+class FetchLimit:
+    """A bound on the bytes fetched from the URLs it is given to, together. Each file counts as far as any read of
+    it got (every pass over the corpus reads the same bytes again), so the total is the corpus as far as read."""
+
+    max_bytes: int
+    problem: str  # what passing the bound means and what to do: the end of the error line
+    furthest: dict[str, int] = field(default_factory=dict)
+    total: int = 0
+
+    def reached(self, url: str, position: int) -> None:
+        """A read of url got to position: DataError once the files together hold more than max_bytes."""
+        before = self.furthest.get(url, 0)
+        if position > before:
+            self.furthest[url] = position
+            self.total += position - before
+            if self.total > self.max_bytes:
+                raise DataError(f"data.files: {display(url)}: {self.problem}")
+
+
+@dataclass
+class Seen:
+    """What reads of a file from its start found, for later reads to be checked against: the SHA-256 of its
+    first `length` bytes, and whether the file ended there."""
+
+    length: int = 0
+    digest: str = ""
+    ended: bool = False
+
+
 @dataclass(frozen=True)
 class RemoteFile:
     """One file of a store or HTTP server, with what the store says of it when it was listed."""
 
     url: str  # as given to fsspec (an http URL keeps its query string)
-    size: int
-    version: str  # the ETag, else the modification time: a changed object has another
+    size: int  # 0 where the server does not say (sized is False)
+    version: str  # the ETag, else the modification time (a changed object has another); "" where neither is given
     fs: Any = field(compare=False, repr=False)  # the fsspec filesystem (fsspec has no type hints)
+    sized: bool = True  # the server gave the size (an HTTP response without Content-Length does not)
+    limits: tuple[FetchLimit, ...] = field(default=(), compare=False, repr=False)  # bounds on what reads fetch
+    seen: Seen = field(default_factory=Seen, compare=False, repr=False)  # shared by every read of the file
 
     @property
     def name(self) -> str:
@@ -143,9 +189,22 @@ class RemoteFile:
     def __str__(self) -> str:
         return display(self.url)
 
-    def identity(self) -> list:
-        """What the preparation's fingerprint holds of this file: a changed object changes it."""
-        return [display(self.url), self.size, self.version]
+    def identity(self, *, hash_bytes: int = 0) -> list:
+        """What the preparation's fingerprint holds of this file: a changed object changes it. Its URL, size and
+        ETag (or modification time); where the server gives neither, the SHA-256 of its content, read now (see
+        content_digest for hash_bytes)."""
+        return [display(self.url), self.size, self.version or f"sha256:{self.content_digest(hash_bytes)}"]
+
+    def content_digest(self, max_bytes: int = 0) -> str:
+        """The SHA-256 of the file's content, read through once now; a file of unknown size only up to max_bytes
+        (> 0), as much as any preparation may read of it. Later reads of the same bytes are checked against it."""
+        log.info("%s: its server gives no ETag or Last-Modified, so its content is hashed (read through once) to tell "
+                 "whether it changed", self)
+        bound = max_bytes if max_bytes and not self.sized else 0
+        with self.open() as reader:
+            while not reader.ended and not (bound and reader.position >= bound):
+                reader.read(min(BLOCK_BYTES, bound - reader.position) if bound else BLOCK_BYTES)
+            return reader.digest()
 
     def open(self) -> RemoteReader:
         return RemoteReader(self)
@@ -235,7 +294,7 @@ def _one_file(fs, entry: str, info: dict, accept: Callable[[str], bool], support
 def _remote_file(fs, scheme: str, info: dict) -> RemoteFile:
     name = info["name"]
     url = name if is_url(name) else f"{scheme}://{name}"
-    return RemoteFile(url, int(info.get("size") or 0), _version(info), fs)
+    return RemoteFile(url, int(info.get("size") or 0), _version(info), fs, sized=info.get("size") is not None)
 
 
 def _version(info: dict) -> str:
@@ -246,12 +305,20 @@ def _version(info: dict) -> str:
 
 class RemoteReader:
     """A read-only, seekable binary file of a RemoteFile. On a transient error it is opened again where the
-    read stopped, up to RETRIES times with backoff; any other error, or the last, is one DataError line."""
+    read stopped, up to RETRIES times with backoff; any other error, or the last, is one DataError line.
+
+    While reads follow each other from the file's start, they are hashed, and checked where an earlier such read
+    of the file stopped (a read that would pass that point stops there): different bytes, or an end found
+    elsewhere, is a SourceChanged error. Every read counts against the file's FetchLimits."""
 
     def __init__(self, remote: RemoteFile):
         self.remote = remote
         self.position = 0
         self.closed = False
+        self.ended = False  # a read found the end of the file
+        self.hash: Any = hashlib.sha256()  # of the bytes read from the start; None once a seek went elsewhere
+        self.checked = False  # against remote.seen, where it stops
+        self.changed = False
         self.file = _call(remote.url, self._open)
 
     def _open(self):
@@ -275,16 +342,56 @@ class RemoteReader:
         self.remote.fs.invalidate_cache(self.remote.url)
         now = _version(_call(self.remote.url, self.remote.fs.info, self.remote.url))
         if self.remote.version and now != self.remote.version:
-            raise DataError(f"data.files: {self.remote}: changed while it was read (version {self.remote.version} "
-                            f"when listed, {now} now): prepare again once it no longer changes")
+            self.changed = True
+            raise SourceChanged(f"data.files: {self.remote}: changed while it was read (version "
+                                f"{self.remote.version} when listed, {now} now): prepare again once it no longer "
+                                f"changes")
 
     def read(self, size: int = -1) -> bytes:
+        seen = self.remote.seen
+        if self.hash is not None and self.position < seen.length and (size < 0 or self.position + size > seen.length):
+            size = seen.length - self.position  # stop where an earlier read from the start stopped, to compare
         data = _call(self.remote.url, lambda: self.file.read(size), before_retry=self._reopen)
         self.position += len(data)
+        self.ended = self.ended or (not data and size != 0)
+        for limit in self.remote.limits:
+            limit.reached(self.remote.url, self.position)
+        if self.hash is not None:
+            self.hash.update(data)
+            self._check(seen)
         return data
 
+    def _check(self, seen: Seen) -> None:
+        """The bytes read from the start against what an earlier read from the start found."""
+        if not seen.length:
+            return
+        if self.position == seen.length and not self.checked:
+            self.checked = True
+            if self.digest() != seen.digest:
+                raise self._changed(f"its first {seen.length:,} bytes differ from an earlier read's")
+        if seen.ended and self.position > seen.length:
+            raise self._changed(f"it goes on past the {seen.length:,} bytes an earlier read found")
+        if self.ended and self.position < seen.length:
+            raise self._changed(f"it ends after {self.position:,} bytes, where an earlier read found {seen.length:,}")
+
+    def _changed(self, detail: str) -> SourceChanged:
+        self.changed = True
+        why = f"the same version {self.remote.version}" if self.remote.version else "no ETag or Last-Modified"
+        return SourceChanged(f"data.files: {self.remote}: changed while it was read ({detail}, with {why}): prepare "
+                             f"again once it no longer changes")
+
+    def digest(self) -> str:
+        """The SHA-256 of the bytes read from the start (the reads followed each other)."""
+        assert self.hash is not None, "a seek went elsewhere: the bytes read are not the file's start"
+        return self.hash.hexdigest()
+
     def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 2 and not self.remote.sized:
+            raise DataError(f"data.files: {self.remote}: its server gives no size (no Content-Length), which reading "
+                            f"this file needs (a parquet file is read from its end)")
         base = {0: 0, 1: self.position, 2: self.remote.size}[whence]
+        if base + offset != self.position:
+            self.hash = None  # the reads no longer follow each other from the start
         self.position = max(0, base + offset)
         self.file.seek(self.position)  # fsspec's files only move their position here: no request
         return self.position
@@ -305,6 +412,14 @@ class RemoteReader:
         if not self.closed:
             self.closed = True
             self.file.close()
+            self._record()
+
+    def _record(self) -> None:
+        """Keep what this read found of the file's start, where it got further than the earlier ones (whose
+        bytes it matched on the way), for later reads to be checked against."""
+        seen = self.remote.seen
+        if self.hash is not None and not self.changed and (self.position, self.ended) > (seen.length, seen.ended):
+            seen.length, seen.digest, seen.ended = self.position, self.digest(), self.ended
 
     def __enter__(self) -> RemoteReader:
         return self

@@ -1,8 +1,12 @@
 """data.files URLs against hostile or broken servers, started here on 127.0.0.1: credentials and unparsable
-URLs, servers that never answer or stall, a Content-Length that lies, and library errors of several lines."""
+URLs, servers without validators, bodies without end, servers that never answer or stall, a Content-Length that
+lies, and content that changes between the passes of a preparation under the same ETag."""
 from __future__ import annotations
 
+import gzip
+import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,16 +16,20 @@ from urllib.parse import urlsplit
 import pytest
 
 from data import DataError, PrepareSettings, prepare_data, remote
+from data.prepare import PROGRESS_NAME, _Preparation
+from data.store import ShardWriter, read_record
 from scripts import prepare_data as prepare_script
 from tests.test_data import VOCAB_SIZE, make_documents
-from tests.test_prepare import jsonl_lines
+from tests.test_prepare import jsonl_lines, store_files
 from tests.test_remote_sources import BUCKET, aws_env, corpus, s3, s3_server  # noqa: F401 - fixtures
 
+zstandard = pytest.importorskip("zstandard")
 pytest.importorskip("aiohttp")
 pytest.importorskip("s3fs")
 
 DEADLINE_S = 30.0  # a call that takes longer is one that would wait for aiohttp's own bounds (minutes), or forever
 TIMEOUT_S = 0.5  # data.remote_timeout_s in these tests
+
 
 # ---------------------------------------------------------------- the server
 
@@ -136,10 +144,6 @@ def server() -> Iterator[HostileServer]:
 def quick_retries(monkeypatch):
     monkeypatch.setattr(remote, "RETRIES", 2)
     monkeypatch.setattr(remote, "RETRY_DELAY_S", 0.01)
-
-
-
-
 
 
 def within_deadline(call: Callable[[], object]) -> tuple[object, float]:
@@ -264,6 +268,84 @@ def test_an_s3_endpoint_that_never_answers_fails_after_the_timeout_and_retries(q
     assert 3 * TIMEOUT_S <= seconds < 3 * TIMEOUT_S + 5  # botocore's and s3fs's retries would multiply it
 
 
+# ---------------------------------------------------------------- no validator: the content is hashed
+
+
+def test_a_file_without_validator_changed_at_the_same_size_is_prepared_again(server, tmp_path, caplog):
+    documents = make_documents(120, seed=3)
+    old, new = jsonl_lines(documents), jsonl_lines([text.replace("x", "y") for text in documents])
+    assert len(old) == len(new) and old != new
+    server.files["a.jsonl"] = old.encode()  # served without ETag or Last-Modified
+    url = server.url("a.jsonl")
+    with caplog.at_level(logging.INFO):
+        prepare_data(tmp_path / "out", settings([url]), show_progress=False)
+        assert f"{url}: its server gives no ETag or Last-Modified, so its content is hashed" in caplog.text
+        caplog.clear()
+        prepare_data(tmp_path / "out", settings([url]), show_progress=False)  # unchanged: reused
+        assert "using the data prepared earlier" in caplog.text
+        assert f"{url}: its server gives no ETag or Last-Modified, so its content is hashed" in caplog.text
+        server.files["a.jsonl"] = new.encode()
+        caplog.clear()
+        changed = prepare_data(tmp_path / "out", settings([url]), show_progress=False)
+        assert "using the data prepared earlier" not in caplog.text
+    (tmp_path / "new.jsonl").write_text(new)
+    assert store_files(changed) == store_files(prepare_data(tmp_path / "local", settings([str(tmp_path / "new.jsonl")]),
+                                                            show_progress=False))
+
+
+def test_a_file_of_unknown_size_without_validator_changed_at_the_same_size_is_prepared_again(server, tmp_path):
+    documents = make_documents(120, seed=4)
+    server.sized = False  # a chunked body: no size either
+    server.files["a.jsonl"] = jsonl_lines(documents).encode()
+    url = server.url("a.jsonl")
+    first = store_files(prepare_data(tmp_path / "out", settings([url]), show_progress=False))
+    server.files["a.jsonl"] = jsonl_lines(documents[::-1]).encode()  # the same bytes in another order
+    assert store_files(prepare_data(tmp_path / "out", settings([url]), show_progress=False)) != first
+
+
+# ---------------------------------------------------------------- bodies without end
+
+
+@pytest.mark.parametrize("etag", ["", '"constant"'])
+def test_a_body_without_end_stops_at_max_in_job_mb(etag, server, tmp_path):
+    server.mode, server.etag = "endless", etag  # without a validator it is hashed first, with one read by the passes
+    server.filler = b'{"text": "more"}\n' * 4096
+    url = server.url("a.jsonl")
+    err, _ = within_deadline(lambda: prepare_data(tmp_path / "out", settings([url]), max_input_mb=1,
+                                                  show_progress=False))
+    assert isinstance(err, DataError)
+    assert str(err) == (f"data.files: {url}: the corpus passed data.max_in_job_mb=1 MB while this file was read, more "
+                        f"than a training job prepares: prepare it first with `python scripts/prepare_data.py CONFIG "
+                        f"--data.dataset_dir=DIR`, then train with --data.dataset_dir=DIR")
+    assert server.sent < 16 << 20  # what the sockets' buffers hold beyond the MB read
+
+
+def test_a_stream_of_frames_without_text_stops_at_max_corpus_mb(server, tmp_path):
+    server.mode, server.etag = "endless", '"constant"'
+    server.filler = struct.pack("<II", 0x184D2A50, 1 << 16) + bytes(1 << 16)  # zstd's skippable frame: no text
+    url = server.url("a.jsonl.zst")
+    err, _ = within_deadline(lambda: prepare_data(tmp_path / "out", settings([url], max_corpus_mb=1,
+                                                                             max_document_mb=1), show_progress=False))
+    assert isinstance(err, DataError)
+    assert str(err) == (f"data.files: {url}: more than 19 MB read of URLs whose size is not given (no "
+                        f"Content-Length), more than data.max_corpus_mb=1 MB of text can need (twice it and "
+                        f"data.max_document_mb, and 16 MB): a stream without end?")
+    assert server.sent < 40 << 20
+
+
+def test_a_text_stream_without_end_or_validator_is_read_up_to_max_corpus_mb(server, tmp_path):
+    server.mode = "endless"
+    server.filler = jsonl_lines(make_documents(40, seed=5)).encode()
+    prepared, _ = within_deadline(lambda: prepare_data(tmp_path / "out", settings([server.url("a.jsonl")],
+                                                                                  max_corpus_mb=0.25,
+                                                                                  max_document_mb=0.25),
+                                                       show_progress=False))
+    assert not isinstance(prepared, BaseException), prepared
+    # The hash reads as far as a preparation may (2 * 0.25 + 0.25 + 16 MB), each pass about 0.25 MB; the rest is
+    # what the sockets of the five requests (fsspec's HEAD and GET for the size, and a GET per read) buffer.
+    assert server.sent < 64 << 20
+
+
 # ---------------------------------------------------------------- what the messages hold
 
 
@@ -296,3 +378,70 @@ def test_a_message_holds_no_secret_of_the_url_nor_quoted_bytes():
     # The escape character goes (what follows it is plain text then).
     assert str(remote.remote_error(url, err)) == ("data.files: https://example.org/a.jsonl: failed for ... with ...: "
                                                   "... [2J")
+
+
+# ---------------------------------------------------------------- content changed between the passes
+
+
+def changed_after_the_first_pass(server: HostileServer, name: str, content: bytes, monkeypatch) -> None:
+    """The tokenizer's pass over the corpus done, the served file becomes `content`."""
+    first_pass = _Preparation.tokenizer_sample
+
+    def then_change(self):
+        documents = first_pass(self)
+        server.files[name] = content
+        return documents
+
+    monkeypatch.setattr(_Preparation, "tokenizer_sample", then_change)
+
+
+@pytest.mark.parametrize("etag", ['"the-same"', ""])
+def test_content_changed_between_the_passes_is_refused_and_nothing_of_it_kept(etag, server, tmp_path, monkeypatch):
+    documents = make_documents(200, seed=6)
+    old, new = jsonl_lines(documents).encode(), jsonl_lines(documents[::-1]).encode()
+    server.files["a.jsonl"], server.etag = old, etag
+    url = server.url("a.jsonl")
+    changed_after_the_first_pass(server, "a.jsonl", new, monkeypatch)
+    # Small reads and work units: shards of the new content are finished before the end of the file tells.
+    monkeypatch.setattr("data.readers.READ_BLOCK_BYTES", 256)
+    monkeypatch.setattr("data.prepare.CHUNK_BYTES", 1024)
+    finished = []
+    finish_shard = ShardWriter.finish_shard
+    monkeypatch.setattr(ShardWriter, "finish_shard", lambda self, **kw: finished.append(finish_shard(self, **kw)))
+    root = tmp_path / "out"
+    with pytest.raises(DataError, match="changed while it was read") as caught:
+        prepare_data(root, settings([url], shard_tokens=500), show_progress=False)
+    assert finished
+    why = f"the same version {etag}" if etag else "no ETag or Last-Modified"
+    assert str(caught.value) == (f"data.files: {url}: changed while it was read (its first {len(old):,} bytes "
+                                 f"differ from an earlier read's, with {why}): prepare again once it no longer "
+                                 f"changes")
+    assert read_record(root / PROGRESS_NAME)["shards"] == []  # none kept: a rerun starts again
+    monkeypatch.undo()
+    (tmp_path / "new.jsonl").write_bytes(new)
+    rerun = prepare_data(root, settings([url], shard_tokens=500), show_progress=False)
+    assert store_files(rerun) == store_files(prepare_data(tmp_path / "local", settings([str(tmp_path / "new.jsonl")],
+                                                                                      shard_tokens=500),
+                                                          show_progress=False))
+
+
+def test_a_gzip_file_that_grows_between_the_passes_is_refused(server, tmp_path, monkeypatch):
+    old = gzip.compress(jsonl_lines(make_documents(100, seed=8)).encode(), mtime=0)
+    server.files["a.jsonl.gz"], server.sized, server.etag = old, False, '"the-same"'  # chunked: read as a stream
+    changed_after_the_first_pass(server, "a.jsonl.gz", old + gzip.compress(b'{"text": "more"}\n', mtime=0),
+                                 monkeypatch)
+    with pytest.raises(DataError, match=rf"changed while it was read \(it goes on past the {len(old):,} bytes an "):
+        prepare_data(tmp_path / "out", settings([server.url("a.jsonl.gz")]), show_progress=False)
+
+
+def test_a_parquet_file_of_unknown_size_is_one_line(server, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": make_documents(50)}), path)
+    server.files["a.parquet"], server.sized, server.etag = path.read_bytes(), False, '"e"'
+    url = server.url("a.parquet")
+    with pytest.raises(DataError) as caught:
+        prepare_data(tmp_path / "out", settings([url]), show_progress=False)
+    assert str(caught.value) == (f"data.files: {url}: its server gives no size (no Content-Length), which reading "
+                                 f"this file needs (a parquet file is read from its end)")
