@@ -164,10 +164,14 @@ def _hf_dataset_problems(d: DataConfig) -> list[str]:
 
 
 def _url_problems(d: DataConfig) -> list[str]:
-    """URLs in data.files of a scheme not read, or whose package is not installed."""
+    """URLs in data.files of a scheme not read, of a form refused (credentials in it, a host that does not parse)
+    or whose package is not installed; data.remote_timeout_s."""
     from data.remote import url_problem  # the standard library only: no store package is imported
 
-    return [problem for entry in d.files if (problem := url_problem(entry))]
+    p = [problem for entry in d.files if (problem := url_problem(entry))]
+    if not 0 < d.remote_timeout_s <= MAX_SECONDS:
+        p.append(f"data.remote_timeout_s must be in (0, 10**9] seconds, got {d.remote_timeout_s}")
+    return p
 
 
 def _sources_problems(d: DataConfig) -> list[str]:

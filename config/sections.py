@@ -140,6 +140,9 @@ class DataConfig:
     max_in_job_mb: float = 1024.0
     """train_fsdp.py prepares data.files itself only up to this many MB on disk; larger corpora are prepared
     beforehand with scripts/prepare_data.py (0: no limit)."""
+    remote_timeout_s: float = 30.0
+    """URLs in data.files: seconds a server may take to accept a connection, or between two parts of its answer,
+    before the request fails as a network error (retried, docs/data.md)."""
     prepare_wait_s: float = 7200.0
     """How long the other ranks wait for rank 0 to prepare data inside the job before giving up."""
     seq_len: int = 256

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -43,7 +43,7 @@ from .chat import TEMPLATES, ChatFields
 from .errors import DataError
 from .hf_datasets import HFDataset, OpenedDataset, open_dataset
 from .readers import InputFile, Piece, expand_inputs, format_of, input_size, read_pieces, truncate
-from .remote import RemoteFile, display
+from .remote import TIMEOUT_S, FetchLimit, RemoteFile, SourceChanged, display
 from .store import (
     FIXED_NAMES,
     FOLDER_NAMES,
@@ -89,6 +89,11 @@ CHUNK_BYTES = 1 << 20
 # calling process alone: spawning workers (which import the caller's main script, torch included, in a
 # training job) takes seconds.
 IN_PROCESS_MAX_BYTES = 16 << 20
+# What is fetched of URLs whose size the server does not give may pass data.max_corpus_mb (of text) by this much
+# beyond twice it and a document: read-ahead, and compression's framing.
+STREAM_SLACK_BYTES = 16 << 20
+IN_JOB_HELP = ("prepare it first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train "
+               "with --data.dataset_dir=DIR")
 STDLIB_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 BAD_RECORD_CHOICES = ("error", "skip")
 CHAT_SETTINGS = ("format", "messages_field", "prompt_field", "response_field", "chat_template")
@@ -116,6 +121,7 @@ class PrepareSettings:
     response_field: str = "response"
     chat_template: str = "auto"
     hf_dataset: HFDataset | None = None  # a Hugging Face dataset instead of files (data/hf_datasets.py)
+    remote_timeout_s: float = TIMEOUT_S  # URLs: how long a request may get no answer (changes nothing prepared)
 
     @classmethod
     def from_config(cls, cfg) -> PrepareSettings:
@@ -129,7 +135,8 @@ class PrepareSettings:
                    text_field=d.text_field, on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens,
                    num_workers=d.num_workers, format=d.format, messages_field=d.messages_field,
                    prompt_field=d.prompt_field, response_field=d.response_field, chat_template=d.chat_template,
-                   hf_dataset=HFDataset(**vars(d.hf_dataset)) if d.hf_dataset.path else None)
+                   hf_dataset=HFDataset(**vars(d.hf_dataset)) if d.hf_dataset.path else None,
+                   remote_timeout_s=d.remote_timeout_s)
 
     def check(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
@@ -154,6 +161,8 @@ class PrepareSettings:
             raise DataError("data.files and data.hf_dataset.path both name a corpus: give one of them")
         if self.chat_template not in TEMPLATES:
             raise DataError(f"data.chat_template must be one of {', '.join(TEMPLATES)}, got {self.chat_template!r}")
+        if not self.remote_timeout_s > 0:
+            raise DataError(f"data.remote_timeout_s must be positive, got {self.remote_timeout_s}")
 
     @property
     def chat(self) -> ChatFields | None:
@@ -172,6 +181,7 @@ class PrepareSettings:
         folders prepared before chat data keep their fingerprint."""
         settings = {**asdict(self), "num_workers": None, "files": None}
         settings.pop("hf_dataset")
+        settings.pop("remote_timeout_s")
         if self.hf_dataset:
             settings["hf_dataset"] = self.hf_dataset.record()
         if self.format == "text":
@@ -221,7 +231,8 @@ class Corpus:
     hf: OpenedDataset | None = None  # a Hugging Face dataset (paths: its files)
 
     @classmethod
-    def of(cls, settings: PrepareSettings) -> Corpus:
+    def of(cls, settings: PrepareSettings, *, max_input_mb: float = 0.0) -> Corpus:
+        """The corpus settings name; max_input_mb (> 0, in a training job) bounds what its URLs may give."""
         if settings.hf_dataset:
             hf = open_dataset(settings.hf_dataset, text_field=settings.text_field, chat=settings.chat)
             return cls([*hf.files], hf.where, strict=True, max_mb=settings.max_corpus_mb,
@@ -231,7 +242,8 @@ class Corpus:
                 raise DataError("data.format=chat needs data.files: .jsonl files of conversations")
             return cls([*stdlib_source_files()], "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb,
                        max_document_mb=settings.max_document_mb)
-        paths = expand_inputs(list(settings.files))
+        paths = _bounded(expand_inputs(list(settings.files), timeout_s=settings.remote_timeout_s), settings,
+                         max_input_mb=max_input_mb)
         if settings.format == "chat" and (other := [p for p in paths if (format_of(p) or ("",))[0] != "jsonl"]):
             raise DataError(f"{other[0]}: data.format=chat reads .jsonl files (also .jsonl.gz, .jsonl.zst) of "
                             f"conversations, one JSON object a line")
@@ -240,12 +252,44 @@ class Corpus:
 
     @cached_property
     def disk_bytes(self) -> int:
+        """The corpus's size as stored (a URL's as its server says it; 0 where it does not)."""
         return sum(input_size(path) for path in self.paths)
 
     @property
     def read_bytes(self) -> int:
         """About how much will be read: all of it on disk, or up to data.max_corpus_mb."""
         return min(self.disk_bytes, int(self.max_mb * 2**20) or self.disk_bytes)
+
+
+def _bounded(paths: list[InputFile], settings: PrepareSettings, *, max_input_mb: float) -> list[InputFile]:
+    """The files, their URLs given bounds on what reads may fetch (remote.FetchLimit): in a training job,
+    data.max_in_job_mb for the whole corpus (a server need not give a file's size, nor keep it); with
+    data.max_corpus_mb, for the URLs whose size is not given, as much as that much text can take."""
+    if not any(isinstance(path, RemoteFile) for path in paths):
+        return paths
+    in_job = []
+    if max_input_mb:
+        local = sum(input_size(path) for path in paths if not isinstance(path, RemoteFile))
+        in_job = [FetchLimit(int(max_input_mb * 2**20) - local, f"the corpus passed data.max_in_job_mb="
+                             f"{max_input_mb:g} MB while this file was read, more than a training job prepares: "
+                             f"{IN_JOB_HELP}")]
+    stream = []
+    if bound := stream_bound(settings):
+        stream = [FetchLimit(bound, f"more than {bound / 2**20:,.0f} MB read of URLs whose size is not given (no "
+                             f"Content-Length), more than data.max_corpus_mb={settings.max_corpus_mb:g} MB of text can "
+                             f"need (twice it and data.max_document_mb, and {STREAM_SLACK_BYTES >> 20} MB): a stream "
+                             f"without end?")]
+    return [replace(path, limits=(*in_job, *([] if path.sized else stream))) if isinstance(path, RemoteFile) else path
+            for path in paths]
+
+
+def stream_bound(settings: PrepareSettings) -> int:
+    """With data.max_corpus_mb, the most a preparation fetches of URLs whose size is not given: twice that of
+    text (compressed input is never much larger than its text) and a document (the piece that passes the cap),
+    with STREAM_SLACK_BYTES to spare; 0 without a cap."""
+    if not settings.max_corpus_mb:
+        return 0
+    return int(2 * settings.max_corpus_mb * 2**20 + settings.max_document_mb * 2**20) + STREAM_SLACK_BYTES
 
 
 def _chunks(corpus: Corpus, *, text_field: str, skip_long: bool, say_cut: bool) -> Iterator[worker.Chunk]:
@@ -304,8 +348,8 @@ class Source:
     @classmethod
     def of(cls, settings: PrepareSettings, corpus: Corpus) -> Source:
         def describe(path: InputFile) -> list:
-            if isinstance(path, RemoteFile):
-                return path.identity()  # its URL, size and ETag (or modification time)
+            if isinstance(path, RemoteFile):  # its URL, size and ETag (or modification time, or content's hash)
+                return path.identity(hash_bytes=stream_bound(settings))
             stat = path.stat()
             return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
@@ -338,7 +382,7 @@ class Source:
                  f"{value!r} here" for key, value in self.summary["settings"].items()
                  if theirs["settings"].get(key, defaults.get(key)) != value]
         if theirs.get("inputs") != self.summary["inputs"]:
-            parts.append("other input files (names, sizes, modification times or ETags)")
+            parts.append("other input files (names, sizes, modification times, ETags or content hashes)")
         if theirs.get("tokenizer") != self.summary["tokenizer"]:
             parts.append("another given tokenizer")
         return "; ".join(parts) or "the same inputs and settings"
@@ -526,8 +570,10 @@ class _Preparation:
         start, bytes_before = time.perf_counter(), totals["text_bytes"]
         try:
             self._encode(writer, totals)
-        except BaseException:
+        except BaseException as err:
             writer.abort()
+            if isinstance(err, SourceChanged):  # the finished shards may hold the file's old bytes: none is kept
+                clear_folder(self.root)
             raise
         self.seconds["tokenising"] = time.perf_counter() - start
         self.rate_mb_s = (totals["text_bytes"] - bytes_before) / 2**20 / max(self.seconds["tokenising"], 1e-9)
@@ -730,26 +776,37 @@ def _copy_into(source: Path, target: Path) -> None:
 def prepare_data(dataset_dir: str | Path, settings: PrepareSettings, *, show_progress: bool = True,
                  max_input_mb: float = 0.0) -> PreparedData:
     """Prepare the corpus into dataset_dir, continue an interrupted preparation of it there, or reuse
-    what an earlier identical call left. max_input_mb (> 0) refuses corpora larger than that on disk.
+    what an earlier identical call left. max_input_mb (> 0) refuses corpora larger than that on disk, or as
+    read where a server does not give a file's size.
 
     dataset_dir must be new, empty, or a folder this library prepared: one holding files its records
     do not name is refused (unless it is already prepared from the same inputs), never cleared. A second
     call on a folder being prepared waits for the first, then reuses its result or, when that was
     prepared from other inputs or settings, refuses.
     """
+    corpus, source = _corpus_and_source(settings, max_input_mb=max_input_mb)
+    return _prepare(Path(dataset_dir), settings, corpus, source, show_progress=show_progress,
+                    max_input_mb=max_input_mb)
+
+
+def _corpus_and_source(settings: PrepareSettings, *, max_input_mb: float) -> tuple[Corpus, Source]:
+    """The corpus, checked, and what the folder prepared from it depends on (which may read a URL through: see
+    RemoteFile.identity)."""
     settings.check()
-    corpus = Corpus.of(settings)
+    corpus = Corpus.of(settings, max_input_mb=max_input_mb)
     if settings.tokenizer_model and not Path(settings.tokenizer_model).expanduser().is_file():
         raise DataError(f"tokenizer model not found: {Path(settings.tokenizer_model).expanduser()}")
-    source = Source.of(settings, corpus)
-    root = Path(dataset_dir)
+    return corpus, Source.of(settings, corpus)
+
+
+def _prepare(root: Path, settings: PrepareSettings, corpus: Corpus, source: Source, *, show_progress: bool,
+             max_input_mb: float) -> PreparedData:
+    """prepare_data, once the corpus and its source are known."""
     if (prepared := _reuse(root, source)) is not None:
         return prepared
     if max_input_mb and corpus.disk_bytes > max_input_mb * 2**20:
         raise DataError(f"the corpus is {corpus.disk_bytes / 2**20:,.0f} MB, more than data.max_in_job_mb="
-                        f"{max_input_mb:g} prepares inside a training job: prepare it first with "
-                        f"`python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train with "
-                        f"--data.dataset_dir=DIR")
+                        f"{max_input_mb:g} prepares inside a training job: {IN_JOB_HELP}")
     if not (is_ours(root) and nofollow.kind_of(root / LOCK_NAME) == "file"):
         _refuse_foreign(root)  # before the marker and the lock: nothing is written into a folder that is not ours
     claim_folder(root)
@@ -812,15 +869,14 @@ def prepare_for_training(dataset_dir: str | Path, settings: PrepareSettings, *, 
     than max_input_mb.
     """
     root = Path(dataset_dir)
-    found = read_record(root / META_NAME)
-    if named_dir and found:
-        if not settings.files and not settings.hf_dataset:
-            log.info("training on the data prepared in %s (data.files is empty)", root)
-            return
-        source = Source.of(settings, Corpus.of(settings))
-        if found.get("source_fingerprint") != source.fingerprint:
-            corpus = "data.hf_dataset.path" if settings.hf_dataset else "data.files"
-            raise DataError(f"{root} already holds data prepared from other inputs or settings "
-                            f"({source.difference(found)}); delete it to prepare {corpus} there, or leave "
-                            f"{corpus} empty to train on it as it is")
-    prepare_data(root, settings, max_input_mb=max_input_mb)
+    found = read_record(root / META_NAME) if named_dir else {}
+    if found and not settings.files and not settings.hf_dataset:
+        log.info("training on the data prepared in %s (data.files is empty)", root)
+        return
+    corpus, source = _corpus_and_source(settings, max_input_mb=max_input_mb)  # once: it may hash URLs
+    if found and found.get("source_fingerprint") != source.fingerprint:
+        given = "data.hf_dataset.path" if settings.hf_dataset else "data.files"
+        raise DataError(f"{root} already holds data prepared from other inputs or settings "
+                        f"({source.difference(found)}); delete it to prepare {given} there, or leave "
+                        f"{given} empty to train on it as it is")
+    _prepare(root, settings, corpus, source, show_progress=True, max_input_mb=max_input_mb)

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Protocol
 
 from .chat import BadConversation, ChatFields, Conversation, canonical_text, conversation
 from .errors import DataError
-from .remote import RemoteFile, expand_url, is_url
+from .remote import TIMEOUT_S, RemoteFile, expand_url, is_url
 
 # suffix -> (how records are laid out, compression). Longest suffixes first, so .jsonl.gz is not .gz.
 FORMATS = {
@@ -71,9 +71,9 @@ def format_of(path: InputFile) -> tuple[str, str | None] | None:
     return next((fmt for suffix, fmt in FORMATS.items() if name.endswith(suffix)), None)
 
 
-def expand_inputs(entries: list[str]) -> list[InputFile]:
+def expand_inputs(entries: list[str], *, timeout_s: float = TIMEOUT_S) -> list[InputFile]:
     """Files named by data.files entries: files, folders (every supported file below, sorted) and globs, local
-    or URLs (data/remote.py).
+    or URLs (data/remote.py; a request that gets no answer for timeout_s is a network error).
 
     Only regular files are read (a FIFO or device would block reading or never end): any other file an entry
     names or matches is an error. Symbolic links to directories are not followed below a folder or a `**`
@@ -82,7 +82,8 @@ def expand_inputs(entries: list[str]) -> list[InputFile]:
     paths: list[InputFile] = []
     for entry in entries:
         if is_url(entry):
-            paths.extend(expand_url(entry, lambda name: format_of(Path(name)) is not None, SUPPORTED))
+            paths.extend(expand_url(entry, lambda name: format_of(Path(name)) is not None, SUPPORTED,
+                                    timeout_s=timeout_s))
             continue
         path = Path(entry).expanduser()
         if glob.has_magic(str(path)):
