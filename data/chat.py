@@ -25,6 +25,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from .errors import first_line
+
 ROLES = ("system", "user", "assistant")
 PLAIN_END = "<|end|>"
 TEMPLATES = ("auto", "plain")
@@ -135,7 +137,7 @@ def render_template(tok, messages: list[dict[str, str]]) -> tuple[list[int], lis
     except BadConversation:
         raise
     except Exception as err:  # noqa: BLE001 - the template's own checks (raise_exception) and jinja's errors
-        raise BadConversation(f"the chat template refused it ({type(err).__name__}: {_first_line(err)})") from None
+        raise BadConversation(f"the chat template refused it ({type(err).__name__}: {first_line(err)})") from None
     encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [0] * len(encoded["input_ids"])
     span = 0
@@ -165,8 +167,3 @@ def _assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tup
                 "content in the template, or set data.chat_template=plain")
         spans.append((len(before), len(through)))
     return text, spans
-
-
-def _first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[0][:200] if lines else ""
