@@ -132,8 +132,8 @@ class DataConfig:
     shard_tokens: int = 100_000_000
     """Training tokens per shard file of the prepared folder (a shard closes at the first work unit past it)."""
     max_in_job_mb: float = 1024.0
-    """train_fsdp.py prepares data.files itself only up to this many MB on disk; larger corpora are prepared
-    beforehand with scripts/prepare_data.py (0: no limit)."""
+    """train_fsdp.py prepares data.files itself only up to this many MB, on disk and of text read; larger corpora
+    are prepared beforehand with scripts/prepare_data.py (0: no limit)."""
     prepare_wait_s: float = 7200.0
     """How long the other ranks wait for rank 0 to prepare data inside the job before giving up."""
     seq_len: int = 256

@@ -5,7 +5,6 @@ over trained targets only, and its normalisation over the whole global batch (mi
 The tokenizers are built here, in-process; nothing is downloaded."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
@@ -22,7 +21,7 @@ from data.chat import PLAIN_END, ChatFields, canonical_text, conversation, plain
 from data.loader import IGNORE_INDEX, TokenDataset
 from model.loss import chunked_cross_entropy
 from tests.distributed_harness import run_ranks
-from tests.helpers import ROOT, job_env
+from tests.helpers import ROOT, failing_after, job_env
 from tests.test_data import held_out
 
 transformers = pytest.importorskip("transformers")
@@ -262,20 +261,6 @@ ENDLESS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{
 ENDLESS_GENERATION = TEMPLATE_GENERATION.replace(
     "{% generation %}", "{% generation %}{% for i in range(100000) %}{% for j in range(100000) %}{{ m.content }}"
                         "{% endfor %}{% endfor %}")
-
-
-@contextlib.contextmanager
-def failing_after(seconds: int):
-    """Fail the test (pytest's failure is no Exception, so no `except Exception` keeps it) once `seconds` pass."""
-    import signal
-
-    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail(f"still running after {seconds} s"))
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.parametrize("template", [ENDLESS, ENDLESS_GENERATION], ids=["loops", "generation"])

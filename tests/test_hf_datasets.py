@@ -418,6 +418,25 @@ def test_a_damaged_file_of_a_dataset_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
+def test_a_dataset_folder_that_reads_as_far_more_than_its_size_is_one_line(tmp_path, monkeypatch):
+    # A .jsonl.zst data file of a few hundred bytes holding 4 MB of one short line, streamed by datasets: stopped as
+    # such a file of data.files is (data/prepare.py's MAX_EXPANSION), past a floor of 1 MB here instead of 16 MB.
+    import zstandard
+
+    monkeypatch.setattr("data.prepare.EXPANSION_FLOOR_BYTES", 1 << 20)
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    line = json.dumps({"text": "the same short document"}).encode() + b"\n"
+    with open(tmp_path / "ds" / "data" / "train-00000-of-00001.jsonl.zst", "wb") as file, \
+            zstandard.ZstdCompressor(level=3).stream_writer(file) as out:
+        out.write(line * ((4 << 20) // len(line)))
+    size = (tmp_path / "ds" / "data" / "train-00000-of-00001.jsonl.zst").stat().st_size
+    assert size * 100 < 1 << 20
+    with pytest.raises(DataError) as err:
+        prepare(tmp_path / "out", hf=HFDataset(str(tmp_path / "ds")))
+    assert str(err.value).startswith(f"{tmp_path / 'ds'}[train] reads as more than 100 times its {size:,} bytes on "
+                                     f"disk (a compression bomb?"), err.value
+
+
 @pytest.mark.slow  # a training job
 def test_a_training_job_prepares_and_trains_on_a_dataset_folder(tmp_path):
     saved = write_saved(tmp_path / "saved", make_rows(300))
