@@ -312,12 +312,13 @@ def _located_pieces(corpus: Corpus, *, text_field: str, skip_long: bool) -> Iter
 def _check_read(corpus: Corpus, where: str, read: int, disk_bytes: int, *, total: int) -> None:
     """Stop, in one line naming the file, at a file that reads as more than MAX_EXPANSION times its disk_bytes
     (unless data.max_corpus_mb bounds what is read), and in a training job at more text in all than
-    data.max_in_job_mb: a training job's bound is on the work its preparation does, which text measures."""
+    data.max_in_job_mb (unless data.max_corpus_mb stops reading first): a training job's bound is on the work its
+    preparation does, which text measures."""
     if not corpus.max_mb and read > max(MAX_EXPANSION * disk_bytes, EXPANSION_FLOOR_BYTES):
         raise DataError(f"{where} reads as more than {MAX_EXPANSION} times its {disk_bytes:,} bytes on disk (a "
                         f"compression bomb? a parquet dictionary value repeated row after row, a compressed run of "
                         f"one byte): refused; to read it anyway, set data.max_corpus_mb to bound what is read")
-    if corpus.max_job_mb and total > corpus.max_job_mb * 2**20:
+    if corpus.max_job_mb and total > corpus.max_job_mb * 2**20 and not 0 < corpus.max_mb <= corpus.max_job_mb:
         raise DataError(f"{where}: the corpus reads as more than data.max_in_job_mb={corpus.max_job_mb:g} MB of text "
                         f"({corpus.disk_bytes / 2**20:,.1f} MB on disk), more than a training job prepares itself: "
                         f"{PREPARE_FIRST}")

@@ -240,6 +240,10 @@ def test_a_training_job_prepares_no_more_text_than_max_in_job_mb(tmp_path):
     assert not (tmp_path / "job" / "meta.json").exists()
     prepare_for_training(tmp_path / "job", settings, named_dir=False, max_input_mb=3)  # within 3 MB: prepared
     assert (tmp_path / "job" / "meta.json").exists()
+    # data.max_corpus_mb=1 stops reading at the line that reaches 1 MB, within data.max_in_job_mb=1: prepared.
+    capped = PrepareSettings(files=(str(path),), vocab_size=320, num_workers=0, max_corpus_mb=1)
+    prepare_for_training(tmp_path / "capped", capped, named_dir=False, max_input_mb=1)
+    assert json.loads((tmp_path / "capped" / "meta.json").read_text())["text_bytes"] < MiB
 
 
 # ---------------------------------------------------------------- which files are read
