@@ -152,7 +152,7 @@ def render_template(tok, messages: list[dict[str, str]]) -> tuple[list[int], lis
     bounded in CPU time (RENDER_SECONDS): a template past it is TemplateUnusable."""
     seconds = RENDER_SECONDS + RENDER_SECONDS_PER_MB * sum(len(m["content"]) for m in messages) / 2**20
     try:
-        with cpu_time_limit(seconds):
+        with _cpu_time_limit(seconds):
             if has_generation_tags(tok.get_chat_template()):
                 out = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
                                               return_assistant_tokens_mask=True)
@@ -198,7 +198,7 @@ def _assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tup
 
 
 @contextlib.contextmanager
-def cpu_time_limit(seconds: float) -> Iterator[None]:
+def _cpu_time_limit(seconds: float) -> Iterator[None]:
     """Raise _OutOfTime in the code inside once this process has spent `seconds` of CPU time in it (an ITIMER_VIRTUAL
     timer): Python code, a template's included, is stopped between two bytecodes. Signals reach the main thread
     only, where preparation renders (in its worker processes, or in the calling process); in another thread, or
