@@ -38,7 +38,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 # CPU seconds a tokenizer's chat template may take to render (and tokenize) one conversation, plus this many per MB
-# of its messages' content: real templates take milliseconds; one past the bound loops without end (nested range()
+# of its messages' content: far beyond what a real template needs; one past it loops without end (nested range()
 # loops) or builds text without bound, and would hold the preparation forever, conversation after conversation.
 RENDER_SECONDS = 10.0
 RENDER_SECONDS_PER_MB = 1.0

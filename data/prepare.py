@@ -91,8 +91,8 @@ CHUNK_BYTES = 1 << 20
 IN_PROCESS_MAX_BYTES = 16 << 20
 # A file may read as at most this many times its size on disk (and always as EXPANSION_FLOOR_BYTES): compressed text
 # (gzip, zstd, parquet pages) reads as a few times its size, a compression bomb (one parquet dictionary value that
-# every row repeats, a zstd stream of one byte) as thousands, which would keep preparation busy for days in bounded
-# memory. data.max_corpus_mb, a bound on all that is read, lifts it.
+# every row repeats, a zstd stream of one byte) as thousands, which would keep preparation busy without end in
+# bounded memory. data.max_corpus_mb, a bound on all that is read, lifts it.
 MAX_EXPANSION = 100
 EXPANSION_FLOOR_BYTES = 16 << 20
 PREPARE_FIRST = ("prepare it first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train "
