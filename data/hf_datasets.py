@@ -181,7 +181,7 @@ def _load(datasets, path: str, spec: HFDataset, *, streaming: bool,
           folder: Path | None = None) -> tuple[Any, list[Path]]:
     """A local folder (folder: its resolved path) or a cached name as load_dataset reads it, all its splits, then
     the one asked for; with the data files read, each checked to lie inside the folder."""
-    if folder is not None and (script := folder / f"{folder.name}.py").is_file():
+    if folder is not None and (script := Path(path) / f"{Path(path).name}.py").is_file():  # where datasets looks
         raise DataError(f"{path} holds a loading script ({script.name}), which is never run (nor does the datasets "
                         f"library run them): give a folder of the dataset's data files (parquet, JSON lines), or a "
                         f"save_to_disk folder")
