@@ -138,8 +138,8 @@ class DataConfig:
     shard_tokens: int = 100_000_000
     """Training tokens per shard file of the prepared folder (a shard closes at the first work unit past it)."""
     max_in_job_mb: float = 1024.0
-    """train_fsdp.py prepares data.files itself only up to this many MB on disk; larger corpora are prepared
-    beforehand with scripts/prepare_data.py (0: no limit)."""
+    """train_fsdp.py prepares data.files itself only up to this many MB, on disk and of text read; larger corpora
+    are prepared beforehand with scripts/prepare_data.py (0: no limit)."""
     remote_timeout_s: float = 30.0
     """URLs in data.files: seconds a server may take to accept a connection, or between two parts of its answer,
     before the request fails as a network error (retried, docs/data.md)."""

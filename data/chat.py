@@ -21,9 +21,15 @@ Two templates:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+from .errors import first_line
 
 ROLES = ("system", "user", "assistant")
 PLAIN_END = "<|end|>"
@@ -31,12 +37,28 @@ TEMPLATES = ("auto", "plain")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
+# CPU seconds a tokenizer's chat template may take to render (and tokenize) one conversation, plus this many per MB
+# of its messages' content: far beyond what a real template needs; one past it loops without end (nested range()
+# loops) or builds text without bound, and would hold the preparation forever, conversation after conversation.
+RENDER_SECONDS = 10.0
+RENDER_SECONDS_PER_MB = 1.0
+
+
 class BadConversation(ValueError):
     """A record that is not a usable conversation (a bad record: data.on_bad_record decides)."""
 
 
-class TemplateNotIncremental(BadConversation):
-    """The template itself cannot give the assistant's spans: an error for the whole corpus, not one record."""
+class TemplateUnusable(BadConversation):
+    """The template itself fails, whatever the conversation: an error for the whole corpus, not one record."""
+
+
+class TemplateNotIncremental(TemplateUnusable):
+    """The template cannot give the assistant's spans (see the module docstring)."""
+
+
+class _OutOfTime(BaseException):
+    """Raised into a render past its CPU time: not an Exception, so no `except Exception` of jinja's or transformers'
+    takes it for a template error of its own."""
 
 
 @dataclass(frozen=True)
@@ -126,16 +148,24 @@ def has_generation_tags(template: str) -> bool:
 
 
 def render_template(tok, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """(token ids, mask) with a transformers tokenizer's own chat template (see the module docstring)."""
+    """(token ids, mask) with a transformers tokenizer's own chat template (see the module docstring). Rendering is
+    bounded in CPU time (RENDER_SECONDS): a template past it is TemplateUnusable."""
+    seconds = RENDER_SECONDS + RENDER_SECONDS_PER_MB * sum(len(m["content"]) for m in messages) / 2**20
     try:
-        if has_generation_tags(tok.get_chat_template()):
-            out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-            return list(out["input_ids"]), list(out["assistant_masks"])
-        text, spans = _assistant_spans(tok, messages)
+        with _cpu_time_limit(seconds):
+            if has_generation_tags(tok.get_chat_template()):
+                out = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True)
+                return list(out["input_ids"]), list(out["assistant_masks"])
+            text, spans = _assistant_spans(tok, messages)
+    except _OutOfTime:
+        raise TemplateUnusable(f"the chat template of the tokenizer in {tok.name_or_path} took more than {seconds:.3g} "
+                               f"s of CPU time to render one conversation (a loop without end?): fix the template, or "
+                               f"set data.chat_template=plain") from None
     except BadConversation:
         raise
     except Exception as err:  # noqa: BLE001 - the template's own checks (raise_exception) and jinja's errors
-        raise BadConversation(f"the chat template refused it ({type(err).__name__}: {_first_line(err)})") from None
+        raise BadConversation(f"the chat template refused it ({type(err).__name__}: {first_line(err)})") from None
     encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [0] * len(encoded["input_ids"])
     span = 0
@@ -167,6 +197,23 @@ def _assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tup
     return text, spans
 
 
-def _first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[0][:200] if lines else ""
+@contextlib.contextmanager
+def _cpu_time_limit(seconds: float) -> Iterator[None]:
+    """Raise _OutOfTime in the code inside once this process has spent `seconds` of CPU time in it (an ITIMER_VIRTUAL
+    timer): Python code, a template's included, is stopped between two bytecodes. Signals reach the main thread
+    only, where preparation renders (in its worker processes, or in the calling process); in another thread, or
+    without timers, the code runs unbounded."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGVTALRM, expire)
+    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        signal.signal(signal.SIGVTALRM, previous)

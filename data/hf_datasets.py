@@ -9,14 +9,16 @@ output are those of local files: the same documents in the same order give the s
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .chat import ChatFields
-from .errors import DataError
+from .errors import DataError, first_line
 from .readers import Piece, optional_import
+from .store import is_plain_name
 
 BATCH_ROWS = 1024  # rows per piece, as a parquet file's batches
 SAVED_MARKERS = ("state.json", "dataset_dict.json")  # what Dataset.save_to_disk / DatasetDict.save_to_disk write
@@ -76,18 +78,26 @@ class OpenedDataset:
 
 def open_dataset(spec: HFDataset, *, text_field: str, chat: ChatFields | None) -> OpenedDataset:
     """The dataset at spec.path, checked: its split exists and has the text column (or the conversation columns).
-    Reads only local files; DataError in one line otherwise."""
+    Reads only local files, and of a folder only files inside it; DataError in one line otherwise."""
     datasets = optional_import("datasets", "datasets", Path(spec.path))
     root = Path(spec.path).expanduser()
     folder = root if root.is_dir() else _hub_snapshot(spec.path)
     if folder is None:
         # A name the datasets cache holds (from an earlier load_dataset): memory-mapped arrow files already.
-        rows = _load(datasets, spec.path, spec, streaming=False)
+        rows, _ = _load(datasets, spec.path, spec, streaming=False)
         files = [Path(entry["filename"]) for entry in rows.cache_files]
     else:
-        saved = any((folder / name).is_file() for name in SAVED_MARKERS)
-        rows = _saved(datasets, folder, spec) if saved else _load(datasets, str(folder), spec, streaming=spec.streaming)
-        files = _files_below(folder)
+        # Every file read is fingerprinted (data/prepare.py): the data files the dataset's records name, and the
+        # folder's own files (its README.md decides what is read). All are named below the folder's real path, as
+        # the datasets library names them, so that each is listed once.
+        real = folder.resolve()
+        below = _files_below(real)  # first: it refuses what the library would follow or block on
+        if any((folder / name).is_file() for name in SAVED_MARKERS):
+            rows = _saved(datasets, folder, real, spec)
+            read = [Path(entry["filename"]) for entry in rows.cache_files]
+        else:
+            rows, read = _load(datasets, str(folder), spec, streaming=spec.streaming, folder=real)
+        files = sorted({*below, *read})
     where = f"{spec.path}{f' ({spec.name})' if spec.name else ''}[{spec.split}]"
     columns = _columns(datasets, rows, where, text_field=text_field, chat=chat)
     num_rows = None if isinstance(rows, datasets.IterableDataset) else rows.num_rows
@@ -125,19 +135,20 @@ def _hub_snapshot(name: str) -> Path | None:
     return snapshot if revision and snapshot.is_dir() else None
 
 
-def _saved(datasets, folder: Path, spec: HFDataset):
-    """A save_to_disk folder: one Dataset (one split), or a DatasetDict of splits."""
+def _saved(datasets, folder: Path, real: Path, spec: HFDataset):
+    """A save_to_disk folder (real: its resolved path): one Dataset (one split), or a DatasetDict of splits."""
     if spec.name:
         raise DataError(f"data.hf_dataset.name={spec.name}: {folder} is a save_to_disk folder, which has no "
                         f"configurations; leave data.hf_dataset.name empty")
+    _check_saved_records(folder)
     try:
         with hub_offline(datasets):
-            saved = datasets.load_from_disk(str(folder))
-    except (OSError, ValueError) as err:
-        raise DataError(f"{folder}: not a readable save_to_disk folder ({err})") from None
+            saved = datasets.load_from_disk(str(real), keep_in_memory=False)  # memory-mapped: its cache_files
     except IndexError:  # datasets concatenates a split's arrow files, of which one saved without rows has none
         raise DataError(f"cannot load {folder} with the datasets library: a split of it has no arrow file (one saved "
                         f"without rows)") from None
+    except Exception as err:  # noqa: BLE001 - records it cannot read (missing, not JSON, fields of other kinds)
+        raise DataError(f"{folder}: not a readable save_to_disk folder ({_said(err)})") from None
     if isinstance(saved, datasets.DatasetDict):
         return _split(saved, spec, str(folder))
     if saved.split is not None and str(saved.split) != spec.split:
@@ -146,25 +157,122 @@ def _saved(datasets, folder: Path, spec: HFDataset):
     return saved
 
 
-def _load(datasets, path: str, spec: HFDataset, *, streaming: bool):
-    """load_dataset of a local folder or a cached name, all its splits, then the one asked for."""
+def _check_saved_records(folder: Path) -> None:
+    """A save_to_disk folder's records name its files (dataset_dict.json its splits' folders, each state.json its
+    arrow files), which load_from_disk joins to the folder as they are: each must be a plain name, so that no file
+    outside the folder is read."""
+    records = [(folder / "dataset_dict.json", "splits", ""), (folder / "state.json", "_data_files", "filename")]
+    while records:
+        path, field, key = records.pop()
+        if not path.is_file():
+            continue  # the library says what is missing
+        try:
+            names = [entry[key] if key else entry for entry in json.loads(path.read_bytes())[field]]
+        except (OSError, ValueError, RecursionError, LookupError, TypeError) as err:
+            raise DataError(f"{path}: not a save_to_disk record the datasets library reads ({_said(err)})") from None
+        if (bad := next((name for name in names if not is_plain_name(name)), None)) is not None:
+            raise DataError(f"{path} names {str(bad)[:200]!r} in '{field}', not a name inside {path.parent}: only "
+                            f"files inside the dataset folder are read")
+        if not key:
+            records += [(path.parent / name / "state.json", "_data_files", "filename") for name in names]
+
+
+def _load(datasets, path: str, spec: HFDataset, *, streaming: bool,
+          folder: Path | None = None) -> tuple[Any, list[Path]]:
+    """A local folder (folder: its resolved path) or a cached name as load_dataset reads it, all its splits, then
+    the one asked for; with the data files read, each checked to lie inside the folder."""
+    if folder is not None and (script := Path(path) / f"{Path(path).name}.py").is_file():  # where datasets looks
+        raise DataError(f"{path} holds a loading script ({script.name}), which is never run (nor does the datasets "
+                        f"library run them): give a folder of the dataset's data files (parquet, JSON lines), or a "
+                        f"save_to_disk folder")
     try:
-        with hub_offline(datasets):
-            splits = datasets.load_dataset(path, spec.name or None, streaming=streaming)
+        splits, files = _build(datasets, path, spec, streaming=streaming, folder=folder)
+    except DataError:
+        raise
     except (ConnectionError, FileNotFoundError) as err:
         if Path(path).is_dir():
-            raise DataError(f"{path}: no data files the datasets library reads ({err})") from None
+            raise DataError(f"{path}: no data files the datasets library reads ({first_line(err)})") from None
         if Path(path).expanduser().exists():
             raise DataError(f"data.hf_dataset.path={path} is a file: give the dataset's folder (or name the file in "
                             f"data.files)") from None
         raise DataError(f"data.hf_dataset.path={path} is not a folder, and no dataset of that name is in the local "
                         f"caches (the hub cache and the datasets cache); nothing is downloaded: download it first "
                         f"(huggingface-cli download --repo-type dataset NAME), or give its folder") from None
-    except ValueError as err:  # an unknown configuration name, or files the library cannot read
-        raise DataError(f"cannot read {path} with the datasets library: {err}") from None
     except datasets.exceptions.DatasetGenerationError as err:  # a data file that fails while converted into the cache
-        raise DataError(f"cannot read {path} with the datasets library: {err.__cause__ or err}") from None
-    return _split(splits, spec, path)
+        raise DataError(f"cannot read {path} with the datasets library: {first_line(err.__cause__ or err)}") from None
+    except Exception as err:  # noqa: BLE001 - an unknown configuration, or metadata (README.md's configs and
+        # dataset_info) of kinds the library does not expect, which it reports as any of several errors
+        hint = ("; check data.hf_dataset.name and the metadata atop its README.md (configs, dataset_info)"
+                if folder is not None and (folder / "README.md").is_file() else "")
+        raise DataError(f"cannot read {path} with the datasets library ({_said(err)}){hint}") from None
+    return _split(splits, spec, path), files
+
+
+def _build(datasets, path: str, spec: HFDataset, *, streaming: bool, folder: Path | None) -> tuple[Any, list[Path]]:
+    """load_dataset's own steps (its builder, then the splits streamed or converted into the datasets cache), with
+    the data files the builder resolved checked before any is read."""
+    with hub_offline(datasets):
+        if folder is not None:
+            _check_card(folder, path)
+        builder = datasets.load_dataset_builder(path, spec.name or None)
+        files = _data_files(builder, folder, path) if folder is not None else []
+        if streaming:
+            return builder.as_streaming_dataset(), files
+        builder.download_and_prepare()
+        return builder.as_dataset(in_memory=False), files
+
+
+def _data_files(builder, folder: Path, path: str) -> list[Path]:
+    """The data files of every split of the builder's configuration, each named below the folder's real path without
+    '..': metadata naming a file elsewhere (an absolute path, ../) is refused, as the folder's fingerprint would not
+    follow that file. A file reached through a link inside the folder is read, and fingerprinted where it leads."""
+    files = []
+    for names in (builder.config.data_files or {}).values():
+        for name in names:
+            file = Path(name)
+            if not file.is_relative_to(folder) or ".." in file.relative_to(folder).parts:
+                raise DataError(f"{path}: its metadata (README.md configs) names the data file {name}, outside the "
+                                f"dataset folder: only files inside it are read; copy or link the file into it")
+            files.append(file)
+    return files
+
+
+def _check_card(folder: Path, path: str) -> None:
+    """The data_dir and data_files patterns of the folder's configs (README.md's metadata, with .huggingface.yaml over
+    it, as the datasets library reads them), checked before the library globs them: each must stay below the folder
+    (no absolute path, '..' or URL), or the glob itself could walk the whole disk."""
+    import yaml
+    from huggingface_hub import DatasetCard
+
+    card = DatasetCard.load(folder / "README.md").data.to_dict() if (folder / "README.md").is_file() else {}
+    if (folder / ".huggingface.yaml").is_file():
+        card.update(yaml.safe_load((folder / ".huggingface.yaml").read_text()) or {})
+    configs = card.get("configs")
+    for config in configs if isinstance(configs, list) else []:
+        for key in ("data_dir", "data_files"):
+            for pattern in _strings(config.get(key) if isinstance(config, dict) else None):
+                where = PurePosixPath(pattern)
+                if where.is_absolute() or ".." in where.parts or "://" in pattern or "::" in pattern:
+                    raise DataError(f"{path}: its metadata (README.md configs) names {key} {pattern[:200]!r}, which "
+                                    f"reaches outside the dataset folder: only files inside it are read; copy or link "
+                                    f"the files into it")
+
+
+def _strings(value: object) -> Iterator[str]:
+    """Every string in a config's data_dir or data_files (a pattern, a list of them, or splits with their patterns)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key != "split":
+                yield from _strings(item)
+
+
+def _said(err: BaseException) -> str:
+    return f"{type(err).__name__}: {first_line(err)}"
 
 
 def _split(splits, spec: HFDataset, where: str):
@@ -175,9 +283,20 @@ def _split(splits, spec: HFDataset, where: str):
 
 
 def _files_below(folder: Path) -> list[Path]:
-    """The regular files below a dataset folder, sorted, outside hidden folders (a download's own records)."""
-    return sorted(path for path in folder.rglob("*") if path.is_file()
-                  and not any(part.startswith(".") for part in path.relative_to(folder).parts))
+    """The regular files below a dataset folder, sorted, outside hidden folders (a download's own records). Anywhere
+    below it, a link to a folder is refused (the datasets library follows one wherever it leads: to /, or in a loop
+    without end), and so is anything that is not a file or a folder (a FIFO blocks its reader forever)."""
+    files = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink() and path.is_dir():
+            raise DataError(f"{path} is a link to a folder: a dataset folder's data is read only inside it; give "
+                            f"data.hf_dataset.path a folder without such links (a link to a file is fine)")
+        if not (path.is_file() or path.is_dir()):
+            raise DataError(f"{path} is not a regular file (a FIFO, device or socket, or a link to nothing): a dataset "
+                            f"folder holds files and folders")
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts):
+            files.append(path)
+    return files
 
 
 def _columns(datasets, rows, where: str, *, text_field: str, chat: ChatFields | None) -> list[str]:

@@ -6,8 +6,9 @@ without communicating. Memory per rank does not grow with the corpus: shards are
 page cache holds what was read), the shuffle is a keyed bijection computed per index rather than a
 permutation array, and the only per-shard state is one offset.
 
-With the folder's recorded hashes, each block of a shard file is checked on its first read, so a changed or
-damaged file stops training with one line naming it before any of its tokens reach the model.
+With the folder's recorded hashes, each block of a shard file is checked on its first read (its hash, and its
+token ids against the vocabulary), so a changed or damaged file stops training with one line naming it before any
+of its tokens reach the model.
 """
 
 from __future__ import annotations
@@ -80,12 +81,14 @@ class TokenDataset:
 
     With mask_paths (data.format=chat: one byte per token, beside each token file), a target whose mask
     byte is 0 is IGNORE_INDEX in the batches. With hashes (a prepared folder's), every file's blocks are
-    checked against them as they are first read.
+    checked against them as they are first read, and with vocab_size too, each token block's ids against it: a
+    folder whose records were rewritten to fit changed tokens (hashes and largest id sealed again) still never
+    gives the model an id past its vocabulary.
     """
 
     def __init__(self, paths: Path | str | Sequence[Path | str], *, dtype, seq_len: int, seed: int,
                  shuffle: bool = True, mask_paths: Sequence[Path | str] = (),
-                 hashes: BlockHashes | None = None) -> None:
+                 hashes: BlockHashes | None = None, vocab_size: int | None = None) -> None:
         self.paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
         if mask_paths and len(mask_paths) != len(self.paths):
             raise DataError(f"{len(mask_paths)} mask files for {len(self.paths)} token files")
@@ -104,6 +107,7 @@ class TokenDataset:
         self._mask_files = [Path(path) for path, size in zip(mask_paths, sizes, strict=False) if size]
         self._mask_maps: dict[int, _CheckedMap] = {}
         self.hashes = hashes
+        self.vocab_size = vocab_size
         if hashes is not None:
             for path in self._files + self._mask_files:
                 if path.name not in hashes.by_name:
@@ -149,7 +153,7 @@ class TokenDataset:
 
     def _shard(self, i: int) -> _CheckedMap:
         if i not in self._maps:  # mapped on first use; a dict write is atomic under the GIL
-            self._maps[i] = _CheckedMap(self._files[i], self.dtype, self.hashes)
+            self._maps[i] = _CheckedMap(self._files[i], self.dtype, self.hashes, vocab_size=self.vocab_size)
         return self._maps[i]
 
     def _mask_shard(self, i: int) -> _CheckedMap:
@@ -197,10 +201,13 @@ class TokenDataset:
 
 
 class _CheckedMap:
-    """A memory-mapped shard file whose blocks, with hashes, are checked against them on their first read."""
+    """A memory-mapped shard file whose blocks, with hashes, are checked against them on their first read (and,
+    with vocab_size, their token ids against it)."""
 
-    def __init__(self, path: Path, dtype: np.dtype, hashes: BlockHashes | None) -> None:
+    def __init__(self, path: Path, dtype: np.dtype, hashes: BlockHashes | None, *,
+                 vocab_size: int | None = None) -> None:
         self.path = path
+        self.vocab_size = vocab_size
         self.tokens = np.memmap(path, dtype=dtype, mode="r")
         self.digests = hashes.by_name[path.name] if hashes is not None else []
         self.block_bytes = hashes.block_bytes if hashes is not None else 1
@@ -228,6 +235,12 @@ class _CheckedMap:
             raise DataError(f"{self.path}: bytes {start:,} to {start + len(data):,} do not match the hash "
                             f"{self.record} recorded when the data was prepared (the file was changed or damaged); "
                             f"prepare {self.path.parent} again")
+        if self.vocab_size is not None:
+            tokens = self.tokens[start // self.tokens.itemsize : (start + len(data)) // self.tokens.itemsize]
+            if (largest := int(tokens.max())) >= self.vocab_size:
+                raise DataError(f"{self.path}: bytes {start:,} to {start + len(data):,} hold token id {largest}, "
+                                f"outside the tokenizer's vocabulary of {self.vocab_size}; prepare {self.path.parent} "
+                                f"again")
         self.unchecked.discard(block)
 
 

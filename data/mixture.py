@@ -78,9 +78,9 @@ class Mixture:
 def open_datasets(sources: list[tuple[PreparedData, float]], *, seq_len: int, seed: int):
     """(train, val) datasets: one prepared folder's, or a Mixture of several by weight."""
     train = [TokenDataset(p.train_files, dtype=p.dtype, seq_len=seq_len, seed=seed, mask_paths=p.train_mask_files,
-                          hashes=p.hashes) for p, _ in sources]
+                          hashes=p.hashes, vocab_size=p.vocab_size) for p, _ in sources]
     val = [TokenDataset(p.val_files, dtype=p.dtype, seq_len=seq_len, seed=seed, shuffle=False,
-                        mask_paths=p.val_mask_files, hashes=p.hashes) for p, _ in sources]
+                        mask_paths=p.val_mask_files, hashes=p.hashes, vocab_size=p.vocab_size) for p, _ in sources]
     if len(sources) == 1:
         return train[0], val[0]
     weights = [weight for _, weight in sources]

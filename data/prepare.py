@@ -92,8 +92,14 @@ IN_PROCESS_MAX_BYTES = 16 << 20
 # What is fetched of URLs whose size the server does not give may pass data.max_corpus_mb (of text) by this much
 # beyond twice it and a document: read-ahead, and compression's framing.
 STREAM_SLACK_BYTES = 16 << 20
-IN_JOB_HELP = ("prepare it first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train "
-               "with --data.dataset_dir=DIR")
+# A file may read as at most this many times its size on disk (and always as EXPANSION_FLOOR_BYTES): compressed text
+# (gzip, zstd, parquet pages) reads as a few times its size, a compression bomb (one parquet dictionary value that
+# every row repeats, a zstd stream of one byte) as thousands, which would keep preparation busy without end in
+# bounded memory. data.max_corpus_mb, a bound on all that is read, lifts it.
+MAX_EXPANSION = 100
+EXPANSION_FLOOR_BYTES = 16 << 20
+PREPARE_FIRST = ("prepare it first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train "
+                 "with --data.dataset_dir=DIR")
 STDLIB_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 BAD_RECORD_CHOICES = ("error", "skip")
 CHAT_SETTINGS = ("format", "messages_field", "prompt_field", "response_field", "chat_template")
@@ -229,10 +235,18 @@ class Corpus:
     max_mb: float  # data.max_corpus_mb
     max_document_mb: float
     hf: OpenedDataset | None = None  # a Hugging Face dataset (paths: its files)
+    max_job_mb: float = 0.0  # data.max_in_job_mb in a training job: the most text it reads (0: no bound)
 
     @classmethod
     def of(cls, settings: PrepareSettings, *, max_input_mb: float = 0.0) -> Corpus:
-        """The corpus settings name; max_input_mb (> 0, in a training job) bounds what its URLs may give."""
+        """The corpus settings name; max_input_mb (> 0, in a training job) bounds what its URLs may give and the
+        text it reads."""
+        corpus = cls._of(settings, max_input_mb=max_input_mb)
+        corpus.max_job_mb = max_input_mb
+        return corpus
+
+    @classmethod
+    def _of(cls, settings: PrepareSettings, *, max_input_mb: float) -> Corpus:
         if settings.hf_dataset:
             hf = open_dataset(settings.hf_dataset, text_field=settings.text_field, chat=settings.chat)
             return cls([*hf.files], hf.where, strict=True, max_mb=settings.max_corpus_mb,
@@ -272,7 +286,7 @@ def _bounded(paths: list[InputFile], settings: PrepareSettings, *, max_input_mb:
         local = sum(input_size(path) for path in paths if not isinstance(path, RemoteFile))
         in_job = [FetchLimit(int(max_input_mb * 2**20) - local, f"the corpus passed data.max_in_job_mb="
                              f"{max_input_mb:g} MB while this file was read, more than a training job prepares: "
-                             f"{IN_JOB_HELP}")]
+                             f"{PREPARE_FIRST}")]
     stream = []
     if bound := stream_bound(settings):
         stream = [FetchLimit(bound, f"more than {bound / 2**20:,.0f} MB read of URLs whose size is not given (no "
@@ -321,20 +335,42 @@ def _chunks(corpus: Corpus, *, text_field: str, skip_long: bool, say_cut: bool) 
 
 def _located_pieces(corpus: Corpus, *, text_field: str, skip_long: bool) -> Iterator[tuple[Piece, int]]:
     """Each piece of the corpus, with the bytes of the corpus on disk read once it is done. With
-    data.max_corpus_mb, a file is read no further than the piece that reaches it."""
+    data.max_corpus_mb, a file is read no further than the piece that reaches it. What is read is bounded
+    (_check_read): a piece past a bound is a DataError, not given."""
     if corpus.hf is not None:
+        read = 0
         for piece in corpus.hf.pieces(disk_bytes=corpus.disk_bytes):
+            read += piece.num_bytes
+            _check_read(corpus, piece.path, read, corpus.disk_bytes, total=read)
             yield piece, piece.disk_end
         return
     max_bytes = int(corpus.max_mb * 2**20)
     read = done_files = 0
     for path in corpus.paths:
+        in_file, size = 0, input_size(path)
         for piece in read_pieces(path, piece_bytes=CHUNK_BYTES, text_field=text_field,
                                  max_document_mb=corpus.max_document_mb, skip_long=skip_long,
                                  max_read_bytes=max_bytes - read if max_bytes else 0):
             read += piece.num_bytes
+            in_file += piece.num_bytes
+            _check_read(corpus, piece.path, in_file, size, total=read)
             yield piece, done_files + piece.disk_end
-        done_files += input_size(path)
+        done_files += size
+
+
+def _check_read(corpus: Corpus, where: str, read: int, disk_bytes: int, *, total: int) -> None:
+    """Stop, in one line naming the file, at a file that reads as more than MAX_EXPANSION times its disk_bytes
+    (unless data.max_corpus_mb bounds what is read), and in a training job at more text in all than
+    data.max_in_job_mb (unless data.max_corpus_mb stops reading first): a training job's bound is on the work its
+    preparation does, which text measures."""
+    if not corpus.max_mb and read > max(MAX_EXPANSION * disk_bytes, EXPANSION_FLOOR_BYTES):
+        raise DataError(f"{where} reads as more than {MAX_EXPANSION} times its {disk_bytes:,} bytes on disk (a "
+                        f"compression bomb? a parquet dictionary value repeated row after row, a compressed run of "
+                        f"one byte): refused; to read it anyway, set data.max_corpus_mb to bound what is read")
+    if corpus.max_job_mb and total > corpus.max_job_mb * 2**20 and not 0 < corpus.max_mb <= corpus.max_job_mb:
+        raise DataError(f"{where}: the corpus reads as more than data.max_in_job_mb={corpus.max_job_mb:g} MB of text "
+                        f"({corpus.disk_bytes / 2**20:,.1f} MB on disk), more than a training job prepares itself: "
+                        f"{PREPARE_FIRST}")
 
 
 @dataclass(frozen=True)
@@ -776,8 +812,8 @@ def _copy_into(source: Path, target: Path) -> None:
 def prepare_data(dataset_dir: str | Path, settings: PrepareSettings, *, show_progress: bool = True,
                  max_input_mb: float = 0.0) -> PreparedData:
     """Prepare the corpus into dataset_dir, continue an interrupted preparation of it there, or reuse
-    what an earlier identical call left. max_input_mb (> 0) refuses corpora larger than that on disk, or as
-    read where a server does not give a file's size.
+    what an earlier identical call left. max_input_mb (> 0) refuses corpora larger than that on disk (as read,
+    where a server does not give a file's size), or that read as more text.
 
     dataset_dir must be new, empty, or a folder this library prepared: one holding files its records
     do not name is refused (unless it is already prepared from the same inputs), never cleared. A second
@@ -806,7 +842,7 @@ def _prepare(root: Path, settings: PrepareSettings, corpus: Corpus, source: Sour
         return prepared
     if max_input_mb and corpus.disk_bytes > max_input_mb * 2**20:
         raise DataError(f"the corpus is {corpus.disk_bytes / 2**20:,.0f} MB, more than data.max_in_job_mb="
-                        f"{max_input_mb:g} prepares inside a training job: {IN_JOB_HELP}")
+                        f"{max_input_mb:g} prepares inside a training job: {PREPARE_FIRST}")
     if not (is_ours(root) and nofollow.kind_of(root / LOCK_NAME) == "file"):
         _refuse_foreign(root)  # before the marker and the lock: nothing is written into a folder that is not ours
     claim_folder(root)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .chat import BadConversation, ChatFields, Conversation, TemplateNotIncremental, plain_text, render_plain
+from .chat import BadConversation, ChatFields, Conversation, TemplateUnusable, plain_text, render_plain
 from .errors import DataError
 from .readers import Piece, piece_conversations, piece_documents
 
@@ -181,8 +181,8 @@ def _encode_conversations(documents: list, processor, result: ChunkResult, *, dt
     for conversation, held_out, _ in documents:
         try:
             ids, mask = render_conversation(processor, conversation.messages, template=s.chat_template)
-        except TemplateNotIncremental as err:
-            raise DataError(str(err)) from None
+        except TemplateUnusable as err:
+            raise DataError(f"{err} (met at {conversation.where})") from None
         except BadConversation as err:
             problem = f"{conversation.where}: {err}"
             if not s.skip_bad_records:

@@ -30,6 +30,21 @@ TINY = [
 ]
 
 
+@contextlib.contextmanager
+def failing_after(seconds: int):
+    """Fail the test once `seconds` pass (in the main thread: pytest's failure is no Exception, so no library's
+    `except Exception` keeps it), for code that would otherwise never end."""
+    import pytest
+
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail(f"still running after {seconds} s"))
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def write_corpus(path: Path, num_docs: int = 60) -> Path:
     """A small deterministic text corpus: short documents of simple, repetitive sentences."""
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs of amber".split()

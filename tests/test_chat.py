@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from data.chat import PLAIN_END, ChatFields, canonical_text, conversation, plain
 from data.loader import IGNORE_INDEX, TokenDataset
 from model.loss import chunked_cross_entropy
 from tests.distributed_harness import run_ranks
-from tests.helpers import ROOT, job_env
+from tests.helpers import ROOT, failing_after, job_env
 from tests.test_data import held_out
 
 transformers = pytest.importorskip("transformers")
@@ -252,6 +253,51 @@ def test_bad_records_stop_with_the_line_or_are_skipped(tmp_path):
     txt.write_text("alpha")
     with pytest.raises(DataError, match="data.format=chat reads .jsonl"):
         prepare_data(tmp_path / "c", chat_settings(txt), show_progress=False)
+
+
+# Templates that never finish: 10**10 empty loop turns (the attack), and the same with output inside a {% generation %}
+# block (the other way a template is rendered, and text without bound).
+ENDLESS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + TEMPLATE_INCREMENTAL
+ENDLESS_GENERATION = TEMPLATE_GENERATION.replace(
+    "{% generation %}", "{% generation %}{% for i in range(100000) %}{% for j in range(100000) %}{{ m.content }}"
+                        "{% endfor %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [ENDLESS, ENDLESS_GENERATION], ids=["loops", "generation"])
+def test_a_template_that_never_ends_is_one_line_naming_it(tmp_path, monkeypatch, template):
+    import time
+
+    monkeypatch.setattr("data.chat.RENDER_SECONDS", 0.5)  # instead of 10: the bound, not its size, is tested
+    word_tokenizer(template).save_pretrained(tmp_path / "hf")
+    path = write_jsonl(tmp_path / "c.jsonl", make_conversations(5))
+    start = time.process_time()
+    with pytest.raises(DataError) as err, failing_after(120):
+        prepare_data(tmp_path / "out", chat_settings(path, hf_tokenizer=str(tmp_path / "hf"), on_bad_record="skip"),
+                     show_progress=False)
+    # Stopped at the first conversation (a template error is the corpus's, not a record to skip), in about 0.5 s of
+    # its rendering's CPU time (preparation's own start, tokenizer training included, takes a few more).
+    assert time.process_time() - start < 30
+    assert re.fullmatch(rf"the chat template of the tokenizer in {tmp_path / 'out' / 'hf_tokenizer'} took more than "
+                        rf"0.5 s of CPU time to render one conversation \(a loop without end\?\): fix the template, or "
+                        rf"set data.chat_template=plain \(met at {path} line \d\)", str(err.value)), err.value
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_the_render_bound_leaves_the_caller_as_it_was():
+    """The timer is off and the signal handler back once a render ends, whether it finished or ran out of time."""
+    import signal
+
+    from data.chat import TemplateUnusable, render_template
+
+    before = signal.getsignal(signal.SIGVTALRM)
+    messages = conversation(make_conversations(2)[1], ChatFields())
+    assert render_template(word_tokenizer(TEMPLATE_INCREMENTAL), messages)[0]
+    assert signal.getitimer(signal.ITIMER_VIRTUAL) == (0.0, 0.0) and signal.getsignal(signal.SIGVTALRM) is before
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("data.chat.RENDER_SECONDS", 0.2)
+        with pytest.raises(TemplateUnusable, match="took more than 0.2 s of CPU time"):
+            render_template(word_tokenizer(ENDLESS), messages)
+    assert signal.getitimer(signal.ITIMER_VIRTUAL) == (0.0, 0.0) and signal.getsignal(signal.SIGVTALRM) is before
 
 
 def test_tokenizer_without_a_chat_template_is_one_line(tmp_path):

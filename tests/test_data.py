@@ -308,12 +308,17 @@ def test_a_shard_changed_in_place_stops_at_the_first_read_of_the_change(hashed_i
                                  f"data was prepared (the file was changed or damaged); prepare {prepared.root} again")
 
 
-def test_out_of_range_token_ids_never_reach_a_batch(txt_prepared, tmp_path):
-    prepared, _, _ = txt_prepared
-    root = tmp_path / "copy"
+def copy_of(prepared: PreparedData, root: Path) -> Path:
+    """A copy of a prepared folder (the module's folder is shared by its tests, so damage goes to a copy)."""
     root.mkdir()
     for path in prepared.root.iterdir():
         (root / path.name).write_bytes(path.read_bytes())
+    return root
+
+
+def test_out_of_range_token_ids_never_reach_a_batch(txt_prepared, tmp_path):
+    prepared, _, _ = txt_prepared
+    root = copy_of(prepared, tmp_path / "copy")
     # Ids past the vocabulary, as garbage of the right size: the first batch is refused, naming the file.
     shard = root / prepared.train_files[0].name
     np.full(shard.stat().st_size // 2, 65535, dtype=np.uint16).tofile(shard)
@@ -332,6 +337,55 @@ def test_out_of_range_token_ids_never_reach_a_batch(txt_prepared, tmp_path):
     assert str(caught.value) == (f"{root / 'meta.json'}: shard train-00000.bin holds token id {VOCAB_SIZE}, outside "
                                  f"the tokenizer's vocabulary of {VOCAB_SIZE}; prepare {root} again")
 
+
+def rewrite_tokens(prepared: PreparedData, name: str, position: int, token: int) -> Path:
+    """Put `token` at `position` of shard file `name`, then rehash the file and seal meta.json again with its
+    largest id left as it was: records that hold for every check made when the folder is opened."""
+    from data.store import scan_file
+
+    shard = prepared.root / name
+    tokens = np.fromfile(shard, dtype=prepared.dtype)
+    tokens[position] = token
+    tokens.tofile(shard)
+
+    def rehash(meta: dict) -> None:
+        for record in meta["shards"]:
+            for key in ("train", "val"):
+                if record[key] == name:
+                    record["sha256"][key] = scan_file(shard, block_bytes=meta["hash_block_bytes"])[0]
+
+    reseal(prepared.root / "meta.json", rehash)
+    return shard
+
+
+def test_token_ids_past_the_vocabulary_are_refused_where_a_resealed_record_hides_them(txt_prepared, tmp_path):
+    prepared, _, _ = txt_prepared
+    root = copy_of(prepared, tmp_path / "copy")
+    copy = load_prepared(root)
+    shard = rewrite_tokens(copy, copy.train_files[0].name, 3, VOCAB_SIZE + 5)
+    assert load_prepared(root).max_token_id < VOCAB_SIZE  # what the record says
+    train, _ = open_datasets([(load_prepared(root), 1.0)], seq_len=16, seed=0)
+    with pytest.raises(DataError) as caught:
+        train.batch(0, len(train))  # every window, the one holding position 3 among them
+    size = shard.stat().st_size
+    assert str(caught.value) == (f"{shard}: bytes 0 to {size:,} hold token id {VOCAB_SIZE + 5}, outside the "
+                                 f"tokenizer's vocabulary of {VOCAB_SIZE}; prepare {root} again")
+
+
+def test_an_id_past_the_vocabulary_stops_at_the_first_read_of_its_block(hashed_in_small_blocks):
+    # The largest id a uint16 holds, in the validation shard's last block (a partial one, past two of 4 KB): the
+    # blocks before it read as they were.
+    prepared = hashed_in_small_blocks
+    size = prepared.val_files[0].stat().st_size
+    assert 2 * 4096 < size < 3 * 4096
+    original = np.fromfile(prepared.val_files[0], dtype=prepared.dtype)
+    shard = rewrite_tokens(prepared, prepared.val_files[0].name, 2 * 2048 + 7, 65535)
+    _, val = open_datasets([(load_prepared(prepared.root), 1.0)], seq_len=64, seed=0)
+    assert np.array_equal(val.tokens(0, 2 * 2048), original[: 2 * 2048])
+    with pytest.raises(DataError) as caught:
+        val.tokens(2 * 2048, 4)
+    assert str(caught.value) == (f"{shard}: bytes 8,192 to {size:,} hold token id 65535, outside the tokenizer's "
+                                 f"vocabulary of {prepared.vocab_size}; prepare {prepared.root} again")
 
 def test_a_swapped_tokenizer_is_refused_when_the_folder_is_opened(txt_prepared, tmp_path):
     prepared, _, root = txt_prepared

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from data import PrepareSettings, prepare_data
+from data import DataError, PrepareSettings, prepare_data
 from data.hf_datasets import HFDataset, open_dataset
 from data.store import ShardWriter
 from scripts import prepare_data as prepare_script
@@ -283,6 +284,128 @@ def test_bad_inputs_are_one_line_and_write_nothing(tmp_path, capsys, monkeypatch
     assert not (tmp_path / "out").exists()
 
 
+# README.md metadata the datasets library cannot read, each raising another kind of error inside it.
+BAD_CARDS = {
+    "feature_of_a_number": ("dataset_info:\n  features:\n  - name: text\n    dtype: 5\n",
+                            r"TypeError: Expected a dict or a list but got <class 'int'>: 5"),
+    "feature_without_name": ("dataset_info:\n  features:\n  - dtype: string\n", r"KeyError: 'name'"),
+    "data_files_of_a_number": ("configs:\n- config_name: default\n  data_files: 5\n",
+                               r"ValueError: Expected data_files in YAML to be either a string or a list"),
+    "yaml_cut_short": ("configs: [\n", r"ParserError: while parsing a flow node"),
+}
+
+
+@pytest.mark.parametrize("case", [*BAD_CARDS, "loading_script"])
+def test_a_card_or_script_the_library_cannot_use_is_one_line(tmp_path, capsys, case):
+    snapshot = write_snapshot(tmp_path / "snapshot", make_rows(20))
+    if case == "loading_script":  # what the datasets library looks for, and refuses to run
+        (snapshot / "snapshot.py").write_text("import datasets\n")
+        expected = (r"\S*snapshot holds a loading script \(snapshot.py\), which is never run \(nor does the datasets "
+                    r"library run them\): give a folder of the dataset's data files")
+    else:
+        card, said = BAD_CARDS[case]
+        (snapshot / "README.md").write_text(f"---\n{card}---\n# A dataset\n")
+        expected = (rf"cannot read \S*snapshot with the datasets library \({said}.*\); check data.hf_dataset.name and "
+                    rf"the metadata atop its README.md \(configs, dataset_info\)$")
+    code, lines = run_prepare_script(tmp_path, capsys, f"--data.hf_dataset.path={snapshot}")
+    assert code != 0 and len(lines) == 1 and re.match(r"error: " + expected, lines[0]), lines
+    assert not (tmp_path / "out").exists()
+
+
+def write_card(folder: Path, card: str) -> None:
+    (folder / "README.md").write_text(f"---\n{card}---\n")
+
+
+def write_outside_cases(tmp_path: Path, case: str) -> Path:
+    """A dataset folder whose records name a data file outside it, as `case` says; the file is there."""
+    outside = tmp_path / "elsewhere"
+    write_snapshot(outside, make_rows(30, seed=1))
+    folder = tmp_path / "ds"
+    if case.startswith("saved"):
+        datasets.Dataset.from_list(make_rows(30, seed=1)).save_to_disk(str(outside / "saved"))
+        if case == "saved_state":
+            write_saved(folder, make_rows(20))
+            state = json.loads((folder / "state.json").read_text())
+            state["_data_files"][1]["filename"] = "../elsewhere/saved/data-00000-of-00001.arrow"
+            (folder / "state.json").write_text(json.dumps(state))
+        else:
+            datasets.DatasetDict({"train": datasets.Dataset.from_list(make_rows(20))}).save_to_disk(str(folder))
+            (folder / "dataset_dict.json").write_text(json.dumps({"splits": ["../elsewhere/saved"]}))
+        return folder
+    write_snapshot(folder, make_rows(20))
+    if case == "data_dir":
+        write_card(folder, "configs:\n- config_name: default\n  data_dir: ../elsewhere/data\n")
+    else:
+        named = str(outside / "data" / "train-00000-of-00002.parquet") if case == "absolute" else "../elsewhere/**"
+        write_card(folder, f"configs:\n- config_name: default\n  data_files:\n  - split: train\n    path: {named}\n")
+    return folder
+
+
+@pytest.mark.parametrize(("case", "checked"), [(case, True) for case in ("absolute", "parent", "data_dir")]
+                         + [(case, False) for case in ("absolute", "parent", "data_dir")]
+                         + [("saved_state", True), ("saved_splits", True)])
+def test_data_files_outside_the_dataset_folder_are_refused(tmp_path, monkeypatch, case, checked):
+    # Such a file would be read, but a later change to it not seen: the fingerprint covers the folder. README.md's
+    # patterns are checked before the library globs them (a glob from / walks the whole disk), and the files it
+    # resolved before it reads them (checked=False: that second check alone).
+    if not checked:
+        monkeypatch.setattr("data.hf_datasets._check_card", lambda folder, path: None)
+    folder = write_outside_cases(tmp_path, case)
+    with pytest.raises(DataError) as err:
+        prepare(tmp_path / "out", hf=HFDataset(str(folder), streaming=False))
+    said = str(err.value)
+    assert "\n" not in said and said.startswith(str(folder)), said
+    if case.startswith("saved"):
+        expected = (r"names '../elsewhere/saved\S*' in '(_data_files|splits)', not a name inside \S+: only files "
+                    r"inside the dataset folder are read$")
+    elif checked:
+        expected = (r"its metadata \(README.md configs\) names data_(files|dir) '\S+', which reaches outside the "
+                    r"dataset folder: only files inside it are read; copy or link the files into it$")
+    else:
+        expected = (r"its metadata \(README.md configs\) names the data file \S+/elsewhere/data/\S+, outside the "
+                    r"dataset folder: only files inside it are read; copy or link the file into it$")
+    assert re.search(expected, said), said
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["folder_elsewhere", "loop", "hidden_root", "fifo"])
+def test_links_to_folders_and_special_files_in_a_dataset_folder_are_refused(tmp_path, case):
+    # The datasets library follows a link to a folder wherever it leads (the whole disk from /, or without end in a
+    # loop of links) and blocks reading a FIFO: each is refused in one line before it reads anything.
+    folder = write_snapshot(tmp_path / "ds", make_rows(20))
+    culprit = {"folder_elsewhere": folder / "data" / "more", "loop": folder / "data" / "again",
+               "hidden_root": folder / ".root", "fifo": folder / "data" / "train-00002-of-00002.parquet"}[case]
+    if case == "fifo":
+        os.mkfifo(culprit)
+    else:
+        culprit.symlink_to({"folder_elsewhere": write_snapshot(tmp_path / "elsewhere", make_rows(5)),
+                            "loop": folder / "data", "hidden_root": Path("/")}[case])
+    if case == "hidden_root":
+        write_card(folder, "configs:\n- config_name: default\n  data_files: .root/**/*.parquet\n")
+    with pytest.raises(DataError) as err:
+        prepare(tmp_path / "out", hf=HFDataset(str(folder)))
+    expected = "is a link to a folder: a dataset folder's data is read only inside it" if case != "fifo" else (
+        "is not a regular file (a FIFO, device or socket, or a link to nothing)")
+    assert str(err.value).startswith(f"{culprit} {expected}") and "\n" not in str(err.value), err.value
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_change_to_a_linked_data_file_is_prepared_again(tmp_path, caplog):
+    # Data files linked into the folder (a hub snapshot's are links to its blobs) are fingerprinted where they lead.
+    elsewhere = write_snapshot(tmp_path / "elsewhere", make_rows(200))
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    for path in (elsewhere / "data").iterdir():
+        (tmp_path / "ds" / "data" / path.name).symlink_to(path)
+    hf = HFDataset(str(tmp_path / "ds"))
+    first = prepare(tmp_path / "out", hf=hf)
+    assert first == prepare(tmp_path / "direct", hf=HFDataset(str(elsewhere)))
+    pq.write_table(pa.Table.from_pylist(make_rows(100, seed=2)), elsewhere / "data" / "train-00001-of-00002.parquet")
+    with caplog.at_level(logging.INFO, logger="data.prepare"):
+        again = prepare(tmp_path / "out", hf=hf)
+    assert "using the data prepared earlier" not in caplog.text
+    assert again != first and again == prepare(tmp_path / "fresh", hf=HFDataset(str(elsewhere)))
+
+
 def test_a_damaged_file_of_a_dataset_is_one_line(tmp_path, capsys):
     snapshot = write_snapshot(tmp_path / "snapshot", make_rows(40))
     damaged = snapshot / "data" / "train-00001-of-00002.parquet"
@@ -293,6 +416,25 @@ def test_a_damaged_file_of_a_dataset_is_one_line(tmp_path, capsys):
     expected = r"error: \S*snapshot\[train\]: cannot read the rows from \d+ on \(.*Parquet magic bytes not found.*\)$"
     assert re.match(expected, lines[0]), lines[0]
     assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_a_dataset_folder_that_reads_as_far_more_than_its_size_is_one_line(tmp_path, monkeypatch):
+    # A .jsonl.zst data file of a few hundred bytes holding 4 MB of one short line, streamed by datasets: stopped as
+    # such a file of data.files is (data/prepare.py's MAX_EXPANSION), past a floor of 1 MB here instead of 16 MB.
+    import zstandard
+
+    monkeypatch.setattr("data.prepare.EXPANSION_FLOOR_BYTES", 1 << 20)
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    line = json.dumps({"text": "the same short document"}).encode() + b"\n"
+    with open(tmp_path / "ds" / "data" / "train-00000-of-00001.jsonl.zst", "wb") as file, \
+            zstandard.ZstdCompressor(level=3).stream_writer(file) as out:
+        out.write(line * ((4 << 20) // len(line)))
+    size = (tmp_path / "ds" / "data" / "train-00000-of-00001.jsonl.zst").stat().st_size
+    assert size * 100 < 1 << 20
+    with pytest.raises(DataError) as err:
+        prepare(tmp_path / "out", hf=HFDataset(str(tmp_path / "ds")))
+    assert str(err.value).startswith(f"{tmp_path / 'ds'}[train] reads as more than 100 times its {size:,} bytes on "
+                                     f"disk (a compression bomb?"), err.value
 
 
 @pytest.mark.slow  # a training job

@@ -73,7 +73,7 @@ def describe(path: Path) -> tuple:
     return stat.S_IFMT(mode), os.lstat(path).st_rdev
 
 
-class _Hung(Exception):
+class _Hung(BaseException):  # not an Exception: no library's `except Exception` takes it for its own error
     pass
 
 
@@ -156,3 +156,69 @@ def test_links_to_the_users_files_are_never_written_through(folders, tmp_path):
         assert said == (f"{root / name} is a symbolic link, not a file this library wrote: it is never written "
                         f"through, read or deleted; move it away or choose another data.dataset_dir"), said
         assert (sandbox / "user.txt").read_bytes() == USER_FILE
+
+
+# ---------------------------------------------------------------- a Hugging Face dataset folder's own records
+
+# Values planted where a dataset folder's records name its data: files elsewhere (absolute, ../, through a link
+# inside the folder and back up), globs reaching out, the folder itself or its parent, URLs; and two that name the
+# folder's own file, which must prepare.
+HOSTILE_DATA_PATHS = ["{outside}", "../outside.parquet", "../*.parquet", "../**", "link/../inside.parquet", "/", "..",
+                      "", "**/../../*.parquet", "~/inside.parquet", "https://example.com/inside.parquet",
+                      "hf://datasets/org/name/inside.parquet", "inside.parquet", "./inside.parquet"]
+DATASET_RECORDS = ["README.md data_files", "README.md data_dir", "state.json _data_files", "dataset_dict.json splits"]
+
+
+def hostile_dataset(case: Path, record: str, value: str) -> Path:
+    """case/ds, a dataset folder of 20 rows whose record names `value`; beside it case/outside.parquet (70 other
+    rows) and case/deep/inside.parquet (a copy of those), where ds/link/.. leads."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    inside, outside = make_documents(20, seed=5), make_documents(70, seed=6)
+    (case / "deep" / "dir").mkdir(parents=True)
+    pq.write_table(pa.table({"text": outside}), case / "outside.parquet")
+    pq.write_table(pa.table({"text": outside}), case / "deep" / "inside.parquet")
+    folder = case / "ds"
+    value = value.replace("{outside}", str(case / "outside.parquet"))
+    if record.startswith("README"):
+        folder.mkdir()
+        pq.write_table(pa.table({"text": inside}), folder / "inside.parquet")
+        if "link/" in value:
+            (folder / "link").symlink_to(case / "deep" / "dir")
+        key = "data_files:\n  - split: train\n    path" if record.endswith("data_files") else "data_dir"
+        (folder / "README.md").write_text(f"---\nconfigs:\n- config_name: default\n  {key}: {json.dumps(value)}\n---\n")
+    elif record.startswith("state.json"):
+        datasets.Dataset.from_dict({"text": inside}).save_to_disk(str(folder))
+        state = json.loads((folder / "state.json").read_text())
+        state["_data_files"][0]["filename"] = value
+        (folder / "state.json").write_text(json.dumps(state))
+    else:
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": inside})}).save_to_disk(str(folder))
+        (folder / "dataset_dict.json").write_text(json.dumps({"splits": ["train", value]}))
+    return folder
+
+
+def test_hostile_paths_in_a_dataset_folder_read_nothing_outside_it(folders, tmp_path):
+    # Each one DataError line, or prepared from the folder's own 20 rows and nothing else; never a hang.
+    from data.hf_datasets import HFDataset
+
+    sandbox, settings = folders
+    outcomes = []
+    for r, record in enumerate(DATASET_RECORDS):
+        for v, value in enumerate(HOSTILE_DATA_PATHS):
+            case = tmp_path / f"{r}-{v}"
+            folder = hostile_dataset(case, record, value)
+            hf = PrepareSettings(**{**settings, "files": (), "shard_tokens": 10**6}, hf_dataset=HFDataset(str(folder)))
+            said = outcome(lambda: prepare_data(case / "out", hf, show_progress=False))  # noqa: B023 - called here
+            if said == "ok":
+                meta = json.loads((case / "out" / "meta.json").read_text())
+                assert meta["num_train_documents"] + meta["num_val_documents"] == 20, (record, value)
+            else:
+                assert str(folder) in said and not (case / "out").exists(), (record, value, said)
+            outcomes.append((record, value, said))
+    ok = [(record, value) for record, value, said in outcomes if said == "ok"]
+    # The folder's own file, named plainly in the README, prepares; every name reaching out is refused.
+    assert {("README.md data_files", "inside.parquet"), ("README.md data_files", "./inside.parquet")} <= set(ok), ok
+    assert not [case for case in ok if "outside" in case[1] or ".." in case[1] or case[1].startswith("/")], ok

@@ -14,7 +14,7 @@ from config import ConfigError, load_config
 from data import DataError, PrepareSettings, readers
 from data.chat import ChatFields
 from data.mixture import BLOCK as MIX_BLOCK, block_slots, source_problems
-from tests.helpers import ROOT
+from tests.helpers import ROOT, failing_after
 from tests.test_data import prep
 
 pa = pytest.importorskip("pyarrow")
@@ -165,6 +165,85 @@ def test_parquet_pages_are_measured_in_every_layout(options, tmp_path):
     pieces = list(readers.read_pieces(path, piece_bytes=MiB, text_field="text", max_document_mb=1, skip_long=False))
     assert [text for p in pieces for text in p.data.to_pylist()] == documents
     assert [p.first for p in pieces] == [sum(len(q.data) for q in pieces[:i]) for i in range(len(pieces))]
+
+
+# ---------------------------------------------------------------- what a file reads as, against its size on disk
+
+
+def _dictionary_rows(path: Path, *, num_rows: int, value_mb: float) -> None:
+    """One value of value_mb MB in the dictionary page, referenced by num_rows rows; without pyarrow's own schema,
+    so the column reads as plain text."""
+    rows = pa.DictionaryArray.from_arrays(pa.array([0] * num_rows, pa.int32()), pa.array(["x" * int(value_mb * MiB)]))
+    pq.write_table(pa.table({"text": rows}), path, compression="zstd", store_schema=False)
+
+
+def _short_lines_zst(path: Path, num_mb: int) -> None:
+    """num_mb MB of one short JSON line repeated: every record a fine one, the file a few KB."""
+    line = json.dumps({"text": "the same short document"}).encode() + b"\n"
+    with open(path, "wb") as f, zstandard.ZstdCompressor(level=3).stream_writer(f) as out:
+        out.write(line * (num_mb * MiB // len(line)))
+
+
+def test_a_parquet_dictionary_bomb_is_one_line_naming_it(tmp_path):
+    # The attack: 100,000 rows that all reference one 4 MB dictionary value, in a file of under 1 KB: 400 GB of
+    # text to decode and tokenise, 4 rows (16 MB) at a time, in bounded memory, "forever".
+    path = tmp_path / "bomb.parquet"
+    _dictionary_rows(path, num_rows=100_000, value_mb=4)
+    size = path.stat().st_size
+    assert size < 1024
+    with pytest.raises(DataError) as caught, failing_after(120):
+        prep(tmp_path, [str(path)], num_workers=0)
+    assert str(caught.value) == (
+        f"{path} reads as more than 100 times its {size:,} bytes on disk (a compression bomb? a parquet dictionary "
+        f"value repeated row after row, a compressed run of one byte): refused; to read it anyway, set "
+        f"data.max_corpus_mb to bound what is read")
+    assert not (tmp_path / "prepared" / "meta.json").exists()
+
+
+def test_a_zstd_file_of_fine_short_lines_past_the_bound_is_refused_unless_max_corpus_mb_bounds_it(tmp_path,
+                                                                                                 monkeypatch):
+    # Every line is a good record, so no document bound applies: only what the file reads as in all.
+    monkeypatch.setattr("data.prepare.EXPANSION_FLOOR_BYTES", MiB)  # instead of 16 MB: a test of seconds
+    path = tmp_path / "c.jsonl.zst"
+    _short_lines_zst(path, 4)
+    assert path.stat().st_size * 100 < MiB  # so the floor decides: refused past the first 1 MB
+    with pytest.raises(DataError, match=rf"^{path} reads as more than 100 times its \S+ bytes on disk"):
+        prep(tmp_path, [str(path)], num_workers=0, dataset_dir=tmp_path / "refused")
+    # data.max_corpus_mb bounds what is read: then the file is read up to it (the first line that reaches 2 MB).
+    from tests.test_data import make_documents
+
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in make_documents(200)))
+    tokenizer = prep(tmp_path, [str(tmp_path / "t.jsonl")], num_workers=0, dataset_dir=tmp_path / "t").tokenizer_path
+    prepared = prep(tmp_path, [str(path)], num_workers=0, max_corpus_mb=2, dataset_dir=tmp_path / "bounded",
+                    tokenizer_model=str(tokenizer))
+    meta = json.loads((prepared.root / "meta.json").read_text())
+    line = len(json.dumps({"text": "the same short document"})) + 1
+    assert 2 * MiB <= (meta["num_train_documents"] + meta["num_val_documents"]) * line < 2 * MiB + line
+
+def test_a_training_job_prepares_no_more_text_than_max_in_job_mb(tmp_path):
+    # 2 MB of ordinary text in a .jsonl.gz of under 1 MB: within data.max_in_job_mb=1 on disk, past it as text.
+    from data import prepare_for_training
+    from tests.test_data import make_documents
+
+    path = tmp_path / "c.jsonl.gz"
+    documents = make_documents(12_000, seed=1)
+    with gzip.open(path, "wt") as out:
+        out.writelines(json.dumps({"text": text}) + "\n" for text in documents)
+    assert path.stat().st_size < MiB and sum(len(json.dumps({"text": t})) + 1 for t in documents) > 2 * MiB
+    settings = PrepareSettings(files=(str(path),), vocab_size=320, num_workers=0)
+    with pytest.raises(DataError) as caught:
+        prepare_for_training(tmp_path / "job", settings, named_dir=False, max_input_mb=1)
+    assert str(caught.value) == (
+        f"{path}: the corpus reads as more than data.max_in_job_mb=1 MB of text ({path.stat().st_size / MiB:,.1f} MB "
+        f"on disk), more than a training job prepares itself: prepare it first with `python scripts/prepare_data.py "
+        f"CONFIG --data.dataset_dir=DIR`, then train with --data.dataset_dir=DIR")
+    assert not (tmp_path / "job" / "meta.json").exists()
+    prepare_for_training(tmp_path / "job", settings, named_dir=False, max_input_mb=3)  # within 3 MB: prepared
+    assert (tmp_path / "job" / "meta.json").exists()
+    # data.max_corpus_mb=1 stops reading at the line that reaches 1 MB, within data.max_in_job_mb=1: prepared.
+    capped = PrepareSettings(files=(str(path),), vocab_size=320, num_workers=0, max_corpus_mb=1)
+    prepare_for_training(tmp_path / "capped", capped, named_dir=False, max_input_mb=1)
+    assert json.loads((tmp_path / "capped" / "meta.json").read_text())["text_bytes"] < MiB
 
 
 # ---------------------------------------------------------------- which files are read
