@@ -247,12 +247,17 @@ def _train_problems(cfg: Config) -> list[str]:
 
 
 def _float8_output_problems(cfg: Config) -> list[str]:
-    """train.float8_output: FP8 matmuls take sizes in multiples of 16 (a vocabulary taken from the tokenizer,
-    model.vocab_size 0, is checked when the model is built)."""
+    """train.float8_output: FP8 matmuls take sizes in multiples of 16. With model.vocab_size 0 the vocabulary is the
+    tokenizer's: a SentencePiece model trained for the run has data.vocab_size pieces; one read from files
+    (data.tokenizer_model, data.tokenizer=hf, data.sources) is checked at launch (float8_output_vocabulary_problems)
+    and again when the model is built."""
     if cfg.model.type != "llama":
         return [f"train.float8_output=true is for our model (model.type: llama), not model.type: {cfg.model.type}"]
-    sizes = {"model.dim": cfg.model.dim, "data.seq_len": cfg.data.seq_len,
+    d = cfg.data
+    sizes = {"model.dim": cfg.model.dim, "data.seq_len": d.seq_len,
              "train.loss_chunk_tokens": cfg.train.loss_chunk_tokens, "model.vocab_size": cfg.model.vocab_size}
+    if not cfg.model.vocab_size and d.tokenizer == "sentencepiece" and not d.tokenizer_model and not d.sources:
+        sizes["data.vocab_size (the tokenizer's, which model.vocab_size 0 takes)"] = d.vocab_size
     return [float8_size_problem(name, value) for name, value in sizes.items() if value % FLOAT8_ALIGNMENT]
 
 
