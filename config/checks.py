@@ -13,7 +13,7 @@ from model.float8_projection import FLOAT8_ALIGNMENT
 from .errors import ConfigError, closest
 from .sections import CheckpointConfig, Config, DataConfig, FSDPConfig, LoggingConfig, RunConfig, TrainConfig
 
-# Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order.
+# Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order; token counts are 64-bit.
 MAX_SEED = 2**63 - 1
 # Waits longer than about 31 years are "never" in practice; the process group's store and time.sleep count
 # in int64 nanoseconds and overflow at 2**63 ns (292 years).
@@ -223,6 +223,10 @@ def _batch_problems(t: TrainConfig) -> list[str]:
 def _train_problems(cfg: Config) -> list[str]:
     t = cfg.train
     p = _batch_problems(t)
+    per_step = t.global_batch_size * cfg.data.seq_len  # tokens: the checkpoint's counter of them is 64-bit
+    if t.max_steps > 0 and per_step > 0 and t.max_steps * per_step > MAX_SEED:
+        p.append(f"train.max_steps={t.max_steps} of {per_step:,} tokens each (train.global_batch_size x data.seq_len) "
+                 f"counts past 2**63 - 1 tokens; at most {MAX_SEED // per_step:,} steps")
     for name in ("warmup_steps", "eval_interval", "grad_clip", "weight_decay"):
         if getattr(t, name) < 0:
             p.append(f"train.{name} must not be negative, got {getattr(t, name)}")
