@@ -196,9 +196,11 @@ def test_refused_or_damaged_weights_end_every_rank_with_one_line(tmp_path, corpu
     assert proc.returncode == 1 and worker_tracebacks(proc.stderr) == 0, proc.stderr[-4000:]
     assert not marker.exists()
 
-    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(b"\0" * 100)  # damaged: one process, our own exit
+    # Damaged, cut to 100 bytes: too small for the parameters config.json describes, said before the process group.
+    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(b"\0" * 100)
     proc = run_train("--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", "--train.max_steps=2", nproc=1,
                      out_dir=tmp_path / "out1", corpus=corpus, dataset_dir=dataset_dir, check=False, timeout=120)
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert line.startswith(f"error: model.hf_path={tmp_path / 'hf'}: ") and proc.returncode == 1, proc.stderr[-4000:]
+    assert line.startswith(f"error: model.hf_path={tmp_path / 'hf'}: ") and "weight files hold 100 bytes" in line
+    assert proc.returncode == 2, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr

@@ -108,7 +108,7 @@ def test_weight_files_too_small_for_config_json_s_sizes_are_refused_before_build
     assert hf_problems(cfg) == [
         f"model.hf_path={tmp_path / 'hf'}: hidden_size 64, intermediate_size 128, num_hidden_layers {layers}, "
         f"vocab_size {vocab}: at least {lower:,} parameters, but its weight files hold {stored:,} bytes, less than a "
-        "byte per parameter: config.json describes a larger model than its weights; correct its sizes"]
+        "byte per parameter: the weights are cut short, or config.json describes a larger model than they hold"]
     # A quantized model's weights may hold a parameter in a bit: the bound is eight times lower.
     edit_json(tmp_path / "hf/config.json", quantization_config={"quant_method": "bitnet"})
     assert ("less than a bit per parameter" in hf_problems(cfg)[0]) == (stored * 8 < lower)

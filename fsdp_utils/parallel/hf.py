@@ -99,9 +99,10 @@ def load_hf_config(model_cfg, *, where: str | None = None):
     from transformers import AutoConfig
 
     where = where or _field(model_cfg)
-    path = config_json(model_cfg)
+    path, raw = config_json(model_cfg), {}
     try:
-        raw = read_json_file(path)
+        if path.exists():  # a missing one is said by transformers below
+            raw = read_json_file(path)
     except DataError as err:  # "PATH: problem", the path left out where `where` names it already
         raise HFModelError(f"{where}: {str(err).removeprefix(f'{path}: ') if str(path) in where else err}") from None
     if not isinstance(raw, dict):
@@ -241,8 +242,8 @@ def _weights_problem(model_cfg, hf_config, n_params: int) -> str | None:
         return None
     per = "a byte" if bits == 8 else "a bit"
     return (f"{describe_size(model_cfg, hf_config, n_params, at_least=True)}, but its weight files hold "
-            f"{stored:,} bytes, less than {per} per parameter: config.json describes a larger model than its "
-            f"weights; correct its sizes")
+            f"{stored:,} bytes, less than {per} per parameter: the weights are cut short, or config.json describes a "
+            f"larger model than they hold")
 
 
 # The weight files transformers loads from a model folder, in its order: one safetensors file, a sharded one's
