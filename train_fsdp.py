@@ -33,8 +33,9 @@ from fsdp_utils.distributed import (
     read_torchrun_env,
 )
 from fsdp_utils.parallel.build import ModelMemoryError
-from fsdp_utils.parallel.float8 import float8_output_problems, float8_problems
+from fsdp_utils.parallel.float8 import float8_output_problems, float8_output_vocabulary_problems, float8_problems
 from fsdp_utils.parallel.hf import HFModelError, hf_problems
+from fsdp_utils.train.build_run import _host_free as host_free
 from fsdp_utils.train.downstream import DownstreamError, task_problems
 from fsdp_utils.train.elastic import unfit_world, wait_for_membership_change
 from fsdp_utils.train.oom_guard import OutOfMemory
@@ -90,10 +91,13 @@ def early_problems(cfg: Config, launch: Launch, resume_from: str | None, *, any_
     problems += float8_problems(cfg.train.float8, run_device=cfg.run.device, local_rank=launch.local_rank)
     problems += float8_output_problems(cfg.train.float8_output, run_device=cfg.run.device,
                                        local_rank=launch.local_rank)
+    problems += float8_output_vocabulary_problems(cfg)
     if launch.rank == 0:  # the trackers live on rank 0 only
         problems += tracker_problems(cfg.logging.tracker_names)
     if cfg.model.type == "hf" and not problems:  # the folder exists (launch_problems): can it be used?
-        problems += hf_problems(cfg.model, document_masking=cfg.data.document_masking)
+        main = launch.rank == 0  # reads the weights and holds their full copy, on this host
+        problems += hf_problems(cfg.model, document_masking=cfg.data.document_masking,
+                                host_free=host_free() if main else None, weights=main)
     # lm-eval importable and every task known, before step 1 (not at the first evaluation).
     problems += task_problems(cfg.train.eval_tasks, cfg.train.eval_tasks_path, where="train.eval_tasks")
     return problems

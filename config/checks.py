@@ -13,7 +13,7 @@ from model.float8_projection import FLOAT8_ALIGNMENT
 from .errors import ConfigError, closest
 from .sections import CheckpointConfig, Config, DataConfig, FSDPConfig, LoggingConfig, RunConfig, TrainConfig
 
-# Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order.
+# Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order; token counts are 64-bit.
 MAX_SEED = 2**63 - 1
 # Waits longer than about 31 years are "never" in practice; the process group's store and time.sleep count
 # in int64 nanoseconds and overflow at 2**63 ns (292 years).
@@ -227,6 +227,10 @@ def _batch_problems(t: TrainConfig) -> list[str]:
 def _train_problems(cfg: Config) -> list[str]:
     t = cfg.train
     p = _batch_problems(t)
+    per_step = t.global_batch_size * cfg.data.seq_len  # tokens: the checkpoint's counter of them is 64-bit
+    if t.max_steps > 0 and per_step > 0 and t.max_steps * per_step > MAX_SEED:
+        p.append(f"train.max_steps={t.max_steps} of {per_step:,} tokens each (train.global_batch_size x data.seq_len) "
+                 f"counts past 2**63 - 1 tokens; at most {MAX_SEED // per_step:,} steps")
     for name in ("warmup_steps", "eval_interval", "grad_clip", "weight_decay"):
         if getattr(t, name) < 0:
             p.append(f"train.{name} must not be negative, got {getattr(t, name)}")
@@ -251,12 +255,17 @@ def _train_problems(cfg: Config) -> list[str]:
 
 
 def _float8_output_problems(cfg: Config) -> list[str]:
-    """train.float8_output: FP8 matmuls take sizes in multiples of 16 (a vocabulary taken from the tokenizer,
-    model.vocab_size 0, is checked when the model is built)."""
+    """train.float8_output: FP8 matmuls take sizes in multiples of 16. With model.vocab_size 0 the vocabulary is the
+    tokenizer's: a SentencePiece model trained for the run has data.vocab_size pieces; one read from files
+    (data.tokenizer_model, data.tokenizer=hf, data.sources) is checked at launch (float8_output_vocabulary_problems)
+    and again when the model is built."""
     if cfg.model.type != "llama":
         return [f"train.float8_output=true is for our model (model.type: llama), not model.type: {cfg.model.type}"]
-    sizes = {"model.dim": cfg.model.dim, "data.seq_len": cfg.data.seq_len,
+    d = cfg.data
+    sizes = {"model.dim": cfg.model.dim, "data.seq_len": d.seq_len,
              "train.loss_chunk_tokens": cfg.train.loss_chunk_tokens, "model.vocab_size": cfg.model.vocab_size}
+    if not cfg.model.vocab_size and d.tokenizer == "sentencepiece" and not d.tokenizer_model and not d.sources:
+        sizes["data.vocab_size (the tokenizer's, which model.vocab_size 0 takes)"] = d.vocab_size
     return [float8_size_problem(name, value) for name, value in sizes.items() if value % FLOAT8_ALIGNMENT]
 
 

@@ -25,6 +25,8 @@ MAX_CONFIG_BYTES = 16 * 2**20
 MAX_ALIAS_VALUES = 10_000
 # A config nests four levels (section, key, list, mapping); YAML's composer recurses once per level.
 MAX_NESTING = 64
+# Integer fields reach int64 tensors, numpy keys and checkpoint counters: a value past 64 bits would overflow there.
+INT64_RANGE = range(-(2**63), 2**63)
 
 
 # How a type problem names what was expected and what was given, in the words of YAML.
@@ -59,8 +61,7 @@ def _coerce(value, hint, where: str, problems: list[str]):
             return None
         kinds = [t for t in options if t is not type(None)]
         if len(kinds) > 1:  # e.g. int | str: a value of one of them, as it is
-            if not any(_is_a(value, t) for t in kinds):
-                problems.append(_type_problem(where, value, kinds))
+            _check_kind(value, kinds, where, problems)
             return value
         hint = kinds[0]
     origin = typing.get_origin(hint)
@@ -75,9 +76,17 @@ def _coerce(value, hint, where: str, problems: list[str]):
         return _build(hint, value, where, problems)
     if hint is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
         return _coerce_float(value, where, problems)
-    if not _is_a(value, hint):
-        problems.append(_type_problem(where, value, [hint]))
+    _check_kind(value, [hint], where, problems)
     return value
+
+
+def _check_kind(value, kinds: Sequence[type], where: str, problems: list[str]) -> None:
+    """`value` is of one of `kinds`, and an integer fits in 64 bits."""
+    if not any(_is_a(value, t) for t in kinds):
+        problems.append(_type_problem(where, value, kinds))
+    elif int in kinds and _is_a(value, int) and value not in INT64_RANGE:
+        problems.append(f"{where}: {value} does not fit a 64-bit integer (at most 2**63 - 1), in which the run "
+                        f"counts it")
 
 
 def _coerce_list(value, item, where: str, problems: list[str]):

@@ -131,6 +131,10 @@ def _hub_snapshot(name: str) -> Path | None:
         revision = (repo / "refs" / "main").read_text().strip()
     except OSError:
         return None
+    # A revision names a folder of snapshots/ (a commit hash): `..` or a path would lead out of the repository.
+    if revision in (".", "..") or any(c in revision for c in "/\\\0"):
+        raise DataError(f"{repo / 'refs' / 'main'}: names the revision {revision!r}, which is not a folder of "
+                        f"{repo / 'snapshots'}; download the dataset again")
     snapshot = repo / "snapshots" / revision
     return snapshot if revision and snapshot.is_dir() else None
 

@@ -34,6 +34,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
+from data.errors import DataError  # noqa: E402
+from data.jsonfile import read_json_file  # noqa: E402
 from fsdp_utils.checkpoint.format import (  # noqa: E402
     FORMAT_VERSION,
     TMP_PREFIX,
@@ -42,6 +44,7 @@ from fsdp_utils.checkpoint.format import (  # noqa: E402
     save_with_checksum,
     write_record,
 )
+from fsdp_utils.parallel.hf import HFModelError, index_shards  # noqa: E402
 from fsdp_utils.train.optim import build_optimizer  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from model.config import MAX_SEQ_LEN, ROPE_SCALING_FIELDS  # noqa: E402
@@ -55,12 +58,12 @@ class HFImportError(Exception):
 
 
 def _read_json(path: Path) -> dict:
+    if not path.exists():
+        raise HFImportError(f"{path}: not found (HF_DIR must be a local Hugging Face model folder)")
     try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise HFImportError(f"{path}: not found (HF_DIR must be a local Hugging Face model folder)") from None
-    except (OSError, ValueError) as err:
-        raise HFImportError(f"{path}: cannot read ({err})") from None
+        value = read_json_file(path)  # bounded: a deeply nested file is one line, not a RecursionError
+    except DataError as err:
+        raise HFImportError(str(err)) from None
     if not isinstance(value, dict):
         raise HFImportError(f"{path}: not a JSON object")
     return value
@@ -155,11 +158,10 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and "/" not in f
-                                                       for f in weight_map.values()):
-            raise HFImportError(f"{index}: no weight_map of tensor names to shard files")
-        files = sorted(set(weight_map.values()))
+        try:
+            files = index_shards(index)  # files of HF_DIR only
+        except HFModelError as err:
+            raise HFImportError(str(err)) from None
     elif (hf_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:

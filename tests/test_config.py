@@ -268,7 +268,8 @@ OUT_OF_RANGE = {
     "--train.beta1=2": "train.beta1 must be in [0, 1), got 2.0",
     "--train.beta2=-1": "train.beta2 must be in [0, 1), got -1.0",
     "--train.loss_chunk_tokens=-5": "train.loss_chunk_tokens must be 0 (off) or positive, got -5",
-    f"--run.seed={2**64}": f"run.seed must be in [0, 2**63 - 1], got {2**64}",
+    f"--run.seed={2**64}": f"run.seed: {2**64} does not fit a 64-bit integer (at most 2**63 - 1), in which the run "
+                           "counts it",
     "--run.timeout_s=100000000000": "run.timeout_s must be in (0, 10**9] seconds, got 100000000000",
     "--run.preemption_grace_s=-1": "run.preemption_grace_s must be in (0, 10**9] seconds, got -1.0",
 }
@@ -278,6 +279,34 @@ def test_out_of_range_values_are_reported_together():
     # ffn_hidden_dim=null: the hidden width is derived by rounding to multiple_of (which divided by zero).
     problems = problems_of("--model.ffn_hidden_dim=null", *OUT_OF_RANGE)
     assert sorted(problems) == sorted(OUT_OF_RANGE.values())
+
+
+def test_integers_past_64_bits_are_refused_by_the_loader():
+    """Integer fields reach int64 tensors, numpy keys and the checkpoint's counters: 2**63 steps passed every check
+    (a positive integer) and would overflow them."""
+    assert problems_of(f"--train.max_steps={2**63}") == [
+        f"train.max_steps: {2**63} does not fit a 64-bit integer (at most 2**63 - 1), in which the run counts it"]
+    # Any integer field, a list's items and an integer or a string (micro_batch_size) alike; the negative end too.
+    assert problems_of(f"--train.micro_batch_size={2**64}", f"--logging.profile_steps=[1, {2**63}]",
+                       f"--fsdp.hybrid_shard_group_size={-(2**63) - 1}") == [
+        f"train.micro_batch_size: {2**64} does not fit a 64-bit integer (at most 2**63 - 1), in which the run "
+        "counts it",
+        f"fsdp.hybrid_shard_group_size: {-(2**63) - 1} does not fit a 64-bit integer (at most 2**63 - 1), in which "
+        "the run counts it",
+        f"logging.profile_steps[1]: {2**63} does not fit a 64-bit integer (at most 2**63 - 1), in which the run "
+        "counts it"]
+
+
+def test_the_run_s_token_count_fits_in_64_bits():
+    # 16 sequences of 128 tokens a step: 2**63 - 1 tokens are 4,503,599,627,370,495 steps and a part of one.
+    per_step = 16 * 128
+    assert problems_of("--train.global_batch_size=16", "--data.seq_len=128",
+                       f"--train.max_steps={(2**63 - 1) // per_step + 1}") == [
+        f"train.max_steps={(2**63 - 1) // per_step + 1} of 2,048 tokens each (train.global_batch_size x data.seq_len) "
+        "counts past 2**63 - 1 tokens; at most 4,503,599,627,370,495 steps"]
+    cfg = load_config(TINY, ["--train.global_batch_size=16", "--data.seq_len=128",
+                             f"--train.max_steps={(2**63 - 1) // per_step}"])  # the last step that fits
+    assert cfg.train.max_steps * per_step <= 2**63 - 1
 
 
 def test_range_limits_themselves_are_accepted():

@@ -117,6 +117,40 @@ def test_float8_output_sizes_are_checked_with_the_config(override, error):
     assert error in err.value.problems
 
 
+def test_float8_output_vocabulary_of_a_tokenizer_trained_for_the_run_is_checked_with_the_config():
+    # model.vocab_size 0 takes the tokenizer's vocabulary: a SentencePiece model trained to data.vocab_size pieces.
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY_PRESET, ["--train.float8_output=true", "--model.vocab_size=0", "--data.vocab_size=321"])
+    assert err.value.problems == [
+        "train.float8_output=true needs data.vocab_size (the tokenizer's, which model.vocab_size 0 takes) in a "
+        "multiple of 16 (FP8 matmuls), got 321: the next is 336"]
+    # A model.vocab_size of its own holds the tokenizer's ids, whatever their count.
+    load_config(TINY_PRESET, ["--train.float8_output=true", "--model.vocab_size=336", "--data.vocab_size=321"])
+
+
+def test_float8_output_vocabulary_of_a_tokenizer_file_is_checked_before_the_process_group(tmp_path):
+    """data.tokenizer_model's vocabulary (300 pieces) is known from its file: train_fsdp.py's checks before any
+    process group (and --check) read it, rather than the build after the data is prepared."""
+    from data.tokenizer import train_tokenizer
+    from fsdp_utils.distributed import read_torchrun_env
+    from fsdp_utils.parallel.float8 import float8_output_vocabulary_problems
+    from train_fsdp import early_problems
+
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs of amber".split()
+    lines = [" ".join(words[(i * 7 + k) % len(words)] for k in range(12)) + f" number {i}" for i in range(500)]
+    train_tokenizer(lines, vocab_size=300, out_path=tmp_path / "sp.model")
+    overrides = ["--train.float8_output=true", "--model.vocab_size=0",
+                 f"--data.tokenizer_model={tmp_path / 'sp.model'}",
+                 "--data.vocab_size=321", f"--run.output_dir={tmp_path / 'out'}", "--run.device=cpu"]
+    cfg = load_config(TINY_PRESET, overrides)  # data.vocab_size is not the vocabulary here: the file's is
+    line = (f"train.float8_output=true needs the vocabulary of data.tokenizer_model ({tmp_path / 'sp.model'}), which "
+            "model.vocab_size 0 takes, in a multiple of 16 (FP8 matmuls), got 300: the next is 304")
+    assert float8_output_vocabulary_problems(cfg) == [line]
+    assert early_problems(cfg, read_torchrun_env(), None, any_world=True) == [line]
+    train_tokenizer(lines, vocab_size=304, out_path=tmp_path / "sp.model")
+    assert float8_output_vocabulary_problems(cfg) == []
+
+
 def test_float8_output_vocabulary_is_checked_at_the_build():
     from fsdp_utils.parallel.build import _float8_projection
 
@@ -168,8 +202,10 @@ def test_benchmark_checks_the_float8_output_vocabulary_before_any_run():
     args = benchmark.build_parser().parse_args([str(TINY_PRESET), "--float8_output"])
     with pytest.raises(ConfigError) as err:  # ours runs first: its minutes would be lost to the error at the build
         benchmark.load_configs(args, ["--run.device=cpu", "--data.vocab_size=321"], recipes=[], grid=[])
-    assert err.value.problems == ["train.float8_output=true needs data.vocab_size (the model's vocabulary here) in a "
-                                  "multiple of 16 (FP8 matmuls), got 321: the next is 336"]
+    # The config's own check (model.vocab_size 0 takes data.vocab_size) says it as ours is loaded.
+    assert err.value.problems == [
+        "train.float8_output=true needs data.vocab_size (the tokenizer's, which model.vocab_size 0 takes) in a "
+        "multiple of 16 (FP8 matmuls), got 321: the next is 336"]
 
 
 def test_float8_output_on_a_gpu_without_fp8_is_one_problem(monkeypatch):

@@ -406,6 +406,23 @@ def test_a_change_to_a_linked_data_file_is_prepared_again(tmp_path, caplog):
     assert again != first and again == prepare(tmp_path / "fresh", hf=HFDataset(str(elsewhere)))
 
 
+@pytest.mark.parametrize("ref", ["../..", "../../../outside", "/{tmp}/outside"])
+def test_a_hub_cache_ref_cannot_lead_out_of_its_repository(tmp_path, ref):
+    """refs/main names a folder of snapshots/ (a commit hash): `..` or a path would read a corpus from elsewhere
+    (here a complete one, which would prepare)."""
+    name = write_hub_cache(tmp_path, make_rows(20))
+    write_snapshot(tmp_path / "outside", make_rows(20))
+    ref = ref.format(tmp=str(tmp_path).lstrip("/"))
+    main = tmp_path / "hf_home" / "hub" / ("datasets--" + name.replace("/", "--")) / "refs" / "main"
+    main.write_text(ref)
+    from data import DataError
+
+    with pytest.raises(DataError) as err:
+        open_dataset(HFDataset(name), text_field="text", chat=None)
+    assert str(err.value) == (f"{main}: names the revision {ref!r}, which is not a folder of "
+                              f"{main.parent.parent / 'snapshots'}; download the dataset again")
+
+
 def test_a_damaged_file_of_a_dataset_is_one_line(tmp_path, capsys):
     snapshot = write_snapshot(tmp_path / "snapshot", make_rows(40))
     damaged = snapshot / "data" / "train-00001-of-00002.parquet"

@@ -226,6 +226,35 @@ def test_bad_weights_are_refused_in_one_line(tmp_path, capsys):
     assert "no model.safetensors or model.safetensors.index.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_a_deeply_nested_json_file_is_one_line_naming_it(name, tmp_path, capsys):
+    """json.loads recurses once per level: 100,000 levels were a RecursionError traceback."""
+    save_llama(tmp_path / "hf", max_shard_size="40KB", **TINY_LLAMA)
+    path = tmp_path / "hf" / name
+    start = json.dumps(json.loads(path.read_text()))[:-1] + ', "extra": '
+    path.write_text(start + "[" * 100_000 + "]" * 100_000 + "}")
+    capsys.readouterr()
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out.pth")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {path}: nested more than 64 levels deep (line 1, column {len(start) + 64})"]
+    assert not (tmp_path / "out.pth").exists()
+
+
+def test_a_weight_index_naming_a_file_outside_the_folder_is_refused(tmp_path, capsys):
+    save_llama(tmp_path / "hf", max_shard_size="40KB", **TINY_LLAMA)
+    index = tmp_path / "hf/model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    first = min(weight_map.values())
+    (tmp_path / "hf" / first).rename(tmp_path / "outside.safetensors")
+    index.write_text(json.dumps({"weight_map": {name: "../outside.safetensors" if file == first else file
+                                                for name, file in weight_map.items()}}))
+    capsys.readouterr()
+    assert import_hf.main([str(tmp_path / "hf"), str(tmp_path / "out.pth")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {index}: names the shard '../outside.safetensors', which is not a file of its folder "
+        f"{tmp_path / 'hf'}: only files beside the index are read"]
+
+
 # ---- model.init_from -----------------------------------------------------------------------------------
 
 

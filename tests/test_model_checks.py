@@ -4,10 +4,12 @@ config holds a wrong type, said before any comparison of shapes."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,18 +155,86 @@ def hf_config_file(folder, **sizes) -> str:
 
 
 def test_a_hugging_face_model_too_large_for_host_memory_is_refused_before_any_allocation(tmp_path):
-    path = hf_config_file(tmp_path, hidden_size=10**9)
+    # hidden_size 2**16: config.json's lower bound (below) fits 80 GiB, the skeleton's exact count does not.
+    h = 2**16
+    path = hf_config_file(tmp_path, hidden_size=h)
     cfg = load_config(None, ["--model.type=hf", f"--model.hf_config={path}", "--run.device=cpu"])
     # Per layer q, o (h x h), k, v (h x h/2: 2 of 4 heads), the MLP (3 x h x 128), two norms; embedding, head, norm.
-    h = 10**9
     params = 2 * (3 * h * h + 3 * h * 128 + 2 * h) + 2 * 320 * h + h
     with pytest.raises(ModelMemoryError) as err:
-        build_model(cfg, ONE_RANK, host_free=16 * GiB)
+        build_model(cfg, ONE_RANK, host_free=80 * GiB)
     assert str(err.value) == (
-        f"the model (model.hf_config={path}: hidden_size 1000000000, intermediate_size 128, num_hidden_layers 2, "
+        f"the model (model.hf_config={path}: hidden_size 65536, intermediate_size 128, num_hidden_layers 2, "
         f"vocab_size 320: {params:,} parameters) needs {2 * params * 4 / GiB:,.1f} GiB of host memory for its fp32 "
         f"weights alone (rank 0's full copy of {params * 4 / GiB:,.1f} GiB and 1 shard of {params * 4 / GiB:,.1f} "
-        "GiB), 16.0 GiB free; use a smaller model: rank 0 reads all of its weights")
+        "GiB), 80.0 GiB free; use a smaller model: rank 0 reads all of its weights")
+
+
+def test_hugging_face_sizes_past_any_model_s_are_refused_from_config_json_before_building(tmp_path, monkeypatch):
+    """A skeleton of 10**6 layers alone takes most of an hour to build on the meta device (a few milliseconds a
+    layer): config.json's sizes are held against our own model's bounds before transformers builds anything,
+    at --check (hf_problems, before any process group) and in the build on every rank."""
+    from fsdp_utils.parallel.hf import HFModelError, hf_problems
+    transformers = pytest.importorskip("transformers")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("transformers was asked to build the model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", no_build)
+    cases = {"num_hidden_layers": (10**6, "2**16 = 65536"), "vocab_size": (10**9, "2**24 = 16777216"),
+             "intermediate_size": (2**22 + 1, "2**22 = 4194304"), "hidden_size": (2**21, "2**20 = 1048576")}
+    for key, (value, limit) in cases.items():
+        path = hf_config_file(tmp_path / key, **{key: value})
+        cfg = load_config(None, ["--model.type=hf", f"--model.hf_config={path}", "--run.device=cpu"])
+        line = (f"model.hf_config={path}: config.json's {key}={value} must be a positive integer of at most {limit} "
+                f"(past any released model's)")
+        assert hf_problems(cfg.model) == [line]
+        with pytest.raises(HFModelError) as err:
+            build_model(cfg, ONE_RANK, host_free=None)
+        assert str(err.value) == line
+    # A value of the wrong kind is named too (transformers keeps what config.json says).
+    path = hf_config_file(tmp_path / "zero")
+    edit_json(path, num_hidden_layers=0)
+    cfg = load_config(None, ["--model.type=hf", f"--model.hf_config={path}", "--run.device=cpu"])
+    assert hf_problems(cfg.model) == [f"model.hf_config={path}: config.json's num_hidden_layers=0 must be a positive "
+                                      "integer of at most 2**16 = 65536 (past any released model's)"]
+
+
+def edit_json(path, **changes) -> None:
+    import json
+
+    path = Path(path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_hidden_size_2_to_the_20_is_refused_by_rank_0_s_host_memory_before_building(tmp_path, monkeypatch):
+    """hidden_size 2**20 is within bounds, but even config.json's lower bound of the parameters is 4.4e12:
+    rank 0, which holds the full fp32 copy, cannot; said at --check and before the skeleton is built."""
+    from fsdp_utils.parallel.hf import hf_problems, min_parameters
+    transformers = pytest.importorskip("transformers")
+
+    h = 2**20
+    path = hf_config_file(tmp_path, hidden_size=h)
+    cfg = load_config(None, ["--model.type=hf", f"--model.hf_config={path}", "--run.device=cpu"])
+    # Untied embedding and head (2 x 320 x h); per layer q and o (h x 4 heads x h/4 each) and two MLP matrices
+    # (h x 128): the key/value projections, the gate and the norms on top are not counted.
+    lower = 2 * 320 * h + 2 * (2 * h * h + 2 * h * 128)
+    assert min_parameters(transformers.AutoConfig.from_pretrained(path)) == lower == 4_399_254_470_656
+    line = (f"the model (model.hf_config={path}: hidden_size 1048576, intermediate_size 128, num_hidden_layers 2, "
+            f"vocab_size 320: at least {lower:,} parameters) needs {lower * 4 / GiB:,.1f} GiB of host memory for its "
+            f"fp32 weights alone (rank 0's full copy of at least {lower * 4 / GiB:,.1f} GiB), 64.0 GiB free; use a "
+            "smaller model: rank 0 reads all of its weights")
+    assert hf_problems(cfg.model, host_free=64 * GiB) == [line]
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config",
+                        lambda *a, **k: pytest.fail("transformers was asked to build the model"))
+    with pytest.raises(ModelMemoryError) as err:
+        build_model(cfg, ONE_RANK, host_free=64 * GiB)
+    assert str(err.value) == line
+    # Another host's ranks hold no full copy: only rank 0's host checks it (its shards, once the skeleton is built).
+    other_host = DistEnv(rank=2, local_rank=0, world_size=4, local_world_size=2, device=torch.device("cpu"))
+    from fsdp_utils.parallel.build import _hf_size_problem
+
+    assert _hf_size_problem(cfg, other_host, host_free=64 * GiB) is None
 
 
 def test_a_hugging_face_model_is_held_against_each_host_s_share(tmp_path):
@@ -187,17 +257,21 @@ def test_a_hugging_face_model_is_held_against_each_host_s_share(tmp_path):
         "(2 shards of 0.0 GiB), 0.0 GiB free; use a smaller model, or more nodes")
 
 
-def test_hugging_face_sizes_transformers_cannot_build_are_one_line(tmp_path):
+@pytest.mark.parametrize("changes", [
+    dict(hidden_act="nonesuch"),  # an activation transformers does not have
+    dict(rope_parameters={"rope_type": "nonesuch", "rope_theta": 10000.0}),  # a rotary scaling it does not have
+])
+def test_a_config_json_transformers_cannot_build_is_one_line(tmp_path, changes):
     from fsdp_utils.parallel.hf import HFModelError
 
-    path = hf_config_file(tmp_path, hidden_size=10**9, intermediate_size=10**10)  # 10^19 elements in one matrix
+    path = hf_config_file(tmp_path)
+    edit_json(path, **changes)  # transformers reads these without a check, and fails on them while building
     cfg = load_config(None, ["--model.type=hf", f"--model.hf_config={path}", "--run.device=cpu"])
     with pytest.raises(HFModelError) as err:
-        build_model(cfg, ONE_RANK, host_free=16 * GiB)
-    assert str(err.value) == (
-        f"model.hf_config={path}: hidden_size 1000000000, intermediate_size 10000000000, num_hidden_layers 2, "
-        "vocab_size 320: transformers cannot build this model (RuntimeError: Storage size calculation overflowed "
-        "with sizes=[10000000000, 1000000000]); correct these sizes in its config.json")
+        build_model(cfg, ONE_RANK, host_free=None)
+    assert str(err.value) == (f"model.hf_config={path}: hidden_size 64, intermediate_size 128, num_hidden_layers 2, "
+                              "vocab_size 320: transformers cannot build this model (KeyError: 'nonesuch'); correct "
+                              "its config.json")
 
 
 def test_on_gpus_a_hugging_face_model_s_share_is_held_against_the_gpu(tmp_path, monkeypatch):
@@ -216,3 +290,22 @@ def test_on_gpus_a_hugging_face_model_s_share_is_held_against_the_gpu(tmp_path, 
     assert _hf_memory_problem(cfg, gpus, model, host_free=2 * weights) is None
     assert "(rank 0's full copy of 0.0 GiB and 8 shards of 0.0 GiB)" in str(
         _hf_memory_problem(cfg, gpus, model, host_free=2 * weights - 1))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_hugging_face_model_s_line_at_startup_reads_like_ours(tmp_path, caplog, tie):
+    """Its parameters, counted from the skeleton, its class and folder, and config.json's sizes: not the signature
+    dict checkpoints store."""
+    path = hf_config_file(tmp_path, tie_word_embeddings=tie)
+    cfg = load_config(None, ["--model.type=hf", f"--model.hf_config={path}", "--run.device=cpu"])
+    with caplog.at_level(logging.INFO, logger="train"):
+        built = build_model(cfg, ONE_RANK, host_free=None)
+    # Per layer q, o (64 x 64), k, v (64 x 32), the MLP (3 x 64 x 128), two norms; the final norm; the embedding
+    # (320 x 64), and the head beside it unless tied.
+    body = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    embeddings = 320 * 64 * (1 if tie else 2)
+    assert sum(p.numel() for p in built.module.parameters()) == body + embeddings
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model:")]
+    tied = ", tied embeddings" if tie else ""
+    assert lines == [f"model: {body + embeddings:,} parameters ({body:,} without embeddings), LlamaForCausalLM from "
+                     f"{path}: 2 layers, hidden 64, heads 4/2 kv, ffn 128, vocab 320{tied}"]

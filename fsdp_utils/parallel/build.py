@@ -24,15 +24,9 @@ from ..distributed import DistEnv, agree
 from . import hf
 from .lora import apply_lora
 from .parallelize import compile_options, resolve_precision
-from .weights import BuiltModel, WeightInit
+from .weights import BuiltModel, GiB, ModelMemoryError, WeightInit, too_large
 
 log = logging.getLogger("train")
-GiB = 2**30
-
-
-class ModelMemoryError(RuntimeError):
-    """The model does not fit the memory it is built in: one line with its size, the memory free and what to
-    change."""
 
 
 def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: int | None = None,
@@ -50,9 +44,13 @@ def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: 
     documents = model_documents(cfg, eos_id)
     base_dtype = resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device).compute
     if cfg.model.type == "hf":
-        # Its size is known once transformers has built the meta-device skeleton, before any allocation.
+        # Sized from config.json first (a skeleton of many layers alone takes minutes), then exactly once
+        # transformers has built the meta-device skeleton, before any allocation.
+        _agree(env, _hf_size_problem(cfg, env, host_free=host_free))
         built = hf.build_for_sharding(cfg, env, eos_id=documents.eos_id if documents else None)
         _agree(env, _hf_memory_problem(cfg, env, cast(hf.CausalLMAdapter, built.module), host_free=host_free))
+        if env.is_main:  # its parameters are counted now, from the skeleton
+            log.info("%s", hf_summary(cfg.model, cast(hf.CausalLMAdapter, built.module)))
         return apply_lora(built, cfg, base_dtype=base_dtype)
     return apply_lora(_build_ours(cfg, env, fused_matmul, documents), cfg, base_dtype=base_dtype)
 
@@ -98,16 +96,21 @@ def _memory_problem(cfg, env: DistEnv, *, host_free: int | None) -> ModelMemoryE
                 f"device and sharded")
     else:
         hint = "set fsdp.meta_init: true and fsdp.sync_module_states: false so that each rank holds only its shard"
-    return _too_large(_shape(m), needed, free, where, ranks, hint)
+    return too_large(_shape(m), needed, free, where, ranks, hint)
 
 
 def _more(env: DistEnv) -> str:
     return "GPUs" if env.device.type == "cuda" else "nodes"
 
 
-def _too_large(shape: str, needed: int, free: int, where: str, parts: str, hint: str) -> ModelMemoryError:
-    return ModelMemoryError(f"the model ({shape}) needs {needed / GiB:,.1f} GiB of {where} for its fp32 weights "
-                            f"alone{parts}, {free / GiB:,.1f} GiB free; {hint}")
+def _hf_size_problem(cfg, env: DistEnv, *, host_free: int | None) -> Exception | None:
+    """hf.size_problem on this rank: rank 0 reads the weight files and holds the full copy, on its host."""
+    try:
+        hf_config = hf.load_hf_config(cfg.model)
+    except hf.HFModelError as err:
+        return err
+    return hf.size_problem(cfg.model, hf_config, host_free=host_free if env.rank == env.local_rank else None,
+                           weights=env.is_main)
 
 
 def _hf_memory_problem(cfg, env: DistEnv, model: hf.CausalLMAdapter, *,
@@ -121,7 +124,7 @@ def _hf_memory_problem(cfg, env: DistEnv, model: hf.CausalLMAdapter, *,
     if env.device.type == "cuda" and not cfg.fsdp.cpu_offload:
         free = torch.cuda.mem_get_info(env.device)[0]
         if share > free:
-            return _too_large(shape, share, free, f"{env.device} memory", "", "use a smaller model, or more GPUs")
+            return too_large(shape, share, free, f"{env.device} memory", "", "use a smaller model, or more GPUs")
     # torchrun numbers ranks host by host: rank 0 is on the host whose local ranks start at 0.
     copy = weights if env.rank == env.local_rank else 0
     shards = share * env.local_world_size if env.device.type == "cpu" or cfg.fsdp.cpu_offload else 0
@@ -132,7 +135,7 @@ def _hf_memory_problem(cfg, env: DistEnv, model: hf.CausalLMAdapter, *,
     parts += [f"{n} shard{'s' if n > 1 else ''} of {share / GiB:,.1f} GiB"] if shards else []
     hint = ("use a smaller model: rank 0 reads all of its weights" if copy > host_free
             else f"use a smaller model, or more {_more(env)}")
-    return _too_large(shape, copy + shards, host_free, "host memory", f" ({' and '.join(parts)})", hint)
+    return too_large(shape, copy + shards, host_free, "host memory", f" ({' and '.join(parts)})", hint)
 
 
 def _float8_projection(cfg, options: dict | None) -> Float8Projection:
@@ -239,3 +242,22 @@ def log_parameter_summary(model_cfg) -> None:
     log.info("model: %s parameters (%s without embeddings), %d blocks of %s, dim %d, heads %d/%d kv, ffn %d, vocab %d",
              f"{n_total:,}", f"{n_total - n_embed:,}", model_cfg.n_layers, f"{per_block:,}", model_cfg.dim,
              model_cfg.n_heads, model_cfg.num_kv_heads, model_cfg.hidden_dim, model_cfg.vocab_size)
+
+
+def hf_summary(model_cfg, model: hf.CausalLMAdapter) -> str:
+    """The model line of a Hugging Face model, as log_parameter_summary's of ours: its parameters (tied weights
+    once), its class and folder, and the sizes of its config.json."""
+    lm = model.lm
+    n_total = sum(p.numel() for p in lm.parameters())
+    embeddings = {id(m.weight): m.weight.numel() for m in (lm.get_input_embeddings(), lm.get_output_embeddings())
+                  if m is not None}
+    text = lm.config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    sizes = {"layers": getattr(text, "num_hidden_layers", None), "hidden": getattr(text, "hidden_size", None),
+             "heads": heads and f"{heads}/{getattr(text, 'num_key_value_heads', None) or heads} kv",
+             "ffn": getattr(text, "intermediate_size", None), "vocab": getattr(text, "vocab_size", None)}
+    shape = ", ".join(f"{value} layers" if key == "layers" else f"{key} {value}" for key, value in sizes.items()
+                      if value is not None)
+    tied = ", tied embeddings" if len(embeddings) == 1 and getattr(lm.config, "tie_word_embeddings", False) else ""
+    return (f"model: {n_total:,} parameters ({n_total - sum(embeddings.values()):,} without embeddings), "
+            f"{type(lm).__name__} from {model_cfg.hf_path or model_cfg.hf_config}: {shape}{tied}")

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from config import ConfigError, read_yaml_file
-from data.hf_tokenizer import names_own_code
+from data.errors import DataError
+from data.jsonfile import read_json_file
+from model.config import MAX_DIM, MAX_FFN_HIDDEN_DIM, MAX_LAYERS, MAX_VOCAB_SIZE
 from model.documents import document_ids, document_positions
 from model.loss import IGNORE_INDEX, reduce_loss
 
@@ -30,7 +32,7 @@ from ..checkpoint.format import CheckpointError, dcp_load, load_full
 from ..checkpoint.io import read_meta, verify
 from ..distributed import DistEnv
 from .lora import has_adapters
-from .weights import BuiltModel, WeightInit
+from .weights import BuiltModel, GiB, ModelMemoryError, WeightInit, too_large
 
 log = logging.getLogger(__name__)
 
@@ -83,30 +85,49 @@ def _one_line(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def config_json(model_cfg) -> Path:
+    """The config.json that model.hf_path's folder holds, or that model.hf_config names (or its folder holds)."""
+    path = Path(model_cfg.hf_path or model_cfg.hf_config)
+    return path / "config.json" if path.is_dir() else path
+
+
 def load_hf_config(model_cfg, *, where: str | None = None):
     """The transformers config of model.hf_path (or model.hf_config); HFModelError in one line, naming `where`
-    (default: the field), when it cannot be read or needs the folder's own code (never run, never asked about)."""
+    (default: the field), when it cannot be read or needs the folder's own code (never run, never asked about).
+    The file is read by the bounded JSON reader first: transformers' own read fails on deep nesting with a
+    traceback."""
     from transformers import AutoConfig
 
     where = where or _field(model_cfg)
-    path = Path(model_cfg.hf_path or model_cfg.hf_config)
-    folder = path if path.is_dir() else path.parent
+    path, raw = config_json(model_cfg), {}
     try:
-        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        if path.exists():  # a missing one is said by transformers below
+            raw = read_json_file(path)
+    except DataError as err:  # "PATH: problem", the path left out where `where` names it already
+        raise HFModelError(f"{where}: {str(err).removeprefix(f'{path}: ') if str(path) in where else err}") from None
+    if not isinstance(raw, dict):
+        raise HFModelError(f"{where}: {path} does not hold a JSON object")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as err:
-        if names_own_code(folder, "config.json"):
+        if raw.get("auto_map"):
             raise HFModelError(f"{where}: its config.json needs the folder's own Python code (auto_map), which is "
                                f"never run; use a model type that transformers includes") from None
         raise HFModelError(f"{where}: cannot read its config.json ({_one_line(err)})") from None
 
 
-def hf_problems(model_cfg, *, document_masking: bool = False) -> list[str]:
-    """Config-time check of model.type=hf: the folder's config loads, and with data.document_masking the
-    model can mask packed documents (before any process group starts)."""
+def hf_problems(model_cfg, *, document_masking: bool = False, host_free: int | None = None,
+                weights: bool = True) -> list[str]:
+    """Config-time check of model.type=hf: the folder's config loads, its sizes fit (size_problem: `host_free`,
+    the bytes rank 0's host can still give, if known; `weights`: whether model.hf_path's weight files are read
+    here), and with data.document_masking the model can mask packed documents (before any process group
+    starts)."""
     try:
         hf_config = load_hf_config(model_cfg)
     except HFModelError as err:
         return [str(err)]
+    if (error := size_problem(model_cfg, hf_config, host_free=host_free, weights=weights)) is not None:
+        return [str(error)]
     if document_masking and (reason := packed_sequences_unsupported(hf_config)):
         return [f"data.document_masking: {_field(model_cfg)} {reason}; turn data.document_masking off for it"]
     return []
@@ -133,11 +154,131 @@ def packed_sequences_unsupported(hf_config) -> str | None:
     return None
 
 
-def describe_size(model_cfg, hf_config, n_params: int | None = None) -> str:
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+# The largest of each config.json size this library builds: our own model's bounds (model/config.py), past any
+# released model's. A larger one is a typo, and a skeleton of that many layers alone takes minutes to build.
+SIZE_LIMITS = {"hidden_size": (MAX_DIM, "2**20"), "intermediate_size": (MAX_FFN_HIDDEN_DIM, "2**22"),
+               "num_hidden_layers": (MAX_LAYERS, "2**16"), "vocab_size": (MAX_VOCAB_SIZE, "2**24"),
+               "num_attention_heads": (MAX_DIM, "2**20"), "num_key_value_heads": (MAX_DIM, "2**20"),
+               "head_dim": (MAX_DIM, "2**20")}
+# Weight files hold at least a byte per parameter (fp8), a quantized model's (quantization_config) at least a bit.
+MIN_BITS_PER_PARAMETER = 8
+MIN_QUANTIZED_BITS_PER_PARAMETER = 1
+
+
+def describe_size(model_cfg, hf_config, n_params: int | None = None, *, at_least: bool = False) -> str:
     """The config.json values that size the model, for messages: `model.hf_config=...: hidden_size 64, ...`."""
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
-    sizes = ", ".join(f"{k} {getattr(hf_config, k)}" for k in keys if getattr(hf_config, k, None) is not None)
-    return f"{_field(model_cfg)}: {sizes}" + (f": {n_params:,} parameters" if n_params is not None else "")
+    sizes = ", ".join(f"{k} {getattr(hf_config, k)}" for k in SIZE_KEYS if getattr(hf_config, k, None) is not None)
+    count = "" if n_params is None else f": {'at least ' if at_least else ''}{n_params:,} parameters"
+    return f"{_field(model_cfg)}: {sizes}{count}"
+
+
+def _sizes(text_config, key: str) -> list[int] | None:
+    """config.json's `key` as a list (one value, or one per layer), or None when the model has no such field."""
+    value = getattr(text_config, key, None)
+    return None if value is None else value if isinstance(value, list) else [value]
+
+
+def _size_field_problem(model_cfg, text_config) -> str | None:
+    """The first size of config.json that is not a positive integer within SIZE_LIMITS."""
+    for key, (limit, text) in SIZE_LIMITS.items():
+        for value in _sizes(text_config, key) or []:
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit:
+                return (f"{_field(model_cfg)}: config.json's {key}={value!r} must be a positive integer of at most "
+                        f"{text} = {limit} (past any released model's)")
+    return None
+
+
+def min_parameters(hf_config) -> int:
+    """A lower bound of the parameters config.json describes, from its sizes alone (nothing is built): the token
+    embedding (and an untied output head of the same size) and per decoder layer the attention's query and output
+    projections and two MLP matrices. Norms, biases, key/value projections, a gate and further experts come on
+    top; a size the model does not have counts nothing."""
+    text = hf_config.get_text_config()
+    hidden, vocab = (_sizes(text, "hidden_size") or [0])[0], (_sizes(text, "vocab_size") or [0])[0]
+    layers = (_sizes(text, "num_hidden_layers") or [0])[0]
+    heads = getattr(text, "num_attention_heads", None)
+    heads = heads if isinstance(heads, int) else 0
+    head_dim = getattr(text, "head_dim", None)
+    head_dim = head_dim if isinstance(head_dim, int) else hidden // heads if heads else 0
+    mlp = min(_sizes(text, "intermediate_size") or [0])
+    embeddings = vocab * hidden * (1 if getattr(hf_config, "tie_word_embeddings", False) else 2)
+    return embeddings + layers * (2 * hidden * heads * head_dim + 2 * hidden * mlp)
+
+
+def size_problem(model_cfg, hf_config, *, host_free: int | None = None,
+                 weights: bool = True) -> HFModelError | ModelMemoryError | None:
+    """The model sized from config.json alone, before anything is built: HFModelError for a size out of bounds,
+    or (with `weights`, for model.hf_path) weight files that cannot hold min_parameters or name a file outside the
+    folder; ModelMemoryError when rank 0's full fp32 copy (hf.Rank0Weights) of min_parameters exceeds
+    `host_free`, the bytes rank 0's host can still give (None: not known, or another host)."""
+    if (problem := _size_field_problem(model_cfg, hf_config.get_text_config())) is not None:
+        return HFModelError(problem)
+    n_params = min_parameters(hf_config)
+    if weights and model_cfg.hf_path and (problem := _weights_problem(model_cfg, hf_config, n_params)) is not None:
+        return HFModelError(problem)
+    if host_free is not None and 4 * n_params > host_free:
+        return too_large(describe_size(model_cfg, hf_config, n_params, at_least=True), 4 * n_params, host_free,
+                         "host memory", f" (rank 0's full copy of at least {4 * n_params / GiB:,.1f} GiB)",
+                         "use a smaller model: rank 0 reads all of its weights")
+    return None
+
+
+def _weights_problem(model_cfg, hf_config, n_params: int) -> str | None:
+    """model.hf_path's weight files: present, each where its index says, and large enough for n_params."""
+    try:
+        files = weight_files(Path(model_cfg.hf_path))
+        stored = sum(path.stat().st_size for path in files)
+    except HFModelError as err:
+        return f"{_field(model_cfg)}: {err}"
+    except OSError as err:
+        return f"{_field(model_cfg)}: cannot read its weight file {err.filename} ({err.strerror or err})"
+    if not files:
+        return (f"{_field(model_cfg)}: holds no weights ({', '.join(WEIGHT_FILES)}); for a model built from its "
+                f"config.json alone, with random weights, set model.hf_config instead")
+    bits = (MIN_QUANTIZED_BITS_PER_PARAMETER if getattr(hf_config, "quantization_config", None)
+            else MIN_BITS_PER_PARAMETER)
+    if 8 * stored >= bits * n_params:
+        return None
+    per = "a byte" if bits == 8 else "a bit"
+    return (f"{describe_size(model_cfg, hf_config, n_params, at_least=True)}, but its weight files hold "
+            f"{stored:,} bytes, less than {per} per parameter: the weights are cut short, or config.json describes a "
+            f"larger model than they hold")
+
+
+# The weight files transformers loads from a model folder, in its order: one safetensors file, a sharded one's
+# index, then the same as pickles (torch.load with weights_only).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The files transformers reads the weights of `folder` from: the first of WEIGHT_FILES there, or the shards
+    its index lists; [] when there is none. HFModelError in one line for an index that is unreadable or names a
+    file outside the folder."""
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return [folder / shard for shard in index_shards(folder / name)] if name.endswith(".json") else \
+                [folder / name]
+    return []
+
+
+def index_shards(index: Path) -> list[str]:
+    """The shard files a sharded checkpoint's index (model.safetensors.index.json) maps its tensors to: plain
+    names of files in the index's own folder. HFModelError naming the index otherwise: transformers would join a
+    `../x.safetensors` or an absolute path to the folder and read the file there."""
+    try:
+        content = read_json_file(index)
+    except DataError as err:
+        raise HFModelError(str(err)) from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise HFModelError(f"{index}: no weight_map of tensor names to shard files")
+    for name in weight_map.values():
+        if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+            raise HFModelError(f"{index}: names the shard {name!r}, which is not a file of its folder "
+                               f"{index.parent}: only files beside the index are read")
+    return sorted(set(weight_map.values()))
 
 
 def config_signature(hf_config) -> dict:
@@ -176,9 +317,10 @@ def build_hf_model(cfg, env: DistEnv, *, on_meta: bool, eos_id: int | None = Non
             with torch.device("meta"):
                 lm = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False,
                                                       **dtype_kwarg(torch.float32))
-        except (RuntimeError, ValueError, OverflowError) as err:  # no memory is used here: its sizes are wrong
+        # No memory is used here: config.json is wrong (a size, an activation or rotary scaling it does not have).
+        except (RuntimeError, ValueError, ArithmeticError, LookupError, TypeError) as err:
             raise HFModelError(f"{describe_size(cfg.model, hf_config)}: transformers cannot build this model "
-                               f"({_one_line(err)}); correct these sizes in its config.json") from None
+                               f"({_one_line(err)}); correct its config.json") from None
     elif cfg.model.hf_path:
         lm = load_pretrained(cfg.model)
     else:
@@ -194,6 +336,10 @@ def load_pretrained(model_cfg) -> nn.Module:
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    try:
+        weight_files(Path(model_cfg.hf_path))  # transformers would read an index's shards from anywhere
+    except HFModelError as err:
+        raise HFModelError(f"{_field(model_cfg)}: {err}") from None
     try:
         return AutoModelForCausalLM.from_pretrained(model_cfg.hf_path, local_files_only=True, trust_remote_code=False,
                                                     **dtype_kwarg(torch.float32))

@@ -138,10 +138,8 @@ class Trainer:
                 log.info("%s", line)
             for line in config_warnings(cfg):
                 log.warning("%s", line)
-            if cfg.model.type == "llama":
+            if cfg.model.type == "llama":  # a Hugging Face model's line comes from build_model, which counts it
                 log_parameter_summary(cfg.model)
-            else:
-                log.info("model: %s from %s", self.model_signature, cfg.model.hf_path or cfg.model.hf_config)
         run = build_run(cfg, env, vocab_size=self.vocab_size, model_signature=self.model_signature, eos_id=self.eos_id)
         self.model, self.optimizer, self.converters, self.scaler = run.model, run.optimizer, run.converters, run.scaler
         self.precision, self.checkpoint_switch, self.probe = run.precision, run.checkpoint_switch, run.probe
