@@ -325,6 +325,12 @@ META_CASES = {
     "an infinite lr": (lambda m: m["train_state"].update(lr=float("inf")), CheckpointCorrupt, "train_state.lr inf"),
     "world_size 2**40": (lambda m: m.update(world_size=2**40), CheckpointCorrupt, "world_size 1099511627776"),
     "a step other than the name's": (lambda m: m["train_state"].update(step=7), CheckpointMismatch, "holds step 7"),
+    # A LoRA record is read by the tools before they build anything from it (its dtype by name from torch).
+    "a lora record of a number": (lambda m: m.update(lora=5), CheckpointCorrupt, "lora is not a mapping"),
+    "a lora base_dtype naming a function": (
+        lambda m: m.update(lora={"rank": 4, "alpha": 8, "targets": ["q"], "base_dtype": "load",
+                                 "base": {"seed": 0, "fingerprint": "0" * 16}}),
+        CheckpointCorrupt, "lora.base_dtype 'load' is not a torch dtype"),
 }
 
 
@@ -341,6 +347,19 @@ def test_invalid_metadata_is_one_line_for_every_reader(saved, tmp_path, fmt, cas
             read()
         assert needle in one_line(caught.value) and str(checkpoint) in str(caught.value), caught.value
     assert checkpoint.exists()
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_config_describing_more_than_the_checkpoint_holds_is_never_built(saved, tmp_path, fmt):
+    """A whole model's checkpoint holds its weights: 2**16 layers of width 1,024 (8.3 * 10**11 weights) in a
+    checkpoint of a few hundred KB are not its own, and load_model refuses them before allocating anything."""
+    out = run_copy(saved, fmt, tmp_path)
+    checkpoint = newest(out, fmt)
+    mutate_meta(checkpoint, lambda m: m["model_config"].update(n_layers=2**16, dim=1024))
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint_io.load_model(checkpoint)
+    assert one_line(caught.value).startswith(f"{checkpoint}: model_config describes "), caught.value
+    assert "bytes hold" in str(caught.value)
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])

@@ -299,6 +299,10 @@ class CheckpointContext:
         """model.init_from: the checkpoint's weights fit this model. Only what they depend on must agree (for our
         model: not max_seq_len, init_std, or how the MLP width is given), then the tokenizer as for a resume."""
         where = f"model.init_from={path}"
+        if (lora := meta.get("lora")) is not None:
+            raise CheckpointMismatch(f"{where}: holds LoRA adapters (train.lora.rank={lora['rank']}) and no base "
+                                     "weights; resume it with the same train.lora, or merge it with "
+                                     "scripts/export_hf.py --merge_lora")
         saved_config = meta["model_config"]
         here, there = _model_kind(self.model_config), _model_kind(saved_config)
         if here != there:

@@ -27,6 +27,7 @@ import pickletools
 import re
 import stat
 import time
+import warnings
 import zipfile
 import zlib
 from collections.abc import Collection
@@ -374,7 +375,31 @@ def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
         return f"model_config.{bad[0]} is not a plain value"
     if "tokenizer_sha256" in meta and not re.fullmatch(r"[0-9a-f]{64}", str(meta["tokenizer_sha256"])):
         return "tokenizer_sha256 is not a sha256 hex digest"
-    return _train_state_problem(meta["train_state"])
+    return _lora_problem(meta.get("lora")) or _train_state_problem(meta["train_state"])
+
+
+def _lora_problem(lora: object) -> str | None:
+    """What is wrong with the metadata's LoRA record (parallel/lora.py lora_record), or None (also when absent)."""
+    if lora is None:
+        return None
+    if not isinstance(lora, dict) or not isinstance(base := lora.get("base"), dict):
+        return "lora is not a mapping with its base"
+    seeded = _is_int(base.get("seed"), -MAX_COUNT - 1, MAX_COUNT)
+    if not isinstance(base.get("fingerprint"), str) or not (
+            seeded or isinstance(base.get("init_from") or base.get("hf_path"), str)):
+        return "lora.base names neither a seed nor a path with its fingerprint"
+    if not _is_int(lora.get("rank"), 1, 2**20):
+        return f"lora.rank {lora.get('rank')!r} is not a positive integer"
+    alpha = lora.get("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        return f"lora.alpha {alpha!r} is not a finite number"
+    targets = lora.get("targets")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        return "lora.targets is not a list of names"
+    dtype = lora.get("base_dtype", "float32")
+    if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)):
+        return f"lora.base_dtype {dtype!r} is not a torch dtype"
+    return None
 
 
 def _train_state_problem(state: object) -> str | None:
@@ -655,7 +680,10 @@ def dcp_load(state: dict, path: Path, *, no_dist: bool = False) -> None:
     reader = SafeFileSystemReader(str(path))
     read_dcp_metadata(path / ".metadata")
     try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(path), no_dist=no_dist)
+        with warnings.catch_warnings():
+            if no_dist:  # "loading in a single process" is what was asked for
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(path), no_dist=no_dist)
     except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
         raise _dcp_error(err, path) from None
 
