@@ -11,6 +11,7 @@ of meta.json, the full checkpoint's checksum record and DCP's .metadata.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -23,6 +24,7 @@ import shutil
 import sys
 import time
 import types
+import warnings
 import zipfile
 from pathlib import Path
 from typing import ClassVar
@@ -259,6 +261,52 @@ def test_a_hand_written_unsafe_pickle_is_refused_not_called_corrupt(saved, tmp_p
     line = one_line(caught.value)
     assert str(named) in line and "refused: it references os.system" in line, line
     assert sorted(p.name for p in out.iterdir()) == before and not marker.exists()
+
+
+def protocol_4_pickle(target: str, marker: Path) -> bytes:
+    """A protocol-4 pickle calling `target` with `touch marker`: STACK_GLOBAL of its module and (dotted) name, as
+    pickle.dumps writes one. torch.serialization.os.system is os.system, reached through torch's own module."""
+    module, _, name = target.partition(".")
+
+    def string(text: str) -> bytes:  # SHORT_BINUNICODE
+        return b"\x8c" + bytes([len(text)]) + text.encode()
+
+    return b"\x80\x04" + string(module) + string(name) + b"\x93" + string(f"touch {marker}") + b"\x85R."
+
+
+@pytest.mark.parametrize("target", ["torch.serialization.os.system", "posix.system"])
+@pytest.mark.parametrize("where", ["pth", "rng"])
+def test_a_protocol_4_payload_is_refused_as_foreign_code_in_one_line(saved, tmp_path, where, target):
+    """Torch stops a protocol-4 pickle at its first SHORT_BINUNICODE, before reading the global, and its words
+    then name an opcode: what the pickle imports decides, so it is refused, never moved aside as damage, never
+    run, and the refusal is the one line (no torch warnings about the protocol beside it)."""
+    fmt = "full" if where == "pth" else "sharded"
+    out = run_copy(saved, fmt, tmp_path)
+    marker = tmp_path / "ran"
+    named = plant_pickle(newest(out, fmt), where, protocol_4_pickle(target, marker))
+    before = sorted(p.name for p in out.iterdir())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointUnsafe) as refused:
+            load(out, fmt)
+    assert one_line(refused.value).startswith(f"{named}: refused: it references {target}, "), refused.value
+    assert sorted(p.name for p in out.iterdir()) == before and not marker.exists()
+    assert [str(w.message) for w in caught] == []
+
+
+def test_every_global_torch_save_writes_into_a_checkpoint_counts_as_data(saved):
+    """A failed load is called unsafe as soon as its pickle imports a global outside the data torch.save writes:
+    the checkpoints' own globals, and those of the other tensors and values a state may hold, are inside."""
+    from fsdp_utils.checkpoint.format import _holds_only_data, _pickle_of, pickle_globals
+
+    buf = io.BytesIO()
+    torch.save({"bf16": torch.zeros(2, dtype=torch.bfloat16), "fp8": torch.zeros(2, dtype=torch.float8_e4m3fn),
+                "parameter": torch.nn.Parameter(torch.ones(2)), "bytes": b"xy", "size": torch.Size([2]),
+                "device": torch.device("cpu"), "ordered": collections.OrderedDict(a=1)}, buf)
+    files = [newest(saved["full"], "full"), newest(saved["sharded"], "sharded") / "rng.pt", buf]
+    found = {name for f in files for name in pickle_globals(_pickle_of(f)) or ["(no pickle)"]}
+    assert {"torch._utils._rebuild_tensor_v2", "torch.BFloat16Storage", "torch._utils._rebuild_parameter"} <= found
+    assert [name for name in sorted(found) if not _holds_only_data(name)] == []
 
 
 @pytest.mark.parametrize("target", ["pty spawn", "ctypes CDLL", "operator attrgetter", "marshal loads"])

@@ -528,10 +528,25 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-# Modules a checkpoint never imports from: a refused pickle that names one is unsafe, whatever the refusal says.
-_BLOCKED_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "importlib", "runpy", "shutil", "socket",
-                    "pty", "ctypes", "pickle", "_pickle", "marshal", "code", "pdb", "timeit", "webbrowser",
-                    "multiprocessing", "operator")
+# What torch.save writes into the pickles of a checkpoint (a .pth, rng.pt, DCP's non-tensor entries): tensors and
+# parameters rebuilt from their storages (one storage class per dtype, named from torch), dtypes, devices, sizes,
+# layouts, ordered dicts, and bytes (protocol 2 pickles them through _codecs.encode). Each only builds data.
+_TORCH_SAVE_GLOBALS = frozenset({
+    *(f"torch._utils.{name}" for name in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3",
+                                          "_rebuild_parameter", "_rebuild_parameter_with_state")),
+    "torch._tensor._rebuild_from_type_v2", "torch.nn.parameter.Parameter", "torch.Tensor", "torch.Size",
+    "torch.device", "torch.serialization._get_layout", "torch.storage.UntypedStorage",  # float8 and newer dtypes
+    "collections.OrderedDict", "_codecs.encode",
+})
+
+
+def _holds_only_data(name: str) -> bool:
+    """Whether a pickled global (in Python 3 names) is one torch.save writes into a checkpoint."""
+    module, _, attr = name.rpartition(".")
+    if name in _TORCH_SAVE_GLOBALS:
+        return True
+    value = getattr(torch, attr, None) if module == "torch" else None
+    return isinstance(value, torch.dtype) or (isinstance(value, type) and attr.endswith("Storage"))
 
 
 def _py3_name(module: str, name: str) -> str:
@@ -616,30 +631,30 @@ def _pickle_of(f: Any) -> bytes | None:
         return None
 
 
-def _refused(f: Any, err: Exception) -> list[str]:
-    """The globals of a torch.save file that a weights-only load refused: those the refusal names (in
-    whatever words this torch release uses: it writes builtins.eval as `eval`), or whose module is never
-    admitted. [] when the pickle does not decode: then the refusal was damage."""
+def _refused(f: Any) -> list[str]:
+    """The globals of a torch.save file that no checkpoint holds, read from its pickle (not from the words of
+    torch's refusal, which differ between releases and between globals, and which may name an opcode it stopped
+    at before the global). [] when the pickle does not decode as a whole (damage), or holds only data."""
     names = pickle_globals(_pickle_of(f) or b"") or []
-    text = str(err)
-
-    def named(name: str) -> bool:
-        short = name.removeprefix("builtins.")
-        return name in text or re.search(rf"(?<![\w.]){re.escape(short)}(?![\w.])", text) is not None
-
-    return list(dict.fromkeys(n for n in names if n.split(".")[0] in _BLOCKED_MODULES or named(n)))
+    return list(dict.fromkeys(n for n in names if not _holds_only_data(n)))
 
 
 def _load_plain(f: Any, where: Path, **kwargs: Any) -> Any:
-    """torch.load(weights_only=True), its refusal of a pickled global turned into CheckpointUnsafe (naming
-    the globals, read from the pickle itself, not from the wording of torch's message)."""
-    try:
-        return torch.load(f, map_location="cpu", weights_only=True, **kwargs)
-    except pickle.UnpicklingError as err:
-        if refused := _refused(f, err):
-            raise CheckpointUnsafe(f"{where}: refused: it references {', '.join(refused)}, which a checkpoint never "
-                                   f"holds (loading it would run code; a tampered or foreign file)") from None
-        raise
+    """torch.load(weights_only=True). A failed load of a pickle that imports anything but data is CheckpointUnsafe,
+    naming those globals, whatever torch's exception says; any other failure is raised as it is. Torch's warnings
+    of a load that fails are dropped (the error says it all); those of a load that succeeds are shown."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = torch.load(f, map_location="cpu", weights_only=True, **kwargs)
+        except Exception:
+            if refused := _refused(f):
+                raise CheckpointUnsafe(f"{where}: refused: it references {', '.join(refused)}, which a checkpoint "
+                                       f"never holds (loading it would run code; a tampered or foreign file)") from None
+            raise
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return result
 
 
 def set_at(root: dict, path: tuple, value: Any) -> None:
