@@ -21,6 +21,7 @@ import os
 import pickle
 import random
 import shutil
+import struct
 import sys
 import time
 import types
@@ -447,14 +448,84 @@ def test_a_flipped_digit_in_meta_json_falls_back_to_the_previous_checkpoint(save
     assert len(warned) == 1 and f"{meta_path}: corrupt checkpoint (CRC32 of its contents" in warned[0], warned
 
 
-def test_meta_json_without_its_own_checksum_still_loads(saved, tmp_path):
-    """A checkpoint written before meta.json carried a CRC32 of its own loads, its fields range-checked."""
+def test_meta_json_without_its_own_checksum_still_loads(saved, tmp_path, caplog):
+    """A checkpoint written before meta.json carried a CRC32 of its own loads, its fields range-checked; nothing
+    tells an edited train state from the saved one, so the run says which one it takes (samples_seen 16 edited
+    to 40)."""
     out = run_copy(saved, "sharded", tmp_path)
     meta_path = newest(out, "sharded") / "meta.json"
     meta = json.loads(meta_path.read_text())
     del meta["meta_crc32"]
+    meta["train_state"]["samples_seen"] = 40
     meta_path.write_text(json.dumps(meta))
-    assert (load(out, "sharded").step, load(out, "sharded").samples_seen) == (2, 16)
+    state = load(out, "sharded")
+    assert (state.step, state.samples_seen) == (2, 40)
+    warned = [r.getMessage() for r in caplog.records if "no checksum of its own" in r.getMessage()]
+    assert warned == [f"{meta_path} has no checksum of its own (saved before meta.json carried one): its train "
+                      "state is taken unverified: step 2, samples_seen 40, tokens_seen 128"], warned
+
+
+# ---- a full checkpoint that is truncated, or has no checksum record ------------------------------
+
+
+def largest_record_middle(pth: Path) -> int:
+    """The offset of a byte in the middle of the largest record of a torch.save archive (stored uncompressed: a
+    record's data follows its 30-byte local header, its name and its extra field)."""
+    data = pth.read_bytes()
+    with zipfile.ZipFile(pth) as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    return info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+
+
+@pytest.mark.parametrize("record", ["with its record", "without"])
+def test_a_truncated_pth_is_called_truncated_and_latest_falls_back(saved, tmp_path, record):
+    out = run_copy(saved, "full", tmp_path)
+    checkpoint = newest(out, "full")
+    checkpoint.write_bytes(checkpoint.read_bytes()[:checkpoint.stat().st_size // 2])
+    if record == "without":
+        sidecar_of(checkpoint).unlink()
+    with pytest.raises(CheckpointCorrupt) as caught:
+        load(out, "full", str(checkpoint))
+    assert one_line(caught.value).startswith(f"{checkpoint}: truncated or incomplete checkpoint ("), caught.value
+    assert load(out, "full").step == 1 and (out / "corrupt-fsdp_cpt2.pth").exists()
+
+
+def test_a_flipped_bit_in_a_pth_without_its_record_is_caught_by_its_archive(saved, tmp_path):
+    """Without the record, the CRC32 torch.save writes for each record of its archive still catches a flipped bit
+    inside a tensor's data, which would decode and train on a damaged weight: refused by path (and by the tools),
+    moved aside by `latest`, which resumes from step 1."""
+    out = run_copy(saved, "full", tmp_path)
+    checkpoint = newest(out, "full")
+    sidecar_of(checkpoint).unlink()
+    data = bytearray(checkpoint.read_bytes())
+    data[largest_record_middle(checkpoint)] ^= 0x10
+    checkpoint.write_bytes(bytes(data))
+    torch.load(checkpoint, weights_only=True)  # the premise: torch reads it without a word
+    for read in (lambda: load(out, "full", str(checkpoint)), lambda: checkpoint_io.load_model(checkpoint)):
+        with pytest.raises(CheckpointCorrupt) as caught:
+            read()
+        assert one_line(caught.value).startswith(f"{checkpoint}: corrupt checkpoint (the CRC32 of its record "), \
+            caught.value
+    assert load(out, "full").step == 1 and (out / "corrupt-fsdp_cpt2.pth").exists()
+
+
+def test_a_pth_without_its_record_loads_verified_by_its_archive_or_says_it_cannot_be(saved, tmp_path, caplog):
+    out = run_copy(saved, "full", tmp_path)
+    checkpoint = newest(out, "full")
+    sidecar_of(checkpoint).unlink()
+    assert load(out, "full", str(checkpoint)).step == 2
+    assert not [r for r in caplog.records if "unverified" in r.getMessage()]
+    payload = torch.load(checkpoint, weights_only=True)
+    torch.serialization.set_crc32_options(False)  # an archive without CRC32s: nothing to check it against
+    try:
+        torch.save(payload, checkpoint)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert load(out, "full", str(checkpoint)).step == 2
+    assert [r.getMessage() for r in caplog.records if "unverified" in r.getMessage()] == [
+        f"{checkpoint} has no checksum record (.fsdp_cpt2.pth.json) and its archive holds no CRC32s: loading it "
+        "unverified"]
 
 
 def test_meta_json_nested_too_deep_falls_back_to_the_previous_checkpoint(saved, tmp_path):

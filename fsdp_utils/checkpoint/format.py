@@ -159,6 +159,8 @@ def check_size(path: Path, record: dict) -> str | None:
     actual = path.stat().st_size if path.is_file() else None
     if actual is None:
         return f"{path}: missing (corrupt or incomplete checkpoint: expected {record['size']} bytes)"
+    if actual < record["size"]:
+        return f"{path}: truncated or incomplete checkpoint (expected {record['size']} bytes, found {actual})"
     if actual != record["size"]:
         return f"{path}: corrupt checkpoint (expected {record['size']} bytes, found {actual})"
     return None
@@ -175,6 +177,24 @@ def check_file(path: Path, record: dict) -> str | None:
         return (f"{path}: corrupt checkpoint (CRC32 {actual}, recorded {record['crc32']}: the bytes changed "
                 "after the save)")
     return None
+
+
+def check_archive(path: Path) -> tuple[bool, str | None]:
+    """(verified, problem) of a .pth without its checksum record, against the CRC32 that torch.save writes into
+    its zip archive for every record: a problem (text naming the file) if any record's bytes differ from it.
+    Not verified when the archive holds no CRC32s (torch.save with crc32 computation turned off writes zeros)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            infos = archive.infolist()
+            if all(info.CRC == 0 for info in infos if info.file_size):
+                return False, None
+            bad = archive.testzip()  # reads every record, comparing its CRC32 with the archive's
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as err:
+        return False, f"{path}: corrupt checkpoint ({first_line(err)})"
+    if bad is not None:
+        return False, (f"{path}: corrupt checkpoint (the CRC32 of its record {bad} differs from the one its archive "
+                       "holds: the bytes changed after the save)")
+    return True, None
 
 
 def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
@@ -347,11 +367,15 @@ def check_structure(path: Path) -> None:
     if not stat.S_ISREG(mode):
         raise CheckpointError(f"{path}: {nofollow.kind_of(mode)}, not a checkpoint (a checkpoint is a file written by "
                               "torch.save or a sharded checkpoint's folder)")
-    if not zipfile.is_zipfile(path):
-        raise CheckpointCorrupt(f"{path}: not a checkpoint (not a file written by torch.save)")
     record = read_full_record(path)
     if record and path.name in record and (problem := check_size(path, record[path.name])):
         raise CheckpointCorrupt(problem)
+    if not zipfile.is_zipfile(path):
+        with path.open("rb") as f:
+            begun = f.read(4) == b"PK\x03\x04"  # the first record of a zip archive, whose end is missing
+        raise CheckpointCorrupt(f"{path}: truncated or incomplete checkpoint (a torch.save archive without its end: "
+                                "the write or the copy stopped short)" if begun else
+                                f"{path}: not a checkpoint (not a file written by torch.save)")
 
 
 def _is_int(value: object, minimum: int, maximum: int | None = None) -> bool:

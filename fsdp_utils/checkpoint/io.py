@@ -29,6 +29,7 @@ from .format import (
     TMP_PREFIX,
     CheckpointCorrupt,
     CheckpointError,
+    check_archive,
     check_file,
     checksum_records,
     dcp_load,
@@ -98,10 +99,12 @@ def read_meta(path: str | Path) -> dict:
 
 
 def verify(path: str | Path) -> None:
-    """Check every file of a checkpoint against its recorded size and CRC32 (a full file copied without
-    its checksum record is taken as it is); CheckpointCorrupt naming the first file that differs."""
+    """Check every file of a checkpoint against its recorded size and CRC32 (a full file copied without its
+    checksum record: against the CRC32s of its archive); CheckpointCorrupt naming the first file that differs."""
     path = Path(path)
     records = checksum_records(path)
+    if records is None and (problem := check_archive(path)[1]):
+        raise CheckpointCorrupt(problem)
     folder = path if path.is_dir() else path.parent
     for name, record in sorted((records or {}).items()):
         if problem := check_file(folder / name, record):

@@ -29,6 +29,8 @@ from . import nofollow
 from .async_save import AsyncSaveFailed, AsyncSaver
 from .base import CheckpointContext, CheckpointFormat, TrainState, gather_rng, restore_rng
 from .format import (
+    META_CRC_KEY,
+    META_NAME,
     TMP_PREFIX,
     CheckpointCorrupt,
     CheckpointError,
@@ -270,6 +272,11 @@ class CheckpointManager:
         state.rng = rng
         restore_rng(rng, self.env)
         self.loaded = (path, meta["world_size"])
+        if self.env.is_main and path.is_dir() and META_CRC_KEY not in meta:
+            # Its files are checked against meta.json, but nothing checks meta.json: show what it made the run take.
+            log.warning("%s has no checksum of its own (saved before meta.json carried one): its train state is "
+                        "taken unverified: step %d, samples_seen %d, tokens_seen %d", path / META_NAME, state.step,
+                        state.samples_seen, state.tokens_seen)
         if self.env.is_main:
             log.info("loaded checkpoint %s (%.1f MiB, step %d, saved at world size %d) in %.2f s (CRC32 check %.2f s)",
                      path, size_of(path) / 2**20, state.step, meta["world_size"], time.perf_counter() - start, crc_s)
