@@ -76,8 +76,10 @@ def model_and_optimizer(seed: int = 0) -> tuple[Transformer, torch.optim.Optimiz
     return model, optimizer
 
 
-def manager(out: Path, fmt: str, *, allow_tokenizer_change: bool = False, **kwargs) -> CheckpointManager:
-    section = CheckpointConfig(format=fmt, keep_last_n=0, allow_tokenizer_change=allow_tokenizer_change)
+def manager(out: Path, fmt: str, *, allow_tokenizer_change: bool = False, section_keep_last_n: int = 0,
+            **kwargs) -> CheckpointManager:
+    section = CheckpointConfig(format=fmt, keep_last_n=section_keep_last_n,
+                               allow_tokenizer_change=allow_tokenizer_change)
     kwargs = {"model_config": dataclasses.asdict(CONFIG), "tokenizer_sha256": TOKENIZER, **kwargs}
     return CheckpointManager(section, out, env=ENV, **kwargs)
 
@@ -568,6 +570,105 @@ def test_a_link_inside_a_checkpoint_is_refused_and_left_alone(saved, tmp_path):
 
 def test_train_state_keys_are_the_train_state_fields():
     assert set(TRAIN_STATE_KEYS) == {f.name for f in dataclasses.fields(TrainState)} - {"rng"}
+
+
+# ---- what a save replaces or removes: only what the run's saves made ---------------------------
+
+
+def save_step(out: Path, fmt: str, step: int, **kwargs) -> Path:
+    model, optimizer = model_and_optimizer()
+    return manager(out, fmt, **kwargs).save(model, optimizer, TrainState(step=step, samples_seen=8 * step,
+                                                                         tokens_seen=64 * step))
+
+
+def users_folder(path: Path) -> dict[str, str]:
+    """A folder of the user's at `path` (its contents, for comparing later)."""
+    path.mkdir()
+    (path / "notes.txt").write_text("the user's notes")
+    return {"notes.txt": "the user's notes"}
+
+
+def contents(folder: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in folder.iterdir()}
+
+
+def test_a_sharded_folder_without_meta_json_is_moved_aside_and_named_never_deleted(saved, tmp_path, caplog):
+    """`latest` names a folder under a newer sharded checkpoint's name that has no meta.json and moves it aside
+    (it was passed over in silence, then deleted by the save of its step); the step-3 save then writes its own."""
+    out = run_copy(saved, "sharded", tmp_path)
+    held = users_folder(out / "fsdp_sharded_cpt3")
+    assert load(out, "sharded").step == 2
+    warned = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"{out / 'fsdp_sharded_cpt3'}: not a complete sharded "
+                                                     "checkpoint (no meta.json"), warned
+    save_step(out, "sharded", 3)
+    assert contents(out / "corrupt-fsdp_sharded_cpt3") == held
+    assert load(out, "sharded").step == 3
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_users_file_under_a_checkpoints_name_is_kept_aside_by_the_save_of_its_step(tmp_path, fmt, caplog):
+    """fsdp_sharded_cpt1/ (a folder of the user's) at the step-1 save, or fsdp_cpt1.pth (a file of the user's,
+    with a checksum record of its own): kept as kept-<name>, byte for byte, with one warning naming both; the
+    save writes its checkpoint, which loads."""
+    out = tmp_path / "run"
+    out.mkdir()
+    name = "fsdp_cpt1.pth" if fmt == "full" else "fsdp_sharded_cpt1"
+    if fmt == "full":
+        (out / name).write_bytes(b"the user's weights")
+        sidecar_of(out / name).write_text("the user's record")
+    else:
+        held = users_folder(out / name)
+    save_step(out, fmt, 1)
+    kept = out / f"kept-{name}"
+    if fmt == "full":
+        assert kept.read_bytes() == b"the user's weights" and sidecar_of(kept).read_text() == "the user's record"
+    else:
+        assert contents(kept) == held
+    warned = [r.getMessage() for r in caplog.records if "is in the way" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"{name} is in the way of the save of {name} ") and \
+        f"kept as kept-{name}" in warned[0], warned
+    assert load(out, fmt).step == 1
+
+
+def test_a_users_tmp_folder_stays_and_a_leftover_of_an_interrupted_save_goes(tmp_path, monkeypatch):
+    """A save stopped (Ctrl-C) after writing its `.tmp-` file leaves it, recorded in the journal: the next save
+    removes it. The user's `.tmp-mybackup/` and a `.tmp-` file of the user's under a save's own temporary name
+    are not the run's: they stay (the latter kept aside when a save needs its name)."""
+    from fsdp_utils.checkpoint import full
+
+    out = tmp_path / "run"
+    out.mkdir()
+    held = users_folder(out / ".tmp-mybackup")
+    (out / ".tmp-fsdp_cpt3.pth").write_bytes(b"the user's")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(full, "install_full", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            save_step(out, "full", 2)
+    assert (out / ".tmp-fsdp_cpt2.pth").is_file()  # what the interrupted save left
+    save_step(out, "full", 3)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".fsdp_cpt3.pth.json", ".tmp-mybackup", "checkpoint_journal.jsonl", "fsdp_cpt3.pth",
+                     "kept-.tmp-fsdp_cpt3.pth"], names
+    assert contents(out / ".tmp-mybackup") == held and (out / "kept-.tmp-fsdp_cpt3.pth").read_bytes() == b"the user's"
+
+
+def test_retention_deletes_the_runs_checkpoints_only(tmp_path):
+    """keep_last_n=1 over steps 1 to 3: the run's steps 1 and 2 go; a checkpoint copied in from another run
+    (step 0: a complete checkpoint of this very format) is never counted or deleted."""
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    copied = save_step(elsewhere, "full", 0)
+    out.mkdir()
+    shutil.copy(copied, out / copied.name)
+    shutil.copy(sidecar_of(copied), sidecar_of(out / copied.name))
+    for step in (1, 2, 3):
+        save_step(out, "full", step, section_keep_last_n=1)
+    assert sorted(p.name for p in out.glob("fsdp_cpt*")) == ["fsdp_cpt0.pth", "fsdp_cpt3.pth"]
+    assert (out / "fsdp_cpt0.pth").read_bytes() == copied.read_bytes()
 
 
 # ---- DCP storage records -------------------------------------------------------------------------

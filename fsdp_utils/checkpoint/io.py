@@ -39,6 +39,7 @@ from .format import (
     size_of,
 )
 from .host_memory import format_size, host_memory
+from .journal import Journal
 
 log = logging.getLogger(__name__)
 
@@ -180,13 +181,17 @@ def install_tokenizer(source: Path, out_dir: Path) -> None:
                     "trained with it", dest, old[:8], new[:8], kept.name)
     elif dest.is_symlink() and source.is_dir():  # a broken link: renaming a folder onto it would fail
         raise CheckpointError(f"{dest}: a broken symbolic link where the run's tokenizer goes; remove it")
-    tmp = out_dir / f"{TMP_PREFIX}{dest.name}"  # a leftover of an interrupted copy, if any, is ours
-    nofollow.remove(tmp)
+    # Copied under a `.tmp-` name recorded in the run's journal: a leftover of an interrupted copy is removed, a
+    # file of the user's under that name is kept aside.
+    journal, tmp = Journal(out_dir), out_dir / f"{TMP_PREFIX}{dest.name}"
     if source.is_dir():
-        shutil.copytree(source, tmp)
+        journal.create_dir(tmp)
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
     else:
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, dest)
+        with journal.create_file(tmp) as f, source.open("rb") as src:
+            shutil.copyfileobj(src, f)
+    journal.seal(tmp)
+    journal.rename(tmp, dest)
 
 
 def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None, sha256: str | None = None) -> Path:

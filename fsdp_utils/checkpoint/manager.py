@@ -41,7 +41,7 @@ from .format import (
     size_of,
 )
 from .full import FullCheckpoint
-from .retention import complete_checkpoints, move_aside, odd_checkpoints
+from .retention import complete_checkpoints, incomplete_sharded, move_aside, odd_checkpoints
 from .sharded import ShardedCheckpoint
 from .staging import state_bytes
 from .verify import verify
@@ -110,10 +110,12 @@ class CheckpointManager:
         error = None
         if self.context.fmt == "sharded" or self.env.is_main:
             probe = self.dir / f"{TMP_PREFIX}write-check-rank{self.env.rank}-{os.getpid()}"
+            made = False
             try:
                 if self.env.is_main:
                     self.dir.mkdir(parents=True, exist_ok=True)
                 with open(probe, "xb") as f:  # x: never through an existing file or link
+                    made = True
                     f.write(b"checkpoint write check\n")
                     f.flush()
                     os.fsync(f.fileno())
@@ -124,7 +126,8 @@ class CheckpointManager:
                                         f"{socket.gethostname()} ({first_line(err)}){hint}; fix the permissions or "
                                         f"choose another run.output_dir")
             finally:
-                probe.unlink(missing_ok=True)  # ours: made just above under a name of this process
+                if made:  # ours: made just above (a file of that name that was there already is not)
+                    probe.unlink(missing_ok=True)
         agree(self.env, error)
 
     def on_step_end(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
@@ -195,7 +198,10 @@ class CheckpointManager:
                 raise CheckpointUnsafe(f"{odd[0]}: {nofollow.kind_of(os.lstat(odd[0]).st_mode)} under a checkpoint's "
                                        "name in the output directory, where only the run's own checkpoints belong; "
                                        "move it away")
-            candidates = [path for _, path in self.complete_checkpoints()]
+            # A folder under a sharded checkpoint's name without meta.json is tried too (and moved aside as corrupt,
+            # named in the warning), never passed over in silence: the save of its step would have to replace it.
+            found = self.complete_checkpoints() + incomplete_sharded(self.dir)
+            candidates = [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
             if not candidates:
                 raise CheckpointError(f"--resume_from latest: no complete checkpoint in {self.dir}")
             return candidates
@@ -227,7 +233,7 @@ class CheckpointManager:
                     raise
                 if self.env.is_main:
                     log.warning("%s; falling back to the previous checkpoint", err)
-                    move_aside(path)
+                    move_aside(self.context.journal, path)
                 barrier(self.env)
         raise AssertionError("unreachable")
 
