@@ -652,7 +652,7 @@ def test_a_users_tmp_folder_stays_and_a_leftover_of_an_interrupted_save_goes(tmp
     assert (out / ".tmp-fsdp_cpt2.pth").is_file()  # what the interrupted save left
     save_step(out, "full", 3)
     names = sorted(p.name for p in out.iterdir())
-    assert names == [".fsdp_cpt3.pth.json", ".tmp-mybackup", "checkpoint_journal.jsonl", "fsdp_cpt3.pth",
+    assert names == [".checkpoint_journal.jsonl", ".fsdp_cpt3.pth.json", ".tmp-mybackup", "fsdp_cpt3.pth",
                      "kept-.tmp-fsdp_cpt3.pth"], names
     assert contents(out / ".tmp-mybackup") == held and (out / "kept-.tmp-fsdp_cpt3.pth").read_bytes() == b"the user's"
 

@@ -70,10 +70,10 @@ def test_retention_counts_the_new_checkpoint_first_and_never_touches_corrupt_one
     fake_checkpoints(tmp_path, full=(2, 3, 4, 6), sharded=(5,), journal=journal)
     move_aside(journal, tmp_path / "fsdp_cpt2.pth")
     apply_retention(journal, tmp_path / "fsdp_cpt3.pth", keep_last_n=2)
-    assert names(tmp_path) == ["checkpoint_journal.jsonl", "corrupt-fsdp_cpt2.pth", "fsdp_cpt3.pth", "fsdp_cpt6.pth"]
+    assert names(tmp_path) == ["corrupt-fsdp_cpt2.pth", "fsdp_cpt3.pth", "fsdp_cpt6.pth"]
     assert not sidecar_of(tmp_path / "fsdp_cpt4.pth").exists() and sidecar_of(tmp_path / "fsdp_cpt6.pth").exists()
     apply_retention(journal, tmp_path / "fsdp_cpt6.pth", keep_last_n=0)  # 0 keeps everything
-    assert names(tmp_path) == ["checkpoint_journal.jsonl", "corrupt-fsdp_cpt2.pth", "fsdp_cpt3.pth", "fsdp_cpt6.pth"]
+    assert names(tmp_path) == ["corrupt-fsdp_cpt2.pth", "fsdp_cpt3.pth", "fsdp_cpt6.pth"]
 
 
 def test_retention_deletes_only_checkpoints_the_journal_records(tmp_path):
@@ -86,8 +86,7 @@ def test_retention_deletes_only_checkpoints_the_journal_records(tmp_path):
     replaced.unlink()
     replaced.write_bytes(b"the user's own file")  # the name the journal records, another file
     apply_retention(journal, tmp_path / "fsdp_cpt4.pth", keep_last_n=1)
-    assert names(tmp_path) == ["checkpoint_journal.jsonl", "fsdp_cpt2.pth", "fsdp_cpt4.pth", "fsdp_cpt5.pth",
-                               "fsdp_sharded_cpt6"]
+    assert names(tmp_path) == ["fsdp_cpt2.pth", "fsdp_cpt4.pth", "fsdp_cpt5.pth", "fsdp_sharded_cpt6"]
     assert replaced.read_bytes() == b"the user's own file" and sidecar_of(tmp_path / "fsdp_cpt5.pth").exists()
 
 
@@ -117,7 +116,7 @@ def test_remove_incomplete_removes_only_what_interrupted_saves_made(tmp_path):
     (tmp_path / ".tmp-mybackup" / "notes.txt").write_text("the user's")
     remove_incomplete(journal)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        ".fsdp_cpt1.pth.json", ".tmp-fsdp_sharded_cpt5", ".tmp-mybackup", "checkpoint_journal.jsonl",
+        ".checkpoint_journal.jsonl", ".fsdp_cpt1.pth.json", ".tmp-fsdp_sharded_cpt5", ".tmp-mybackup",
         "fsdp_cpt1.pth", "fsdp_sharded_cpt2"]
     assert (tmp_path / ".tmp-mybackup" / "notes.txt").read_text() == "the user's"
 

@@ -1,7 +1,7 @@
 """The run's record of what its saves made in its output directory, so that a save removes or replaces only
 that: never a file or folder of the user's that has a checkpoint's name or a `.tmp-` one.
 
-`checkpoint_journal.jsonl`, one JSON object a line, appended and fsynced by rank 0:
+`.checkpoint_journal.jsonl`, one JSON object a line, appended and fsynced by rank 0:
 {"made": name, "dev", "ino", "kind"} once a save has created a file or folder (before any data goes in),
 {"sealed": name, "dev", "ino", "kind", "mtime_ns", "size"} once it has written all of it, {"renamed": name, "to": name}
 before it renames one, {"removed": name} once it has removed one. A path is the run's own while the journal names
@@ -24,7 +24,7 @@ from . import nofollow
 
 log = logging.getLogger(__name__)
 
-JOURNAL_NAME = "checkpoint_journal.jsonl"
+JOURNAL_NAME = ".checkpoint_journal.jsonl"
 KEPT_PREFIX = "kept-"  # moved aside for being in a save's way without being the run's own: never loaded or deleted
 _LIMIT = 1 << 30  # bytes: a journal of millions of saves; a larger file is not one
 
