@@ -438,3 +438,35 @@ def test_two_ranks_resume_latest_of_a_lora_run_far_smaller_than_its_base(tmp_pat
     texts = {generate.generate(run / name.format(4), "the quick", temperature=0, max_new_tokens=12, device="cpu")
              for run in (whole, stopped)}
     assert len(texts) == 1 and texts.pop().startswith("the quick")
+
+
+def test_a_lora_base_from_a_checkpoint_is_bounded_by_that_checkpoint(tmp_path, world_of_one):
+    """With model.init_from, the base is a checkpoint of its own, which bounds the config: generate.py puts the
+    adapters on its weights, and a LoRA config rewritten to a larger model (the base's fingerprint is of its files,
+    so it still matches) is refused before the larger model is built."""
+    base_model = Transformer(BIG_BASE)
+    base_model.init_weights(7)
+    signature = dataclasses.asdict(BIG_BASE)
+    base = CheckpointManager(CheckpointConfig(format="full"), tmp_path / "base", env=world_of_one,
+                             model_config=signature).save(
+        base_model, torch.optim.AdamW(base_model.parameters()), TrainState(step=0))
+    run_cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", [*SMALL_ADAPTERS, f"--model.init_from={base}"])
+    model, optimizer = _seeded_lora_model(run_cfg.run.seed, steps=2)
+    model.load_state_dict(base_model.state_dict(), strict=False)  # the adapters, over the checkpoint's base
+    path = CheckpointManager(CheckpointConfig(format="full"), tmp_path / "lora", env=world_of_one,
+                             model_config=signature, lora=lora_record(run_cfg, signature, base_dtype=torch.float32)
+                             ).save(model, optimizer, TrainState(step=2, samples_seen=4))
+    loaded, _ = generate.load_for_generation(path, read_meta(path), device=torch.device("cpu"), base=None)
+    tokens = torch.randint(0, BIG_BASE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), model(tokens), rtol=0, atol=0)
+
+    payload = torch.load(path, weights_only=True)
+    payload["model_config"] = {**signature, "n_layers": 64}
+    torch.save(payload, path)
+    sidecar_of(path).write_text(json.dumps({"format_version": 1, "files": {path.name: file_record(path)}}))
+    with pytest.raises(CheckpointError) as caught:
+        generate.load_for_generation(path, payload, device=torch.device("cpu"), base=None)
+    larger = ModelConfig(**payload["model_config"]).num_params()
+    assert str(caught.value).startswith(f"{path}: its model_config ({larger:,} parameters) is not the model of its "
+                                        f"base {base} "), caught.value
