@@ -46,8 +46,15 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from fsdp_utils.checkpoint.format import CheckpointError, dcp_load, load_full  # noqa: E402
-from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta, verify  # noqa: E402
+from fsdp_utils.checkpoint.format import CheckpointError, dcp_load, first_line, load_full  # noqa: E402
+from fsdp_utils.checkpoint.io import (  # noqa: E402
+    check_buildable,
+    find_tokenizer,
+    load_model,
+    model_config_of,
+    read_meta,
+    verify,
+)
 from fsdp_utils.parallel.hf import (  # noqa: E402
     CausalLMAdapter,
     HFModelError,
@@ -183,8 +190,8 @@ def _lora_base(meta: dict, checkpoint: Path) -> torch.nn.Module:
                              hf_path=base.get("hf_path", ""), hf_config=base.get("hf_config", ""))
     run = SimpleNamespace(model=source, run=SimpleNamespace(seed=base.get("seed")))
     if base_reference(run, config)["fingerprint"] != base["fingerprint"]:
-        raise ExportError(f"{checkpoint}: its base ({', '.join(f'{k}={v}' for k, v in base.items())}) has changed "
-                          "since training: the adapters belong to other weights")
+        raise CheckpointError(f"{checkpoint}: its base ({', '.join(f'{k}={v}' for k, v in base.items())}) has "
+                              "changed since training: the adapters belong to other weights")
     if hf:
         from transformers import AutoModelForCausalLM
 
@@ -195,11 +202,32 @@ def _lora_base(meta: dict, checkpoint: Path) -> torch.nn.Module:
             torch.manual_seed(base["seed"])
             lm = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False, **dtype_kwarg(torch.float32))
         return CausalLMAdapter(lm.float())
-    model = Transformer(ModelConfig(**config), fused_matmul=True)
-    if source.init_from:
-        model.load_state_dict(load_model(source.init_from)[0].state_dict())
-    else:
-        model.init_weights(base["seed"])
+    return _our_base(meta, checkpoint, init_from=source.init_from)
+
+
+def _our_base(meta: dict, checkpoint: Path, *, init_from: str) -> Transformer:
+    """Our model as a LoRA checkpoint's base: the weights of `init_from`, or those its seed draws. The adapters'
+    checkpoint does not hold the base, so its size does not bound the config: the base's own checkpoint does
+    (load_model checks it), and a seeded base must fit in memory."""
+    cfg = model_config_of(meta, checkpoint)
+    if not init_from:
+        seed = meta["lora"]["base"].get("seed")
+        if not isinstance(seed, int):
+            raise CheckpointError(f"{checkpoint}: its LoRA record names no base for our model (no init_from, no seed)")
+        check_buildable(cfg, checkpoint, why="a LoRA checkpoint on a seeded base holds none of the base's weights")
+        model = Transformer(cfg, fused_matmul=True)
+        model.init_weights(seed)
+        return model
+    weights, _ = load_model(init_from)
+    if weights.cfg.num_params() != cfg.num_params():
+        raise CheckpointError(f"{checkpoint}: its model_config ({cfg.num_params():,} parameters) is not the model of "
+                              f"its base {init_from} ({weights.cfg.num_params():,})")
+    model = Transformer(cfg, fused_matmul=True)
+    try:
+        model.load_state_dict(weights.state_dict())
+    except RuntimeError as err:  # the same size, other shapes
+        raise CheckpointError(f"{checkpoint}: its model_config is not the model of its base {init_from} "
+                              f"({first_line(err)})") from None
     return model
 
 
@@ -211,14 +239,18 @@ def load_lora_model(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
     lora = meta["lora"]
     model = _lora_base(meta, checkpoint)
     settings = LoRASettings(lora["rank"], float(lora["alpha"]), 0.0, tuple(lora["targets"]))
-    attach_adapters(model, settings, seed=0, base_dtype=getattr(torch, lora.get("base_dtype", "float32")))
+    try:
+        attach_adapters(model, settings, seed=0, base_dtype=getattr(torch, lora.get("base_dtype", "float32")))
+    except ValueError as err:  # targets that name no layer of this model
+        raise CheckpointError(f"{checkpoint}: its LoRA record does not fit its model ({err})") from None
     model.float()  # computes in fp32 from here (the rounded base values stay as they were)
     adapters = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
     if checkpoint.is_dir():
         dcp_load({"model": adapters}, checkpoint, no_dist=True)  # in place, only the adapters
     else:
         saved = load_full(checkpoint)["model"]
-        if sorted(saved) != sorted(adapters):
+        shapes = lambda d: {k: tuple(getattr(v, "shape", ())) for k, v in d.items()}  # noqa: E731
+        if shapes(saved) != shapes(adapters):  # copy_ below would broadcast a tensor of another shape
             raise CheckpointError(f"{checkpoint}: its tensors are not the adapters train.lora={lora} makes")
         with torch.no_grad():
             for name, tensor in adapters.items():
@@ -393,7 +425,7 @@ def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool 
     _check_out_dir(out_dir, [checkpoint, tokenizer], force)
     if merge_lora:
         lora_model, _ = load_lora_model(checkpoint)
-        ours = Transformer(ModelConfig(**meta["model_config"]))
+        ours = Transformer(lora_model.cfg)  # type: ignore[arg-type]  # our Transformer: model.type=hf went above
         ours.load_state_dict(merged_state_dict(lora_model))
     else:
         ours, _ = load_model(checkpoint)

@@ -7,14 +7,15 @@
 
 Prints the prompt followed by the continuation. The checkpoint holds our model, or a fine-tuned Hugging Face
 model (model.type=hf: its architecture is the config.json of the folder the run fine-tuned, model.hf_path or
-model.hf_config of the run's config.yaml next to the checkpoint, or --base). The tokenizer is the run's (a
-SentencePiece model, or a Hugging Face tokenizer's folder), found next to the checkpoint by the hash the
-checkpoint records (train_fsdp.py copies it there). The prompt is encoded as training encoded documents (no
-BOS); --chat instead renders it as a user message with the tokenizer's chat template, followed by the start of
-the assistant's turn. Sampling: logits / temperature, keep the top_k most likely tokens (0: all), draw with a
-torch.Generator seeded by --seed, so a fixed seed gives the same text; --temperature 0 is greedy and ignores
-the seed. The context is cropped to the model's context length; generation stops early at the
-end-of-document token. An empty prompt starts a fresh document.
+model.hf_config of the run's config.yaml next to the checkpoint, or --base), or LoRA adapters (train.lora), put
+on the base the checkpoint records once that is checked against its fingerprint, as export_hf.py --merge_lora
+does. The tokenizer is the run's (a SentencePiece model, or a Hugging Face tokenizer's folder), found next to
+the checkpoint by the hash the checkpoint records (train_fsdp.py copies it there). The prompt is encoded as
+training encoded documents (no BOS); --chat instead renders it as a user message with the tokenizer's chat
+template, followed by the start of the assistant's turn. Sampling: logits / temperature, keep the top_k most
+likely tokens (0: all), draw with a torch.Generator seeded by --seed, so a fixed seed gives the same text;
+--temperature 0 is greedy and ignores the seed. The context is cropped to the model's context length;
+generation stops early at the end-of-document token. An empty prompt starts a fresh document.
 """
 from __future__ import annotations
 
@@ -125,7 +126,14 @@ def open_tokenizer(path: Path) -> TextCodec:
 
 def load_for_generation(checkpoint: Path, meta: dict, *, device: torch.device,
                         base: Path | None) -> tuple[nn.Module, int]:
-    """(the checkpoint's model on `device`, in eval mode; its vocabulary size)."""
+    """(the checkpoint's model on `device`, in eval mode; its vocabulary size). A LoRA checkpoint's adapters
+    are put on the base the checkpoint records, as scripts/export_hf.py --merge_lora finds and checks it."""
+    if "lora" in meta:
+        from scripts.export_hf import load_lora_model
+
+        model, _ = load_lora_model(checkpoint)
+        lm = getattr(model, "lm", None)  # a Hugging Face model's CausalLMAdapter
+        return model.to(device), lm.config.vocab_size if lm is not None else model.cfg.vocab_size
     if meta["model_config"].get("type") == "hf":
         adapter, _, _ = load_hf_checkpoint(checkpoint, base=base)
         return adapter.to(device), adapter.lm.config.vocab_size

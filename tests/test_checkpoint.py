@@ -306,8 +306,9 @@ def test_resume_at_another_world_size(runs, nproc, tmp_path):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_killed_save_is_ignored_and_cleaned_up(runs, fmt, tmp_path):
     """A save killed half-way leaves the previous checkpoint intact (keep_last_n=1 deletes only after a
-    newer one is complete); resuming ignores the leftovers, continues exactly from the previous
-    checkpoint, and the next save removes them."""
+    newer one is complete); resuming ignores the leftover, continues exactly from the previous
+    checkpoint, and the next save removes it (the journal records it as the run's). Files under `.tmp-` names
+    that the run's saves did not make stay as they are."""
     baseline = runs.baseline()
     out = tmp_path / "run"
     args = [f"--checkpoint.format={fmt}", f"--checkpoint.interval={SPLIT}", "--checkpoint.keep_last_n=1"]
@@ -317,7 +318,7 @@ def test_killed_save_is_ignored_and_cleaned_up(runs, fmt, tmp_path):
     assert checkpoint_names(out) == sorted([leftover, ckpt_name(fmt, SPLIT)])
     if fmt == "sharded":
         assert not (out / leftover / "meta.json").exists() and any((out / leftover).glob("*.distcp"))
-    # Leftovers of other interrupted saves, of both kinds.
+    # Files of both kinds under `.tmp-` names that no save of this run made.
     (out / ".tmp-fsdp_cpt9.pth").write_bytes(b"PK\x03\x04 half a zip file")
     (out / ".tmp-fsdp_sharded_cpt9").mkdir()
     (out / ".tmp-fsdp_sharded_cpt9" / "__0_0.distcp").write_bytes(b"\0" * 100)
@@ -329,7 +330,9 @@ def test_killed_save_is_ignored_and_cleaned_up(runs, fmt, tmp_path):
     assert "removing incomplete checkpoint" in proc.stderr
     got = resumed_losses(out, rows_before)
     assert got == {step: baseline[step] for step in range(SPLIT + 1, STEPS + 1)}
-    assert checkpoint_names(out) == [ckpt_name(fmt, STEPS)], "leftovers removed, keep_last_n=1 kept the newest"
+    assert checkpoint_names(out) == sorted([ckpt_name(fmt, STEPS), ".tmp-fsdp_cpt9.pth", ".tmp-fsdp_sharded_cpt9"]), \
+        "the leftover removed, keep_last_n=1 kept the newest, the files the run did not make left alone"
+    assert (out / ".tmp-fsdp_cpt9.pth").read_bytes() == b"PK\x03\x04 half a zip file"
 
 
 # ---- 4. a corrupt newest checkpoint -----------------------------------------------------------

@@ -11,6 +11,7 @@ of meta.json, the full checkpoint's checksum record and DCP's .metadata.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -20,9 +21,11 @@ import os
 import pickle
 import random
 import shutil
+import struct
 import sys
 import time
 import types
+import warnings
 import zipfile
 from pathlib import Path
 from typing import ClassVar
@@ -73,8 +76,10 @@ def model_and_optimizer(seed: int = 0) -> tuple[Transformer, torch.optim.Optimiz
     return model, optimizer
 
 
-def manager(out: Path, fmt: str, *, allow_tokenizer_change: bool = False, **kwargs) -> CheckpointManager:
-    section = CheckpointConfig(format=fmt, keep_last_n=0, allow_tokenizer_change=allow_tokenizer_change)
+def manager(out: Path, fmt: str, *, allow_tokenizer_change: bool = False, section_keep_last_n: int = 0,
+            **kwargs) -> CheckpointManager:
+    section = CheckpointConfig(format=fmt, keep_last_n=section_keep_last_n,
+                               allow_tokenizer_change=allow_tokenizer_change)
     kwargs = {"model_config": dataclasses.asdict(CONFIG), "tokenizer_sha256": TOKENIZER, **kwargs}
     return CheckpointManager(section, out, env=ENV, **kwargs)
 
@@ -261,6 +266,52 @@ def test_a_hand_written_unsafe_pickle_is_refused_not_called_corrupt(saved, tmp_p
     assert sorted(p.name for p in out.iterdir()) == before and not marker.exists()
 
 
+def protocol_4_pickle(target: str, marker: Path) -> bytes:
+    """A protocol-4 pickle calling `target` with `touch marker`: STACK_GLOBAL of its module and (dotted) name, as
+    pickle.dumps writes one. torch.serialization.os.system is os.system, reached through torch's own module."""
+    module, _, name = target.partition(".")
+
+    def string(text: str) -> bytes:  # SHORT_BINUNICODE
+        return b"\x8c" + bytes([len(text)]) + text.encode()
+
+    return b"\x80\x04" + string(module) + string(name) + b"\x93" + string(f"touch {marker}") + b"\x85R."
+
+
+@pytest.mark.parametrize("target", ["torch.serialization.os.system", "posix.system"])
+@pytest.mark.parametrize("where", ["pth", "rng"])
+def test_a_protocol_4_payload_is_refused_as_foreign_code_in_one_line(saved, tmp_path, where, target):
+    """Torch stops a protocol-4 pickle at its first SHORT_BINUNICODE, before reading the global, and its words
+    then name an opcode: what the pickle imports decides, so it is refused, never moved aside as damage, never
+    run, and the refusal is the one line (no torch warnings about the protocol beside it)."""
+    fmt = "full" if where == "pth" else "sharded"
+    out = run_copy(saved, fmt, tmp_path)
+    marker = tmp_path / "ran"
+    named = plant_pickle(newest(out, fmt), where, protocol_4_pickle(target, marker))
+    before = sorted(p.name for p in out.iterdir())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointUnsafe) as refused:
+            load(out, fmt)
+    assert one_line(refused.value).startswith(f"{named}: refused: it references {target}, "), refused.value
+    assert sorted(p.name for p in out.iterdir()) == before and not marker.exists()
+    assert [str(w.message) for w in caught] == []
+
+
+def test_every_global_torch_save_writes_into_a_checkpoint_counts_as_data(saved):
+    """A failed load is called unsafe as soon as its pickle imports a global outside the data torch.save writes:
+    the checkpoints' own globals, and those of the other tensors and values a state may hold, are inside."""
+    from fsdp_utils.checkpoint.format import _holds_only_data, _pickle_of, pickle_globals
+
+    buf = io.BytesIO()
+    torch.save({"bf16": torch.zeros(2, dtype=torch.bfloat16), "fp8": torch.zeros(2, dtype=torch.float8_e4m3fn),
+                "parameter": torch.nn.Parameter(torch.ones(2)), "bytes": b"xy", "size": torch.Size([2]),
+                "device": torch.device("cpu"), "ordered": collections.OrderedDict(a=1)}, buf)
+    files = [newest(saved["full"], "full"), newest(saved["sharded"], "sharded") / "rng.pt", buf]
+    found = {name for f in files for name in pickle_globals(_pickle_of(f)) or ["(no pickle)"]}
+    assert {"torch._utils._rebuild_tensor_v2", "torch.BFloat16Storage", "torch._utils._rebuild_parameter"} <= found
+    assert [name for name in sorted(found) if not _holds_only_data(name)] == []
+
+
 @pytest.mark.parametrize("target", ["pty spawn", "ctypes CDLL", "operator attrgetter", "marshal loads"])
 def test_an_inst_pickle_of_a_module_no_checkpoint_imports_is_unsafe(saved, tmp_path, target):
     """INST's refusal does not name its global in torch's words (an unsupported opcode): the module decides."""
@@ -325,6 +376,12 @@ META_CASES = {
     "an infinite lr": (lambda m: m["train_state"].update(lr=float("inf")), CheckpointCorrupt, "train_state.lr inf"),
     "world_size 2**40": (lambda m: m.update(world_size=2**40), CheckpointCorrupt, "world_size 1099511627776"),
     "a step other than the name's": (lambda m: m["train_state"].update(step=7), CheckpointMismatch, "holds step 7"),
+    # A LoRA record is read by the tools before they build anything from it (its dtype by name from torch).
+    "a lora record of a number": (lambda m: m.update(lora=5), CheckpointCorrupt, "lora is not a mapping"),
+    "a lora base_dtype naming a function": (
+        lambda m: m.update(lora={"rank": 4, "alpha": 8, "targets": ["q"], "base_dtype": "load",
+                                 "base": {"seed": 0, "fingerprint": "0" * 16}}),
+        CheckpointCorrupt, "lora.base_dtype 'load' is not a torch dtype"),
 }
 
 
@@ -341,6 +398,19 @@ def test_invalid_metadata_is_one_line_for_every_reader(saved, tmp_path, fmt, cas
             read()
         assert needle in one_line(caught.value) and str(checkpoint) in str(caught.value), caught.value
     assert checkpoint.exists()
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_config_describing_more_than_the_checkpoint_holds_is_never_built(saved, tmp_path, fmt):
+    """A whole model's checkpoint holds its weights: 2**16 layers of width 1,024 (8.3 * 10**11 weights) in a
+    checkpoint of a few hundred KB are not its own, and load_model refuses them before allocating anything."""
+    out = run_copy(saved, fmt, tmp_path)
+    checkpoint = newest(out, fmt)
+    mutate_meta(checkpoint, lambda m: m["model_config"].update(n_layers=2**16, dim=1024))
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint_io.load_model(checkpoint)
+    assert one_line(caught.value).startswith(f"{checkpoint}: model_config describes "), caught.value
+    assert "bytes hold" in str(caught.value)
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
@@ -380,14 +450,84 @@ def test_a_flipped_digit_in_meta_json_falls_back_to_the_previous_checkpoint(save
     assert len(warned) == 1 and f"{meta_path}: corrupt checkpoint (CRC32 of its contents" in warned[0], warned
 
 
-def test_meta_json_without_its_own_checksum_still_loads(saved, tmp_path):
-    """A checkpoint written before meta.json carried a CRC32 of its own loads, its fields range-checked."""
+def test_meta_json_without_its_own_checksum_still_loads(saved, tmp_path, caplog):
+    """A checkpoint written before meta.json carried a CRC32 of its own loads, its fields range-checked; nothing
+    tells an edited train state from the saved one, so the run says which one it takes (samples_seen 16 edited
+    to 40)."""
     out = run_copy(saved, "sharded", tmp_path)
     meta_path = newest(out, "sharded") / "meta.json"
     meta = json.loads(meta_path.read_text())
     del meta["meta_crc32"]
+    meta["train_state"]["samples_seen"] = 40
     meta_path.write_text(json.dumps(meta))
-    assert (load(out, "sharded").step, load(out, "sharded").samples_seen) == (2, 16)
+    state = load(out, "sharded")
+    assert (state.step, state.samples_seen) == (2, 40)
+    warned = [r.getMessage() for r in caplog.records if "no checksum of its own" in r.getMessage()]
+    assert warned == [f"{meta_path} has no checksum of its own (saved before meta.json carried one): its train "
+                      "state is taken unverified: step 2, samples_seen 40, tokens_seen 128"], warned
+
+
+# ---- a full checkpoint that is truncated, or has no checksum record ------------------------------
+
+
+def largest_record_middle(pth: Path) -> int:
+    """The offset of a byte in the middle of the largest record of a torch.save archive (stored uncompressed: a
+    record's data follows its 30-byte local header, its name and its extra field)."""
+    data = pth.read_bytes()
+    with zipfile.ZipFile(pth) as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    return info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+
+
+@pytest.mark.parametrize("record", ["with its record", "without"])
+def test_a_truncated_pth_is_called_truncated_and_latest_falls_back(saved, tmp_path, record):
+    out = run_copy(saved, "full", tmp_path)
+    checkpoint = newest(out, "full")
+    checkpoint.write_bytes(checkpoint.read_bytes()[:checkpoint.stat().st_size // 2])
+    if record == "without":
+        sidecar_of(checkpoint).unlink()
+    with pytest.raises(CheckpointCorrupt) as caught:
+        load(out, "full", str(checkpoint))
+    assert one_line(caught.value).startswith(f"{checkpoint}: truncated or incomplete checkpoint ("), caught.value
+    assert load(out, "full").step == 1 and (out / "corrupt-fsdp_cpt2.pth").exists()
+
+
+def test_a_flipped_bit_in_a_pth_without_its_record_is_caught_by_its_archive(saved, tmp_path):
+    """Without the record, the CRC32 torch.save writes for each record of its archive still catches a flipped bit
+    inside a tensor's data, which would decode and train on a damaged weight: refused by path (and by the tools),
+    moved aside by `latest`, which resumes from step 1."""
+    out = run_copy(saved, "full", tmp_path)
+    checkpoint = newest(out, "full")
+    sidecar_of(checkpoint).unlink()
+    data = bytearray(checkpoint.read_bytes())
+    data[largest_record_middle(checkpoint)] ^= 0x10
+    checkpoint.write_bytes(bytes(data))
+    torch.load(checkpoint, weights_only=True)  # the premise: torch reads it without a word
+    for read in (lambda: load(out, "full", str(checkpoint)), lambda: checkpoint_io.load_model(checkpoint)):
+        with pytest.raises(CheckpointCorrupt) as caught:
+            read()
+        assert one_line(caught.value).startswith(f"{checkpoint}: corrupt checkpoint (the CRC32 of its record "), \
+            caught.value
+    assert load(out, "full").step == 1 and (out / "corrupt-fsdp_cpt2.pth").exists()
+
+
+def test_a_pth_without_its_record_loads_verified_by_its_archive_or_says_it_cannot_be(saved, tmp_path, caplog):
+    out = run_copy(saved, "full", tmp_path)
+    checkpoint = newest(out, "full")
+    sidecar_of(checkpoint).unlink()
+    assert load(out, "full", str(checkpoint)).step == 2
+    assert not [r for r in caplog.records if "unverified" in r.getMessage()]
+    payload = torch.load(checkpoint, weights_only=True)
+    torch.serialization.set_crc32_options(False)  # an archive without CRC32s: nothing to check it against
+    try:
+        torch.save(payload, checkpoint)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert load(out, "full", str(checkpoint)).step == 2
+    assert [r.getMessage() for r in caplog.records if "unverified" in r.getMessage()] == [
+        f"{checkpoint} has no checksum record (.fsdp_cpt2.pth.json) and its archive holds no CRC32s: loading it "
+        "unverified"]
 
 
 def test_meta_json_nested_too_deep_falls_back_to_the_previous_checkpoint(saved, tmp_path):
@@ -430,6 +570,105 @@ def test_a_link_inside_a_checkpoint_is_refused_and_left_alone(saved, tmp_path):
 
 def test_train_state_keys_are_the_train_state_fields():
     assert set(TRAIN_STATE_KEYS) == {f.name for f in dataclasses.fields(TrainState)} - {"rng"}
+
+
+# ---- what a save replaces or removes: only what the run's saves made ---------------------------
+
+
+def save_step(out: Path, fmt: str, step: int, **kwargs) -> Path:
+    model, optimizer = model_and_optimizer()
+    return manager(out, fmt, **kwargs).save(model, optimizer, TrainState(step=step, samples_seen=8 * step,
+                                                                         tokens_seen=64 * step))
+
+
+def users_folder(path: Path) -> dict[str, str]:
+    """A folder of the user's at `path` (its contents, for comparing later)."""
+    path.mkdir()
+    (path / "notes.txt").write_text("the user's notes")
+    return {"notes.txt": "the user's notes"}
+
+
+def contents(folder: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in folder.iterdir()}
+
+
+def test_a_sharded_folder_without_meta_json_is_moved_aside_and_named_never_deleted(saved, tmp_path, caplog):
+    """`latest` names a folder under a newer sharded checkpoint's name that has no meta.json and moves it aside
+    (it was passed over in silence, then deleted by the save of its step); the step-3 save then writes its own."""
+    out = run_copy(saved, "sharded", tmp_path)
+    held = users_folder(out / "fsdp_sharded_cpt3")
+    assert load(out, "sharded").step == 2
+    warned = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"{out / 'fsdp_sharded_cpt3'}: not a complete sharded "
+                                                     "checkpoint (no meta.json"), warned
+    save_step(out, "sharded", 3)
+    assert contents(out / "corrupt-fsdp_sharded_cpt3") == held
+    assert load(out, "sharded").step == 3
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_users_file_under_a_checkpoints_name_is_kept_aside_by_the_save_of_its_step(tmp_path, fmt, caplog):
+    """fsdp_sharded_cpt1/ (a folder of the user's) at the step-1 save, or fsdp_cpt1.pth (a file of the user's,
+    with a checksum record of its own): kept as kept-<name>, byte for byte, with one warning naming both; the
+    save writes its checkpoint, which loads."""
+    out = tmp_path / "run"
+    out.mkdir()
+    name = "fsdp_cpt1.pth" if fmt == "full" else "fsdp_sharded_cpt1"
+    if fmt == "full":
+        (out / name).write_bytes(b"the user's weights")
+        sidecar_of(out / name).write_text("the user's record")
+    else:
+        held = users_folder(out / name)
+    save_step(out, fmt, 1)
+    kept = out / f"kept-{name}"
+    if fmt == "full":
+        assert kept.read_bytes() == b"the user's weights" and sidecar_of(kept).read_text() == "the user's record"
+    else:
+        assert contents(kept) == held
+    warned = [r.getMessage() for r in caplog.records if "is in the way" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"{name} is in the way of the save of {name} ") and \
+        f"kept as kept-{name}" in warned[0], warned
+    assert load(out, fmt).step == 1
+
+
+def test_a_users_tmp_folder_stays_and_a_leftover_of_an_interrupted_save_goes(tmp_path, monkeypatch):
+    """A save stopped (Ctrl-C) after writing its `.tmp-` file leaves it, recorded in the journal: the next save
+    removes it. The user's `.tmp-mybackup/` and a `.tmp-` file of the user's under a save's own temporary name
+    are not the run's: they stay (the latter kept aside when a save needs its name)."""
+    from fsdp_utils.checkpoint import full
+
+    out = tmp_path / "run"
+    out.mkdir()
+    held = users_folder(out / ".tmp-mybackup")
+    (out / ".tmp-fsdp_cpt3.pth").write_bytes(b"the user's")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(full, "install_full", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            save_step(out, "full", 2)
+    assert (out / ".tmp-fsdp_cpt2.pth").is_file()  # what the interrupted save left
+    save_step(out, "full", 3)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".checkpoint_journal.jsonl", ".fsdp_cpt3.pth.json", ".tmp-mybackup", "fsdp_cpt3.pth",
+                     "kept-.tmp-fsdp_cpt3.pth"], names
+    assert contents(out / ".tmp-mybackup") == held and (out / "kept-.tmp-fsdp_cpt3.pth").read_bytes() == b"the user's"
+
+
+def test_retention_deletes_the_runs_checkpoints_only(tmp_path):
+    """keep_last_n=1 over steps 1 to 3: the run's steps 1 and 2 go; a checkpoint copied in from another run
+    (step 0: a complete checkpoint of this very format) is never counted or deleted."""
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    copied = save_step(elsewhere, "full", 0)
+    out.mkdir()
+    shutil.copy(copied, out / copied.name)
+    shutil.copy(sidecar_of(copied), sidecar_of(out / copied.name))
+    for step in (1, 2, 3):
+        save_step(out, "full", step, section_keep_last_n=1)
+    assert sorted(p.name for p in out.glob("fsdp_cpt*")) == ["fsdp_cpt0.pth", "fsdp_cpt3.pth"]
+    assert (out / "fsdp_cpt0.pth").read_bytes() == copied.read_bytes()
 
 
 # ---- DCP storage records -------------------------------------------------------------------------

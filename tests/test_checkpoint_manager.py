@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint.format import CheckpointError, sidecar_of
+from fsdp_utils.checkpoint.journal import Journal
 from fsdp_utils.checkpoint.retention import apply_retention, complete_checkpoints, move_aside, remove_incomplete
 from model import ModelConfig
 from tests.distributed_harness import RankFailed, cpu_env, run_ranks
@@ -29,19 +30,27 @@ def names(out: Path) -> list[str]:
 
 
 def fake_checkpoints(out: Path, *, full: tuple[int, ...] = (), sharded: tuple[int, ...] = (),
-                     unfinished: tuple[int, ...] = ()) -> None:
+                     unfinished: tuple[int, ...] = (), journal: Journal | None = None) -> None:
     """Files and folders named as the manager names them: full files with their checksum record, sharded
-    folders with meta.json, and sharded folders without it (a save that never finished)."""
+    folders with meta.json, and sharded folders without it (a save that never finished). With `journal`, each is
+    made as a save makes it, recorded there as the run's own."""
     out.mkdir(parents=True, exist_ok=True)
+    made = []
     for step in full:
-        (out / f"fsdp_cpt{step}.pth").write_bytes(b"x" * step)
-        sidecar_of(out / f"fsdp_cpt{step}.pth").write_text("{}")
+        pth = out / f"fsdp_cpt{step}.pth"
+        for path, data in ((pth, b"x" * step), (sidecar_of(pth), b"{}")):
+            with journal.create_file(path) if journal else path.open("xb") as f:
+                f.write(data)
+            made.append(path)
     for step in (*sharded, *unfinished):
         folder = out / f"fsdp_sharded_cpt{step}"
-        folder.mkdir()
+        journal.create_dir(folder) if journal else folder.mkdir()
         (folder / "__0_0.distcp").write_bytes(b"x")
         if step in sharded:
             (folder / "meta.json").write_text("{}")
+        made.append(folder)
+    for path in made if journal else ():
+        journal.seal(path)
 
 
 def test_complete_checkpoints_lists_only_complete_ones_newest_first(tmp_path):
@@ -57,31 +66,59 @@ def test_complete_checkpoints_lists_only_complete_ones_newest_first(tmp_path):
 def test_retention_counts_the_new_checkpoint_first_and_never_touches_corrupt_ones(tmp_path):
     """After a fallback the newest save can have a lower step than checkpoints on disk (here 3 against 4
     and 6): it is kept, then the newest others up to keep_last_n; a corrupt- one is not counted."""
-    fake_checkpoints(tmp_path, full=(2, 3, 4, 6), sharded=(5,))
-    (tmp_path / "corrupt-fsdp_cpt8.pth").write_bytes(b"x")
-    apply_retention(tmp_path, tmp_path / "fsdp_cpt3.pth", keep_last_n=2)
-    assert names(tmp_path) == ["corrupt-fsdp_cpt8.pth", "fsdp_cpt3.pth", "fsdp_cpt6.pth"]
+    journal = Journal(tmp_path)
+    fake_checkpoints(tmp_path, full=(2, 3, 4, 6), sharded=(5,), journal=journal)
+    move_aside(journal, tmp_path / "fsdp_cpt2.pth")
+    apply_retention(journal, tmp_path / "fsdp_cpt3.pth", keep_last_n=2)
+    assert names(tmp_path) == ["corrupt-fsdp_cpt2.pth", "fsdp_cpt3.pth", "fsdp_cpt6.pth"]
     assert not sidecar_of(tmp_path / "fsdp_cpt4.pth").exists() and sidecar_of(tmp_path / "fsdp_cpt6.pth").exists()
-    apply_retention(tmp_path, tmp_path / "fsdp_cpt6.pth", keep_last_n=0)  # 0 keeps everything
-    assert names(tmp_path) == ["corrupt-fsdp_cpt8.pth", "fsdp_cpt3.pth", "fsdp_cpt6.pth"]
+    apply_retention(journal, tmp_path / "fsdp_cpt6.pth", keep_last_n=0)  # 0 keeps everything
+    assert names(tmp_path) == ["corrupt-fsdp_cpt2.pth", "fsdp_cpt3.pth", "fsdp_cpt6.pth"]
+
+
+def test_retention_deletes_only_checkpoints_the_journal_records(tmp_path):
+    """Checkpoints copied into the folder, or replaced by another file under the same name, are not the run's:
+    never counted, never deleted, whatever their names."""
+    journal = Journal(tmp_path)
+    fake_checkpoints(tmp_path, full=(1, 2, 3, 4), journal=journal)
+    fake_checkpoints(tmp_path, full=(5,), sharded=(6,))  # the user's, under checkpoints' names
+    replaced = tmp_path / "fsdp_cpt2.pth"
+    replaced.unlink()
+    replaced.write_bytes(b"the user's own file")  # the name the journal records, another file
+    apply_retention(journal, tmp_path / "fsdp_cpt4.pth", keep_last_n=1)
+    assert names(tmp_path) == ["fsdp_cpt2.pth", "fsdp_cpt4.pth", "fsdp_cpt5.pth", "fsdp_sharded_cpt6"]
+    assert replaced.read_bytes() == b"the user's own file" and sidecar_of(tmp_path / "fsdp_cpt5.pth").exists()
 
 
 def test_move_aside_never_overwrites_and_takes_the_checksum_record_along(tmp_path):
+    journal = Journal(tmp_path)
     fake_checkpoints(tmp_path, full=(4,))
-    first = move_aside(tmp_path / "fsdp_cpt4.pth")
+    first = move_aside(journal, tmp_path / "fsdp_cpt4.pth")
     fake_checkpoints(tmp_path, full=(4,))
-    second = move_aside(tmp_path / "fsdp_cpt4.pth")
+    second = move_aside(journal, tmp_path / "fsdp_cpt4.pth")
     assert (first.name, second.name) == ("corrupt-fsdp_cpt4.pth", "corrupt-2-fsdp_cpt4.pth")
     assert sidecar_of(first).exists() and sidecar_of(second).exists()
     assert complete_checkpoints(tmp_path) == []
 
 
-def test_remove_incomplete_removes_only_tmp_leftovers(tmp_path):
-    fake_checkpoints(tmp_path, full=(1,), unfinished=(2,))
-    (tmp_path / ".tmp-fsdp_cpt3.pth").write_bytes(b"x")
-    (tmp_path / ".tmp-fsdp_sharded_cpt4").mkdir()
-    remove_incomplete(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".fsdp_cpt1.pth.json", "fsdp_cpt1.pth", "fsdp_sharded_cpt2"]
+def test_remove_incomplete_removes_only_what_interrupted_saves_made(tmp_path):
+    """The `.tmp-` file and folder an interrupted save made (recorded in the journal) go; the user's `.tmp-`
+    folder, a `.tmp-` file put where the run's own was, and finished checkpoints stay."""
+    journal = Journal(tmp_path)
+    fake_checkpoints(tmp_path, full=(1,), unfinished=(2,), journal=journal)
+    with journal.create_file(tmp_path / ".tmp-fsdp_cpt3.pth") as f:
+        f.write(b"x")
+    journal.create_dir(tmp_path / ".tmp-fsdp_sharded_cpt4")
+    journal.create_dir(tmp_path / ".tmp-fsdp_sharded_cpt5")
+    (tmp_path / ".tmp-fsdp_sharded_cpt5").rmdir()
+    (tmp_path / ".tmp-fsdp_sharded_cpt5").write_bytes(b"put there after the run's own was gone")
+    (tmp_path / ".tmp-mybackup").mkdir()
+    (tmp_path / ".tmp-mybackup" / "notes.txt").write_text("the user's")
+    remove_incomplete(journal)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".checkpoint_journal.jsonl", ".fsdp_cpt1.pth.json", ".tmp-fsdp_sharded_cpt5", ".tmp-mybackup",
+        "fsdp_cpt1.pth", "fsdp_sharded_cpt2"]
+    assert (tmp_path / ".tmp-mybackup" / "notes.txt").read_text() == "the user's"
 
 
 # ---- 2 ranks ---------------------------------------------------------------------------------------------

@@ -101,6 +101,9 @@ CASES: dict[str, Case] = {
     "full checkpoint saved over": ("fsdp_cpt1.pth", None, lambda out: save(out, "full"), True),
     "sharded checkpoint saved over": ("fsdp_sharded_cpt1", None, lambda out: save(out, "sharded"), True),
     "checksum record": (".fsdp_cpt1.pth.json", None, lambda out: save(out, "full"), True),
+    "checkpoint journal": (".checkpoint_journal.jsonl", None, lambda out: save(out, "sharded"), True),
+    "checkpoint journal, read": (".checkpoint_journal.jsonl", lambda out: save(out, "full"),
+                                 lambda out: save(out, "full", step=2), True),
     "latest full": ("fsdp_cpt2.pth", lambda out: save(out, "full"), lambda out: resume(out, "full", "latest"), False),
     "latest sharded": ("fsdp_sharded_cpt2", lambda out: save(out, "sharded"),
                        lambda out: resume(out, "sharded", "latest"), False),
@@ -182,7 +185,7 @@ def test_a_hostile_path_is_refused_in_one_line_or_replaced(tmp_path, case, kind)
         line = str(error)
         assert line and "\n" not in line and str(hostile) in line, line
     else:
-        # A folder under a sharded checkpoint's name without meta.json is an interrupted save: skipped, by design.
+        # A folder under a sharded checkpoint's name without meta.json is no checkpoint: moved aside as corrupt.
         assert writes or (case, kind) == ("latest sharded", "folder"), f"read {kind} at {hostile} as the run's own"
         # Replaced, or removed (an interrupted save's leftover): never left for the next write to go through.
         if os.path.lexists(hostile):

@@ -3,16 +3,22 @@ one) and on 2 gloo ranks with FSDP1 and FSDP2, checkpoints that resume exactly a
 the exports (merged, and a PEFT adapter folder that peft loads)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import typing
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from config import ConfigError, load_config
+from config import CheckpointConfig, ConfigError, load_config
 from config.sections import LoRATarget
 from fsdp_utils.checkpoint import CheckpointMismatch
 from fsdp_utils.checkpoint.base import is_adapter_key
+from fsdp_utils.checkpoint.format import CheckpointError, file_record, sidecar_of, size_of
+from fsdp_utils.checkpoint.io import read_meta
+from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
 from fsdp_utils.parallel.lora import (
     GROUPS,
     PROJECTIONS,
@@ -20,6 +26,7 @@ from fsdp_utils.parallel.lora import (
     adapter_initial_value,
     adapters_of,
     attach_adapters,
+    base_reference,
     lora_record,
     lora_targets,
     merged_state_dict,
@@ -27,6 +34,7 @@ from fsdp_utils.parallel.lora import (
 from fsdp_utils.train import trainer
 from fsdp_utils.train.preemption import StopSignal
 from model import ModelConfig, Transformer
+from scripts import export_hf, generate
 from tests.distributed_harness import cpu_env, run_ranks
 from tests.helpers import ROOT, TINY, losses, read_metrics, run_train
 from tests.test_step import tiny_cfg
@@ -324,3 +332,141 @@ def test_full_saves_on_gpus_leave_the_frozen_base_out_on_every_rank(tmp_path, co
     kept = set(full) - set(frozen)
     assert frozen and kept and set(frozen) <= set(full)
     assert all(is_adapter_key(k) for k in kept), kept
+
+
+# ---- checkpoints far smaller than their base --------------------------------------------------------
+
+# A base of 557,696 weights (ModelConfig.num_params) with rank-2 adapters on q and v: per layer A (2 slices x 2,
+# 128) and B (q's 128 + v's 64 rows, 2), 896 weights, 1,792 in all. A checkpoint holds their fp32 values and
+# two AdamW moments (21.5 KB plus the framing) against the 1.1 MB the base would take at 2 bytes a weight.
+BIG_BASE = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+SMALL_ADAPTERS = ["--train.lora.rank=2", "--train.lora.targets=[q, v]", "--run.seed=5"]
+
+
+def _seeded_lora_model(seed: int, *, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """BIG_BASE drawn from `seed` as a LoRA run's seeded base, its adapters trained `steps` AdamW steps."""
+    settings = LoRASettings(2, 16.0, 0.0, ("q", "v"))
+    model = Transformer(BIG_BASE, fused_matmul=True)
+    model.init_weights(seed)
+    attach_adapters(model, settings, seed=seed, base_dtype=torch.float32)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        tokens = torch.randint(0, BIG_BASE.vocab_size, (2, 17), generator=generator)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_lora_checkpoint_far_smaller_than_its_base_resumes_and_generates(tmp_path, world_of_one, fmt):
+    run_cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", SMALL_ADAPTERS)
+    signature = dataclasses.asdict(BIG_BASE)
+    record = lora_record(run_cfg, signature, base_dtype=torch.float32)
+
+    def manager() -> CheckpointManager:
+        return CheckpointManager(CheckpointConfig(format=fmt, keep_last_n=0), tmp_path, env=world_of_one,
+                                 model_config=signature, lora=record)
+
+    trained, optimizer = _seeded_lora_model(run_cfg.run.seed, steps=3)
+    path = manager().save(trained, optimizer, TrainState(step=3, samples_seen=6))
+    assert size_of(path) * 10 < BIG_BASE.num_params() * 2, size_of(path)  # the premise: a small fraction
+
+    # Resumed (`latest`, as Ctrl-C, preemption and elastic restarts do) into a fresh model and optimizer.
+    fresh, fresh_optimizer = _seeded_lora_model(run_cfg.run.seed, steps=0)
+    assert manager().load(fresh, fresh_optimizer, "latest").step == 3
+    for (name, want), got in zip(trained.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(got, want), name
+    saved_moments = [s["exp_avg"] for s in optimizer.state.values()]
+    assert [torch.equal(s["exp_avg"], m) for s, m in zip(fresh_optimizer.state.values(), saved_moments,
+                                                          strict=True)] == [True] * len(saved_moments)
+
+    # generate.py: the seeded base the checkpoint records, with its adapters, is the trained model.
+    model, vocab_size = generate.load_for_generation(path, read_meta(path), device=torch.device("cpu"), base=None)
+    tokens = torch.randint(0, BIG_BASE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert vocab_size == BIG_BASE.vocab_size
+        torch.testing.assert_close(model(tokens), trained(tokens), rtol=0, atol=0)
+
+
+def test_a_forged_lora_config_cannot_make_generate_build_an_enormous_base(tmp_path, world_of_one, capsys):
+    """The adapters' checkpoint does not hold its seeded base, so its size cannot bound the config; a config
+    rewritten to 4,096 layers of width 4,096 (7.3 * 10**11 weights, 2.9 TB in fp32), its records and the base's
+    fingerprint made to match, is refused before anything is allocated."""
+    run_cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", SMALL_ADAPTERS)
+    signature = dataclasses.asdict(BIG_BASE)
+    model, optimizer = _seeded_lora_model(run_cfg.run.seed, steps=1)
+    path = CheckpointManager(CheckpointConfig(format="full"), tmp_path, env=world_of_one, model_config=signature,
+                             lora=lora_record(run_cfg, signature, base_dtype=torch.float32)).save(
+        model, optimizer, TrainState(step=1, samples_seen=2))
+    payload = torch.load(path, weights_only=True)
+    forged = {**signature, "dim": 4096, "n_layers": 4096, "n_heads": 32, "n_kv_heads": 8}
+    source = SimpleNamespace(model=SimpleNamespace(type="llama", init_from="", hf_path="", hf_config=""),
+                             run=SimpleNamespace(seed=run_cfg.run.seed))
+    payload["model_config"] = forged
+    payload["lora"]["base"] = base_reference(source, forged)
+    torch.save(payload, path)
+    sidecar_of(path).write_text(json.dumps({"format_version": 1, "files": {path.name: file_record(path)}}))
+    assert ModelConfig(**forged).num_params() > 7 * 10**11
+    with pytest.raises(CheckpointError) as caught:  # generate.py's loader
+        generate.load_for_generation(path, payload, device=torch.device("cpu"), base=None)
+    line = str(caught.value)
+    assert line.startswith(f"{path}: model_config describes ") and "of memory free here" in line, line
+    assert export_hf.main([str(path), str(tmp_path / "adapter"), "--lora_adapter_only"]) == 1
+    assert capsys.readouterr().err.strip() == f"error: {line}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_two_ranks_resume_latest_of_a_lora_run_far_smaller_than_its_base(tmp_path, corpus, dataset_dir, fmt):
+    """The issue's repro at a size the CPU runs: a 2-rank LoRA run stopped at step 2 and continued with
+    --resume_from latest takes steps 3 and 4 as the uninterrupted run did, bit for bit, and generate.py samples
+    the same text from both runs' last checkpoints."""
+    args = ["--model.dim=128", "--model.vocab_size=320", "--train.lora.rank=2", "--train.lora.targets=[q, v]",
+            f"--checkpoint.format={fmt}", "--checkpoint.interval=2", "--checkpoint.keep_last_n=0"]
+    whole = tmp_path / "whole"
+    run_train(*args, "--train.max_steps=4", nproc=2, out_dir=whole, corpus=corpus, dataset_dir=dataset_dir)
+    name = "fsdp_cpt{}.pth" if fmt == "full" else "fsdp_sharded_cpt{}"
+    base_weights = ModelConfig(vocab_size=320, dim=128, n_layers=2, n_heads=4, n_kv_heads=2).num_params()
+    assert size_of(whole / name.format(2)) * 4 < base_weights * 2  # the adapters: a small fraction of the base
+    stopped = tmp_path / "stopped"
+    run_train(*args, "--train.max_steps=2", nproc=2, out_dir=stopped, corpus=corpus, dataset_dir=dataset_dir)
+    run_train(*args, "--train.max_steps=4", "--resume_from=latest", nproc=2, out_dir=stopped, corpus=corpus,
+              dataset_dir=dataset_dir)
+    assert losses(stopped)[3] == losses(whole)[3] and losses(stopped)[4] == losses(whole)[4]
+    texts = {generate.generate(run / name.format(4), "the quick", temperature=0, max_new_tokens=12, device="cpu")
+             for run in (whole, stopped)}
+    assert len(texts) == 1 and texts.pop().startswith("the quick")
+
+
+def test_a_lora_base_from_a_checkpoint_is_bounded_by_that_checkpoint(tmp_path, world_of_one):
+    """With model.init_from, the base is a checkpoint of its own, which bounds the config: generate.py puts the
+    adapters on its weights, and a LoRA config rewritten to a larger model (the base's fingerprint is of its files,
+    so it still matches) is refused before the larger model is built."""
+    base_model = Transformer(BIG_BASE)
+    base_model.init_weights(7)
+    signature = dataclasses.asdict(BIG_BASE)
+    base = CheckpointManager(CheckpointConfig(format="full"), tmp_path / "base", env=world_of_one,
+                             model_config=signature).save(
+        base_model, torch.optim.AdamW(base_model.parameters()), TrainState(step=0))
+    run_cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", [*SMALL_ADAPTERS, f"--model.init_from={base}"])
+    model, optimizer = _seeded_lora_model(run_cfg.run.seed, steps=2)
+    model.load_state_dict(base_model.state_dict(), strict=False)  # the adapters, over the checkpoint's base
+    path = CheckpointManager(CheckpointConfig(format="full"), tmp_path / "lora", env=world_of_one,
+                             model_config=signature, lora=lora_record(run_cfg, signature, base_dtype=torch.float32)
+                             ).save(model, optimizer, TrainState(step=2, samples_seen=4))
+    loaded, _ = generate.load_for_generation(path, read_meta(path), device=torch.device("cpu"), base=None)
+    tokens = torch.randint(0, BIG_BASE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), model(tokens), rtol=0, atol=0)
+
+    payload = torch.load(path, weights_only=True)
+    payload["model_config"] = {**signature, "n_layers": 64}
+    torch.save(payload, path)
+    sidecar_of(path).write_text(json.dumps({"format_version": 1, "files": {path.name: file_record(path)}}))
+    with pytest.raises(CheckpointError) as caught:
+        generate.load_for_generation(path, payload, device=torch.device("cpu"), base=None)
+    larger = ModelConfig(**payload["model_config"]).num_params()
+    assert str(caught.value).startswith(f"{path}: its model_config ({larger:,} parameters) is not the model of its "
+                                        f"base {base} "), caught.value

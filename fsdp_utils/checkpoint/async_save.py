@@ -164,7 +164,7 @@ class AsyncSaver:
         snapshot = dataclasses.replace(state, rng=gather_rng(self.env))
         self.context.begin_save()
         final = self.sharded.path_of(state.step)
-        tmp = self.sharded.tmp_of(final)
+        tmp = self.sharded.make_tmp(final)
         error, staged = None, {}
         with quiet_state_dict_warnings():
             model_sd, optim_sd = self.sharded.state_dicts(model, optimizer)
@@ -174,6 +174,8 @@ class AsyncSaver:
             except Exception as err:  # host memory could not be had, a tensor this staging cannot copy, ...
                 error = AsyncSaveFailed(f"{final}: cannot stage the checkpoint in host memory ({first_line(err)})")
         del model_sd, optim_sd
+        if error is not None and self.env.is_main:
+            remove(self.context.journal, tmp)
         agree(self.env, error)
         stage = staging.last
         try:
@@ -182,7 +184,7 @@ class AsyncSaver:
         except (Exception, dcp.CheckpointException) as err:
             error = AsyncSaveFailed(f"{final}: cannot start the background write ({first_line(err)})")
         if error is not None and self.env.is_main:
-            remove(tmp)  # DCP may have made the folder before it failed
+            remove(self.context.journal, tmp)
         agree(self.env, error)
         self._in_flight = _InFlight(tmp, final, snapshot, start, job, stage, staged,
                                     blocked=time.perf_counter() - start)
@@ -277,7 +279,7 @@ class AsyncSaver:
         staged copy; if that fails too, stop (CheckpointError) or go on per checkpoint.on_async_error."""
         barrier(self.env)  # every rank is done with the folder before it is removed
         if self.env.is_main:
-            remove(flight.tmp)
+            remove(self.context.journal, flight.tmp)
         self.failed = True
         if self.env.is_main:
             log.warning("%s; writing it again synchronously from its copy in host memory", error)

@@ -25,8 +25,10 @@ from model import ModelConfig
 from model.config import ROPE_SCALING_FIELDS
 
 from ..distributed import DistEnv, agree, barrier
+from . import nofollow
 from .format import FORMAT_VERSION, CheckpointCorrupt, CheckpointError, CheckpointMismatch, first_line, size_of
 from .io import model_config_of
+from .journal import Journal
 from .retention import apply_retention, complete_checkpoints, remove_incomplete
 
 log = logging.getLogger(__name__)
@@ -210,6 +212,10 @@ class CheckpointContext:
     allow_tokenizer_change: bool = False
     lora: dict | None = None  # a LoRA run: its adapters' settings and base (parallel/lora.py lora_record)
     stats: list[dict] = dataclasses.field(default_factory=list)  # one row per committed save (scripts/benchmark.py)
+    journal: Journal = dataclasses.field(init=False)  # what the saves made in `dir`: all they ever remove
+
+    def __post_init__(self) -> None:
+        self.journal = Journal(self.dir)
 
     def offload(self, model: torch.nn.Module) -> bool:
         """Whether sharded state dicts are taken with cpu_offload. FSDP1 makes a sharded state dict by
@@ -229,11 +235,15 @@ class CheckpointContext:
                 "train_state": plain, **tokenizer, **lora}
 
     def begin_save(self) -> None:
-        """Collective, before a save writes: rank 0 makes the folder and removes interrupted saves."""
+        """Collective, before a save writes: rank 0 makes the folder and removes what interrupted saves left."""
+        error = None
         if self.env.is_main:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            remove_incomplete(self.dir)
-        barrier(self.env)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                remove_incomplete(self.journal)
+            except OSError as err:  # the journal is not a file the run can read (a link, a FIFO, ...)
+                error = CheckpointError(str(err) if isinstance(err, nofollow.UnsafePath) else first_line(err))
+        agree(self.env, error)
 
     def check_space(self, final: Path, state_dicts: tuple | None, *, estimate: int | None = None) -> None:
         """Collective: stop before writing when the checkpoint will not fit on the disk: a write that fails
@@ -271,7 +281,7 @@ class CheckpointContext:
         barrier(self.env)  # the checkpoint is in place for every rank before anyone deletes older ones
         seconds = time.perf_counter() - start
         if self.env.is_main:
-            apply_retention(self.dir, final, keep_last_n=self.keep_last_n)
+            apply_retention(self.journal, final, keep_last_n=self.keep_last_n)
             log.info("saved checkpoint %s (%.1f MiB) in %.2f s (CRC32 %.2f s)", final, size_of(final) / 2**20, seconds,
                      crc_s)
         if mode is not None:
@@ -299,6 +309,10 @@ class CheckpointContext:
         """model.init_from: the checkpoint's weights fit this model. Only what they depend on must agree (for our
         model: not max_seq_len, init_std, or how the MLP width is given), then the tokenizer as for a resume."""
         where = f"model.init_from={path}"
+        if (lora := meta.get("lora")) is not None:
+            raise CheckpointMismatch(f"{where}: holds LoRA adapters (train.lora.rank={lora['rank']}) and no base "
+                                     "weights; resume it with the same train.lora, or merge it with "
+                                     "scripts/export_hf.py --merge_lora")
         saved_config = meta["model_config"]
         here, there = _model_kind(self.model_config), _model_kind(saved_config)
         if here != there:

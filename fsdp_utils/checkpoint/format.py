@@ -27,6 +27,7 @@ import pickletools
 import re
 import stat
 import time
+import warnings
 import zipfile
 import zlib
 from collections.abc import Collection
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from . import nofollow
+from .journal import Journal
 
 FULL_RE = re.compile(r"^fsdp_cpt(\d+)\.pth$")
 SHARDED_RE = re.compile(r"^fsdp_sharded_cpt(\d+)$")
@@ -158,6 +160,8 @@ def check_size(path: Path, record: dict) -> str | None:
     actual = path.stat().st_size if path.is_file() else None
     if actual is None:
         return f"{path}: missing (corrupt or incomplete checkpoint: expected {record['size']} bytes)"
+    if actual < record["size"]:
+        return f"{path}: truncated or incomplete checkpoint (expected {record['size']} bytes, found {actual})"
     if actual != record["size"]:
         return f"{path}: corrupt checkpoint (expected {record['size']} bytes, found {actual})"
     return None
@@ -176,11 +180,39 @@ def check_file(path: Path, record: dict) -> str | None:
     return None
 
 
-def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
-    """torch.save `obj` to a new file at `path` (whatever was there, a link too, removed first), flushed and
-    fsynced; return the file's {"size", "crc32"} and the seconds spent computing the CRC32."""
+def check_archive(path: Path) -> tuple[bool, str | None]:
+    """(verified, problem) of a .pth without its checksum record, against the CRC32 that torch.save writes into
+    its zip archive for every record: a problem (text naming the file) if any record's bytes differ from it.
+    Not verified when the archive holds no CRC32s (torch.save with crc32 computation turned off writes zeros)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            infos = archive.infolist()
+            if all(info.CRC == 0 for info in infos if info.file_size):
+                return False, None
+            bad = archive.testzip()  # reads every record, comparing its CRC32 with the archive's
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as err:
+        return False, f"{path}: corrupt checkpoint ({first_line(err)})"
+    if bad is not None:
+        return False, (f"{path}: corrupt checkpoint (the CRC32 of its record {bad} differs from the one its archive "
+                       "holds: the bytes changed after the save)")
+    return True, None
+
+
+def _new_file(path: Path, journal: Journal | None) -> BinaryIO:
+    """A new file at `path`, never opened through what stood there. In the run's output directory (`journal`) it
+    is recorded as the run's own first (and sealed by the caller once written), and what stood there is removed
+    only if the run's own, else kept aside; elsewhere (inside a folder being written, a tool's output of the
+    user's choosing) it is removed first."""
+    if journal is not None:
+        return journal.create_file(path)
     nofollow.remove(path)
-    with nofollow.open_new(path) as f:
+    return nofollow.open_new(path)
+
+
+def save_with_checksum(obj: Any, path: Path, *, journal: Journal | None = None) -> tuple[dict, float]:
+    """torch.save `obj` to a new file at `path` (see _new_file), flushed and fsynced; return the file's
+    {"size", "crc32"} and the seconds spent computing the CRC32."""
+    with _new_file(path, journal) as f:
         writer = ChecksumWriter(f)
         try:
             torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save needs only write(); stubs ask for IO
@@ -190,35 +222,51 @@ def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
             raise
         f.flush()
         os.fsync(f.fileno())
+    if journal is not None:
+        journal.seal(path)
     return writer.record(), writer.crc_seconds
 
 
-def write_json(path: Path, payload: dict) -> None:
-    """Write a small JSON file durably (flushed and fsynced) before it is renamed into place; whatever was at
-    `path` (a link too) is removed first, never written through."""
-    nofollow.remove(path)
-    with nofollow.open_new(path) as f:
+def write_json(path: Path, payload: dict, *, journal: Journal | None = None) -> None:
+    """Write a small JSON file durably (flushed and fsynced) before it is renamed into place, as a new file (see
+    _new_file)."""
+    with _new_file(path, journal) as f:
         f.write(json.dumps(payload, indent=1).encode())
         f.flush()
         os.fsync(f.fileno())
+    if journal is not None:
+        journal.seal(path)
 
 
-def install_full(tmp: Path, final: Path) -> None:
+def install_full(tmp: Path, final: Path, *, journal: Journal | None = None) -> None:
     """Rename a written full checkpoint into place. A record left by a file of the same name goes first:
-    it must never describe the new file (until its own is written, the new file loads unverified)."""
-    nofollow.remove(sidecar_of(final))
-    os.replace(tmp, final)
+    it must never describe the new file (until its own is written, the new file loads unverified). In the run's
+    output directory (`journal`), a file there that the run did not make is kept aside, never replaced."""
+    if journal is None:
+        nofollow.remove(sidecar_of(final))
+        os.replace(tmp, final)
+        return
+    journal.keep_foreign(final, why=f"the save of {final.name}", along=sidecar_of(final))
+    journal.clear(sidecar_of(final), why=f"the save of {final.name}")
+    journal.rename(tmp, final)
 
 
-def write_record(final: Path, record: dict) -> None:
-    """Write a full checkpoint's checksum record next to it (atomically)."""
+def write_record(final: Path, record: dict, *, journal: Journal | None = None) -> None:
+    """Write a full checkpoint's checksum record next to it (atomically; `journal`: see install_full)."""
     sidecar = sidecar_of(final)
     tmp = sidecar.with_name(TMP_PREFIX + sidecar.name)
     try:
-        write_json(tmp, {"format_version": FORMAT_VERSION, "files": {final.name: record}})
-        os.replace(tmp, sidecar)
+        write_json(tmp, {"format_version": FORMAT_VERSION, "files": {final.name: record}}, journal=journal)
+        if journal is None:
+            os.replace(tmp, sidecar)
+        else:
+            journal.clear(sidecar, why=f"the checksum record of {final.name}")
+            journal.rename(tmp, sidecar)
     finally:
-        nofollow.remove(tmp)
+        if journal is None:
+            nofollow.remove(tmp)
+        else:
+            journal.remove(tmp)
 
 
 # ---- metadata -------------------------------------------------------------------------------------
@@ -346,11 +394,15 @@ def check_structure(path: Path) -> None:
     if not stat.S_ISREG(mode):
         raise CheckpointError(f"{path}: {nofollow.kind_of(mode)}, not a checkpoint (a checkpoint is a file written by "
                               "torch.save or a sharded checkpoint's folder)")
-    if not zipfile.is_zipfile(path):
-        raise CheckpointCorrupt(f"{path}: not a checkpoint (not a file written by torch.save)")
     record = read_full_record(path)
     if record and path.name in record and (problem := check_size(path, record[path.name])):
         raise CheckpointCorrupt(problem)
+    if not zipfile.is_zipfile(path):
+        with path.open("rb") as f:
+            begun = f.read(4) == b"PK\x03\x04"  # the first record of a zip archive, whose end is missing
+        raise CheckpointCorrupt(f"{path}: truncated or incomplete checkpoint (a torch.save archive without its end: "
+                                "the write or the copy stopped short)" if begun else
+                                f"{path}: not a checkpoint (not a file written by torch.save)")
 
 
 def _is_int(value: object, minimum: int, maximum: int | None = None) -> bool:
@@ -374,7 +426,31 @@ def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
         return f"model_config.{bad[0]} is not a plain value"
     if "tokenizer_sha256" in meta and not re.fullmatch(r"[0-9a-f]{64}", str(meta["tokenizer_sha256"])):
         return "tokenizer_sha256 is not a sha256 hex digest"
-    return _train_state_problem(meta["train_state"])
+    return _lora_problem(meta.get("lora")) or _train_state_problem(meta["train_state"])
+
+
+def _lora_problem(lora: object) -> str | None:
+    """What is wrong with the metadata's LoRA record (parallel/lora.py lora_record), or None (also when absent)."""
+    if lora is None:
+        return None
+    if not isinstance(lora, dict) or not isinstance(base := lora.get("base"), dict):
+        return "lora is not a mapping with its base"
+    seeded = _is_int(base.get("seed"), -MAX_COUNT - 1, MAX_COUNT)
+    if not isinstance(base.get("fingerprint"), str) or not (
+            seeded or isinstance(base.get("init_from") or base.get("hf_path"), str)):
+        return "lora.base names neither a seed nor a path with its fingerprint"
+    if not _is_int(lora.get("rank"), 1, 2**20):
+        return f"lora.rank {lora.get('rank')!r} is not a positive integer"
+    alpha = lora.get("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        return f"lora.alpha {alpha!r} is not a finite number"
+    targets = lora.get("targets")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        return "lora.targets is not a list of names"
+    dtype = lora.get("base_dtype", "float32")
+    if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)):
+        return f"lora.base_dtype {dtype!r} is not a torch dtype"
+    return None
 
 
 def _train_state_problem(state: object) -> str | None:
@@ -503,10 +579,25 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-# Modules a checkpoint never imports from: a refused pickle that names one is unsafe, whatever the refusal says.
-_BLOCKED_MODULES = ("os", "posix", "nt", "sys", "subprocess", "builtins", "importlib", "runpy", "shutil", "socket",
-                    "pty", "ctypes", "pickle", "_pickle", "marshal", "code", "pdb", "timeit", "webbrowser",
-                    "multiprocessing", "operator")
+# What torch.save writes into the pickles of a checkpoint (a .pth, rng.pt, DCP's non-tensor entries): tensors and
+# parameters rebuilt from their storages (one storage class per dtype, named from torch), dtypes, devices, sizes,
+# layouts, ordered dicts, and bytes (protocol 2 pickles them through _codecs.encode). Each only builds data.
+_TORCH_SAVE_GLOBALS = frozenset({
+    *(f"torch._utils.{name}" for name in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3",
+                                          "_rebuild_parameter", "_rebuild_parameter_with_state")),
+    "torch._tensor._rebuild_from_type_v2", "torch.nn.parameter.Parameter", "torch.Tensor", "torch.Size",
+    "torch.device", "torch.serialization._get_layout", "torch.storage.UntypedStorage",  # float8 and newer dtypes
+    "collections.OrderedDict", "_codecs.encode",
+})
+
+
+def _holds_only_data(name: str) -> bool:
+    """Whether a pickled global (in Python 3 names) is one torch.save writes into a checkpoint."""
+    module, _, attr = name.rpartition(".")
+    if name in _TORCH_SAVE_GLOBALS:
+        return True
+    value = getattr(torch, attr, None) if module == "torch" else None
+    return isinstance(value, torch.dtype) or (isinstance(value, type) and attr.endswith("Storage"))
 
 
 def _py3_name(module: str, name: str) -> str:
@@ -591,30 +682,30 @@ def _pickle_of(f: Any) -> bytes | None:
         return None
 
 
-def _refused(f: Any, err: Exception) -> list[str]:
-    """The globals of a torch.save file that a weights-only load refused: those the refusal names (in
-    whatever words this torch release uses: it writes builtins.eval as `eval`), or whose module is never
-    admitted. [] when the pickle does not decode: then the refusal was damage."""
+def _refused(f: Any) -> list[str]:
+    """The globals of a torch.save file that no checkpoint holds, read from its pickle (not from the words of
+    torch's refusal, which differ between releases and between globals, and which may name an opcode it stopped
+    at before the global). [] when the pickle does not decode as a whole (damage), or holds only data."""
     names = pickle_globals(_pickle_of(f) or b"") or []
-    text = str(err)
-
-    def named(name: str) -> bool:
-        short = name.removeprefix("builtins.")
-        return name in text or re.search(rf"(?<![\w.]){re.escape(short)}(?![\w.])", text) is not None
-
-    return list(dict.fromkeys(n for n in names if n.split(".")[0] in _BLOCKED_MODULES or named(n)))
+    return list(dict.fromkeys(n for n in names if not _holds_only_data(n)))
 
 
 def _load_plain(f: Any, where: Path, **kwargs: Any) -> Any:
-    """torch.load(weights_only=True), its refusal of a pickled global turned into CheckpointUnsafe (naming
-    the globals, read from the pickle itself, not from the wording of torch's message)."""
-    try:
-        return torch.load(f, map_location="cpu", weights_only=True, **kwargs)
-    except pickle.UnpicklingError as err:
-        if refused := _refused(f, err):
-            raise CheckpointUnsafe(f"{where}: refused: it references {', '.join(refused)}, which a checkpoint never "
-                                   f"holds (loading it would run code; a tampered or foreign file)") from None
-        raise
+    """torch.load(weights_only=True). A failed load of a pickle that imports anything but data is CheckpointUnsafe,
+    naming those globals, whatever torch's exception says; any other failure is raised as it is. Torch's warnings
+    of a load that fails are dropped (the error says it all); those of a load that succeeds are shown."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = torch.load(f, map_location="cpu", weights_only=True, **kwargs)
+        except Exception:
+            if refused := _refused(f):
+                raise CheckpointUnsafe(f"{where}: refused: it references {', '.join(refused)}, which a checkpoint "
+                                       f"never holds (loading it would run code; a tampered or foreign file)") from None
+            raise
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return result
 
 
 def set_at(root: dict, path: tuple, value: Any) -> None:
@@ -655,7 +746,10 @@ def dcp_load(state: dict, path: Path, *, no_dist: bool = False) -> None:
     reader = SafeFileSystemReader(str(path))
     read_dcp_metadata(path / ".metadata")
     try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(path), no_dist=no_dist)
+        with warnings.catch_warnings():
+            if no_dist:  # "loading in a single process" is what was asked for
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(path), no_dist=no_dist)
     except (Exception, dcp.CheckpointException) as err:  # DCP's own exception is a BaseException
         raise _dcp_error(err, path) from None
 

@@ -58,29 +58,30 @@ class FullCheckpoint(CheckpointFormat):
         self.context.check_space(final, (model_sd, optim_sd))
         tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
         error, record, crc_s = None, None, 0.0
+        journal = self.context.journal
         if self.env.is_main:
             payload = {"model": model_sd, "optimizer": optim_sd, "rng": state.rng, **self.context.metadata(state)}
             try:
-                record, crc_s = save_with_checksum(payload, tmp)
+                record, crc_s = save_with_checksum(payload, tmp, journal=journal)
             except Exception as err:  # disk full, quota, I/O error: agreed with the other ranks below
-                remove(tmp)
+                remove(journal, tmp)
                 error = write_error(final, err)
         agree(self.env, error)
         return self._commit(tmp, final, record, start=start, crc_s=crc_s)
 
     def _commit(self, tmp: Path, final: Path, record: dict | None, *, start: float, crc_s: float) -> Path:
         """Collective: rank 0 renames the written file into place, then writes its checksum record; retention."""
-        error = None
+        error, journal = None, self.context.journal
         if self.env.is_main:
             try:
-                install_full(tmp, final)
+                install_full(tmp, final, journal=journal)
             except OSError as err:
-                remove(tmp)
+                remove(journal, tmp)
                 error = write_error(final, err)
             else:
                 assert record is not None, "rank 0 wrote the file: save_with_checksum returned its record"
                 try:
-                    write_record(final, record)
+                    write_record(final, record, journal=journal)
                 except OSError as err:  # the checkpoint is in place, only its record is missing: it loads unverified
                     log.warning("%s: cannot write its checksum record (%s): it will load unverified", final,
                                 first_line(err))

@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from .format import (
     TMP_PREFIX,
     CheckpointCorrupt,
     CheckpointError,
+    check_archive,
     check_file,
     checksum_records,
     dcp_load,
@@ -38,12 +38,17 @@ from .format import (
     read_sharded_meta,
     size_of,
 )
+from .host_memory import format_size, host_memory
+from .journal import Journal
 
 log = logging.getLogger(__name__)
 
 
 def model_config_of(meta: dict, where: Path) -> ModelConfig:
-    """The ModelConfig a checkpoint was saved with."""
+    """The ModelConfig a checkpoint was saved with, each field's type and value checked. A checkpoint of a whole
+    model must hold its weights: a config that describes more than its files hold is not theirs, and building it
+    could exhaust memory (`_check_held`). A LoRA checkpoint holds adapters, not its base: whoever builds the base
+    bounds it by where the base comes from (its own files, or `check_buildable` for a seeded one)."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     saved = meta["model_config"]
     unknown = sorted(set(saved) - known)
@@ -58,12 +63,26 @@ def model_config_of(meta: dict, where: Path) -> ModelConfig:
     cfg = ModelConfig(**saved)
     if problems := cfg.problems():
         raise CheckpointError(f"{where}: invalid model_config ({'; '.join(problems)})")
-    # Each weight takes at least 2 bytes on disk: a config describing more than the files hold is not theirs
-    # (and building it could exhaust memory).
+    if meta.get("lora") is None:
+        _check_held(cfg, where)
+    return cfg
+
+
+def _check_held(cfg: ModelConfig, where: Path) -> None:
+    """Each weight takes at least 2 bytes on disk: a config describing more weights than the checkpoint at `where`
+    holds is not its own."""
     if cfg.num_params() * 2 > size_of(where):
         raise CheckpointError(f"{where}: model_config describes {cfg.num_params():,} parameters, more than the "
                               f"checkpoint's {size_of(where):,} bytes hold")
-    return cfg
+
+
+def check_buildable(cfg: ModelConfig, where: Path, *, why: str) -> None:
+    """A model that no file's size vouches for (`why` says why not) is built only if its fp32 weights fit in the
+    memory this machine has free: a forged config must not make a tool exhaust it."""
+    needed, free = cfg.num_params() * 4, host_memory().available
+    if needed > free:
+        raise CheckpointError(f"{where}: model_config describes {cfg.num_params():,} parameters ({format_size(needed)} "
+                              f"in fp32), more than the {format_size(free)} of memory free here ({why})")
 
 
 def read_meta(path: str | Path) -> dict:
@@ -81,10 +100,12 @@ def read_meta(path: str | Path) -> dict:
 
 
 def verify(path: str | Path) -> None:
-    """Check every file of a checkpoint against its recorded size and CRC32 (a full file copied without
-    its checksum record is taken as it is); CheckpointCorrupt naming the first file that differs."""
+    """Check every file of a checkpoint against its recorded size and CRC32 (a full file copied without its
+    checksum record: against the CRC32s of its archive); CheckpointCorrupt naming the first file that differs."""
     path = Path(path)
     records = checksum_records(path)
+    if records is None and (problem := check_archive(path)[1]):
+        raise CheckpointCorrupt(problem)
     folder = path if path.is_dir() else path.parent
     for name, record in sorted((records or {}).items()):
         if problem := check_file(folder / name, record):
@@ -95,6 +116,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple
     """(model in eval mode on `device`, the checkpoint's metadata) for a full file or a sharded folder."""
     path = Path(path)
     meta = read_meta(path)
+    if (lora := meta.get("lora")) is not None:
+        raise CheckpointError(f"{path}: holds LoRA adapters (train.lora.rank={lora.get('rank')}), not a whole model: "
+                              "scripts/generate.py reads it with its base, scripts/export_hf.py --merge_lora merges "
+                              "them into it")
     verify(path)
     cfg = model_config_of(meta, path)
     with torch.device("meta"):
@@ -102,9 +127,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple
     model.to_empty(device="cpu")  # no random init: every weight is overwritten below
     model.reset_buffers()
     if path.is_dir():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "loading in a single process" is what we want
-            dcp_load({"model": model.state_dict()}, path, no_dist=True)  # in place; reads only the model's tensors
+        dcp_load({"model": model.state_dict()}, path, no_dist=True)  # in place; reads only the model's tensors
     else:
         try:
             model.load_state_dict(load_full(path)["model"], strict=True)
@@ -158,13 +181,17 @@ def install_tokenizer(source: Path, out_dir: Path) -> None:
                     "trained with it", dest, old[:8], new[:8], kept.name)
     elif dest.is_symlink() and source.is_dir():  # a broken link: renaming a folder onto it would fail
         raise CheckpointError(f"{dest}: a broken symbolic link where the run's tokenizer goes; remove it")
-    tmp = out_dir / f"{TMP_PREFIX}{dest.name}"  # a leftover of an interrupted copy, if any, is ours
-    nofollow.remove(tmp)
+    # Copied under a `.tmp-` name recorded in the run's journal: a leftover of an interrupted copy is removed, a
+    # file of the user's under that name is kept aside.
+    journal, tmp = Journal(out_dir), out_dir / f"{TMP_PREFIX}{dest.name}"
     if source.is_dir():
-        shutil.copytree(source, tmp)
+        journal.create_dir(tmp)
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
     else:
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, dest)
+        with journal.create_file(tmp) as f, source.open("rb") as src:
+            shutil.copyfileobj(src, f)
+    journal.seal(tmp)
+    journal.rename(tmp, dest)
 
 
 def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None, sha256: str | None = None) -> Path:

@@ -29,6 +29,8 @@ from . import nofollow
 from .async_save import AsyncSaveFailed, AsyncSaver
 from .base import CheckpointContext, CheckpointFormat, TrainState, gather_rng, restore_rng
 from .format import (
+    META_CRC_KEY,
+    META_NAME,
     TMP_PREFIX,
     CheckpointCorrupt,
     CheckpointError,
@@ -39,7 +41,7 @@ from .format import (
     size_of,
 )
 from .full import FullCheckpoint
-from .retention import complete_checkpoints, move_aside, odd_checkpoints
+from .retention import complete_checkpoints, incomplete_sharded, move_aside, odd_checkpoints
 from .sharded import ShardedCheckpoint
 from .staging import state_bytes
 from .verify import verify
@@ -108,10 +110,12 @@ class CheckpointManager:
         error = None
         if self.context.fmt == "sharded" or self.env.is_main:
             probe = self.dir / f"{TMP_PREFIX}write-check-rank{self.env.rank}-{os.getpid()}"
+            made = False
             try:
                 if self.env.is_main:
                     self.dir.mkdir(parents=True, exist_ok=True)
                 with open(probe, "xb") as f:  # x: never through an existing file or link
+                    made = True
                     f.write(b"checkpoint write check\n")
                     f.flush()
                     os.fsync(f.fileno())
@@ -122,7 +126,8 @@ class CheckpointManager:
                                         f"{socket.gethostname()} ({first_line(err)}){hint}; fix the permissions or "
                                         f"choose another run.output_dir")
             finally:
-                probe.unlink(missing_ok=True)  # ours: made just above under a name of this process
+                if made:  # ours: made just above (a file of that name that was there already is not)
+                    probe.unlink(missing_ok=True)
         agree(self.env, error)
 
     def on_step_end(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
@@ -193,7 +198,10 @@ class CheckpointManager:
                 raise CheckpointUnsafe(f"{odd[0]}: {nofollow.kind_of(os.lstat(odd[0]).st_mode)} under a checkpoint's "
                                        "name in the output directory, where only the run's own checkpoints belong; "
                                        "move it away")
-            candidates = [path for _, path in self.complete_checkpoints()]
+            # A folder under a sharded checkpoint's name without meta.json is tried too (and moved aside as corrupt,
+            # named in the warning), never passed over in silence: the save of its step would have to replace it.
+            found = self.complete_checkpoints() + incomplete_sharded(self.dir)
+            candidates = [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
             if not candidates:
                 raise CheckpointError(f"--resume_from latest: no complete checkpoint in {self.dir}")
             return candidates
@@ -225,7 +233,7 @@ class CheckpointManager:
                     raise
                 if self.env.is_main:
                     log.warning("%s; falling back to the previous checkpoint", err)
-                    move_aside(path)
+                    move_aside(self.context.journal, path)
                 barrier(self.env)
         raise AssertionError("unreachable")
 
@@ -270,6 +278,11 @@ class CheckpointManager:
         state.rng = rng
         restore_rng(rng, self.env)
         self.loaded = (path, meta["world_size"])
+        if self.env.is_main and path.is_dir() and META_CRC_KEY not in meta:
+            # Its files are checked against meta.json, but nothing checks meta.json: show what it made the run take.
+            log.warning("%s has no checksum of its own (saved before meta.json carried one): its train state is "
+                        "taken unverified: step %d, samples_seen %d, tokens_seen %d", path / META_NAME, state.step,
+                        state.samples_seen, state.tokens_seen)
         if self.env.is_main:
             log.info("loaded checkpoint %s (%.1f MiB, step %d, saved at world size %d) in %.2f s (CRC32 check %.2f s)",
                      path, size_of(path) / 2**20, state.step, meta["world_size"], time.perf_counter() - start, crc_s)

@@ -1,6 +1,7 @@
 """The checkpoints of an output directory as files: which are complete, which to keep
-(checkpoint.keep_last_n), moving a corrupt one aside, and removing what an interrupted save left.
-Plain filesystem code without a process group: the manager runs it on rank 0."""
+(checkpoint.keep_last_n), moving a corrupt one aside, and removing what an interrupted save left. Only what the
+run's journal (journal.py) records as made by its saves is ever removed. Plain filesystem code without a process
+group: the manager runs it on rank 0."""
 from __future__ import annotations
 
 import logging
@@ -8,8 +9,8 @@ import os
 import stat
 from pathlib import Path
 
-from . import nofollow
 from .format import CORRUPT_PREFIX, FULL_RE, META_NAME, SHARDED_RE, TMP_PREFIX, sidecar_of
+from .journal import Journal, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -44,43 +45,54 @@ def odd_checkpoints(directory: Path) -> list[Path]:
     return sorted(odd)
 
 
-def remove(path: Path) -> None:
-    """Remove a file or a folder, if there (a link itself, never what it points to); a failure is logged."""
+def incomplete_sharded(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every folder under a sharded checkpoint's name without its meta.json (an interrupted save of
+    an older version, one whose meta.json was lost, or another folder): never loaded, but never passed over in
+    silence either (`latest` moves it aside as corrupt)."""
+    found = []
+    for entry in os.scandir(directory) if directory.is_dir() else ():
+        if ((m := SHARDED_RE.match(entry.name)) and entry.is_dir(follow_symlinks=False)
+                and not os.path.lexists(Path(entry.path) / META_NAME)):
+            found.append((int(m.group(1)), Path(entry.path)))
+    return found
+
+
+def remove(journal: Journal, path: Path) -> None:
+    """Remove a file or a folder the run's saves made (a link itself, never what it points to); anything else at
+    `path` stays. A failure is logged."""
     try:
-        nofollow.remove(path)
+        journal.remove(path)
     except OSError as err:
         log.warning("cannot remove %s (%s)", path, err)
 
 
-def remove_incomplete(directory: Path) -> None:
-    """Remove the `.tmp-` leftovers of interrupted saves (names only saves make)."""
-    for path in directory.glob(f"{TMP_PREFIX}*"):
-        log.warning("removing incomplete checkpoint %s (an interrupted save)", path)
-        remove(path)
+def remove_incomplete(journal: Journal) -> None:
+    """Remove what interrupted saves of this run left (their `.tmp-` files and folders, as the journal records
+    them); a `.tmp-` name the journal does not record is not the run's, and stays."""
+    for name in journal.own_names(TMP_PREFIX):
+        path = journal.dir / name
+        if journal.owns(path):
+            log.warning("removing incomplete checkpoint %s (an interrupted save)", path)
+            remove(journal, path)
 
 
-def apply_retention(directory: Path, newest: Path, *, keep_last_n: int) -> None:
-    """Keep the keep_last_n newest complete checkpoints, `newest` (the one just saved) counted first
-    whatever its step; checkpoints moved aside as corrupt are not counted and never deleted. 0 keeps all."""
+def apply_retention(journal: Journal, newest: Path, *, keep_last_n: int) -> None:
+    """Keep the keep_last_n newest complete checkpoints the run's saves made, `newest` (the one just saved)
+    counted first whatever its step; checkpoints moved aside, and those the journal does not record (copied in,
+    or saved before it was kept), are neither counted nor deleted. 0 keeps all."""
     if keep_last_n <= 0:
         return
-    others = [path for _, path in complete_checkpoints(directory) if path != newest]
+    others = [path for _, path in complete_checkpoints(journal.dir) if path != newest and journal.owns(path)]
     for path in others[keep_last_n - 1:]:
         log.info("removing old checkpoint %s (checkpoint.keep_last_n=%d)", path, keep_last_n)
-        remove(path)
-        remove(sidecar_of(path))
+        remove(journal, path)
+        remove(journal, sidecar_of(path))
 
 
-def move_aside(path: Path) -> Path:
+def move_aside(journal: Journal, path: Path) -> Path:
     """Rename a corrupt checkpoint (and its checksum record) to a name that is never loaded or deleted;
     returns the new path."""
-    target, n = path.with_name(CORRUPT_PREFIX + path.name), 1
-    while os.path.lexists(target):
-        n += 1
-        target = path.with_name(f"{CORRUPT_PREFIX}{n}-{path.name}")
-    os.replace(path, target)
-    if os.path.lexists(sidecar_of(path)):
-        os.replace(sidecar_of(path), sidecar_of(target))
+    target = set_aside(path, CORRUPT_PREFIX, journal=journal, along=sidecar_of(path))
     log.warning("moved %s aside to %s: it is never loaded or deleted automatically; delete it once inspected",
                 path.name, target.name)
     return target

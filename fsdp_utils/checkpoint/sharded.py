@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..distributed import agree, barrier
-from . import nofollow
 from .base import (
     CheckpointFormat,
     TrainState,
@@ -46,21 +45,24 @@ from .format import (
     with_meta_crc32,
     write_json,
 )
+from .journal import Journal
 from .retention import remove
 from .verify import hash_own_files
 
 
-def replace_dir(src: Path, dst: Path) -> None:
-    """Rename folder `src` to `dst`. os.replace cannot replace a non-empty folder, so an existing `dst` is
-    first renamed to a `.tmp-` name, which the next save removes should we stop before deleting it here."""
+def replace_dir(src: Path, dst: Path, journal: Journal) -> None:
+    """Rename folder `src` to `dst`. What stands at `dst` is replaced only if the run's saves made it (else it is
+    kept aside). os.replace cannot replace a non-empty folder, so the run's own `dst` is first renamed to a `.tmp-`
+    name, which the next save removes should we stop before deleting it here."""
+    journal.keep_foreign(dst, why=f"the save of {dst.name}")
     if os.path.lexists(dst):
         old = dst.with_name(f"{TMP_PREFIX}replaced-{dst.name}")
-        nofollow.remove(old)
-        os.replace(dst, old)
-        os.replace(src, dst)
-        nofollow.remove(old)
+        journal.clear(old)
+        journal.rename(dst, old)
+        journal.rename(src, dst)
+        journal.remove(old)
     else:
-        os.replace(src, dst)
+        journal.rename(src, dst)
 
 
 class ShardedCheckpoint(CheckpointFormat):
@@ -69,6 +71,17 @@ class ShardedCheckpoint(CheckpointFormat):
 
     def tmp_of(self, final: Path) -> Path:
         return final.with_name(f"{TMP_PREFIX}{final.name}")
+
+    def make_tmp(self, final: Path) -> Path:
+        """Collective: rank 0 makes final's `.tmp-` folder, recorded as the run's own, for DCP to write into."""
+        tmp, error = self.tmp_of(final), None
+        if self.env.is_main:
+            try:
+                self.context.journal.create_dir(tmp)
+            except OSError as err:
+                error = write_error(final, err)
+        agree(self.env, error)
+        return tmp
 
     def state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """This rank's (model, optimizer) state dicts as a save writes them (call within
@@ -88,7 +101,7 @@ class ShardedCheckpoint(CheckpointFormat):
     def write(self, state_dict: dict, final: Path, *, process_group: Any = None) -> None:
         """Collective: DCP writes `state_dict` into final's `.tmp-` folder; CheckpointError on every rank if
         any rank's write fails, the folder removed."""
-        tmp = self.tmp_of(final)
+        tmp = self.make_tmp(final)
         error = None
         try:
             dcp.save(state_dict, checkpoint_id=str(tmp), process_group=process_group)
@@ -96,7 +109,7 @@ class ShardedCheckpoint(CheckpointFormat):
             error = write_error(final, err)
         barrier(self.env)  # every rank is done with the folder before it is removed
         if error is not None and self.env.is_main:
-            remove(tmp)
+            remove(self.context.journal, tmp)
         agree(self.env, error)
 
     def commit(self, final: Path, state: TrainState, *, start: float, hashed: tuple[dict, float] | None = None,
@@ -124,11 +137,12 @@ class ShardedCheckpoint(CheckpointFormat):
                     crc_s += rng_crc_s
                     write_json(tmp / META_NAME, with_meta_crc32({**self.context.metadata(state),
                                                                  "files": dict(sorted(records.items()))}))
-                    replace_dir(tmp, final)
+                    self.context.journal.seal(tmp)  # every file is in: the folder as the save leaves it
+                    replace_dir(tmp, final, self.context.journal)
             except Exception as err:  # agreed with the other ranks below
                 error = write_error(final, err)
             if error is not None:
-                remove(tmp)
+                remove(self.context.journal, tmp)
         agree(self.env, error)
         self.context.end_save(final, start=start, crc_s=crc_s, mode=mode)
         return final

@@ -8,7 +8,15 @@ import time
 from pathlib import Path
 
 from ..distributed import DistEnv, agree
-from .format import CheckpointCorrupt, CheckpointError, check_file, checksum_records, file_record, sidecar_of
+from .format import (
+    CheckpointCorrupt,
+    CheckpointError,
+    check_archive,
+    check_file,
+    checksum_records,
+    file_record,
+    sidecar_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +50,13 @@ def verify(path: Path, env: DistEnv) -> float:
     except CheckpointError as err:
         error = err
     agree(env, error)
-    if records is None:
-        if env.is_main:
-            log.warning("%s has no checksum record (%s): loading it unverified", path, sidecar_of(path).name)
-        return 0.0
+    if records is None:  # a .pth without its record: checked against the CRC32s in its own archive
+        verified, problem = check_archive(path) if env.is_main else (True, None)
+        agree(env, CheckpointCorrupt(problem) if problem else None)
+        if env.is_main and not verified:
+            log.warning("%s has no checksum record (%s) and its archive holds no CRC32s: loading it unverified", path,
+                        sidecar_of(path).name)
+        return time.perf_counter() - start
     folder = path if path.is_dir() else path.parent
     names = sorted(records)
     mine = [n for i, n in enumerate(names) if owner(n, i, env.world_size) == env.rank]
