@@ -29,13 +29,14 @@ RESUMED = re.compile(r"world (\d+) -> (\d+) at step (\d+): resumed from checkpoi
 
 
 class Node:
-    """One agent: scripts/fsdp_multi_node.sh 127.0.0.1 RANK 1:2, its output in a file."""
+    """One agent: scripts/fsdp_multi_node.sh 127.0.0.1 RANK 1:2, its output in a file. The run id is the launcher's
+    (node rank 0 makes one) unless extra_env gives RDZV_ID."""
 
     def __init__(self, tmp_path: Path, node_rank: int, port: int, args: list[str], **extra_env: str):
         self.log_path = tmp_path / f"node{node_rank}.log"
         self._log = open(self.log_path, "w")
         env = script_env(NPROC_PER_NODE="2", MASTER_PORT=str(port), CONFIG=str(CONFIG), RDZV_CONF=RDZV_CONF,
-                         RDZV_ID=f"test-{port}", **extra_env)
+                         **extra_env)
         self.proc = subprocess.Popen([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", str(node_rank), "1:2",
                                       *args], cwd=tmp_path, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -232,7 +233,7 @@ def test_with_the_store_run_apart_node_rank_0_may_die(corpus, dataset_dir, tmp_p
     out = tmp_path / "out"
     port = free_port()
     args = job_args(out, corpus, dataset_dir, "--checkpoint.interval=3")
-    nodes += [Node(tmp_path, rank, port, args, RDZV_STORE=rendezvous_store) for rank in (0, 1)]
+    nodes += [Node(tmp_path, rank, port, args, RDZV_STORE=rendezvous_store, RDZV_ID=f"test-{port}") for rank in (0, 1)]
     wait_until("world 4", lambda: "world size 4 on cpu" in nodes[0].text() + nodes[1].text(), nodes)
     assert f"rendezvous test-{port} at {rendezvous_store}, a store run apart from the nodes" in nodes[0].text()
     first = max(logged_steps(out), default=0)
