@@ -87,7 +87,12 @@ def agreed_run_id(store, given: str | None, *, role: str, endpoint: str) -> str:
     if role == "apart":
         assert given, "the launcher asks for RDZV_ID with a store run apart"
         return given
-    store.wait([RUN_ID_KEY], timedelta(seconds=60))  # node rank 0 publishes it as soon as its store serves
+    deadline = time.monotonic() + 60  # node rank 0 publishes it as soon as its store serves
+    while not store.check([RUN_ID_KEY]):  # polled: a timed-out store.wait logs C++ warnings
+        if time.monotonic() > deadline:
+            raise Refused(f"the rendezvous store at {endpoint} holds no run id: is node rank 0 there started by "
+                          "scripts/fsdp_multi_node.sh?")
+        time.sleep(0.5)
     published = store.get(RUN_ID_KEY).decode()
     if given and given != published:
         raise Refused(f"RDZV_ID={given} is not the run id of the job at {endpoint} (node rank 0 runs it as "

@@ -383,6 +383,20 @@ def test_torchrun_wrapper_hides_torchruns_report_of_user_errors_only(how, status
         assert "Signal 9 (SIGKILL)" in proc.stderr or how != "kill"
 
 
+def test_elastic_node_rank_0_serves_its_store_on_master_addr_or_says_why_not(tmp_path):
+    """Node rank 0 hosts the rendezvous store listening on MASTER_ADDR only: an address of another machine is one
+    line before torchrun starts (a store on every interface would serve whatever MASTER_ADDR says)."""
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "203.0.113.7", "0", "1:2", *TINY,
+                           f"--run.output_dir={tmp_path / 'out'}"], cwd=tmp_path, capture_output=True, text=True,
+                          env=script_env(NPROC_PER_NODE="2", CONFIG=str(CONFIG), MASTER_PORT=str(free_port())),
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
+        "error: MASTER_ADDR=203.0.113.7 is not an address of this machine (Cannot assign requested address); name "
+        "one with MASTER_ADDR"], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
 # ---- real runs -----------------------------------------------------------------------------------------------
 
 
