@@ -1,15 +1,19 @@
 """Host the c10d store of an elastic run's rendezvous apart from the training nodes, so that any node may die
 (docs/running.md, "Elastic runs"). Run it where it outlives the job, then point every node at it:
 
-    python scripts/rendezvous_store.py --port 29400                  # on storehost
-    RDZV_STORE=storehost:29400 scripts/fsdp_multi_node.sh 10.0.0.1 0 2:4 ...   # on every node
+    python scripts/rendezvous_store.py --host storehost --port 29400       # on storehost
+    export RDZV_STORE=storehost:29400 RDZV_ID=$(openssl rand -hex 16)    # one id per job, the same on every node
+    scripts/fsdp_multi_node.sh 10.0.0.1 0 2:4 ...                        # on every node
 
-It serves until SIGINT or SIGTERM. A port in use or an address that is not this machine's: one `error:` line,
-exit status 2.
+It listens on the address of --host only, and serves until SIGINT or SIGTERM. The store has no authentication:
+anyone who reaches its port can read and write the rendezvous, so it must sit on a network only the job's
+machines reach. A port in use or an address that is not this machine's: one `error:` line, exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
 import signal
 import socket
 import sys
@@ -18,47 +22,81 @@ from datetime import timedelta
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
+class StoreAddressError(Exception):
+    """The store cannot serve at the address given: the message is one line naming it."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--host", default=socket.gethostname(),
-                        help="this machine's address as the nodes reach it (default: its host name)")
+    parser.add_argument("--host", default=None,
+                        help="the address of this machine that the nodes reach, the only one the store listens on "
+                             "(default: the host name, unless it names a loopback address)")
     parser.add_argument("--port", required=True, help="the port to listen on")
     return parser.parse_args(argv)
 
 
-def check_address(host: str, port: str) -> str | None:
-    """Why the store cannot serve at host:port, or None. The server listens on every interface; host must be
-    one of this machine's, since the store checks itself through it (another machine's store on the same port
-    would otherwise answer)."""
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        return f"--port={port} is not a port number from 1 to 65535"
+def _listening_socket(host: str, port: int, name: str) -> socket.socket:
+    """A TCP socket listening on host's address only; `name` is what the user called the address."""
     try:
-        with socket.socket(socket.getaddrinfo(host, None)[0][0], socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as err:
+        raise StoreAddressError(f"{name}={host} is not an address of this machine (unknown host: "
+                                f"{err.strerror if isinstance(err, OSError) else err}); name one with {name}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
     except OSError as err:
-        return f"--host={host} is not an address of this machine ({err.strerror or err}); name one with --host"
-    return None
+        sock.close()
+        if err.errno == errno.EADDRNOTAVAIL:
+            raise StoreAddressError(f"{name}={host} is not an address of this machine ({err.strerror}); name one "
+                                    f"with {name}") from None
+        raise StoreAddressError(f"cannot serve the rendezvous store at {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def serve_store(host: str, port: int, *, name: str = "--host", timeout_s: float = 30):
+    """The c10d store (a master TCPStore), listening on the address `host` resolves to and no other: given no
+    socket of its own, a TCPStore listens on every interface of the machine. StoreAddressError if it cannot."""
+    import torch.distributed as dist
+
+    sock = _listening_socket(host, port, name)
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+                             timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        raise StoreAddressError(f"cannot serve the rendezvous store at {host}:{port}: "
+                                f"{str(err).splitlines()[0]}") from None
+
+
+def default_host() -> str:
+    """This machine's host name, unless it resolves to a loopback address, which no other node can reach."""
+    host = socket.gethostname()
+    try:
+        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror:
+        return host  # the bind names it
+    if ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        raise StoreAddressError(f"this machine's host name {host} resolves to {address}, a loopback address that "
+                                "no other node can reach: name the address the nodes reach with --host")
+    return host
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problem = check_address(args.host, args.port)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    import torch.distributed as dist
-
-    # Blocked before the store starts its threads, so that only sigwait below receives them.
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        store = dist.TCPStore(args.host, int(args.port), is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=30))
-    except RuntimeError as err:
-        print(f"error: cannot serve the rendezvous store at {args.host}:{args.port}: {str(err).splitlines()[0]}",
-              file=sys.stderr)
+        if not args.port.isdigit() or not 1 <= int(args.port) <= 65535:
+            raise StoreAddressError(f"--port={args.port} is not a port number from 1 to 65535")
+        host = args.host or default_host()
+        # Blocked before the store starts its threads, so that only sigwait below receives them.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        store = serve_store(host, int(args.port))
+    except StoreAddressError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"rendezvous store at {args.host}:{store.port} (listening on every interface; the nodes take "
-          f"RDZV_STORE={args.host}:{store.port}): keep it up for the job's life", flush=True)
+    print(f"rendezvous store at {host}:{store.port}, listening on that address only (the nodes take "
+          f"RDZV_STORE={host}:{store.port} and one RDZV_ID per job): keep it up for the job's life", flush=True)
     sig = signal.sigwait(STOP_SIGNALS)
     print(f"rendezvous store stopped by {signal.Signals(sig).name}", flush=True)
     return 0

@@ -9,6 +9,8 @@
 # `sbatch --no-kill` so that Slurm keeps the job when a node fails. A Slurm job cannot gain nodes, so it only
 # shrinks; the first node hosts the rendezvous and must stay up (docs/running.md, "Elastic runs"). RDZV_STORE is
 # not read: this script and its srun run on the first node, which must stay up whoever hosts the store.
+# The rendezvous's run id is RDZV_ID, or a random one made here for the job; its store must sit on a network that
+# only the job's machines reach. Every value read from the environment is checked before it is used.
 #SBATCH --job-name=fsdp-train
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -21,8 +23,19 @@ set -euo pipefail
 
 ROOT="${SLURM_SUBMIT_DIR:-$(pwd)}"
 CONFIG="${CONFIG:-$ROOT/config/train1B_fsdp.yaml}"
+# shellcheck source=scripts/_torchrun.sh
+source "$ROOT/scripts/_torchrun.sh"
 GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
 MICRO_BATCH="${MICRO_BATCH:-2}"
+PORT="${MASTER_PORT:-29500}"
+[[ -z "${SLURM_NNODES:-}" ]] || check_whole SLURM_NNODES 1
+check_whole GPUS_PER_NODE 1
+[[ "$MICRO_BATCH" == auto ]] || check_whole MICRO_BATCH 1
+[[ -z "${GLOBAL_BATCH:-}" ]] || check_whole GLOBAL_BATCH 1
+[[ -z "${MASTER_PORT:-}" ]] || check_whole MASTER_PORT 1 65535
+[[ -z "${MAX_RESTARTS:-}" ]] || check_whole MAX_RESTARTS 0
+check_run_id
+RDZV_ID="${RDZV_ID:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"  # unguessable: another job cannot join by accident
 NNODES="${SLURM_NNODES:-1}"
 WORLD=$((NNODES * GPUS_PER_NODE))
 if [[ -n "${ELASTIC_MIN_NODES:-}" ]] && { ! [[ "$ELASTIC_MIN_NODES" =~ ^[1-9][0-9]*$ ]] || (( ELASTIC_MIN_NODES > NNODES )); }; then
@@ -51,7 +64,6 @@ fi
 # sed, not head: head exits after one line, and under pipefail a long node list that scontrol is still
 # writing would then end the script with SIGPIPE (status 141).
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
-PORT="${MASTER_PORT:-29500}"
 
 # Forward Slurm's pre-termination signal to the training processes (not to torchrun, whose default
 # action on SIGUSR1 would be to die): torchrun starts them as "python -u .../train_fsdp.py".
@@ -77,9 +89,10 @@ if [[ -n "${ELASTIC_MIN_NODES:-}" ]]; then
     --train.global_batch_size="$GLOBAL_BATCH" --train.micro_batch_size="$MICRO_BATCH" "$@" || exit $?
 fi
 
-srun "${SRUN_KILL[@]}" torchrun \
+# torchrun through scripts/_torchrun.py: a user error ends with its `error:` line, without torchrun's report.
+srun "${SRUN_KILL[@]}" python3 "$ROOT/scripts/_torchrun.py" -- \
   --nnodes="$NODES" --nproc_per_node="$GPUS_PER_NODE" \
-  --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$PORT" \
+  --rdzv_id="$RDZV_ID" --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$PORT" \
   --max-restarts="$RESTARTS" \
   "$ROOT/train_fsdp.py" "$CONFIG" \
   --train.global_batch_size="$GLOBAL_BATCH" --train.micro_batch_size="$MICRO_BATCH" "$@" &

@@ -3,6 +3,7 @@ torchrun agent with 2 gloo processes, meeting in a c10d rendezvous that node ran
 hosts. A node that dies, a node that joins, and a world size that cannot hold the global batch."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -29,13 +30,14 @@ RESUMED = re.compile(r"world (\d+) -> (\d+) at step (\d+): resumed from checkpoi
 
 
 class Node:
-    """One agent: scripts/fsdp_multi_node.sh 127.0.0.1 RANK 1:2, its output in a file."""
+    """One agent: scripts/fsdp_multi_node.sh 127.0.0.1 RANK 1:2, its output in a file. The run id is the launcher's
+    (node rank 0 makes one) unless extra_env gives RDZV_ID."""
 
     def __init__(self, tmp_path: Path, node_rank: int, port: int, args: list[str], **extra_env: str):
         self.log_path = tmp_path / f"node{node_rank}.log"
         self._log = open(self.log_path, "w")
         env = script_env(NPROC_PER_NODE="2", MASTER_PORT=str(port), CONFIG=str(CONFIG), RDZV_CONF=RDZV_CONF,
-                         RDZV_ID=f"test-{port}", **extra_env)
+                         **extra_env)
         self.proc = subprocess.Popen([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", str(node_rank), "1:2",
                                       *args], cwd=tmp_path, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -203,26 +205,127 @@ def test_a_world_size_that_cannot_hold_the_batch_waits_for_the_next(corpus, data
     assert "".join(n.text() for n in nodes).count("cannot hold") == 1
 
 
+def reachable(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_a_node_whose_config_or_run_id_differs_is_refused_and_the_job_runs_on(corpus, dataset_dir, tmp_path, nodes):
+    """Node rank 0 hosts the store on MASTER_ADDR only, under a random run id that the other nodes read there. A
+    node started with another config, or another RDZV_ID, says so in one line and exits 2 before its agent joins
+    the rendezvous: the job neither restarts nor stops."""
+    out = tmp_path / "out"
+    port = free_port()
+    args = job_args(out, corpus, dataset_dir, "--checkpoint.interval=0")
+    nodes.append(Node(tmp_path, 0, port, args))
+    wait_until("world 2 trained a few steps", lambda: len(logged_steps(out)) >= 3, nodes)
+    # 127.0.0.0/8 is all loopback: a store listening on every interface would answer at 127.0.0.2 too.
+    assert reachable("127.0.0.1", port) and not reachable("127.0.0.2", port)
+    run_id = re.search(r"elastic: run id (\S+); this node's config is the job's", nodes[0].text()).group(1)
+    assert re.fullmatch("[0-9a-f]{32}", run_id)
+    for rank, extra, env, error in [
+        (1, ["--train.lr=0.02"], {}, f"error: this node's config differs from the job's (run {run_id} at "
+                                     f"127.0.0.1:{port}): train.lr=0.02 here, 0.01 in the job; it does not join"),
+        (2, [], {"RDZV_ID": "another-run"}, f"error: RDZV_ID=another-run is not the run id of the job at "
+                                            f"127.0.0.1:{port} (node rank 0 runs it as {run_id}): give every node "
+                                            "the same RDZV_ID, or none")]:
+        joiner = Node(tmp_path, rank, port, [*args, *extra], **env)
+        nodes.append(joiner)
+        assert joiner.proc.wait(timeout=TIMEOUT_S) == 2, joiner.text()[-4000:]
+        assert [line for line in joiner.text().splitlines() if line.startswith("error")] == [error], joiner.text()
+        assert "Traceback" not in joiner.text()
+    steps = len(logged_steps(out))
+    wait_until("node 0 trains on", lambda: len(logged_steps(out)) >= steps + 3, nodes[:1])
+    assert "stopped by torchrun" not in nodes[0].text() and not resumed(nodes[0].text())
+    last = stop_after(nodes[0], out, steps + 4, nodes[:1])
+    assert logged_steps(out) == list(range(1, last + 1))  # one world throughout, every step once
+
+
+ROGUE = """import pathlib, sys, time
+pathlib.Path(sys.argv[1]).touch()
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_an_agent_with_a_run_id_made_from_the_config_and_address_meets_no_one(corpus, dataset_dir, tmp_path, nodes):
+    """A torchrun agent that computes the id the launcher once made from the config's file name and the
+    address (a checksum) would join the job's rendezvous and restart it: the launcher's id is random instead."""
+    out = tmp_path / "out"
+    port = free_port()
+    nodes.append(Node(tmp_path, 0, port, job_args(out, corpus, dataset_dir, "--checkpoint.interval=0")))
+    wait_until("world 2 trained a few steps", lambda: len(logged_steps(out)) >= 3, nodes)
+    checksum = subprocess.run(["cksum"], input=f"{CONFIG.name} 127.0.0.1:{port}", capture_output=True, text=True,
+                              check=True).stdout.split()[0]
+    (tmp_path / "rogue.py").write_text(ROGUE)
+    ran = tmp_path / "rogue-ran"
+    with open(tmp_path / "rogue.log", "w") as log:
+        rogue = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=fsdp-{checksum}",
+             f"--rdzv_conf=is_host=false,{RDZV_CONF}", str(tmp_path / "rogue.py"), str(ran)],
+            cwd=tmp_path, env=script_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until("the rogue agent's worker started", ran.exists, nodes)
+        steps = len(logged_steps(out))
+        wait_until("node 0 trains on", lambda: len(logged_steps(out)) >= steps + 3, nodes)
+    finally:
+        kill_tree(rogue)
+    assert "stopped by torchrun" not in nodes[0].text() and not resumed(nodes[0].text())
+    last = stop_after(nodes[0], out, len(logged_steps(out)) + 1, nodes)
+    assert logged_steps(out) == list(range(1, last + 1))
+
+
 STORE_SCRIPT = ROOT / "scripts/rendezvous_store.py"
 
 
-@pytest.fixture
-def rendezvous_store(tmp_path):
-    """scripts/rendezvous_store.py on a free port of this machine: its address, once it serves."""
+@contextlib.contextmanager
+def store_script(tmp_path: Path, host: str):
+    """scripts/rendezvous_store.py --host=host on a free port: its port, once it serves."""
     port = free_port()
-    log_path = tmp_path / "store.log"
+    log_path = tmp_path / f"store-{host}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(STORE_SCRIPT), "--host=127.0.0.1", f"--port={port}"],
+        proc = subprocess.Popen([sys.executable, str(STORE_SCRIPT), f"--host={host}", f"--port={port}"],
                                 stdout=log, stderr=subprocess.STDOUT, env=script_env())
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while "keep it up for the job's life" not in log_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.05)
-        yield f"127.0.0.1:{port}"
+        yield port
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0, log_path.read_text()
+
+
+@pytest.fixture
+def rendezvous_store(tmp_path):
+    """scripts/rendezvous_store.py on a free port of this machine: its address."""
+    with store_script(tmp_path, "127.0.0.1") as port:
+        yield f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("host,other", [("127.0.0.1", "127.0.0.2"), ("127.0.0.2", "127.0.0.1")])
+def test_the_store_script_listens_on_the_address_of_host_only(host, other, tmp_path):
+    # 127.0.0.0/8 is all loopback: a store listening on every interface would answer at both addresses.
+    with store_script(tmp_path, host) as port:
+        assert reachable(host, port) and not reachable(other, port)
+
+
+def test_the_store_script_refuses_a_host_name_that_no_other_node_can_reach(monkeypatch, capsys):
+    """Without --host the store takes the host name, which some systems map to a loopback address in /etc/hosts:
+    listening there only, no node could reach it."""
+    from scripts import rendezvous_store
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
+    assert rendezvous_store.main([f"--port={free_port()}"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: this machine's host name localhost resolves to (127\.0\.0\.1|::1), a loopback "
+                        r"address that no other node can reach: name the address the nodes reach with --host\n", err)
 
 
 @pytest.mark.slow
@@ -232,7 +335,7 @@ def test_with_the_store_run_apart_node_rank_0_may_die(corpus, dataset_dir, tmp_p
     out = tmp_path / "out"
     port = free_port()
     args = job_args(out, corpus, dataset_dir, "--checkpoint.interval=3")
-    nodes += [Node(tmp_path, rank, port, args, RDZV_STORE=rendezvous_store) for rank in (0, 1)]
+    nodes += [Node(tmp_path, rank, port, args, RDZV_STORE=rendezvous_store, RDZV_ID=f"test-{port}") for rank in (0, 1)]
     wait_until("world 4", lambda: "world size 4 on cpu" in nodes[0].text() + nodes[1].text(), nodes)
     assert f"rendezvous test-{port} at {rendezvous_store}, a store run apart from the nodes" in nodes[0].text()
     first = max(logged_steps(out), default=0)
@@ -263,7 +366,9 @@ def test_the_store_script_names_a_port_it_cannot_serve(tmp_path):
 @pytest.mark.parametrize("nnodes,store,culprit", [
     ("2", "storehost:29400", "RDZV_STORE=storehost:29400 is for elastic runs (NNODES as a range MIN:MAX)"),
     ("1:2", "storehost", "RDZV_STORE=storehost is not HOST:PORT"),
-    ("1:2", "storehost:70000", "RDZV_STORE=storehost:70000 is not HOST:PORT")])
+    ("1:2", "storehost:70000", "RDZV_STORE=storehost:70000 is not HOST:PORT"),
+    # A store run apart may serve several jobs: none of them can publish its run id there.
+    ("1:2", "storehost:29400", "RDZV_STORE needs RDZV_ID, the same unguessable run id on every node of this job")])
 def test_the_launcher_names_a_store_it_cannot_use(nnodes, store, culprit, tmp_path):
     proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", "0", nnodes], capture_output=True,
                           text=True, cwd=tmp_path, env=script_env(RDZV_STORE=store, NPROC_PER_NODE="2"), timeout=60)

@@ -6,6 +6,7 @@ signal."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -176,10 +177,11 @@ def test_slurm_launch_and_signal_forwarding(train_status, tmp_path):
     assert "world 4 GPUs, global batch 24, micro-batch 3, gradient accumulation 2" in stdout
     lines = calls.read_text().splitlines()
     assert lines[0] == "scontrol show hostnames node[17-18]"
-    assert lines[1] == (
-        f"srun --kill-on-bad-exit=1 torchrun --nnodes=2 --nproc_per_node=2 --rdzv_id=4242 --rdzv_backend=c10d "
-        f"--rdzv_endpoint=node17:29500 --max-restarts=1 {ROOT}/train_fsdp.py {ROOT}/config/train1B_fsdp.yaml "
-        f"--train.global_batch_size=24 --train.micro_batch_size=3 --train.max_steps=7")
+    assert re.fullmatch(
+        f"srun --kill-on-bad-exit=1 python3 {ROOT}/scripts/_torchrun.py -- --nnodes=2 --nproc_per_node=2 "
+        f"--rdzv_id=[0-9a-f]{{32}} --rdzv_backend=c10d --rdzv_endpoint=node17:29500 --max-restarts=1 "
+        f"{ROOT}/train_fsdp.py {ROOT}/config/train1B_fsdp.yaml "
+        f"--train.global_batch_size=24 --train.micro_batch_size=3 --train.max_steps=7", lines[1]), lines[1]
     assert lines[2] == r"srun --overlap --ntasks-per-node=1 pkill -USR1 -f -- -u .*train_fsdp\.py"
     assert len(lines) == 3
     # No workaround in the environment: the workers give each restart attempt a store of their own.
@@ -199,9 +201,10 @@ def test_slurm_elastic_launch(tmp_path):
                           timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "elastic: 2:3 nodes; the rendezvous lives on node17, which must stay up" in proc.stdout
-    assert calls.read_text().splitlines()[1].startswith(
-        "srun --no-kill --kill-on-bad-exit=0 torchrun --nnodes=2:3 --nproc_per_node=2 --rdzv_id=9 --rdzv_backend=c10d "
-        "--rdzv_endpoint=node17:29500 --max-restarts=100 ")
+    assert re.match(
+        f"srun --no-kill --kill-on-bad-exit=0 python3 {ROOT}/scripts/_torchrun.py -- --nnodes=2:3 --nproc_per_node=2 "
+        "--rdzv_id=[0-9a-f]{32} --rdzv_backend=c10d --rdzv_endpoint=node17:29500 --max-restarts=100 ",
+        calls.read_text().splitlines()[1])
     assert (tmp_path / "train_env.txt").read_text() == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n"
 
 
@@ -232,12 +235,74 @@ def test_slurm_elastic_minimum_is_checked_before_launching(value, tmp_path):
     assert not calls.exists()
 
 
+def slurm_run(tmp_path: Path, *args: str, **variables: str) -> subprocess.CompletedProcess:
+    """slurm_submit.sh against the stubs, in tmp_path, a job of 2 nodes of 2 GPUs; the training step ends at once."""
+    bin_dir, _ = slurm_stubs(tmp_path)
+    env = script_env(**{"SLURM_NNODES": "2", "GPUS_PER_NODE": "2", "MICRO_BATCH": "2", "SLURM_JOB_ID": "9",
+                        "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_SUBMIT_DIR": str(ROOT), **variables})
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    (tmp_path / "release").touch()
+    return subprocess.run(["bash", str(ROOT / "scripts/slurm_submit.sh"), *args], env=env, capture_output=True,
+                          text=True, cwd=tmp_path, timeout=30)
+
+
+# bash evaluates a variable's text as an expression in (( )), $(( )) and [[ -gt ]]: an array subscript's command
+# substitution runs. Every value is checked as text first; a leading zero (octal to bash) is refused too.
+@pytest.mark.parametrize("name,value", [
+    ("GPUS_PER_NODE", "HOME[$(touch PWNED)]"), ("MICRO_BATCH", "HOME[$(touch PWNED)]"),
+    ("GLOBAL_BATCH", "x[$(touch PWNED)]"), ("SLURM_NNODES", "a[$(touch PWNED)]"), ("MASTER_PORT", "p[$(touch PWNED)]"),
+    ("MAX_RESTARTS", "r[$(touch PWNED)]"), ("GPUS_PER_NODE", "08"), ("MASTER_PORT", "65536"), ("GLOBAL_BATCH", "-8")])
+def test_slurm_checks_every_number_before_arithmetic(name, value, tmp_path):
+    proc = slurm_run(tmp_path, **{name: value})
+    assert not (tmp_path / "PWNED").exists(), "a value from the environment ran a command"
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"error: {name}={value} is not a whole number ") and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "calls.txt").exists()  # neither scontrol nor srun was called
+
+
+def test_slurm_run_id_is_random_unless_given(tmp_path):
+    """The run id of the job's rendezvous: one that nobody outside the job can guess (the job id can be read by
+    anyone with squeue), or RDZV_ID; an RDZV_ID torchrun cannot take is one error line."""
+    def launched_id(folder: Path, **variables: str) -> str:
+        folder.mkdir()
+        proc = slurm_run(folder, **variables)
+        assert proc.returncode == 0, proc.stderr
+        return re.search(r"--rdzv_id=(\S+)", (folder / "calls.txt").read_text()).group(1)
+
+    first, second = launched_id(tmp_path / "a"), launched_id(tmp_path / "b")
+    assert re.fullmatch("[0-9a-f]{32}", first) and re.fullmatch("[0-9a-f]{32}", second) and first != second
+    assert launched_id(tmp_path / "c", RDZV_ID="my-run.2") == "my-run.2"
+    bad = slurm_run(tmp_path, RDZV_ID="a/b")
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr == "error: RDZV_ID=a/b is not a run id (up to 128 letters, digits, '.', '_' and '-')\n"
+
+
 @pytest.mark.parametrize("nnodes", ["2:1", "0:2", "1:", "a:b"])
 def test_multi_node_rejects_a_bad_node_range(nnodes):
     proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", "0", nnodes], env=script_env(),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr == f"error: NNODES={nnodes} is not a node range MIN:MAX with 1 <= MIN <= MAX\n"
+
+
+@pytest.mark.parametrize("nnodes,name,value,culprit", [
+    ("1:2", "RDZV_ID", "team/run", "RDZV_ID=team/run is not a run id (up to 128 letters, digits, '.', '_' and '-')"),
+    ("1:2", "RDZV_ID", "-x", "RDZV_ID=-x is not a run id"),
+    ("1:2", "MASTER_PORT", "29500x", "MASTER_PORT=29500x is not a whole number from 1 to 65535"),
+    ("2", "MASTER_PORT", "0", "MASTER_PORT=0 is not a whole number from 1 to 65535"),
+    ("2", "NPROC_PER_NODE", "a[$(touch P)]", "NPROC_PER_NODE=a[$(touch P)] is not a whole number of at least 1"),
+    ("2", "MAX_RESTARTS", "many", "MAX_RESTARTS=many is not a whole number of at least 0")])
+def test_multi_node_names_a_value_torchrun_cannot_take_before_starting_it(nnodes, name, value, culprit, tmp_path):
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", "0", nnodes], capture_output=True,
+                          text=True, cwd=tmp_path, env=script_env(**{"NPROC_PER_NODE": "2", name: value}), timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {culprit}"), proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1 and not list(tmp_path.iterdir())
+
+
+def test_multi_node_names_a_node_rank_that_is_not_a_number(tmp_path):
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", "one", "2"], capture_output=True,
+                          text=True, cwd=tmp_path, env=script_env(NPROC_PER_NODE="1"), timeout=60)
+    assert proc.returncode == 2 and proc.stderr == "error: NODE_RANK=one is not a whole number of at least 0\n"
 
 
 def test_check_only_finds_the_config_problems_of_any_world_size_and_starts_nothing(tmp_path):
@@ -267,6 +332,69 @@ def test_elastic_launch_stops_at_a_config_error_once_without_starting_torchrun(t
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "train.max_stepz" in errors[0], proc.stderr[-3000:]
     assert "torch.distributed" not in proc.stderr and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("bad", [["--train.max_stepz=3"], ["--resume_from=/nonexistent/ckpt"]])
+def test_a_user_error_under_the_launcher_is_its_one_error_line(bad, tmp_path):
+    """torchrun would follow the worker's `error:` line with its own report of the failure (a ChildFailedError
+    traceback of some 40 lines) and end with status 1: the launcher ends with the line and the worker's status."""
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_train.sh"), *TINY, f"--run.output_dir={tmp_path / 'out'}", *bad],
+                          cwd=tmp_path, env=script_env(NGPU="2", CONFIG=str(CONFIG)), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and bad[0].split("=")[0][2:] in lines[0], proc.stderr
+    assert proc.stdout == "" and not (tmp_path / "out").exists()
+
+
+WORKER = """import os, signal, sys, time
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record  # as train_fsdp.py: an uncaught exception reaches torchrun's error file
+def main():
+    if os.environ["RANK"] == "1":
+        if sys.argv[1] == "raise":
+            raise ValueError("a genuine bug")
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        print("error: a bad input", file=sys.stderr)
+        sys.exit(int(sys.argv[1]))
+    time.sleep(120)  # rank 0 waits to be stopped, as train_fsdp.py's ranks do after an early error
+
+main()
+"""
+
+
+@pytest.mark.parametrize("how,status", [("2", 2), ("1", 1), ("raise", 1), ("kill", 128 + 9)])
+def test_torchrun_wrapper_hides_torchruns_report_of_user_errors_only(how, status, tmp_path):
+    """scripts/_torchrun.py, as the launchers run torchrun: a worker that exits 1 or 2 after its `error:` line ends
+    the command with that line and status; a crash (an exception, a signal) keeps its traceback and torchrun's
+    report, and the command ends with the worker's status (128 + the signal's number for a signal)."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/_torchrun.py"), "--", "--standalone",
+                           "--nproc_per_node=2", "worker.py", how], cwd=tmp_path, env=script_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == status, proc.stderr
+    if how in ("1", "2"):
+        assert proc.stderr == "error: a bad input\n"
+    else:
+        assert "worker.py FAILED" in proc.stderr and "Root Cause" in proc.stderr  # torchrun's report
+        assert ("ValueError: a genuine bug" in proc.stderr) == (how == "raise")
+        assert "Signal 9 (SIGKILL)" in proc.stderr or how != "kill"
+
+
+def test_elastic_node_rank_0_serves_its_store_on_master_addr_or_says_why_not(tmp_path):
+    """Node rank 0 hosts the rendezvous store listening on MASTER_ADDR only: an address of another machine is one
+    line before torchrun starts (a store on every interface would serve whatever MASTER_ADDR says)."""
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "203.0.113.7", "0", "1:2", *TINY,
+                           f"--run.output_dir={tmp_path / 'out'}"], cwd=tmp_path, capture_output=True, text=True,
+                          env=script_env(NPROC_PER_NODE="2", CONFIG=str(CONFIG), MASTER_PORT=str(free_port())),
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
+        "error: MASTER_ADDR=203.0.113.7 is not an address of this machine (Cannot assign requested address); name "
+        "one with MASTER_ADDR"], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
 # ---- real runs -----------------------------------------------------------------------------------------------
