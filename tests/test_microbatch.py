@@ -751,6 +751,36 @@ def test_benchmark_grid_refuses_a_bad_pair_before_any_run(grid, error):
     assert "tok/s/gpu" not in proc.stdout
 
 
+def test_an_empty_grid_is_refused_not_read_as_no_grid():
+    from scripts import benchmark
+
+    for text in (",,,", " , ", ","):
+        with pytest.raises(ValueError) as err:
+            benchmark.grid_pairs(text)
+        assert str(err.value) == (f"--grid {text!r}: no POLICY@MICRO_BATCH pair in it (e.g. none@8,selective_op@16); "
+                                  "leave --grid out for no grid")
+    assert benchmark.grid_pairs("none@8, ,full@16,") == [("none", 8), ("full", 16)]  # a stray comma is no typo
+    assert benchmark.grid_pairs("") == []
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--grid", ",,,"], "error: --grid ',,,': no POLICY@MICRO_BATCH pair in it"),
+    (["--json", "{fifo}"], "error: --json {fifo}: a FIFO, not a file to append results to"),
+], ids=["empty grid", "json to a FIFO"])
+def test_benchmark_refuses_an_empty_grid_or_a_fifo_destination_in_one_line(tmp_path, argv, error):
+    """Both before any run: a FIFO given to --json would block the append after all the runs, until a reader
+    comes."""
+    fifo = tmp_path / "results.jsonl"
+    os.mkfifo(fifo)
+    argv, error = [a.format(fifo=fifo) for a in argv], error.format(fifo=fifo)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
+                           "--train.global_batch_size=8", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=job_env({}))
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(error), proc.stderr[-2000:]
+    assert "tok/s/gpu" not in proc.stdout
+
+
 def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
     # The reference keeps the whole logits and may not fit ours' micro-batch: it retries at half the
     # micro-batch and twice the accumulation (the same global batch) until it fits.
