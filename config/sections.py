@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from model import ModelConfig
 
@@ -431,10 +431,18 @@ class Config:
         return Path(self.run.output_dir or Path("checkpoints") / self.run.name)
 
     def to_dict(self) -> dict:
-        """The config as plain data, for config.yaml and the trackers: the URLs in data.files without a user,
-        password or query string, which may be credentials."""
-        from data.remote import display  # the standard library only
+        """The config as plain data, for config.yaml and the trackers: every URL in it (data.files,
+        logging.mlflow_tracking_uri, ...) without a user, password or query string, which may be credentials."""
+        return without_credentials(dataclasses.asdict(self))
 
-        values = dataclasses.asdict(self)
-        values["data"]["files"] = [display(entry) for entry in self.data.files]
-        return values
+
+def without_credentials(value: Any) -> Any:
+    """Plain data (dicts, lists, strings, ...) with every string that is a URL as data.remote.display shows it:
+    no user, password, query string or fragment."""
+    from data.remote import display  # the standard library only
+
+    if isinstance(value, dict):
+        return {key: without_credentials(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(without_credentials(item) for item in value)
+    return display(value) if isinstance(value, str) else value

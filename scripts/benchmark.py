@@ -90,7 +90,9 @@ from fsdp_utils.parallel.parallelize import compile_options, describe_sharding  
 from fsdp_utils.train.build_run import BuiltRun, build_run  # noqa: E402
 from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
 from fsdp_utils.train.microbatch import describe_choice  # noqa: E402
+from fsdp_utils.train.run_files import append_line, results_log_problem  # noqa: E402
 from fsdp_utils.train.step import train_step  # noqa: E402
+from fsdp_utils.train.trackers import redacted_argument  # noqa: E402
 from model.float8_projection import FLOAT8_ALIGNMENT  # noqa: E402
 
 # The document separator of the random tokens (--doc_len); any id serves.
@@ -459,14 +461,33 @@ GRID = "grid_"  # the name of a --grid run: grid_selective_op@16
 
 
 def grid_pairs(text: str) -> list[tuple[str, int]]:
-    """--grid's POLICY@MICRO_BATCH list as (policy, micro-batch); ValueError naming an entry that is not one."""
+    """--grid's POLICY@MICRO_BATCH list as (policy, micro-batch); ValueError naming an entry that is not one, or
+    a --grid given with no pair in it (',,,' would otherwise mean no grid, silently)."""
     pairs = []
     for entry in (e.strip() for e in text.split(",") if e.strip()):
         policy, _, size = entry.rpartition("@")
         if not policy or not size.isdigit() or int(size) < 1:
             raise ValueError(f"--grid: {entry!r} is not POLICY@MICRO_BATCH (e.g. selective_op@16)")
         pairs.append((policy, int(size)))
+    if text and not pairs:
+        raise ValueError(f"--grid {text!r}: no POLICY@MICRO_BATCH pair in it (e.g. none@8,selective_op@16); leave "
+                         "--grid out for no grid")
     return pairs
+
+
+def checked_grid(args) -> list[tuple[str, int]]:
+    """--grid's pairs, once --grid and --json are known to be usable (--json before the runs, not after them);
+    ConfigError with the problems otherwise."""
+    problems = []
+    try:
+        grid = grid_pairs(args.grid)
+    except ValueError as err:
+        grid, problems = [], [str(err)]
+    if args.json and (problem := results_log_problem(args.json)):
+        problems.append(problem)
+    if problems:
+        raise ConfigError(problems)
+    return grid
 
 
 def load_configs(args, overrides: list[str], *, recipes: list[str], grid: list[tuple[str, int]]) -> tuple:
@@ -542,9 +563,9 @@ def run_saves(cfg, env, args, *, overrides: list[str]) -> None:
     if env.is_main:
         print_saves(rows, cfg, env, args)
         if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps({"config": args.config, "overrides": overrides, "world_size": env.world_size,
-                                    "fsdp_version": cfg.fsdp.version, "saves": rows}) + "\n")
+            shown = [redacted_argument(o) for o in overrides]
+            append_line(args.json, json.dumps({"config": args.config, "overrides": shown, "world_size": env.world_size,
+                                               "fsdp_version": cfg.fsdp.version, "saves": rows}))
 
 
 def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str, list[float]]]:
@@ -623,12 +644,12 @@ def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg, e
         share = by_name["ours"]["tokens_per_sec_per_gpu"] / by_name[fastest]["tokens_per_sec_per_gpu"]
         print(f"fastest of ours and the grid: {fastest}; ours / fastest tokens/s: {share:.3f}")
     if args.json:
-        record = {"config": args.config, "overrides": overrides, "float8": recipes, "world_size": env.world_size,
+        record = {"config": args.config, "overrides": list(map(redacted_argument, overrides)), "float8": recipes,
+                  "world_size": env.world_size,
                   "device": device, "params": m.num_params(), "ablations": ablations, "rows": rows,
                   "document_masking": args.document_masking, "doc_len": args.doc_len,
                   "rounds": args.rounds, "ratios": ratios}
-        with open(args.json, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(args.json, json.dumps(record))
 
 
 def main() -> int:
@@ -637,10 +658,7 @@ def main() -> int:
     args, overrides = parser.parse_known_args()
     recipes = [r for r in args.float8.split(",") if r]
     try:
-        grid = grid_pairs(args.grid)
-    except ValueError as err:
-        parser.error(str(err))
-    try:
+        grid = checked_grid(args)
         cfg, fp8_cfgs, grid_cfgs = load_configs(args, overrides, recipes=recipes, grid=grid)
     except ConfigError as err:
         for line in err.problems:

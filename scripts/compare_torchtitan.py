@@ -41,6 +41,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from config import Config, ConfigError, load_config  # noqa: E402
+from data.remote import scrub  # noqa: E402
+from fsdp_utils.train.run_files import append_line, results_log_problem  # noqa: E402
+from fsdp_utils.train.trackers import redacted_argument  # noqa: E402
 
 BENCHMARK = ROOT / "scripts" / "benchmark.py"
 DEFAULT_LAUNCHER = "torchrun --standalone --nproc_per_node={nproc}"
@@ -53,8 +56,9 @@ ENVIRONMENT = {"NCCL_NVLS_ENABLE": ("0", ("NCCL_NVLS_ENABLE",)),
 SAME_AC = ("none", "full", "selective_op")
 PEER_AC = re.compile(r"none|full|selective_op|selective_[1-9]\d*")
 # The peer's result line, e.g. "TT torchtitan-0.2.2 params=8030M ... world2: 13544 tok/s/GPU, MFU 41.0% (...),
-# peak mem 81.1 GiB".
-TT_LINE = re.compile(r"^TT .*?: (?P<tps>[\d.]+) tok/s/GPU, MFU (?P<mfu>[\d.]+)%.*peak mem (?P<mem>[\d.]+) GiB")
+# peak mem 81.1 GiB"; each figure a decimal number (a line with "1.2.3 tok/s/GPU" is not a result).
+NUMBER = r"\d+(?:\.\d+)?"
+TT_LINE = re.compile(rf"^TT .*?: (?P<tps>{NUMBER}) tok/s/GPU, MFU (?P<mfu>{NUMBER})%.*peak mem (?P<mem>{NUMBER}) GiB")
 # A line that states an error: a Python exception (under torchrun prefixed "[rankN]:") or an "error:" line.
 ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]*(?:Error|Exception)|error)\b.*)")
 TAIL_LINES = 200
@@ -196,18 +200,26 @@ def parse_peer(lines: list[str]) -> dict | None:
     return None
 
 
+def is_figure(value: object) -> bool:
+    """A measured figure: a finite number, not below zero."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 def parse_ours(text: str) -> dict | None:
-    """Our run's row from benchmark.py's --json record (its last line; the row named "ours"); None without."""
+    """Our run's row from benchmark.py's --json record (its last line; the row named "ours"); None without one,
+    or where its tokens/s, peak memory or MFU is not a figure."""
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         return None
     try:
         record = json.loads(lines[-1])
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    rows = record.get("rows") or []
+    rows = record.get("rows") if isinstance(record, dict) else None
+    rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
     row = next((r for r in rows if r.get("name") == "ours"), rows[0] if rows else None)
-    if row is None:
+    if row is None or not (is_figure(row.get("tokens_per_sec_per_gpu")) and is_figure(row.get("peak_mem_gib"))
+                           and (row.get("mfu") is None or is_figure(row["mfu"]))):
         return None
     keys = ("tokens_per_sec_per_gpu", "mfu", "peak_mem_gib", "step_s", "micro_batch", "grad_accum")
     return {**{k: row.get(k) for k in keys}, "device": record.get("device")}
@@ -222,7 +234,7 @@ def failure(returncode: int, lines: list[str]) -> str:
     if returncode and re.search(r"out of memory|OutOfMemoryError", last, re.IGNORECASE):
         return "out of memory"
     what = "failed" if returncode else "no result"
-    return f"{what}, exit {returncode}, last line: {last[:200]}"
+    return f"{what}, exit {returncode}, last line: {scrub(last)[:200]}"
 
 
 def run_child(command: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
@@ -235,7 +247,7 @@ def run_child(command: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
         return 127, [f"error: cannot start {command[0]}: {err}"]
     assert proc.stdout is not None
     for line in proc.stdout:
-        sys.stdout.write(line)
+        sys.stdout.write(scrub(line))
         sys.stdout.flush()
         tail.append(line.rstrip("\n"))
     return proc.wait(), list(tail)
@@ -243,7 +255,7 @@ def run_child(command: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
 
 def run_side(side: str, command: list[str], env: dict[str, str], json_path: Path | None) -> dict:
     """One run of ours or the peer: its figures, or {"error": ...}; "exit" is its exit status."""
-    print(f"\n=== {side}: {shlex.join(command)}", flush=True)
+    print(f"\n=== {side}: {shown(command)}", flush=True)
     returncode, lines = run_child(command, env)
     if side == "ours":
         result = parse_ours(json_path.read_text()) if json_path is not None and json_path.exists() else None
@@ -273,7 +285,8 @@ def table(case: str, ours: dict, peer: dict) -> tuple[list[str], float | None, f
     """(a Markdown table of the comparison, tokens/s ratio ours / peer, memory ours - peer in GiB)."""
     ratio = memory = None
     if "error" not in ours and "error" not in peer:
-        ratio = ours["tokens_per_sec_per_gpu"] / peer["tokens_per_sec_per_gpu"]
+        if peer["tokens_per_sec_per_gpu"] > 0:  # a peer that reports 0 tok/s has no ratio
+            ratio = ours["tokens_per_sec_per_gpu"] / peer["tokens_per_sec_per_gpu"]
         memory = ours["peak_mem_gib"] - peer["peak_mem_gib"]
 
     def cells(side: dict) -> tuple[str, str]:
@@ -369,6 +382,8 @@ def argument_problems(args) -> list[str]:
     if not launcher or shutil.which(launcher[0]) is None:
         problems.append(f"--launcher {args.launcher!r}: {launcher[0] if launcher else 'the command'} not found "
                         "(activate the environment that has torch)")
+    if args.json and (problem := results_log_problem(args.json)):
+        problems.append(problem)  # now, not after both runs
     return problems
 
 
@@ -392,6 +407,12 @@ def plan(args, overrides: list[str]) -> dict:
             "launcher": launcher, "env": env, "env_added": env_added,
             "case": describe_case(args.config, cfg, peer_args, args.nproc),
             "peer_command": [*launcher, args.peer_script, *peer_args]}
+
+
+def shown(command: list[str]) -> str:
+    """A command as printed and recorded: every URL in its arguments without user, password or query string
+    (the runs themselves are given them)."""
+    return shlex.join(redacted_argument(arg) for arg in command)
 
 
 def ours_command(args, p: dict, json_path: Path) -> list[str]:
@@ -426,7 +447,9 @@ def run_rounds(args, p: dict, tmp: Path) -> tuple[dict, dict, list[str]]:
     return summarise(results["ours"]), summarise(results["peer"]), command
 
 
-def report(args, p: dict, ours: dict, peer: dict, ours_cmd: list[str]) -> None:
+def report(args, p: dict, ours: dict, peer: dict, ours_cmd: list[str]) -> bool:
+    """The table and the figures of both sides, and the --json record; False if that record could not be
+    appended (it is printed instead, so it is not lost)."""
     lines, ratio, memory = table(p["case"], ours, peer)
     print("\n" + "\n".join(lines))
     print(f"tokens/s: median of {args.rounds} round(s) (ours: each run's median step; peer: its mean over the "
@@ -442,18 +465,23 @@ def report(args, p: dict, ours: dict, peer: dict, ours_cmd: list[str]) -> None:
         for reason in summary.get("failed_rounds", []):
             print(f"{side}: a round failed: {reason}", flush=True)
     print("commands:")
-    print(f"  ours: {shlex.join(ours_cmd)}")
-    print(f"  peer: {shlex.join(p['peer_command'])}", flush=True)
-    if args.json:
-        record = {"case": p["case"], "config": args.config, "overrides": p["overrides"], "peer_args": p["peer_args"],
-                  "commands": {"ours": shlex.join(ours_cmd), "peer": shlex.join(p["peer_command"])},
-                  "environment_set": p["env_added"], "steps": args.steps, "warmup": args.warmup,
-                  "rounds": args.rounds, "order": args.order, "ours": ours, "peer": peer, "ratio": ratio,
-                  "memory_diff_gib": memory, "gpu": {"name": gpu_name(ours), "count": args.nproc},
-                  "git_commit": git_commit(),
-                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        with open(args.json, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    print(f"  ours: {shown(ours_cmd)}")
+    print(f"  peer: {shown(p['peer_command'])}", flush=True)
+    if not args.json:
+        return True
+    record = {"case": p["case"], "config": args.config, "overrides": [redacted_argument(o) for o in p["overrides"]],
+              "peer_args": p["peer_args"], "commands": {"ours": shown(ours_cmd), "peer": shown(p["peer_command"])},
+              "environment_set": p["env_added"], "steps": args.steps, "warmup": args.warmup,
+              "rounds": args.rounds, "order": args.order, "ours": ours, "peer": peer, "ratio": ratio,
+              "memory_diff_gib": memory, "gpu": {"name": gpu_name(ours), "count": args.nproc},
+              "git_commit": git_commit(),
+              "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        append_line(args.json, json.dumps(record))
+    except OSError as err:
+        print(f"error: {err}; the record, to keep:\n{json.dumps(record)}", file=sys.stderr)
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,13 +490,13 @@ def main(argv: list[str] | None = None) -> int:
         p = plan(args, overrides)
     except ConfigError as err:
         for line in err.problems:
-            print(f"error: {line}", file=sys.stderr)
+            print(f"error: {scrub(line)}", file=sys.stderr)
         return 2
     print_header(args, p)
     with tempfile.TemporaryDirectory(prefix="compare_torchtitan_") as tmp:
         ours, peer, ours_cmd = run_rounds(args, p, Path(tmp))
-    report(args, p, ours, peer, ours_cmd)
-    return 1 if "error" in ours and "error" in peer else 0
+    recorded = report(args, p, ours, peer, ours_cmd)
+    return 1 if ("error" in ours and "error" in peer) or not recorded else 0
 
 
 if __name__ == "__main__":

@@ -23,22 +23,48 @@ Curve = dict[int, float]
 
 def read_metrics(path: Path, key: str = "") -> tuple[Curve, Curve]:
     """(step -> train loss, step -> validation loss) of one run directory or metrics.jsonl file; with `key`,
-    (step -> that column of the training rows, {})."""
+    (step -> that column of the training rows, {}). ValueError naming the file and line of a row that is not
+    a metrics row, and a file that is not a regular one (a FIFO would block the read)."""
     path = path / "metrics.jsonl" if path.is_dir() else path
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path}: not a regular file")
     train: Curve = {}
     val: Curve = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if key:
-                if row.get(key) is not None:
-                    train[row["step"]] = row[key]
-                continue
-            if "loss" in row:
-                train[row["step"]] = row["loss"]
-            if "val_loss" in row:
-                val[row["step"]] = row["val_loss"]
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = parse_row(line, (key,) if key else ("loss", "val_loss"))
+        except ValueError as err:
+            raise ValueError(f"{path}, line {number}: {err}") from None
+        if key:
+            if row.get(key) is not None:
+                train[row["step"]] = row[key]
+            continue
+        if row.get("loss") is not None:
+            train[row["step"]] = row["loss"]
+        if row.get("val_loss") is not None:
+            val[row["step"]] = row["val_loss"]
     return train, val
+
+
+def parse_row(line: str, columns: tuple[str, ...]) -> dict:
+    """One metrics.jsonl row: a JSON object with an integer step, whose `columns`, where present, are numbers
+    (or null); ValueError saying what is wrong otherwise."""
+    try:
+        row = json.loads(line)
+    except RecursionError:
+        raise ValueError("not a metrics row (JSON nested too deeply)") from None
+    except ValueError as err:
+        raise ValueError(f"not JSON ({err})") from None
+    step = row.get("step") if isinstance(row, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError("not a metrics row (a JSON object with an integer step)")
+    for column in columns:
+        value = row.get(column)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ValueError(f"{column} is not a number")
+    return row
 
 
 def val_table(labels: list[str], vals: list[Curve]) -> tuple[str, dict[str, tuple[float, int] | None]]:
@@ -83,7 +109,8 @@ def _panel(ax, title: str, curves: list[Curve], labels: list[str], *, markers: b
         points = sorted((s, v) for s, v in curve.items() if math.isfinite(v))
         if points:
             steps, values = zip(*points, strict=True)
-            ax.plot(steps, values, marker="o" if markers else None, markersize=4, label=label,
+            # A curve of one point draws no line: its marker is what shows it.
+            ax.plot(steps, values, marker="o" if markers or len(points) == 1 else None, markersize=4, label=label,
                     color=f"C{first_colour + i}")
     if not any(curves):
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
@@ -147,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = [read_metrics(path) for path in args.runs]
         speeds = [read_metrics(path, "tokens_per_sec_per_gpu")[0] for path in args.runs] if args.throughput else []
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
+import stat
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -36,6 +39,7 @@ KINDS = [
     ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
 ]
 OTHER = "elementwise / other"
+STEP_RANGE = re.compile(r"train_step#\d+")  # the range StepProfiler puts around each profiled step
 COLOURS = {COMMUNICATION: "tab:red", "attention": "tab:purple", "matmul": "tab:blue",
            "memory copy": "tab:gray", "optimizer": "tab:green", OTHER: "tab:orange"}
 
@@ -47,9 +51,45 @@ def kind_of(name: str) -> str:
     return OTHER
 
 
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_regular_file(path: Path) -> None:
+    """OSError naming what `path` is when it is not a regular file: a FIFO would block the read, a device never
+    end it."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise OSError(f"{kind}, not a file")
+
+
+def is_complete_event(event: object) -> bool:
+    """A complete ('X') event with what the drawing reads: a name, and a finite start and duration (us)."""
+    return (isinstance(event, dict) and event.get("ph") == "X" and isinstance(event.get("name"), str)
+            and is_number(event.get("ts")) and is_number(event.get("dur")))
+
+
 def load_trace(path: Path) -> list[dict]:
-    """The complete ('X') events of a chrome trace (torch.profiler's export_chrome_trace)."""
-    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    """The complete ('X') events of a chrome trace (torch.profiler's export_chrome_trace); other events, and
+    entries that are not events at all, are left out. ValueError for a file that is not a chrome trace."""
+    check_regular_file(path)
+    try:
+        trace = json.loads(path.read_bytes())
+    except RecursionError:
+        raise ValueError("not a chrome trace (JSON nested too deeply)") from None
+    except ValueError as err:
+        raise ValueError(f"not a chrome trace (not JSON: {err})") from None
+    events = trace.get("traceEvents") if isinstance(trace, dict) else None
+    if not isinstance(events, list):
+        raise ValueError("not a chrome trace (expected an object with a traceEvents list)")
+    return [e for e in events if is_complete_event(e)]
+
+
+def listed(names: list[str], limit: int = 8) -> str:
+    """Names for a message: the first few, each cut short, and how many more."""
+    shown = ", ".join(name if len(name) <= 40 else name[:37] + "..." for name in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def step_window(events: list[dict], step: int | None) -> tuple[str, float, float]:
@@ -62,7 +102,7 @@ def step_window(events: list[dict], step: int | None) -> tuple[str, float, float
     end of the trace."""
     def ranges(category: str) -> list[tuple[float, float, str]]:
         return sorted((e["ts"], e["dur"], e["name"]) for e in events
-                      if e["name"].startswith("train_step#") and e.get("cat") == category)
+                      if STEP_RANGE.fullmatch(e["name"]) and e.get("cat") == category)
 
     on_gpu = ranges("gpu_user_annotation")
     steps = on_gpu or ranges("user_annotation")
@@ -74,7 +114,7 @@ def step_window(events: list[dict], step: int | None) -> tuple[str, float, float
     elif f"train_step#{step}" in names:
         index = names.index(f"train_step#{step}")
     else:
-        raise ValueError(f"step {step} is not in the trace (it holds {', '.join(names)})")
+        raise ValueError(f"step {step} is not in the trace (it holds {listed(names)})")
     start, duration, name = steps[index]
     if on_gpu:
         return name, start, start + duration
@@ -152,7 +192,7 @@ def summarize_trace(path: Path) -> str:
     """A line per profiled GPU step: its length, the overlap summary, and each kind's kernel time."""
     events = load_trace(path)
     names = sorted({e["name"] for e in events if e.get("cat") == "gpu_user_annotation"
-                    and e["name"].startswith("train_step#")}, key=lambda n: int(n.split("#")[1]))
+                    and STEP_RANGE.fullmatch(e["name"])}, key=lambda n: int(n.split("#")[1]))
     if not names:
         raise ValueError("no GPU train_step#N ranges: a GPU run's logging.profile_steps trace is needed")
     lines = []
@@ -277,6 +317,7 @@ def load_snapshot(path: Path) -> dict:
     as untrusted as any pickle: one that imports anything is refused (CheckpointUnsafe) before it runs."""
     from fsdp_utils.checkpoint.format import CheckpointError, RestrictedUnpickler, first_line
 
+    check_regular_file(path)
     try:
         with path.open("rb") as f:
             snapshot = RestrictedUnpickler(f, path, allowed=(), holds="a CUDA memory snapshot").load()
@@ -284,10 +325,43 @@ def load_snapshot(path: Path) -> dict:
         raise
     except Exception as err:  # truncated, garbled, or not a pickle
         raise ValueError(f"not a CUDA memory snapshot ({first_line(err)})") from None
+    if problem := snapshot_problem(snapshot):
+        raise ValueError(f"not a CUDA memory snapshot ({problem})")
+    return snapshot
+
+
+def snapshot_problem(snapshot: object) -> str | None:
+    """What makes unpickled data unusable as a memory snapshot, or None: the fields the drawing reads, of the
+    types torch writes them in (a snapshot from elsewhere may hold anything)."""
     if not (isinstance(snapshot, dict) and isinstance(snapshot.get("segments"), list)
             and isinstance(snapshot.get("device_traces"), list)):
-        raise ValueError("not a CUDA memory snapshot (expected a dict with segments and device_traces lists)")
-    return snapshot
+        return "expected a dict with segments and device_traces lists"
+    if not all(isinstance(s, dict) and is_number(s.get("allocated_size")) for s in snapshot["segments"]):
+        return "a segment is not a dict with a numeric allocated_size"
+    for device, trace in enumerate(snapshot["device_traces"]):
+        if not isinstance(trace, list):
+            return f"device_traces[{device}] is not a list of events"
+        for index, event in enumerate(trace):
+            if problem := event_problem(event):
+                return f"device_traces[{device}][{index}] {problem}"
+    return None
+
+
+def event_problem(event: object) -> str | None:
+    """What makes one entry of an allocation history unusable, or None."""
+    if not (isinstance(event, dict) and isinstance(event.get("action"), str)):
+        return "is not an event (a dict with an action)"
+    if "time_us" in event and not is_number(event["time_us"]):
+        return "has a time_us that is not a number"
+    if event["action"] not in ("alloc", "free_completed"):
+        return None
+    if not (isinstance(event.get("addr"), int) and is_number(event.get("size"))):
+        return "has no integer addr and numeric size"
+    frames = event.get("frames", [])
+    if not (isinstance(frames, list) and all(isinstance(f, dict) and isinstance(f.get("filename", ""), str)
+                                             and isinstance(f.get("name", ""), str) for f in frames)):
+        return "has frames that are not a list of {filename, name}"
+    return None
 
 
 def render_snapshot(path: Path, out: Path, device: int) -> str:

@@ -3,6 +3,7 @@ the table, and one whole invocation with the two runs played by a small fake scr
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import textwrap
@@ -233,14 +234,17 @@ FAKE = textwrap.dedent("""
         tps, mem = [(1000.0, 20.0), (1300.0, 22.0), (1100.0, 21.0)][n - 1]
         row = {"name": "ours", "micro_batch": 4, "grad_accum": 1, "step_s": 1.0, "tokens_per_sec_per_gpu": tps,
                "mfu": 0.3, "peak_mem_gib": mem}
+        if os.environ.get("FAKE_OURS") == "garbled":
+            row["tokens_per_sec_per_gpu"] = "1.2.3"
         with open(sys.argv[sys.argv.index("--json") + 1], "a") as f:
             f.write(json.dumps({"device": "Fake GPU", "rows": [row]}) + "\\n")
     elif os.environ.get("FAKE_PEER") == "oom":
         print("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
         sys.exit(1)
     else:
+        tps = {"zero": "0", "garbled": "1.2.3"}.get(os.environ.get("FAKE_PEER"), "1000")
         print("TT torchtitan-0.2.2 params=374M L24 d1024 kv16 seq2048 mbs4 acnone compile=1 world2: "
-              "1000 tok/s/GPU, MFU 30.0% (6*N_nonembed + 12*L*d*seq, peak 989 TFLOP/s), peak mem 18.0 GiB")
+              f"{tps} tok/s/GPU, MFU 30.0% (6*N_nonembed + 12*L*d*seq, peak 989 TFLOP/s), peak mem 18.0 GiB")
 """)
 
 
@@ -322,3 +326,96 @@ def test_the_commit_recorded_says_when_the_tree_differs_from_it(tmp_path, monkey
     assert re.fullmatch(r"[0-9a-f]{40}-modified", ct.git_commit())
     monkeypatch.setattr(ct, "ROOT", tmp_path / "missing")
     assert ct.git_commit() is None
+
+
+# ---- odd figures, hostile destinations, secrets -------------------------------------------------------------
+
+def test_a_peer_at_zero_tokens_per_second_has_no_ratio_and_loses_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_PEER", "zero")
+    code, _, (record,) = run_fake(tmp_path, monkeypatch)
+    assert code == 0 and record["ratio"] is None and record["peer"]["tokens_per_sec_per_gpu"] == 0.0
+    assert record["memory_diff_gib"] == pytest.approx(2.0)  # 20 GiB ours, 18 the peer's
+    assert "| 1,000 | 0 | - | 20.0 | 18.0 | +2.0 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("side", ["peer", "ours"])
+def test_a_garbled_figure_is_no_result_and_the_table_and_record_remain(tmp_path, monkeypatch, capsys, side):
+    """"1.2.3 tok/s/GPU" from the peer, or "1.2.3" as our tokens/s in benchmark.py's record: that side has no
+    result (its last line named), the other's figures are in the table and the JSON record."""
+    monkeypatch.setenv(f"FAKE_{side.upper()}", "garbled")
+    code, _, (record,) = run_fake(tmp_path, monkeypatch)
+    other = "ours" if side == "peer" else "peer"
+    assert code == 0 and record["ratio"] is None and record[side]["error"].startswith("no result, exit 0")
+    assert record[other]["tokens_per_sec_per_gpu"] == 1000.0
+    if side == "peer":
+        assert "1.2.3 tok/s/GPU" in record["peer"]["error"]
+    assert "| train300M_fsdp, bf16, AC none, mbs 4, 2 GPUs |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "missing folder"])
+def test_json_destination_that_is_not_a_file_is_refused_before_the_runs(tmp_path, monkeypatch, capsys, kind):
+    """--json naming a FIFO (appending would block until a reader comes, after both runs), a folder, or a file in
+    a folder that does not exist: one error line before anything runs."""
+    destination = tmp_path / ("missing/out.jsonl" if kind == "missing folder" else "out.jsonl")
+    if kind == "fifo":
+        os.mkfifo(destination)
+    elif kind == "folder":
+        destination.mkdir()
+    (tmp_path / "peer.py").write_text("")
+    argv = [str(ROOT / "config" / "train300M_fsdp.yaml"), "--peer_script", str(tmp_path / "peer.py"), "--launcher",
+            f"{sys.executable} {tmp_path / 'never-run.py'}", "--train.micro_batch_size=4", "--json", str(destination)]
+    assert ct.main(argv) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    what = {"fifo": "a FIFO, not a file", "folder": "a folder, not a file",
+            "missing folder": f"the folder {destination.parent} does not exist"}[kind]
+    assert line.startswith(f"error: --json {destination}: {what}") and "===" not in captured.out
+
+
+def test_a_json_destination_that_turns_into_a_fifo_is_refused_without_blocking(tmp_path):
+    from fsdp_utils.train.run_files import append_line
+
+    fifo = tmp_path / "out.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError) as err:  # opened without blocking: no reader, refused at once
+        append_line(fifo, "{}")
+    assert str(err.value) == f"--json {fifo}: a FIFO, not a file to append results to"
+
+
+def test_overrides_with_credentials_are_printed_and_recorded_without_them(tmp_path, monkeypatch, capsys):
+    """A tracker URI and data URLs with users, passwords and query strings (generated as in test_uri_secrets):
+    both runs get them as given; the commands printed, the JSON record's overrides and commands do not."""
+    import random
+
+    from tests.test_uri_secrets import leaked, secret_uri
+
+    rng = random.Random(7)
+    (uri, secrets), (url, more) = secret_uri(rng), secret_uri(rng, scheme="https", host="data.example.com")
+    given = [f"--logging.mlflow_tracking_uri={uri}", f'--data.files=["{url}"]']
+    code, calls, (record,) = run_fake(tmp_path, monkeypatch, *given)
+    assert code == 0 and all(arg in calls[0]["argv"] for arg in given)  # our run has them
+    printed = capsys.readouterr()
+    assert leaked(printed.out + printed.err + json.dumps(record), secrets + more) == []
+    assert "--logging.mlflow_tracking_uri=http://mlflow.example.com:5000/prefix" in record["overrides"]
+    assert "--logging.mlflow_tracking_uri=http://mlflow.example.com:5000/prefix" in record["commands"]["ours"]
+    assert '--data.files=["https://data.example.com/prefix"]' in record["overrides"]
+
+
+def test_benchmarks_own_record_holds_overrides_without_credentials(tmp_path):
+    import random
+
+    from tests.test_uri_secrets import leaked, secret_uri
+
+    uri, secrets = secret_uri(random.Random(8))
+    cfg = load_config(ROOT / "config" / "train300M_fsdp.yaml", ["--model.vocab_size=32000"])
+    out = tmp_path / "ours.jsonl"
+    args = benchmark.build_parser().parse_args(["config/train300M_fsdp.yaml", "--json", str(out)])
+    args.doc_len = 0
+    row = benchmark.summarise("ours", [0.5], 12.5, (4, 1), cfg, 1e15)
+    env = types.SimpleNamespace(device=torch.device("cpu"), world_size=2)
+    benchmark.report_rounds([row], {"ours": [0.5]}, cfg, env, args,
+                            overrides=[f"--logging.mlflow_tracking_uri={uri}", "--train.lr=1e-4"], recipes=[])
+    record = json.loads(out.read_text())
+    assert leaked(out.read_text(), secrets) == []
+    assert record["overrides"] == ["--logging.mlflow_tracking_uri=http://mlflow.example.com:5000/prefix",
+                                   "--train.lr=1e-4"]

@@ -1,7 +1,9 @@
 """A symbolic link, a FIFO, a device (like /dev/zero) or a folder at every path of a run's output directory
 and its checkpoints that the project reads or writes, and at --resume_from and model.init_from. Each ends
 in one error line naming the path, or is replaced: nothing is written through a link (the user's files
-elsewhere stay as they were), and nothing blocks (every operation runs under a timeout).
+elsewhere stay as they were), and nothing blocks (every operation runs under a timeout). The folders that
+third-party writers fill (tensorboard/, wandb/, mlruns/, the profiler's and the allocator's) are refused
+when they are anything but a folder the run made, before the writer opens a file there.
 
 In process: a world-size-1 gloo group, the tiny model of test_checkpoint_input, the functions the trainer
 calls for each path.
@@ -10,26 +12,32 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import shutil
 import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from config import CheckpointConfig, Config, save_config
+from config import CheckpointConfig, Config, LoggingConfig, save_config
 from fsdp_utils.checkpoint import io as checkpoint_io
 from fsdp_utils.checkpoint.format import CheckpointError, check_structure
 from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
 from fsdp_utils.train.metrics import MetricsWriter
+from fsdp_utils.train.microbatch import CACHE_FILE, MicroBatchChoice, read_cache, save_to_cache
+from fsdp_utils.train.profiling import MemorySnapshots, StepProfiler
 from fsdp_utils.train.run_lock import RunLocked, take_run_lock
-from fsdp_utils.train.trackers import TensorBoardTracker, read_ids
+from fsdp_utils.train.trackers import TensorBoardTracker, WandbTracker, mlflow_uri, open_trackers, read_ids
 from tests.test_checkpoint_input import CONFIG, ENV, model_and_optimizer
 
 TIMEOUT_S = 30  # far more than any of these operations takes; a FIFO opened for reading would block forever
 KINDS = ["link", "fifo", "device", "folder"]
+FOLDERS = ("tensorboard", "wandb", "mlruns", "profile", "steps1-1", "memory")  # the run's folders: a link leads to one
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,6 +74,62 @@ def write_tensorboard(out: Path) -> None:
     tracker.close()
 
 
+def write_profile(out: Path) -> None:
+    """A profile of step 1 on the CPU, as the trainer's StepProfiler writes it: profile/steps1-1/rank0.pt.trace.json."""
+    profiler = StepProfiler(LoggingConfig(profile_steps=[1, 1]), out, rank=0, device=torch.device("cpu"), first_step=0)
+    torch.ones(4, 4) @ torch.ones(4, 4)
+    profiler.on_step_end(1)
+    assert (out / "profile/steps1-1/rank0.pt.trace.json").is_file()
+
+
+def dump_snapshot(name: str) -> None:
+    """What torch.cuda.memory._dump_snapshot does, minus the GPU: the snapshot pickled into a file it opens."""
+    with open(name, "wb") as f:
+        pickle.dump({"segments": [], "device_traces": []}, f)
+
+
+def write_memory_snapshot(out: Path) -> None:
+    snapshots = MemorySnapshots(LoggingConfig(memory_snapshot=True), out, rank=0, device=torch.device("cpu"))
+    with mock.patch.object(torch.cuda.memory, "_dump_snapshot", dump_snapshot):
+        assert snapshots.dump("step1").is_file()
+
+
+def tracked_config(out: Path, *trackers: str) -> Config:
+    cfg = Config()
+    cfg.run.output_dir, cfg.logging.trackers, cfg.logging.wandb_mode = str(out), list(trackers), "offline"
+    return cfg
+
+
+def open_wandb(out: Path) -> None:
+    with mock.patch.dict(os.environ, {"WANDB_CONSOLE": "off", "WANDB_SILENT": "true"}):
+        tracker = WandbTracker(out, cfg=tracked_config(out, "wandb"), config={}, run_id=None)
+        tracker.log_metrics({"train/loss": 1.0}, 1)
+        tracker.close()
+
+
+def open_mlflow(out: Path) -> None:
+    """A fresh run tracked by MLflow's default store, <output_dir>/mlruns; its run id goes to trackers.json."""
+    with mock.patch.dict(os.environ):
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        (tracker,) = open_trackers(tracked_config(out, "mlflow"), resumed=False)
+        tracker.log_metrics({"train/loss": 1.0}, 1)
+        tracker.close()
+    assert read_ids(out / "trackers.json")["mlflow"] == tracker.run_id
+
+
+CACHE_KEY = {"model": {"dim": 64}, "gpu": "H100", "global_batch_size": 16, "world_size": 2}
+
+
+def cache_round_trip(out: Path) -> None:
+    save_to_cache(out, CACHE_KEY, MicroBatchChoice(8, "search", {1: 2.0, 8: 20.0}, 79.0, 71.1, 9.0))
+    assert read_cache(out, CACHE_KEY)["micro_batch_size"] == 8
+
+
+def made(*folders: str) -> Callable[[Path], None]:
+    """A setup that makes these folders of the output directory (a hostile path then goes inside them)."""
+    return lambda out: [(out / folder).mkdir(parents=True) for folder in folders] and None
+
+
 def lock(out: Path) -> None:
     fd = take_run_lock(out, ENV)
     if fd is not None:
@@ -94,6 +158,19 @@ CASES: dict[str, Case] = {
     "tensorboard/": ("tensorboard", None, write_tensorboard, True),
     "config.yaml": ("config.yaml", None, lambda out: save_config(Config(), out / "config.yaml"), True),
     "trackers.json": ("trackers.json", None, lambda out: read_ids(out / "trackers.json"), False),
+    "trackers.json written": ("trackers.json", None, open_mlflow, True),
+    "trackers.json tmp file": (".tmp-trackers.json", None, open_mlflow, True),
+    "mlruns/": ("mlruns", None, open_mlflow, True),
+    "wandb/": ("wandb", None, open_wandb, True),
+    "wandb/debug.log": ("wandb/debug.log", made("wandb"), open_wandb, True),
+    "profile/": ("profile", None, write_profile, True),
+    "profile/steps1-1/": ("profile/steps1-1", made("profile"), write_profile, True),
+    "profile trace": ("profile/steps1-1/rank0.pt.trace.json", made("profile/steps1-1"), write_profile, True),
+    "memory/": ("memory", None, write_memory_snapshot, True),
+    "memory snapshot": ("memory/step1_rank0.pickle", made("memory"), write_memory_snapshot, True),
+    "micro-batch cache": (CACHE_FILE, None, cache_round_trip, True),
+    "micro-batch cache tmp file": (f".tmp-{CACHE_FILE}", None, cache_round_trip, True),
+    "config.yaml tmp file": (".tmp-config.yaml", None, lambda out: save_config(Config(), out / "config.yaml"), True),
     "run.lock": ("run.lock", None, lock, True),
     "tokenizer.model": ("tokenizer.model", None, install_tokenizer, True),
     "full tmp file": (".tmp-fsdp_cpt1.pth", None, lambda out: save(out, "full"), True),
@@ -127,7 +204,7 @@ def make_hostile(path: Path, kind: str, elsewhere: Path) -> None:
         path.unlink()
     if kind == "link":
         target = elsewhere / "users-folder"
-        if path.name in ("tensorboard",) or path.name.startswith(".tmp-fsdp_sharded") or "sharded" in path.name:
+        if path.name in FOLDERS or path.name.startswith(".tmp-fsdp_sharded") or "sharded" in path.name:
             target.mkdir()
             (target / "notes.txt").write_text("the user's own folder")
         else:
@@ -190,4 +267,38 @@ def test_a_hostile_path_is_refused_in_one_line_or_replaced(tmp_path, case, kind)
         # Replaced, or removed (an interrupted save's leftover): never left for the next write to go through.
         if os.path.lexists(hostile):
             mode = os.lstat(hostile).st_mode
-            assert stat.S_ISREG(mode) or stat.S_ISDIR(mode), (kind, stat.filemode(mode))
+            # W&B keeps wandb/debug.log as its own link to the current run's log, inside the run's folder.
+            inside = stat.S_ISLNK(mode) and hostile.resolve().is_relative_to(out.resolve())
+            assert stat.S_ISREG(mode) or stat.S_ISDIR(mode) or inside, (kind, stat.filemode(mode))
+
+
+@pytest.mark.parametrize(("folder", "users_file", "operation"), [
+    ("profile", "steps1-1/rank0.pt.trace.json", write_profile),
+    ("wandb", "debug.log", open_wandb),
+    ("mlruns", "0/meta.yaml", open_mlflow),  # MLflow's file store: its default experiment's record
+    ("memory", "step1_rank0.pickle", write_memory_snapshot),
+], ids=["profile", "wandb", "mlruns", "memory"])
+def test_a_linked_tracker_or_profile_folder_leaves_the_users_files_alone(tmp_path, folder, users_file, operation):
+    """The run's profile/ (or wandb/) is a link to a folder of the user's that holds a file under the very name
+    the profiler (or W&B) writes: refused in one line naming the link, the user's file unchanged."""
+    out, users = tmp_path / "run", tmp_path / "users-folder"
+    (users / users_file).parent.mkdir(parents=True)
+    (users / users_file).write_text("the user's own")
+    out.mkdir()
+    (out / folder).symlink_to(users)
+    with pytest.raises(OSError) as err:
+        operation(out)
+    assert str(err.value) == (f"{out / folder}: a symbolic link where the run expects a folder; refusing to use it "
+                              "(move it away)")
+    assert (users / users_file).read_text() == "the user's own" and [p.name for p in users.iterdir()] == [
+        Path(users_file).parts[0]]
+
+
+def test_the_default_mlflow_store_is_named_without_resolving_a_link(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (tmp_path / "users-folder").mkdir()
+    (out / "mlruns").symlink_to(tmp_path / "users-folder")
+    with mock.patch.dict(os.environ):
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        assert mlflow_uri(tracked_config(out, "mlflow")) == (out.resolve() / "mlruns").as_uri()

@@ -6,6 +6,7 @@ the restore of the weights, the cache, the retry. tests/test_gpu.py has the GPU 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -750,6 +751,36 @@ def test_benchmark_grid_refuses_a_bad_pair_before_any_run(grid, error):
     assert "tok/s/gpu" not in proc.stdout
 
 
+def test_an_empty_grid_is_refused_not_read_as_no_grid():
+    from scripts import benchmark
+
+    for text in (",,,", " , ", ","):
+        with pytest.raises(ValueError) as err:
+            benchmark.grid_pairs(text)
+        assert str(err.value) == (f"--grid {text!r}: no POLICY@MICRO_BATCH pair in it (e.g. none@8,selective_op@16); "
+                                  "leave --grid out for no grid")
+    assert benchmark.grid_pairs("none@8, ,full@16,") == [("none", 8), ("full", 16)]  # a stray comma is no typo
+    assert benchmark.grid_pairs("") == []
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--grid", ",,,"], "error: --grid ',,,': no POLICY@MICRO_BATCH pair in it"),
+    (["--json", "{fifo}"], "error: --json {fifo}: a FIFO, not a file to append results to"),
+], ids=["empty grid", "json to a FIFO"])
+def test_benchmark_refuses_an_empty_grid_or_a_fifo_destination_in_one_line(tmp_path, argv, error):
+    """Both before any run: a FIFO given to --json would block the append after all the runs, until a reader
+    comes."""
+    fifo = tmp_path / "results.jsonl"
+    os.mkfifo(fifo)
+    argv, error = [a.format(fifo=fifo) for a in argv], error.format(fifo=fifo)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
+                           "--train.global_batch_size=8", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=job_env({}))
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(error), proc.stderr[-2000:]
+    assert "tok/s/gpu" not in proc.stdout
+
+
 def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
     # The reference keeps the whole logits and may not fit ours' micro-batch: it retries at half the
     # micro-batch and twice the accumulation (the same global batch) until it fits.
@@ -831,3 +862,55 @@ def test_benchmark_runs_compile_static_graphs_whatever_ran_before(monkeypatch):
     benchmark.run_rounds(runs, cfg, SimpleNamespace(device=torch.device("cpu")),
                          SimpleNamespace(rounds=2, peer_only=False, grad_accum=None))
     assert dynamic == [False] * 6
+
+
+def cache_warnings(tmp_path, caplog, content: bytes | None = None) -> list[str]:
+    """read_cache's warnings for a cache file of this content (None: whatever is already there); the entry
+    read must be None: the search runs as without a cache."""
+    if content is not None:
+        (tmp_path / CACHE_FILE).write_bytes(content)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert read_cache(tmp_path, {"gpu": "H100"}) is None
+    return [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("depth", [10_000, 100_000])
+def test_a_deeply_nested_cache_is_ignored_with_one_short_warning(tmp_path, caplog, depth):
+    # JSON nested deeper than the parser's recursion allows; the training's search runs as without a cache.
+    (warning,) = cache_warnings(tmp_path, caplog, b'{"entries": ' + b"[" * depth + b"]" * depth + b"}")
+    assert warning == f"ignoring {tmp_path / CACHE_FILE} (unreadable: nested too deeply); searching again"
+    save_to_cache(tmp_path, {"gpu": "H100"}, MicroBatchChoice(8, "search", {1: 2.0, 8: 20.0}, 79.0, 71.1, 9.0))
+    assert read_cache(tmp_path, {"gpu": "H100"})["micro_batch_size"] == 8  # the damaged cache replaced
+
+
+@pytest.mark.parametrize("value", ["8" * 5000, ["x" * 5000] * 1000, {"8": {"9": [[[["deep" * 2000]]]]}}],
+                         ids=["a long string", "a long list", "a deep object"])
+def test_a_cache_warning_shows_a_bounded_excerpt_of_the_file(tmp_path, caplog, value):
+    """A value of about 5 KB (or 5 MB) in the cache's entry: the warning names the field with a short excerpt."""
+    key = {"gpu": "H100"}
+    entry = {"key": key, "micro_batch_size": value, "measured_gib": value, "capacity_gib": 1.0, "budget_gib": 1.0}
+    (warning,) = cache_warnings(tmp_path, caplog, json.dumps({"entries": [entry]}).encode())
+    assert warning.startswith(f"ignoring {tmp_path / CACHE_FILE} (its entry for this run: micro_batch_size ")
+    assert len(warning) - len(str(tmp_path)) < 250, warning  # the excerpt: at most three items of 30 characters
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "folder"])
+def test_a_cache_that_is_not_a_file_is_ignored_never_read_through(tmp_path, caplog, kind):
+    """microbatch_cache.json as a link to a valid cache elsewhere, a FIFO (opening it for reading would block),
+    or a folder: ignored with one warning naming it; a new search's choice replaces it (a link itself)."""
+    key = {"gpu": "H100"}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    save_to_cache(elsewhere, key, MicroBatchChoice(16, "search", {1: 2.0, 16: 30.0}, 79.0, 71.1, 9.0))
+    users = (elsewhere / CACHE_FILE).read_bytes()
+    out, path = tmp_path / "run", tmp_path / "run" / CACHE_FILE
+    out.mkdir()
+    {"link": lambda: path.symlink_to(elsewhere / CACHE_FILE), "fifo": lambda: os.mkfifo(path),
+     "folder": path.mkdir}[kind]()
+    (warning,) = cache_warnings(out, caplog)
+    assert warning.startswith(f"ignoring {path} (unreadable: UnsafePath: {path}: a ") and "\n" not in warning
+    if kind != "folder":
+        save_to_cache(out, key, MicroBatchChoice(8, "search", {1: 2.0, 8: 20.0}, 79.0, 71.1, 9.0))
+        assert read_cache(out, key)["micro_batch_size"] == 8 and not path.is_symlink()
+    assert (elsewhere / CACHE_FILE).read_bytes() == users

@@ -87,3 +87,52 @@ def test_help_shows_the_example_as_one_shell_command(capsys):
     start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("python scripts/plot_loss.py"))
     assert lines[start].endswith(" \\"), lines[start]
     assert lines[start + 1].lstrip().startswith("--title"), lines[start + 1]
+
+
+@pytest.mark.parametrize(("line", "problem"), [
+    ("[1,2]", "not a metrics row (a JSON object with an integer step)"),
+    ("1", "not a metrics row (a JSON object with an integer step)"),
+    ('{"step": "3", "loss": 1.0}', "not a metrics row (a JSON object with an integer step)"),
+    ('{"step": 3, "loss": "low"}', "loss is not a number"),
+    ('{"step": 3, "val_loss": [1]}', "val_loss is not a number"),
+    ('{"step": 3, "loss": ' + "[" * 100_000 + "]" * 100_000 + "}", "not a metrics row (JSON nested too deeply)"),
+    ('{"step": 3, "loss": 1.0', "not JSON ("),  # a row cut short
+], ids=["a list", "a number", "a text step", "a text loss", "a list val_loss", "nested too deeply", "cut short"])
+def test_a_bad_row_is_one_error_line_naming_file_and_line(tmp_path, capsys, line, problem):
+    run = write_metrics(tmp_path / "run", {1: 2.0}, {})
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(line + "\n")
+    assert plot_loss.main([str(run), "--out", str(tmp_path / "loss.png")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {run / 'metrics.jsonl'}, line 2: {problem}"), err
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_a_fifo_is_refused_without_reading_it(tmp_path, capsys):
+    import os
+
+    fifo = tmp_path / "metrics.jsonl"
+    os.mkfifo(fifo)
+    assert plot_loss.main([str(fifo), "--out", str(tmp_path / "loss.png")]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: {fifo}: not a regular file"]
+
+
+@pytest.mark.parametrize("points", [1, 2])
+def test_a_curve_of_one_point_is_drawn_as_a_marker(points):
+    """A run that logged one step: its point is visible in the train-loss chart (a line of one point draws
+    nothing); a longer curve stays a plain line there. Checked on the drawn pixels at the point."""
+    import numpy as np
+
+    plt = plot_loss._pyplot()
+    fig, ax = plt.subplots(figsize=(4, 3), dpi=100)
+    curve = {10: 2.0} if points == 1 else {10: 2.0, 20: 1.0}
+    plot_loss._panel(ax, "train loss", [curve], ["run"], markers=False)
+    fig.canvas.draw()
+    (line,) = ax.lines
+    assert line.get_marker() == ("o" if points == 1 else "None")
+    if points == 1:
+        pixels = np.asarray(fig.canvas.buffer_rgba())
+        x, y = ax.transData.transform((10, 2.0))
+        r, g, b, _ = pixels[int(round(pixels.shape[0] - y)), int(round(x))]
+        assert (r, g, b) == (0x1F, 0x77, 0xB4), (r, g, b)  # C0, matplotlib's first colour, at the point
+    plt.close(fig)

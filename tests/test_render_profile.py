@@ -133,3 +133,89 @@ def test_snapshot_path_is_named_when_missing(tmp_path: Path, capsys):
     missing = tmp_path / "nothing.pickle"
     assert render_profile.main(["snapshot", str(missing), "--out", str(tmp_path / "m.png")]) == 1
     assert str(missing) in one_error(capsys)
+
+
+# ---- hostile inputs --------------------------------------------------------------------------------------------
+
+def deeply_nested_frames(depth: int) -> bytes:
+    """A snapshot pickle whose one event's frames are lists nested `depth` deep, written opcode by opcode
+    (pickle.dumps itself would recurse that deep): EMPTY_LIST `depth` times, then APPEND `depth - 1` times."""
+    def text(value: str) -> bytes:
+        return b"X" + len(value.encode()).to_bytes(4, "little") + value.encode()  # BINUNICODE
+
+    event = (b"}(" + text("action") + text("alloc") + text("addr") + b"K\x01" + text("size") + b"K\x01"
+             + text("frames") + b"]" * depth + b"a" * (depth - 1) + b"u")
+    return b"\x80\x02}(" + text("segments") + b"]" + text("device_traces") + b"]]" + event + b"aau."
+
+
+def step(name: object, ts: object = 0, dur: object = 1_000) -> dict:
+    return {"name": name, "cat": "user_annotation", "ph": "X", "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+
+HOSTILE_TRACES = {
+    "nested too deeply": ('{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                          "not a chrome trace (JSON nested too deeply)"),
+    "events not a list": ('{"traceEvents": "x"}', "expected an object with a traceEvents list"),
+    "a list at the top": ("[1, 2]", "expected an object with a traceEvents list"),
+    "events not objects": ('{"traceEvents": [1, "a", null, [2]]}', "no train_step#N ranges"),
+    "a name that is a number": (json.dumps({"traceEvents": [step(5)]}), "no train_step#N ranges"),
+    "a start that is text": (json.dumps({"traceEvents": [step("train_step#1", ts="0")]}), "no train_step#N ranges"),
+    "not JSON": ("{", "not a chrome trace (not JSON: "),
+    # 10,000 steps, none of them step 3, with names of 5 KB: the message lists a few, cut short.
+    "many long step names": (json.dumps({"traceEvents": [step(f"train_step#{i + 4}{'0' * 5000}", ts=i)
+                                                         for i in range(10_000)]}), "step 3 is not in the trace"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_TRACES))
+@pytest.mark.parametrize("kind", ["trace", "summary"])
+def test_a_hostile_trace_is_one_error_line(tmp_path, capsys, case, kind):
+    text, needle = HOSTILE_TRACES[case]
+    path, png = tmp_path / "rank0.pt.trace.json", tmp_path / "t.png"
+    path.write_text(text)
+    args = [kind, str(path)] + (["--out", str(png), "--step", "3"] if kind == "trace" else [])
+    assert render_profile.main(args) == 1
+    line = one_error(capsys)
+    assert str(path) in line and len(line) < 600 and not png.exists(), line[:1000]
+    if kind == "trace" or needle.startswith("not a chrome trace") or "expected" in needle:
+        assert needle in line, line[:1000]
+
+
+HOSTILE_SNAPSHOTS = {
+    "frames nested too deeply": (deeply_nested_frames(100_000), "device_traces[0][0] has frames that are not"),
+    "a segment that is a number": (pickle.dumps({"segments": [1], "device_traces": []}),
+                                   "a segment is not a dict with a numeric allocated_size"),
+    "an event that is a number": (pickle.dumps({"segments": [], "device_traces": [[1]]}),
+                                  "device_traces[0][0] is not an event"),
+    "a history that is text": (pickle.dumps({"segments": [], "device_traces": ["abc"]}),
+                               "device_traces[0] is not a list of events"),
+    "frames that are numbers": (pickle.dumps({"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 1, "frames": [1]}]]}), "has frames that are not"),
+    "a file name that is a number": (pickle.dumps({"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 1, "frames": [{"filename": 3}]}]]}), "has frames that are not"),
+    "times that are text": (pickle.dumps({"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 1, "time_us": "x"}]]}), "has a time_us that is not a number"),
+    "a size that is text": (pickle.dumps({"segments": [], "device_traces": [[
+        {"action": "free_completed", "addr": 1, "size": "1"}]]}), "has no integer addr and numeric size"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_SNAPSHOTS))
+def test_a_hostile_snapshot_is_one_error_line(tmp_path, capsys, case):
+    content, needle = HOSTILE_SNAPSHOTS[case]
+    path, png = tmp_path / "snap.pickle", tmp_path / "m.png"
+    path.write_bytes(content)
+    assert render_profile.main(["snapshot", str(path), "--out", str(png)]) == 1
+    line = one_error(capsys)
+    assert line.startswith(f"error: {path}: not a CUDA memory snapshot (") and needle in line, line
+    assert not png.exists()
+
+
+@pytest.mark.parametrize("kind", ["trace", "snapshot"])
+def test_a_fifo_or_a_folder_is_refused_without_reading_it(tmp_path, capsys, kind):
+    # Reading a FIFO would block until a writer comes: named in one line at once.
+    for what, make in (("a FIFO", os.mkfifo), ("a folder", os.mkdir)):
+        path = tmp_path / f"input-{what[2:]}"
+        make(path)
+        assert render_profile.main([kind, str(path), "--out", str(tmp_path / "out.png")]) == 1
+        assert one_error(capsys) == f"error: {path}: {what}, not a file"

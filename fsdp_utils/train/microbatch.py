@@ -9,6 +9,8 @@ import datetime
 import json
 import logging
 import math
+import os
+import reprlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,16 +19,22 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..checkpoint import nofollow
 from ..distributed import DistEnv, broadcast_decision
 from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch
 from .batch import divisors
 from .memory import GiB, MemoryProbe, gib, max_over_ranks
 from .oom_guard import OutOfMemory
+from .run_files import replace_file
 from .step import train_step
 
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "microbatch_cache.json"
+CACHE_LIMIT = 16 << 20  # bytes: far more than any cache holds (an entry is about 1 KiB)
+# What a warning shows of a value read from the cache: a few items and characters, however large or deep it is.
+_EXCERPT = reprlib.Repr()
+_EXCERPT.maxlevel, _EXCERPT.maxdict, _EXCERPT.maxlist, _EXCERPT.maxstring, _EXCERPT.maxother = 2, 3, 3, 30, 30
 TRIAL_GRAPHS = 64  # compiled graphs per block the search may keep: one per policy, micro-batch and block kind
 
 
@@ -439,32 +447,41 @@ def _entry_problem(entry: dict, key: dict) -> str | None:
     size = entry.get("micro_batch_size")
     per_rank = key.get("global_batch_size", 0) // max(key.get("world_size", 1), 1)  # 0: a key without them
     if not (isinstance(size, int) and not isinstance(size, bool) and size > 0 and per_rank % size == 0):
-        return f"micro_batch_size {size!r} is not a divisor of the per-rank batch {per_rank}"
+        return f"micro_batch_size {_EXCERPT.repr(size)} is not a divisor of the per-rank batch {per_rank}"
     measured = entry.get("measured_gib")
     if not isinstance(measured, dict) or not all(str(b).isdigit() and int(b) > 0 and number(m)
                                                  for b, m in measured.items()):
-        return f"measured_gib {measured!r} is not {{micro-batch: GiB}}"
+        return f"measured_gib {_EXCERPT.repr(measured)} is not {{micro-batch: GiB}}"
     if bad := [k for k in ("capacity_gib", "budget_gib") if not number(entry.get(k))]:
-        return f"{bad[0]} {entry.get(bad[0])!r} is not a size in GiB"
+        return f"{bad[0]} {_EXCERPT.repr(entry.get(bad[0]))} is not a size in GiB"
     if key.get("fsdp", {}).get("activation_checkpointing") == "auto":
         try:
             CheckpointPolicy.parse(entry.get("activation_checkpointing"))  # type: ignore[arg-type]
         except (ValueError, AttributeError):
-            return f"activation_checkpointing {entry.get('activation_checkpointing')!r} is not a policy"
+            return f"activation_checkpointing {_EXCERPT.repr(entry.get('activation_checkpointing'))} is not a policy"
     return None
+
+
+def _cache_entries(path: Path) -> list:
+    """The entries of a micro-batch cache file; OSError (UnsafePath for a link, FIFO or device there, never
+    opened), ValueError, KeyError, TypeError or RecursionError (JSON nested too deeply) if it is not one."""
+    entries = json.loads(nofollow.read_small(path, limit=CACHE_LIMIT))["entries"]
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise TypeError("its entries are not a list of objects")
+    return entries
 
 
 def read_cache(out_dir: Path, key: dict) -> dict | None:
     """This key's entry of <out_dir>/microbatch_cache.json, or None (no file, no entry, or a bad one: warned
     about, and the search runs as if there were no cache)."""
     path = out_dir / CACHE_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     try:
-        entries = json.loads(path.read_text())["entries"]
-        entry = next((e for e in entries if e.get("key") == key), None)
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        log.warning("ignoring %s (unreadable: %s); searching again", path, err)
+        entry = next((e for e in _cache_entries(path) if e.get("key") == key), None)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        why = "nested too deeply" if isinstance(err, RecursionError) else f"{type(err).__name__}: {err}"
+        log.warning("ignoring %s (unreadable: %s); searching again", path, why[:200])
         return None
     if entry is not None and (problem := _entry_problem(entry, key)):
         log.warning("ignoring %s (its entry for this run: %s); searching again", path, problem)
@@ -475,12 +492,10 @@ def read_cache(out_dir: Path, key: dict) -> dict | None:
 def save_to_cache(out_dir: Path, key: dict, choice: MicroBatchChoice) -> None:
     """Add (or replace) this key's entry in <out_dir>/microbatch_cache.json; rank 0 only."""
     path = out_dir / CACHE_FILE
-    entries = []
-    if path.is_file():
-        try:
-            entries = [e for e in json.loads(path.read_text())["entries"] if e.get("key") != key]
-        except (ValueError, KeyError, TypeError, AttributeError):  # not a cache: this run's entry replaces it
-            entries = []
+    try:
+        entries = [e for e in _cache_entries(path) if e.get("key") != key]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # none, or not a cache: replaced by this one
+        entries = []
     entries.append({"key": key, "micro_batch_size": choice.micro_batch_size,
                     "measured_gib": {str(b): round(m, 3) for b, m in choice.measured_gib.items()},
                     "capacity_gib": round(choice.capacity_gib, 3), "budget_gib": round(choice.budget_gib, 3),
@@ -491,10 +506,7 @@ def save_to_cache(out_dir: Path, key: dict, choice: MicroBatchChoice) -> None:
                         "tokens_per_s": {k: round(v) for k, v in choice.tokens_per_s.items()}}
                        if choice.checkpointing is not None else {}),
                     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
-    tmp = path.with_suffix(".json.tmp")
-    tmp.unlink(missing_ok=True)  # a link left there would be written through; renaming replaces one at `path`
-    tmp.write_text(json.dumps({"entries": entries}, indent=1) + "\n")
-    tmp.replace(path)
+    replace_file(path, (json.dumps({"entries": entries}, indent=1) + "\n").encode())
 
 
 def cpu_micro_batch(per_rank: int, limit: int) -> int:

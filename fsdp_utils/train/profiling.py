@@ -1,11 +1,17 @@
 """Profiles and memory snapshots of real training runs, as two components that Trainer.fit calls once per
 step: `StepProfiler` (logging.profile_steps: a torch.profiler trace of chosen steps) and `MemorySnapshots`
 (logging.memory_snapshot: the CUDA allocator's history, dumped at a chosen step and on out-of-memory).
-Both write under the output directory, on the ranks logging.profile_ranks names, and log the paths.
+Both write under the output directory, on the ranks logging.profile_ranks names, and log the paths. Their
+folders are made level by level without following links (a link there is refused in one line), and each file
+is written by torch into a new folder of its own, then renamed into place: a link planted at its name is
+replaced, never written through.
 """
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.utils.checkpoint
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from ..checkpoint import nofollow
 
 if TYPE_CHECKING:
     from config import LoggingConfig
@@ -34,6 +42,29 @@ def profile_path(out_dir: Path, *, start: int, end: int, rank: int) -> Path:
     return out_dir / "profile" / f"steps{start}-{end}" / f"rank{rank}.pt.trace.json"
 
 
+def make_folders(base: Path, folder: Path) -> Path:
+    """`folder` (below `base`), each level from base down made if missing; UnsafePath naming the first that is a
+    link, or anything but a folder (a single mkdir with parents would create the lower levels through a link)."""
+    path = base
+    for name in folder.relative_to(base).parts:
+        path = nofollow.make_dir(path / name)
+    return path
+
+
+def write_staged(path: Path, write: Callable[[str], object]) -> Path:
+    """`path` written by `write(name)`, a writer that opens the file itself (the profiler's export, the
+    allocator's dump): into a new folder made here beside it, then renamed to `path`, which replaces a link,
+    FIFO or file at that name instead of opening it. A folder at `path` is refused (UnsafePath)."""
+    with tempfile.TemporaryDirectory(prefix=".tmp-", dir=path.parent) as staging:
+        staged = os.path.join(staging, path.name)
+        write(staged)
+        try:
+            os.replace(staged, path)
+        except IsADirectoryError:
+            raise nofollow.refusal(path, "a folder") from None
+    return path
+
+
 class StepProfiler:
     """Profiles training steps start..end (1-based, both included): the profiler starts after step start-1
     ends and stops after step end, each step inside a `train_step#N` range (the step, then its log line,
@@ -50,12 +81,15 @@ class StepProfiler:
         self.end: int
         self.start, self.end = steps if steps else (0, 0)
         self.path = profile_path(out_dir, start=self.start, end=self.end, rank=rank)
+        self.out_dir = out_dir
         self.enabled = bool(steps) and chosen_rank(section.profile_ranks, rank)
         if self.enabled and first_step >= self.start:
             if rank == 0:
                 log.warning("logging.profile_steps=%s: this run resumes after step %d, no profile is written",
                             steps, first_step)
             self.enabled = False
+        if self.enabled:  # a link or a file in the way is refused now, not after the profiled steps
+            make_folders(out_dir, self.path.parent)
         self.on_step_end(first_step)
 
     def on_step_end(self, step: int) -> None:
@@ -89,9 +123,9 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the last step's kernels end inside the trace
         self.prof.stop()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.prof.export_chrome_trace(str(self.path))
-        self.prof, self.enabled = None, False
+        prof, self.prof, self.enabled = self.prof, None, False
+        make_folders(self.out_dir, self.path.parent)
+        write_staged(self.path, prof.export_chrome_trace)
         log.log(_level(self.rank), "rank %d: profile of steps %d-%d written to %s", self.rank, self.start, self.end,
                 self.path)
 
@@ -110,13 +144,15 @@ class MemorySnapshots:
     def __init__(self, section: LoggingConfig, out_dir: Path, *, rank: int, device: torch.device):
         """section: logging.memory_snapshot, memory_snapshot_step, memory_snapshot_max_entries, profile_ranks."""
         enabled = section.memory_snapshot
-        self.dir, self.at_step, self.rank = out_dir / "memory", section.memory_snapshot_step, rank
+        self.out_dir, self.dir = out_dir, out_dir / "memory"
+        self.at_step, self.rank = section.memory_snapshot_step, rank
         self.recording = enabled and chosen_rank(section.profile_ranks, rank) and device.type == "cuda"
         if enabled and device.type != "cuda" and rank == 0:
             log.warning("logging.memory_snapshot: the CUDA allocator's history exists only on GPUs; this %s run "
                         "records no memory snapshot", device.type)
         self.early_stop_off: AbstractContextManager | None = None
         if self.recording:
+            make_folders(out_dir, self.dir)  # a link or a file in the way is refused before training starts
             torch.cuda.memory._record_memory_history(max_entries=section.memory_snapshot_max_entries)
             # Activation checkpointing stops a recomputation early by raising an exception from inside the
             # recomputed forward; when that happens inside a custom autograd Function (torchao's Float8
@@ -136,9 +172,8 @@ class MemorySnapshots:
             self.dump(f"oom_step{step}_{phase}")
 
     def dump(self, tag: str) -> Path:
-        path = self.dir / f"{tag}_rank{self.rank}.pickle"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
+        path = make_folders(self.out_dir, self.dir) / f"{tag}_rank{self.rank}.pickle"
+        write_staged(path, torch.cuda.memory._dump_snapshot)
         log.log(_level(self.rank), "rank %d: memory snapshot written to %s (open it at https://pytorch.org/memory_viz)",
                     self.rank, path)
         return path

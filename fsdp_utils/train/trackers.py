@@ -4,6 +4,11 @@ package is imported only when its tracker is asked for. Rank 0 alone opens them.
 
 A tracked run's id is kept in <output_dir>/trackers.json, so a resumed training run continues the same W&B
 run (resume="allow" with its id) and the same MLflow run (its run_id) instead of starting another.
+
+The folder each tracker writes into (tensorboard/, wandb/, mlruns/) is one the run made itself: a symbolic
+link, FIFO or file at that name is refused with one line (UnsafePath), never followed, since the tracker's
+package opens its files itself. A URI is recorded and shown without its user, password or query string
+(data.remote.display); an MLflow server's credentials reach MLflow through its own environment variables.
 """
 from __future__ import annotations
 
@@ -12,16 +17,23 @@ import json
 import logging
 import math
 import os
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import unquote, urlsplit
 
 import yaml
 
-from config import Config
+from config import Config, ConfigError
+from config.loading import parse_override
+from config.sections import without_credentials
+from data.remote import display, is_url, scrub
 
 from ..checkpoint import nofollow
+from .run_files import replace_file
 
 log = logging.getLogger("train")
 
@@ -29,6 +41,7 @@ log = logging.getLogger("train")
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow-skinny (or mlflow)")}
 IDS_FILE = "trackers.json"
+MLRUNS = "mlruns"  # the default MLflow file store, in the output directory
 
 
 def tracker_problems(names: Iterable[str]) -> list[str]:
@@ -95,6 +108,36 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+@contextmanager
+def command_line_without_secrets() -> Iterator[None]:
+    """sys.argv with every URL as display() shows it, for the duration: W&B records the command line of the run
+    it starts (its metadata's "args"), and an override such as --logging.mlflow_tracking_uri=... may hold a
+    password."""
+    saved = sys.argv
+    sys.argv = [redacted_argument(arg) for arg in saved]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def redacted_argument(arg: str) -> str:
+    """A command-line argument as it may be printed or recorded: every URL in it without user, password or query
+    string. An override's value is read as the config loader reads it (`--data.files=["URL", "URL"]` is a list of
+    two URLs, whatever characters their passwords hold); other text has the URLs that data.remote.scrub finds."""
+    if is_url(arg):
+        return display(arg)
+    if arg.startswith("--") and "=" in arg:
+        try:
+            keys, value = parse_override(arg)
+        except ConfigError:
+            return scrub(arg)
+        shown = without_credentials(value)
+        if shown != value:
+            return f"--{'.'.join(keys)}=" + (shown if isinstance(shown, str) else json.dumps(shown, default=str))
+    return scrub(arg)
+
+
 class WandbTracker:
     name = "wandb"
 
@@ -102,11 +145,13 @@ class WandbTracker:
         import wandb
 
         lg = cfg.logging
+        nofollow.make_dir(out_dir / "wandb")  # W&B writes <dir>/wandb/: a real folder of the run, never a link
         # resume="allow": the run of run_id continues if W&B knows it, and starts under that id otherwise.
-        self.run = wandb.init(project=lg.wandb_project, entity=lg.wandb_entity or None, name=cfg.run.name,
-                              id=run_id, resume="allow", dir=str(out_dir),
-                              mode=lg.wandb_mode or None,
-                              config=config, allow_val_change=True)
+        with command_line_without_secrets():
+            self.run = wandb.init(project=lg.wandb_project, entity=lg.wandb_entity or None, name=cfg.run.name,
+                                  id=run_id, resume="allow", dir=str(out_dir),
+                                  mode=lg.wandb_mode or None,
+                                  config=config, allow_val_change=True)
         self.run_id = self.run.id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -120,6 +165,7 @@ class MLflowTracker:
     name = "mlflow"
 
     def __init__(self, uri: str, *, cfg: Config, config: dict, run_id: str | None):
+        """uri: the tracking URI as given (credentials and all); `self.uri` is the one to show and record."""
         lg = cfg.logging
         if uri.startswith("file:") or "://" not in uri:
             # MLflow refuses its file store unless told otherwise; it is the one store that needs nothing but
@@ -128,7 +174,7 @@ class MLflowTracker:
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
-        self._metric, self.client, self.uri = Metric, MlflowClient(tracking_uri=uri), uri
+        self._metric, self.client, self.uri = Metric, MlflowClient(tracking_uri=mlflow_client_uri(uri)), display(uri)
         if run_id is None:
             experiment = self.client.get_experiment_by_name(lg.mlflow_experiment)
             experiment_id = (experiment.experiment_id if experiment is not None
@@ -155,9 +201,25 @@ class MLflowTracker:
 
 
 def mlflow_uri(cfg: Config) -> str:
-    """logging.mlflow_tracking_uri, else MLFLOW_TRACKING_URI, else a file store in <output_dir>/mlruns."""
+    """logging.mlflow_tracking_uri, else MLFLOW_TRACKING_URI, else a file store in <output_dir>/mlruns (the
+    output directory made absolute, mlruns itself not resolved: a link there is refused, never followed)."""
     return (cfg.logging.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-            or (cfg.output_dir / "mlruns").resolve().as_uri())
+            or (cfg.output_dir.resolve() / MLRUNS).as_uri())
+
+
+def mlflow_client_uri(uri: str) -> str:
+    """The URI MLflow is given. An http(s) server's has no user, password or query string (a query has no place
+    in a REST base URL): the user and password go to MLflow as MLFLOW_TRACKING_USERNAME and
+    MLFLOW_TRACKING_PASSWORD (set ones win, as they did over the URL's), so no message or link MLflow prints
+    holds them. Any other store's URI (a database URL, whose password is its login) is given as it is."""
+    parts = urlsplit(uri)
+    if parts.scheme.lower() not in ("http", "https"):
+        return uri
+    if parts.username:
+        os.environ.setdefault("MLFLOW_TRACKING_USERNAME", unquote(parts.username))
+    if parts.password is not None:
+        os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", unquote(parts.password))
+    return display(uri)
 
 
 def read_ids(path: Path) -> dict:
@@ -192,16 +254,15 @@ def open_trackers(cfg: Config, *, resumed: bool) -> list[Tracker]:
             trackers.append(tracker)
         elif name == "mlflow":
             uri = mlflow_uri(cfg)
-            same_store = ids.get("mlflow_tracking_uri") == uri  # a run id means nothing in another store
+            if uri == (out_dir.resolve() / MLRUNS).as_uri():  # the default store: the run's own folder
+                nofollow.make_dir(out_dir / MLRUNS)
+            # A run id means nothing in another store (the URIs compared as recorded: without credentials).
+            same_store = display(ids.get("mlflow_tracking_uri", "")) == display(uri)
             mlflow = MLflowTracker(uri, cfg=cfg, config=config, run_id=ids.get("mlflow") if same_store else None)
             ids["mlflow"], ids["mlflow_tracking_uri"] = mlflow.run_id, mlflow.uri
             trackers.append(mlflow)
         if name != "tensorboard":
             log.info("%s: tracking run %s", name, ids[name])
     if ids:
-        tmp = ids_path.with_name(f".tmp-{IDS_FILE}")
-        nofollow.remove(tmp)
-        with nofollow.open_new(tmp) as f:
-            f.write((json.dumps(ids, indent=1) + "\n").encode())
-        os.replace(tmp, ids_path)  # replaces a link at that name itself
+        replace_file(ids_path, (json.dumps(ids, indent=1) + "\n").encode())
     return trackers
