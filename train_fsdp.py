@@ -4,25 +4,49 @@
     python train_fsdp.py config/train_tiny_fsdp.yaml --train.max_steps=50        # one process
     torchrun --nproc_per_node=8 train_fsdp.py config/train1B_fsdp.yaml --resume_from latest
 
-Reads top to bottom: config, process group, data, model, optimizer, resume, loop, final save, teardown.
+This file is the training script, to read top to bottom: `main` (the command line, every check that needs no
+process group, the process group, teardown), `set_up` (the data, the model of DecoderBlocks wrapped by FSDP in
+`wrap`, the optimizer and the micro-batch plan, the learning-rate schedule, the checkpoint manager and the resume)
+and `train`, the loop: each step a batch of micro-batches through `train_step`, then the log, the evaluation, the
+save and the stop, each component deciding for itself when it acts. The parts it calls live in fsdp_utils/ (one
+job each: parallel/, train/, checkpoint/, evaluation/, observability/, guards/) and data/.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from config import Config, ConfigError, config_warnings, launch_problems, load_config, split_known_args
-from data import DataError
-from fsdp_utils.checkpoint import CheckpointError
+from config import (
+    Config,
+    ConfigError,
+    FSDPConfig,
+    config_warnings,
+    launch_problems,
+    load_config,
+    save_config,
+    split_known_args,
+    summarize_config,
+)
+from data import DataError, open_datasets
+from data.store import tokenizer_sha256
+from data.tokenizer import prepared_eos_id
+from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
 from fsdp_utils.checkpoint.format import check_structure
+from fsdp_utils.checkpoint.io import install_tokenizer
 from fsdp_utils.checkpoint.retention import complete_checkpoints
 from fsdp_utils.distributed import (
     DistEnv,
@@ -32,22 +56,44 @@ from fsdp_utils.distributed import (
     prefer_expandable_segments,
     read_torchrun_env,
 )
-from fsdp_utils.parallel.build import ModelMemoryError
+from fsdp_utils.parallel.build import ModelMemoryError, describe_model, log_parameter_summary
 from fsdp_utils.parallel.float8 import float8_output_problems, float8_output_vocabulary_problems, float8_problems
 from fsdp_utils.parallel.hf import HFModelError, hf_problems
-from fsdp_utils.train.build_run import _host_free as host_free
-from fsdp_utils.train.downstream import DownstreamError, task_problems
+from fsdp_utils.parallel.lora import lora_record
+from fsdp_utils.parallel.parallelize import (
+    Precision,
+    fsdp1_options,
+    fsdp1_strategy,
+    fsdp1_units,
+    fsdp2_options,
+    fully_shard_edges_and_root,
+)
+from fsdp_utils.parallel.weights import WeightInit
+from fsdp_utils.train.batch import TrainBatches
+from fsdp_utils.train.build_run import BuiltRun, build_run, describe_run
+from fsdp_utils.train.downstream import DownstreamError, DownstreamEvaluator, open_downstream, task_problems
 from fsdp_utils.train.elastic import unfit_world, wait_for_membership_change
-from fsdp_utils.train.oom_guard import OutOfMemory
-from fsdp_utils.train.preemption import RESTART_EXIT_CODE, StopSignal
+from fsdp_utils.train.microbatch import describe_choice, save_to_cache
+from fsdp_utils.train.observers import Observers
+from fsdp_utils.train.oom_guard import OutOfMemory, OutOfMemoryGuard
+from fsdp_utils.train.optim import LRSchedule
+from fsdp_utils.train.preemption import RESTART_EXIT_CODE, StopSignal, after_stop
+from fsdp_utils.train.resume import nothing_to_train, resume
+from fsdp_utils.train.run_data import prepare_dataset
 from fsdp_utils.train.run_lock import RunLocked, take_run_lock
+from fsdp_utils.train.step import BadSteps, NonFiniteError, StepResult, train_step
 from fsdp_utils.train.trackers import tracker_problems
-from fsdp_utils.train.trainer import NonFiniteError, Trainer
+from fsdp_utils.train.validation import evaluate
+
+log = logging.getLogger("train")
+T = TypeVar("T")
 
 # Errors of the user's input or the run's state, raised alike on every rank: one line, exit 1.
 USER_ERRORS = (ConfigError, DataError, CheckpointError, OutOfMemory, ModelMemoryError, HFModelError, NonFiniteError,
                DownstreamError)
 
+
+# ==== the command line and the checks before the process group ==================================================
 
 OVERRIDES_HELP = """config overrides:
   --section.key=value   any config field, over the YAML file's value; sections: run, model, data, train,
@@ -70,12 +116,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return split_known_args(parser, argv)
 
 
-def setup_logging(env: DistEnv) -> None:
-    # Rank 0 speaks; the others report warnings and errors only, tagged with their rank.
-    level = logging.INFO if env.is_main else logging.WARNING
-    logging.basicConfig(level=level, format=f"[%(asctime)s rank{env.rank}] %(message)s", datefmt="%H:%M:%S", force=True)
-
-
 def early_problems(cfg: Config, launch: Launch, resume_from: str | None, *, any_world: bool = False) -> list[str]:
     """Everything that can be checked before the process group starts, beyond the config itself; with
     `any_world`, all but what depends on the world size."""
@@ -95,9 +135,7 @@ def early_problems(cfg: Config, launch: Launch, resume_from: str | None, *, any_
     if launch.rank == 0:  # the trackers live on rank 0 only
         problems += tracker_problems(cfg.logging.tracker_names)
     if cfg.model.type == "hf" and not problems:  # the folder exists (launch_problems): can it be used?
-        main = launch.rank == 0  # reads the weights and holds their full copy, on this host
-        problems += hf_problems(cfg.model, document_masking=cfg.data.document_masking,
-                                host_free=host_free() if main else None, weights=main)
+        problems += hf_problems(cfg.model, document_masking=cfg.data.document_masking)
     # lm-eval importable and every task known, before step 1 (not at the first evaluation).
     problems += task_problems(cfg.train.eval_tasks, cfg.train.eval_tasks_path, where="train.eval_tasks")
     return problems
@@ -124,6 +162,203 @@ def check_passed(cfg: Config, launch: Launch) -> int:
         for line in config_warnings(cfg):
             print(f"warning: {line}", file=sys.stderr)
     return 0
+
+
+def setup_logging(env: DistEnv) -> None:
+    # Rank 0 speaks; the others report warnings and errors only, tagged with their rank.
+    level = logging.INFO if env.is_main else logging.WARNING
+    logging.basicConfig(level=level, format=f"[%(asctime)s rank{env.rank}] %(message)s", datefmt="%H:%M:%S", force=True)
+
+
+# ==== the model's FSDP wrapping ==================================================================================
+
+
+def wrap(model: nn.Module, blocks: list[nn.Module], fsdp: FSDPConfig, env: DistEnv, precision: Precision, *,
+         offload: bool, compile: bool, init: WeightInit | None) -> nn.Module:
+    """Shard the model with FSDP: each block (our DecoderBlock, or a Hugging Face model's decoder layer) one unit
+    that gathers its weights in the compute dtype and reduces gradients in fsdp.reduce_dtype (fp32 by default).
+    fsdp.version 1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the
+    root. parallelize (fsdp_utils/parallel/parallelize.py) calls this after FP8, activation checkpointing and
+    compile, and initialises meta-device weights after it."""
+    if fsdp.version == 2:
+        policy = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce)
+        options = fsdp2_options(fsdp, env, offload=offload)
+        for block in blocks:
+            fully_shard(block, mp_policy=policy, **options)
+        fully_shard_edges_and_root(model, mp_policy=policy, **options)  # embedding, output projection, then root
+        return model
+    mixed = None  # fp32 needs no casting
+    if precision.compute != torch.float32:
+        mixed = MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce, buffer_dtype=None)
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(fsdp1_units(model, blocks)),  # a unit per block (and LoRA adapter)
+        mixed_precision=mixed,
+        sharding_strategy=fsdp1_strategy(fsdp, env),
+        **fsdp1_options(model, fsdp, env, offload=offload, compile=compile, init=init),
+    )
+
+
+# ==== everything before the first step ==========================================================================
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop works with: the config and this rank, the data, the built run (model, optimizer, precision,
+    converters, micro-batch plan), the schedule, the checkpoint manager and the state it saves."""
+    cfg: Config
+    env: DistEnv
+    train_data: object
+    val_data: object
+    built: BuiltRun
+    schedule: LRSchedule
+    ckpt: CheckpointManager
+    state: TrainState
+    downstream: DownstreamEvaluator | None
+    flops_per_token: float
+    masked_targets: bool  # fine-tuning data: targets outside the assistant's turns are IGNORE_INDEX
+    restarting: bool = False  # stopped by torchrun to restart the workers (fsdp_utils/train/preemption.py)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.built.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.built.optimizer
+
+
+def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | None = None) -> Run:
+    """Every rank, in this order: data, model, optimizer and micro-batch, schedule, checkpoint manager and resume,
+    the run's files, then a trial of everything a save needs (a run that cannot save stops now, not at its first
+    save)."""
+    torch.manual_seed(cfg.run.seed)
+
+    # ---- data: prepared once (rank 0 prepares a small corpus in the job while the others wait), memory-mapped
+    sources = prepare_dataset(cfg, env, stop)
+    prepared = sources[0][0]  # the tokenizer and the vocabulary: every source of a mixture shares them
+    vocab_size, signature, flops_per_token = describe_model(cfg, prepared.vocab_size)
+    if vocab_size < prepared.vocab_size:
+        raise ConfigError([f"the model's vocabulary ({vocab_size}) is smaller than the tokenizer's "
+                           f"({prepared.vocab_size})"])
+    train_data, val_data = open_datasets(sources, seq_len=cfg.data.seq_len, seed=cfg.run.seed)
+    # The token that separates documents, for the model's document masking and restarting positions.
+    needs_eos = cfg.data.document_masking or cfg.model.reset_positions
+    eos_id = prepared_eos_id(prepared.tokenizer_path) if needs_eos else None
+    downstream = open_downstream(cfg.train, tokenizer_kind=cfg.data.tokenizer, tokenizer_path=prepared.tokenizer_path,
+                                 max_length=cfg.data.seq_len, env=env)
+
+    # ---- the model of DecoderBlocks, wrapped by FSDP (`wrap`), its optimizer, the micro-batch plan
+    if env.is_main:
+        for line in summarize_config(cfg):
+            log.info("%s", line)
+        for line in config_warnings(cfg):
+            log.warning("%s", line)
+        if cfg.model.type == "llama":  # a Hugging Face model's line comes from build_model, which counts it
+            log_parameter_summary(cfg.model)
+    built = build_run(cfg, env, wrap=wrap, vocab_size=vocab_size, model_signature=signature, eos_id=eos_id)
+    schedule = LRSchedule.from_config(cfg.train)
+    if env.is_main:
+        for line in [*describe_choice(built.choice, cfg, world_size=env.world_size),
+                     *describe_run(cfg, env, built, train_tokens=train_data.num_tokens, val_tokens=val_data.num_tokens),
+                     f"lr schedule: {schedule.describe()}"]:
+            log.info("%s", line)
+
+    # ---- the checkpoint manager and the resume (after the micro-batch search: its trials need no optimizer state)
+    ckpt = CheckpointManager(cfg.checkpoint, cfg.output_dir, env=env, model_config=signature,
+                             timeout_s=cfg.run.timeout_s, tokenizer_sha256=tokenizer_sha256(prepared.tokenizer_path),
+                             lora=lora_record(cfg, signature, base_dtype=built.precision.compute))
+    state = resume(ckpt, built, cfg, env, resume_from, elastic=stop.elastic)
+    if env.is_main:  # only now: a refused resume leaves the output directory as it was
+        write_run_files(cfg, prepared.tokenizer_path, built)
+    ckpt.prepare_saving(built.model, built.optimizer)
+    return Run(cfg, env, train_data, val_data, built, schedule, ckpt, state, downstream, flops_per_token,
+               masked_targets=cfg.data.format == "chat")
+
+
+def write_run_files(cfg: Config, tokenizer_path: Path, built: BuiltRun) -> None:
+    """The resolved config.yaml; the run's tokenizer beside its checkpoints (generate.py and export_hf.py find it
+    there); the micro-batch search's result for the next start."""
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, cfg.output_dir / "config.yaml")
+    install_tokenizer(tokenizer_path, cfg.output_dir)
+    if built.choice.how == "search":
+        save_to_cache(cfg.output_dir, built.cache_key, built.choice)
+
+
+# ==== the training loop ==========================================================================================
+
+
+def train(run: Run, stop: StopSignal) -> dict:
+    """Train from the resumed step to train.max_steps, or to a stop signal; returns the last logged row."""
+    cfg, env, t, state = run.cfg, run.env, run.cfg.train, run.state
+    if state.step >= t.max_steps:  # a finished run started again
+        run.ckpt.close()
+        if env.is_main:
+            log.info("%s", nothing_to_train(run.ckpt, cfg, state.step))
+        return {}
+    observers = Observers(cfg, env, first_step=state.step, flops_per_token=run.flops_per_token, probe=run.built.probe)
+    guard = OutOfMemoryGuard(env, probe=run.built.probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s,
+                             compile=t.compile, on_oom=observers.memory.on_oom)
+    batches = TrainBatches(run.train_data, env, run.built.split, first_step=state.step,
+                           samples_seen=state.samples_seen, max_steps=t.max_steps)
+    bad_steps = BadSteps(t.max_bad_steps)
+
+    def guarded(work: Callable[[], T], *, phase: str, step: int) -> T:
+        """work() under the out-of-memory guard: after a retry at half the micro-batch, done again at that size."""
+        return guard.run(work, step=step, phase=phase, split=lambda: batches.split, model=run.model,
+                         optimizer=run.optimizer, resplit=lambda split: batches.resplit(
+                             split, step=state.step, samples_seen=state.samples_seen))
+
+    def step() -> StepResult:
+        """grad_accum micro-batches of this rank's share of the global batch, one optimizer step, at the
+        schedule's learning rate."""
+        state.lr = run.schedule(state.step)
+        for group in run.optimizer.param_groups:
+            group["lr"] = state.lr
+        return guarded(lambda: train_step(run.model, run.optimizer, batches, grad_accum=batches.split.grad_accum,
+                                          grad_clip=t.grad_clip, world_size=env.world_size, scaler=run.built.scaler,
+                                          stop_requested=stop.requested, masked_targets=run.masked_targets),
+                       phase="training", step=state.step + 1)
+
+    def evaluate_all() -> None:
+        """The validation loss and train.eval_tasks, logged together; their time is left out of tokens/s."""
+        started = time.perf_counter()
+        micro_batch = batches.split.micro_batch_size
+        row = {"val_loss": guarded(lambda: evaluate(run.model, run.val_data, num_samples=t.eval_samples,
+                                                    micro_batch=micro_batch, env=env),
+                                   phase="evaluation", step=state.step)}
+        if (downstream := run.downstream) is not None:
+            row |= guarded(lambda: downstream.run(run.model, batch_size=micro_batch),
+                           phase="downstream evaluation", step=state.step)
+        observers.on_eval(state.step, row, seconds=time.perf_counter() - started)
+
+    try:
+        run.model.train()
+        while state.step < t.max_steps:
+            result = step()  # -- batch and step
+            bad_steps.check(result, step=state.step + 1)  # a non-finite step: its update skipped, or the run stops
+            state.advance(samples=t.global_batch_size, tokens=t.global_batch_size * cfg.data.seq_len)
+            observers.on_step(state.step, result, lr=state.lr, split=batches.split)  # -- log
+            if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.max_steps):
+                evaluate_all()  # -- evaluate: every train.eval_interval steps and at the last
+            # -- save: the manager decides (its interval, a save in flight to commit, a stop, the last step)
+            state.grad_scaler = run.built.scaler.state_dict() if run.built.scaler else None
+            run.ckpt.on_step_end(run.model, run.optimizer, state, stopping=result.stop_requested,
+                                 last=state.step == t.max_steps)
+            observers.on_step_end(state.step)  # the profiler: a profiled step's range holds its log, eval and save
+            if result.stop_requested:  # -- stop: a signal (Ctrl-C, preemption, an elastic job's nodes), saved above
+                run.restarting = after_stop(stop, env, step=state.step)
+                break
+        run.ckpt.finish()  # a clean end waits for the save in flight
+    finally:
+        run.ckpt.close()
+        batches.close()
+        observers.close()
+    return observers.last_row
+
+
+# ==== the run, from the command line to the end ==================================================================
 
 
 @record  # an uncaught error lands in torchrun's error file, reported with its rank
@@ -155,9 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         if unfit:
             return wait_for_membership_change(cfg, env, stop)
         lock = take_run_lock(cfg.output_dir, env)  # before anything is written into the output directory
-        trainer = Trainer(cfg, env, stop=stop, resume_from=args.resume_from)
-        trainer.fit()
-        return RESTART_EXIT_CODE if trainer.restarting else 0
+        run = set_up(cfg, env, stop=stop, resume_from=args.resume_from)
+        train(run, stop)
+        return RESTART_EXIT_CODE if run.restarting else 0
     except RunLocked as err:
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)

@@ -94,6 +94,7 @@ from fsdp_utils.train.run_files import append_line, results_log_problem  # noqa:
 from fsdp_utils.train.step import train_step  # noqa: E402
 from fsdp_utils.train.trackers import redacted_argument  # noqa: E402
 from model.float8_projection import FLOAT8_ALIGNMENT  # noqa: E402
+from train_fsdp import wrap  # noqa: E402
 
 # The document separator of the random tokens (--doc_len); any id serves.
 EOS_ID = 0
@@ -146,15 +147,16 @@ def run_config(cfg, env, *, micro_batch: int | str, grad_accum: int | None):
 def build_ours(cfg, env, args, *, micro_batch: int | str,
                grad_accum: int | None) -> tuple[Callable[[], None], BuiltRun]:
     """(step function, the run) of train_fsdp.py's model, wrapping, optimizer, micro-batch plan and step: built by
-    the Trainer's own build_run, on random tokens. The ablations are its parameters: --fused_projections (one
-    matmul per fused q/k/v and gate/up weight, split after, instead of one per slice; same weights and results),
-    --unfused_adamw (the multi-tensor AdamW)."""
+    build_run with train_fsdp.py's own `wrap`, on random tokens. The ablations are its parameters:
+    --fused_projections (one matmul per fused q/k/v and gate/up weight, split after, instead of one per slice; same
+    weights and results), --unfused_adamw (the multi-tensor AdamW)."""
     run_cfg = run_config(cfg, env, micro_batch=micro_batch, grad_accum=grad_accum)
     vocab_size, signature, _ = describe_model(run_cfg, run_cfg.data.vocab_size)
     try:
         check_batch_split(run_cfg, env.world_size)  # before the build: a split that cannot work costs no model
-        run = build_run(run_cfg, env, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID, use_cache=False,
-                        fused_matmul=True if args.fused_projections else None, fused_adamw=not args.unfused_adamw)
+        run = build_run(run_cfg, env, wrap=wrap, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID,
+                        use_cache=False, fused_matmul=True if args.fused_projections else None,
+                        fused_adamw=not args.unfused_adamw)
     except ConfigError as err:
         raise SystemExit(f"error: {err.problems[0]}") from None
     if env.is_main:

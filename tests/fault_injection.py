@@ -255,22 +255,21 @@ def _install_disk_free_bytes(free: int, *, current: dict) -> None:
 
 
 def _install_nan_at_step(nan_step: int, *, current: dict) -> None:
+    import torch.distributed as dist
+
     from fsdp_utils.train import step as step_module
-    from fsdp_utils.train.trainer import Trainer
 
-    real_train_step, real_forward_backward = Trainer.train_step, step_module.forward_backward
-
-    @functools.wraps(real_train_step)
-    def train_step(self):
-        current["step"] = self.state.step + 1 if self.env.is_main else 0
-        return real_train_step(self)
+    real_forward_backward = step_module.forward_backward
 
     @functools.wraps(real_forward_backward)
     def forward_backward(*args, **kwargs):
+        # One call a training step (the faulted runs start afresh and never retry a step): the call's count is the
+        # step's number.
+        current["training_steps"] = current.get("training_steps", 0) + 1
         loss = real_forward_backward(*args, **kwargs)
-        return loss * float("nan") if current["step"] == nan_step else loss
+        return loss * float("nan") if current["training_steps"] == nan_step and dist.get_rank() == 0 else loss
 
-    Trainer.train_step, step_module.forward_backward = train_step, forward_backward
+    step_module.forward_backward = forward_backward
 
 
 def _install_fake_gpu_memory(fake: dict, *, current: dict) -> None:

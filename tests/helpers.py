@@ -207,3 +207,22 @@ class CountOps(TorchDispatchMode):
         if func.overloadpacket.__name__ == "mm":
             self.mm_widths[out.shape[-1]] += 1
         return out
+
+
+def set_up(cfg, env, *, resume_from: str | None = None):
+    """train_fsdp.py's set_up in this process (no stop signals handled): the Run, before its loop."""
+    import train_fsdp
+    from fsdp_utils.train.preemption import StopSignal
+
+    return train_fsdp.set_up(cfg, env, stop=StopSignal([], grace_s=60), resume_from=resume_from)
+
+
+def fit(cfg, env, *, resume_from: str | None = None):
+    """train_fsdp.py's set_up and loop in this process: the Run after its loop (its last logged row as `last`)."""
+    import train_fsdp
+    from fsdp_utils.train.preemption import StopSignal
+
+    stop = StopSignal([], grace_s=60)
+    run = train_fsdp.set_up(cfg, env, stop=stop, resume_from=resume_from)
+    run.last = train_fsdp.train(run, stop)
+    return run

@@ -257,22 +257,23 @@ def short_documents(path):
 
 
 @pytest.mark.slow
-def test_trainer_builds_the_masked_model_with_the_tokenizer_eos(tmp_path):
+def test_the_run_builds_the_masked_model_with_the_tokenizer_eos(tmp_path):
+    import train_fsdp
     from data.tokenizer import load_sentencepiece
     from fsdp_utils.train.preemption import StopSignal
-    from fsdp_utils.train.trainer import Trainer
 
     cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", [
         *TINY, f"--run.output_dir={tmp_path / 'out'}", f"--data.files=[{short_documents(tmp_path / 'docs.jsonl')}]",
         f"--data.dataset_dir={tmp_path / 'ds'}", "--fsdp.version=2", "--train.max_steps=2",
         "--data.document_masking=true", "--model.reset_positions=true"])
     with world_of_one() as env:
-        run = Trainer(cfg, env, stop=StopSignal([], grace_s=60))
-        eos_id = load_sentencepiece(run.prepared.tokenizer_path).eos_id()
+        stop = StopSignal([], grace_s=60)
+        run = train_fsdp.set_up(cfg, env, stop=stop)
+        eos_id = load_sentencepiece(cfg.output_dir / "tokenizer.model").eos_id()
         assert run.model.documents == Documents(eos_id=eos_id, mask_attention=True, reset_positions=True)
         x, _ = run.train_data.batch(0, 8)
         assert (x == eos_id).any(dim=1).all(), "every window holds a document boundary"
-        assert run.fit()["step"] == 2
+        assert train_fsdp.train(run, stop)["step"] == 2
 
 
 def masked_losses_on_ranks(rank: int, world_size: int, *, combos: list[tuple[int, str]]) -> list[list[float]]:
@@ -281,13 +282,14 @@ def masked_losses_on_ranks(rank: int, world_size: int, *, combos: list[tuple[int
     from fsdp_utils.parallel.build import build_model
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from tests.distributed_harness import cpu_env
+    from train_fsdp import wrap
 
     env = cpu_env(rank, world_size)
     out = []
     for version, ac in combos:
         cfg = masked_config(version, ac)
         built_model = build_model(cfg, env, eos_id=EOS)
-        model = parallelize(built_model.module, block_classes=built_model.block_classes, fsdp=cfg.fsdp,
+        model = parallelize(built_model.module, wrap=wrap, block_classes=built_model.block_classes, fsdp=cfg.fsdp,
                             precision=resolve_precision("fp32", "fp32", env.device), compile=False, env=env,
                             init=built_model.init)
         out.append(sgd_losses(model, rows=slice(2 * rank, 2 * rank + 2), world_size=world_size))

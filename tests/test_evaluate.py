@@ -283,11 +283,12 @@ def evaluate_sharded(rank: int, world_size: int, *, tasks: str, tokenizer: str) 
     from config import FSDPConfig
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from model import DecoderBlock
+    from train_fsdp import wrap
 
     env = cpu_env(rank, world_size)
     out = {}
     for version in (1, 2):
-        model = parallelize(peaked_model(), block_classes={DecoderBlock}, fsdp=FSDPConfig(version=version),
+        model = parallelize(peaked_model(), wrap=wrap, block_classes={DecoderBlock}, fsdp=FSDPConfig(version=version),
                             precision=resolve_precision("fp32", "fp32", CPU), compile=False, env=env)
         lm = ModelLM(model, SentencePieceCodec(tokenizer), device=CPU, batch_size=2, max_length=MAX_LEN)
         results = run_tasks(lm, load_tasks(task_manager(TASKS, [tasks]), TASKS))

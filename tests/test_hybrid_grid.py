@@ -70,6 +70,7 @@ def train_grid(rank: int, world_size: int, *, local_world_size: int, setups: lis
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from fsdp_utils.train.step import train_step
     from model import DecoderBlock, Transformer
+    from train_fsdp import wrap
 
     env = DistEnv(rank=rank, local_rank=rank % local_world_size, world_size=world_size,
                   local_world_size=local_world_size, device=torch.device("cpu"))
@@ -81,7 +82,7 @@ def train_grid(rank: int, world_size: int, *, local_world_size: int, setups: lis
         module = Transformer(model_config())
         module.init_weights(seed=SEED)
         fsdp = FSDPConfig(version=version, sharding_strategy=strategy, hybrid_shard_group_size=group)
-        model = parallelize(module, block_classes={DecoderBlock}, fsdp=fsdp, compile=False, env=env,
+        model = parallelize(module, wrap=wrap, block_classes={DecoderBlock}, fsdp=fsdp, compile=False, env=env,
                             precision=resolve_precision("fp32", "fp32", env.device))
         optimizer = make_optimizer(model.parameters())
         rows = []
@@ -165,13 +166,14 @@ def test_fsdp1_on_one_process_runs_no_shard_without_torch_warning_of_it(strategy
     from config import FSDPConfig
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from model import DecoderBlock, Transformer
+    from train_fsdp import wrap
 
     module = Transformer(model_config())
     module.init_weights(seed=SEED)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fsdp = FSDPConfig(version=1, sharding_strategy=strategy)
-        model = parallelize(module, block_classes={DecoderBlock}, fsdp=fsdp,
+        model = parallelize(module, wrap=wrap, block_classes={DecoderBlock}, fsdp=fsdp,
                             compile=False, env=world_of_one,
                             precision=resolve_precision("fp32", "fp32", world_of_one.device))
     assert not [w for w in caught if "NO_SHARD" in str(w.message)], [str(w.message) for w in caught]

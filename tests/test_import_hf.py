@@ -267,35 +267,38 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
 def _init_from_ranks(rank: int, world_size: int, *, tmp: str, corpus: str, dataset_dir: str) -> None:
     """Two ranks, meta init: FSDP1 starts from an import and saves a sharded checkpoint; FSDP2 starts from that;
     a rerun of the first resumes its own checkpoint instead of starting again from the import."""
-    from fsdp_utils.train.preemption import StopSignal
-    from fsdp_utils.train.trainer import Trainer
     from tests.distributed_harness import cpu_env
+    from tests.helpers import set_up
 
     env = cpu_env(rank, world_size)
     imported = torch.load(Path(tmp) / "llama.pth", weights_only=True)["model"]
 
-    def trainer(out: str, *extra: str) -> Trainer:
+    def config(out: str, *extra: str):
         cfg = load_config(TINY_CONFIG, [*TINY, *TINY_MODEL_ARGS, f"--run.output_dir={Path(tmp) / out}",
                                         f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *extra])
         assert cfg.fsdp.meta_init
-        return Trainer(cfg, env, stop=StopSignal([], grace_s=60))
+        return cfg
 
-    first = trainer("a", "--fsdp.version=1", f"--model.init_from={Path(tmp) / 'llama.pth'}", "--train.max_steps=1",
-                    "--train.warmup_steps=1", "--checkpoint.format=sharded", "--checkpoint.async_save=false")
+    first_cfg = config("a", "--fsdp.version=1", f"--model.init_from={Path(tmp) / 'llama.pth'}", "--train.max_steps=1",
+                       "--train.warmup_steps=1", "--checkpoint.format=sharded", "--checkpoint.async_save=false")
+    first = set_up(first_cfg, env)
     weights = _full_weights(first.model)
     assert first.state.step == 0 and not first.optimizer.state
     assert weights.keys() == imported.keys() and all(torch.equal(weights[k], imported[k]) for k in imported)
-    first.fit()
+    import train_fsdp
+    from fsdp_utils.train.preemption import StopSignal
+
+    train_fsdp.train(first, StopSignal([], grace_s=60))
     trained = _full_weights(first.model)
 
-    second = trainer("b", "--fsdp.version=2", f"--model.init_from={Path(tmp) / 'a/fsdp_sharded_cpt1'}")
+    second = set_up(config("b", "--fsdp.version=2", f"--model.init_from={Path(tmp) / 'a/fsdp_sharded_cpt1'}"), env)
     weights = _full_weights(second.model)
     assert second.state.step == 0 and not second.optimizer.state
     assert all(torch.equal(weights[k], trained[k]) for k in trained)
     second.ckpt.close()
 
-    again = trainer("a", "--fsdp.version=1", f"--model.init_from={Path(tmp) / 'llama.pth'}", "--train.max_steps=2",
-                    "--checkpoint.format=sharded")
+    again = set_up(config("a", "--fsdp.version=1", f"--model.init_from={Path(tmp) / 'llama.pth'}",
+                          "--train.max_steps=2", "--checkpoint.format=sharded"), env)
     assert again.state.step == 1 and torch.equal(_full_weights(again.model)["norm.weight"], trained["norm.weight"])
     again.ckpt.close()
 
@@ -315,8 +318,7 @@ def test_resume_from_an_import_and_init_from_other_dimensions(tmp_path, corpus, 
     """--resume_from an import: its weights, step 0, a fresh optimizer, and training goes on (the model section
     must be the import's exactly, max_seq_len included). model.init_from a model of other dimensions: one error
     naming the field."""
-    from fsdp_utils.train.preemption import StopSignal
-    from fsdp_utils.train.trainer import Trainer
+    from tests.helpers import set_up
 
     save_llama(tmp_path / "hf", **TINY_LLAMA)
     import_hf.import_hf(tmp_path / "hf", tmp_path / "llama.pth")
@@ -327,17 +329,19 @@ def test_resume_from_an_import_and_init_from_other_dimensions(tmp_path, corpus, 
                                          f"--run.output_dir={tmp_path / out}", f"--data.dataset_dir={dataset_dir}",
                                          *extra])
 
-    run = Trainer(config("a", "--model.max_seq_len=64", "--train.max_steps=1", "--train.warmup_steps=1"), world_of_one,
-                  stop=StopSignal([], grace_s=60), resume_from=str(tmp_path / "llama.pth"))
+    run = set_up(config("a", "--model.max_seq_len=64", "--train.max_steps=1", "--train.warmup_steps=1"), world_of_one,
+                 resume_from=str(tmp_path / "llama.pth"))
     weights = _full_weights(run.model)
     assert run.state.step == 0 and not run.optimizer.state
     assert all(torch.equal(weights[k], imported[k]) for k in imported)
-    run.fit()
+    import train_fsdp
+    from fsdp_utils.train.preemption import StopSignal
+
+    train_fsdp.train(run, StopSignal([], grace_s=60))
     assert run.state.step == 1 and run.optimizer.state
 
     with pytest.raises(CheckpointMismatch) as err:
-        Trainer(config("b", "--model.n_kv_heads=4", f"--model.init_from={tmp_path / 'llama.pth'}"), world_of_one,
-                stop=StopSignal([], grace_s=60))
+        set_up(config("b", "--model.n_kv_heads=4", f"--model.init_from={tmp_path / 'llama.pth'}"), world_of_one)
     assert str(err.value) == (f"model.init_from={tmp_path / 'llama.pth'}: the model differs from the checkpoint's: "
                               "model.n_kv_heads=4 here, 2 in the checkpoint")
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import train_fsdp
 from config import CheckpointConfig, ConfigError, load_config
 from config.sections import LoRATarget
 from fsdp_utils.checkpoint import CheckpointMismatch
@@ -31,7 +32,7 @@ from fsdp_utils.parallel.lora import (
     lora_targets,
     merged_state_dict,
 )
-from fsdp_utils.train import trainer
+from fsdp_utils.train.batch import TrainBatches
 from fsdp_utils.train.preemption import StopSignal
 from model import ModelConfig, Transformer
 from scripts import export_hf, generate
@@ -116,8 +117,12 @@ def _base_weights(run) -> dict[str, torch.Tensor]:
     return {n: p.detach().to_local().clone() for n, p in run.model.named_parameters() if not p.requires_grad}
 
 
-def _new_trainer(cfg, env, resume_from=None):
-    return trainer.Trainer(cfg, env, stop=StopSignal([], grace_s=60), resume_from=resume_from)
+def _new_run(cfg, env, resume_from=None):
+    return train_fsdp.set_up(cfg, env, stop=StopSignal([], grace_s=60), resume_from=resume_from)
+
+
+def _fit(run) -> None:
+    train_fsdp.train(run, StopSignal([], grace_s=60))
 
 
 @pytest.mark.slow
@@ -127,17 +132,18 @@ def test_lora_trains_only_adapters_from_the_base_loss_and_resumes_exactly(tmp_pa
     args = [*LORA, "--train.max_steps=4", "--checkpoint.interval=2", "--checkpoint.format=sharded",
             "--checkpoint.async_save=true", "--model.vocab_size=320"]
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, *args)
-    run = _new_trainer(cfg, env)
+    run = _new_run(cfg, env)
     base_before = _base_weights(run)
     # Step 1's loss is the model before any update. The base model alone (a plain Transformer of the same
     # seed, no adapters), on the same 4 micro-batches, must give it: the adapters start at exactly zero.
-    batches = run._open_batches()
+    batches = TrainBatches(run.train_data, env, run.built.split, first_step=0, samples_seen=0,
+                           max_steps=cfg.train.max_steps)
     plain = Transformer(cfg.model)
     plain.init_weights(cfg.run.seed)
     with torch.no_grad():
         base_loss = sum(plain(*next(batches)).item() for _ in range(4)) / 4
     batches.close()
-    run.fit()
+    _fit(run)
     losses = {row["step"]: row["loss"] for row in read_metrics(cfg.output_dir) if "loss" in row}
     assert math.isclose(losses[1], base_loss, rel_tol=1e-5), (losses, base_loss)
     assert losses[4] < losses[1]
@@ -153,7 +159,7 @@ def test_lora_trains_only_adapters_from_the_base_loss_and_resumes_exactly(tmp_pa
 
     # Resumed from step 2 in a fresh output directory: steps 3 and 4 as the uninterrupted run.
     resumed_cfg = tiny_cfg(tmp_path / "b", corpus, dataset_dir, *args)
-    _new_trainer(resumed_cfg, env, resume_from=str(ckpt)).fit()
+    _fit(_new_run(resumed_cfg, env, resume_from=str(ckpt)))
     resumed = {row["step"]: row["loss"] for row in read_metrics(resumed_cfg.output_dir) if "loss" in row}
     assert resumed == {3: losses[3], 4: losses[4]}
 
@@ -163,12 +169,12 @@ def test_lora_trains_only_adapters_from_the_base_loss_and_resumes_exactly(tmp_pa
         return {**record, "base": {**record["base"], "fingerprint": "0" * 16}}
 
     with monkeypatch.context() as patch:
-        patch.setattr(trainer, "lora_record", other_base)
+        patch.setattr(train_fsdp, "lora_record", other_base)
         with pytest.raises(CheckpointMismatch, match="belong to another base model"):
-            _new_trainer(tiny_cfg(tmp_path / "c", corpus, dataset_dir, *args), env, resume_from=str(ckpt))
+            _new_run(tiny_cfg(tmp_path / "c", corpus, dataset_dir, *args), env, resume_from=str(ckpt))
     without = tiny_cfg(tmp_path / "d", corpus, dataset_dir, "--train.max_steps=4", "--model.vocab_size=320")
     with pytest.raises(CheckpointMismatch, match="holds LoRA adapters"):
-        _new_trainer(without, env, resume_from=str(ckpt))
+        _new_run(without, env, resume_from=str(ckpt))
 
     # --merge_lora: the exported LlamaForCausalLM computes our LoRA model's logits.
     from transformers import LlamaForCausalLM
@@ -198,9 +204,9 @@ def test_hf_model_lora_and_peft_round_trip(tmp_path, corpus, dataset_dir, world_
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}",
                    "--train.lora.rank=4", "--train.lora.targets=[attention, down]", "--train.max_steps=2",
                    "--checkpoint.format=full")
-    run = _new_trainer(cfg, world_of_one)
+    run = _new_run(cfg, world_of_one)
     base_before = _base_weights(run)
-    run.fit()
+    _fit(run)
     for name, value in _base_weights(run).items():
         assert torch.equal(value, base_before[name]), name
     final = cfg.output_dir / "fsdp_cpt2.pth"
@@ -256,6 +262,7 @@ def _train_lora(rank: int, world_size: int, version: int, precision: str, steps:
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from fsdp_utils.train.optim import build_optimizer
     from fsdp_utils.train.step import train_step
+    from train_fsdp import wrap
 
     env = cpu_env(rank, world_size)
     cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml",
@@ -263,7 +270,7 @@ def _train_lora(rank: int, world_size: int, version: int, precision: str, steps:
                        "--model.vocab_size=320", "--train.lora.dropout=0.0"])
     built = build_model(cfg, env)
     prec = resolve_precision(precision, "fp32", env.device)
-    model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=prec,
+    model = parallelize(built.module, wrap=wrap, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=prec,
                         compile=False, env=env, init=built.init)
     optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=False)
     generator = torch.Generator().manual_seed(0)
@@ -318,7 +325,7 @@ def test_full_saves_on_gpus_leave_the_frozen_base_out_on_every_rank(tmp_path, co
     from fsdp_utils.checkpoint.base import full_save_options
 
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.lora.rank=4", f"--fsdp.version={version}")
-    model = _new_trainer(cfg, world_of_one).model
+    model = _new_run(cfg, world_of_one).model
     options, frozen = full_save_options(model, on_gpu=True)
     assert options.full_state_dict and options.cpu_offload
     on_cpu, none_named = full_save_options(model, on_gpu=False)

@@ -18,9 +18,8 @@ import torch
 import yaml
 
 from config import ConfigError, LoggingConfig, load_config
-from fsdp_utils.train import peak_flops, trainer
+from fsdp_utils.train import peak_flops
 from fsdp_utils.train.metrics import MetricsWriter
-from fsdp_utils.train.preemption import StopSignal
 from fsdp_utils.train.profiling import MemorySnapshots
 from fsdp_utils.train.trackers import tracker_key, tracker_problems
 from tests import helpers
@@ -211,10 +210,10 @@ def tracked(tmp_path_factory, corpus, dataset_dir):
         with helpers.world_of_one() as env:
             first = tiny_cfg(tmp, corpus, dataset_dir, *common, "--train.max_steps=4",
                              "--logging.profile_steps=[2, 3]")
-            trainer.Trainer(first, env, stop=StopSignal([], grace_s=60)).fit()
+            helpers.fit(first, env)
             ids_first = json.loads((first.output_dir / "trackers.json").read_text())
             resumed = tiny_cfg(tmp, corpus, dataset_dir, *common, "--train.max_steps=6")
-            trainer.Trainer(resumed, env, stop=StopSignal([], grace_s=60), resume_from="latest").fit()
+            helpers.fit(resumed, env, resume_from="latest")
     finally:
         mp.undo()
     return first.output_dir, ids_first

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from config import ConfigError, config_warnings, load_config
-from fsdp_utils.train import trainer
 from fsdp_utils.train.optim import LRSchedule
-from fsdp_utils.train.preemption import StopSignal
+from tests import helpers
 from tests.helpers import ROOT, read_metrics
 from tests.test_step import tiny_cfg
 
@@ -127,15 +126,14 @@ def test_a_warmup_as_long_as_the_run_is_accepted():
         assert [s(i) for i in range(4)] == [1e-3 * k / 4 for k in (1, 2, 3, 4)]
 
 
-# ---- resuming a WSD run (in-process Trainer, one rank) ------------------------------------------------
+# ---- resuming a WSD run (in-process set_up and loop, one rank) ------------------------------------------------
 
 WSD = ("--train.lr_schedule=wsd", "--train.decay_fraction=0.5", "--train.decay_shape=1-sqrt",
        "--train.min_lr=1e-3", "--train.warmup_steps=2", "--checkpoint.keep_last_n=0")
 
 
 def fit(cfg, resume_from=None, env=None):
-    run = trainer.Trainer(cfg, env, stop=StopSignal([], grace_s=60), resume_from=resume_from)
-    run.fit()
+    helpers.fit(cfg, env, resume_from=resume_from)
     return {row["step"]: (row["loss"], row["lr"]) for row in read_metrics(cfg.output_dir) if "loss" in row}
 
 
@@ -150,7 +148,7 @@ def test_wsd_resume_is_exact_and_extends(tmp_path, corpus, dataset_dir, world_of
     expected = [5e-3, 1e-2, 1e-2] + [1e-3 + 9e-3 * (1 - math.sqrt(k / 3)) for k in (1, 2, 3)]
     assert lrs == pytest.approx(expected, rel=1e-12)
 
-    # Half the run, then a resume from its step-3 checkpoint in another process's place (a fresh Trainer):
+    # Half the run, then a resume from its step-3 checkpoint in another process's place (a fresh set_up):
     # the steps 4-6 have the uninterrupted run's losses and learning rates, bit for bit.
     resumed_cfg = tiny_cfg(tmp_path / "b", corpus, dataset_dir, *WSD, "--train.max_steps=6")
     resumed = fit(resumed_cfg, resume_from=str(full_cfg.output_dir / "fsdp_cpt3.pth"), env=world_of_one)
@@ -170,8 +168,7 @@ def test_wsd_resume_is_exact_and_extends(tmp_path, corpus, dataset_dir, world_of
     # Extended after its decay began (step 5): the lr would go back up to the peak, and the log says so.
     caplog.clear()
     late = tiny_cfg(tmp_path / "d", corpus, dataset_dir, *WSD, "--train.max_steps=10")
-    trainer.Trainer(late, world_of_one, stop=StopSignal([], grace_s=60),
-                    resume_from=str(full_cfg.output_dir / "fsdp_cpt5.pth")).ckpt.close()
+    helpers.set_up(late, world_of_one, resume_from=str(full_cfg.output_dir / "fsdp_cpt5.pth")).ckpt.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "taken during its WSD decay" in warnings[0], warnings
     assert f"step 5 ran at lr {lrs[4]:.6g}" in warnings[0]

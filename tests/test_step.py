@@ -1,9 +1,9 @@
-"""The one training step (fsdp_utils/train/step.py) and the Trainer, in-process (a world of one on gloo).
+"""The one training step (fsdp_utils/train/step.py) and train_fsdp.py's loop, in-process (a world of one on gloo).
 
 The training loop, scripts/benchmark.py and the micro-batch search's trial steps must run the same step, and
-the benchmark must build what the Trainer builds: a copy of either drifts. Here each is run and seen to call
-`train_step`, the benchmark's objects are compared with the Trainer's and its step is checked to change the
-weights exactly as `train_step` does, and the Trainer trains in-process.
+the benchmark must build what train_fsdp.py builds: a copy of either drifts. Here each is run and seen to call
+`train_step`, the benchmark's objects are compared with train_fsdp.py's and its step is checked to change the
+weights exactly as `train_step` does, and the loop trains in-process.
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import train_fsdp
 from config import load_config
-from fsdp_utils.train import microbatch, step, trainer
+from fsdp_utils.train import microbatch, step
 from fsdp_utils.train.batch import BatchSplit
 from fsdp_utils.train.preemption import StopSignal
 from tests.helpers import ROOT, TINY, read_metrics
@@ -42,18 +43,19 @@ class Spy:
 def test_loop_benchmark_and_trials_import_the_one_step():
     from scripts import benchmark
 
-    assert trainer.train_step is step.train_step
+    assert train_fsdp.train_step is step.train_step
     assert microbatch.train_step is step.train_step
     assert benchmark.train_step is step.train_step
 
 
 @pytest.mark.slow
-def test_trainer_fits_in_process_through_train_step(tmp_path, corpus, dataset_dir, world_of_one, monkeypatch):
+def test_the_loop_trains_in_process_through_train_step(tmp_path, corpus, dataset_dir, world_of_one, monkeypatch):
     spy = Spy()
-    monkeypatch.setattr(trainer, "train_step", spy)
+    monkeypatch.setattr(train_fsdp, "train_step", spy)
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=4")
-    run = trainer.Trainer(cfg, world_of_one, stop=StopSignal([], grace_s=60))
-    last = run.fit()
+    stop = StopSignal([], grace_s=60)
+    run = train_fsdp.set_up(cfg, world_of_one, stop=stop)
+    last = train_fsdp.train(run, stop)
     # global batch 8 = micro-batch 2 x accumulation 4 on one rank
     assert len(spy.calls) == 4 and {c["grad_accum"] for c in spy.calls} == {4}
     assert all(c["model"] is run.model and c["optimizer"] is run.optimizer for c in spy.calls)
@@ -70,14 +72,11 @@ def test_micro_batch_trials_run_train_step(tmp_path, corpus, dataset_dir, world_
     spy = Spy()
     monkeypatch.setattr(microbatch, "train_step", spy)
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=1", "--train.warmup_steps=1")
-    run = trainer.Trainer.__new__(trainer.Trainer)  # only the model and optimizer of a Trainer
-    run.cfg, run.env, run.stop = cfg, world_of_one, StopSignal([], grace_s=60)
-    run._setup_data()
-    run._setup_model()
+    run = train_fsdp.set_up(cfg, world_of_one, stop=StopSignal([], grace_s=60))  # a fresh start: no optimizer state
     probe = FakeProbe({"capacity_gib": 10, "fixed_gib": 1, "per_sample_gib": 1}, 0)
     choice = microbatch.search_micro_batch(run.model, run.optimizer, per_rank=8, seq_len=cfg.data.seq_len,
-                                           vocab_size=run.vocab_size, grad_clip=1.0, margin=0.1, compile=False,
-                                           env=world_of_one, probe=probe)
+                                           vocab_size=run.model.cfg.vocab_size, grad_clip=1.0, margin=0.1,
+                                           compile=False, env=world_of_one, probe=probe)
     assert choice.micro_batch_size == 8 and spy.calls  # 1 + 8 GiB fits the 9 GiB budget
     assert all(c["model"] is run.model and c["optimizer"] is run.optimizer for c in spy.calls)
 
@@ -114,17 +113,14 @@ def test_benchmark_step_is_train_step(tmp_path, corpus, dataset_dir, world_of_on
     assert dist.is_initialized()
 
 
-def test_benchmark_trains_the_trainers_objects(tmp_path, corpus, dataset_dir, world_of_one):
-    """scripts/benchmark.py and the Trainer build from one config through build_run: the same model and weights,
+def test_benchmark_trains_the_loops_objects(tmp_path, corpus, dataset_dir, world_of_one):
+    """scripts/benchmark.py and train_fsdp.py build from one config through build_run: the same model and weights,
     optimizer, converters and micro-batch plan, and one step on the same batch gives the same loss and weights."""
     from scripts import benchmark
 
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=1", "--train.warmup_steps=1",
                    "--model.vocab_size=320")
-    run = trainer.Trainer.__new__(trainer.Trainer)  # the Trainer's setup, without the resume and the loop
-    run.cfg, run.env, run.stop = cfg, world_of_one, StopSignal([], grace_s=60)
-    run._setup_data()
-    run._setup_model()
+    run = train_fsdp.set_up(cfg, world_of_one, stop=StopSignal([], grace_s=60)).built  # a fresh start
     args = argparse.Namespace(fused_projections=False, unfused_adamw=False, doc_len=0)
     _, ours = benchmark.build_ours(cfg, world_of_one, args, micro_batch=cfg.train.micro_batch_size, grad_accum=None)
 
@@ -186,6 +182,7 @@ def accumulate_two_micro_batches(rank: int, world_size: int) -> dict:
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from model import DecoderBlock, ModelConfig, Transformer
     from tests.distributed_harness import cpu_env
+    from train_fsdp import wrap
 
     env = cpu_env(rank, world_size)
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
@@ -195,7 +192,7 @@ def accumulate_two_micro_batches(rank: int, world_size: int) -> dict:
         for grad_sync in ("every_micro_batch", "last_micro_batch"):
             module = Transformer(cfg)
             module.init_weights(seed=5)
-            model = parallelize(module, block_classes={DecoderBlock}, fsdp=FSDPConfig(version=version,
+            model = parallelize(module, wrap=wrap, block_classes={DecoderBlock}, fsdp=FSDPConfig(version=version,
                                 grad_sync=grad_sync), precision=resolve_precision("fp32", "fp32", env.device),
                                 compile=False, env=env)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

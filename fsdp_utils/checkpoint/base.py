@@ -48,6 +48,12 @@ class TrainState:
     lr: float | None = None  # the learning rate of the last step taken: a resume checks the schedule continues
     rng: list | None = None  # per rank: {"cpu": ByteTensor, "cuda": ByteTensor | None}
 
+    def advance(self, *, samples: int, tokens: int) -> None:
+        """One optimizer step taken, on a global batch of `samples` sequences holding `tokens` tokens."""
+        self.step += 1
+        self.samples_seen += samples
+        self.tokens_seen += tokens
+
 
 def is_adapter_key(name: str) -> bool:
     """A LoRA adapter's tensor (parallel/lora.py puts each under a `lora` child of its layer): a base

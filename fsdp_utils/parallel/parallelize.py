@@ -11,7 +11,7 @@ checkpoints hold the plain model's names.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -22,13 +22,9 @@ from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
-    FullyShardedDataParallel as FSDP,
-    MixedPrecision,
-    MixedPrecisionPolicy,
     ShardingStrategy,
     fully_shard,
 )
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.checkpoint import CheckpointPolicy as OpPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..distributed import DistEnv
@@ -40,6 +36,10 @@ if TYPE_CHECKING:
     from config.sections import ShardingStrategy as StrategyName
 
 log = logging.getLogger(__name__)
+
+# train_fsdp.py's `wrap`: (model, its blocks, fsdp section, env, precision, *, offload, compile, init) -> the model
+# to train, sharded by FSDP.
+Wrap = Callable[..., nn.Module]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # The model's attribute holding its resolved fsdp.grad_sync: set here, read by every training step (train/step.py).
@@ -328,17 +328,17 @@ def model_converters(cfg) -> list:
 
 
 def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig, precision: Precision, compile: bool,
-                env: DistEnv, init: WeightInit | None = None, converters: Sequence = (),
+                env: DistEnv, wrap: Wrap, init: WeightInit | None = None, converters: Sequence = (),
                 checkpoint_switch: CheckpointSwitch | None = None, compile_tuning: bool = False) -> nn.Module:
     """Make a built model trainable and sharded, in the one documented order:
 
     model converters on the blocks (`converters`, e.g. FP8 linear layers) -> activation
     checkpointing (fsdp.activation_checkpointing) -> torch.compile of each block (tuned with
-    `compile_tuning`, see compile_options) -> FSDP on each block,
-    then the root (fsdp.version 1 or 2, with fsdp's options) -> weights materialised (`init`, for a model
-    built on the meta device). Blocks are the modules of `block_classes`. Returns the model to train:
-    the FSDP1 wrapper, or the same module sharded in place by FSDP2. fsdp.activation_checkpointing=auto
-    needs `checkpoint_switch`, through which the micro-batch search picks the policy.
+    `compile_tuning`, see compile_options) -> `wrap`: FSDP on each block, then the root (train_fsdp.py's `wrap`,
+    fsdp.version 1 or 2, with fsdp's options) -> weights materialised (`init`, for a model built on the meta
+    device). Blocks are the modules of `block_classes`. Returns the model to train: the FSDP1 wrapper, or the
+    same module sharded in place by FSDP2. fsdp.activation_checkpointing=auto needs `checkpoint_switch`, through
+    which the micro-batch search picks the policy.
     """
     # From here on the strategy is the one that runs (resolve_sharding): a HYBRID_SHARD group of one rank or
     # of the whole world is NO_SHARD or FULL_SHARD everywhere below, gradient synchronisation included.
@@ -356,12 +356,7 @@ def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig,
     if compile:
         apply_compile(blocks, tuning=compile_tuning)
     offload = fsdp.cpu_offload and env.device.type == "cuda"  # on the CPU the tensors are there already
-    if fsdp.version == 1:
-        param_init_fn = (lambda module: init.init_module(module, env.device)) if init is not None else None
-        model = _wrap_fsdp1(model, block_classes, fsdp, env, precision, offload=offload, compile=compile,
-                            param_init_fn=param_init_fn)
-    else:
-        _wrap_fsdp2(model, blocks, fsdp, env, precision, offload=offload)
+    model = wrap(model, blocks, fsdp, env, precision, offload=offload, compile=compile, init=init)
     if init is not None:
         # With CPU offload the sharded parameters live in host memory.
         init.init_sharded(model, torch.device("cpu") if offload else env.device)
@@ -378,17 +373,28 @@ def resolve_grad_sync(f: FSDPConfig) -> str:
     return "last_micro_batch" if f.sharding_strategy == "NO_SHARD" else "every_micro_batch"
 
 
-def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: DistEnv, precision: Precision, *,
-                offload: bool, compile: bool, param_init_fn=None) -> FSDP:
-    mixed = None
-    if precision.compute != torch.float32:
-        mixed = MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce, buffer_dtype=None)
-    # One process holds everything whatever the strategy: FSDP1 would run it as NO_SHARD anyway, with a warning.
-    strategy = "NO_SHARD" if env.world_size == 1 else f.sharding_strategy
-    mesh = _mesh(env, f) if strategy == "HYBRID_SHARD" else None
-    # Adapters (train.lora) are units of their own: a unit is one flat tensor of one dtype, and the
-    # frozen base is stored in the compute dtype, the adapters in fp32.
-    wrap_classes = set(block_classes) | ({LoRAAdapter} if has_adapters(model) else set())
+# ---- what train_fsdp.py's `wrap` hands to FSDP besides the wrap policy and the mixed precision -------------
+
+
+def fsdp1_units(model: nn.Module, blocks: list[nn.Module]) -> set[type]:
+    """The module classes FSDP1's auto-wrap policy makes units of: the blocks', and LoRA's adapters (train.lora),
+    units of their own because a unit is one flat tensor of one dtype (the frozen base is stored in the compute
+    dtype, the adapters in fp32)."""
+    return {type(block) for block in blocks} | ({LoRAAdapter} if has_adapters(model) else set())
+
+
+def fsdp1_strategy(f: FSDPConfig, env: DistEnv) -> ShardingStrategy:
+    """fsdp.sharding_strategy as it runs (resolve_sharding's); one process holds everything whatever the
+    strategy: NO_SHARD, which FSDP1 would otherwise switch to itself, with a warning."""
+    return ShardingStrategy["NO_SHARD" if env.world_size == 1 else f.sharding_strategy]
+
+
+def fsdp1_options(model: nn.Module, f: FSDPConfig, env: DistEnv, *, offload: bool, compile: bool,
+                  init: WeightInit | None) -> dict[str, Any]:
+    """The rest of FullyShardedDataParallel's arguments from the fsdp section: offload, prefetching, the
+    HYBRID_SHARD mesh, the original parameters (compile and LoRA need them), meta-device initialisation unit by
+    unit, and for unsharded LoRA the frozen base left out of FSDP."""
+    param_init_fn = (lambda module: init.init_module(module, env.device)) if init is not None else None
     ignored = None
     if has_adapters(model) and (f.sharding_strategy == "NO_SHARD" or env.world_size == 1):
         # Unsharded (NO_SHARD, or any strategy on one rank), a frozen unit is never handed its parameters
@@ -402,49 +408,47 @@ def _wrap_fsdp1(model: nn.Module, block_classes: set[type], f: FSDPConfig, env: 
                 param_init_fn(module)
             param_init_fn = None
         ignored = [p for p in model.parameters() if not p.requires_grad]
-    return FSDP(
-            model,
-            auto_wrap_policy=ModuleWrapPolicy(wrap_classes),
-            sharding_strategy=ShardingStrategy[strategy],
-            mixed_precision=mixed,
-            cpu_offload=CPUOffload(offload_params=True) if offload else None,
-            backward_prefetch=None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch],
-            forward_prefetch=f.forward_prefetch,
-            limit_all_gathers=f.limit_all_gathers,
-            use_orig_params=f.use_orig_params or compile,
-            sync_module_states=f.sync_module_states,
-            device_id=env.device,
-            param_init_fn=param_init_fn,
-            device_mesh=mesh,
-            ignored_states=ignored,
-        )
+    hybrid = fsdp1_strategy(f, env) == ShardingStrategy.HYBRID_SHARD
+    return dict(
+        cpu_offload=CPUOffload(offload_params=True) if offload else None,
+        backward_prefetch=None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch],
+        forward_prefetch=f.forward_prefetch,
+        limit_all_gathers=f.limit_all_gathers,
+        use_orig_params=f.use_orig_params or compile,
+        sync_module_states=f.sync_module_states,
+        device_id=env.device,
+        param_init_fn=param_init_fn,
+        device_mesh=_mesh(env, f) if hybrid else None,
+        ignored_states=ignored,
+    )
 
 
-def _wrap_fsdp2(model: nn.Module, blocks: list[nn.Module], f: FSDPConfig, env: DistEnv, precision: Precision, *,
-                offload: bool) -> None:
+def fsdp2_options(f: FSDPConfig, env: DistEnv, *, offload: bool) -> dict[str, Any]:
+    """fully_shard's arguments from the fsdp section, besides the mixed precision: the mesh (replicas x shards for
+    HYBRID_SHARD and NO_SHARD), resharding after forward (FULL_SHARD frees gathered weights after forward,
+    SHARD_GRAD_OP keeps them until backward) and offload."""
     mesh = _mesh(env, f)
     if f.sharding_strategy == "NO_SHARD":
         mesh = init_device_mesh(env.device.type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
-    kwargs: dict[str, Any] = dict(
-        mesh=mesh,
-        # FULL_SHARD frees gathered weights after forward; SHARD_GRAD_OP keeps them until backward.
-        reshard_after_forward=f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"),
-        mp_policy=MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce),
-    )
+    reshard = f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=reshard)
     if offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in blocks:
-        fully_shard(block, **kwargs)
+        options["offload_policy"] = CPUOffloadPolicy()
+    return options
+
+
+def fully_shard_edges_and_root(model: nn.Module, **options: Any) -> None:
+    """After each block: the embedding and the output projection as units of their own where they have their own
+    weights, as torchtitan's, so neither stays gathered in the root's unit for the whole step (the embedding's
+    gathered weight goes after its forward and is gathered again at the end of backward; the output
+    projection's, with its gathered gradient, after its backward, the first of the step, and it is kept gathered
+    from forward to backward, as the root's would be); then the root."""
     edges = edge_modules(model)
     if edges is not None:
-        # Units of their own, as torchtitan's, so neither stays gathered in the root's unit for the whole step:
-        # the embedding's gathered weight goes after its forward (and is gathered again at the end of backward),
-        # the output projection's, with its gathered gradient, after its backward, the first of the step. Kept
-        # gathered from forward to backward, as the root's would be (backward starts with it).
         embedding, head = edges
-        fully_shard(embedding, **kwargs)
-        fully_shard(head, **{**kwargs, "reshard_after_forward": False})
-    fully_shard(model, **kwargs)
+        fully_shard(embedding, **options)
+        fully_shard(head, **{**options, "reshard_after_forward": False})
+    fully_shard(model, **options)
 
 
 def edge_modules(model: nn.Module) -> tuple[nn.Module, list[nn.Module]] | None:

@@ -6,6 +6,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from config import Config, check_batch_split
+from data import BatchPrefetcher
+
+from ..distributed import DistEnv
 
 
 def divisors(n: int) -> list[int]:
@@ -51,3 +54,35 @@ class BatchSplit:
             start = samples_seen + (step - first_step) * self.global_batch_size
             for micro in range(self.grad_accum):
                 yield start + (micro * self.world_size + rank) * self.micro_batch_size
+
+
+class TrainBatches:
+    """This rank's micro-batches from the resumed step to train.max_steps, at the current split, read ahead on a
+    thread (data.BatchPrefetcher); `resplit` goes on at another split from the next step (an out-of-memory retry
+    at half the micro-batch: the same samples)."""
+
+    def __init__(self, dataset, env: DistEnv, split: BatchSplit, *, first_step: int, samples_seen: int,
+                 max_steps: int):
+        self.dataset, self.env, self.max_steps = dataset, env, max_steps
+        self.split = split
+        self._prefetcher = self._open(first_step, samples_seen)
+
+    def _open(self, first_step: int, samples_seen: int) -> BatchPrefetcher:
+        indices = self.split.sample_indices(rank=self.env.rank, first_step=first_step, samples_seen=samples_seen,
+                                            max_steps=self.max_steps)
+        return BatchPrefetcher(self.dataset, indices, num_samples=self.split.micro_batch_size, device=self.env.device)
+
+    def resplit(self, split: BatchSplit, *, step: int, samples_seen: int) -> None:
+        """From step `step` (0-based, at data position samples_seen) on, micro-batches of `split`."""
+        self._prefetcher.close()
+        self.split = split
+        self._prefetcher = self._open(step, samples_seen)
+
+    def __iter__(self) -> TrainBatches:
+        return self
+
+    def __next__(self):
+        return next(self._prefetcher)
+
+    def close(self) -> None:
+        self._prefetcher.close()

@@ -1,6 +1,7 @@
 """One place that builds a run from its config: the model with its converters and activation checkpointing switch,
-parallelized, the optimizer, the precision and grad scaler, and the micro-batch plan. The Trainer and
-scripts/benchmark.py both build through `build_run`, so the benchmark measures what training trains."""
+parallelized, the optimizer, the precision and grad scaler, and the micro-batch plan. train_fsdp.py and
+scripts/benchmark.py both build through `build_run`, with train_fsdp.py's FSDP wrapping, so the benchmark measures
+what training trains."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,15 @@ from config import Config
 from ..checkpoint.host_memory import host_memory
 from ..distributed import DistEnv
 from ..parallel.build import build_model
-from ..parallel.parallelize import CheckpointSwitch, Precision, model_converters, parallelize, resolve_precision
+from ..parallel.parallelize import (
+    CheckpointSwitch,
+    Precision,
+    Wrap,
+    describe_sharding,
+    model_converters,
+    parallelize,
+    resolve_precision,
+)
 from .batch import BatchSplit
 from .memory import MemoryProbe, memory_probe
 from .microbatch import MicroBatchChoice, cache_key, resolve_micro_batch
@@ -45,11 +54,11 @@ class BuiltRun:
     split: BatchSplit
 
 
-def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: dict, eos_id: int | None,
+def build_run(cfg: Config, env: DistEnv, *, wrap: Wrap, vocab_size: int, model_signature: dict, eos_id: int | None,
               use_cache: bool = True, fused_matmul: bool | None = None, fused_adamw: bool = True) -> BuiltRun:
     """The run of `cfg` on this rank, in the documented order: model, converters, parallelize, optimizer (its
     hooks registered), then the micro-batch (searched with the optimizer state still empty). ConfigError when
-    the batch does not split.
+    the batch does not split. `wrap`: the FSDP wrapping, train_fsdp.py's (parallelize calls it).
 
     `vocab_size`, `model_signature`: describe_model's; `eos_id`: the token separating documents (data.document_masking,
     model.reset_positions). `use_cache`: take train.micro_batch_size=auto's choice from the output directory's cache
@@ -64,8 +73,8 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
     # fsdp.activation_checkpointing=auto: the policy is chosen with the micro-batch, below.
     switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
     model = parallelize(built.module, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=precision,
-                        compile=t.compile, env=env, init=built.init, converters=converters, checkpoint_switch=switch,
-                        compile_tuning=t.compile_tuning)
+                        compile=t.compile, env=env, wrap=wrap, init=built.init, converters=converters,
+                        checkpoint_switch=switch, compile_tuning=t.compile_tuning)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=fused_adamw and not precision.use_grad_scaler)
     for converter in converters:
@@ -88,3 +97,24 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
     if probe is not None:
         probe.begin(split.micro_batch_size)  # the memory figures from here on are the training's
     return BuiltRun(model, optimizer, converters, switch, precision, scaler, probe, key, choice, split)
+
+
+def describe_run(cfg: Config, env: DistEnv, run: BuiltRun, *, train_tokens: int, val_tokens: int) -> list[str]:
+    """The lines that say what trains: LoRA's share of the parameters, then the world, precision, sharding, batch
+    split and activation checkpointing."""
+    lines = []
+    lora = cfg.train.lora
+    if lora.rank > 0:
+        # Counted over this rank's shards, so the share is the model's whatever the sharding.
+        sizes = [(p.numel(), p.requires_grad) for p in run.model.parameters()]
+        trainable, total = sum(n for n, g in sizes if g), sum(n for n, _ in sizes)
+        lines.append(f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}: "
+                     f"{100 * trainable / max(total, 1):.3f}% of the parameters train ({trainable:,} of {total:,} on "
+                     f"this rank), the base is frozen in {str(run.precision.compute).replace('torch.', '')}")
+    p, split = run.precision, run.split
+    ac = run.checkpoint_switch.policy.name if run.checkpoint_switch else cfg.fsdp.activation_checkpointing
+    lines.append(f"world size {env.world_size} on {env.device.type}, precision {p.name} (reduce "
+                 f"{str(p.reduce).replace('torch.', '')}), FSDP{cfg.fsdp.version} {describe_sharding(cfg.fsdp, env)}, "
+                 f"grad accumulation {split.grad_accum}, micro-batch {split.micro_batch_size}, activation "
+                 f"checkpointing {ac}, train {train_tokens:,} tokens, val {val_tokens:,} tokens")
+    return lines

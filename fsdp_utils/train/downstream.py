@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..distributed import DistEnv
+from ..distributed import DistEnv, agree
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -186,3 +186,20 @@ class DownstreamEvaluator:
         finally:
             model.train()
         return flat_metrics(results) | {"downstream_time_s": time.perf_counter() - started}
+
+
+def open_downstream(section: TrainConfig, *, tokenizer_kind: str, tokenizer_path: Path, max_length: int,
+                    env: DistEnv) -> DownstreamEvaluator | None:
+    """train.eval_tasks' evaluator, its tasks loaded now, so that one that cannot load stops the run before step 1
+    (on every rank: a rank that could not load them must not leave the others waiting in a collective); None
+    without tasks."""
+    if not section.eval_tasks:
+        return None
+    evaluator, error = None, None
+    try:
+        evaluator = DownstreamEvaluator(section, tokenizer_kind=tokenizer_kind, tokenizer_path=tokenizer_path,
+                                        max_length=max_length, env=env)
+    except DownstreamError as err:
+        error = err
+    agree(env, error)
+    return evaluator

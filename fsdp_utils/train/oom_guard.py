@@ -120,6 +120,19 @@ class OutOfMemoryGuard:
         # Out of the except block: the interrupted step's tensors, held by the traceback, are freed now.
         return None, self._recover(report, step=step, phase=phase, split=split, model=model, optimizer=optimizer)
 
+    def run(self, work: Callable[[], T], *, step: int, phase: str, split: Callable[[], BatchSplit],
+            resplit: Callable[[BatchSplit], None], model: nn.Module, optimizer: torch.optim.Optimizer) -> T:
+        """work() under the guard. After an out-of-memory error that train.oom_retry_half recovered from, the
+        micro-batch is smaller from then on (`resplit` gets the new split; `split` reads the current one) and the
+        work is done again: a training step on the same samples, an evaluation on the same sequences."""
+        while True:
+            current = split()
+            result, smaller = self.attempt(work, step=step, phase=phase, split=current, model=model,
+                                           optimizer=optimizer)
+            if smaller == current:
+                return result  # type: ignore[return-value]  # work() ran to the end: a T, not None
+            resplit(smaller)
+
     def _report(self, err: BaseException, *, step: int, phase: str, split: BatchSplit) -> str:
         figures = "no GPU memory figures on the CPU"
         if self.probe is not None:

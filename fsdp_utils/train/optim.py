@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from config import TrainConfig
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -57,7 +61,7 @@ class LRSchedule:
     decay_shape: str = "linear"
 
     @classmethod
-    def from_config(cls, t) -> LRSchedule:
+    def from_config(cls, t: TrainConfig) -> LRSchedule:
         """From the `train` section (config.TrainConfig)."""
         return cls(kind=t.lr_schedule, max_lr=t.lr, min_lr_ratio=t.resolved_min_lr_ratio, warmup_steps=t.warmup_steps,
                    max_steps=t.max_steps, decay_steps=t.wsd_decay_steps, decay_shape=t.decay_shape)
@@ -76,6 +80,24 @@ class LRSchedule:
             return (f"{warmup}wsd: {self.max_lr:g} until step {self.decay_start}, then a {self.decay_shape} decay to "
                     f"{floor:g} at step {self.max_steps}")
         return f"{warmup}cosine from {self.max_lr:g} to {floor:g} at step {self.max_steps}"
+
+    def jump(self, step: int, lr: float | None) -> str | None:
+        """Why a resume at `step`, whose last step ran at `lr`, would see the learning rate jump: this schedule gives
+        that step another rate (a changed train.lr, warmup, schedule or train.max_steps; for wsd, a larger
+        max_steps after the decay had begun takes the run back up to its stable phase). None when it continues."""
+        if lr is None or step == 0:
+            return None  # saved before checkpoints recorded the learning rate
+        now = self(step - 1)
+        if math.isclose(now, lr, rel_tol=1e-9, abs_tol=0.0):
+            return None
+        msg = (f"the schedule does not continue the checkpoint's: step {step} ran at lr {lr:.6g}, which this run's "
+               f"train.* settings give as {now:.6g}, so the learning rate jumps")
+        if self.kind == "wsd" and lr < self.max_lr and now > lr and step <= self.decay_start:
+            msg += (f". The checkpoint was taken during its WSD decay; with train.max_steps={self.max_steps} the decay "
+                    f"begins after step {self.decay_start}, so the run goes back to its stable phase. To finish the "
+                    f"decay, resume with the train.max_steps it was saved under; to extend a WSD run, resume from a "
+                    f"checkpoint taken before its decay began")
+        return msg
 
     def __call__(self, step: int) -> float:
         """Learning rate for optimizer step `step` (0-based)."""

@@ -23,6 +23,11 @@ import signal
 import threading
 import time
 
+import torch
+import torch.distributed as dist
+
+from ..distributed import DistEnv
+
 log = logging.getLogger(__name__)
 
 # Not 0, which an agent takes for the job's end: torchrun restarts the workers after any other code.
@@ -69,3 +74,20 @@ class StopSignal:
         log.error("grace period of %.0f s after %s ran out before the checkpoint was saved; exiting", self.grace_s,
                   self.name)
         os._exit(1)
+
+
+def after_stop(stop: StopSignal, env: DistEnv, *, step: int) -> bool:
+    """After the save of a stop (every rank): whether torchrun restarts the workers, any rank's SIGTERM in an
+    elastic job, decided together; and the line that says what happens next."""
+    restarting = False
+    if stop.elastic:
+        restart = torch.tensor([float(stop.restart)], device=env.device)
+        dist.all_reduce(restart, op=dist.ReduceOp.MAX)
+        restarting = restart.item() > 0
+    if env.is_main and restarting:
+        log.info("stopped by torchrun at step %d after saving: the elastic job's nodes change, and the workers "
+                 "restart from this checkpoint at the new world size", step)
+    elif env.is_main:
+        log.info("stopped by a signal at step %d after saving; rerun the same command to continue "
+                 "(checkpoint.auto_resume), or pass --resume_from latest", step)
+    return restarting

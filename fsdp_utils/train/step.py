@@ -8,6 +8,7 @@ so what is timed and measured is what trains.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ from model.loss import IGNORE_INDEX
 
 from ..parallel.parallelize import GRAD_SYNC_ATTRIBUTE
 from .optim import clip_grad_norm
+
+log = logging.getLogger("train")
 
 
 def micro_batch_sync(model, last: bool):
@@ -73,6 +76,10 @@ def _forward_backward_token_mean(model, batches, scaler, *, grad_accum: int, wor
     return loss_sum
 
 
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm stopped being finite."""
+
+
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean over the ranks and micro-batches (0-dim, on the device)
@@ -109,3 +116,22 @@ def train_step(model, optimizer, batches, *, grad_accum: int, grad_clip: float, 
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss, grad_norm, applied=True, stop_requested=any_stop > 0)
+
+
+class BadSteps:
+    """train.max_bad_steps: a step with a non-finite loss or gradient norm was not applied (train_step skipped its
+    update on every rank); up to `allowed` of them are skipped with a warning, the next one stops the run before
+    its update (NonFiniteError), with no checkpoint written."""
+
+    def __init__(self, allowed: int):
+        self.allowed, self.seen = allowed, 0
+
+    def check(self, result: StepResult, *, step: int) -> None:
+        if result.applied:
+            return
+        self.seen += 1
+        msg = f"non-finite loss ({result.loss.item()}) or gradient norm ({result.grad_norm.item()}) at step {step}"
+        if self.seen > self.allowed:
+            raise NonFiniteError(f"{msg}; stopping before the optimizer step, no checkpoint written "
+                                 f"(train.max_bad_steps={self.allowed} allows skipping such steps)")
+        log.warning("%s: skipping the update (%d of train.max_bad_steps=%d)", msg, self.seen, self.allowed)
