@@ -56,6 +56,12 @@ from fsdp_utils.distributed import (
     prefer_expandable_segments,
     read_torchrun_env,
 )
+from fsdp_utils.evaluation.downstream import DownstreamError, DownstreamEvaluator, open_downstream, task_problems
+from fsdp_utils.evaluation.validation import evaluate
+from fsdp_utils.guards.elastic import unfit_world, wait_for_membership_change
+from fsdp_utils.guards.preemption import RESTART_EXIT_CODE, StopSignal, after_stop
+from fsdp_utils.guards.run_lock import RunLocked, take_run_lock
+from fsdp_utils.observability.trackers import tracker_problems
 from fsdp_utils.parallel.build import ModelMemoryError, describe_model, log_parameter_summary
 from fsdp_utils.parallel.float8 import float8_output_problems, float8_output_vocabulary_problems, float8_problems
 from fsdp_utils.parallel.hf import HFModelError, hf_problems
@@ -71,19 +77,13 @@ from fsdp_utils.parallel.parallelize import (
 from fsdp_utils.parallel.weights import WeightInit
 from fsdp_utils.train.batch import TrainBatches
 from fsdp_utils.train.build_run import BuiltRun, build_run, describe_run
-from fsdp_utils.train.downstream import DownstreamError, DownstreamEvaluator, open_downstream, task_problems
-from fsdp_utils.train.elastic import unfit_world, wait_for_membership_change
 from fsdp_utils.train.microbatch import describe_choice, save_to_cache
 from fsdp_utils.train.observers import Observers
 from fsdp_utils.train.oom_guard import OutOfMemory, OutOfMemoryGuard
 from fsdp_utils.train.optim import LRSchedule
-from fsdp_utils.train.preemption import RESTART_EXIT_CODE, StopSignal, after_stop
 from fsdp_utils.train.resume import nothing_to_train, resume
 from fsdp_utils.train.run_data import prepare_dataset
-from fsdp_utils.train.run_lock import RunLocked, take_run_lock
 from fsdp_utils.train.step import BadSteps, NonFiniteError, StepResult, train_step
-from fsdp_utils.train.trackers import tracker_problems
-from fsdp_utils.train.validation import evaluate
 
 log = logging.getLogger("train")
 T = TypeVar("T")

@@ -84,15 +84,15 @@ from fsdp_utils.distributed import (  # noqa: E402
     prefer_expandable_segments,
     read_torchrun_env,
 )
+from fsdp_utils.nofollow import append_line, results_log_problem  # noqa: E402
+from fsdp_utils.observability.metrics import detect_peak_flops  # noqa: E402
+from fsdp_utils.observability.trackers import redacted_argument  # noqa: E402
 from fsdp_utils.parallel.build import describe_model  # noqa: E402
 from fsdp_utils.parallel.float8 import float8_output_problems, float8_problems  # noqa: E402
 from fsdp_utils.parallel.parallelize import compile_options, describe_sharding  # noqa: E402
 from fsdp_utils.train.build_run import BuiltRun, build_run  # noqa: E402
-from fsdp_utils.train.metrics import detect_peak_flops  # noqa: E402
 from fsdp_utils.train.microbatch import describe_choice  # noqa: E402
-from fsdp_utils.train.run_files import append_line, results_log_problem  # noqa: E402
 from fsdp_utils.train.step import train_step  # noqa: E402
-from fsdp_utils.train.trackers import redacted_argument  # noqa: E402
 from model.float8_projection import FLOAT8_ALIGNMENT  # noqa: E402
 from train_fsdp import wrap  # noqa: E402
 

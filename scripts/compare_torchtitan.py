@@ -42,8 +42,8 @@ if str(ROOT) not in sys.path:
 
 from config import Config, ConfigError, load_config  # noqa: E402
 from data.remote import scrub  # noqa: E402
-from fsdp_utils.train.run_files import append_line, results_log_problem  # noqa: E402
-from fsdp_utils.train.trackers import redacted_argument  # noqa: E402
+from fsdp_utils.nofollow import append_line, results_log_problem  # noqa: E402
+from fsdp_utils.observability.trackers import redacted_argument  # noqa: E402
 
 BENCHMARK = ROOT / "scripts" / "benchmark.py"
 DEFAULT_LAUNCHER = "torchrun --standalone --nproc_per_node={nproc}"

@@ -33,8 +33,7 @@ from torch import nn  # noqa: E402
 from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed, pick_device, read_torchrun_env  # noqa: E402
-from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_hf_checkpoint, load_pretrained  # noqa: E402
-from fsdp_utils.train.downstream import (  # noqa: E402
+from fsdp_utils.evaluation.downstream import (  # noqa: E402
     DownstreamError,
     flat_metrics,
     load_tasks,
@@ -42,6 +41,7 @@ from fsdp_utils.train.downstream import (  # noqa: E402
     task_manager,
     task_problems,
 )
+from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_hf_checkpoint, load_pretrained  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -67,7 +67,7 @@ def load_for_eval(path: Path, *, device: torch.device, tokenizer: Path | None, b
     fine-tuned Hugging Face one: `base` as for load_hf_checkpoint) or an HF folder."""
     from lm_eval.models.utils import resolve_max_length
 
-    from fsdp_utils.train.lm_eval_model import open_codec
+    from fsdp_utils.evaluation.lm_eval_model import open_codec
 
     if is_hf_folder(path):
         lm = load_pretrained(SimpleNamespace(hf_path=str(path), hf_config=""))
@@ -92,7 +92,7 @@ def evaluate(checkpoint: Path, tasks: list[str], *, include_path: list[str], lim
              batch_size: int = 8, num_fewshot: int | None = None, device: str = "auto", dtype: str = "auto",
              tokenizer: Path | None = None, bootstrap_iters: int = 100_000, base: Path | None = None) -> dict:
     """lm_eval's results for `tasks` (every rank gets them), with an 'evaluation' entry: what ran, where, how long."""
-    from fsdp_utils.train.lm_eval_model import ModelLM
+    from fsdp_utils.evaluation.lm_eval_model import ModelLM
 
     launch = read_torchrun_env()
     env_device = init_distributed(device=device).device if launch.world_size > 1 else pick_device(device, 0)

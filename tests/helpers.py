@@ -212,7 +212,7 @@ class CountOps(TorchDispatchMode):
 def set_up(cfg, env, *, resume_from: str | None = None):
     """train_fsdp.py's set_up in this process (no stop signals handled): the Run, before its loop."""
     import train_fsdp
-    from fsdp_utils.train.preemption import StopSignal
+    from fsdp_utils.guards.preemption import StopSignal
 
     return train_fsdp.set_up(cfg, env, stop=StopSignal([], grace_s=60), resume_from=resume_from)
 
@@ -220,7 +220,7 @@ def set_up(cfg, env, *, resume_from: str | None = None):
 def fit(cfg, env, *, resume_from: str | None = None):
     """train_fsdp.py's set_up and loop in this process: the Run after its loop (its last logged row as `last`)."""
     import train_fsdp
-    from fsdp_utils.train.preemption import StopSignal
+    from fsdp_utils.guards.preemption import StopSignal
 
     stop = StopSignal([], grace_s=60)
     run = train_fsdp.set_up(cfg, env, stop=stop, resume_from=resume_from)

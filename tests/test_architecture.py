@@ -66,12 +66,56 @@ def test_the_resolver_sees_relative_and_package_imports(graph):
 @pytest.mark.parametrize(("importer", "forbidden"), [
     # model/ (torch only; tests/test_model.py also checks it never touches torch.distributed)
     ("model", ("data", "config", "fsdp_utils", "scripts", "train_fsdp")),
-    ("data", ("model", "config", "fsdp_utils", "scripts", "train_fsdp")),
+    ("data", ("model", "config", "scripts", "train_fsdp")),  # fsdp_utils: its safe-file module alone (below)
     ("config", ("fsdp_utils", "scripts", "train_fsdp")),
     ("fsdp_utils", ("scripts", "train_fsdp", "tests")),
 ])
 def test_no_upward_arrows(graph, importer, forbidden):
     assert _offenders(graph, importer, forbidden) == []
+
+
+def room(module: str) -> str:
+    """fsdp_utils' room of a module (fsdp_utils.train, fsdp_utils.nofollow, ...); another package's name."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "fsdp_utils" and len(parts) > 1 else parts[0]
+
+
+# fsdp_utils' rooms and the rooms each may use: the floor (process group, host memory, safe files) under all;
+# parallel/ may read a checkpoint's weights for a model it builds; the loop's parts (train/) use every room.
+FLOOR = {"fsdp_utils.distributed", "fsdp_utils.host_memory", "fsdp_utils.nofollow"}
+ROOMS = {
+    "fsdp_utils.distributed": set(),
+    "fsdp_utils.host_memory": set(),
+    "fsdp_utils.nofollow": set(),
+    "fsdp_utils.checkpoint": FLOOR,
+    "fsdp_utils.parallel": FLOOR | {"fsdp_utils.checkpoint"},
+    "fsdp_utils.observability": FLOOR,
+    "fsdp_utils.evaluation": FLOOR,
+    "fsdp_utils.guards": FLOOR,
+    "fsdp_utils.train": FLOOR | {"fsdp_utils.checkpoint", "fsdp_utils.parallel", "fsdp_utils.observability",
+                                 "fsdp_utils.evaluation", "fsdp_utils.guards"},
+}
+
+
+def test_each_room_of_fsdp_utils_uses_only_the_rooms_below_it(graph):
+    rooms = {room(name) for name in graph if name.startswith("fsdp_utils.")}
+    assert rooms == set(ROOMS), "a room of fsdp_utils/ that the rules do not know: add it to ROOMS"
+    offenders = sorted(f"{name} imports {target}" for name, targets in graph.items() if name.startswith("fsdp_utils.")
+                       for target in targets if target.startswith("fsdp_utils.") and room(target) != room(name)
+                       and room(target) not in ROOMS[room(name)])
+    assert offenders == []
+
+
+def test_the_safe_file_module_is_torch_free_and_data_uses_no_other(graph):
+    # data/ (below fsdp_utils) may import fsdp_utils' safe-file module, which imports the standard library alone.
+    tree = ast.parse((ROOT / "fsdp_utils/nofollow.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and not node.level}
+    assert not imported & {"torch", "numpy", "config", "data", "model", "fsdp_utils"}, imported
+    assert _offenders({n: {t for t in ts if t != "fsdp_utils.nofollow"} for n, ts in graph.items()}, "data",
+                      ("fsdp_utils",)) == []
 
 
 def test_no_import_cycles(graph):

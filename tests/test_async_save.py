@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint import io as checkpoint_io
-from fsdp_utils.checkpoint.host_memory import host_memory
 from fsdp_utils.checkpoint.staging import HostStaging
 from fsdp_utils.checkpoint.writer import resolve_async_save
+from fsdp_utils.host_memory import host_memory
 from tests.helpers import fault_env, losses, read_metrics, run_train
 from tests.test_checkpoint import as_full, assert_identical, checkpoint_names
 from tests.test_failures import Job, logged_steps, poll, train_cmd
@@ -88,7 +88,7 @@ def test_host_memory_hot_plugged_on_demand_is_not_exact(tmp_path):
 
 def test_a_node_too_small_for_the_staging_is_refused_at_the_start(monkeypatch, caplog):
     """Two ranks on one node (the gather faked): 2 x 48 GiB needed against what the node can give."""
-    from fsdp_utils.checkpoint import host_memory as host_memory_module
+    from fsdp_utils.checkpoint import async_save as host_memory_module
     from fsdp_utils.checkpoint.format import CheckpointError
     from fsdp_utils.distributed import DistEnv
 

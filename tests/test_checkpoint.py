@@ -26,7 +26,7 @@ import torch
 
 from fsdp_utils.checkpoint import io as checkpoint_io
 from fsdp_utils.checkpoint.format import META_CRC_KEY, meta_crc32, sidecar_of
-from fsdp_utils.train.run_lock import LOCK_NAME
+from fsdp_utils.guards.run_lock import LOCK_NAME
 from model import ModelConfig, Transformer
 from tests import helpers
 from tests.helpers import ROOT, losses, read_metrics, run_train

@@ -50,7 +50,7 @@ from fsdp_utils.checkpoint.format import (
 )
 from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
 from fsdp_utils.distributed import DistEnv
-from fsdp_utils.train.run_lock import RunLocked, take_run_lock
+from fsdp_utils.guards.run_lock import RunLocked, take_run_lock
 from model import ModelConfig, Transformer
 from scripts import convert_checkpoint
 

@@ -260,7 +260,7 @@ def short_documents(path):
 def test_the_run_builds_the_masked_model_with_the_tokenizer_eos(tmp_path):
     import train_fsdp
     from data.tokenizer import load_sentencepiece
-    from fsdp_utils.train.preemption import StopSignal
+    from fsdp_utils.guards.preemption import StopSignal
 
     cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", [
         *TINY, f"--run.output_dir={tmp_path / 'out'}", f"--data.files=[{short_documents(tmp_path / 'docs.jsonl')}]",

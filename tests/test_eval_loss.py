@@ -43,7 +43,7 @@ def reference_loss(model, data: Sequences) -> float:
 
 @pytest.mark.parametrize("masked", [False, True], ids=["text", "chat"])
 def test_validation_loss_is_the_same_at_any_micro_batch(world_of_one, masked):
-    from fsdp_utils.train.validation import evaluate
+    from fsdp_utils.evaluation.validation import evaluate
 
     model, data = random_model(CFG), Sequences(masked)
     expected = reference_loss(model, data)
@@ -58,7 +58,7 @@ def _evaluate_on_ranks(rank: int, world_size: int, micro_batch: int, masked: boo
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from fsdp_utils.train.validation import evaluate
+    from fsdp_utils.evaluation.validation import evaluate
     from model import DecoderBlock
 
     model = FSDP(random_model(CFG), auto_wrap_policy=ModuleWrapPolicy({DecoderBlock}), use_orig_params=True,

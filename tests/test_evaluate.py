@@ -22,8 +22,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from data.tokenizer import train_tokenizer  # noqa: E402
-from fsdp_utils.train.downstream import flat_metrics, load_tasks, run_tasks, task_manager, task_problems  # noqa: E402
-from fsdp_utils.train.lm_eval_model import ModelLM, SentencePieceCodec  # noqa: E402
+from fsdp_utils.evaluation.downstream import flat_metrics, load_tasks, run_tasks, task_manager, task_problems  # noqa: E402
+from fsdp_utils.evaluation.lm_eval_model import ModelLM, SentencePieceCodec  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from tests.distributed_harness import cpu_env, run_ranks  # noqa: E402
 from tests.helpers import ROOT, job_env, random_model, read_metrics, run_train, write_corpus  # noqa: E402
@@ -231,7 +231,7 @@ def test_hf_folder_gives_what_lm_eval_s_hflm_and_our_checkpoint_give(setup):
 # ---- problems, found before anything runs ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_unknown_tasks_missing_folders_and_a_missing_lm_eval_are_one_line_each(setup, monkeypatch, tmp_path):
-    from fsdp_utils.train import downstream
+    from fsdp_utils.evaluation import downstream
 
     # A name missing from the task folders sends the check to lm_eval's thousands of built-in tasks, whose
     # index takes seconds to build (a minute on a busy CPU): here the names meet the test's folder alone.
@@ -262,7 +262,7 @@ def test_unknown_tasks_missing_folders_and_a_missing_lm_eval_are_one_line_each(s
     assert [p for p in problems if "eval_tasks" in p] == [
         "train.eval_tasks: unknown lm-eval task 'nonesuch_task' (a task, group or tag name, or a task .yaml file)"]
     # A task whose data cannot be read stops the training at its setup, before step 1, in one line.
-    from fsdp_utils.train.downstream import DownstreamError, DownstreamEvaluator
+    from fsdp_utils.evaluation.downstream import DownstreamError, DownstreamEvaluator
 
     broken = tmp_path / "broken"
     broken.mkdir()

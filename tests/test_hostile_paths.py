@@ -28,11 +28,11 @@ from config import CheckpointConfig, Config, LoggingConfig, save_config
 from fsdp_utils.checkpoint import io as checkpoint_io
 from fsdp_utils.checkpoint.format import CheckpointError, check_structure
 from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
-from fsdp_utils.train.metrics import MetricsWriter
+from fsdp_utils.guards.run_lock import RunLocked, take_run_lock
+from fsdp_utils.observability.metrics import MetricsWriter
+from fsdp_utils.observability.profiling import MemorySnapshots, StepProfiler
+from fsdp_utils.observability.trackers import TensorBoardTracker, WandbTracker, mlflow_uri, open_trackers, read_ids
 from fsdp_utils.train.microbatch import CACHE_FILE, MicroBatchChoice, read_cache, save_to_cache
-from fsdp_utils.train.profiling import MemorySnapshots, StepProfiler
-from fsdp_utils.train.run_lock import RunLocked, take_run_lock
-from fsdp_utils.train.trackers import TensorBoardTracker, WandbTracker, mlflow_uri, open_trackers, read_ids
 from tests.test_checkpoint_input import CONFIG, ENV, model_and_optimizer
 
 TIMEOUT_S = 30  # far more than any of these operations takes; a FIFO opened for reading would block forever

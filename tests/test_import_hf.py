@@ -286,7 +286,7 @@ def _init_from_ranks(rank: int, world_size: int, *, tmp: str, corpus: str, datas
     assert first.state.step == 0 and not first.optimizer.state
     assert weights.keys() == imported.keys() and all(torch.equal(weights[k], imported[k]) for k in imported)
     import train_fsdp
-    from fsdp_utils.train.preemption import StopSignal
+    from fsdp_utils.guards.preemption import StopSignal
 
     train_fsdp.train(first, StopSignal([], grace_s=60))
     trained = _full_weights(first.model)
@@ -335,7 +335,7 @@ def test_resume_from_an_import_and_init_from_other_dimensions(tmp_path, corpus, 
     assert run.state.step == 0 and not run.optimizer.state
     assert all(torch.equal(weights[k], imported[k]) for k in imported)
     import train_fsdp
-    from fsdp_utils.train.preemption import StopSignal
+    from fsdp_utils.guards.preemption import StopSignal
 
     train_fsdp.train(run, StopSignal([], grace_s=60))
     assert run.state.step == 1 and run.optimizer.state

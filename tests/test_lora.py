@@ -20,6 +20,7 @@ from fsdp_utils.checkpoint.base import is_adapter_key
 from fsdp_utils.checkpoint.format import CheckpointError, file_record, sidecar_of, size_of
 from fsdp_utils.checkpoint.io import read_meta
 from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
+from fsdp_utils.guards.preemption import StopSignal
 from fsdp_utils.parallel.lora import (
     GROUPS,
     PROJECTIONS,
@@ -33,7 +34,6 @@ from fsdp_utils.parallel.lora import (
     merged_state_dict,
 )
 from fsdp_utils.train.batch import TrainBatches
-from fsdp_utils.train.preemption import StopSignal
 from model import ModelConfig, Transformer
 from scripts import export_hf, generate
 from tests.distributed_harness import cpu_env, run_ranks

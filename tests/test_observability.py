@@ -18,10 +18,10 @@ import torch
 import yaml
 
 from config import ConfigError, LoggingConfig, load_config
-from fsdp_utils.train import peak_flops
-from fsdp_utils.train.metrics import MetricsWriter
-from fsdp_utils.train.profiling import MemorySnapshots
-from fsdp_utils.train.trackers import tracker_key, tracker_problems
+from fsdp_utils.observability import peak_flops
+from fsdp_utils.observability.metrics import MetricsWriter
+from fsdp_utils.observability.profiling import MemorySnapshots
+from fsdp_utils.observability.trackers import tracker_key, tracker_problems
 from tests import helpers
 from tests.helpers import ROOT, read_metrics, run_train
 from tests.test_step import tiny_cfg

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 import train_fsdp
 from config import load_config
+from fsdp_utils.guards.preemption import StopSignal
 from fsdp_utils.train import microbatch, step
 from fsdp_utils.train.batch import BatchSplit
-from fsdp_utils.train.preemption import StopSignal
 from tests.helpers import ROOT, TINY, read_metrics
 
 TINY_CONFIG = ROOT / "config/train_tiny_fsdp.yaml"

@@ -23,7 +23,7 @@ from urllib.parse import quote, urlsplit
 import pytest
 
 from config import Config, save_config
-from fsdp_utils.train.trackers import command_line_without_secrets, open_trackers, redacted_argument
+from fsdp_utils.observability.trackers import command_line_without_secrets, open_trackers, redacted_argument
 
 # What RFC 3986 allows in a URI's user and password unencoded (unreserved and sub-delimiters), and characters
 # that must be percent-encoded there.

@@ -16,6 +16,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
+import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -25,9 +28,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from ..distributed import agree, barrier
+from ..host_memory import HostMemory, format_size, host_memory
 from .base import TrainState, gather_rng, quiet_state_dict_warnings, state_dict_options, write_cause
 from .format import CheckpointError, first_line
-from .host_memory import check_host_memory, format_size
 from .retention import remove
 from .sharded import ShardedCheckpoint
 from .staging import HostStaging, StageStats, arena_bytes, live_storages, storage_tensors, trainable_parameters
@@ -299,3 +302,50 @@ class AsyncSaver:
         if not last:
             error += "; stopping (checkpoint.on_async_error=stop). Resume with --resume_from latest"
         raise CheckpointError(error)
+
+
+def check_host_memory(per_rank: int, env, *, what: str, advice: str = "set checkpoint.async_save=false",
+                      shm_per_rank: int = 0) -> str:
+    """Every rank: the host memory the ranks of each node will hold for a save (`per_rank` bytes each)
+    against what that node can give, and the free space of /dev/shm against `shm_per_rank` (the process
+    writer's arena). A CheckpointError (on every rank) where it cannot: at the start of the run, not an
+    out-of-memory kill (or a SIGBUS in /dev/shm) at the first save. Returns the line to log."""
+    here = socket.gethostname()
+    try:
+        mem = host_memory()
+    except (OSError, KeyError, ValueError) as err:  # no /proc/meminfo (not Linux): nothing to compare with
+        mem = None
+        log.warning("cannot read this host's memory (%s): the checkpoint staging is not checked", err)
+    shm_free = None
+    if shm_per_rank and os.path.isdir("/dev/shm"):
+        shm_free = shutil.disk_usage("/dev/shm").free
+    # One row per rank: (host name, bytes per rank, its host's memory or None, free /dev/shm bytes or None).
+    rows: list[tuple[str, int, HostMemory | None, int | None]] = [("", 0, None, None)] * env.world_size
+    dist.all_gather_object(rows, (here, per_rank, mem, shm_free))
+    needed: dict[str, int] = {}
+    for host, nbytes, _, _ in rows:
+        needed[host] = needed.get(host, 0) + nbytes
+    problem = None
+    for host, nbytes, host_mem, free_shm in rows:
+        ranks = sum(1 for h, *_ in rows if h == host)
+        if problem is None and free_shm is not None and ranks * shm_per_rank > free_shm:
+            problem = (f"checkpoint.async_writer=process hands the staged state to its writer through /dev/shm: "
+                       f"{ranks * shm_per_rank / 2**30:,.1f} GiB needed on {host} ({ranks} rank(s)), "
+                       f"{free_shm / 2**30:,.1f} GiB free there; use checkpoint.async_writer=thread, or make /dev/shm "
+                       f"larger (mount -o remount,size=... /dev/shm)")
+        if host_mem is None or problem is not None:
+            continue
+        if needed[host] > host_mem.available:
+            text = (f"checkpoint staging needs {needed[host] / 2**30:,.1f} GiB of host memory on {host} ({ranks} "
+                    f"rank(s) x {nbytes / 2**30:,.1f} GiB: {what}) but only {host_mem.available / 2**30:,.1f} GiB is "
+                    f"free ({host_mem.limit / 2**30:,.1f} GiB from {host_mem.source}, "
+                    f"{host_mem.in_use / 2**30:,.1f} GiB in use)")
+            if host_mem.exact:
+                problem = f"{text}; {advice}, run fewer ranks per node, or use a node with more memory"
+            elif host == here:
+                log.warning("%s; this machine adds memory as it is used (virtio-mem), so going on", text)
+    if problem is not None:
+        raise CheckpointError(problem)
+    first = rows[0]
+    free = f"{format_size(first[2].available)} free" if first[2] else "host memory unknown"
+    return f"{format_size(needed[first[0]])} on {first[0]} ({free})"

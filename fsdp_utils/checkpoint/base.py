@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 from model import ModelConfig
 from model.config import ROPE_SCALING_FIELDS
 
+from .. import nofollow
 from ..distributed import DistEnv, agree, barrier
-from . import nofollow
 from .format import FORMAT_VERSION, CheckpointCorrupt, CheckpointError, CheckpointMismatch, first_line, size_of
 from .io import model_config_of
 from .journal import Journal

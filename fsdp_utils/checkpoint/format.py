@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from . import nofollow
+from .. import nofollow
 from .journal import Journal
 
 FULL_RE = re.compile(r"^fsdp_cpt(\d+)\.pth$")

@@ -1,6 +1,6 @@
 """Read a training checkpoint's model in one plain process: no process group, no FSDP, no GPU needed.
 
-    from fsdp_utils.checkpoint.io import load_model
+    from .io import load_model
     model, meta = load_model("checkpoints/tiny/fsdp_cpt1000.pth")             # a full checkpoint file
     model, meta = load_model("checkpoints/llama1B/fsdp_sharded_cpt500", device="cuda")  # or a sharded folder
 
@@ -22,7 +22,8 @@ import torch
 from data.store import HF_TOKENIZER_NAME, tokenizer_sha256
 from model import ModelConfig, Transformer
 
-from . import nofollow
+from .. import nofollow
+from ..host_memory import format_size, host_memory
 from .format import (
     META_KEYS,
     OPTIONAL_META_KEYS,
@@ -38,7 +39,6 @@ from .format import (
     read_sharded_meta,
     size_of,
 )
-from .host_memory import format_size, host_memory
 from .journal import Journal
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from . import nofollow
+from .. import nofollow
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import nofollow
 from ..distributed import DistEnv, agree, barrier
-from . import nofollow
 from .async_save import AsyncSaveFailed, AsyncSaver
 from .base import CheckpointContext, CheckpointFormat, TrainState, gather_rng, restore_rng
 from .format import (

@@ -11,8 +11,8 @@ from torch import nn
 
 from config import Config
 
-from ..checkpoint.host_memory import host_memory
 from ..distributed import DistEnv
+from ..host_memory import host_memory
 from ..parallel.build import build_model
 from ..parallel.parallelize import (
     CheckpointSwitch,

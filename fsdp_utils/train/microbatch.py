@@ -19,13 +19,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint import nofollow
+from .. import nofollow
 from ..distributed import DistEnv, broadcast_decision
+from ..nofollow import replace_file
 from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch
 from .batch import divisors
 from .memory import GiB, MemoryProbe, gib, max_over_ranks
 from .oom_guard import OutOfMemory
-from .run_files import replace_file
 from .step import train_step
 
 log = logging.getLogger(__name__)

@@ -8,14 +8,14 @@ import logging
 from config import Config
 
 from ..distributed import DistEnv
+from ..observability.metrics import TrainingLog
+from ..observability.peak_flops import resolve_peak_flops
+from ..observability.profiling import MemorySnapshots, StepProfiler
+from ..observability.trackers import open_trackers
 from .batch import BatchSplit
 from .memory import MemoryProbe
-from .metrics import TrainingLog
 from .oom_guard import memory_hint
-from .peak_flops import resolve_peak_flops
-from .profiling import MemorySnapshots, StepProfiler
 from .step import StepResult
-from .trackers import open_trackers
 
 log = logging.getLogger("train")
 

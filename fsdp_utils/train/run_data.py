@@ -19,7 +19,7 @@ from data import (
 from data.store import META_NAME, read_record
 
 from ..distributed import DistEnv, barrier
-from .preemption import StopSignal
+from ..guards.preemption import StopSignal
 
 
 def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedData, float]]:

@@ -15,8 +15,8 @@ import os
 import socket
 from pathlib import Path
 
-from ..checkpoint.nofollow import open_fd
 from ..distributed import DistEnv, agree
+from ..nofollow import open_fd
 
 log = logging.getLogger(__name__)
 LOCK_NAME = "run.lock"

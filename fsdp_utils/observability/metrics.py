@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..checkpoint.nofollow import open_append
+from ..nofollow import open_append
 from .peak_flops import resolve_peak_flops
 from .trackers import Tracker, scalars
 

@@ -32,8 +32,8 @@ from config.loading import parse_override
 from config.sections import without_credentials
 from data.remote import display, is_url, scrub
 
-from ..checkpoint import nofollow
-from .run_files import replace_file
+from .. import nofollow
+from ..nofollow import replace_file
 
 log = logging.getLogger("train")
 
