@@ -1,5 +1,5 @@
 """The sections of the config tree: one dataclass per YAML section, a docstring under each field
-(docs/configuration.md is generated from them by scripts/config_reference.py). A string field with a fixed set of
+(docs/configuration.md is generated from them by tests/tools/config_reference.py). A string field with a fixed set of
 values is typed Literal: the loader checks the value against those choices."""
 from __future__ import annotations
 
@@ -251,7 +251,7 @@ class TrainConfig:
     faster kernels for a longer compile at every start, longer again where the auto search compiles its trials
     (docs/benchmarks.md). The choice is timed, as inductor's default choice among its reduction kernels already is:
     a resume on the same machine (its cache) continues bit for bit, one elsewhere within rounding.
-    scripts/benchmark.py compiles its reference the same way."""
+    benchmarks/benchmark.py compiles its reference the same way."""
     float8: Float8 = "none"
     """FP8 matmuls in the blocks' linear layers through torchao (an optional package: the torchao release
     built for the installed torch): none, tensorwise (one scale per tensor; FP8 all-gather of the weights)

@@ -13,8 +13,8 @@ from tests.helpers import write_corpus  # noqa: E402
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped without them)")
     config.addinivalue_line("markers", "gpu_exclusive: a GPU test that must have its GPUs to itself (it measures "
-                                       "memory, or needs more than 2 GPUs); scripts/run_gpu_tests.py runs these first, "
-                                       "alone")
+                                       "memory, or needs more than 2 GPUs); tests/tools/run_gpu_tests.py runs these "
+                                       "first, alone")
     config.addinivalue_line("markers", "slow: launches processes (training jobs, torchrun, several ranks); "
                                        "`python -m pytest -m 'not slow'` is the quick loop")
 

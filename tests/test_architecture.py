@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("model", "data", "config", "fsdp_utils")
-TOP_LEVEL = ("model", "data", "config", "fsdp_utils", "scripts", "train_fsdp", "tests")
+# The entry points besides train_fsdp.py are read too: scripts/ (the users' tools) and benchmarks/.
+PACKAGES = ("model", "data", "config", "fsdp_utils", "scripts", "benchmarks")
+ENTRY_POINTS = ("scripts", "benchmarks", "train_fsdp")
+TOP_LEVEL = ("model", "data", "config", "fsdp_utils", *ENTRY_POINTS, "tests")
 
 
 def module_name(path: Path) -> str:
@@ -65,10 +67,13 @@ def test_the_resolver_sees_relative_and_package_imports(graph):
 
 @pytest.mark.parametrize(("importer", "forbidden"), [
     # model/ (torch only; tests/test_model.py also checks it never touches torch.distributed)
-    ("model", ("data", "config", "fsdp_utils", "scripts", "train_fsdp")),
-    ("data", ("model", "config", "scripts", "train_fsdp")),  # fsdp_utils: its safe-file module alone (below)
-    ("config", ("fsdp_utils", "scripts", "train_fsdp")),
-    ("fsdp_utils", ("scripts", "train_fsdp", "tests")),
+    ("model", ("data", "config", "fsdp_utils", *ENTRY_POINTS)),
+    ("data", ("model", "config", *ENTRY_POINTS)),  # fsdp_utils: its safe-file module alone (below)
+    ("config", ("fsdp_utils", *ENTRY_POINTS)),
+    ("fsdp_utils", (*ENTRY_POINTS, "tests")),
+    # the users' tools stand without the benchmarks (which may measure them); neither needs the tests
+    ("scripts", ("benchmarks", "tests")),
+    ("benchmarks", ("tests",)),
 ])
 def test_no_upward_arrows(graph, importer, forbidden):
     assert _offenders(graph, importer, forbidden) == []

@@ -1,4 +1,4 @@
-"""scripts/compare_torchtitan.py: the peer's arguments derived from our presets, the parsing of both runs' results,
+"""benchmarks/compare_torchtitan.py: the peer's arguments derived from our presets, the parsing of both runs' results,
 the table, and one whole invocation with the two runs played by a small fake script."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import benchmark, compare_torchtitan as ct
 from config import ConfigError, load_config
-from scripts import benchmark, compare_torchtitan as ct
 
 ROOT = Path(__file__).resolve().parents[1]
 # The peer as the docs' command names it, beside the checkout; its tests skip where it is not there.

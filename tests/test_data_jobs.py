@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
+from benchmarks.benchmark_data import write_corpus
 from data import PrepareSettings, load_prepared, prepare_data
-from scripts.benchmark_data import write_corpus
 from tests.helpers import ROOT, losses, run_train
 from tests.test_data import make_documents
 from tests.test_failures import Job, alive, poll, train_cmd

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.config_reference import ROOT, render
+from tests.tools.config_reference import ROOT, render
 
 README_MAX_LINES = 220
 
@@ -82,7 +82,7 @@ def broken_links(path: Path, root: Path) -> list[str]:
 
 def test_configuration_reference_is_current():
     # Regenerating the reference from the schema must give the committed file byte for byte;
-    # run `python scripts/config_reference.py` after changing a config field.
+    # run `python tests/tools/config_reference.py` after changing a config field.
     assert (ROOT / "docs" / "configuration.md").read_text() == render()
 
 
@@ -90,11 +90,11 @@ def test_config_reference_help_and_check_write_nothing(tmp_path):
     reference = ROOT / "docs" / "configuration.md"
     before = reference.stat().st_mtime_ns
     for args in (["--help"], ["--check"]):
-        proc = subprocess.run([sys.executable, str(ROOT / "scripts/config_reference.py"), *args], cwd=tmp_path,
+        proc = subprocess.run([sys.executable, str(ROOT / "tests/tools/config_reference.py"), *args], cwd=tmp_path,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert reference.stat().st_mtime_ns == before  # the tracked file is not rewritten
-    assert "--check" in subprocess.run([sys.executable, str(ROOT / "scripts/config_reference.py"), "-h"],
+    assert "--check" in subprocess.run([sys.executable, str(ROOT / "tests/tools/config_reference.py"), "-h"],
                                        capture_output=True, text=True, timeout=60).stdout
 
 

@@ -92,9 +92,9 @@ def test_block_mask_equals_create_block_mask(T, block):
 
 
 def test_attention_benchmark_lays_the_documents_end_to_end(capsys):
-    # scripts/bench_attention.py's variable-length kernel gets each document's start in the flattened
+    # benchmarks/bench_attention.py's variable-length kernel gets each document's start in the flattened
     # window (every row starts one); reference: the starts read off the ids one token at a time.
-    from scripts import bench_attention
+    from benchmarks import bench_attention
 
     doc = document_ids(packed_batch(3, 40, seed=2, eos_rate=0.2), EOS)
     starts = [b * 40 + t for b in range(3) for t in range(40) if t == 0 or doc[b, t] != doc[b, t - 1]]
@@ -102,7 +102,7 @@ def test_attention_benchmark_lays_the_documents_end_to_end(capsys):
     if not torch.cuda.is_available():  # one error line without a GPU
         assert bench_attention.main([]) == 2
         err = capsys.readouterr().err.strip()
-        assert err == "error: scripts/bench_attention.py times GPU kernels and needs a CUDA GPU"
+        assert err == "error: benchmarks/bench_attention.py times GPU kernels and needs a CUDA GPU"
 
 
 # ---- our model: a document packed after another sees only itself -------------------------------------

@@ -188,7 +188,7 @@ def test_float8_loss_on_the_gpu_compiled_in_bf16_is_close_to_fp32():
 
 
 def test_benchmark_float8_output_runs_ours_again_with_it():
-    from scripts import benchmark
+    from benchmarks import benchmark
 
     args = benchmark.build_parser().parse_args([str(TINY_PRESET), "--float8_output"])
     cfg, variants, _ = benchmark.load_configs(args, ["--run.device=cpu"], recipes=[], grid=[])
@@ -197,7 +197,7 @@ def test_benchmark_float8_output_runs_ours_again_with_it():
 
 
 def test_benchmark_checks_the_float8_output_vocabulary_before_any_run():
-    from scripts import benchmark
+    from benchmarks import benchmark
 
     args = benchmark.build_parser().parse_args([str(TINY_PRESET), "--float8_output"])
     with pytest.raises(ConfigError) as err:  # ours runs first: its minutes would be lost to the error at the build

@@ -1,17 +1,14 @@
-"""scripts/run_gpu_tests.py's queue of single-test pytest runs, on the CPU: each test in a pytest of its own, a
+"""tests/tools/run_gpu_tests.py's queue of single-test pytest runs, on the CPU: each test in a pytest of its own, a
 failing one reported, a hanging one stopped at the timeout with the processes it started; the queue's order
 (longest first, by the recorded durations)."""
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
 
-from tests.helpers import ROOT, alive
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import run_gpu_tests  # noqa: E402
+from tests.helpers import alive
+from tests.tools import run_gpu_tests
 
 SAMPLE = '''
 import subprocess, time

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("fsdp_utils", "scripts", "data", "config", "model", "train_fsdp.py")
+SCANNED = ("fsdp_utils", "scripts", "benchmarks", "data", "config", "model", "train_fsdp.py")
 DOWNLOADERS = {"hf_hub_download", "snapshot_download", "cached_file", "pipeline"}
 DATASET_LOADERS = {"load_dataset", "load_from_disk", "load_dataset_builder", "get_dataset_split_names"}
 # load_dataset's builders of file formats: given data_files, they read those files and nothing else.

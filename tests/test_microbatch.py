@@ -704,7 +704,7 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
     # One process, global batch 8: readings 1 + 0.5 * b GiB all fit a 9 GiB budget, so auto takes 8 (x 1);
     # the fixed micro-batch 2 needs accumulation 4; the reference runs at the auto choice.
     pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, str(WITH_FAULTS), str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET),
+    proc = subprocess.run([sys.executable, str(WITH_FAULTS), str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET),
                            "--run.device=cpu", "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32",
                            "--data.seq_len=32",
                            "--train.global_batch_size=8", "--compare_auto", "--fixed_micro_batch=2", "--peer",
@@ -723,7 +723,7 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
 def test_benchmark_grid_runs_each_pair_at_the_global_batch_beside_the_search():
     # Both autos choose selective_op@4 (AC_MEMORY on a 10 GiB GPU); the grid's fixed pairs run at the same global
     # batch of 8, each with its ratio to ours and the fastest of them named.
-    proc = subprocess.run([sys.executable, str(WITH_FAULTS), str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET),
+    proc = subprocess.run([sys.executable, str(WITH_FAULTS), str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET),
                            "--run.device=cpu", "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32",
                            "--data.seq_len=32", "--train.global_batch_size=8", "--train.micro_batch_size=auto",
                            "--fsdp.activation_checkpointing=auto", "--grid", "none@2,full@8", "--steps=1",
@@ -744,7 +744,7 @@ def test_benchmark_grid_runs_each_pair_at_the_global_batch_beside_the_search():
     ("none", "--grid: 'none' is not POLICY@MICRO_BATCH"),
 ])
 def test_benchmark_grid_refuses_a_bad_pair_before_any_run(grid, error):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
                            "--train.global_batch_size=8", "--grid", grid], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env=job_env({}))
     assert proc.returncode == 2 and error in proc.stderr, proc.stderr[-2000:]
@@ -752,7 +752,7 @@ def test_benchmark_grid_refuses_a_bad_pair_before_any_run(grid, error):
 
 
 def test_an_empty_grid_is_refused_not_read_as_no_grid():
-    from scripts import benchmark
+    from benchmarks import benchmark
 
     for text in (",,,", " , ", ","):
         with pytest.raises(ValueError) as err:
@@ -773,7 +773,7 @@ def test_benchmark_refuses_an_empty_grid_or_a_fifo_destination_in_one_line(tmp_p
     fifo = tmp_path / "results.jsonl"
     os.mkfifo(fifo)
     argv, error = [a.format(fifo=fifo) for a in argv], error.format(fifo=fifo)
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
                            "--train.global_batch_size=8", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env=job_env({}))
     lines = proc.stderr.splitlines()
@@ -784,7 +784,7 @@ def test_benchmark_refuses_an_empty_grid_or_a_fifo_destination_in_one_line(tmp_p
 def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
     # The reference keeps the whole logits and may not fit ours' micro-batch: it retries at half the
     # micro-batch and twice the accumulation (the same global batch) until it fits.
-    from scripts import benchmark
+    from benchmarks import benchmark
 
     tried = []
 
@@ -803,7 +803,7 @@ def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
 @pytest.mark.slow
 def test_benchmark_lora_only_without_ranks_is_one_error_line():
     # It would plan no run of ours (the reference alone, with no split to run at).
-    command = [sys.executable, str(ROOT / "scripts/benchmark.py"), str(TINY_PRESET), "--lora_only", "--peer"]
+    command = [sys.executable, str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET), "--lora_only", "--peer"]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=job_env())
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1].endswith("error: --lora_only goes with --lora (the ranks to run)")
@@ -812,7 +812,7 @@ def test_benchmark_lora_only_without_ranks_is_one_error_line():
 def test_benchmark_reference_after_fp8_runs_only_takes_their_split(monkeypatch):
     # `--train.float8=tensorwise --peer`: no bf16 run of ours to take the split from,
     # so the reference starts from the FP8 run's and halves where it does not fit.
-    from scripts import benchmark
+    from benchmarks import benchmark
 
     def fake_ours(cfg, env, args, *, micro_batch, grad_accum):
         return {"times": [1.0], "micro_batch": 16, "grad_accum": 2}
@@ -836,7 +836,7 @@ def test_benchmark_reference_after_fp8_runs_only_takes_their_split(monkeypatch):
 def test_benchmark_runs_compile_static_graphs_whatever_ran_before(monkeypatch):
     # A run after one of another micro-batch must not time dynamic-shape graphs (at 8B they ran 7% slower):
     # each run compiles the same block code afresh, as its own training process would.
-    from scripts import benchmark
+    from benchmarks import benchmark
 
     class Block(torch.nn.Module):
         def forward(self, x):

@@ -436,7 +436,7 @@ def test_training_prepares_and_trains_on_a_corpus_in_s3(s3_server, tmp_path):
 
 @pytest.mark.slow  # two preparations of a 128 MB corpus, each in its own process
 def test_a_corpus_streamed_from_s3_prepares_in_bounded_memory(tmp_path):
-    from scripts.benchmark_remote_memory import measure
+    from benchmarks.benchmark_remote_memory import measure
 
     runs = measure(128, file_mb=128, workers=2, workdir=tmp_path, vocab_size=512)
     assert runs["s3"]["shards"] == runs["local"]["shards"]

@@ -1,6 +1,6 @@
 """The one training step (fsdp_utils/train/step.py) and train_fsdp.py's loop, in-process (a world of one on gloo).
 
-The training loop, scripts/benchmark.py and the micro-batch search's trial steps must run the same step, and
+The training loop, benchmarks/benchmark.py and the micro-batch search's trial steps must run the same step, and
 the benchmark must build what train_fsdp.py builds: a copy of either drifts. Here each is run and seen to call
 `train_step`, the benchmark's objects are compared with train_fsdp.py's and its step is checked to change the
 weights exactly as `train_step` does, and the loop trains in-process.
@@ -41,7 +41,7 @@ class Spy:
 
 
 def test_loop_benchmark_and_trials_import_the_one_step():
-    from scripts import benchmark
+    from benchmarks import benchmark
 
     assert train_fsdp.train_step is step.train_step
     assert microbatch.train_step is step.train_step
@@ -83,7 +83,7 @@ def test_micro_batch_trials_run_train_step(tmp_path, corpus, dataset_dir, world_
 
 def test_benchmark_step_is_train_step(tmp_path, corpus, dataset_dir, world_of_one, monkeypatch):
     """The benchmark's step changes the weights exactly as train_step on the same batches does."""
-    from scripts import benchmark
+    from benchmarks import benchmark
 
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.micro_batch_size=2", "--model.vocab_size=320")
     args = argparse.Namespace(fused_projections=False, unfused_adamw=True, doc_len=0)
@@ -114,9 +114,9 @@ def test_benchmark_step_is_train_step(tmp_path, corpus, dataset_dir, world_of_on
 
 
 def test_benchmark_trains_the_loops_objects(tmp_path, corpus, dataset_dir, world_of_one):
-    """scripts/benchmark.py and train_fsdp.py build from one config through build_run: the same model and weights,
+    """benchmarks/benchmark.py and train_fsdp.py build from one config through build_run: the same model and weights,
     optimizer, converters and micro-batch plan, and one step on the same batch gives the same loss and weights."""
-    from scripts import benchmark
+    from benchmarks import benchmark
 
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=1", "--train.warmup_steps=1",
                    "--model.vocab_size=320")

@@ -1,4 +1,4 @@
-"""Run a script of this project (train_fsdp.py, scripts/benchmark.py) with the test-only faults of
+"""Run a script of this project (train_fsdp.py, benchmarks/benchmark.py) with the test-only faults of
 FSDP_TEST_FAULTS installed (tests/fault_injection.py): `python tests/with_faults.py SCRIPT ARGS...`, also as
 torchrun's program. The tests launch it in place of the script."""
 from __future__ import annotations

@@ -217,7 +217,7 @@ class CheckpointContext:
     tokenizer_sha256: str | None = None  # recorded in every checkpoint; a resume with another is refused
     allow_tokenizer_change: bool = False
     lora: dict | None = None  # a LoRA run: its adapters' settings and base (parallel/lora.py lora_record)
-    stats: list[dict] = dataclasses.field(default_factory=list)  # one row per committed save (scripts/benchmark.py)
+    stats: list[dict] = dataclasses.field(default_factory=list)  # one row per committed save (benchmarks/benchmark.py)
     journal: Journal = dataclasses.field(init=False)  # what the saves made in `dir`: all they ever remove
 
     def __post_init__(self) -> None:

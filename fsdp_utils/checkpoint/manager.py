@@ -70,7 +70,7 @@ class CheckpointManager:
         fmt = section.format
         self.context = CheckpointContext(self.dir, env, fmt, section.keep_last_n, model_config, tokenizer_sha256,
                                          section.allow_tokenizer_change, lora)
-        self.stats = self.context.stats  # one row per committed save: what scripts/benchmark.py reports
+        self.stats = self.context.stats  # one row per committed save: what benchmarks/benchmark.py reports
         self._full, self._sharded = FullCheckpoint(self.context), ShardedCheckpoint(self.context)
         self.format: CheckpointFormat = self._sharded if fmt == "sharded" else self._full
         enabled = resolve_async_save(section.async_save, fmt=fmt, device=env.device)

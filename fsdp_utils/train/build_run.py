@@ -1,6 +1,6 @@
 """One place that builds a run from its config: the model with its converters and activation checkpointing switch,
 parallelized, the optimizer, the precision and grad scaler, and the micro-batch plan. train_fsdp.py and
-scripts/benchmark.py both build through `build_run`, with train_fsdp.py's FSDP wrapping, so the benchmark measures
+benchmarks/benchmark.py both build through `build_run`, with train_fsdp.py's FSDP wrapping, so the benchmark measures
 what training trains."""
 from __future__ import annotations
 

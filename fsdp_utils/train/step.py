@@ -2,7 +2,7 @@
 unscaling (fp16), clipping over all shards, the loss and stop-flag all-reduce, the finiteness check and
 the optimizer step (whose hooks run the model converters' post-step work, e.g. FP8 scales).
 
-The training loop, scripts/benchmark.py and the micro-batch search's trial steps all call `train_step`,
+The training loop, benchmarks/benchmark.py and the micro-batch search's trial steps all call `train_step`,
 so what is timed and measured is what trains.
 """
 from __future__ import annotations

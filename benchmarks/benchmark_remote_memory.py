@@ -1,12 +1,12 @@
 """Peak memory of preparing a corpus streamed from an S3-compatible server, next to the same corpus read from disk.
 
-    python scripts/benchmark_remote_memory.py --size_mb 2048 --skip_local   # the corpus in files of 256 MB
-    python scripts/benchmark_remote_memory.py --size_mb 160 --file_mb 160 --workers 1
+    python benchmarks/benchmark_remote_memory.py --size_mb 2048 --skip_local   # the corpus in files of 256 MB
+    python benchmarks/benchmark_remote_memory.py --size_mb 160 --file_mb 160 --workers 1
 
-Writes a synthetic .jsonl corpus (scripts/benchmark_data.py's), starts moto's S3 server in this process and
+Writes a synthetic .jsonl corpus (benchmarks/benchmark_data.py's), starts moto's S3 server in this process and
 uploads the corpus to it, trains a tokenizer once on a small corpus of the same kind, then runs
 `scripts/prepare_data.py` on `s3://BUCKET/corpus/*.jsonl` and on the local files, and prints the peak memory of
-each run (the prepare process and its workers, sampled from /proc as scripts/benchmark_data.py does). Needs
+each run (the prepare process and its workers, sampled from /proc as benchmarks/benchmark_data.py does). Needs
 s3fs and moto[server] (requirements-dev.txt).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchmark_data import cpu_name, prepare, write_corpus  # noqa: E402 - after the path above
+from benchmarks.benchmark_data import cpu_name, prepare, write_corpus  # noqa: E402 - after the path above
 
 BUCKET = "benchmark-corpus"
 
@@ -44,7 +44,7 @@ def start_s3_server():
 
 def measure(size_mb: float, *, file_mb: float, workers: int, workdir: Path, local: bool = True,
             vocab_size: int = 4096) -> dict:
-    """{"s3": run, "local": run} (scripts/benchmark_data.prepare's figures) for a corpus of size_mb; without
+    """{"s3": run, "local": run} (benchmarks/benchmark_data.prepare's figures) for a corpus of size_mb; without
     local, the S3 run alone."""
     import boto3
 

@@ -1,11 +1,11 @@
 """Measure training throughput and memory of a config, and optionally of a Hugging Face reference.
 
-    torchrun --nproc_per_node=2 scripts/benchmark.py config/train300M_fsdp.yaml --peer
-    torchrun --nproc_per_node=1 scripts/benchmark.py config/train1B_fsdp.yaml --train.micro_batch_size=2
-    torchrun --nproc_per_node=2 scripts/benchmark.py config/train90M_fsdp.yaml --compare_auto --peer --rounds 2
-    torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 \
+    torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train300M_fsdp.yaml --peer
+    torchrun --nproc_per_node=1 benchmarks/benchmark.py config/train1B_fsdp.yaml --train.micro_batch_size=2
+    torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train90M_fsdp.yaml --compare_auto --peer --rounds 2
+    torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 \
         --float8 tensorwise,rowwise --peer
-    torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 \
+    torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 \
         --float8 tensorwise --document_masking --doc_len 1024
 
 Ours: the exact model, wrapping and step of train_fsdp.py (forward/backward per micro-batch, clipping
@@ -36,7 +36,7 @@ and the fastest of them all. A pair that does not fit the GPU ends the benchmark
 as training would: give the pairs the search's log lists as fitting, or measure on larger cards and compare
 the peaks with the budget.
 
-    torchrun --nproc_per_node=2 scripts/benchmark.py config/train8B_fsdp.yaml --model.vocab_size=128256 \
+    torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train8B_fsdp.yaml --model.vocab_size=128256 \
         --grid none@8,selective_op@8,selective_op_lean@16,full@32 --steps 3 --warmup 1
 
 `--save_modes sync,thread[,process,sync_gpu]`: measure sharded checkpoint saves instead, in one invocation:
@@ -49,7 +49,7 @@ blocked by a save (its stall), the whole save's time, the steps that overlapped 
 others, and the peak GPU memory during the save calls and during training. Each checkpoint is deleted
 once measured (a large model's is many GB) and --save_dir at the end.
 
-    torchrun --nproc_per_node=2 scripts/benchmark.py config/train1B_fsdp.yaml --save_modes sync,thread --steps 5
+    torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train1B_fsdp.yaml --save_modes sync,thread --steps 5
 """
 from __future__ import annotations
 

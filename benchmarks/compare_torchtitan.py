@@ -1,6 +1,6 @@
 """Our benchmark and the torchtitan peer, back to back on the same GPUs in one invocation, and their ratio.
 
-    python scripts/compare_torchtitan.py config/train8B_fsdp.yaml --nproc 2 \\
+    python benchmarks/compare_torchtitan.py config/train8B_fsdp.yaml --nproc 2 \\
         --peer_script ../shared/peers/torchtitan_peer.py --model.vocab_size=128256 \\
         --peer_ac selective_op --peer_mbs 8 --steps 5 --warmup 2 --json results.jsonl
 
@@ -12,7 +12,7 @@ it), compile, FP8 recipe and activation checkpointing where the peer has the sam
 the micro-batch where ours is numeric (else --peer_mbs). The peer trains on random tokens without document
 masking, so ours runs with data.document_masking=false unless an override sets it.
 
-Then `torchrun scripts/benchmark.py CONFIG ...` and `torchrun PEER_SCRIPT ...` run one after the other
+Then `torchrun benchmarks/benchmark.py CONFIG ...` and `torchrun PEER_SCRIPT ...` run one after the other
 (`--rounds N`: alternately, N times each; medians of tokens/s, the highest peak memory), and one table shows
 tokens/s per GPU, the ratio ours / peer, peak memory per GPU and its difference, with the two commands run.
 A run that fails (out of memory, a crash) is reported in the table and the other still runs.
@@ -45,7 +45,7 @@ from data.remote import scrub  # noqa: E402
 from fsdp_utils.nofollow import append_line, results_log_problem  # noqa: E402
 from fsdp_utils.observability.trackers import redacted_argument  # noqa: E402
 
-BENCHMARK = ROOT / "scripts" / "benchmark.py"
+BENCHMARK = ROOT / "benchmarks" / "benchmark.py"
 DEFAULT_LAUNCHER = "torchrun --standalone --nproc_per_node={nproc}"
 # Set for both runs where the user left them unset: NVLink multicast (NVLS) off, as docs/benchmarks.md's commands
 # run; the allocator's expandable segments, which benchmark.py turns on by itself and the peer would not.

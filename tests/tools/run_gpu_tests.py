@@ -1,8 +1,8 @@
 """Run every GPU test in one call, spread over the machine's GPUs.
 
-    python scripts/run_gpu_tests.py                    # all tests marked `gpu`
-    python scripts/run_gpu_tests.py -k matrix          # extra arguments go to pytest (selection only)
-    python scripts/run_gpu_tests.py --shard 1/2        # then --shard 2/2: the suite in two calls of half the time
+    python tests/tools/run_gpu_tests.py                    # all tests marked `gpu`
+    python tests/tools/run_gpu_tests.py -k matrix          # extra arguments go to pytest (selection only)
+    python tests/tools/run_gpu_tests.py --shard 1/2        # then --shard 2/2: the suite in two calls of half the time
 
 Tests marked `gpu_exclusive` (they measure GPU memory, or need more than 2 GPUs) run first, one pytest with
 every GPU visible. The others run next, shared out as they go: several workers per pair of GPUs
@@ -32,7 +32,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DURATIONS = ROOT / "tests/gpu_durations.json"
 
 
@@ -129,7 +129,7 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def node_id(case: ET.Element) -> str:
-    """A JUnit test case's pytest node id (tests/test_x.py::test_y[param])."""
+    """A JUnit test case's pytest node id (tests/test_gpu.py::test_name[param])."""
     return f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
 
 

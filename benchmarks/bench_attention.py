@@ -1,7 +1,7 @@
 """Time one attention call (forward and backward) per kernel that document masking could use, on one GPU.
 
-    python scripts/bench_attention.py                          # the 90M, 300M, 1B and 8B presets' shapes
-    python scripts/bench_attention.py --doc_lens 0 600 2048    # windows without EOS, documents of ~600, ~2048
+    python benchmarks/bench_attention.py                          # the 90M, 300M, 1B and 8B presets' shapes
+    python benchmarks/bench_attention.py --doc_lens 0 600 2048    # windows without EOS, documents of ~600, ~2048
 
 Kernels: `cudnn` is SDPA's causal kernel with no mask at all (what an unmasked run, and the Hugging Face
 reference, use on H100s and H200s: the point of comparison); `flex` is what data.document_masking runs (our
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=20)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("error: scripts/bench_attention.py times GPU kernels and needs a CUDA GPU", file=sys.stderr)
+        print("error: benchmarks/bench_attention.py times GPU kernels and needs a CUDA GPU", file=sys.stderr)
         return 2
     flex = torch.compile(flex_attention, dynamic=False)
     varlen = varlen_kernel()

@@ -1,8 +1,8 @@
 """Measure data preparation: throughput with 1, 2 and all worker processes, and peak memory, on synthetic
 .jsonl corpora of the given sizes that it writes itself (no download, no pyarrow or zstandard needed).
 
-    python scripts/benchmark_data.py --sizes_mb 250 1000                  # workers 1, 2 and all cores
-    python scripts/benchmark_data.py --sizes_mb 250 1000 --workers 1 8 16 --workdir /scratch/bench
+    python benchmarks/benchmark_data.py --sizes_mb 250 1000                  # workers 1, 2 and all cores
+    python benchmarks/benchmark_data.py --sizes_mb 250 1000 --workers 1 8 16 --workdir /scratch/bench
 
 Each measurement is one `scripts/prepare_data.py` process, as a user runs it, with a tokenizer trained once
 beforehand (data.tokenizer_model), so the rows time the streaming pass that grows with the corpus: read,
