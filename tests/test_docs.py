@@ -161,6 +161,37 @@ def test_links_between_docs_resolve():
     assert not broken, broken
 
 
+# A runnable file of the repository's script folders, as the docs and the code name it: scripts/generate.py,
+# benchmarks/benchmark.py, tests/tools/run_gpu_tests.py (not a longer path that merely ends so).
+SCRIPT_PATH = re.compile(r"(?<![\w./-])((?:scripts|benchmarks|tests)/[\w./-]*?\.(?:py|sh))(?!\w)")
+CODE = ("model", "data", "config", "fsdp_utils", "scripts", "benchmarks", "tests")
+
+
+def missing_scripts(paths: list[Path], root: Path) -> list[str]:
+    """`file:line: path` for each script path named in those files that is not in the repository at `root`."""
+    return [f"{path.relative_to(root)}:{number}: {name}" for path in paths
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            for name in SCRIPT_PATH.findall(line) if not (root / name).is_file()]
+
+
+def test_the_scripts_that_docs_and_code_name_exist():
+    # Commands and usage lines name scripts by their path from the repository's root: a moved script leaves
+    # none behind. The dated records in docs/benchmarks/ name the paths of their own commit and are not read.
+    code = [ROOT / "train_fsdp.py", *(p for folder in CODE for p in sorted((ROOT / folder).rglob("*"))
+                                      if p.suffix in (".py", ".sh"))]
+    assert ROOT / "tests/tools/run_gpu_tests.py" in code
+    assert missing_scripts([*current_docs(ROOT), *code], ROOT) == []
+
+
+def test_missing_script_detection(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts/generate.py").write_text("")
+    page = tmp_path / "page.md"
+    page.write_text("python scripts/generate.py and `torchrun benchmarks/benchmark.py`\n"
+                    "../shared/peers/scripts/peer.py, fsdp_utils/scripts/x.py, scripts/eval_tasks\n")
+    assert missing_scripts([page], tmp_path) == ["page.md:1: benchmarks/benchmark.py"]
+
+
 def test_benchmark_records_are_dated():
     names = [p.name for p in (ROOT / "docs" / "benchmarks").glob("*.md")]
     assert names
