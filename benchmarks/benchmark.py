@@ -101,11 +101,12 @@ EOS_ID = 0
 
 
 def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device, seed: int, doc_len: int = 0):
-    """An endless stream of random (inputs, targets) batches, generated on the device; with doc_len, an
-    EOS_ID at each position with probability 1 / doc_len (geometric document lengths of that mean)."""
+    """An endless stream of random (inputs, targets) batches, generated on the device. Without doc_len no token is
+    EOS_ID (every window inside one long document, as in a corpus of long texts); with doc_len, an EOS_ID at each
+    position with probability 1 / doc_len (geometric document lengths of that mean)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     while True:
-        tokens = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=device, generator=gen)
+        tokens = torch.randint(EOS_ID + 1, vocab_size, (micro_batch, seq_len + 1), device=device, generator=gen)
         if doc_len:
             ends = torch.rand(tokens.shape, device=device, generator=gen) < 1 / doc_len
             tokens = tokens.masked_fill(ends, EOS_ID)

@@ -234,10 +234,16 @@ class Transformer(nn.Module):
 
     def _document_inputs(self, tokens: torch.Tensor, documents: Documents):
         """The rotary tables and attention mask of a batch with documents: computed once per forward, here,
-        and passed to every block (activation checkpointing's recompute reuses them too)."""
+        and passed to every block (activation checkpointing's recompute reuses them too). A batch in which no
+        window holds a document boundary (every window inside one document: random tokens, long documents) is
+        the plain causal batch: it gets the plain tables and no mask, so it runs the causal kernel, not
+        FlexAttention. Telling which costs one read of a flag on the host."""
         T = tokens.shape[1]
         doc_ids = document_ids(tokens, documents.eos_id)  # (B, T)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        # A window's last token counts the EOS before it: 0 everywhere means one document per window.
+        if not bool(doc_ids[:, -1].any()):
+            return cos, sin, None
         if documents.reset_positions:
             positions = document_positions(doc_ids)  # (B, T)
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, Hd)

@@ -175,6 +175,47 @@ def test_masking_off_is_the_plain_causal_forward_bit_for_bit():
         assert torch.equal(model(tokens), reference_forward(model, tokens))
 
 
+@pytest.mark.parametrize("reset", [False, True], ids=["mask", "mask+positions"])
+@pytest.mark.parametrize("last_eos", [False, True], ids=["no-eos", "eos-last"])
+def test_a_batch_without_a_document_boundary_runs_the_plain_causal_path(reset, last_eos, monkeypatch):
+    """Windows that each lie inside one document (no EOS, or one as the last token, which starts nothing inside
+    the window) are the plain causal batch: the same loss and gradients bit for bit as without document masking,
+    and no document mask is built (on GPUs that mask would send attention to FlexAttention)."""
+    import model.transformer as transformer
+
+    tokens = torch.cat([words(31, 1), words(31, 2)])  # (2, 31)
+    if last_eos:
+        tokens[:, -1] = EOS
+    targets = torch.randint(0, CFG.vocab_size, (2, 31), generator=torch.Generator().manual_seed(5))
+
+    def loss_and_grads(documents):
+        model = Transformer(CFG, documents=documents)
+        model.init_weights(0)
+        loss = model(tokens, targets)
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    plain_loss, plain = loss_and_grads(None)
+    for name in ("document_dense_mask", "document_block_mask", "document_positions"):
+        monkeypatch.setattr(transformer, name, lambda *a, name=name: pytest.fail(f"{name} called"))
+    for kernel in ("sdpa", "flex"):
+        loss, grads = loss_and_grads(Documents(eos_id=EOS, reset_positions=reset, kernel=kernel))
+        assert torch.equal(loss, plain_loss)
+        assert all(torch.equal(g, p) for g, p in zip(grads, plain, strict=True))
+
+
+def test_one_window_with_a_boundary_masks_the_whole_batch():
+    """The choice is the batch's: a boundary in any window masks them all, each by its own documents (a window
+    without one is then masked causally, which is what the plain path computes)."""
+    plain_window = words(31, 1)
+    packed = torch.cat([words(10, 2), eos(), words(20, 3)], dim=1)
+    model = built(Documents(eos_id=EOS))
+    with torch.no_grad():
+        both = model(torch.cat([plain_window, packed]))
+        torch.testing.assert_close(both[:1], built(None)(plain_window), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(both[1:, 11:], model(packed[:, 11:]), rtol=1e-5, atol=1e-6)
+
+
 def test_masked_loss_and_gradients_equal_the_documents_trained_apart():
     # The packed window's mean loss is the sum of each document's summed loss over the window's token
     # count, and so are its gradients; selective activation checkpointing changes neither.
@@ -381,6 +422,40 @@ def test_compiled_flex_attention_in_bf16_keeps_documents_apart():
         targets = torch.roll(packed, -1, dims=1)
         model(packed, targets).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_masked_model_runs_causal_attention_on_windows_without_a_boundary(monkeypatch):
+    """On the GPU a batch without a document boundary takes the unmasked model's compiled path: the same loss and
+    gradients bit for bit, and no block mask is built (so FlexAttention does not run); a batch with one builds it."""
+    import model.transformer as transformer
+    from fsdp_utils.parallel.parallelize import apply_compile
+
+    cfg = ModelConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=512)
+    flex = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
+    masks = []
+    monkeypatch.setattr(transformer, "document_block_mask",
+                        lambda ids: masks.append(1) or document_block_mask(ids))
+
+    def trained(documents):
+        with torch.device("cuda"):
+            model = Transformer(cfg, documents=documents, flex_attention_fn=flex)
+        model.init_weights(0)
+        apply_compile(list(model.layers))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(tokens, torch.roll(tokens, -1, dims=1))
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    tokens = torch.randint(1, 512, (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
+    plain_loss, plain = trained(None)
+    loss, grads = trained(Documents(eos_id=EOS, reset_positions=True))
+    assert masks == [] and torch.equal(loss, plain_loss)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain, strict=True))
+    tokens[1, 100] = EOS  # one boundary in one window: the whole batch is masked
+    loss, _ = trained(Documents(eos_id=EOS, reset_positions=True))
+    assert masks == [1] and torch.isfinite(loss)
 
 
 @pytest.mark.slow
