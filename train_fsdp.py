@@ -133,7 +133,7 @@ def early_problems(cfg: Config, launch: Launch, resume_from: str | None, *, any_
                                        local_rank=launch.local_rank)
     problems += float8_output_vocabulary_problems(cfg)
     if launch.rank == 0:  # the trackers live on rank 0 only
-        problems += tracker_problems(cfg.logging.tracker_names)
+        problems += tracker_problems(cfg.logging.trackers)
     if cfg.model.type == "hf" and not problems:  # the folder exists (launch_problems): can it be used?
         problems += hf_problems(cfg.model, document_masking=cfg.data.document_masking)
     # lm-eval importable and every task known, before step 1 (not at the first evaluation).

@@ -59,15 +59,8 @@ def _logging_problems(lg: LoggingConfig, *, max_steps: int) -> list[str]:
         p.append(f"logging.interval must be positive, got {lg.interval}")
     if len(set(lg.trackers)) < len(lg.trackers):
         p.append(f"logging.trackers names a tracker twice: {lg.trackers}")
-    for name in ("peak_tflops", "peak_flops"):
-        if getattr(lg, name) < 0:
-            p.append(f"logging.{name} must not be negative, got {getattr(lg, name)}")
-    if lg.peak_tflops and lg.peak_flops:
-        p.append("logging.peak_flops (deprecated, FLOP/s) and logging.peak_tflops are both set: keep only "
-                 f"logging.peak_tflops={lg.peak_flops / 1e12:g}")
-    elif 0 < lg.peak_flops < 1e9:
-        p.append(f"logging.peak_flops={lg.peak_flops:g} is in FLOP/s (989e12 for an H100); for TFLOP/s use "
-                 f"logging.peak_tflops={lg.peak_flops:g}")
+    if lg.peak_tflops < 0:
+        p.append(f"logging.peak_tflops must not be negative, got {lg.peak_tflops}")
     return p + _profile_problems(lg, max_steps=max_steps)
 
 

@@ -85,11 +85,11 @@ def test_tiny_preset_values():
 
 
 def test_overrides_are_parsed_as_yaml_scalars():
-    cfg = load_config(TINY, ["--train.lr=1e-3", "--train.max_steps=70", "--logging.tensorboard=false",
+    cfg = load_config(TINY, ["--train.lr=1e-3", "--train.max_steps=70", "--logging.trackers=[]",
                              "--data.files=[a.txt, b.jsonl]", "--model.n_kv_heads=null", "--run.name=x"])
     assert cfg.train.lr == 1e-3  # YAML reads 1e-3 as a string (no dot); the float field accepts it
     assert cfg.train.max_steps == 70
-    assert cfg.logging.tensorboard is False
+    assert cfg.logging.trackers == []
     assert cfg.data.files == ["a.txt", "b.jsonl"]
     assert cfg.model.n_kv_heads is None and cfg.model.num_kv_heads == cfg.model.n_heads
     assert cfg.output_dir == Path("checkpoints/x")
@@ -142,11 +142,18 @@ def test_unknown_key_far_from_anything_has_no_suggestion():
     assert problem == "unknown key 'train.zzzzzzzz'"
 
 
-def test_a_removed_field_names_its_replacement(tmp_path):
-    (problem,) = problems_of("--train.eval_batches=8")
-    assert problem.startswith("train.eval_batches is no longer a field: use train.eval_samples")
+@pytest.mark.parametrize(("override", "yaml", "replacement"), [
+    ("--train.eval_batches=8", "train:\n  eval_batches: 4\n", "train.eval_samples"),
+    ("--logging.tensorboard=false", "logging:\n  tensorboard: true\n", "logging.trackers"),
+    ("--logging.peak_flops=989e12", "logging:\n  peak_flops: 312e12\n", "logging.peak_tflops"),
+])
+def test_a_removed_field_names_its_replacement(tmp_path, override, yaml, replacement):
+    (problem,) = problems_of(override)
+    field = override[2:].partition("=")[0]
+    assert problem.startswith(f"{field} is no longer a field: use {replacement}, ")
+    assert "\n" not in problem
     path = tmp_path / "old.yaml"  # an older config file: the same line, not a suggestion of a near name
-    path.write_text("train:\n  eval_batches: 4\n")
+    path.write_text(yaml)
     assert problems_of(path=path) == [problem]
 
 
