@@ -189,9 +189,6 @@ class Transformer(nn.Module):
                  chunk_loss_fn: Callable | None = None, float8_projection: Float8Projection | None = None,
                  documents: Documents | None = None, flex_attention_fn: Callable | None = None):
         super().__init__()
-        problems = cfg.problems()
-        if problems:
-            raise ValueError("; ".join(problems))
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(DecoderBlock(cfg, fused_matmul=fused_matmul, flex_attention_fn=flex_attention_fn)

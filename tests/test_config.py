@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from config import Config, ConfigError, check_batch_split, load_config, save_config, summarize_config
+from config.model_checks import model_problems
 from tests.helpers import job_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def test_preset_loads_and_is_consistent(path):
     model = cfg.model
     if model.vocab_size == 0:
         model.vocab_size = cfg.data.vocab_size
-    assert model.problems() == []
+    assert model_problems(model) == []
     assert cfg.data.seq_len <= model.max_seq_len
     # Every preset runs as one process and on the 2 ranks used by the tests (a whole accumulation; with
     # micro_batch_size auto, a whole per-rank batch, checked without an error).

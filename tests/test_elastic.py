@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from config import load_config
-from fsdp_utils.guards.elastic import fitting_world_sizes, unfit_world
+from config import fitting_world_sizes, load_config, unfit_world
 from tests.helpers import ROOT, TINY, kill_tree, losses, read_metrics, run_train
 from tests.test_failures import Job, poll, train_cmd
 from tests.test_launchers import CONFIG, free_port, script_env, train_args

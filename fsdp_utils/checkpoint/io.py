@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from config.model_checks import model_problems
 from data.store import HF_TOKENIZER_NAME, tokenizer_sha256
 from model import ModelConfig, Transformer
 
@@ -61,7 +62,7 @@ def model_config_of(meta: dict, where: Path) -> ModelConfig:
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
             raise CheckpointError(f"{where}: invalid model_config ({field.name}={value!r}, expected {field.type})")
     cfg = ModelConfig(**saved)
-    if problems := cfg.problems():
+    if problems := model_problems(cfg):
         raise CheckpointError(f"{where}: invalid model_config ({'; '.join(problems)})")
     if meta.get("lora") is None:
         _check_held(cfg, where)

@@ -1,5 +1,5 @@
-"""Elastic jobs (torchrun --nnodes=MIN:MAX): the world sizes a config can train at, and what the workers of a
-world that cannot hold the global batch do: wait for the next membership change.
+"""Elastic jobs (torchrun --nnodes=MIN:MAX): what the workers of a world that cannot hold the global batch do (the
+world sizes a config can train at are config/launch.py's): wait for the next membership change.
 
 torchrun's agent restarts its workers only when they fail (a non-zero exit, which uses up --max-restarts)
 or when a node waits to join; workers that exit 0 end the job. Workers that refused the world size and
@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from config import Config, ConfigError, check_batch_split
+from config import Config, fitting_world_sizes
 
 from ..distributed import DistEnv
 from .preemption import RESTART_EXIT_CODE, StopSignal
@@ -23,26 +23,6 @@ from .preemption import RESTART_EXIT_CODE, StopSignal
 log = logging.getLogger("train")
 
 POLL_S = 2.0  # how often idle workers check on each other and on stop signals
-
-
-def fitting_world_sizes(cfg: Config) -> list[int]:
-    """Every world size at which train.global_batch_size splits into whole micro-batches on every rank."""
-    t = cfg.train
-    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1  # auto: each rank's share whole
-    if t.global_batch_size % micro:
-        return []
-    per_micro = t.global_batch_size // micro
-    return [w for w in range(1, per_micro + 1) if per_micro % w == 0]
-
-
-def unfit_world(cfg: Config, world_size: int) -> list[str]:
-    """The problems of this world size's batch split ([] when it fits); the config loader has made sure that
-    some world size fits (the global batch is a multiple of the micro-batch)."""
-    try:
-        check_batch_split(cfg, world_size)
-    except ConfigError as err:
-        return err.problems
-    return []
 
 
 def refusal_line(cfg: Config, world_size: int) -> str:

@@ -22,18 +22,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from config.checks import float8_size_problem
-from data.errors import DataError
-from data.store import META_NAME, read_json
-from data.tokenizer import load_tokenizer
-from model.float8_projection import FLOAT8_ALIGNMENT
 from model.transformer import Attention, FeedForward
 
 from ..distributed import pick_device
@@ -86,7 +80,7 @@ def _rank_device(run_device: str, local_rank: int) -> tuple[str, tuple[int, int]
 
 
 def float8_problems(recipe: str, *, run_device: str, local_rank: int) -> list[str]:
-    """Environment checks for train.float8 (the config checks are in config/checks.py): torchao is
+    """Environment checks for train.float8 (the config's own are in config/): torchao is
     installed and this rank's device runs FP8 matmuls. Empty when FP8 is off or can run."""
     if recipe == "none":
         return []
@@ -109,33 +103,6 @@ def float8_output_problems(enabled: bool, *, run_device: str, local_rank: int) -
         return []
     problem = _capability_problem("train.float8_output=true", "train.float8_output: false", device[1], device[2])
     return [problem] if problem else []
-
-
-def float8_output_vocabulary_problems(cfg) -> list[str]:
-    """train.float8_output with model.vocab_size 0 takes the tokenizer's vocabulary: where files already hold it
-    (the prepared folder of data.sources[0], whose tokenizer every source shares; data.tokenizer_model;
-    data.tokenizer=hf's folder) it is read and checked before any process group starts, not when the model is built
-    after the data is prepared. A tokenizer that cannot be read is left to the data checks."""
-    d = cfg.data
-    if not cfg.train.float8_output or cfg.model.type != "llama" or cfg.model.vocab_size:
-        return []
-    try:
-        if d.sources:
-            where, vocab = f"data.sources[0]'s tokenizer ({d.sources[0].path})", read_json(
-                Path(d.sources[0].path) / META_NAME).get("vocab_size")
-        elif d.tokenizer == "hf" and d.hf_tokenizer:
-            where, vocab = f"data.hf_tokenizer ({d.hf_tokenizer})", load_tokenizer("hf", Path(d.hf_tokenizer)
-                                                                                 ).get_piece_size()
-        elif d.tokenizer_model:
-            where, vocab = f"data.tokenizer_model ({d.tokenizer_model})", load_tokenizer(
-                "sentencepiece", Path(d.tokenizer_model)).get_piece_size()
-        else:
-            return []  # trained to data.vocab_size: the config checks it
-    except (DataError, OSError):
-        return []
-    if not isinstance(vocab, int) or not vocab % FLOAT8_ALIGNMENT:
-        return []
-    return [float8_size_problem(f"the vocabulary of {where}, which model.vocab_size 0 takes,", vocab)]
 
 
 def _convertible(module: nn.Module, _fqn: str) -> bool:

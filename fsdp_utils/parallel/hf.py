@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from config import ConfigError, read_yaml_file
+from config.model_checks import MAX_DIM, MAX_FFN_HIDDEN_DIM, MAX_LAYERS, MAX_VOCAB_SIZE
 from data.errors import DataError
 from data.jsonfile import read_json_file
-from model.config import MAX_DIM, MAX_FFN_HIDDEN_DIM, MAX_LAYERS, MAX_VOCAB_SIZE
 from model.documents import document_ids, document_positions
 from model.loss import IGNORE_INDEX, reduce_loss
 
