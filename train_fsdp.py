@@ -282,12 +282,10 @@ def train(run: Run, stop: StopSignal) -> dict:
                          optimizer=run.optimizer, resplit=lambda split: batches.resplit(
                              split, step=state.step, samples_seen=state.samples_seen))
 
-    def step() -> StepResult:
-        """grad_accum micro-batches of this rank's share of the global batch, one optimizer step, at the
-        schedule's learning rate."""
-        state.lr = run.schedule(state.step)
+    def step(lr: float) -> StepResult:
+        """grad_accum micro-batches of this rank's share of the global batch, one optimizer step at `lr`."""
         for group in run.optimizer.param_groups:
-            group["lr"] = state.lr
+            group["lr"] = lr
         return guarded(lambda: train_step(run.model, run.optimizer, batches, grad_accum=batches.split.grad_accum,
                                           grad_clip=t.grad_clip, world_size=env.world_size, scaler=run.built.scaler,
                                           stop_requested=stop.requested, masked_targets=run.masked_targets),
@@ -308,10 +306,11 @@ def train(run: Run, stop: StopSignal) -> dict:
     try:
         run.model.train()
         while state.step < t.max_steps:
-            result = step()  # -- batch and step
+            state.lr = lr = run.schedule(state.step)  # the schedule's learning rate for this step
+            result = step(lr)  # -- batch and step
             bad_steps.check(result, step=state.step + 1)  # a non-finite step: its update skipped, or the run stops
             state.advance(samples=t.global_batch_size, tokens=t.global_batch_size * cfg.data.seq_len)
-            observers.on_step(state.step, result, lr=state.lr, split=batches.split)  # -- log
+            observers.on_step(state.step, result, lr=lr, split=batches.split)  # -- log
             if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.max_steps):
                 evaluate_all()  # -- evaluate: every train.eval_interval steps and at the last
             # -- save: the manager decides (its interval, a save in flight to commit, a stop, the last step)
@@ -344,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)  # the config's own checks
         problems = launch_checks(cfg, launch, args.resume_from, any_world=args.check)  # then the launch's
         if launch.elastic:  # a world size that cannot hold the batch waits for the next (fsdp_utils/guards/elastic.py)
-            unfit = unfit_world(cfg, launch.world_size)
+            unfit = unfit_world(cfg.train, launch.world_size)
             problems = [p for p in problems if p not in unfit]
     except ConfigError as err:
         problems = err.problems
@@ -360,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup_logging(env)
         if unfit:
-            return wait_for_membership_change(cfg, env, stop)
+            return wait_for_membership_change(cfg.train, env, stop)
         lock = take_run_lock(cfg.output_dir, env)  # before anything is written into the output directory
         run = set_up(cfg, env, stop=stop, resume_from=args.resume_from)
         train(run, stop)

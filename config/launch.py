@@ -11,14 +11,13 @@ from model.float8_projection import FLOAT8_ALIGNMENT
 
 from .checks import float8_size_problem
 from .errors import ConfigError
-from .sections import Config
+from .sections import Config, TrainConfig
 
 
-def check_batch_split(cfg: Config, world_size: int, micro_batch: int | None = None) -> int | None:
+def check_batch_split(t: TrainConfig, world_size: int, micro_batch: int | None = None) -> int | None:
     """Gradient accumulation steps for this world size and micro-batch (train.micro_batch_size unless given);
     ConfigError when the split is not whole. With micro_batch_size=auto and no micro_batch: only checks that
     the global batch splits over the ranks, and returns None (the micro-batch is measured later)."""
-    t = cfg.train
     if micro_batch is None and t.micro_batch_size == "auto":
         if t.global_batch_size % world_size:
             raise ConfigError([
@@ -37,9 +36,8 @@ def check_batch_split(cfg: Config, world_size: int, micro_batch: int | None = No
     return t.global_batch_size // per_step
 
 
-def fitting_world_sizes(cfg: Config) -> list[int]:
+def fitting_world_sizes(t: TrainConfig) -> list[int]:
     """Every world size at which train.global_batch_size splits into whole micro-batches on every rank."""
-    t = cfg.train
     micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1  # auto: each rank's share whole
     if t.global_batch_size % micro:
         return []
@@ -47,11 +45,11 @@ def fitting_world_sizes(cfg: Config) -> list[int]:
     return [w for w in range(1, per_micro + 1) if per_micro % w == 0]
 
 
-def unfit_world(cfg: Config, world_size: int) -> list[str]:
+def unfit_world(t: TrainConfig, world_size: int) -> list[str]:
     """The problems of this world size's batch split ([] when it fits); the config loader has made sure that
     some world size fits (the global batch is a multiple of the micro-batch)."""
     try:
-        check_batch_split(cfg, world_size)
+        check_batch_split(t, world_size)
     except ConfigError as err:
         return err.problems
     return []
@@ -64,7 +62,7 @@ def launch_problems(cfg: Config, *, world_size: int | None, local_world_size: in
     p: list[str] = []
     if world_size is not None:
         try:
-            check_batch_split(cfg, world_size)
+            check_batch_split(cfg.train, world_size)
         except ConfigError as err:
             p += err.problems
     f = cfg.fsdp

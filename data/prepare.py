@@ -129,21 +129,6 @@ class PrepareSettings:
     hf_dataset: HFDataset | None = None  # a Hugging Face dataset instead of files (data/hf_datasets.py)
     remote_timeout_s: float = TIMEOUT_S  # URLs: how long a request may get no answer (changes nothing prepared)
 
-    @classmethod
-    def from_config(cls, cfg) -> PrepareSettings:
-        """From a config.Config (not imported here: data/ does not depend on config/)."""
-        d = cfg.data
-        return cls(files=tuple(d.files), tokenizer_model=d.tokenizer_model,
-                   hf_tokenizer=(d.hf_tokenizer or cfg.model.hf_path) if d.tokenizer == "hf" else "",
-                   vocab_size=d.vocab_size,
-                   val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb,
-                   max_document_mb=d.max_document_mb, seed=cfg.run.seed,
-                   text_field=d.text_field, on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens,
-                   num_workers=d.num_workers, format=d.format, messages_field=d.messages_field,
-                   prompt_field=d.prompt_field, response_field=d.response_field, chat_template=d.chat_template,
-                   hf_dataset=HFDataset(**vars(d.hf_dataset)) if d.hf_dataset.path else None,
-                   remote_timeout_s=d.remote_timeout_s)
-
     def check(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             raise DataError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")

@@ -260,8 +260,8 @@ def import_hf(hf_dir: Path, out: Path, *, force: bool = False) -> ModelConfig:
 
 def model_section(cfg: ModelConfig) -> str:
     """The `model` section (YAML) that describes the imported model."""
-    fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len", "rope_theta",
-              "norm_eps", "tie_embeddings")
+    fields: tuple[str, ...] = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
+                               "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings")
     if cfg.rope_scaling_factor is not None:
         fields += ("rope_scaling_factor", *ROPE_SCALING_FIELDS)
     return "model:\n" + "".join(f"  {name}: {json.dumps(getattr(cfg, name))}\n" for name in fields)

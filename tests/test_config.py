@@ -42,7 +42,7 @@ def test_preset_loads_and_is_consistent(path):
     # Every preset runs as one process and on the 2 ranks used by the tests (a whole accumulation; with
     # micro_batch_size auto, a whole per-rank batch, checked without an error).
     for world_size in (1, 2):
-        split = check_batch_split(cfg, world_size)
+        split = check_batch_split(cfg.train, world_size)
         assert split is None if cfg.train.micro_batch_size == "auto" else split >= 1
 
 
@@ -78,7 +78,7 @@ def test_tiny_preset_values():
     cfg = load_config(TINY)
     # The YAML's 3.0e-3 arrives as a float, and the batch split is 16 / (8 * 1) = 2 on one process.
     assert cfg.train.lr == 3e-3 and isinstance(cfg.train.lr, float)
-    assert check_batch_split(cfg, 1) == 2
+    assert check_batch_split(cfg.train, 1) == 2
     assert cfg.output_dir == Path("checkpoints/tiny")  # run.output_dir empty -> checkpoints/<run.name>
 
 
@@ -468,16 +468,16 @@ def test_config_files_that_are_not_text_or_far_too_large(tmp_path):
 
 def test_batch_split_gives_accumulation_steps():
     cfg = load_config(TINY, ["--train.global_batch_size=16", "--train.micro_batch_size=2"])
-    assert check_batch_split(cfg, 1) == 8  # 16 / (2 * 1)
-    assert check_batch_split(cfg, 2) == 4  # 16 / (2 * 2)
-    assert check_batch_split(cfg, 8) == 1  # 16 / (2 * 8)
+    assert check_batch_split(cfg.train, 1) == 8  # 16 / (2 * 1)
+    assert check_batch_split(cfg.train, 2) == 4  # 16 / (2 * 2)
+    assert check_batch_split(cfg.train, 8) == 1  # 16 / (2 * 8)
 
 
 @pytest.mark.parametrize("world_size", [3, 16])
 def test_batch_split_that_is_not_whole_is_an_error(world_size):
     cfg = load_config(TINY, ["--train.global_batch_size=16", "--train.micro_batch_size=2"])
     with pytest.raises(ConfigError) as info:
-        check_batch_split(cfg, world_size)
+        check_batch_split(cfg.train, world_size)
     # 16 % (2 * 3) = 4 and 16 % (2 * 16) = 16: neither is whole.
     (problem,) = info.value.problems
     assert f"= 2 * {world_size} = {2 * world_size}" in problem and "train.global_batch_size=16" in problem

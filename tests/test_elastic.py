@@ -105,8 +105,8 @@ def nodes():
                                               (12, "auto", [1, 2, 3, 4, 6, 12])])
 def test_the_world_sizes_that_fit(batch, micro, sizes):
     cfg = load_config(CONFIG, [*TINY, f"--train.global_batch_size={batch}", f"--train.micro_batch_size={micro}"])
-    assert fitting_world_sizes(cfg) == sizes
-    assert [w for w in range(1, 13) if not unfit_world(cfg, w)] == sizes
+    assert fitting_world_sizes(cfg.train) == sizes
+    assert [w for w in range(1, 13) if not unfit_world(cfg.train, w)] == sizes
 
 
 @pytest.mark.slow

@@ -7,13 +7,12 @@ import dataclasses
 import json
 import math
 import typing
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import train_fsdp
-from config import CheckpointConfig, ConfigError, load_config
+from config import CheckpointConfig, ConfigError, ModelSection, load_config
 from config.sections import LoRATarget
 from fsdp_utils.checkpoint import CheckpointMismatch
 from fsdp_utils.checkpoint.base import is_adapter_key
@@ -409,10 +408,8 @@ def test_a_forged_lora_config_cannot_make_generate_build_an_enormous_base(tmp_pa
         model, optimizer, TrainState(step=1, samples_seen=2))
     payload = torch.load(path, weights_only=True)
     forged = {**signature, "dim": 4096, "n_layers": 4096, "n_heads": 32, "n_kv_heads": 8}
-    source = SimpleNamespace(model=SimpleNamespace(type="llama", init_from="", hf_path="", hf_config=""),
-                             run=SimpleNamespace(seed=run_cfg.run.seed))
     payload["model_config"] = forged
-    payload["lora"]["base"] = base_reference(source, forged)
+    payload["lora"]["base"] = base_reference(ModelSection(), forged, seed=run_cfg.run.seed)
     torch.save(payload, path)
     sidecar_of(path).write_text(json.dumps({"format_version": 1, "files": {path.name: file_record(path)}}))
     assert ModelConfig(**forged).num_params() > 7 * 10**11

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from torch.distributed.tensor import DTensor
 from model.transformer import Attention, FeedForward
 
 from ..distributed import pick_device
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig  # torchao is imported only when FP8 is asked for
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +234,7 @@ class CastInputOnce:
     either way the reduction is not repeated."""
 
     @staticmethod
-    def applies_to(config) -> bool:
+    def applies_to(config: Float8LinearConfig) -> bool:
         from torchao.float8.config import ScalingGranularity
 
         tensorwise = config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE

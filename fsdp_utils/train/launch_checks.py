@@ -23,7 +23,7 @@ def launch_checks(cfg: Config, launch: Launch, resume_from: str | None, *, any_w
     load_config made); with `any_world`, all but what depends on the world size."""
     problems = launch_problems(cfg, world_size=None if any_world else launch.world_size,
                                local_world_size=launch.local_world_size, num_gpus=torch.cuda.device_count())
-    problems += resume_problems(cfg, resume_from)
+    problems += resume_problems(resume_from, output_dir=cfg.output_dir)
     problems += float8_problems(cfg.train.float8, run_device=cfg.run.device, local_rank=launch.local_rank)
     problems += float8_output_problems(cfg.train.float8_output, run_device=cfg.run.device,
                                        local_rank=launch.local_rank)
@@ -36,11 +36,11 @@ def launch_checks(cfg: Config, launch: Launch, resume_from: str | None, *, any_w
     return problems
 
 
-def resume_problems(cfg: Config, resume_from: str | None) -> list[str]:
-    """--resume_from: latest needs a complete checkpoint in the output directory; a path, a checkpoint whose
+def resume_problems(resume_from: str | None, *, output_dir: Path) -> list[str]:
+    """--resume_from: latest needs a complete checkpoint in the run's output directory; a path, a checkpoint whose
     structure is whole (a torch.save file, or a folder with all its files)."""
-    if resume_from == "latest" and not complete_checkpoints(cfg.output_dir):
-        return [f"--resume_from latest: no complete checkpoint in {cfg.output_dir} (run.output_dir) to resume"]
+    if resume_from == "latest" and not complete_checkpoints(output_dir):
+        return [f"--resume_from latest: no complete checkpoint in {output_dir} (run.output_dir) to resume"]
     if resume_from not in (None, "latest"):
         try:
             check_structure(Path(resume_from))

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from config import Config
+
 from .. import nofollow
 from ..distributed import DistEnv, broadcast_decision
 from ..nofollow import replace_file
@@ -422,13 +424,13 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
     return fitting
 
 
-def cache_key(cfg, *, model_signature: dict, world_size: int, gpu: str, precision: str) -> dict:
+def cache_key(cfg: Config, *, model_signature: dict, world_size: int, gpu: str, precision: str) -> dict:
     """What the measured memory depends on. Every fsdp option is in (a few are not memory-relevant; a
     needless new search costs only a minute)."""
     t = cfg.train
     key = {"model": model_signature, "seq_len": cfg.data.seq_len, "global_batch_size": t.global_batch_size,
            "world_size": world_size, "gpu": gpu, "torch": torch.__version__, "precision": precision,
-           "compile": t.compile, "loss_chunk_tokens": t.loss_chunk_tokens, "float8": getattr(t, "float8", None),
+           "compile": t.compile, "loss_chunk_tokens": t.loss_chunk_tokens, "float8": t.float8,
            "margin": t.auto_micro_batch_margin, "fsdp": dataclasses.asdict(cfg.fsdp)}
     if t.micro_batch_size != "auto":  # fsdp.activation_checkpointing=auto alone: chosen for this micro-batch
         key["micro_batch_size"] = t.micro_batch_size
@@ -514,24 +516,25 @@ def cpu_micro_batch(per_rank: int, limit: int) -> int:
     return max(d for d in divisors(per_rank) if d <= limit)
 
 
-def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer, vocab_size: int,
-                        key: dict, probe: MemoryProbe | None, switch: CheckpointSwitch | None = None,
+def resolve_micro_batch(cfg: Config, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        vocab_size: int, key: dict, probe: MemoryProbe | None, switch: CheckpointSwitch | None = None,
                         use_cache: bool = True) -> MicroBatchChoice:
     """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice (`use_cache`), or a
     search; with fsdp.activation_checkpointing=auto (`switch`) the policy too, left set in the switch.
     `describe_choice` says how it was chosen."""
     t = cfg.train
-    auto_size = t.micro_batch_size == "auto"
-    if not auto_size and switch is None:
-        return MicroBatchChoice(t.micro_batch_size, "configured")
+    configured = t.micro_batch_size if isinstance(t.micro_batch_size, int) else None  # None: auto
+    auto_size = configured is None
+    if configured is not None and switch is None:
+        return MicroBatchChoice(configured, "configured")
     per_rank = t.global_batch_size // env.world_size
     if probe is None:  # the CPU: no GPU memory to measure
         policy = None
         if switch is not None:
             switch.policy = CheckpointPolicy("none")
             policy = switch.policy.name
-        if not auto_size:
-            return MicroBatchChoice(t.micro_batch_size, "configured", checkpointing=policy)
+        if configured is not None:
+            return MicroBatchChoice(configured, "configured", checkpointing=policy)
         return MicroBatchChoice(cpu_micro_batch(per_rank, t.auto_micro_batch_cpu), "cpu", checkpointing=policy)
     entry = broadcast_decision(env, read_cache(cfg.output_dir, key) if env.is_main else None) if use_cache else None
     if entry is not None:
@@ -541,18 +544,18 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
         return MicroBatchChoice(entry["micro_batch_size"], "cache", measured, entry["capacity_gib"],
                                 entry["budget_gib"], checkpointing=entry.get("activation_checkpointing"),
                                 cached_on=entry.get("date", "?"))
-    sizes = divisors(per_rank) if auto_size else [t.micro_batch_size]
+    sizes = divisors(per_rank) if configured is None else [configured]
     log.info("%s: measuring trial steps on %s to find %s", auto_label(auto_size=auto_size,
                                                                       auto_checkpointing=switch is not None),
              probe.name, f"the largest micro-batch of {sizes} that fits" if switch is None else
              f"the fastest pair of activation checkpointing policy and micro-batch (of {sizes}) that fits")
     return search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
                               grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env,
-                              probe=probe, micro_batch=None if auto_size else t.micro_batch_size, switch=switch,
+                              probe=probe, micro_batch=configured, switch=switch,
                               every_n=cfg.fsdp.ac_every_n_layers)
 
 
-def describe_choice(choice: MicroBatchChoice, cfg, *, world_size: int) -> list[str]:
+def describe_choice(choice: MicroBatchChoice, cfg: Config, *, world_size: int) -> list[str]:
     """How resolve_micro_batch chose, as the training log and the benchmark print it: no line for a micro-batch
     set by hand without fsdp.activation_checkpointing=auto."""
     t = cfg.train
