@@ -87,7 +87,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
 # By default, a corpus up to this size (on disk, or read up to data.max_corpus_mb) is prepared by the
 # calling process alone: spawning workers (which import the caller's main script, torch included, in a
-# training job) takes seconds.
+# training job) costs more than such a corpus takes to encode.
 IN_PROCESS_MAX_BYTES = 16 << 20
 # What is fetched of URLs whose size the server does not give may pass data.max_corpus_mb (of text) by this much
 # beyond twice it and a document: read-ahead, and compression's framing.

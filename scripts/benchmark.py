@@ -586,7 +586,7 @@ def run_rounds(runs: list[tuple], cfg: Config, env: DistEnv,
     splits = {}  # name -> (micro-batch, accumulation) as run; auto is searched in the first round only
     last_split = (cfg.train.micro_batch_size, args.grad_accum or 1) if args.peer_only else None
     round_step_s: dict[str, list[float]] = {name: [] for name in times}  # each round's median step time
-    # Rounds alternate the runs, so a machine whose speed drifts between invocations (seen at
+    # Rounds alternate the runs, so a machine whose speed drifts between invocations (most visible at
     # short steps) affects both alike; each round builds its model afresh.
     for _ in range(args.rounds):
         for name, bench, run_cfg, micro_batch, grad_accum in runs:

@@ -424,7 +424,7 @@ def test_a_forged_lora_config_cannot_make_generate_build_an_enormous_base(tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_two_ranks_resume_latest_of_a_lora_run_far_smaller_than_its_base(tmp_path, corpus, dataset_dir, fmt):
-    """The issue's repro at a size the CPU runs: a 2-rank LoRA run stopped at step 2 and continued with
+    """A LoRA run far smaller than its base, at a size the CPU runs: a 2-rank run stopped at step 2 and continued with
     --resume_from latest takes steps 3 and 4 as the uninterrupted run did, bit for bit, and generate.py samples
     the same text from both runs' last checkpoints."""
     args = ["--model.dim=128", "--model.vocab_size=320", "--train.lora.rank=2", "--train.lora.targets=[q, v]",

@@ -56,7 +56,7 @@ def test_a_model_that_fits_is_built():
     assert sum(p.numel() for p in built.module.parameters()) * 4 == weights
     with pytest.raises(ModelMemoryError):
         build_model(cfg, ONE_RANK, host_free=weights - 1)
-    assert build_model(cfg, ONE_RANK, host_free=None).init is None  # nothing to compare with: built as before
+    assert build_model(cfg, ONE_RANK, host_free=None).init is None  # nothing to compare with: built directly
 
 
 def _build_on_two_ranks(rank: int, world_size: int, *, overrides: list[str], host_free: list[list[int]]) -> list[str]:

@@ -44,7 +44,7 @@ def build_model(cfg: Config, env: DistEnv, *, fused_matmul: bool | None = None, 
     documents = model_documents(cfg, eos_id)
     base_dtype = resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device).compute
     if cfg.model.type == "hf":
-        # Sized from config.json first (a skeleton of many layers alone takes minutes), then exactly once
+        # Sized from config.json first (a skeleton of many layers alone is slow to build), then exactly once
         # transformers has built the meta-device skeleton, before any allocation.
         _agree(env, _hf_size_problem(cfg.model, env, host_free=host_free))
         built = hf.build_for_sharding(cfg, env, eos_id=documents.eos_id if documents else None)

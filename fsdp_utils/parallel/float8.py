@@ -288,7 +288,7 @@ class CastOncePerStep:
     attribute: FSDP2 calls it in place of torchao's `fsdp_pre_all_gather`). `refresh()` keeps torchao's own
     cast of the shard (its FP8 data and scale); each all-gather after it sends that cast while the weight is
     unchanged since (its version counters), and casts as torchao does otherwise. torchao alone casts at every
-    all-gather: with 2 micro-batches 4 times a step per weight, each three small kernels and about 0.3 ms of
+    all-gather (twice per micro-batch and weight: forward and backward), each time a few small kernels and some
     Python at the start of a block, where the GPU waits for it. The cast costs one byte per element of the
     shard, kept for the step."""
 

@@ -176,8 +176,8 @@ def packed_sequences_unsupported(hf_config: PretrainedConfig) -> str | None:
 
 
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
-# The largest of each config.json size this library builds: our own model's bounds (model/config.py), past any
-# released model's. A larger one is a typo, and a skeleton of that many layers alone takes minutes to build.
+# The largest of each config.json size this library builds: our own model's bounds (config/model_checks.py), past
+# any released model's. A larger one is a typo, and a skeleton of that many layers alone is slow to build.
 SIZE_LIMITS = {"hidden_size": (MAX_DIM, "2**20"), "intermediate_size": (MAX_FFN_HIDDEN_DIM, "2**22"),
                "num_hidden_layers": (MAX_LAYERS, "2**16"), "vocab_size": (MAX_VOCAB_SIZE, "2**24"),
                "num_attention_heads": (MAX_DIM, "2**20"), "num_key_value_heads": (MAX_DIM, "2**20"),

@@ -136,10 +136,11 @@ def _fingerprint(model: nn.Module) -> torch.Tensor:
 
 def _trial_compile_options(compile: bool) -> contextlib.AbstractContextManager:
     """Inductor fuses a norm's backward reductions (mix-order reduction) only where the rows are at least twice
-    the columns, among other size tests. With the batch dimension dynamic those tests become guards: at 8B (4,096
-    columns) the graph compiled at micro-batch 2 covered 2-3 only, and 8 compiled once more. The trials skip the
-    tests (what inductor's non-strict mode is for), so one dynamic graph per policy covers every larger size; the
-    run's own graph compiles after the trials, with them, as training without the search would."""
+    the columns, among other size tests. With the batch dimension dynamic those tests become guards, so a graph
+    compiled at one micro-batch covers only the sizes on the same side of them, and a larger trial compiles once
+    more. The trials skip the tests (what inductor's non-strict mode is for), so one dynamic graph per policy covers
+    every larger size; the run's own graph compiles after the trials, with them, as training without the search
+    would."""
     if not compile:
         return contextlib.nullcontext()
     import torch._inductor.config as inductor
@@ -183,8 +184,8 @@ def auto_policies(every_n: int, *, roles_known: bool = True) -> list[CheckpointP
     could not fit). Where the blocks' matmul roles are not known, selective_op_wide (the elementwise work only)
     and every every_n-th block's whole forward take the two op-level policies' place. Where they are known,
     every n-th block's forward is no candidate: it keeps about what selective_op keeps and recomputes as much as
-    selective_op_lean, which keeps less (measured at 1B and 8B), so it never won; one candidate fewer is one
-    compile and its trials fewer. Neither is selective_op_wide: it sits between none and selective_op."""
+    selective_op_lean, which keeps less, so it cannot win; one candidate fewer is one compile and its trials fewer.
+    Neither is selective_op_wide: it sits between none and selective_op."""
     if roles_known:
         return [CheckpointPolicy(name) for name in ("none", "selective_op", "selective_op_lean", "full")]
     return [CheckpointPolicy("none"), CheckpointPolicy("selective_op_wide"),
@@ -257,9 +258,8 @@ class _Trials:
     def tokens_per_s(self, micro_batch: int) -> float:
         """Per rank, over one whole step (the accumulation of the per-rank batch), warmed up: right after this
         pair's memory trial where that trial was the whole step (two micro-batches or fewer), the trial was the
-        warm-up; otherwise one step warms up first. Measured at 1B on 2 GPUs, a step timed right after a trial of
-        2 of its micro-batches read 5.4% slow at accumulation 8 and 1.0% at 4, one after a whole-step trial 0.2%
-        fast; a first step after other pairs read 1-9% slow at 8B."""
+        warm-up; otherwise one step warms up first: a step timed right after a partial trial, or after other
+        pairs, runs slow (docs/benchmarks/ has the figures)."""
         num_micro = self.per_rank // micro_batch
         if self.warm_pair != pair_name(self.policy, micro_batch):
             self.probe.begin(micro_batch, self.policy_name)
@@ -385,8 +385,7 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
     With `speeds` (the pairs compete: the auto micro-batch), each pair is timed as it is found, its tokens/s
     recorded there, unless it is the first and no later policy can fit more. A pair slower than one before it
     ends the search, the policies after it listed in `untried`: each recomputes more, for a still larger
-    micro-batch, which gains less than the last larger one did (at 8B, selective_op_lean@16 was 9% slower than
-    none@8 and full@32 11%)."""
+    micro-batch, which gains less than the last larger one did."""
     fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]] = []
     fixed = resident
     for index, policy in enumerate(policies):
@@ -402,8 +401,7 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
         fit = sorted((c for c in candidates if c <= safe), reverse=True) or candidates[:1]
         # From the first policy's fixed part, one measurement predicts at most twice its size: that part is read
         # from a line of reserved peaks, an estimate (the resident states are a bound), and up to twice the size
-        # the prediction errs by no more than the estimate does. At 8B, selective_op_lean measured at 8 was
-        # predicted at 118 GiB at 32 and peaked at 136.
+        # the prediction errs by no more than the estimate does; further out it underestimates.
         best, measured = climb(sizes, budget=budget, resident=fixed, measure=trials.measure, fit=fit,
                                one_point_jump=2 if fixed > resident else None)
         tried[trials.policy_name or ""] = measured
@@ -425,8 +423,8 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
 
 
 def cache_key(cfg: Config, *, model_signature: dict, world_size: int, gpu: str, precision: str) -> dict:
-    """What the measured memory depends on. Every fsdp option is in (a few are not memory-relevant; a
-    needless new search costs only a minute)."""
+    """What the measured memory depends on. Every fsdp option is in (a few are not memory-relevant: a change to
+    one costs a needless search, never a wrong micro-batch)."""
     t = cfg.train
     key = {"model": model_signature, "seq_len": cfg.data.seq_len, "global_batch_size": t.global_batch_size,
            "world_size": world_size, "gpu": gpu, "torch": torch.__version__, "precision": precision,
