@@ -35,19 +35,17 @@ from config import (
     ConfigError,
     FSDPConfig,
     config_warnings,
-    launch_problems,
     load_config,
     save_config,
     split_known_args,
     summarize_config,
+    unfit_world,
 )
 from data import DataError, open_datasets
 from data.store import tokenizer_sha256
 from data.tokenizer import prepared_eos_id
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
-from fsdp_utils.checkpoint.format import check_structure
 from fsdp_utils.checkpoint.io import install_tokenizer
-from fsdp_utils.checkpoint.retention import complete_checkpoints
 from fsdp_utils.distributed import (
     DistEnv,
     Launch,
@@ -56,15 +54,13 @@ from fsdp_utils.distributed import (
     prefer_expandable_segments,
     read_torchrun_env,
 )
-from fsdp_utils.evaluation.downstream import DownstreamError, DownstreamEvaluator, open_downstream, task_problems
+from fsdp_utils.evaluation.downstream import DownstreamError, DownstreamEvaluator, open_downstream
 from fsdp_utils.evaluation.validation import evaluate
-from fsdp_utils.guards.elastic import unfit_world, wait_for_membership_change
+from fsdp_utils.guards.elastic import wait_for_membership_change
 from fsdp_utils.guards.preemption import RESTART_EXIT_CODE, StopSignal, after_stop
 from fsdp_utils.guards.run_lock import RunLocked, take_run_lock
-from fsdp_utils.observability.trackers import tracker_problems
 from fsdp_utils.parallel.build import ModelMemoryError, describe_model, log_parameter_summary
-from fsdp_utils.parallel.float8 import float8_output_problems, float8_output_vocabulary_problems, float8_problems
-from fsdp_utils.parallel.hf import HFModelError, hf_problems
+from fsdp_utils.parallel.hf import HFModelError
 from fsdp_utils.parallel.lora import lora_record
 from fsdp_utils.parallel.parallelize import (
     Precision,
@@ -77,6 +73,7 @@ from fsdp_utils.parallel.parallelize import (
 from fsdp_utils.parallel.weights import WeightInit
 from fsdp_utils.train.batch import TrainBatches
 from fsdp_utils.train.build_run import BuiltRun, build_run, describe_run
+from fsdp_utils.train.launch_checks import launch_checks
 from fsdp_utils.train.microbatch import describe_choice, save_to_cache
 from fsdp_utils.train.observers import Observers
 from fsdp_utils.train.oom_guard import OutOfMemory, OutOfMemoryGuard
@@ -114,31 +111,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "(all but the world size): print the problems and exit 2, or exit 0; the elastic "
                              "launchers run it first, since torchrun would repeat a config error at every restart")
     return split_known_args(parser, argv)
-
-
-def early_problems(cfg: Config, launch: Launch, resume_from: str | None, *, any_world: bool = False) -> list[str]:
-    """Everything that can be checked before the process group starts, beyond the config itself; with
-    `any_world`, all but what depends on the world size."""
-    problems = launch_problems(cfg, world_size=None if any_world else launch.world_size,
-                               local_world_size=launch.local_world_size, num_gpus=torch.cuda.device_count())
-    if resume_from == "latest" and not complete_checkpoints(cfg.output_dir):
-        problems.append(f"--resume_from latest: no complete checkpoint in {cfg.output_dir} (run.output_dir) to resume")
-    elif resume_from not in (None, "latest"):
-        try:
-            check_structure(Path(resume_from))  # exists, a torch.save file or a folder with all its files
-        except CheckpointError as err:
-            problems.append(f"--resume_from: {err}")
-    problems += float8_problems(cfg.train.float8, run_device=cfg.run.device, local_rank=launch.local_rank)
-    problems += float8_output_problems(cfg.train.float8_output, run_device=cfg.run.device,
-                                       local_rank=launch.local_rank)
-    problems += float8_output_vocabulary_problems(cfg)
-    if launch.rank == 0:  # the trackers live on rank 0 only
-        problems += tracker_problems(cfg.logging.tracker_names)
-    if cfg.model.type == "hf" and not problems:  # the folder exists (launch_problems): can it be used?
-        problems += hf_problems(cfg.model, document_masking=cfg.data.document_masking)
-    # lm-eval importable and every task known, before step 1 (not at the first evaluation).
-    problems += task_problems(cfg.train.eval_tasks, cfg.train.eval_tasks_path, where="train.eval_tasks")
-    return problems
 
 
 def exit_early(problems: list[str], launch: Launch) -> int:
@@ -310,12 +282,10 @@ def train(run: Run, stop: StopSignal) -> dict:
                          optimizer=run.optimizer, resplit=lambda split: batches.resplit(
                              split, step=state.step, samples_seen=state.samples_seen))
 
-    def step() -> StepResult:
-        """grad_accum micro-batches of this rank's share of the global batch, one optimizer step, at the
-        schedule's learning rate."""
-        state.lr = run.schedule(state.step)
+    def step(lr: float) -> StepResult:
+        """grad_accum micro-batches of this rank's share of the global batch, one optimizer step at `lr`."""
         for group in run.optimizer.param_groups:
-            group["lr"] = state.lr
+            group["lr"] = lr
         return guarded(lambda: train_step(run.model, run.optimizer, batches, grad_accum=batches.split.grad_accum,
                                           grad_clip=t.grad_clip, world_size=env.world_size, scaler=run.built.scaler,
                                           stop_requested=stop.requested, masked_targets=run.masked_targets),
@@ -336,10 +306,11 @@ def train(run: Run, stop: StopSignal) -> dict:
     try:
         run.model.train()
         while state.step < t.max_steps:
-            result = step()  # -- batch and step
+            state.lr = lr = run.schedule(state.step)  # the schedule's learning rate for this step
+            result = step(lr)  # -- batch and step
             bad_steps.check(result, step=state.step + 1)  # a non-finite step: its update skipped, or the run stops
             state.advance(samples=t.global_batch_size, tokens=t.global_batch_size * cfg.data.seq_len)
-            observers.on_step(state.step, result, lr=state.lr, split=batches.split)  # -- log
+            observers.on_step(state.step, result, lr=lr, split=batches.split)  # -- log
             if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.max_steps):
                 evaluate_all()  # -- evaluate: every train.eval_interval steps and at the last
             # -- save: the manager decides (its interval, a save in flight to commit, a stop, the last step)
@@ -369,10 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     # Every problem with the config and the launch is found before any process group starts.
     unfit: list[str] = []
     try:
-        cfg = load_config(args.config, overrides)
-        problems = early_problems(cfg, launch, args.resume_from, any_world=args.check)
-        if launch.elastic:  # a world size that cannot hold the batch waits for the next (fsdp_utils/train/elastic.py)
-            unfit = unfit_world(cfg, launch.world_size)
+        cfg = load_config(args.config, overrides)  # the config's own checks
+        problems = launch_checks(cfg, launch, args.resume_from, any_world=args.check)  # then the launch's
+        if launch.elastic:  # a world size that cannot hold the batch waits for the next (fsdp_utils/guards/elastic.py)
+            unfit = unfit_world(cfg.train, launch.world_size)
             problems = [p for p in problems if p not in unfit]
     except ConfigError as err:
         problems = err.problems
@@ -388,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup_logging(env)
         if unfit:
-            return wait_for_membership_change(cfg, env, stop)
+            return wait_for_membership_change(cfg.train, env, stop)
         lock = take_run_lock(cfg.output_dir, env)  # before anything is written into the output directory
         run = set_up(cfg, env, stop=stop, resume_from=args.resume_from)
         train(run, stop)

@@ -61,7 +61,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +72,7 @@ import torch.distributed as dist  # noqa: E402
 
 from config import (  # noqa: E402
     CheckpointConfig,  # noqa: E402
+    Config,
     ConfigError,
     check_batch_split,
     load_config,
@@ -79,6 +80,7 @@ from config import (  # noqa: E402
 from config.checks import float8_size_problem  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.distributed import (  # noqa: E402
+    DistEnv,
     destroy_distributed,
     init_distributed,
     prefer_expandable_segments,
@@ -100,7 +102,8 @@ from train_fsdp import wrap  # noqa: E402
 EOS_ID = 0
 
 
-def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device, seed: int, doc_len: int = 0):
+def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device: torch.device, seed: int,
+                   doc_len: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """An endless stream of random (inputs, targets) batches, generated on the device. Without doc_len no token is
     EOS_ID (every window inside one long document, as in a corpus of long texts); with doc_len, an EOS_ID at each
     position with probability 1 / doc_len (geometric document lengths of that mean)."""
@@ -113,7 +116,7 @@ def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device, s
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def time_steps(step_fn, *, warmup: int, steps: int, device) -> list[float]:
+def time_steps(step_fn: Callable[[], None], *, warmup: int, steps: int, device: torch.device) -> list[float]:
     """Run warmup + timed steps; return each timed step's seconds (synchronised: the step's last
     .item() already waits for the GPU, a barrier keeps ranks aligned)."""
     for _ in range(warmup):
@@ -129,13 +132,14 @@ def time_steps(step_fn, *, warmup: int, steps: int, device) -> list[float]:
     return times
 
 
-def bench_ours(cfg, env, args, *, micro_batch: int | str, grad_accum: int | None) -> dict:
+def bench_ours(cfg: Config, env: DistEnv, args: argparse.Namespace, *, micro_batch: int | str,
+               grad_accum: int | None) -> dict:
     """micro_batch "auto": searched as train_fsdp.py does; grad_accum None: what the global batch needs."""
     step, run = build_ours(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
     return {**measure(step, env, args), "micro_batch": run.split.micro_batch_size, "grad_accum": run.split.grad_accum}
 
 
-def run_config(cfg, env, *, micro_batch: int | str, grad_accum: int | None):
+def run_config(cfg: Config, env: DistEnv, *, micro_batch: int | str, grad_accum: int | None) -> Config:
     """The config of one of ours: train.micro_batch_size set to `micro_batch`; with `grad_accum` (a numeric
     micro-batch), the global batch is the step that makes."""
     c = copy.deepcopy(cfg)
@@ -145,7 +149,7 @@ def run_config(cfg, env, *, micro_batch: int | str, grad_accum: int | None):
     return c
 
 
-def build_ours(cfg, env, args, *, micro_batch: int | str,
+def build_ours(cfg: Config, env: DistEnv, args: argparse.Namespace, *, micro_batch: int | str,
                grad_accum: int | None) -> tuple[Callable[[], None], BuiltRun]:
     """(step function, the run) of train_fsdp.py's model, wrapping, optimizer, micro-batch plan and step: built by
     build_run with train_fsdp.py's own `wrap`, on random tokens. The ablations are its parameters:
@@ -154,7 +158,7 @@ def build_ours(cfg, env, args, *, micro_batch: int | str,
     run_cfg = run_config(cfg, env, micro_batch=micro_batch, grad_accum=grad_accum)
     vocab_size, signature, _ = describe_model(run_cfg, run_cfg.data.vocab_size)
     try:
-        check_batch_split(run_cfg, env.world_size)  # before the build: a split that cannot work costs no model
+        check_batch_split(run_cfg.train, env.world_size)  # before the build: a split that cannot work costs no model
         run = build_run(run_cfg, env, wrap=wrap, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID,
                         use_cache=False, fused_matmul=True if args.fused_projections else None,
                         fused_adamw=not args.unfused_adamw)
@@ -166,7 +170,7 @@ def build_ours(cfg, env, args, *, micro_batch: int | str,
     batches = random_batches(vocab_size, micro_batch=run.split.micro_batch_size, seq_len=cfg.data.seq_len,
                              device=env.device, seed=env.rank, doc_len=args.doc_len)
 
-    def step():
+    def step() -> None:
         # The training loop's own step (fsdp_utils/train/step.py), its one host sync included.
         train_step(run.model, run.optimizer, batches, grad_accum=run.split.grad_accum, grad_clip=cfg.train.grad_clip,
                    world_size=env.world_size, scaler=run.scaler)
@@ -183,7 +187,7 @@ def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
                     if name.endswith(DOCMASK) and name.removesuffix(DOCMASK) in names]
 
 
-def measure(step_fn, env, args) -> dict:
+def measure(step_fn: Callable[[], None], env: DistEnv, args: argparse.Namespace) -> dict:
     """Time the warm-up and timed steps, then (--profile) profile a few more."""
     times = time_steps(step_fn, warmup=args.warmup, steps=args.steps, device=env.device)
     if args.profile:
@@ -191,7 +195,7 @@ def measure(step_fn, env, args) -> dict:
     return {"times": times}
 
 
-def profile_steps(step_fn, env, num_steps: int = 3) -> None:
+def profile_steps(step_fn: Callable[[], None], env: DistEnv, num_steps: int = 3) -> None:
     """Print the GPU kernels that took the most time over a few steps (rank 0), to see where time goes."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -203,7 +207,7 @@ def profile_steps(step_fn, env, num_steps: int = 3) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
-def bench_peer(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
+def bench_peer(cfg: Config, env: DistEnv, args: argparse.Namespace, *, micro_batch: int, grad_accum: int) -> dict:
     """transformers LlamaForCausalLM + FSDP2 + per-layer compile: what users would otherwise run."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -232,7 +236,7 @@ def bench_peer(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
     batches = random_batches(m.vocab_size, micro_batch=micro_batch, seq_len=cfg.data.seq_len, device=env.device,
                              seed=env.rank)
 
-    def step():
+    def step() -> None:
         total = None
         for micro in range(grad_accum):
             x, y = next(batches)
@@ -249,7 +253,8 @@ def bench_peer(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
     return {**measure(step, env, args), "micro_batch": micro_batch, "grad_accum": grad_accum}
 
 
-def bench_peer_fitting(cfg, env, args, *, micro_batch: int, grad_accum: int) -> dict:
+def bench_peer_fitting(cfg: Config, env: DistEnv, args: argparse.Namespace, *, micro_batch: int,
+                       grad_accum: int) -> dict:
     """The reference at ours' split, or, where that runs out of memory (it keeps more than ours: the
     whole logits), at half the micro-batch and twice the accumulation, and so on: the same global batch.
     Its model is rebuilt for each try; the out-of-memory error hits every rank alike (same shapes)."""
@@ -266,7 +271,7 @@ def bench_peer_fitting(cfg, env, args, *, micro_batch: int, grad_accum: int) -> 
         reset_memory(env)
 
 
-def timed_step(step_fn, env) -> float:
+def timed_step(step_fn: Callable[[], None], env: DistEnv) -> float:
     dist.barrier()
     start = time.perf_counter()
     step_fn()
@@ -275,19 +280,19 @@ def timed_step(step_fn, env) -> float:
     return time.perf_counter() - start
 
 
-def max_over_ranks(value: float, env) -> float:
+def max_over_ranks(value: float, env: DistEnv) -> float:
     t = torch.tensor(value, dtype=torch.float64, device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
-def reset_peak(env) -> None:
+def reset_peak(env: DistEnv) -> None:
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
         torch.cuda.reset_peak_memory_stats(env.device)
 
 
-def bench_saves(cfg, env, args) -> list[dict]:
+def bench_saves(cfg: Config, env: DistEnv, args: argparse.Namespace) -> list[dict]:
     """Sharded saves of train_fsdp.py's model and optimizer, per mode (see the module docstring)."""
     auto = cfg.train.micro_batch_size == "auto"
     step_fn, run = build_ours(cfg, env, args, micro_batch=cfg.train.micro_batch_size,
@@ -350,7 +355,7 @@ def bench_saves(cfg, env, args) -> list[dict]:
     return rows
 
 
-def print_saves(rows: list[dict], cfg, env, args) -> None:
+def print_saves(rows: list[dict], cfg: Config, env: DistEnv, args: argparse.Namespace) -> None:
     if not rows:
         return
     m = cfg.model
@@ -382,14 +387,15 @@ def print_saves(rows: list[dict], cfg, env, args) -> None:
                   f"({max(r['save_peak_gib'], r['overlap_peak_gib'] or 0):.2f} > {r['train_peak_gib']:.2f} GiB)")
 
 
-def peak_memory_gib(env) -> float:
+def peak_memory_gib(env: DistEnv) -> float:
     gib = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0
     mem = torch.tensor(gib, device=env.device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     return mem.item()
 
 
-def summarise(name: str, times: list[float], peak_mem_gib: float, split: tuple[int, int], cfg, peak_flops) -> dict:
+def summarise(name: str, times: list[float], peak_mem_gib: float, split: tuple[int, int], cfg: Config,
+              peak_flops: float | None) -> dict:
     step_s = statistics.median(times)
     micro_batch, grad_accum = split
     tokens_per_gpu = grad_accum * micro_batch * cfg.data.seq_len / step_s
@@ -400,7 +406,7 @@ def summarise(name: str, times: list[float], peak_mem_gib: float, split: tuple[i
             "step_s_min": min(times), "step_s_max": max(times)}
 
 
-def reset_memory(env) -> None:
+def reset_memory(env: DistEnv) -> None:
     gc.collect()
     if env.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -478,7 +484,7 @@ def grid_pairs(text: str) -> list[tuple[str, int]]:
     return pairs
 
 
-def checked_grid(args) -> list[tuple[str, int]]:
+def checked_grid(args: argparse.Namespace) -> list[tuple[str, int]]:
     """--grid's pairs, once --grid and --json are known to be usable (--json before the runs, not after them);
     ConfigError with the problems otherwise."""
     problems = []
@@ -493,7 +499,8 @@ def checked_grid(args) -> list[tuple[str, int]]:
     return grid
 
 
-def load_configs(args, overrides: list[str], *, recipes: list[str], grid: list[tuple[str, int]]) -> tuple:
+def load_configs(args: argparse.Namespace, overrides: list[str], *, recipes: list[str],
+                 grid: list[tuple[str, int]]) -> tuple:
     """(the config, {FP8 recipe or LoRA rank: its config}, {grid pair: its config}); each variant's config is the
     same overrides plus its own, checked as train_fsdp.py checks it (a grid pair's split over this launch's world
     size too). Raises ConfigError with every problem."""
@@ -513,7 +520,7 @@ def load_configs(args, overrides: list[str], *, recipes: list[str], grid: list[t
         try:
             c = load_config(args.config, [*overrides, f"--fsdp.activation_checkpointing={policy}",
                                           f"--train.micro_batch_size={size}"])
-            check_batch_split(c, launch.world_size)
+            check_batch_split(c.train, launch.world_size)
             grid_cfgs[f"{GRID}{policy}@{size}"] = c
         except ConfigError as err:
             problems += [f"--grid {policy}@{size}: {problem}" for problem in err.problems]
@@ -528,7 +535,7 @@ def load_configs(args, overrides: list[str], *, recipes: list[str], grid: list[t
     return cfg, fp8_cfgs, grid_cfgs
 
 
-def plan_runs(args, cfg, fp8_cfgs: dict, grid_cfgs: dict) -> list[tuple]:
+def plan_runs(args: argparse.Namespace, cfg: Config, fp8_cfgs: dict, grid_cfgs: dict) -> list[tuple]:
     """(name, function, config, micro-batch, accumulation) of each run, in order: accumulation None
     follows the global batch."""
     auto = cfg.train.micro_batch_size == "auto"
@@ -553,14 +560,14 @@ def plan_runs(args, cfg, fp8_cfgs: dict, grid_cfgs: dict) -> list[tuple]:
 DOCMASK = "_docmask"
 
 
-def with_documents(cfg):
+def with_documents(cfg: Config) -> Config:
     """The config with document masking and positions restarting at each document."""
     masked = copy.deepcopy(cfg)
     masked.data.document_masking = masked.model.reset_positions = True
     return masked
 
 
-def run_saves(cfg, env, args, *, overrides: list[str]) -> None:
+def run_saves(cfg: Config, env: DistEnv, args: argparse.Namespace, *, overrides: list[str]) -> None:
     """The --save_modes mode: measure checkpoint saves, print them and append them to --json."""
     rows = bench_saves(cfg, env, args)
     if env.is_main:
@@ -571,7 +578,8 @@ def run_saves(cfg, env, args, *, overrides: list[str]) -> None:
                                                "fsdp_version": cfg.fsdp.version, "saves": rows}))
 
 
-def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str, list[float]]]:
+def run_rounds(runs: list[tuple], cfg: Config, env: DistEnv,
+               args: argparse.Namespace) -> tuple[list[dict], dict[str, list[float]]]:
     """Time every run `--rounds` times: (one summary row per run, {run: each round's median step time})."""
     peak = detect_peak_flops(env.device, cfg.logging.peak_override_flops)
     times: dict[str, list[float]] = {name: [] for name, *_ in runs}
@@ -579,7 +587,7 @@ def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str,
     splits = {}  # name -> (micro-batch, accumulation) as run; auto is searched in the first round only
     last_split = (cfg.train.micro_batch_size, args.grad_accum or 1) if args.peer_only else None
     round_step_s: dict[str, list[float]] = {name: [] for name in times}  # each round's median step time
-    # Rounds alternate the runs, so a machine whose speed drifts between invocations (seen at
+    # Rounds alternate the runs, so a machine whose speed drifts between invocations (most visible at
     # short steps) affects both alike; each round builds its model afresh.
     for _ in range(args.rounds):
         for name, bench, run_cfg, micro_batch, grad_accum in runs:
@@ -610,7 +618,8 @@ def run_rounds(runs: list[tuple], cfg, env, args) -> tuple[list[dict], dict[str,
     return rows, round_step_s
 
 
-def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg, env, args, *,
+def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg: Config, env: DistEnv,
+                  args: argparse.Namespace, *,
                   overrides: list[str], recipes: list[str]) -> None:
     """Rank 0: the table of runs, the tokens/s ratios, and the JSON line of --json."""
     ablations = [name for name in ("fused_projections", "unfused_adamw") if getattr(args, name)]

@@ -9,8 +9,8 @@ beforehand (data.tokenizer_model), so the rows time the streaming pass that grow
 parse, split, tokenise, write. Peak memory is sampled from /proc every 0.1 s over the prepare process
 and all its workers: their anonymous memory (heap: where data would pile up; pages shared after a fork
 counted once), their resident memory (adding the libraries each maps; an upper bound, shared pages are
-counted in every process, and torch, which the prepare process imports with the config, is 0.25 GB of
-it), and the largest single process. MB/s and tokens/s are those of the streaming pass itself; the wall time
+counted in every process, torch's among them, which the prepare process imports with the config), and the
+largest single process. MB/s and tokens/s are those of the streaming pass itself; the wall time
 adds the process start (imports) and writing meta.json. CPU time is that of all the processes; divided
 by the wall time it says how many cores the run had: with other work on the machine (its load average
 is the last column) the speedup falls short of the workers' count for want of cores, not of

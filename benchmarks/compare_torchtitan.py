@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from config import Config, ConfigError, load_config  # noqa: E402
+from config import Config, ConfigError, FSDPConfig, TrainConfig, load_config  # noqa: E402
 from data.remote import scrub  # noqa: E402
 from fsdp_utils.nofollow import append_line, results_log_problem  # noqa: E402
 from fsdp_utils.observability.trackers import redacted_argument  # noqa: E402
@@ -91,17 +91,17 @@ def ffn_arguments(dim: int, hidden: int, *, multiple_of: int = 256) -> tuple[flo
                        "in torchtitan's FeedForward"])
 
 
-def peer_activation_checkpointing(cfg: Config, override: str | None) -> str:
-    """The peer's --ac: --peer_ac if given, else ours under torchtitan's name."""
+def peer_activation_checkpointing(f: FSDPConfig, override: str | None) -> str:
+    """The peer's --ac: --peer_ac if given, else our fsdp.activation_checkpointing under torchtitan's name."""
     if override is not None:
         if not PEER_AC.fullmatch(override):
             raise ConfigError([f"--peer_ac {override}: expected none, full, selective_op or selective_N"])
         return override
-    policy = cfg.fsdp.activation_checkpointing
+    policy = f.activation_checkpointing
     if policy in SAME_AC:
         return policy
     if policy == "selective":
-        return f"selective_{cfg.fsdp.ac_every_n_layers}"
+        return f"selective_{f.ac_every_n_layers}"
     raise ConfigError([f"fsdp.activation_checkpointing={policy} has no torchtitan equivalent: pass --peer_ac "
                        "(none, full, selective_op or selective_N)"])
 
@@ -118,15 +118,16 @@ def peer_float8(cfg: Config) -> list[str]:
     return flags
 
 
-def peer_micro_batch(cfg: Config, override: int | None) -> int:
+def peer_micro_batch(t: TrainConfig, override: int | None) -> int:
+    """The peer's micro-batch: --peer_mbs if given, else our train.micro_batch_size (a number)."""
     if override is not None:
         if override < 1:
             raise ConfigError([f"--peer_mbs {override}: must be at least 1"])
         return override
-    if cfg.train.micro_batch_size == "auto":
+    if t.micro_batch_size == "auto":
         raise ConfigError(["train.micro_batch_size=auto is searched by our run only: pass --peer_mbs (or a numeric "
                            "--train.micro_batch_size=N for both)"])
-    return int(cfg.train.micro_batch_size)
+    return int(t.micro_batch_size)
 
 
 def unmatched_features(cfg: Config) -> list[str]:
@@ -156,8 +157,8 @@ def peer_arguments(cfg: Config, *, peer_ac: str | None, peer_mbs: int | None, st
     problems = unmatched_features(cfg)
     m = cfg.model
     ffn = collect(lambda: ffn_arguments(m.dim, m.hidden_dim, multiple_of=m.multiple_of), problems)
-    mbs = collect(lambda: peer_micro_batch(cfg, peer_mbs), problems)
-    ac = collect(lambda: peer_activation_checkpointing(cfg, peer_ac), problems)
+    mbs = collect(lambda: peer_micro_batch(cfg.train, peer_mbs), problems)
+    ac = collect(lambda: peer_activation_checkpointing(cfg.fsdp, peer_ac), problems)
     if ffn is None or mbs is None or ac is None or problems:
         raise ConfigError(problems)
     multiplier, multiple_of = ffn

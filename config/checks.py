@@ -1,5 +1,6 @@
-"""Value checks of a loaded config, each problem naming the field (and for a choice the closest valid one), and
-the checks against the launch (world size, GPUs, output directory) made before any process group starts."""
+"""Value checks of a loaded config, each problem naming the field (and for a choice the closest valid one). The
+model's dimensions are checked in model_checks.py, the config against the launch (world size, GPUs, the output
+directory, the tokenizer's files) in launch.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,10 +8,10 @@ import os
 import typing
 from pathlib import Path
 
-from model import ModelConfig
 from model.float8_projection import FLOAT8_ALIGNMENT
 
-from .errors import ConfigError, closest
+from .errors import closest
+from .model_checks import model_problems
 from .sections import CheckpointConfig, Config, DataConfig, FSDPConfig, LoggingConfig, RunConfig, TrainConfig
 
 # Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order; token counts are 64-bit.
@@ -21,7 +22,7 @@ MAX_SECONDS = 10**9
 
 
 def validate(cfg: Config) -> list[str]:
-    """Value checks that do not depend on the world size (see check_batch_split for that): every field typed
+    """Value checks that do not depend on the launch (see launch.py for those): every field typed
     Literal against its choices, then the values and how they combine, section by section."""
     p = [problem for section in dataclasses.fields(Config)
          for problem in choice_problems(getattr(cfg, section.name), section.name)]
@@ -59,15 +60,8 @@ def _logging_problems(lg: LoggingConfig, *, max_steps: int) -> list[str]:
         p.append(f"logging.interval must be positive, got {lg.interval}")
     if len(set(lg.trackers)) < len(lg.trackers):
         p.append(f"logging.trackers names a tracker twice: {lg.trackers}")
-    for name in ("peak_tflops", "peak_flops"):
-        if getattr(lg, name) < 0:
-            p.append(f"logging.{name} must not be negative, got {getattr(lg, name)}")
-    if lg.peak_tflops and lg.peak_flops:
-        p.append("logging.peak_flops (deprecated, FLOP/s) and logging.peak_tflops are both set: keep only "
-                 f"logging.peak_tflops={lg.peak_flops / 1e12:g}")
-    elif 0 < lg.peak_flops < 1e9:
-        p.append(f"logging.peak_flops={lg.peak_flops:g} is in FLOP/s (989e12 for an H100); for TFLOP/s use "
-                 f"logging.peak_tflops={lg.peak_flops:g}")
+    if lg.peak_tflops < 0:
+        p.append(f"logging.peak_tflops must not be negative, got {lg.peak_tflops}")
     return p + _profile_problems(lg, max_steps=max_steps)
 
 
@@ -97,8 +91,7 @@ def _model_problems(cfg: Config) -> list[str]:
     if m.vocab_size and m.vocab_size < 0:
         p.append(f"model.vocab_size must be 0 (take it from the tokenizer) or positive, got {m.vocab_size}")
     if m.type == "llama":
-        dims = {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}
-        p += ModelConfig(**dims | {"vocab_size": m.vocab_size or 1}).problems()
+        p += model_problems(dataclasses.replace(m, vocab_size=m.vocab_size or 1))  # 0: the tokenizer's
         if cfg.data.tokenizer == "hf" and not cfg.data.hf_tokenizer:
             p.append("data.tokenizer=hf with model.type=llama needs data.hf_tokenizer (a folder with a Hugging Face "
                      "tokenizer)")
@@ -257,8 +250,8 @@ def _train_problems(cfg: Config) -> list[str]:
 def _float8_output_problems(cfg: Config) -> list[str]:
     """train.float8_output: FP8 matmuls take sizes in multiples of 16. With model.vocab_size 0 the vocabulary is the
     tokenizer's: a SentencePiece model trained for the run has data.vocab_size pieces; one read from files
-    (data.tokenizer_model, data.tokenizer=hf, data.sources) is checked at launch (float8_output_vocabulary_problems)
-    and again when the model is built."""
+    (data.tokenizer_model, data.tokenizer=hf, data.sources) is checked at launch (launch.py) and again when the
+    model is built."""
     if cfg.model.type != "llama":
         return [f"train.float8_output=true is for our model (model.type: llama), not model.type: {cfg.model.type}"]
     d = cfg.data
@@ -329,7 +322,8 @@ def config_warnings(cfg: Config) -> list[str]:
 
 
 def _eval_tasks_problems(t: TrainConfig) -> list[str]:
-    """The shape of train.eval_tasks*; whether lm-eval knows the tasks is checked at launch (train_fsdp.py)."""
+    """The shape of train.eval_tasks*; whether lm-eval knows the tasks is checked at launch
+    (fsdp_utils/train/launch_checks.py)."""
     p: list[str] = []
     if t.eval_tasks_limit < 0:
         p.append(f"train.eval_tasks_limit must be 0 (all documents) or positive, got {t.eval_tasks_limit}")
@@ -388,67 +382,3 @@ def _checkpoint_problems(c: CheckpointConfig) -> list[str]:
         p.append("checkpoint.async_save=true needs checkpoint.format=sharded (full checkpoints are written "
                  "synchronously)")
     return p
-
-
-def check_batch_split(cfg: Config, world_size: int, micro_batch: int | None = None) -> int | None:
-    """Gradient accumulation steps for this world size and micro-batch (train.micro_batch_size unless given);
-    ConfigError when the split is not whole. With micro_batch_size=auto and no micro_batch: only checks that
-    the global batch splits over the ranks, and returns None (the micro-batch is measured later)."""
-    t = cfg.train
-    if micro_batch is None and t.micro_batch_size == "auto":
-        if t.global_batch_size % world_size:
-            raise ConfigError([
-                f"train.global_batch_size={t.global_batch_size} is not divisible by the world size {world_size} "
-                f"(train.micro_batch_size=auto splits each rank's share of it); pick a multiple of {world_size}"
-            ])
-        return None
-    micro = micro_batch or t.micro_batch_size
-    assert isinstance(micro, int), "micro_batch_size=auto returned above"
-    per_step = micro * world_size
-    if t.global_batch_size % per_step:
-        raise ConfigError([
-            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size * world size "
-            f"= {micro} * {world_size} = {per_step}; pick a global batch that is a multiple of {per_step}"
-        ])
-    return t.global_batch_size // per_step
-
-
-def launch_problems(cfg: Config, *, world_size: int | None, local_world_size: int, num_gpus: int) -> list[str]:
-    """Checks of the config against the launch (world size, GPUs, the output directory): every problem
-    that can be found before the process group starts. world_size None (not known yet: an elastic job's
-    check before it starts) leaves out the checks against it."""
-    p: list[str] = []
-    if world_size is not None:
-        try:
-            check_batch_split(cfg, world_size)
-        except ConfigError as err:
-            p += err.problems
-    f = cfg.fsdp
-    if f.sharding_strategy == "HYBRID_SHARD" and world_size is not None:
-        group = f.hybrid_shard_group_size or local_world_size
-        if world_size % group:
-            where = f"fsdp.hybrid_shard_group_size={group}" if f.hybrid_shard_group_size else \
-                f"fsdp.hybrid_shard_group_size=0 (the processes per node, {group})"
-            p.append(f"{where} does not divide the world size {world_size}; pick a divisor of {world_size}")
-    if cfg.run.device == "cuda" and num_gpus == 0:
-        p.append("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
-    elif cfg.run.device != "cpu" and 0 < num_gpus < local_world_size:
-        p.append(f"{local_world_size} processes on this node but only {num_gpus} CUDA devices are visible; "
-                 f"start at most {num_gpus} (--nproc_per_node), or use run.device=cpu")
-    p += output_dir_problems(cfg.output_dir)
-    return p
-
-
-def output_dir_problems(out: Path) -> list[str]:
-    """run.output_dir is a directory (or can be made one) that this user may write into."""
-    existing = out
-    while not os.path.exists(existing) and existing != existing.parent:  # the nearest part that exists
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "is a file" if existing == out else f"cannot be created: {existing} is a file"
-        return [f"run.output_dir={out} {what}, not a directory"]
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return [f"run.output_dir={out} is not writable ({existing}: permission denied or a read-only filesystem)"]
-    return []
-
-

@@ -27,6 +27,8 @@ Tracker = Literal["tensorboard", "wandb", "mlflow"]
 REMOVED_FIELDS = {
     "train.eval_batches": "train.eval_samples, the validation sequences per evaluation (the old value times "
                           "train.micro_batch_size gives the same data)",
+    "logging.tensorboard": "logging.trackers, the list of trackers to open (tensorboard in it, or [] for none)",
+    "logging.peak_flops": "logging.peak_tflops, the same peak in TFLOP/s (989 for 989e12 FLOP/s)",
 }
 
 
@@ -366,9 +368,6 @@ class LoggingConfig:
     """Experiment trackers that receive every metrics.jsonl row, the resolved config and the run name (rank 0
     only): any of tensorboard (<output_dir>/tensorboard/), wandb, mlflow; [] for metrics.jsonl alone. Each
     package is imported only when named here; a resumed run continues the same tracked run."""
-    tensorboard: bool | None = None
-    """Deprecated, kept for older configs: false removes tensorboard from logging.trackers, true adds it.
-    Prefer logging.trackers."""
     wandb_project: str = "fsdp-lm"
     """Weights & Biases project (logging.trackers: [wandb]); the W&B run is named after run.name."""
     wandb_entity: str = ""
@@ -385,8 +384,6 @@ class LoggingConfig:
     peak_tflops: float = 0.0
     """Per-GPU dense bf16 peak in TFLOP/s for MFU; 0: the GPU's row in the table of docs/observability.md
     (an unknown GPU, or the CPU, gets no MFU, and the log says so)."""
-    peak_flops: float = 0.0
-    """Deprecated, kept for older configs: the same peak in FLOP/s (989e12); use logging.peak_tflops (989)."""
     profile_steps: list[int] = field(default_factory=list)
     """[start, end]: record a torch.profiler trace of training steps start..end (1-based, both included) into
     <output_dir>/profile/steps<start>-<end>/rank<r>.pt.trace.json (Perfetto, chrome://tracing, TensorBoard's
@@ -403,17 +400,9 @@ class LoggingConfig:
     """Allocation events kept in the recorded history (the oldest are dropped first)."""
 
     @property
-    def tracker_names(self) -> list[Tracker]:
-        """logging.trackers with the deprecated logging.tensorboard applied: the trackers this run opens."""
-        names = [n for n in self.trackers if n != "tensorboard" or self.tensorboard is not False]
-        if self.tensorboard and "tensorboard" not in names:
-            names.insert(0, "tensorboard")
-        return names
-
-    @property
     def peak_override_flops(self) -> float:
         """The configured peak in FLOP/s (0: look the GPU up)."""
-        return self.peak_tflops * 1e12 if self.peak_tflops else self.peak_flops
+        return self.peak_tflops * 1e12
 
 
 @dataclass

@@ -87,7 +87,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
 # By default, a corpus up to this size (on disk, or read up to data.max_corpus_mb) is prepared by the
 # calling process alone: spawning workers (which import the caller's main script, torch included, in a
-# training job) takes seconds.
+# training job) costs more than such a corpus takes to encode.
 IN_PROCESS_MAX_BYTES = 16 << 20
 # What is fetched of URLs whose size the server does not give may pass data.max_corpus_mb (of text) by this much
 # beyond twice it and a document: read-ahead, and compression's framing.
@@ -128,21 +128,6 @@ class PrepareSettings:
     chat_template: str = "auto"
     hf_dataset: HFDataset | None = None  # a Hugging Face dataset instead of files (data/hf_datasets.py)
     remote_timeout_s: float = TIMEOUT_S  # URLs: how long a request may get no answer (changes nothing prepared)
-
-    @classmethod
-    def from_config(cls, cfg) -> PrepareSettings:
-        """From a config.Config (not imported here: data/ does not depend on config/)."""
-        d = cfg.data
-        return cls(files=tuple(d.files), tokenizer_model=d.tokenizer_model,
-                   hf_tokenizer=(d.hf_tokenizer or cfg.model.hf_path) if d.tokenizer == "hf" else "",
-                   vocab_size=d.vocab_size,
-                   val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb,
-                   max_document_mb=d.max_document_mb, seed=cfg.run.seed,
-                   text_field=d.text_field, on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens,
-                   num_workers=d.num_workers, format=d.format, messages_field=d.messages_field,
-                   prompt_field=d.prompt_field, response_field=d.response_field, chat_template=d.chat_template,
-                   hf_dataset=HFDataset(**vars(d.hf_dataset)) if d.hf_dataset.path else None,
-                   remote_timeout_s=d.remote_timeout_s)
 
     def check(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:

@@ -103,9 +103,9 @@ class Attention(nn.Module):
         if self.fused_matmul:
             q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
             return q, k, v.contiguous()  # attention saves v: a view would keep the whole fused output alive
-        # Three matmuls on slices of the one weight, not one matmul split afterwards: measured faster
-        # (docs/benchmarks.md), and q, k, v are separate tensors, so attention saving v for backward
-        # does not keep a fused output buffer alive, and backward concatenates no gradients.
+        # Three matmuls on slices of the one weight, not one matmul split afterwards (the faster of the two in
+        # docs/benchmarks.md): q, k, v are separate tensors, so attention saving v for backward does not keep a
+        # fused output buffer alive, and backward concatenates no gradients.
         q, k, v = per_slice_matmuls(self.wqkv, x, [q_size, kv_size, kv_size])
         return q, k, v
 
@@ -147,8 +147,8 @@ class FeedForward(nn.Module):
             gate, up = self.w13(x).chunk(2, dim=-1)
             return gate, up
         # Two matmuls on the halves of w13 (see Attention.project_qkv): with one matmul, compile's
-        # SwiGLU backward kernel must also concatenate the two gradients, and measured slower
-        # (docs/benchmarks.md).
+        # SwiGLU backward kernel must also concatenate the two gradients (the slower of the two in
+        # docs/benchmarks.md).
         gate, up = per_slice_matmuls(self.w13, x, [self.hidden_dim, self.hidden_dim])
         return gate, up
 
@@ -189,9 +189,6 @@ class Transformer(nn.Module):
                  chunk_loss_fn: Callable | None = None, float8_projection: Float8Projection | None = None,
                  documents: Documents | None = None, flex_attention_fn: Callable | None = None):
         super().__init__()
-        problems = cfg.problems()
-        if problems:
-            raise ValueError("; ".join(problems))
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(DecoderBlock(cfg, fused_matmul=fused_matmul, flex_attention_fn=flex_attention_fn)
@@ -221,7 +218,7 @@ class Transformer(nn.Module):
             cos, sin, mask = self._document_inputs(tokens, self.documents)
         h = self.tok_embeddings(tokens)  # (B, T, D)
         for layer in self.layers:
-            # Without document masking the blocks are called exactly as before (no mask argument).
+            # Without document masking the blocks are called without a mask argument (their plain causal path).
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
         h = self.norm(h)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight

@@ -21,7 +21,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -41,7 +40,13 @@ from fsdp_utils.evaluation.downstream import (  # noqa: E402
     task_manager,
     task_problems,
 )
-from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_hf_checkpoint, load_pretrained  # noqa: E402
+from fsdp_utils.parallel.hf import (  # noqa: E402
+    CausalLMAdapter,
+    HFModelError,
+    HFSource,
+    load_hf_checkpoint,
+    load_pretrained,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -70,7 +75,7 @@ def load_for_eval(path: Path, *, device: torch.device, tokenizer: Path | None, b
     from fsdp_utils.evaluation.lm_eval_model import open_codec
 
     if is_hf_folder(path):
-        lm = load_pretrained(SimpleNamespace(hf_path=str(path), hf_config=""))
+        lm = load_pretrained(HFSource(hf_path=str(path)))
         codec = open_codec("hf", tokenizer or path)
         return CausalLMAdapter(lm).to(device).eval(), codec, resolve_max_length(lm.config, codec.tok), "hf"
     meta = read_meta(path)  # first: a missing or foreign checkpoint is the error to report

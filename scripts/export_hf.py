@@ -38,7 +38,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -46,6 +45,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from config import ModelSection  # noqa: E402
 from fsdp_utils.checkpoint.format import CheckpointError, dcp_load, first_line, load_full  # noqa: E402
 from fsdp_utils.checkpoint.io import (  # noqa: E402
     check_buildable,
@@ -186,10 +186,9 @@ def _lora_base(meta: dict, checkpoint: Path) -> torch.nn.Module:
     hf = config.get("type") == "hf"
     # Paths from the checkpoint's metadata: read as a training run reads model.hf_path, never running code of the
     # folder and never downloading.
-    source = SimpleNamespace(type="hf" if hf else "llama", init_from="" if hf else base.get("init_from", ""),
-                             hf_path=base.get("hf_path", ""), hf_config=base.get("hf_config", ""))
-    run = SimpleNamespace(model=source, run=SimpleNamespace(seed=base.get("seed")))
-    if base_reference(run, config)["fingerprint"] != base["fingerprint"]:
+    source = ModelSection(type="hf" if hf else "llama", init_from="" if hf else base.get("init_from", ""),
+                          hf_path=base.get("hf_path", ""), hf_config=base.get("hf_config", ""))
+    if base_reference(source, config, seed=base.get("seed"))["fingerprint"] != base["fingerprint"]:
         raise CheckpointError(f"{checkpoint}: its base ({', '.join(f'{k}={v}' for k, v in base.items())}) has "
                               "changed since training: the adapters belong to other weights")
     if hf:

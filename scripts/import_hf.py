@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
+from config.model_checks import MAX_SEQ_LEN, model_problems  # noqa: E402
 from data.errors import DataError  # noqa: E402
 from data.jsonfile import read_json_file  # noqa: E402
 from fsdp_utils.checkpoint.format import (  # noqa: E402
@@ -47,7 +48,7 @@ from fsdp_utils.checkpoint.format import (  # noqa: E402
 from fsdp_utils.parallel.hf import HFModelError, index_shards  # noqa: E402
 from fsdp_utils.train.optim import build_optimizer  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from model.config import MAX_SEQ_LEN, ROPE_SCALING_FIELDS  # noqa: E402
+from model.config import ROPE_SCALING_FIELDS  # noqa: E402
 
 # Tensors that older checkpoints carry and that are derived, not learned (our rotary tables are recomputed).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -146,7 +147,7 @@ def model_config_of(hf: dict, where: Path) -> ModelConfig:
                       norm_eps=_number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
                       tie_embeddings=_flag(hf.get("tie_word_embeddings", False), "tie_word_embeddings", where),
                       **_rope(hf, where))
-    if problems := cfg.problems():
+    if problems := model_problems(cfg):
         raise HFImportError(f"{where}: our model cannot take these dimensions ({problems[0]})")
     return cfg
 
@@ -259,8 +260,8 @@ def import_hf(hf_dir: Path, out: Path, *, force: bool = False) -> ModelConfig:
 
 def model_section(cfg: ModelConfig) -> str:
     """The `model` section (YAML) that describes the imported model."""
-    fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "max_seq_len", "rope_theta",
-              "norm_eps", "tie_embeddings")
+    fields: tuple[str, ...] = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
+                               "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings")
     if cfg.rope_scaling_factor is not None:
         fields += ("rope_scaling_factor", *ROPE_SCALING_FIELDS)
     return "model:\n" + "".join(f"  {name}: {json.dumps(getattr(cfg, name))}\n" for name in fields)

@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from config import ConfigError, load_config, split_known_args
-    from data import DataError, PrepareSettings, default_dataset_dir, prepare_data
+    from data import DataError, default_dataset_dir, prepare_data
+    from fsdp_utils.train.run_data import prepare_settings
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="YAML config, e.g. config/train1B_fsdp.yaml")
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    settings = PrepareSettings.from_config(cfg)
+    settings = prepare_settings(cfg)
     dataset_dir = cfg.data.dataset_dir or default_dataset_dir(settings)
     try:
         prepare_data(dataset_dir, settings)

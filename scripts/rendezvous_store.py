@@ -74,7 +74,7 @@ def default_host() -> str:
     """This machine's host name, unless it resolves to a loopback address, which no other node can reach."""
     host = socket.gethostname()
     try:
-        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        address = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])  # an IPv4 or IPv6 address
     except socket.gaierror:
         return host  # the bind names it
     if ipaddress.ip_address(address.split("%")[0]).is_loopback:

@@ -467,7 +467,7 @@ def test_finetune_chat_hf_end_to_end(tmp_path):
                  f"--run.output_dir={out}", "--run.device=cpu", "--data.seq_len=32", "--train.global_batch_size=8",
                  "--train.micro_batch_size=2", "--train.max_steps=8", "--train.lr=3e-3", "--train.warmup_steps=1",
                  "--train.eval_interval=4", "--train.eval_samples=4", "--logging.interval=1",
-                 "--logging.tensorboard=false"]
+                 "--logging.trackers=[]"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "train_fsdp.py"), str(FINETUNE_CONFIG), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,

@@ -131,19 +131,19 @@ def test_float8_recipes_map_to_the_peers_flags():
                                             ("selective", "selective_3")])
 def test_activation_checkpointing_maps_by_name(ours, peer):
     cfg = config_1b(f"--fsdp.activation_checkpointing={ours}", "--fsdp.ac_every_n_layers=3")
-    assert ct.peer_activation_checkpointing(cfg, None) == peer
+    assert ct.peer_activation_checkpointing(cfg.fsdp, None) == peer
 
 
 @pytest.mark.parametrize("ours", ["selective_op_lean", "selective_op_wide", "auto"])
 def test_policies_without_a_peer_need_peer_ac(ours):
     cfg = config_1b(f"--fsdp.activation_checkpointing={ours}")
     with pytest.raises(ConfigError) as err:
-        ct.peer_activation_checkpointing(cfg, None)
+        ct.peer_activation_checkpointing(cfg.fsdp, None)
     assert err.value.problems == [f"fsdp.activation_checkpointing={ours} has no torchtitan equivalent: pass "
                                   "--peer_ac (none, full, selective_op or selective_N)"]
-    assert ct.peer_activation_checkpointing(cfg, "selective_2") == "selective_2"
+    assert ct.peer_activation_checkpointing(cfg.fsdp, "selective_2") == "selective_2"
     with pytest.raises(ConfigError, match="--peer_ac selective_x: expected"):
-        ct.peer_activation_checkpointing(cfg, "selective_x")
+        ct.peer_activation_checkpointing(cfg.fsdp, "selective_x")
 
 
 def test_micro_batch_auto_needs_peer_mbs_and_tied_embeddings_are_refused():

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from config import Config, ConfigError, check_batch_split, load_config, save_config, summarize_config
+from config.model_checks import model_problems
 from tests.helpers import job_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,12 +37,12 @@ def test_preset_loads_and_is_consistent(path):
     model = cfg.model
     if model.vocab_size == 0:
         model.vocab_size = cfg.data.vocab_size
-    assert model.problems() == []
+    assert model_problems(model) == []
     assert cfg.data.seq_len <= model.max_seq_len
     # Every preset runs as one process and on the 2 ranks used by the tests (a whole accumulation; with
     # micro_batch_size auto, a whole per-rank batch, checked without an error).
     for world_size in (1, 2):
-        split = check_batch_split(cfg, world_size)
+        split = check_batch_split(cfg.train, world_size)
         assert split is None if cfg.train.micro_batch_size == "auto" else split >= 1
 
 
@@ -77,7 +78,7 @@ def test_tiny_preset_values():
     cfg = load_config(TINY)
     # The YAML's 3.0e-3 arrives as a float, and the batch split is 16 / (8 * 1) = 2 on one process.
     assert cfg.train.lr == 3e-3 and isinstance(cfg.train.lr, float)
-    assert check_batch_split(cfg, 1) == 2
+    assert check_batch_split(cfg.train, 1) == 2
     assert cfg.output_dir == Path("checkpoints/tiny")  # run.output_dir empty -> checkpoints/<run.name>
 
 
@@ -85,11 +86,11 @@ def test_tiny_preset_values():
 
 
 def test_overrides_are_parsed_as_yaml_scalars():
-    cfg = load_config(TINY, ["--train.lr=1e-3", "--train.max_steps=70", "--logging.tensorboard=false",
+    cfg = load_config(TINY, ["--train.lr=1e-3", "--train.max_steps=70", "--logging.trackers=[]",
                              "--data.files=[a.txt, b.jsonl]", "--model.n_kv_heads=null", "--run.name=x"])
     assert cfg.train.lr == 1e-3  # YAML reads 1e-3 as a string (no dot); the float field accepts it
     assert cfg.train.max_steps == 70
-    assert cfg.logging.tensorboard is False
+    assert cfg.logging.trackers == []
     assert cfg.data.files == ["a.txt", "b.jsonl"]
     assert cfg.model.n_kv_heads is None and cfg.model.num_kv_heads == cfg.model.n_heads
     assert cfg.output_dir == Path("checkpoints/x")
@@ -142,11 +143,18 @@ def test_unknown_key_far_from_anything_has_no_suggestion():
     assert problem == "unknown key 'train.zzzzzzzz'"
 
 
-def test_a_removed_field_names_its_replacement(tmp_path):
-    (problem,) = problems_of("--train.eval_batches=8")
-    assert problem.startswith("train.eval_batches is no longer a field: use train.eval_samples")
+@pytest.mark.parametrize(("override", "yaml", "replacement"), [
+    ("--train.eval_batches=8", "train:\n  eval_batches: 4\n", "train.eval_samples"),
+    ("--logging.tensorboard=false", "logging:\n  tensorboard: true\n", "logging.trackers"),
+    ("--logging.peak_flops=989e12", "logging:\n  peak_flops: 312e12\n", "logging.peak_tflops"),
+])
+def test_a_removed_field_names_its_replacement(tmp_path, override, yaml, replacement):
+    (problem,) = problems_of(override)
+    field = override[2:].partition("=")[0]
+    assert problem.startswith(f"{field} is no longer a field: use {replacement}, ")
+    assert "\n" not in problem
     path = tmp_path / "old.yaml"  # an older config file: the same line, not a suggestion of a near name
-    path.write_text("train:\n  eval_batches: 4\n")
+    path.write_text(yaml)
     assert problems_of(path=path) == [problem]
 
 
@@ -460,16 +468,16 @@ def test_config_files_that_are_not_text_or_far_too_large(tmp_path):
 
 def test_batch_split_gives_accumulation_steps():
     cfg = load_config(TINY, ["--train.global_batch_size=16", "--train.micro_batch_size=2"])
-    assert check_batch_split(cfg, 1) == 8  # 16 / (2 * 1)
-    assert check_batch_split(cfg, 2) == 4  # 16 / (2 * 2)
-    assert check_batch_split(cfg, 8) == 1  # 16 / (2 * 8)
+    assert check_batch_split(cfg.train, 1) == 8  # 16 / (2 * 1)
+    assert check_batch_split(cfg.train, 2) == 4  # 16 / (2 * 2)
+    assert check_batch_split(cfg.train, 8) == 1  # 16 / (2 * 8)
 
 
 @pytest.mark.parametrize("world_size", [3, 16])
 def test_batch_split_that_is_not_whole_is_an_error(world_size):
     cfg = load_config(TINY, ["--train.global_batch_size=16", "--train.micro_batch_size=2"])
     with pytest.raises(ConfigError) as info:
-        check_batch_split(cfg, world_size)
+        check_batch_split(cfg.train, world_size)
     # 16 % (2 * 3) = 4 and 16 % (2 * 16) = 16: neither is whole.
     (problem,) = info.value.problems
     assert f"= 2 * {world_size} = {2 * world_size}" in problem and "train.global_batch_size=16" in problem

@@ -126,7 +126,7 @@ def test_packed_document_logits_equal_the_document_alone(kernel, reset):
     # rounding of the rotation (measured up to 6e-8 on the logits, scale ~0.1).
     torch.testing.assert_close(out[:, start_b:start_c], alone_b, rtol=0, atol=1e-5)
     torch.testing.assert_close(out[:, start_c:], alone_c, rtol=0, atol=1e-5)
-    # The first document is causal attention as before; and without masking B sees A (a control
+    # The first document is plain causal attention; and without masking B sees A (a control
     # for the equality above: measured differences ~0.08).
     torch.testing.assert_close(out[:, :start_b], plain[:, :start_b], rtol=0, atol=1e-5)
     assert (plain[:, start_b:start_c] - alone_b).abs().max() > 1e-2

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from config import load_config
-from fsdp_utils.guards.elastic import fitting_world_sizes, unfit_world
+from config import fitting_world_sizes, load_config, unfit_world
 from tests.helpers import ROOT, TINY, kill_tree, losses, read_metrics, run_train
 from tests.test_failures import Job, poll, train_cmd
 from tests.test_launchers import CONFIG, free_port, script_env, train_args
@@ -106,8 +105,8 @@ def nodes():
                                               (12, "auto", [1, 2, 3, 4, 6, 12])])
 def test_the_world_sizes_that_fit(batch, micro, sizes):
     cfg = load_config(CONFIG, [*TINY, f"--train.global_batch_size={batch}", f"--train.micro_batch_size={micro}"])
-    assert fitting_world_sizes(cfg) == sizes
-    assert [w for w in range(1, 13) if not unfit_world(cfg, w)] == sizes
+    assert fitting_world_sizes(cfg.train) == sizes
+    assert [w for w in range(1, 13) if not unfit_world(cfg.train, w)] == sizes
 
 
 @pytest.mark.slow

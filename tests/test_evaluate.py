@@ -251,14 +251,14 @@ def test_unknown_tasks_missing_folders_and_a_missing_lm_eval_are_one_line_each(s
     assert err.value.problems == [
         "train.eval_tasks_limit must be 0 (all documents) or positive, got -1",
         "train.eval_tasks run at every train.eval_interval, which is 0 (off); set train.eval_interval"]
-    # train_fsdp.py checks the names before any process group starts.
+    # The launch's checks (train_fsdp.py runs them) know the names before any process group starts.
     from fsdp_utils.distributed import read_torchrun_env
-    from train_fsdp import early_problems
+    from fsdp_utils.train.launch_checks import launch_checks
 
     cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", ["--train.eval_tasks=[tiny_gen,nonesuch_task]",
                                                             f"--train.eval_tasks_path=[{include[0]}]",
                                                             f"--run.output_dir={tmp_path / 'run'}", "--run.device=cpu"])
-    problems = early_problems(cfg, read_torchrun_env(), None)
+    problems = launch_checks(cfg, read_torchrun_env(), None)
     assert [p for p in problems if "eval_tasks" in p] == [
         "train.eval_tasks: unknown lm-eval task 'nonesuch_task' (a task, group or tag name, or a task .yaml file)"]
     # A task whose data cannot be read stops the training at its setup, before step 1, in one line.

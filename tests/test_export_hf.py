@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -468,6 +467,7 @@ def test_a_lora_checkpoint_naming_a_base_with_its_own_code_is_refused_without_a_
     stdin) and the code never runs."""
     import builtins
 
+    from config import ModelSection
     from fsdp_utils.parallel.lora import base_reference
     from tests.test_hf import save_tiny, with_own_code
 
@@ -482,9 +482,9 @@ def test_a_lora_checkpoint_naming_a_base_with_its_own_code_is_refused_without_a_
     marker = tmp_path / "code_ran"
     with_own_code(tmp_path / "base", "config.json", {"AutoConfig": "own_code.OwnConfig",
                                                      "AutoModelForCausalLM": "own_code.OwnConfig"}, marker)
-    model = SimpleNamespace(type="hf", init_from="", hf_path=str(where) if field == "hf_path" else "", hf_config="")
-    run = SimpleNamespace(model=model, run=SimpleNamespace(seed=payload["lora"]["base"].get("seed")))
-    payload["lora"]["base"]["fingerprint"] = base_reference(run, payload["model_config"])["fingerprint"]
+    model = ModelSection(type="hf", hf_path=str(where) if field == "hf_path" else "")
+    payload["lora"]["base"]["fingerprint"] = base_reference(model, payload["model_config"],
+                                                            seed=payload["lora"]["base"].get("seed"))["fingerprint"]
     crafted = tmp_path / "crafted/fsdp_cpt1.pth"
     crafted.parent.mkdir()
     torch.save(payload, crafted)

@@ -129,12 +129,12 @@ def test_float8_output_vocabulary_of_a_tokenizer_trained_for_the_run_is_checked_
 
 
 def test_float8_output_vocabulary_of_a_tokenizer_file_is_checked_before_the_process_group(tmp_path):
-    """data.tokenizer_model's vocabulary (300 pieces) is known from its file: train_fsdp.py's checks before any
+    """data.tokenizer_model's vocabulary (300 pieces) is known from its file: the launch's checks before any
     process group (and --check) read it, rather than the build after the data is prepared."""
+    from config.launch import float8_output_vocabulary_problems
     from data.tokenizer import train_tokenizer
     from fsdp_utils.distributed import read_torchrun_env
-    from fsdp_utils.parallel.float8 import float8_output_vocabulary_problems
-    from train_fsdp import early_problems
+    from fsdp_utils.train.launch_checks import launch_checks
 
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugs of amber".split()
     lines = [" ".join(words[(i * 7 + k) % len(words)] for k in range(12)) + f" number {i}" for i in range(500)]
@@ -146,7 +146,7 @@ def test_float8_output_vocabulary_of_a_tokenizer_file_is_checked_before_the_proc
     line = (f"train.float8_output=true needs the vocabulary of data.tokenizer_model ({tmp_path / 'sp.model'}), which "
             "model.vocab_size 0 takes, in a multiple of 16 (FP8 matmuls), got 300: the next is 304")
     assert float8_output_vocabulary_problems(cfg) == [line]
-    assert early_problems(cfg, read_torchrun_env(), None, any_world=True) == [line]
+    assert launch_checks(cfg, read_torchrun_env(), None, any_world=True) == [line]
     train_tokenizer(lines, vocab_size=304, out_path=tmp_path / "sp.model")
     assert float8_output_vocabulary_problems(cfg) == []
 

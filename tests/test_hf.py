@@ -158,7 +158,7 @@ def test_a_folder_s_own_code_is_never_run_nor_asked_about(tmp_path, corpus, monk
     with_own_code(tmp_path / "hf", "config.json", {"AutoConfig": "own_code.OwnConfig"}, marker)
     with_own_code(tmp_path / "hf", "tokenizer_config.json", {"AutoTokenizer": ["own_code.OwnTokenizer", None]}, marker)
 
-    # The folder is checked with the launch, before any process group starts (train_fsdp.early_problems).
+    # The folder is checked with the launch, before any process group starts (fsdp_utils/train/launch_checks.py).
     cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}"])
     assert hf_problems(cfg.model) == [f"model.hf_path={tmp_path / 'hf'}: its config.json needs the folder's own Python "
                                       "code (auto_map), which is never run; use a model type that transformers "

@@ -7,13 +7,12 @@ import dataclasses
 import json
 import math
 import typing
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import train_fsdp
-from config import CheckpointConfig, ConfigError, load_config
+from config import CheckpointConfig, ConfigError, ModelSection, load_config
 from config.sections import LoRATarget
 from fsdp_utils.checkpoint import CheckpointMismatch
 from fsdp_utils.checkpoint.base import is_adapter_key
@@ -409,10 +408,8 @@ def test_a_forged_lora_config_cannot_make_generate_build_an_enormous_base(tmp_pa
         model, optimizer, TrainState(step=1, samples_seen=2))
     payload = torch.load(path, weights_only=True)
     forged = {**signature, "dim": 4096, "n_layers": 4096, "n_heads": 32, "n_kv_heads": 8}
-    source = SimpleNamespace(model=SimpleNamespace(type="llama", init_from="", hf_path="", hf_config=""),
-                             run=SimpleNamespace(seed=run_cfg.run.seed))
     payload["model_config"] = forged
-    payload["lora"]["base"] = base_reference(source, forged)
+    payload["lora"]["base"] = base_reference(ModelSection(), forged, seed=run_cfg.run.seed)
     torch.save(payload, path)
     sidecar_of(path).write_text(json.dumps({"format_version": 1, "files": {path.name: file_record(path)}}))
     assert ModelConfig(**forged).num_params() > 7 * 10**11
@@ -427,7 +424,7 @@ def test_a_forged_lora_config_cannot_make_generate_build_an_enormous_base(tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_two_ranks_resume_latest_of_a_lora_run_far_smaller_than_its_base(tmp_path, corpus, dataset_dir, fmt):
-    """The issue's repro at a size the CPU runs: a 2-rank LoRA run stopped at step 2 and continued with
+    """A LoRA run far smaller than its base, at a size the CPU runs: a 2-rank run stopped at step 2 and continued with
     --resume_from latest takes steps 3 and 4 as the uninterrupted run did, bit for bit, and generate.py samples
     the same text from both runs' last checkpoints."""
     args = ["--model.dim=128", "--model.vocab_size=320", "--train.lora.rank=2", "--train.lora.targets=[q, v]",

@@ -392,8 +392,8 @@ def test_a_cache_entry_with_bad_values_is_ignored_with_a_warning(tmp_path, caplo
 def test_config_accepts_auto_and_rejects_other_words():
     cfg = load_config(TINY_PRESET, ["--train.micro_batch_size=auto", "--train.global_batch_size=16"])
     assert cfg.train.micro_batch_size == "auto"
-    assert check_batch_split(cfg, 2) is None  # known after the measurement
-    assert check_batch_split(cfg, 2, micro_batch=4) == 2  # 16 / (4 * 2)
+    assert check_batch_split(cfg.train, 2) is None  # known after the measurement
+    assert check_batch_split(cfg.train, 2, micro_batch=4) == 2  # 16 / (4 * 2)
     with pytest.raises(ConfigError) as info:
         load_config(TINY_PRESET, ["--train.micro_batch_size=max", "--train.auto_micro_batch_margin=1.5"])
     assert info.value.problems == ["train.micro_batch_size must be a positive integer or auto, got 'max'",
@@ -402,10 +402,10 @@ def test_config_accepts_auto_and_rejects_other_words():
 
 def test_the_split_is_derived_from_the_config_and_refused_when_not_whole():
     cfg = load_config(TINY_PRESET, ["--train.micro_batch_size=auto", "--train.global_batch_size=16"])
-    split = BatchSplit.from_config(cfg, 2, 4)
+    split = BatchSplit.from_config(cfg.train, 2, 4)
     assert (split.per_rank, split.grad_accum) == (8, 2)  # 16 / 2 ranks, then 8 / 4
     with pytest.raises(ConfigError) as info:
-        BatchSplit.from_config(cfg, 2, 3)  # 16 % (3 * 2) = 4
+        BatchSplit.from_config(cfg.train, 2, 3)  # 16 % (3 * 2) = 4
     assert info.value.problems == [
         "train.global_batch_size=16 is not divisible by train.micro_batch_size * world size = 3 * 2 = 6; pick a "
         "global batch that is a multiple of 6"]
@@ -414,7 +414,7 @@ def test_the_split_is_derived_from_the_config_and_refused_when_not_whole():
 def test_auto_needs_a_global_batch_that_splits_over_the_ranks():
     cfg = load_config(TINY_PRESET, ["--train.micro_batch_size=auto", "--train.global_batch_size=16"])
     with pytest.raises(ConfigError) as info:
-        check_batch_split(cfg, 3)
+        check_batch_split(cfg.train, 3)
     assert info.value.problems == [
         "train.global_batch_size=16 is not divisible by the world size 3 (train.micro_batch_size=auto splits each "
         "rank's share of it); pick a multiple of 3"]

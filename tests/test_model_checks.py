@@ -56,7 +56,7 @@ def test_a_model_that_fits_is_built():
     assert sum(p.numel() for p in built.module.parameters()) * 4 == weights
     with pytest.raises(ModelMemoryError):
         build_model(cfg, ONE_RANK, host_free=weights - 1)
-    assert build_model(cfg, ONE_RANK, host_free=None).init is None  # nothing to compare with: built as before
+    assert build_model(cfg, ONE_RANK, host_free=None).init is None  # nothing to compare with: built directly
 
 
 def _build_on_two_ranks(rank: int, world_size: int, *, overrides: list[str], host_free: list[list[int]]) -> list[str]:
@@ -234,7 +234,7 @@ def test_hidden_size_2_to_the_20_is_refused_by_rank_0_s_host_memory_before_build
     other_host = DistEnv(rank=2, local_rank=0, world_size=4, local_world_size=2, device=torch.device("cpu"))
     from fsdp_utils.parallel.build import _hf_size_problem
 
-    assert _hf_size_problem(cfg, other_host, host_free=64 * GiB) is None
+    assert _hf_size_problem(cfg.model, other_host, host_free=64 * GiB) is None
 
 
 def test_a_hugging_face_model_is_held_against_each_host_s_share(tmp_path):

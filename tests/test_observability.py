@@ -110,20 +110,14 @@ def test_logging_options_are_checked_with_one_line_each():
     assert problems_of("--logging.memory_snapshot_step=3") == [
         "logging.memory_snapshot_step needs logging.memory_snapshot: true (the history is recorded from the start "
         "of training)"]
-    assert "keep only logging.peak_tflops=989" in problems_of("--logging.peak_tflops=989",
-                                                               "--logging.peak_flops=989e12")[0]
-    assert "for TFLOP/s use logging.peak_tflops=989" in problems_of("--logging.peak_flops=989")[0]
+    assert problems_of("--logging.peak_tflops=-1") == ["logging.peak_tflops must not be negative, got -1.0"]
     assert problems_of("--logging.profile_ranks=rank1")[0].startswith(
         "logging.profile_ranks='rank1' is not one of rank0")
 
 
-def test_deprecated_fields_still_work():
-    cfg = load_config(TINY_CONFIG, ["--logging.tensorboard=false", "--logging.trackers=[tensorboard, wandb]"])
-    assert cfg.logging.tracker_names == ["wandb"]
-    cfg = load_config(TINY_CONFIG, ["--logging.tensorboard=true", "--logging.trackers=[mlflow]"])
-    assert cfg.logging.tracker_names == ["tensorboard", "mlflow"]
-    assert load_config(TINY_CONFIG, ["--logging.peak_flops=312e12"]).logging.peak_override_flops == 312e12
+def test_the_peak_is_given_in_tflops():
     assert load_config(TINY_CONFIG, ["--logging.peak_tflops=312"]).logging.peak_override_flops == 312e12
+    assert load_config(TINY_CONFIG, []).logging.peak_override_flops == 0  # 0: the GPU's row of the table
 
 
 def test_a_missing_tracker_package_is_one_line(monkeypatch):

@@ -172,7 +172,7 @@ def test_a_model_too_large_for_host_memory(corpus, dataset_dir, tmp_path):
 
 @pytest.mark.slow
 def test_every_launch_problem_at_once(corpus, dataset_dir, tmp_path):
-    """The launch's problems come together, one line each (the config's own, as before, in one list too)."""
+    """The launch's problems come together, one line each (the config's own come in one list too)."""
     (tmp_path / "file").write_text("x")
     proc = launch("--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.hybrid_shard_group_size=3",
                   f"--run.output_dir={tmp_path / 'file'}", "--resume_from=/no/such/checkpoint",

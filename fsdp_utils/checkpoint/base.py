@@ -356,8 +356,8 @@ class CheckpointContext:
                                      f"run's base: {where(base)}); resume on the base it was trained on")
 
     def _check_tokenizer(self, meta: dict, path: Path) -> None:
-        """The checkpoint was trained with this run's tokenizer (checkpoints from before tokenizers were
-        recorded say nothing, and load)."""
+        """The checkpoint was trained with this run's tokenizer (a checkpoint without a tokenizer record says
+        nothing, and loads)."""
         saved = meta.get("tokenizer_sha256")
         if (saved is None or self.tokenizer_sha256 is None or saved == self.tokenizer_sha256
                 or self.allow_tokenizer_change):

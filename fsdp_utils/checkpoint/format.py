@@ -55,7 +55,7 @@ MAX_COUNT = 2**63 - 1  # steps, samples and tokens are int64 wherever they are u
 RNG_NAME = "rng.pt"
 FORMAT_VERSION = 1
 META_KEYS = ("format_version", "world_size", "model_config", "train_state")
-OPTIONAL_META_KEYS = ("tokenizer_sha256", "lora")  # written since tokenizers were recorded; older checkpoints lack it
+OPTIONAL_META_KEYS = ("tokenizer_sha256", "lora")  # a checkpoint without them (no tokenizer record, no LoRA) loads
 FULL_PAYLOAD_KEYS = ("model", "optimizer", "rng")  # a full checkpoint's payload: these besides the metadata
 TRAIN_STATE_KEYS = ("step", "samples_seen", "tokens_seen", "grad_scaler", "lr")  # checkpoint.TrainState, less rng
 _CHUNK = 8 << 20  # bytes per read when hashing
@@ -171,7 +171,7 @@ def check_file(path: Path, record: dict) -> str | None:
     """A problem (text naming the file) if its size or CRC32 differs from the record."""
     if problem := check_size(path, record):
         return problem
-    if record.get("crc32") is None:  # written before checksums were recorded: the size is all we know
+    if record.get("crc32") is None:  # a record without a checksum: the size is all we know
         return None
     actual = file_record(path)["crc32"]
     if actual != record["crc32"]:
@@ -354,7 +354,7 @@ def read_sharded_meta(path: Path) -> dict:
 
 def read_full_record(pth: Path) -> dict[str, dict] | None:
     """The checksum record of a full checkpoint file, or None when it has none (a file converted or
-    copied without its sidecar, or written before checksums were recorded)."""
+    copied without its sidecar, or recorded without checksums)."""
     sidecar = sidecar_of(pth)
     if not os.path.lexists(sidecar):
         return None

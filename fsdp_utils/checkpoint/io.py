@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from config.model_checks import model_problems
 from data.store import HF_TOKENIZER_NAME, tokenizer_sha256
 from model import ModelConfig, Transformer
 
@@ -61,7 +62,7 @@ def model_config_of(meta: dict, where: Path) -> ModelConfig:
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
             raise CheckpointError(f"{where}: invalid model_config ({field.name}={value!r}, expected {field.type})")
     cfg = ModelConfig(**saved)
-    if problems := cfg.problems():
+    if problems := model_problems(cfg):
         raise CheckpointError(f"{where}: invalid model_config ({'; '.join(problems)})")
     if meta.get("lora") is None:
         _check_held(cfg, where)
@@ -197,8 +198,8 @@ def install_tokenizer(source: Path, out_dir: Path) -> None:
 def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None, sha256: str | None = None) -> Path:
     """The tokenizer a tool should use: the one given (a SentencePiece model file, or a Hugging Face tokenizer's
     folder), else the run's next to the checkpoint whose hash is the checkpoint's `sha256`: tokenizer.model or
-    the hf_tokenizer folder, or one kept under its hash's name when the run changed tokenizer. A checkpoint from
-    before tokenizers were recorded takes tokenizer.model (runs with a Hugging Face tokenizer recorded theirs)."""
+    the hf_tokenizer folder, or one kept under its hash's name when the run changed tokenizer. A checkpoint without a
+    tokenizer record takes tokenizer.model (a run with a Hugging Face tokenizer always records its hash)."""
     if tokenizer is not None:
         if not tokenizer.exists():
             raise CheckpointError(f"{tokenizer}: no such tokenizer file or folder")

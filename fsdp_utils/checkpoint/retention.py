@@ -46,8 +46,8 @@ def odd_checkpoints(directory: Path) -> list[Path]:
 
 
 def incomplete_sharded(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every folder under a sharded checkpoint's name without its meta.json (an interrupted save of
-    an older version, one whose meta.json was lost, or another folder): never loaded, but never passed over in
+    """(step, path) of every folder under a sharded checkpoint's name without its meta.json (an interrupted save
+    that left none, one whose meta.json was lost, or another folder): never loaded, but never passed over in
     silence either (`latest` moves it aside as corrupt)."""
     found = []
     for entry in os.scandir(directory) if directory.is_dir() else ():
@@ -79,7 +79,7 @@ def remove_incomplete(journal: Journal) -> None:
 def apply_retention(journal: Journal, newest: Path, *, keep_last_n: int) -> None:
     """Keep the keep_last_n newest complete checkpoints the run's saves made, `newest` (the one just saved)
     counted first whatever its step; checkpoints moved aside, and those the journal does not record (copied in,
-    or saved before it was kept), are neither counted nor deleted. 0 keeps all."""
+    or saved without it), are neither counted nor deleted. 0 keeps all."""
     if keep_last_n <= 0:
         return
     others = [path for _, path in complete_checkpoints(journal.dir) if path != newest and journal.owns(path)]

@@ -58,7 +58,7 @@ def _manager(include_path: tuple[str, ...], with_defaults: bool):
 
 def task_manager(names: Sequence[str], include_path: Sequence[str] = ()):
     """lm_eval's TaskManager for `names`: the folders of include_path alone when they hold every task named
-    (indexing lm_eval's thousands of built-in tasks takes seconds), else those folders and the built-in
+    (indexing lm_eval's thousands of built-in tasks is slow), else those folders and the built-in
     tasks. Kept per process: the check before the process group and the run share it."""
     local = _manager(tuple(include_path), False) if include_path else None
     if local is not None and all(n in local.task_index or _is_task_file(n) for n in names):

@@ -1,5 +1,5 @@
-"""Elastic jobs (torchrun --nnodes=MIN:MAX): the world sizes a config can train at, and what the workers of a
-world that cannot hold the global batch do: wait for the next membership change.
+"""Elastic jobs (torchrun --nnodes=MIN:MAX): what the workers of a world that cannot hold the global batch do (the
+world sizes a config can train at are config/launch.py's): wait for the next membership change.
 
 torchrun's agent restarts its workers only when they fail (a non-zero exit, which uses up --max-restarts)
 or when a node waits to join; workers that exit 0 end the job. Workers that refused the world size and
@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from config import Config, ConfigError, check_batch_split
+from config import TrainConfig, fitting_world_sizes
 
 from ..distributed import DistEnv
 from .preemption import RESTART_EXIT_CODE, StopSignal
@@ -25,41 +25,21 @@ log = logging.getLogger("train")
 POLL_S = 2.0  # how often idle workers check on each other and on stop signals
 
 
-def fitting_world_sizes(cfg: Config) -> list[int]:
-    """Every world size at which train.global_batch_size splits into whole micro-batches on every rank."""
-    t = cfg.train
-    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1  # auto: each rank's share whole
-    if t.global_batch_size % micro:
-        return []
-    per_micro = t.global_batch_size // micro
-    return [w for w in range(1, per_micro + 1) if per_micro % w == 0]
-
-
-def unfit_world(cfg: Config, world_size: int) -> list[str]:
-    """The problems of this world size's batch split ([] when it fits); the config loader has made sure that
-    some world size fits (the global batch is a multiple of the micro-batch)."""
-    try:
-        check_batch_split(cfg, world_size)
-    except ConfigError as err:
-        return err.problems
-    return []
-
-
-def refusal_line(cfg: Config, world_size: int) -> str:
-    t = cfg.train
-    sizes = ", ".join(map(str, fitting_world_sizes(cfg)))
+def refusal_line(t: TrainConfig, world_size: int) -> str:
+    """Why this world size waits (the train section's batch cannot split over it), and the sizes that can."""
+    sizes = ", ".join(map(str, fitting_world_sizes(t)))
     return (f"world size {world_size} cannot hold train.global_batch_size={t.global_batch_size} "
             f"(train.micro_batch_size={t.micro_batch_size}); the world sizes that can: {sizes}. Waiting for a node "
             "to join or leave: torchrun then restarts the workers at the new size")
 
 
-def wait_for_membership_change(cfg: Config, env: DistEnv, stop: StopSignal) -> int:
+def wait_for_membership_change(t: TrainConfig, env: DistEnv, stop: StopSignal) -> int:
     """Idle until torchrun restarts the workers or a stop signal arrives; returns the exit code.
 
     Every POLL_S the ranks all-reduce their stop signals: a user's stop ends the job (0), torchrun's
     (a node joins) or a failed collective (a peer is gone) restarts it (RESTART_EXIT_CODE)."""
     if env.is_main:
-        log.warning("%s", refusal_line(cfg, env.world_size))
+        log.warning("%s", refusal_line(t, env.world_size))
     while True:
         flags = torch.tensor([float(stop.requested and not stop.restart), float(stop.restart)], device=env.device)
         try:

@@ -245,7 +245,7 @@ def open_trackers(cfg: Config, *, resumed: bool) -> list[Tracker]:
     ids = read_ids(ids_path) if resumed else {}
     config = cfg.to_dict()
     trackers: list[Tracker] = []
-    for name in cfg.logging.tracker_names:
+    for name in cfg.logging.trackers:
         if name == "tensorboard":
             trackers.append(TensorBoardTracker(out_dir, run_name=cfg.run.name, config=config))
         elif name == "wandb":

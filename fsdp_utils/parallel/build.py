@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention.flex_attention import flex_attention
 
-from config import ConfigError
+from config import Config, ConfigError, FSDPConfig, ModelSection
 from config.checks import float8_size_problem
 from model import DecoderBlock, Documents, ModelConfig, Transformer, initial_value
 from model.float8_projection import FLOAT8_ALIGNMENT, Float8Projection, chunk_loss_and_float8_grad, float8_e4m3
@@ -29,7 +29,7 @@ from .weights import BuiltModel, GiB, ModelMemoryError, WeightInit, too_large
 log = logging.getLogger("train")
 
 
-def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: int | None = None,
+def build_model(cfg: Config, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: int | None = None,
                 host_free: int | None = None) -> BuiltModel:
     """The model of `cfg.model` (our Transformer or model.type=hf), unsharded, on the meta device when
     it will be sharded over several ranks, with train.lora's adapters when set (the base then frozen in
@@ -44,9 +44,9 @@ def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: 
     documents = model_documents(cfg, eos_id)
     base_dtype = resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device).compute
     if cfg.model.type == "hf":
-        # Sized from config.json first (a skeleton of many layers alone takes minutes), then exactly once
+        # Sized from config.json first (a skeleton of many layers alone is slow to build), then exactly once
         # transformers has built the meta-device skeleton, before any allocation.
-        _agree(env, _hf_size_problem(cfg, env, host_free=host_free))
+        _agree(env, _hf_size_problem(cfg.model, env, host_free=host_free))
         built = hf.build_for_sharding(cfg, env, eos_id=documents.eos_id if documents else None)
         _agree(env, _hf_memory_problem(cfg, env, cast(hf.CausalLMAdapter, built.module), host_free=host_free))
         if env.is_main:  # its parameters are counted now, from the skeleton
@@ -55,9 +55,10 @@ def build_model(cfg, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: 
     return apply_lora(_build_ours(cfg, env, fused_matmul, documents), cfg, base_dtype=base_dtype)
 
 
-def builds_on_meta(cfg, env: DistEnv) -> bool:
-    """Whether our model is built on the meta device and materialised shard by shard."""
-    return cfg.fsdp.meta_init and env.world_size > 1 and not cfg.fsdp.sync_module_states
+def builds_on_meta(f: FSDPConfig, env: DistEnv) -> bool:
+    """Whether our model is built on the meta device and materialised shard by shard (fsdp.meta_init and
+    fsdp.sync_module_states decide, with the world size)."""
+    return f.meta_init and env.world_size > 1 and not f.sync_module_states
 
 
 def _agree(env: DistEnv, error: Exception | None) -> None:
@@ -72,12 +73,12 @@ def _shape(m: ModelConfig) -> str:
     return f"dim {m.dim}, {m.n_layers} layers, ffn {m.hidden_dim}, vocab {m.vocab_size}: {m.num_params():,} parameters"
 
 
-def _memory_problem(cfg, env: DistEnv, *, host_free: int | None) -> ModelMemoryError | None:
+def _memory_problem(cfg: Config, env: DistEnv, *, host_free: int | None) -> ModelMemoryError | None:
     """ModelMemoryError when our model's fp32 weights alone cannot fit where this rank builds them: all of
     them (a direct build) or its share (on the meta device, sharded over the world), times the ranks of this
     host on the CPU. A lower bound of what training needs, so it refuses only what cannot work."""
     m = cfg.model
-    on_meta = builds_on_meta(cfg, env)
+    on_meta = builds_on_meta(cfg.fsdp, env)
     # With fsdp.cpu_offload the shards of a meta-device build live in host memory, not on the GPU.
     if m.type != "llama" or (on_meta and env.device.type == "cuda" and cfg.fsdp.cpu_offload):
         return None
@@ -103,17 +104,17 @@ def _more(env: DistEnv) -> str:
     return "GPUs" if env.device.type == "cuda" else "nodes"
 
 
-def _hf_size_problem(cfg, env: DistEnv, *, host_free: int | None) -> Exception | None:
+def _hf_size_problem(m: ModelSection, env: DistEnv, *, host_free: int | None) -> Exception | None:
     """hf.size_problem on this rank: rank 0 reads the weight files and holds the full copy, on its host."""
     try:
-        hf_config = hf.load_hf_config(cfg.model)
+        hf_config = hf.load_hf_config(m)
     except hf.HFModelError as err:
         return err
-    return hf.size_problem(cfg.model, hf_config, host_free=host_free if env.rank == env.local_rank else None,
+    return hf.size_problem(m, hf_config, host_free=host_free if env.rank == env.local_rank else None,
                            weights=env.is_main)
 
 
-def _hf_memory_problem(cfg, env: DistEnv, model: hf.CausalLMAdapter, *,
+def _hf_memory_problem(cfg: Config, env: DistEnv, model: hf.CausalLMAdapter, *,
                        host_free: int | None) -> ModelMemoryError | None:
     """_memory_problem for a Hugging Face model (`model`: its meta-device skeleton), which every rank holds a
     share of; rank 0 also reads all of its fp32 weights into host memory to broadcast them (hf.Rank0Weights)."""
@@ -138,7 +139,7 @@ def _hf_memory_problem(cfg, env: DistEnv, model: hf.CausalLMAdapter, *,
     return too_large(shape, copy + shards, host_free, "host memory", f" ({' and '.join(parts)})", hint)
 
 
-def _float8_projection(cfg, options: dict | None) -> Float8Projection:
+def _float8_projection(cfg: Config, options: dict | None) -> Float8Projection:
     """train.float8_output's functions, compiled with train.compile; the vocabulary (known now) checked."""
     if cfg.model.vocab_size % FLOAT8_ALIGNMENT:  # taken from the tokenizer (a set one is checked with the config)
         raise ConfigError([float8_size_problem("model.vocab_size (the tokenizer's)", cfg.model.vocab_size)])
@@ -148,8 +149,8 @@ def _float8_projection(cfg, options: dict | None) -> Float8Projection:
                             chunk_loss=torch.compile(chunk_loss_and_float8_grad, dynamic=False, options=options))
 
 
-def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None, documents: Documents | None) -> BuiltModel:
-    use_meta = builds_on_meta(cfg, env)
+def _build_ours(cfg: Config, env: DistEnv, fused_matmul: bool | None, documents: Documents | None) -> BuiltModel:
+    use_meta = builds_on_meta(cfg.fsdp, env)
     fused = cfg.train.lora.rank > 0 if fused_matmul is None else fused_matmul
     # The per-chunk softmax work of the chunked loss, compiled into a couple of kernels with train.compile.
     options = compile_options(cfg.train.compile_tuning)
@@ -177,7 +178,7 @@ def _build_ours(cfg, env: DistEnv, fused_matmul: bool | None, documents: Documen
     return BuiltModel(model, {DecoderBlock}, SeededInit(model, cfg.model, seed=cfg.run.seed) if use_meta else None)
 
 
-def model_documents(cfg, eos_id: int | None) -> Documents | None:
+def model_documents(cfg: Config, eos_id: int | None) -> Documents | None:
     """What the model does at document boundaries (data.document_masking, model.reset_positions); None: nothing."""
     if not (cfg.data.document_masking or cfg.model.reset_positions):
         return None
@@ -219,7 +220,7 @@ class SeededInit(WeightInit):
         self.model.reset_buffers()
 
 
-def describe_model(cfg, tokenizer_vocab: int) -> tuple[int, dict, float]:
+def describe_model(cfg: Config, tokenizer_vocab: int) -> tuple[int, dict, float]:
     """(vocabulary size, shape signature stored in checkpoints, training FLOPs per token) of the model."""
     if cfg.model.type == "hf":
         hf_config = hf.load_hf_config(cfg.model)
@@ -235,7 +236,7 @@ def describe_model(cfg, tokenizer_vocab: int) -> tuple[int, dict, float]:
     return plain.vocab_size, dataclasses.asdict(plain), plain.flops_per_token(cfg.data.seq_len)
 
 
-def log_parameter_summary(model_cfg) -> None:
+def log_parameter_summary(model_cfg: ModelConfig) -> None:
     n_total = model_cfg.num_params()
     n_embed = model_cfg.vocab_size * model_cfg.dim * (1 if model_cfg.tie_embeddings else 2)
     per_block = (n_total - n_embed - model_cfg.dim) // model_cfg.n_layers
@@ -244,7 +245,7 @@ def log_parameter_summary(model_cfg) -> None:
              model_cfg.n_heads, model_cfg.num_kv_heads, model_cfg.hidden_dim, model_cfg.vocab_size)
 
 
-def hf_summary(model_cfg, model: hf.CausalLMAdapter) -> str:
+def hf_summary(model_cfg: ModelSection, model: hf.CausalLMAdapter) -> str:
     """The model line of a Hugging Face model, as log_parameter_summary's of ours: its parameters (tied weights
     once), its class and folder, and the sizes of its config.json."""
     lm = model.lm

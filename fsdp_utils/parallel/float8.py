@@ -22,21 +22,18 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from config.checks import float8_size_problem
-from data.errors import DataError
-from data.store import META_NAME, read_json
-from data.tokenizer import load_tokenizer
-from model.float8_projection import FLOAT8_ALIGNMENT
 from model.transformer import Attention, FeedForward
 
 from ..distributed import pick_device
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig  # torchao is imported only when FP8 is asked for
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +83,7 @@ def _rank_device(run_device: str, local_rank: int) -> tuple[str, tuple[int, int]
 
 
 def float8_problems(recipe: str, *, run_device: str, local_rank: int) -> list[str]:
-    """Environment checks for train.float8 (the config checks are in config/checks.py): torchao is
+    """Environment checks for train.float8 (the config's own are in config/): torchao is
     installed and this rank's device runs FP8 matmuls. Empty when FP8 is off or can run."""
     if recipe == "none":
         return []
@@ -109,33 +106,6 @@ def float8_output_problems(enabled: bool, *, run_device: str, local_rank: int) -
         return []
     problem = _capability_problem("train.float8_output=true", "train.float8_output: false", device[1], device[2])
     return [problem] if problem else []
-
-
-def float8_output_vocabulary_problems(cfg) -> list[str]:
-    """train.float8_output with model.vocab_size 0 takes the tokenizer's vocabulary: where files already hold it
-    (the prepared folder of data.sources[0], whose tokenizer every source shares; data.tokenizer_model;
-    data.tokenizer=hf's folder) it is read and checked before any process group starts, not when the model is built
-    after the data is prepared. A tokenizer that cannot be read is left to the data checks."""
-    d = cfg.data
-    if not cfg.train.float8_output or cfg.model.type != "llama" or cfg.model.vocab_size:
-        return []
-    try:
-        if d.sources:
-            where, vocab = f"data.sources[0]'s tokenizer ({d.sources[0].path})", read_json(
-                Path(d.sources[0].path) / META_NAME).get("vocab_size")
-        elif d.tokenizer == "hf" and d.hf_tokenizer:
-            where, vocab = f"data.hf_tokenizer ({d.hf_tokenizer})", load_tokenizer("hf", Path(d.hf_tokenizer)
-                                                                                 ).get_piece_size()
-        elif d.tokenizer_model:
-            where, vocab = f"data.tokenizer_model ({d.tokenizer_model})", load_tokenizer(
-                "sentencepiece", Path(d.tokenizer_model)).get_piece_size()
-        else:
-            return []  # trained to data.vocab_size: the config checks it
-    except (DataError, OSError):
-        return []
-    if not isinstance(vocab, int) or not vocab % FLOAT8_ALIGNMENT:
-        return []
-    return [float8_size_problem(f"the vocabulary of {where}, which model.vocab_size 0 takes,", vocab)]
 
 
 def _convertible(module: nn.Module, _fqn: str) -> bool:
@@ -264,7 +234,7 @@ class CastInputOnce:
     either way the reduction is not repeated."""
 
     @staticmethod
-    def applies_to(config) -> bool:
+    def applies_to(config: Float8LinearConfig) -> bool:
         from torchao.float8.config import ScalingGranularity
 
         tensorwise = config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
@@ -318,7 +288,7 @@ class CastOncePerStep:
     attribute: FSDP2 calls it in place of torchao's `fsdp_pre_all_gather`). `refresh()` keeps torchao's own
     cast of the shard (its FP8 data and scale); each all-gather after it sends that cast while the weight is
     unchanged since (its version counters), and casts as torchao does otherwise. torchao alone casts at every
-    all-gather: with 2 micro-batches 4 times a step per weight, each three small kernels and about 0.3 ms of
+    all-gather (twice per micro-batch and weight: forward and backward), each time a few small kernels and some
     Python at the start of a block, where the GPU waits for it. The cast costs one byte per element of the
     shard, kept for the step."""
 

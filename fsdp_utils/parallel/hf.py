@@ -12,19 +12,19 @@ import logging
 import pickle
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from config import ConfigError, read_yaml_file
+from config import Config, ConfigError, read_yaml_file
+from config.model_checks import MAX_DIM, MAX_FFN_HIDDEN_DIM, MAX_LAYERS, MAX_VOCAB_SIZE
 from data.errors import DataError
 from data.jsonfile import read_json_file
-from model.config import MAX_DIM, MAX_FFN_HIDDEN_DIM, MAX_LAYERS, MAX_VOCAB_SIZE
 from model.documents import document_ids, document_positions
 from model.loss import IGNORE_INDEX, reduce_loss
 
@@ -34,11 +34,32 @@ from ..distributed import DistEnv
 from .lora import has_adapters
 from .weights import BuiltModel, GiB, ModelMemoryError, WeightInit, too_large
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig  # imported only for model.type=hf
+
 log = logging.getLogger(__name__)
 
 
 class HFModelError(ValueError):
     """model.hf_path or model.hf_config cannot be used; the message names which, and why."""
+
+
+class HFFiles(Protocol):
+    """Where a Hugging Face model is described: a folder (hf_path) or a config.json (hf_config), one of them set.
+    The config's model section is one; so is the base a checkpoint names (HFSource)."""
+
+    hf_path: str
+    hf_config: str
+
+
+@dataclass
+class HFSource:
+    """HFFiles that are not the run's model section (a checkpoint's base, a folder to evaluate), with `where`,
+    how messages name it."""
+
+    hf_path: str = ""
+    hf_config: str = ""
+    where: str = ""
 
 
 class CausalLMAdapter(nn.Module):
@@ -75,7 +96,7 @@ def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
     return {"dtype": dtype} if Version(__version__) >= Version("4.56") else {"torch_dtype": dtype}
 
 
-def _field(model_cfg) -> str:
+def _field(model_cfg: HFFiles) -> str:
     return f"model.hf_path={model_cfg.hf_path}" if model_cfg.hf_path else f"model.hf_config={model_cfg.hf_config}"
 
 
@@ -85,13 +106,13 @@ def _one_line(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def config_json(model_cfg) -> Path:
+def config_json(model_cfg: HFFiles) -> Path:
     """The config.json that model.hf_path's folder holds, or that model.hf_config names (or its folder holds)."""
     path = Path(model_cfg.hf_path or model_cfg.hf_config)
     return path / "config.json" if path.is_dir() else path
 
 
-def load_hf_config(model_cfg, *, where: str | None = None):
+def load_hf_config(model_cfg: HFFiles, *, where: str | None = None) -> PretrainedConfig:
     """The transformers config of model.hf_path (or model.hf_config); HFModelError in one line, naming `where`
     (default: the field), when it cannot be read or needs the folder's own code (never run, never asked about).
     The file is read by the bounded JSON reader first: transformers' own read fails on deep nesting with a
@@ -116,7 +137,7 @@ def load_hf_config(model_cfg, *, where: str | None = None):
         raise HFModelError(f"{where}: cannot read its config.json ({_one_line(err)})") from None
 
 
-def hf_problems(model_cfg, *, document_masking: bool = False, host_free: int | None = None,
+def hf_problems(model_cfg: HFFiles, *, document_masking: bool = False, host_free: int | None = None,
                 weights: bool = True) -> list[str]:
     """Config-time check of model.type=hf: the folder's config loads, its sizes fit (size_problem: `host_free`,
     the bytes rank 0's host can still give, if known; `weights`: whether model.hf_path's weight files are read
@@ -133,7 +154,7 @@ def hf_problems(model_cfg, *, document_masking: bool = False, host_free: int | N
     return []
 
 
-def packed_sequences_unsupported(hf_config) -> str | None:
+def packed_sequences_unsupported(hf_config: PretrainedConfig) -> str | None:
     """Why transformers cannot mask this model's packed documents from restarting position ids, or None when
     it can: its forward takes position_ids, its module builds masks with masking_utils (which finds packed
     sequences in them), and its attention implementation is one masking_utils knows."""
@@ -155,8 +176,8 @@ def packed_sequences_unsupported(hf_config) -> str | None:
 
 
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
-# The largest of each config.json size this library builds: our own model's bounds (model/config.py), past any
-# released model's. A larger one is a typo, and a skeleton of that many layers alone takes minutes to build.
+# The largest of each config.json size this library builds: our own model's bounds (config/model_checks.py), past
+# any released model's. A larger one is a typo, and a skeleton of that many layers alone is slow to build.
 SIZE_LIMITS = {"hidden_size": (MAX_DIM, "2**20"), "intermediate_size": (MAX_FFN_HIDDEN_DIM, "2**22"),
                "num_hidden_layers": (MAX_LAYERS, "2**16"), "vocab_size": (MAX_VOCAB_SIZE, "2**24"),
                "num_attention_heads": (MAX_DIM, "2**20"), "num_key_value_heads": (MAX_DIM, "2**20"),
@@ -166,20 +187,21 @@ MIN_BITS_PER_PARAMETER = 8
 MIN_QUANTIZED_BITS_PER_PARAMETER = 1
 
 
-def describe_size(model_cfg, hf_config, n_params: int | None = None, *, at_least: bool = False) -> str:
+def describe_size(model_cfg: HFFiles, hf_config: PretrainedConfig, n_params: int | None = None, *,
+                  at_least: bool = False) -> str:
     """The config.json values that size the model, for messages: `model.hf_config=...: hidden_size 64, ...`."""
     sizes = ", ".join(f"{k} {getattr(hf_config, k)}" for k in SIZE_KEYS if getattr(hf_config, k, None) is not None)
     count = "" if n_params is None else f": {'at least ' if at_least else ''}{n_params:,} parameters"
     return f"{_field(model_cfg)}: {sizes}{count}"
 
 
-def _sizes(text_config, key: str) -> list[int] | None:
+def _sizes(text_config: PretrainedConfig, key: str) -> list[int] | None:
     """config.json's `key` as a list (one value, or one per layer), or None when the model has no such field."""
     value = getattr(text_config, key, None)
     return None if value is None else value if isinstance(value, list) else [value]
 
 
-def _size_field_problem(model_cfg, text_config) -> str | None:
+def _size_field_problem(model_cfg: HFFiles, text_config: PretrainedConfig) -> str | None:
     """The first size of config.json that is not a positive integer within SIZE_LIMITS."""
     for key, (limit, text) in SIZE_LIMITS.items():
         for value in _sizes(text_config, key) or []:
@@ -189,7 +211,7 @@ def _size_field_problem(model_cfg, text_config) -> str | None:
     return None
 
 
-def min_parameters(hf_config) -> int:
+def min_parameters(hf_config: PretrainedConfig) -> int:
     """A lower bound of the parameters config.json describes, from its sizes alone (nothing is built): the token
     embedding (and an untied output head of the same size) and per decoder layer the attention's query and output
     projections and two MLP matrices. Norms, biases, key/value projections, a gate and further experts come on
@@ -206,7 +228,7 @@ def min_parameters(hf_config) -> int:
     return embeddings + layers * (2 * hidden * heads * head_dim + 2 * hidden * mlp)
 
 
-def size_problem(model_cfg, hf_config, *, host_free: int | None = None,
+def size_problem(model_cfg: HFFiles, hf_config: PretrainedConfig, *, host_free: int | None = None,
                  weights: bool = True) -> HFModelError | ModelMemoryError | None:
     """The model sized from config.json alone, before anything is built: HFModelError for a size out of bounds,
     or (with `weights`, for model.hf_path) weight files that cannot hold min_parameters or name a file outside the
@@ -224,7 +246,7 @@ def size_problem(model_cfg, hf_config, *, host_free: int | None = None,
     return None
 
 
-def _weights_problem(model_cfg, hf_config, n_params: int) -> str | None:
+def _weights_problem(model_cfg: HFFiles, hf_config: PretrainedConfig, n_params: int) -> str | None:
     """model.hf_path's weight files: present, each where its index says, and large enough for n_params."""
     try:
         files = weight_files(Path(model_cfg.hf_path))
@@ -281,7 +303,7 @@ def index_shards(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def config_signature(hf_config) -> dict:
+def config_signature(hf_config: PretrainedConfig) -> dict:
     """The fields that decide parameter shapes, stored in checkpoints to catch a mismatched resume."""
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "tie_word_embeddings")
@@ -307,7 +329,7 @@ def _unify_dtypes(lm: nn.Module) -> None:
         lm.float()
 
 
-def build_hf_model(cfg, env: DistEnv, *, on_meta: bool, eos_id: int | None = None) -> CausalLMAdapter:
+def build_hf_model(cfg: Config, env: DistEnv, *, on_meta: bool, eos_id: int | None = None) -> CausalLMAdapter:
     """Rank 0 (or every rank when not on_meta) holds real weights on the CPU; the others a meta-device skeleton."""
     from transformers import AutoModelForCausalLM
 
@@ -331,7 +353,7 @@ def build_hf_model(cfg, env: DistEnv, *, on_meta: bool, eos_id: int | None = Non
     return CausalLMAdapter(lm, eos_id=eos_id)
 
 
-def load_pretrained(model_cfg) -> nn.Module:
+def load_pretrained(model_cfg: HFFiles) -> nn.Module:
     """The weights of model.hf_path on the CPU; HFModelError in one line for missing, damaged or refused files."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -351,7 +373,7 @@ def load_pretrained(model_cfg) -> nn.Module:
         raise HFModelError(f"{_field(model_cfg)}: cannot load the weights ({_one_line(err)})") from None
 
 
-def build_for_sharding(cfg, env: DistEnv, *, eos_id: int | None = None) -> BuiltModel:
+def build_for_sharding(cfg: Config, env: DistEnv, *, eos_id: int | None = None) -> BuiltModel:
     """A meta-device skeleton on every rank, wrapped per decoder layer (the model's _no_split_modules);
     its weights arrive from rank 0 once sharded (Rank0Weights). `eos_id`: see CausalLMAdapter."""
     model = build_hf_model(cfg, env, on_meta=True, eos_id=eos_id)
@@ -362,7 +384,7 @@ class Rank0Weights(WeightInit):
     """Rank 0 alone reads the real weights into CPU memory and broadcasts them into every rank's shards
     (FSDP1's sync_module_states would do this only on GPUs)."""
 
-    def __init__(self, model: CausalLMAdapter, cfg, env: DistEnv):
+    def __init__(self, model: CausalLMAdapter, cfg: Config, env: DistEnv):
         self.model, self.cfg, self.env = model, cfg, env
 
     def init_module(self, module: nn.Module, device: torch.device) -> None:
@@ -415,20 +437,20 @@ RUN_CONFIG_NAME = "config.yaml"  # the resolved config the trainer writes next t
 BASE_HINT = "pass --base MODEL_FOLDER (the Hugging Face model folder the run fine-tuned)"
 
 
-def checkpoint_source(checkpoint: Path, base: Path | None = None) -> SimpleNamespace:
+def checkpoint_source(checkpoint: Path, base: Path | None = None) -> HFSource:
     """Where the architecture of a model.type=hf checkpoint is described (hf_path or hf_config, and `where` for
     messages): `base` (a model folder or its config.json) when given, else the model.hf_path or model.hf_config of
     the run's config.yaml next to the checkpoint."""
     if base is not None:
         folder = base.is_dir()
-        return SimpleNamespace(hf_path=str(base) if folder else "", hf_config="" if folder else str(base),
-                               where=f"--base {base}")
+        return HFSource(hf_path=str(base) if folder else "", hf_config="" if folder else str(base),
+                        where=f"--base {base}")
     run_config = Path(checkpoint).absolute().parent / RUN_CONFIG_NAME
     try:  # the bounded loader: a copied run folder's config.yaml is input like any other
         model = read_yaml_file(run_config)["model"]
-        source = SimpleNamespace(hf_path=str(model.get("hf_path") or ""), hf_config=str(model.get("hf_config") or ""))
+        source = HFSource(hf_path=str(model.get("hf_path") or ""), hf_config=str(model.get("hf_config") or ""))
     except (ConfigError, TypeError, KeyError, AttributeError):
-        source = SimpleNamespace(hf_path="", hf_config="")
+        source = HFSource()
     if not source.hf_path and not source.hf_config:
         raise HFModelError(f"{checkpoint}: a Hugging Face model's checkpoint, but {run_config} does not name its "
                            f"model.hf_path or model.hf_config; {BASE_HINT}")
@@ -436,7 +458,7 @@ def checkpoint_source(checkpoint: Path, base: Path | None = None) -> SimpleNames
     return source
 
 
-def _checkpoint_config(checkpoint: Path, meta: dict, source: SimpleNamespace):
+def _checkpoint_config(checkpoint: Path, meta: dict, source: HFSource) -> PretrainedConfig:
     """The transformers config of `source`, checked against the shape the checkpoint recorded."""
     try:
         hf_config = load_hf_config(source, where=source.where)
@@ -470,8 +492,7 @@ def _checkpoint_weights(checkpoint: Path, expected: dict[str, torch.Tensor]) -> 
     return saved
 
 
-def load_hf_checkpoint(checkpoint: str | Path, *, base: Path | None = None) -> tuple[CausalLMAdapter, dict,
-                                                                                         SimpleNamespace]:
+def load_hf_checkpoint(checkpoint: str | Path, *, base: Path | None = None) -> tuple[CausalLMAdapter, dict, HFSource]:
     """(the fine-tuned model in fp32 on the CPU, in eval mode; the checkpoint's metadata; where its architecture
     came from) for a model.type=hf checkpoint, full or sharded. Its architecture is the config.json of the folder
     the run fine-tuned (checkpoint_source), checked against the shape the checkpoint recorded."""

@@ -22,13 +22,16 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .weights import BuiltModel, WeightInit
+
+if TYPE_CHECKING:
+    from config import Config, LoRAConfig, ModelSection
 
 # Canonical target name -> the Hugging Face (Llama, Qwen2, Mistral, ...) module name.
 HF_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
@@ -120,9 +123,8 @@ def lora_targets(names: Sequence[str]) -> list[str]:
     return [t for t in PROJECTIONS if t in chosen]
 
 
-def settings_of(cfg) -> LoRASettings | None:
+def settings_of(lora: LoRAConfig) -> LoRASettings | None:
     """train.lora as settings, or None when it is off."""
-    lora = cfg.train.lora
     if lora.rank <= 0:
         return None
     return LoRASettings(lora.rank, float(lora.alpha), float(lora.dropout), tuple(lora_targets(lora.targets)))
@@ -237,9 +239,9 @@ class LoRAInit(WeightInit):
         set_model_state_dict(model, values, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def apply_lora(built: BuiltModel, cfg, *, base_dtype: torch.dtype) -> BuiltModel:
-    """The built model with train.lora's adapters (unchanged when LoRA is off)."""
-    settings = settings_of(cfg)
+def apply_lora(built: BuiltModel, cfg: Config, *, base_dtype: torch.dtype) -> BuiltModel:
+    """The built model with train.lora's adapters (unchanged when LoRA is off), drawn from run.seed."""
+    settings = settings_of(cfg.train.lora)
     if settings is None:
         return built
     attach_adapters(built.module, settings, seed=cfg.run.seed, base_dtype=base_dtype)
@@ -269,30 +271,32 @@ def _files_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def base_reference(cfg, model_signature: dict) -> dict:
+def base_reference(m: ModelSection, model_signature: dict, *, seed: int | None) -> dict:
     """Where a LoRA run's base weights come from and their fingerprint, recorded in its checkpoints: a resume
-    on another base is refused, and scripts/export_hf.py finds the base to merge into."""
-    init_from = getattr(cfg.model, "init_from", "")  # a checkpoint of ours as the base, where supported
-    if cfg.model.type == "hf" and cfg.model.hf_path:
-        source = {"hf_path": str(Path(cfg.model.hf_path).resolve())}
-        fingerprint = _files_fingerprint(Path(cfg.model.hf_path))
-    elif init_from:
-        source = {"init_from": str(Path(init_from).resolve())}
-        fingerprint = _files_fingerprint(Path(init_from))
+    on another base is refused, and scripts/export_hf.py finds the base to merge into. The base is the model
+    section's model.hf_path or model.init_from, or else the weights that `seed` (run.seed) draws."""
+    if m.type == "hf" and m.hf_path:
+        source: dict[str, object] = {"hf_path": str(Path(m.hf_path).resolve())}
+        fingerprint = _files_fingerprint(Path(m.hf_path))
+    elif m.init_from:
+        source = {"init_from": str(Path(m.init_from).resolve())}
+        fingerprint = _files_fingerprint(Path(m.init_from))
     else:  # a randomly initialised base: (model, seed) decides it
-        source = {"seed": cfg.run.seed}
-        if cfg.model.type == "hf":
-            source["hf_config"] = str(Path(cfg.model.hf_config).resolve())
-        fingerprint = hashlib.sha256(json.dumps([model_signature, cfg.run.seed], sort_keys=True).encode()).hexdigest()
+        source = {"seed": seed}
+        if m.type == "hf":
+            source["hf_config"] = str(Path(m.hf_config).resolve())
+        fingerprint = hashlib.sha256(json.dumps([model_signature, seed], sort_keys=True).encode()).hexdigest()
         fingerprint = fingerprint[:16]
     return {**source, "fingerprint": fingerprint}
 
 
-def lora_record(cfg, model_signature: dict, *, base_dtype: torch.dtype) -> dict | None:
-    """What a LoRA run's checkpoints record about it: the adapters' settings, the base and the dtype it was
-    frozen in (an export merges into the same rounded weights); None when LoRA is off."""
-    settings = settings_of(cfg)
+def lora_record(cfg: Config, model_signature: dict, *, base_dtype: torch.dtype) -> dict | None:
+    """What a LoRA run's checkpoints record about it: the adapters' settings (train.lora), the base (the model
+    section and run.seed) and the dtype it was frozen in (an export merges into the same rounded weights); None when
+    LoRA is off."""
+    settings = settings_of(cfg.train.lora)
     if settings is None:
         return None
     return {"rank": settings.rank, "alpha": settings.alpha, "targets": list(settings.targets),
-            "base": base_reference(cfg, model_signature), "base_dtype": str(base_dtype).replace("torch.", "")}
+            "base": base_reference(cfg.model, model_signature, seed=cfg.run.seed),
+            "base_dtype": str(base_dtype).replace("torch.", "")}

@@ -32,7 +32,7 @@ from .lora import LoRAAdapter, has_adapters
 from .weights import WeightInit
 
 if TYPE_CHECKING:
-    from config import FSDPConfig
+    from config import Config, FSDPConfig
     from config.sections import ShardingStrategy as StrategyName
 
 log = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ def _mesh(env: DistEnv, f: FSDPConfig) -> DeviceMesh:
     return init_device_mesh(device_type, (env.world_size // group, group), mesh_dim_names=("replicate", "shard"))
 
 
-def model_converters(cfg) -> list:
+def model_converters(cfg: Config) -> list:
     """The converters a run applies to its blocks before parallelizing (FP8 with train.float8). Each has
     `convert(blocks)`, `register(model, optimizer)` for work after every optimizer step,
     `refresh(model)` for the same work after the weights changed otherwise (a checkpoint loaded), and

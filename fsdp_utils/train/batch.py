@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from config import Config, check_batch_split
+from config import TrainConfig, check_batch_split
 from data import BatchPrefetcher
 
 from ..distributed import DistEnv
@@ -26,11 +26,11 @@ class BatchSplit:
         assert self.global_batch_size % (self.micro_batch_size * self.world_size) == 0, self
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int, micro_batch: int) -> BatchSplit:
+    def from_config(cls, t: TrainConfig, world_size: int, micro_batch: int) -> BatchSplit:
         """train.global_batch_size over `world_size` ranks in micro-batches of `micro_batch`; ConfigError (the
         config's check_batch_split, which launch_problems also runs) when it does not split whole."""
-        check_batch_split(cfg, world_size, micro_batch=micro_batch)
-        return cls(cfg.train.global_batch_size, world_size, micro_batch)
+        check_batch_split(t, world_size, micro_batch=micro_batch)
+        return cls(t.global_batch_size, world_size, micro_batch)
 
     @property
     def per_rank(self) -> int:

@@ -89,7 +89,7 @@ def build_run(cfg: Config, env: DistEnv, *, wrap: Wrap, vocab_size: int, model_s
                     gpu=probe.name if probe else "cpu", precision=precision.name)
     choice = resolve_micro_batch(cfg, env, model=model, optimizer=optimizer, vocab_size=vocab_size, key=key,
                                  probe=probe, switch=switch, use_cache=use_cache)
-    split = BatchSplit.from_config(cfg, env.world_size, choice.micro_batch_size)
+    split = BatchSplit.from_config(cfg.train, env.world_size, choice.micro_batch_size)
     for converter in converters:
         converter.use_accumulation(model, split.grad_accum)
         if choice.how == "search":  # the trial steps' weights were put back: their FP8 scales too

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from config import Config
+
 from .. import nofollow
 from ..distributed import DistEnv, broadcast_decision
 from ..nofollow import replace_file
@@ -134,10 +136,11 @@ def _fingerprint(model: nn.Module) -> torch.Tensor:
 
 def _trial_compile_options(compile: bool) -> contextlib.AbstractContextManager:
     """Inductor fuses a norm's backward reductions (mix-order reduction) only where the rows are at least twice
-    the columns, among other size tests. With the batch dimension dynamic those tests become guards: at 8B (4,096
-    columns) the graph compiled at micro-batch 2 covered 2-3 only, and 8 compiled once more. The trials skip the
-    tests (what inductor's non-strict mode is for), so one dynamic graph per policy covers every larger size; the
-    run's own graph compiles after the trials, with them, as training without the search would."""
+    the columns, among other size tests. With the batch dimension dynamic those tests become guards, so a graph
+    compiled at one micro-batch covers only the sizes on the same side of them, and a larger trial compiles once
+    more. The trials skip the tests (what inductor's non-strict mode is for), so one dynamic graph per policy covers
+    every larger size; the run's own graph compiles after the trials, with them, as training without the search
+    would."""
     if not compile:
         return contextlib.nullcontext()
     import torch._inductor.config as inductor
@@ -181,8 +184,8 @@ def auto_policies(every_n: int, *, roles_known: bool = True) -> list[CheckpointP
     could not fit). Where the blocks' matmul roles are not known, selective_op_wide (the elementwise work only)
     and every every_n-th block's whole forward take the two op-level policies' place. Where they are known,
     every n-th block's forward is no candidate: it keeps about what selective_op keeps and recomputes as much as
-    selective_op_lean, which keeps less (measured at 1B and 8B), so it never won; one candidate fewer is one
-    compile and its trials fewer. Neither is selective_op_wide: it sits between none and selective_op."""
+    selective_op_lean, which keeps less, so it cannot win; one candidate fewer is one compile and its trials fewer.
+    Neither is selective_op_wide: it sits between none and selective_op."""
     if roles_known:
         return [CheckpointPolicy(name) for name in ("none", "selective_op", "selective_op_lean", "full")]
     return [CheckpointPolicy("none"), CheckpointPolicy("selective_op_wide"),
@@ -255,9 +258,8 @@ class _Trials:
     def tokens_per_s(self, micro_batch: int) -> float:
         """Per rank, over one whole step (the accumulation of the per-rank batch), warmed up: right after this
         pair's memory trial where that trial was the whole step (two micro-batches or fewer), the trial was the
-        warm-up; otherwise one step warms up first. Measured at 1B on 2 GPUs, a step timed right after a trial of
-        2 of its micro-batches read 5.4% slow at accumulation 8 and 1.0% at 4, one after a whole-step trial 0.2%
-        fast; a first step after other pairs read 1-9% slow at 8B."""
+        warm-up; otherwise one step warms up first: a step timed right after a partial trial, or after other
+        pairs, runs slow (docs/benchmarks/ has the figures)."""
         num_micro = self.per_rank // micro_batch
         if self.warm_pair != pair_name(self.policy, micro_batch):
             self.probe.begin(micro_batch, self.policy_name)
@@ -383,8 +385,7 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
     With `speeds` (the pairs compete: the auto micro-batch), each pair is timed as it is found, its tokens/s
     recorded there, unless it is the first and no later policy can fit more. A pair slower than one before it
     ends the search, the policies after it listed in `untried`: each recomputes more, for a still larger
-    micro-batch, which gains less than the last larger one did (at 8B, selective_op_lean@16 was 9% slower than
-    none@8 and full@32 11%)."""
+    micro-batch, which gains less than the last larger one did."""
     fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]] = []
     fixed = resident
     for index, policy in enumerate(policies):
@@ -400,8 +401,7 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
         fit = sorted((c for c in candidates if c <= safe), reverse=True) or candidates[:1]
         # From the first policy's fixed part, one measurement predicts at most twice its size: that part is read
         # from a line of reserved peaks, an estimate (the resident states are a bound), and up to twice the size
-        # the prediction errs by no more than the estimate does. At 8B, selective_op_lean measured at 8 was
-        # predicted at 118 GiB at 32 and peaked at 136.
+        # the prediction errs by no more than the estimate does; further out it underestimates.
         best, measured = climb(sizes, budget=budget, resident=fixed, measure=trials.measure, fit=fit,
                                one_point_jump=2 if fixed > resident else None)
         tried[trials.policy_name or ""] = measured
@@ -422,13 +422,13 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
     return fitting
 
 
-def cache_key(cfg, *, model_signature: dict, world_size: int, gpu: str, precision: str) -> dict:
-    """What the measured memory depends on. Every fsdp option is in (a few are not memory-relevant; a
-    needless new search costs only a minute)."""
+def cache_key(cfg: Config, *, model_signature: dict, world_size: int, gpu: str, precision: str) -> dict:
+    """What the measured memory depends on. Every fsdp option is in (a few are not memory-relevant: a change to
+    one costs a needless search, never a wrong micro-batch)."""
     t = cfg.train
     key = {"model": model_signature, "seq_len": cfg.data.seq_len, "global_batch_size": t.global_batch_size,
            "world_size": world_size, "gpu": gpu, "torch": torch.__version__, "precision": precision,
-           "compile": t.compile, "loss_chunk_tokens": t.loss_chunk_tokens, "float8": getattr(t, "float8", None),
+           "compile": t.compile, "loss_chunk_tokens": t.loss_chunk_tokens, "float8": t.float8,
            "margin": t.auto_micro_batch_margin, "fsdp": dataclasses.asdict(cfg.fsdp)}
     if t.micro_batch_size != "auto":  # fsdp.activation_checkpointing=auto alone: chosen for this micro-batch
         key["micro_batch_size"] = t.micro_batch_size
@@ -514,24 +514,25 @@ def cpu_micro_batch(per_rank: int, limit: int) -> int:
     return max(d for d in divisors(per_rank) if d <= limit)
 
 
-def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer, vocab_size: int,
-                        key: dict, probe: MemoryProbe | None, switch: CheckpointSwitch | None = None,
+def resolve_micro_batch(cfg: Config, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        vocab_size: int, key: dict, probe: MemoryProbe | None, switch: CheckpointSwitch | None = None,
                         use_cache: bool = True) -> MicroBatchChoice:
     """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice (`use_cache`), or a
     search; with fsdp.activation_checkpointing=auto (`switch`) the policy too, left set in the switch.
     `describe_choice` says how it was chosen."""
     t = cfg.train
-    auto_size = t.micro_batch_size == "auto"
-    if not auto_size and switch is None:
-        return MicroBatchChoice(t.micro_batch_size, "configured")
+    configured = t.micro_batch_size if isinstance(t.micro_batch_size, int) else None  # None: auto
+    auto_size = configured is None
+    if configured is not None and switch is None:
+        return MicroBatchChoice(configured, "configured")
     per_rank = t.global_batch_size // env.world_size
     if probe is None:  # the CPU: no GPU memory to measure
         policy = None
         if switch is not None:
             switch.policy = CheckpointPolicy("none")
             policy = switch.policy.name
-        if not auto_size:
-            return MicroBatchChoice(t.micro_batch_size, "configured", checkpointing=policy)
+        if configured is not None:
+            return MicroBatchChoice(configured, "configured", checkpointing=policy)
         return MicroBatchChoice(cpu_micro_batch(per_rank, t.auto_micro_batch_cpu), "cpu", checkpointing=policy)
     entry = broadcast_decision(env, read_cache(cfg.output_dir, key) if env.is_main else None) if use_cache else None
     if entry is not None:
@@ -541,18 +542,18 @@ def resolve_micro_batch(cfg, env: DistEnv, *, model: nn.Module, optimizer: torch
         return MicroBatchChoice(entry["micro_batch_size"], "cache", measured, entry["capacity_gib"],
                                 entry["budget_gib"], checkpointing=entry.get("activation_checkpointing"),
                                 cached_on=entry.get("date", "?"))
-    sizes = divisors(per_rank) if auto_size else [t.micro_batch_size]
+    sizes = divisors(per_rank) if configured is None else [configured]
     log.info("%s: measuring trial steps on %s to find %s", auto_label(auto_size=auto_size,
                                                                       auto_checkpointing=switch is not None),
              probe.name, f"the largest micro-batch of {sizes} that fits" if switch is None else
              f"the fastest pair of activation checkpointing policy and micro-batch (of {sizes}) that fits")
     return search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
                               grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env,
-                              probe=probe, micro_batch=None if auto_size else t.micro_batch_size, switch=switch,
+                              probe=probe, micro_batch=configured, switch=switch,
                               every_n=cfg.fsdp.ac_every_n_layers)
 
 
-def describe_choice(choice: MicroBatchChoice, cfg, *, world_size: int) -> list[str]:
+def describe_choice(choice: MicroBatchChoice, cfg: Config, *, world_size: int) -> list[str]:
     """How resolve_micro_batch chose, as the training log and the benchmark print it: no line for a micro-batch
     set by hand without fsdp.activation_checkpointing=auto."""
     t = cfg.train

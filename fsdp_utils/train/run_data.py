@@ -7,6 +7,7 @@ import uuid
 
 import torch.distributed as dist
 
+from config import Config
 from data import (
     DataError,
     PreparedData,
@@ -16,13 +17,14 @@ from data import (
     load_prepared,
     prepare_for_training,
 )
+from data.hf_datasets import HFDataset
 from data.store import META_NAME, read_record
 
 from ..distributed import DistEnv, barrier
 from ..guards.preemption import StopSignal
 
 
-def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedData, float]]:
+def prepare_dataset(cfg: Config, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedData, float]]:
     """The prepared folders to train on, with their weights: data.sources as they are, or else data.files
     (the stdlib sources by default), prepared once by rank 0 (later runs reuse them) and opened by all.
 
@@ -34,7 +36,7 @@ def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedD
     if d.sources:
         return [(check_format(load_prepared(source.path), d.format, d.document_masking), source.weight)
                 for source in d.sources]
-    settings = PrepareSettings.from_config(cfg)
+    settings = prepare_settings(cfg)
     dataset_dir = d.dataset_dir or default_dataset_dir(settings)
     job_id: list[str | None] = [uuid.uuid4().hex if env.is_main else None]
     dist.broadcast_object_list(job_id, src=0)  # quick: every rank arrives here straight after startup
@@ -56,6 +58,21 @@ def prepare_dataset(cfg, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedD
     if error is not None:
         raise DataError(error)
     return [(check_format(load_prepared(dataset_dir), d.format, d.document_masking), 1.0)]
+
+
+def prepare_settings(cfg: Config) -> PrepareSettings:
+    """What decides the prepared folder of data.files (or data.hf_dataset): the data section, run.seed (the
+    validation split), and model.hf_path, whose tokenizer data.tokenizer=hf uses without data.hf_tokenizer."""
+    d = cfg.data
+    return PrepareSettings(files=tuple(d.files), tokenizer_model=d.tokenizer_model,
+                           hf_tokenizer=(d.hf_tokenizer or cfg.model.hf_path) if d.tokenizer == "hf" else "",
+                           vocab_size=d.vocab_size, val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb,
+                           max_document_mb=d.max_document_mb, seed=cfg.run.seed, text_field=d.text_field,
+                           on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens, num_workers=d.num_workers,
+                           format=d.format, messages_field=d.messages_field, prompt_field=d.prompt_field,
+                           response_field=d.response_field, chat_template=d.chat_template,
+                           hf_dataset=HFDataset(**vars(d.hf_dataset)) if d.hf_dataset.path else None,
+                           remote_timeout_s=d.remote_timeout_s)
 
 
 def check_format(prepared: PreparedData, wanted: str, document_masking: bool = False) -> PreparedData:
