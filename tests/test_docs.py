@@ -11,6 +11,9 @@ import pytest
 from tests.tools.config_reference import ROOT, render
 
 README_MAX_LINES = 220
+# docs/*.md a reader finishes: every page but the generated configuration reference (the dated records in
+# docs/benchmarks/ are not pages).
+DOCS_MAX_LINES = 1650
 
 # A word of 7 to 40 hexadecimal digits with at least one letter and one digit: how git abbreviates a
 # commit. Words inside other identifiers (fsdp_cpt1000, a path, #rrggbb) do not count.
@@ -137,6 +140,19 @@ def test_every_field_is_documented():
 def test_readme_fits_a_few_screens():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; details belong in docs/"
+
+
+def test_docs_fit_a_reading():
+    pages = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "configuration.md"]
+    lines = {p.name: len(p.read_text().splitlines()) for p in pages}
+    assert sum(lines.values()) <= DOCS_MAX_LINES, f"docs/*.md has {sum(lines.values())} lines: {lines}"
+
+
+def test_the_layout_is_described_once():
+    # The table of the repository's folders lives in architecture.md; other pages link to it.
+    layout = re.compile(r"^\| `(?:model|data|config|scripts|tests)/` \|", re.MULTILINE)
+    pages = [str(p.relative_to(ROOT)) for p in current_docs(ROOT) if len(layout.findall(p.read_text())) >= 2]
+    assert pages == ["docs/architecture.md"], pages
 
 
 @pytest.mark.parametrize("path", current_docs(ROOT), ids=lambda p: str(p.relative_to(ROOT)))
