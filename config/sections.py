@@ -219,7 +219,8 @@ class TrainConfig:
     min_lr_ratio: float | None = None
     """The floor as a fraction of lr, in [0, 1]; neither this nor min_lr given: 0.1."""
     warmup_steps: int = 100
-    """Linear warmup steps (every schedule), at most max_steps (wsd: leaving room for its decay)."""
+    """Linear warmup steps (every schedule). Longer than max_steps is a warning: the run ends inside its warmup (a
+    smoke run of a preset); wsd needs room for its decay after it."""
     weight_decay: float = 0.1
     """AdamW weight decay, applied to matrices only (not norms)."""
     beta1: float = 0.9

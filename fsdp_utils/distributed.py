@@ -36,7 +36,7 @@ class Launch:
     under_torchrun: bool  # torchrun's agent watches this process (and stops it when another rank fails)
     agent_store: tuple[str, int] | None  # torchrun's own TCPStore, which it shares with the workers
     # An elastic job (FSDP_ELASTIC=1, set by scripts/fsdp_multi_node.sh with a MIN:MAX node range): torchrun
-    # restarts the workers at another world size when nodes leave or join (fsdp_utils/train/elastic.py).
+    # restarts the workers at another world size when nodes leave or join (fsdp_utils/guards/elastic.py).
     elastic: bool = False
 
 

@@ -8,7 +8,7 @@
 CHECKPOINT is a full checkpoint file, a sharded checkpoint folder (saved at any world size), or a Hugging Face
 model folder (config.json and weights). Our checkpoints use the run's tokenizer found next to them (as
 scripts/generate.py does) or --tokenizer; an HF folder its own tokenizer. Under torchrun every rank holds the
-whole model and evaluates its share of the batches (fsdp_utils/train/lm_eval_model.py); rank 0 prints the
+whole model and evaluates its share of the batches (fsdp_utils/evaluation/lm_eval_model.py); rank 0 prints the
 table and writes --output. --tasks takes task, group or tag names and task .yaml files; --include_path adds
 folders of your own task .yaml files. bf16 (autocast, weights kept in fp32) on GPUs, fp32 on the CPU.
 """

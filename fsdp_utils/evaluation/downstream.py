@@ -120,7 +120,7 @@ def seeded_rng() -> Iterator[None]:
 
 
 def run_tasks(lm, task_dict: dict, *, limit: int | None = None, bootstrap_iters: int = 0) -> dict:
-    """lm_eval's results for the loaded tasks (every rank gets them: see fsdp_utils/train/lm_eval_model.py)."""
+    """lm_eval's results for the loaded tasks (every rank gets them: see fsdp_utils/evaluation/lm_eval_model.py)."""
     from lm_eval.evaluator import evaluate
 
     with seeded_rng():

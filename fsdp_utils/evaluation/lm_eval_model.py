@@ -2,7 +2,7 @@
 any module whose forward(tokens (B, T)) returns logits (B, T, V) (our Transformer, a Hugging Face model's
 CausalLMAdapter, either of them sharded by FSDP1 or FSDP2), with the run's tokenizer.
 
-Imports lm_eval at the top: import this module only when evaluating (fsdp_utils/train/downstream.py does).
+Imports lm_eval at the top: import this module only when evaluating (fsdp_utils/evaluation/downstream.py does).
 
 Several ranks: lm_eval is told it runs in one process (rank 0 of 1), so every rank builds every request and
 computes the metrics itself; the forward passes are split here. The requests are sorted and batched alike on
