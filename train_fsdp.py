@@ -189,7 +189,7 @@ class Run:
     downstream: DownstreamEvaluator | None
     flops_per_token: float
     masked_targets: bool  # fine-tuning data: targets outside the assistant's turns are IGNORE_INDEX
-    restarting: bool = False  # stopped by torchrun to restart the workers (fsdp_utils/train/preemption.py)
+    restarting: bool = False  # stopped by torchrun to restart the workers (fsdp_utils/guards/preemption.py)
 
     @property
     def model(self) -> nn.Module:

@@ -84,7 +84,7 @@ RDZV_ARGS=()
 [[ -n "${RDZV_ID:-}" ]] && RDZV_ARGS=(--rdzv_id="$RDZV_ID")
 # torchrun cannot tell a config error from a lost node and would repeat it at every restart: checked once, here.
 python3 "$ROOT/train_fsdp.py" "$CONFIG" --check "$@" || exit $?
-# FSDP_ELASTIC: the workers take torchrun's SIGTERM for a restart (fsdp_utils/train/preemption.py).
+# FSDP_ELASTIC: the workers take torchrun's SIGTERM for a restart (fsdp_utils/guards/preemption.py).
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the shared store, a node that joins a running job waits forever
 # for the new round's MASTER_ADDR, which the agent of rank 0 publishes only at its first rendezvous. With it
 # set, the workers' own store is started anew each round on the node of that round's rank 0, so it never

@@ -1,4 +1,4 @@
-"""The validation loss (fsdp_utils/train/validation.py `evaluate`): a fixed set of sequences, whose loss is the same
+"""The validation loss (fsdp_utils/evaluation/validation.py `evaluate`): a fixed set of sequences, whose loss is the same
 at any micro-batch and world size.
 
 The reference is one unsharded forward pass over all the sequences at once, reduced to the mean over their
