@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("model", "data", "config", "fsdp_utils")
-TOP_LEVEL = ("model", "data", "config", "fsdp_utils", "scripts", "train_fsdp", "tests")
+TOP_LEVEL = ("model", "data", "config", "fsdp_utils", "scripts", "benchmarks", "train_fsdp", "tests")
 
 
 def module_name(path: Path) -> str:
@@ -65,10 +65,10 @@ def test_the_resolver_sees_relative_and_package_imports(graph):
 
 @pytest.mark.parametrize(("importer", "forbidden"), [
     # model/ (torch only; tests/test_model.py also checks it never touches torch.distributed)
-    ("model", ("data", "config", "fsdp_utils", "scripts", "train_fsdp")),
-    ("data", ("model", "config", "fsdp_utils", "scripts", "train_fsdp")),
-    ("config", ("fsdp_utils", "scripts", "train_fsdp")),
-    ("fsdp_utils", ("scripts", "train_fsdp", "tests")),
+    ("model", ("data", "config", "fsdp_utils", "scripts", "benchmarks", "train_fsdp")),
+    ("data", ("model", "config", "fsdp_utils", "scripts", "benchmarks", "train_fsdp")),
+    ("config", ("fsdp_utils", "scripts", "benchmarks", "train_fsdp")),
+    ("fsdp_utils", ("scripts", "benchmarks", "train_fsdp", "tests")),
 ])
 def test_no_upward_arrows(graph, importer, forbidden):
     assert _offenders(graph, importer, forbidden) == []
