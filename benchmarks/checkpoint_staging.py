@@ -60,6 +60,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import gc
 import json
@@ -166,6 +167,14 @@ def child_pids(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(entry.name))
     return found
+
+
+def trim_host_heap() -> None:
+    """Give the C allocator's freed memory back to the system (glibc keeps freed blocks of up to tens of MB for
+    reuse): else what a variant freed still counts as in use, and the next variant, allocating into it, would
+    seem to need less. Nothing where the C library has no malloc_trim."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def node_in_use() -> int:
@@ -400,12 +409,12 @@ def dcp_quiet() -> Iterator[None]:
 
 if DefaultStager is not None:
     class RecordingStager(DefaultStager):
-        """DCP's DefaultStager, unchanged, noting what each staging made (bytes, pinned, shared) and when it was
-        done."""
+        """DCP's DefaultStager, unchanged, keeping what each staging made (`staged`, until `measured`) and noting
+        when it was done."""
 
         def __init__(self, options: Any):
             super().__init__(options)
-            self.memory: dict[str, int] = {}
+            self.staged: Any = None
             self.done_at: float | None = None
 
         def stage(self, state_dict: Any, **kwargs: Any) -> Any:
@@ -417,8 +426,13 @@ if DefaultStager is not None:
             return result
 
         def _note(self, staged: Any) -> None:
-            self.done_at = time.perf_counter()
-            self.memory = staged_memory(staged)
+            self.done_at, self.staged = time.perf_counter(), staged
+
+        def measured(self) -> dict[str, int]:
+            """The last staged copy's bytes (staged_memory), read off the training's clock, then let go."""
+            memory = staged_memory(self.staged) if self.staged is not None else {}
+            self.staged = None
+            return memory
 
 
 @dataclasses.dataclass
@@ -556,7 +570,7 @@ class DcpVariant:
             model_sd, optim_sd = self.bench.sharded.state_dicts(self.bench.model, self.bench.optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
         if self.stager is not None:
-            self.stager.memory, self.stager.done_at = {}, None
+            self.stager.staged, self.stager.done_at = None, None
         self.upload = None
         if self.spec.form == "sync":
             dcp.save(state, checkpoint_id=str(path))
@@ -616,7 +630,7 @@ class DcpVariant:
         stall = self.call_s + self.waited_s + self.polled_s + time.perf_counter() - begin
         end = self.written_at if self.written_at is not None else time.perf_counter()
         staged_at = self.stager.done_at if self.stager is not None else None
-        memory = self.stager.memory if self.stager is not None else {}
+        memory = self.stager.measured() if self.stager is not None else {}
         return {"mode": self.spec.form, "stall_s": stall, "whole_s": end - self.start_at,
                 "staging_s": staged_at - self.start_at if staged_at is not None else None,
                 "written_s": end - self.start_at, "staging_wait_s": self.waited_s, **memory}
@@ -773,6 +787,8 @@ def run_variant(bench: Bench, name: str) -> list[dict]:
     b, env = bench, bench.env
     if not budget_allows(b, b.longest_setup_s + b.longest_save_s):
         return [skipped(name, i) for i in range(1, b.args.saves + 1)]
+    gc.collect()
+    trim_host_heap()
     baseline = b.sampler.restart()["node"]
     rows: list[dict] = []
     variant, error = None, None
@@ -820,6 +836,7 @@ def release(bench: Bench, name: str, variant: Any) -> None:
     gc.collect()
     if env.device.type == "cuda":
         torch.cuda.empty_cache()
+    trim_host_heap()
     if VARIANTS[name].form == "process" and not b.writer_stuck:
         with contextlib.suppress(Exception, dcp.CheckpointException):
             touch_process_writer(b)
@@ -948,15 +965,15 @@ def number(value: Any, width: int, digits: int = 2) -> str:
 
 def print_table(rows: list[dict], run: dict, *, writer_start_s: float | None) -> None:
     """The compact table: one line per save (host+: the node's memory in use above its level before the variant;
-    rank, writer: the largest peak RSS of a rank process, of a rank's writer processes; pinned, shm: the staged
-    copy's bytes, summed over the ranks)."""
+    rank, writer: the largest peak RSS of a rank process, of a rank's writer processes; staged, pinned, shm: the
+    staged copy's bytes, in all, pinned and shared, summed over the ranks)."""
     print(f"\n{run['config']}: {run['params'] / 1e9:.2f}B params, FSDP{run['fsdp_version']}, float8 {run['float8']}, "
           f"{run['world_size']} x {run['device']}, torch {run['torch']}, state {run['state_gib']:.1f} GiB over the "
           f"ranks, step {run['normal_step_s']:.2f} s"
           + (f", DCP's writer process started in {writer_start_s:.1f} s" if writer_start_s is not None else ""))
     print("state dict tensors: " + ", ".join(f"{kind} x {n}" for kind, n in run["tensor_kinds"].items()))
     print(f"{'variant':<21}{'save':>5}{'stall s':>9}{'whole s':>9}{'staging s':>10}{'setup s':>8}{'host+ GiB':>10}"
-          f"{'rank GiB':>9}{'writer GiB':>11}{'pinned GiB':>11}{'shm GiB':>8}{'size GiB':>9}  check")
+          f"{'rank GiB':>9}{'writer GiB':>11}{'staged GiB':>11}{'pinned GiB':>11}{'shm GiB':>8}{'size GiB':>9}  check")
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['variant']:<21}{r['save']:>5}  {r['status']}: {r['error']}")
@@ -965,8 +982,13 @@ def print_table(rows: list[dict], run: dict, *, writer_start_s: float | None) ->
         check = r["check"] + (f" ({r['check_detail']})" if r["check_detail"] else "")
         print(f"{r['variant']:<21}{r['save']:>5}{number(r['stall_s'], 9)}{number(r['whole_s'], 9)}"
               f"{number(r['staging_s'], 10)}{number(r['setup_s'], 8, 1)}{number(r['host_peak_gib'], 10)}"
-              f"{number(r['rank_rss_peak_gib'], 9)}{number(writer, 11)}{number(r['pinned_gib'], 11)}"
+              f"{number(r['rank_rss_peak_gib'], 9)}{number(writer, 11)}{number(r['staged_gib'], 11)}"
+              f"{number(r['pinned_gib'], 11)}"
               f"{number(r['shared_gib'], 8)}{number(r['size_gib'], 9)}  {check}")
+    for r in rows:
+        if r["status"] == "ok" and r["save_gpu_peak_gib"] > run["train_gpu_peak_gib"]:
+            print(f"{r['variant']} save {r['save']}: the save call raised the GPU memory peak above training's "
+                  f"({r['save_gpu_peak_gib']:.2f} > {run['train_gpu_peak_gib']:.2f} GiB)")
 
 
 def append_json(path: str, rows: list[dict], run: dict, *, writer_start_s: float | None) -> None:
