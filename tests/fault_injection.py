@@ -16,7 +16,10 @@ object in FSDP_TEST_FAULTS installed, by wrapping production functions in that p
   reads N GiB as its capacity, and torch's allocator raises a real out-of-memory error past it (HeldGPU);
 - "oom": "STEP:PHASE[:MICRO[:RANK]]": a CUDA out-of-memory error at that step (OOMInjection);
 - "float8_on_cpu": true: FP8 training allowed on the CPU (torch's reference FP8 matmul, far too slow to
-  train with, but it runs the real conversion, FP8 all-gather and checkpoint paths on gloo).
+  train with, but it runs the real conversion, FP8 all-gather and checkpoint paths on gloo);
+- "dcp_stage_fail": R: DCP's own stager (DefaultStager, benchmarks/checkpoint_staging.py's dcp_* variants) fails
+  on rank R alone when it stages a training state (one with a "model" entry), in its staging thread where
+  staging is asynchronous.
 """
 from __future__ import annotations
 
@@ -318,6 +321,22 @@ def _install_float8_on_cpu(allowed: bool, *, current: dict) -> None:
         None if device_type == "cpu" else real_hardware_problem(recipe, device_type=device_type, **kw))
 
 
+def _install_dcp_stage_fail(rank: int, *, current: dict) -> None:
+    import os
+
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    real_stage = DefaultStager._stage  # what stage() runs, in the calling thread or the stager's own
+
+    @functools.wraps(real_stage)
+    def stage(self, state_dict, **kwargs):
+        if int(os.environ.get("RANK", "0")) == rank and "model" in state_dict:
+            raise RuntimeError(f"injected DCP staging failure on rank {rank} (test hook)")
+        return real_stage(self, state_dict, **kwargs)
+
+    DefaultStager._stage = stage
+
+
 _INSTALLERS = {  # in the order they are installed
     "stage_fail": _install_stage_fail,
     "write": _install_write,
@@ -328,6 +347,7 @@ _INSTALLERS = {  # in the order they are installed
     "gpu_memory_gib": _install_gpu_memory_gib,
     "oom": _install_oom,
     "float8_on_cpu": _install_float8_on_cpu,
+    "dcp_stage_fail": _install_dcp_stage_fail,
 }
 
 

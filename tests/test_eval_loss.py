@@ -1,5 +1,5 @@
-"""The validation loss (fsdp_utils/evaluation/validation.py `evaluate`): a fixed set of sequences, whose loss is the same
-at any micro-batch and world size.
+"""The validation loss (fsdp_utils/evaluation/validation.py `evaluate`): a fixed set of sequences, whose loss is
+the same at any micro-batch and world size.
 
 The reference is one unsharded forward pass over all the sequences at once, reduced to the mean over their
 trained targets; the evaluation in micro-batches (the last one partial) and over 2 FSDP ranks must give it
