@@ -1,8 +1,25 @@
 """The one error type of data/: its message names the culprit (file, line or row, setting) in one line."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fsdp_utils.nofollow import UnsafePath
 
 
 class DataError(ValueError):
     """A problem with the user's data or data settings; the message names the culprit."""
+
+
+@contextmanager
+def refusals_as_data_errors() -> Iterator[None]:
+    """A path of the prepared folder that fsdp_utils.nofollow refuses (UnsafePath, an OSError) raised as the
+    DataError of the same line, at data/'s boundary (its entry points wear this as a decorator): their callers and
+    data/'s own checks handle DataError alone."""
+    try:
+        yield
+    except UnsafePath as err:
+        raise DataError(str(err)) from None
 
 
 def first_line(err: BaseException) -> str:

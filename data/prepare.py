@@ -38,9 +38,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import nofollow, worker
+from fsdp_utils import nofollow
+
+from . import worker
 from .chat import TEMPLATES, ChatFields
-from .errors import DataError
+from .errors import DataError, refusals_as_data_errors
 from .hf_datasets import HFDataset, OpenedDataset, open_dataset
 from .readers import InputFile, Piece, expand_inputs, format_of, input_size, read_pieces, truncate
 from .remote import TIMEOUT_S, FetchLimit, RemoteFile, SourceChanged, display
@@ -774,7 +776,7 @@ def _resumable(root: Path, progress: dict) -> bool:
             or not isinstance(progress.get("files"), list) or progress.get("hash_block_bytes") != HASH_BLOCK_BYTES):
         return False
     path = root / name
-    return (nofollow.check(path, folder_ok=name in FOLDER_NAMES) is not None
+    return (nofollow.check(path, folder_ok=name in FOLDER_NAMES)
             and tokenizer_sha256(path) == progress.get("tokenizer_sha256"))
 
 
@@ -820,6 +822,7 @@ def _corpus_and_source(settings: PrepareSettings, *, max_input_mb: float) -> tup
     return corpus, Source.of(settings, corpus)
 
 
+@refusals_as_data_errors()
 def _prepare(root: Path, settings: PrepareSettings, corpus: Corpus, source: Source, *, show_progress: bool,
              max_input_mb: float) -> PreparedData:
     """prepare_data, once the corpus and its source are known."""
@@ -828,7 +831,7 @@ def _prepare(root: Path, settings: PrepareSettings, corpus: Corpus, source: Sour
     if max_input_mb and corpus.disk_bytes > max_input_mb * 2**20:
         raise DataError(f"the corpus is {corpus.disk_bytes / 2**20:,.0f} MB, more than data.max_in_job_mb="
                         f"{max_input_mb:g} prepares inside a training job: {PREPARE_FIRST}")
-    if not (is_ours(root) and nofollow.kind_of(root / LOCK_NAME) == "file"):
+    if not (is_ours(root) and nofollow.kind_at(root / LOCK_NAME) == "a file"):
         _refuse_foreign(root)  # before the marker and the lock: nothing is written into a folder that is not ours
     claim_folder(root)
     with folder_lock(root) as waited:
@@ -870,7 +873,7 @@ def _refuse_foreign(root: Path) -> None:
         for name in (*FIXED_NAMES, MARKER_NAME):
             nofollow.check(root / name)
     if foreign := foreign_names(root):
-        if is_marked(root) and nofollow.kind_of(root / META_NAME) == "file" and not read_record(root / META_NAME):
+        if is_marked(root) and nofollow.kind_at(root / META_NAME) == "a file" and not read_record(root / META_NAME):
             raise DataError(f"{root / META_NAME} is damaged or was edited, so which files in {root} this library "
                             f"wrote can no longer be proven and none is replaced: delete the folder and prepare "
                             f"again, or choose another data.dataset_dir")

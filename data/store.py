@@ -20,7 +20,7 @@ the folder's records always name everything the library wrote there: only those 
 folder holding anything else is not the library's to write into. A folder is the library's only when its
 marker says so (or, in a folder without one, a meta.json or progress.json with a valid checksum); in any
 other, every name is the user's, meta.json included. Nothing in it is written, read or deleted through a
-link (data/nofollow.py).
+link (fsdp_utils/nofollow.py).
 
 Each shard file's sha256 is recorded per block of hash_block_bytes, and each shard's largest token id: the
 loader checks a block's hash on its first read, so damaged data never reaches the model.
@@ -43,8 +43,9 @@ from typing import TypeGuard
 
 import numpy as np
 
-from . import nofollow
-from .errors import DataError
+from fsdp_utils import nofollow
+
+from .errors import DataError, refusals_as_data_errors
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ HF_TOKENIZER_NAME = "hf_tokenizer"  # a folder saved by a transformers tokenizer
 FOLDER_NAMES = (HF_TOKENIZER_NAME, HF_TOKENIZER_NAME + ".tmp")
 LOCK_NAME = "prepare.lock"
 MARKER_NAME = "data-folder.json"
+RECORD_LIMIT = 1 << 30  # bytes: more than meta.json or progress.json of any corpus holds
 MARKER_KIND = "a prepared data folder of this library: only the files its records name are the library's"
 MARKER_VERSION = 1
 # Shard files are hashed in blocks of this size: the loader checks a block on its first read, so the
@@ -132,10 +134,11 @@ def tokenizer_sha256(path: Path) -> str:
 # ---------------------------------------------------------------- small JSON files
 
 
+@refusals_as_data_errors()
 def read_json(path: Path) -> dict:
     try:
-        payload = json.loads(nofollow.read_bytes(path).decode("utf-8"))
-    except DataError:
+        payload = json.loads(nofollow.read_small(path, limit=RECORD_LIMIT).decode("utf-8"))
+    except (DataError, nofollow.UnsafePath):
         raise
     except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or bad UTF-8
         raise DataError(f"cannot read {path}: {err}") from None
@@ -144,8 +147,13 @@ def read_json(path: Path) -> dict:
     return payload
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """path holds data, or (interrupted) what it held before: written under path.tmp, then renamed."""
+    nofollow.replace_file(path, data, tmp=path.with_name(path.name + ".tmp"))
+
+
 def write_json_atomic(path: Path, payload: dict) -> None:
-    nofollow.write_atomic(path, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
+    write_atomic(path, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
 
 
 def _record_digest(record: dict) -> str:
@@ -163,7 +171,7 @@ def read_record(path: Path) -> dict:
     """meta.json or progress.json as written by write_record; {} when missing, unreadable, damaged, or not a
     file (a link is not followed)."""
     try:
-        record = read_json(path) if nofollow.kind_of(path) == "file" else {}
+        record = read_json(path) if nofollow.kind_at(path) == "a file" else {}
     except DataError:
         return {}
     return record if record.get("record_sha256") == _record_digest(record) else {}
@@ -212,7 +220,7 @@ def block_digest(data) -> str:
 def scan_file(path: Path, *, block_bytes: int, dtype: np.dtype | None = None) -> tuple[list[str], int]:
     """(the hash of each block, the largest token id or -1) of a shard file; the largest id only with dtype."""
     digests, largest = [], -1
-    with os.fdopen(nofollow.open_file(path, os.O_RDONLY), "rb") as file:
+    with os.fdopen(nofollow.open_fd(path, os.O_RDONLY), "rb") as file:
         while block := file.read(block_bytes):
             digests.append(block_digest(block))
             if dtype is not None and len(block) >= dtype.itemsize:
@@ -224,12 +232,13 @@ def scan_file(path: Path, *, block_bytes: int, dtype: np.dtype | None = None) ->
 # ---------------------------------------------------------------- reading a complete folder
 
 
+@refusals_as_data_errors()
 def load_prepared(dataset_dir: str | Path) -> PreparedData:
     """Open a complete prepared folder, checking that every file meta.json names is there, whole, and that the
     tokenizer is the one the tokens were made with (the shards' contents are checked as they are read)."""
     root = Path(dataset_dir)
     meta_path = root / META_NAME
-    if nofollow.check(meta_path) is None:
+    if not nofollow.check(meta_path):
         raise DataError(f"no prepared data in {root}: {meta_path} not found (prepare it with scripts/prepare_data.py)")
     meta = read_json(meta_path)
     if meta.get("format_version") != FORMAT_VERSION:
@@ -279,7 +288,7 @@ def load_prepared(dataset_dir: str | Path) -> PreparedData:
 
 def check_tokenizer(path: Path, sha256: str, *, where: Path) -> None:
     """The folder's tokenizer (a file, or a saved folder) is there and is the one its tokens were made with."""
-    if nofollow.check(path, folder_ok=path.name in FOLDER_NAMES) is None:
+    if not nofollow.check(path, folder_ok=path.name in FOLDER_NAMES):
         raise DataError(f"prepared tokenizer missing: {path}")
     if tokenizer_sha256(path) != sha256:
         raise DataError(f"{path} is not the tokenizer the data in {path.parent} was made with (its sha256 differs "
@@ -318,7 +327,7 @@ def check_shard(root: Path, shard: dict, dtype: np.dtype, *, where: Path, masked
         for key, itemsize, kind in files:
             path = root / _file_name(shard, key, where)
             expected = num_tokens * itemsize
-            if nofollow.check(path) is None:
+            if not nofollow.check(path):
                 raise DataError(f"prepared {kind} file missing: {path}")
             if path.stat().st_size != expected:
                 raise DataError(f"{path} is {path.stat().st_size} bytes but {where.name} says {num_tokens} tokens "
@@ -363,7 +372,7 @@ def resumable_shards(root: Path, progress: dict, dtype: np.dtype) -> list[dict]:
             check_shard(root, shard, dtype, where=where, masked=masked, block_bytes=block_bytes)
             verify_shard(root, shard, dtype, masked=masked, block_bytes=block_bytes)
             kept.append(shard)
-    except DataError:
+    except (DataError, OSError):  # a shard missing, damaged, or refused (a link, ...)
         pass
     return kept
 
@@ -395,7 +404,7 @@ def is_marked(root: Path) -> bool:
         if marker:
             return marker.get("kind") == MARKER_KIND and isinstance(marker.get("marker_version"), int)
         try:
-            if os.lstat(root / MARKER_NAME).st_size or nofollow.kind_of(root / MARKER_NAME) != "file":
+            if os.lstat(root / MARKER_NAME).st_size or nofollow.kind_at(root / MARKER_NAME) != "a file":
                 return False
         except OSError:  # no marker
             return False
@@ -433,10 +442,12 @@ def claim_folder(root: Path) -> None:
     marker = {"kind": MARKER_KIND, "marker_version": MARKER_VERSION}
     payload = json.dumps({**marker, "record_sha256": _record_digest(marker)}, indent=1) + "\n"
     try:
-        with os.fdopen(nofollow.open_file(root / MARKER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as file:
+        with nofollow.open_new(root / MARKER_NAME) as file:
             file.write(payload.encode("utf-8"))
     except FileExistsError:
         return  # marked already (by an earlier preparation, or one running beside this)
+    except nofollow.UnsafePath:  # its own line, naming the path: a DataError at data's boundary
+        raise
     except OSError as err:
         raise DataError(f"cannot write in {root}: {err.strerror or err}") from None
 
@@ -462,7 +473,9 @@ def folder_lock(root: Path) -> Iterator[bool]:
     process held it first and this one waited for it to finish."""
     path = root / LOCK_NAME
     try:
-        fd = nofollow.open_file(path, os.O_RDWR | os.O_CREAT)
+        fd = nofollow.open_fd(path, os.O_RDWR | os.O_CREAT)
+    except nofollow.UnsafePath:  # its own line, naming the path: a DataError at data's boundary
+        raise
     except OSError as err:
         raise DataError(f"cannot write in {root}: {err.strerror or err}") from None
     try:
@@ -565,7 +578,7 @@ class ShardWriter:
             except OSError:
                 pass  # flushing what is buffered fails again on a full disk; the file goes anyway
         for path in self._paths:
-            if nofollow.kind_of(path) == "file":  # anything else was never this writer's
+            if nofollow.kind_at(path) == "a file":  # anything else was never this writer's
                 path.unlink()
         self._files, self._paths = [], []
 
@@ -583,6 +596,8 @@ class ShardWriter:
             yield
         except OSError as err:
             self.abort()
+            if isinstance(err, nofollow.UnsafePath):  # its own line (see claim_folder)
+                raise
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DataError(f"disk full while writing {path}; free some space and rerun to continue "
                                 f"after the {len(self.shards)} finished shards") from None
@@ -599,9 +614,9 @@ class ShardWriter:
             pairs.append(("train_mask", "val_mask", np.dtype(np.uint8)))
         for train_key, val_key, dtype in pairs:
             train_path, val_path = self.root / shard[train_key], self.root / shard[val_key]
-            tail = nofollow.read_bytes(train_path)[keep * dtype.itemsize:]
+            tail = nofollow.read_small(train_path, limit=shard["num_train_tokens"] * dtype.itemsize)
             with self._writing(val_path):
-                nofollow.write_atomic(val_path, tail)
+                write_atomic(val_path, tail[keep * dtype.itemsize:])
                 nofollow.truncate(train_path, keep * dtype.itemsize)
         shard.update(num_train_tokens=keep, num_val_tokens=shard["num_val_tokens"] + num_tokens)
         self._record_contents(shard)

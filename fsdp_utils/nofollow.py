@@ -1,9 +1,15 @@
-"""Files and folders of a run's output directory opened, made and removed without following symbolic links.
+"""Files and folders the library keeps (a run's output directory, a prepared data folder) opened, made, replaced
+and removed without following symbolic links.
 
-Whatever the run writes or deletes there goes through these functions. A symbolic link, a FIFO or a device
-where the run expects its own file or folder is refused with one line naming the path (`UnsafePath`):
-writing through a link changes a file the run does not own, and opening a FIFO or a device can block or
-never end. Removing a link removes the link alone. Standard library only, so that any package can use it.
+Whatever the library writes, reads or deletes there goes through these functions, under one rule:
+- A file is opened only if it is a regular file: a symbolic link, a FIFO, a device, a socket or a folder there is
+  refused with one line naming the path (`UnsafePath`) and left as it is. Writing through a link changes a file
+  the library does not own; opening a FIFO or a device can block or never end.
+- A name the library writes anew (a new file, a file renamed into place) or removes has what stands there
+  replaced or removed as itself: a link, never what it leads to. A folder is removed only where the caller keeps
+  a folder; anywhere else it may hold the user's files, and is refused and left as it is.
+Entries are checked with lstat, then opened with O_NOFOLLOW and O_NONBLOCK, so that one swapped in after the check
+is refused too. Standard library only, so that any package can use it.
 """
 from __future__ import annotations
 
@@ -17,7 +23,17 @@ from typing import BinaryIO, TextIO
 
 
 class UnsafePath(OSError):
-    """A path of the run that is a link or not the kind of file expected; the message is one line naming it."""
+    """A path the library keeps that is not the kind of file expected, or not one it can read. `filename` is the
+    path and `strerror` why, so that the message is the one line `<path>: <why>`."""
+
+    def __init__(self, path: Path | str, why: str):
+        super().__init__(None, why, str(path))
+
+    def __reduce__(self):
+        return type(self), (self.filename, self.strerror)
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
 
 
 def kind_of(mode: int) -> str:
@@ -29,23 +45,40 @@ def kind_of(mode: int) -> str:
     return "a file"
 
 
+def kind_at(path: Path | str) -> str | None:
+    """What is at `path` itself (a link is not followed), in words ("a file", "a folder", "a symbolic link", ...);
+    None if nothing."""
+    try:
+        return kind_of(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 def refusal(path: Path | str, what: str, *, expected: str = "a regular file") -> UnsafePath:
     """The error for `path` being `what` (a symbolic link, a FIFO, ...) where `expected` belongs."""
-    return UnsafePath(f"{path}: {what} where the run expects {expected}; refusing to use it (move it away)")
+    return UnsafePath(path, f"{what} where this library expects {expected}; refusing to use it (move it away)")
+
+
+def check(path: Path | str, *, folder_ok: bool = False) -> bool:
+    """Whether something is at `path`: a regular file (or, with folder_ok, a folder); anything else is refused."""
+    kind = kind_at(path)
+    if kind not in (None, "a file", "a folder" if folder_ok else "a file"):
+        raise refusal(path, kind, expected="a regular file or a folder" if folder_ok else "a regular file")
+    return kind is not None
 
 
 def open_fd(path: Path | str, flags: int, mode: int = 0o644) -> int:
-    """os.open of a regular file that is not a link (O_NOFOLLOW), without blocking on a FIFO; UnsafePath
-    for anything else. The descriptor is blocking again when returned."""
+    """os.open of a regular file that is not a link (O_NOFOLLOW), without blocking on a FIFO; UnsafePath for
+    anything else, which is never opened where lstat sees it first. The descriptor is blocking again when
+    returned."""
+    check(path)
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a link, a FIFO without a reader, a folder
-            try:
-                what = kind_of(os.lstat(path).st_mode)
-            except OSError:
-                raise err from None
-            raise refusal(path, what) from None
+            what = kind_at(path)
+            if what is not None:
+                raise refusal(path, what) from None
         raise
     try:
         mode_now = os.fstat(fd).st_mode
@@ -68,14 +101,29 @@ def open_new(path: Path | str) -> BinaryIO:
     return open(path, "wb", opener=lambda name, _: open_fd(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
 
 
+def create(path: Path | str) -> BinaryIO:
+    """A new binary file at `path` for writing, what stood there removed first (see `remove`)."""
+    remove(path)
+    return open_new(path)
+
+
 def read_small(path: Path | str, *, limit: int) -> bytes:
     """The bytes of a regular file (not a link) of at most `limit` bytes, its size known before reading."""
     fd = open_fd(path, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
         if size > limit:
-            raise UnsafePath(f"{path}: {size:,} bytes, more than such a file ever holds ({limit:,})")
+            raise UnsafePath(path, f"{size:,} bytes, more than such a file ever holds ({limit:,})")
         return f.read(size)
+
+
+def truncate(path: Path | str, size: int) -> None:
+    """Cut the regular file at `path` (never what a link leads to) to `size` bytes."""
+    fd = open_fd(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
 
 
 def make_dir(path: Path | str) -> Path:
@@ -91,36 +139,40 @@ def make_dir(path: Path | str) -> Path:
     return path
 
 
-def remove(path: Path | str) -> None:
-    """Remove a file or a folder if there; a link is removed itself, never what it points to."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode):
-        shutil.rmtree(path)  # removes the links it meets inside, never their targets
-    else:
+def remove(path: Path | str, *, folder_ok: bool = False) -> None:
+    """Remove what is at `path`, if anything: a link itself, never what it leads to; a folder (with the links it
+    holds, never their targets) only with folder_ok, else it is refused."""
+    kind = kind_at(path)
+    if kind == "a folder":
+        if not folder_ok:
+            raise refusal(path, kind)
+        shutil.rmtree(path)
+    elif kind is not None:
         os.unlink(path)
+
+
+def replace(source: Path | str, target: Path | str, *, folder_ok: bool = False) -> None:
+    """os.replace(source, target): what stands at target is replaced as itself (a link, never what it leads to);
+    a folder there is replaced only with folder_ok (removed first), else refused."""
+    if kind_at(target) == "a folder" or os.path.isdir(source) and not os.path.islink(source):
+        remove(target, folder_ok=folder_ok)  # os.replace moves a folder only onto nothing or an empty folder
+    os.replace(source, target)
 
 
 # ---- small record files and results logs ---------------------------------------------------------------
 
 
-def replace_file(path: Path, data: bytes) -> None:
-    """`path` holds `data`, or (interrupted) what it held before. The bytes go to .tmp-<name> beside it (what
-    was left there removed, a link as itself; the new file opened exclusively), which is then renamed over
-    `path`: a link there is replaced, never written through. A folder at either name is refused (UnsafePath)."""
-    tmp = path.with_name(f".tmp-{path.name}")
+def replace_file(path: Path, data: bytes, *, tmp: Path | None = None) -> None:
+    """`path` holds `data`, or (interrupted) what it held before. The bytes go to `tmp` beside it (.tmp-<name>
+    unless given; created anew, see `create`), which is then renamed over `path` (see `replace`). A folder at
+    either name is refused, before anything is written."""
+    tmp = path.with_name(f".tmp-{path.name}") if tmp is None else tmp
     for name in (tmp, path):
-        try:
-            if stat.S_ISDIR(os.lstat(name).st_mode):
-                raise refusal(name, "a folder")
-        except FileNotFoundError:
-            pass
-    remove(tmp)
-    with open_new(tmp) as f:
+        if kind_at(name) == "a folder":
+            raise refusal(name, "a folder")
+    with create(tmp) as f:
         f.write(data)
-    os.replace(tmp, path)
+    replace(tmp, path)
 
 
 def results_log_problem(path: str | Path, *, option: str = "--json") -> str | None:

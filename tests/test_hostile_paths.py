@@ -288,8 +288,8 @@ def test_a_linked_tracker_or_profile_folder_leaves_the_users_files_alone(tmp_pat
     (out / folder).symlink_to(users)
     with pytest.raises(OSError) as err:
         operation(out)
-    assert str(err.value) == (f"{out / folder}: a symbolic link where the run expects a folder; refusing to use it "
-                              "(move it away)")
+    assert str(err.value) == (f"{out / folder}: a symbolic link where this library expects a folder; refusing to "
+                              "use it (move it away)")
     assert (users / users_file).read_text() == "the user's own" and [p.name for p in users.iterdir()] == [
         Path(users_file).parts[0]]
 

@@ -25,13 +25,13 @@ from data import (
     default_dataset_dir,
     handoff,
     load_prepared,
-    nofollow,
     prepare_data,
     prepare_for_training,
     readers,
 )
 from data.store import ShardWriter
 from data.tokenizer import TokenizerSample
+from fsdp_utils import nofollow
 from tests.helpers import ROOT, alive, children
 from tests.test_data import VOCAB_SIZE, decode_split, held_out, make_documents, prep, split_tokens
 

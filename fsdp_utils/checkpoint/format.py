@@ -202,11 +202,10 @@ def _new_file(path: Path, journal: Journal | None) -> BinaryIO:
     """A new file at `path`, never opened through what stood there. In the run's output directory (`journal`) it
     is recorded as the run's own first (and sealed by the caller once written), and what stood there is removed
     only if the run's own, else kept aside; elsewhere (inside a folder being written, a tool's output of the
-    user's choosing) it is removed first."""
+    user's choosing) it is removed first (a link as itself, a folder refused: nofollow.create)."""
     if journal is not None:
         return journal.create_file(path)
-    nofollow.remove(path)
-    return nofollow.open_new(path)
+    return nofollow.create(path)
 
 
 def save_with_checksum(obj: Any, path: Path, *, journal: Journal | None = None) -> tuple[dict, float]:
@@ -244,7 +243,7 @@ def install_full(tmp: Path, final: Path, *, journal: Journal | None = None) -> N
     output directory (`journal`), a file there that the run did not make is kept aside, never replaced."""
     if journal is None:
         nofollow.remove(sidecar_of(final))
-        os.replace(tmp, final)
+        nofollow.replace(tmp, final)
         return
     journal.keep_foreign(final, why=f"the save of {final.name}", along=sidecar_of(final))
     journal.clear(sidecar_of(final), why=f"the save of {final.name}")
@@ -258,7 +257,7 @@ def write_record(final: Path, record: dict, *, journal: Journal | None = None) -
     try:
         write_json(tmp, {"format_version": FORMAT_VERSION, "files": {final.name: record}}, journal=journal)
         if journal is None:
-            os.replace(tmp, sidecar)
+            nofollow.replace(tmp, sidecar)
         else:
             journal.clear(sidecar, why=f"the checksum record of {final.name}")
             journal.rename(tmp, sidecar)

@@ -49,7 +49,7 @@ class Journal:
         with os.fdopen(fd, "rb") as f:
             size = self._size = os.fstat(fd).st_size
             if size > _LIMIT:
-                raise nofollow.UnsafePath(f"{self.path}: {size:,} bytes, more than a checkpoint journal holds")
+                raise nofollow.UnsafePath(self.path, f"{size:,} bytes, more than a checkpoint journal holds")
             if size < self._read:  # replaced by another file: read it whole
                 self._entries, self._read = {}, 0
             f.seek(self._read)
@@ -141,10 +141,10 @@ class Journal:
             raise
 
     def remove(self, path: Path) -> bool:
-        """Remove `path` if it is the run's own (a link itself, never what it leads to); whether it was."""
+        """Remove `path` (a file or a folder) if it is the run's own; whether it was."""
         if not self.owns(path):
             return False
-        nofollow.remove(path)
+        nofollow.remove(path, folder_ok=True)
         self._append({"removed": path.name})
         return True
 

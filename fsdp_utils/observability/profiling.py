@@ -53,15 +53,12 @@ def make_folders(base: Path, folder: Path) -> Path:
 
 def write_staged(path: Path, write: Callable[[str], object]) -> Path:
     """`path` written by `write(name)`, a writer that opens the file itself (the profiler's export, the
-    allocator's dump): into a new folder made here beside it, then renamed to `path`, which replaces a link,
-    FIFO or file at that name instead of opening it. A folder at `path` is refused (UnsafePath)."""
+    allocator's dump): into a new folder made here beside it, then renamed to `path` (nofollow.replace: a link,
+    FIFO or file there is replaced as itself, never opened; a folder is refused)."""
     with tempfile.TemporaryDirectory(prefix=".tmp-", dir=path.parent) as staging:
         staged = os.path.join(staging, path.name)
         write(staged)
-        try:
-            os.replace(staged, path)
-        except IsADirectoryError:
-            raise nofollow.refusal(path, "a folder") from None
+        nofollow.replace(staged, path)
     return path
 
 

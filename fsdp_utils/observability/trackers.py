@@ -231,9 +231,9 @@ def read_ids(path: Path) -> dict:
     except nofollow.UnsafePath:
         raise
     except (OSError, ValueError, RecursionError) as err:
-        raise nofollow.UnsafePath(f"{path}: unreadable ({type(err).__name__}: {err}); fix or remove it") from None
+        raise nofollow.UnsafePath(path, f"unreadable ({type(err).__name__}: {err}); fix or remove it") from None
     if not isinstance(ids, dict) or not all(isinstance(v, str) for v in ids.values()):
-        raise nofollow.UnsafePath(f"{path}: not a record of tracked run ids; fix or remove it")
+        raise nofollow.UnsafePath(path, "not a record of tracked run ids; fix or remove it")
     return ids
 
 

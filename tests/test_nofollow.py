@@ -1,0 +1,185 @@
+"""fsdp_utils/nofollow.py, the one set of no-follow rules of the run's output directory and of a prepared data
+folder: a file is opened only if it is a regular file (anything else refused in one line and left as it is); a
+name written anew or removed has what stands there replaced or removed as itself, never what a link leads to;
+a folder goes only where the caller keeps one."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from data import DataError, PrepareSettings, load_prepared, prepare_data
+from fsdp_utils import nofollow
+from fsdp_utils.checkpoint.format import install_full, save_with_checksum, write_record
+from scripts import prepare_data as prepare_script
+from tests.helpers import ROOT
+from tests.test_data import make_documents
+from tests.test_prepare import stopped_after
+
+USERS = "the user's own"
+
+
+def users_folder(path: Path) -> None:
+    path.mkdir()
+    (path / "notes.txt").write_text(USERS)
+
+
+def hostile(path: Path, kind: str, elsewhere: Path) -> None:
+    """A `kind` at `path`; a link leads to the user's file or folder in `elsewhere`."""
+    if kind == "link to a file":
+        (elsewhere / "file").write_text(USERS)
+        path.symlink_to(elsewhere / "file")
+    elif kind == "link to a folder":
+        users_folder(elsewhere / "folder")
+        path.symlink_to(elsewhere / "folder")
+    elif kind == "broken link":
+        path.symlink_to(elsewhere / "nothing")
+    else:
+        os.mkfifo(path)
+
+
+def elsewhere_intact(elsewhere: Path) -> bool:
+    return all(p.read_text() == USERS for p in elsewhere.rglob("*") if p.is_file())
+
+
+def expect_refusal(call: Callable[[], object], path: Path, what: str) -> None:
+    with pytest.raises(nofollow.UnsafePath) as caught:
+        call()
+    assert str(caught.value) == f"{path}: {what}; refusing to use it (move it away)"
+
+
+KINDS = ["link to a file", "link to a folder", "broken link", "FIFO"]
+WRITES: dict[str, Callable[[Path], object]] = {
+    "remove": lambda path: nofollow.remove(path),
+    "create": lambda path: nofollow.create(path).close(),
+    "replace_file": lambda path: nofollow.replace_file(path, b"new"),
+    "replace": lambda path: (path.with_name("staged").write_bytes(b"new"),
+                             nofollow.replace(path.with_name("staged"), path)),
+    "replace a folder": lambda path: (path.with_name("staged").mkdir(),
+                                      nofollow.replace(path.with_name("staged"), path, folder_ok=True)),
+}
+READS: dict[str, Callable[[Path], object]] = {
+    "read_small": lambda path: nofollow.read_small(path, limit=100),
+    "open_append": lambda path: nofollow.open_append(path).close(),
+    "open_fd": lambda path: os.close(nofollow.open_fd(path, os.O_RDWR | os.O_CREAT)),
+    "truncate": lambda path: nofollow.truncate(path, 0),
+    "check": lambda path: nofollow.check(path),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("operation", list(WRITES))
+def test_a_name_written_anew_or_removed_replaces_a_link_or_fifo_as_itself(tmp_path, kind, operation):
+    elsewhere, path = tmp_path / "elsewhere", tmp_path / "run" / "name"
+    elsewhere.mkdir()
+    path.parent.mkdir()
+    hostile(path, kind, elsewhere)
+    WRITES[operation](path)
+    assert elsewhere_intact(elsewhere) and sorted(p.name for p in elsewhere.iterdir()) == sorted(
+        {"link to a file": ["file"], "link to a folder": ["folder"]}.get(kind, []))
+    assert not path.is_symlink() and (not path.exists() if operation == "remove" else path.exists())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("operation", list(READS))
+def test_a_file_opened_in_place_is_refused_and_left_as_it_is(tmp_path, kind, operation):
+    elsewhere, path = tmp_path / "elsewhere", tmp_path / "name"
+    elsewhere.mkdir()
+    hostile(path, kind, elsewhere)
+    before = os.lstat(path)
+    words = "a FIFO" if kind == "FIFO" else "a symbolic link"
+    expect_refusal(lambda: READS[operation](path), path, f"{words} where this library expects a regular file")
+    assert os.lstat(path) == before and elsewhere_intact(elsewhere)
+
+
+@pytest.mark.parametrize("operation", ["remove", "create", "replace_file", "replace", "read_small", "open_fd"])
+def test_a_folder_where_a_file_goes_is_refused_and_kept(tmp_path, operation):
+    path = tmp_path / "name"
+    users_folder(path)
+    expect_refusal(lambda: {**WRITES, **READS}[operation](path), path,
+                   "a folder where this library expects a regular file")
+    assert (path / "notes.txt").read_text() == USERS
+
+
+def test_a_folder_goes_only_where_the_caller_keeps_one(tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "link").symlink_to(tmp_path / "users")
+    users_folder(tmp_path / "users")
+    nofollow.remove(tmp_path / "folder", folder_ok=True)
+    assert not (tmp_path / "folder").exists() and (tmp_path / "users" / "notes.txt").read_text() == USERS
+    assert nofollow.check(tmp_path / "users", folder_ok=True) and not nofollow.check(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("name", [".tmp-fsdp_cpt1.pth", ".fsdp_cpt1.pth.json"])
+def test_a_checkpoint_tool_never_deletes_a_folder_at_a_name_it_writes(tmp_path, name):
+    # A tool's output (convert_checkpoint.py, import_hf.py) writes outside the run's journal: a folder of the
+    # user's at the temporary name or at the checksum record's name is refused, never removed with its files.
+    users_folder(tmp_path / name)
+    final = tmp_path / "fsdp_cpt1.pth"
+    if name.startswith(".tmp-"):
+        call: Callable[[], object] = lambda: save_with_checksum({"w": 1}, tmp_path / name)  # noqa: E731
+    else:  # the tools install the new file, whose old checksum record goes first, then write the new record
+        (tmp_path / ".tmp-fsdp_cpt1.pth").write_bytes(b"a checkpoint")
+        call = lambda: install_full(tmp_path / ".tmp-fsdp_cpt1.pth", final)  # noqa: E731
+    expect_refusal(call, tmp_path / name, "a folder where this library expects a regular file")
+    assert (tmp_path / name / "notes.txt").read_text() == USERS
+    if name.endswith(".json"):  # and the new record is not renamed over it either
+        expect_refusal(lambda: write_record(final, {"size": 1, "crc32": "00000000"}), tmp_path / name,
+                       "a folder where this library expects a regular file")
+        assert (tmp_path / name / "notes.txt").read_text() == USERS
+
+
+def test_the_refusal_is_one_line_with_the_path_as_its_filename(tmp_path):
+    err = nofollow.refusal(tmp_path / "x", "a FIFO")
+    assert isinstance(err, OSError) and err.filename == str(tmp_path / "x") and err.errno is None
+    assert str(err) == f"{err.filename}: {err.strerror}" and "\n" not in str(err)
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is nofollow.UnsafePath and str(again) == str(err)
+
+
+# ---- the prepared data folder under the same rules ---------------------------------------------------------
+
+
+@pytest.fixture
+def interrupted(tmp_path) -> tuple[Path, PrepareSettings]:
+    """A folder whose preparation stopped after one shard, and the settings to continue it."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in make_documents(120, seed=4)))
+    settings = PrepareSettings(files=(str(corpus),), vocab_size=320, num_workers=0, val_fraction=0.1,
+                               shard_tokens=500)
+    with stopped_after(1):
+        prepare_data(tmp_path / "prepared", settings, show_progress=False)
+    return tmp_path / "prepared", settings
+
+
+def test_a_link_at_a_recorded_leftover_name_is_removed_as_itself(interrupted, tmp_path):
+    # Continuing an interrupted preparation removes the leftovers its records name (a .tmp shard, the tokenizer's
+    # .tmp): a link planted there goes, what it leads to stays.
+    root, settings = interrupted
+    names = ["train-00000.bin.tmp", "tokenizer.model.tmp"]
+    assert set(names) <= set(json.loads((root / "progress.json").read_text())["files"])
+    (tmp_path / "users.bin").write_text(USERS)
+    for name in names:
+        (root / name).unlink(missing_ok=True)
+        (root / name).symlink_to(tmp_path / "users.bin")
+    prepared = prepare_data(root, settings, show_progress=False)
+    assert (tmp_path / "users.bin").read_text() == USERS and not any(os.path.lexists(root / n) for n in names)
+    assert load_prepared(root).num_train_tokens == prepared.num_train_tokens > 0
+
+
+def test_a_refused_data_path_is_one_data_error_line_and_one_error_line_of_the_script(interrupted, tmp_path, capsys):
+    root, settings = interrupted
+    (root / "prepare.lock").unlink()
+    os.mkfifo(root / "prepare.lock")
+    line = (f"{root / 'prepare.lock'}: a FIFO where this library expects a regular file; refusing to use it "
+            "(move it away)")
+    with pytest.raises(DataError) as caught:
+        prepare_data(root, settings, show_progress=False)
+    assert str(caught.value) == line
+    code = prepare_script.main([str(ROOT / "config/train_tiny_fsdp.yaml"), f"--data.files=[{settings.files[0]}]",
+                                "--data.vocab_size=320", "--data.num_workers=0", f"--data.dataset_dir={root}"])
+    assert (code, capsys.readouterr().err.strip().splitlines()) == (1, [f"error: {line}"])
