@@ -169,6 +169,29 @@ def test_staging_copies_live_tensors_into_one_reused_arena():
     assert staging.nbytes == arena and staging.last.allocated == 0
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note on a save without a process group
+def test_dcp_writes_the_thread_writers_staged_tensors_without_copying_them(tmp_path, monkeypatch):
+    # DCP's writer copies every tensor whose storage is larger than the tensor before writing it, and the
+    # host's heap keeps those copies: a staged tensor on the whole arena's storage was held twice during a save.
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.randn(64, 48), "b": torch.randn(48).to(torch.bfloat16), "step": torch.tensor(7.0)}
+    staging = HostStaging(pin=False, share=False)
+    staged = staging.stage(state, live={t.untyped_storage().data_ptr() for t in state.values()})
+    arena = (staging._raw.data_ptr(), staging._raw.data_ptr() + staging.nbytes)
+    for t in staged.values():  # each in the arena, on a storage of its own size
+        assert arena[0] <= t.data_ptr() < arena[1] and t.untyped_storage().nbytes() == t.nbytes
+    copies = []
+    clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copies.append(t.shape) or clone(t, *a, **k))
+    dcp.save(staged, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    monkeypatch.undo()
+    assert copies == []
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
 def test_staging_grows_a_reserve_too_small_and_shares_everything_for_the_process_writer():
     weight = torch.randn(1000, 300)  # 1.2 MB: more than the 4 KiB reserved
     piece = torch.randn(10)

@@ -185,9 +185,11 @@ class HostStaging:
 
         def place(like: torch.Tensor) -> torch.Tensor:
             nonlocal offset
-            nbytes = like.numel() * like.element_size()
-            view = arena[offset:offset + nbytes].view(like.dtype).view(like.shape)
+            start, nbytes = offset, like.numel() * like.element_size()
             offset += _padded(nbytes)
+            if not self.share:
+                return _own_slice(arena, start, like)
+            view = arena[start:start + nbytes].view(like.dtype).view(like.shape)
             # A tensor of its own on the arena's storage, not a view of it: the process writer receives
             # it through shared memory, and views of the arena crash that transfer.
             return torch.empty(0, dtype=like.dtype).set_(view.untyped_storage(), view.storage_offset(), view.shape,
@@ -202,6 +204,16 @@ class HostStaging:
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
         self._raw, self._wrappers, self._layout = None, {}, None
+
+
+def _own_slice(arena: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped like `like` whose storage is exactly its slice of the arena, from byte `start`.
+    DCP's writer copies a tensor whose storage is larger than the tensor before writing it, and the host's
+    heap keeps those copies: on the arena's whole storage, every staged tensor would be held twice."""
+    if like.numel() == 0:
+        return torch.empty(like.shape, dtype=like.dtype)
+    flat = torch.frombuffer(arena.numpy(), dtype=like.dtype, count=like.numel(), offset=start)
+    return flat.view(like.shape)
 
 
 def _padded(nbytes: int) -> int:
