@@ -646,7 +646,7 @@ def test_a_users_tmp_folder_stays_and_a_leftover_of_an_interrupted_save_goes(tmp
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(full, "install_full", interrupted)
+        patch.setattr(full, "install", interrupted)
         with pytest.raises(KeyboardInterrupt):
             save_step(out, "full", 2)
     assert (out / ".tmp-fsdp_cpt2.pth").is_file()  # what the interrupted save left

@@ -14,8 +14,13 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint.format import CheckpointError, sidecar_of
-from fsdp_utils.checkpoint.journal import Journal
-from fsdp_utils.checkpoint.retention import apply_retention, complete_checkpoints, move_aside, remove_incomplete
+from fsdp_utils.checkpoint.retention import (
+    Journal,
+    apply_retention,
+    complete_checkpoints,
+    move_aside,
+    remove_incomplete,
+)
 from model import ModelConfig
 from tests.distributed_harness import RankFailed, cpu_env, run_ranks
 

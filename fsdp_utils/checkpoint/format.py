@@ -42,7 +42,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .. import nofollow
-from .journal import Journal
 
 FULL_RE = re.compile(r"^fsdp_cpt(\d+)\.pth$")
 SHARDED_RE = re.compile(r"^fsdp_sharded_cpt(\d+)$")
@@ -198,74 +197,62 @@ def check_archive(path: Path) -> tuple[bool, str | None]:
     return True, None
 
 
-def _new_file(path: Path, journal: Journal | None) -> BinaryIO:
-    """A new file at `path`, never opened through what stood there. In the run's output directory (`journal`) it
-    is recorded as the run's own first (and sealed by the caller once written), and what stood there is removed
-    only if the run's own, else kept aside; elsewhere (inside a folder being written, a tool's output of the
-    user's choosing) it is removed first (a link as itself, a folder refused: nofollow.create)."""
-    if journal is not None:
-        return journal.create_file(path)
-    return nofollow.create(path)
-
-
-def save_with_checksum(obj: Any, path: Path, *, journal: Journal | None = None) -> tuple[dict, float]:
-    """torch.save `obj` to a new file at `path` (see _new_file), flushed and fsynced; return the file's
-    {"size", "crc32"} and the seconds spent computing the CRC32."""
-    with _new_file(path, journal) as f:
-        writer = ChecksumWriter(f)
-        try:
-            torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save needs only write(); stubs ask for IO
-        except RuntimeError:
-            if writer.error is not None:  # a full disk, a quota, a file size limit
-                raise writer.error from None
-            raise
-        f.flush()
-        os.fsync(f.fileno())
-    if journal is not None:
-        journal.seal(path)
+def write_checksummed(obj: Any, f: BinaryIO) -> tuple[dict, float]:
+    """torch.save `obj` into the new file `f`, flushed and fsynced; return the file's {"size", "crc32"} and the
+    seconds spent computing the CRC32."""
+    writer = ChecksumWriter(f)
+    try:
+        torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save needs only write(); stubs ask for IO
+    except RuntimeError:
+        if writer.error is not None:  # a full disk, a quota, a file size limit
+            raise writer.error from None
+        raise
+    f.flush()
+    os.fsync(f.fileno())
     return writer.record(), writer.crc_seconds
 
 
-def write_json(path: Path, payload: dict, *, journal: Journal | None = None) -> None:
-    """Write a small JSON file durably (flushed and fsynced) before it is renamed into place, as a new file (see
-    _new_file)."""
-    with _new_file(path, journal) as f:
-        f.write(json.dumps(payload, indent=1).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    if journal is not None:
-        journal.seal(path)
+def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
+    """write_checksummed into a new file at `path`, what stood there removed first (a link as itself, a folder
+    refused: nofollow.create). The run's own files go through its journal instead (retention.Journal)."""
+    with nofollow.create(path) as f:
+        return write_checksummed(obj, f)
 
 
-def install_full(tmp: Path, final: Path, *, journal: Journal | None = None) -> None:
+def write_json_to(f: BinaryIO, payload: dict) -> None:
+    """Write a small JSON file durably (flushed and fsynced), before it is renamed into place."""
+    f.write(json.dumps(payload, indent=1).encode())
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """write_json_to a new file at `path` (as save_with_checksum makes it)."""
+    with nofollow.create(path) as f:
+        write_json_to(f, payload)
+
+
+def checksum_record(final: Path, record: dict) -> dict:
+    """The contents of a full checkpoint's checksum record (its sidecar), given the file's {"size", "crc32"}."""
+    return {"format_version": FORMAT_VERSION, "files": {final.name: record}}
+
+
+def install_full(tmp: Path, final: Path) -> None:
     """Rename a written full checkpoint into place. A record left by a file of the same name goes first:
-    it must never describe the new file (until its own is written, the new file loads unverified). In the run's
-    output directory (`journal`), a file there that the run did not make is kept aside, never replaced."""
-    if journal is None:
-        nofollow.remove(sidecar_of(final))
-        nofollow.replace(tmp, final)
-        return
-    journal.keep_foreign(final, why=f"the save of {final.name}", along=sidecar_of(final))
-    journal.clear(sidecar_of(final), why=f"the save of {final.name}")
-    journal.rename(tmp, final)
+    it must never describe the new file (until its own is written, the new file loads unverified)."""
+    nofollow.remove(sidecar_of(final))
+    nofollow.replace(tmp, final)
 
 
-def write_record(final: Path, record: dict, *, journal: Journal | None = None) -> None:
-    """Write a full checkpoint's checksum record next to it (atomically; `journal`: see install_full)."""
+def write_record(final: Path, record: dict) -> None:
+    """Write a full checkpoint's checksum record next to it, atomically."""
     sidecar = sidecar_of(final)
     tmp = sidecar.with_name(TMP_PREFIX + sidecar.name)
     try:
-        write_json(tmp, {"format_version": FORMAT_VERSION, "files": {final.name: record}}, journal=journal)
-        if journal is None:
-            nofollow.replace(tmp, sidecar)
-        else:
-            journal.clear(sidecar, why=f"the checksum record of {final.name}")
-            journal.rename(tmp, sidecar)
+        write_json(tmp, checksum_record(final, record))
+        nofollow.replace(tmp, sidecar)
     finally:
-        if journal is None:
-            nofollow.remove(tmp)
-        else:
-            journal.remove(tmp)
+        nofollow.remove(tmp)
 
 
 # ---- metadata -------------------------------------------------------------------------------------

@@ -45,8 +45,7 @@ from .format import (
     with_meta_crc32,
     write_json,
 )
-from .journal import Journal
-from .retention import remove
+from .retention import Journal, remove
 from .verify import hash_own_files
 
 
