@@ -26,7 +26,7 @@ import torch
 
 from .. import nofollow
 from ..distributed import DistEnv, agree, barrier
-from .async_save import AsyncSaveFailed, AsyncSaver
+from .async_save import AsyncSaveFailed, AsyncSaver, resolve_async_save
 from .base import CheckpointContext, CheckpointFormat, TrainState, gather_rng, restore_rng
 from .format import (
     META_CRC_KEY,
@@ -39,13 +39,12 @@ from .format import (
     check_structure,
     first_line,
     size_of,
+    verify,
 )
 from .full import FullCheckpoint
 from .retention import complete_checkpoints, incomplete_sharded, move_aside, odd_checkpoints
 from .sharded import ShardedCheckpoint
 from .staging import state_bytes
-from .verify import verify
-from .writer import resolve_async_save
 
 if TYPE_CHECKING:
     from config import CheckpointConfig

@@ -38,6 +38,7 @@ from .format import (
     CheckpointMismatch,
     dcp_load,
     first_line,
+    hash_own_files,
     load_rng,
     read_sharded_meta,
     save_with_checksum,
@@ -46,7 +47,6 @@ from .format import (
     write_json,
 )
 from .retention import Journal, remove
-from .verify import hash_own_files
 
 
 def replace_dir(src: Path, dst: Path, journal: Journal) -> None:
