@@ -672,7 +672,7 @@ def touch_process_writer(bench: Bench) -> None:
     getattr(response, "upload_completion", response).result()
     barrier(bench.env)
     if bench.env.is_main:
-        nofollow.remove(path)
+        nofollow.remove(path, folder_ok=True)
 
 
 # ---- measuring ----------------------------------------------------------------------------------------------
@@ -737,7 +737,7 @@ def measure_save(bench: Bench, variant: Any, index: int, *, baseline: int) -> di
     check, detail = check_checkpoint(path, expected, group=b.group)
     barrier(env)
     if env.is_main:
-        nofollow.remove(path)
+        nofollow.remove(path, folder_ok=True)
     node = env.local_rank == 0 and b.sampler.available
     row = {**timing, "steps_during_save": len(steps), "first_step_s": steps[0] if steps else None,
            "overlap_step_s": statistics.median(steps) if steps else None,
@@ -844,7 +844,7 @@ def release(bench: Bench, name: str, variant: Any) -> None:
             touch_process_writer(b)
     barrier(env)
     if env.is_main:
-        nofollow.remove(b.root / name)
+        nofollow.remove(b.root / name, folder_ok=True)
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -1058,7 +1058,7 @@ def main() -> int:
         return measure_all(bench, names)
     finally:
         if root is not None and env.is_main:
-            nofollow.remove(root)
+            nofollow.remove(root, folder_ok=True)
         destroy_distributed()
 
 
