@@ -31,10 +31,10 @@ import time
 import warnings
 import zipfile
 import zlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -46,6 +46,7 @@ from .. import nofollow
 from ..distributed import DistEnv, agree
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FULL_RE = re.compile(r"^fsdp_cpt(\d+)\.pth$")
 SHARDED_RE = re.compile(r"^fsdp_sharded_cpt(\d+)$")
@@ -249,15 +250,36 @@ def install_full(tmp: Path, final: Path) -> None:
     nofollow.replace(tmp, final)
 
 
-def write_record(final: Path, record: dict) -> None:
-    """Write a full checkpoint's checksum record next to it, atomically."""
-    sidecar = sidecar_of(final)
-    tmp = sidecar.with_name(TMP_PREFIX + sidecar.name)
+def write_beside(final: Path, write: Callable[[BinaryIO], T], *,
+                 install: Callable[[Path, Path], None] = nofollow.replace) -> T:
+    """`write` fills a new file of a unique name beside `final` (`.tmp-<name>.<random>`: never a file the user
+    has there, never through a link), which `install(tmp, final)` then renames into place; returns what `write`
+    returned. Should anything fail or be interrupted, that file, and only it, is removed. For a tool's output
+    (scripts/): the run's own files go through its journal (retention.Journal)."""
+    tmp, f = nofollow.open_unique(final.parent, f"{TMP_PREFIX}{final.name}.")
+    made = os.fstat(f.fileno())
     try:
-        write_json(tmp, checksum_record(final, record))
-        nofollow.replace(tmp, sidecar)
-    finally:
-        nofollow.remove(tmp)
+        with f:
+            try:
+                result = write(f)
+            finally:
+                made = nofollow.written(f)  # removed below only while it is still this file
+        install(tmp, final)
+    except BaseException:
+        nofollow.remove_made(tmp, made)
+        raise
+    return result
+
+
+def write_record(final: Path, record: dict) -> None:
+    """Write a full checkpoint's checksum record next to it, atomically (see write_beside)."""
+    write_beside(sidecar_of(final), lambda f: write_json_to(f, checksum_record(final, record)))
+
+
+def save_full(payload: dict, out: Path) -> None:
+    """Write a tool's full checkpoint `payload` at `out`, then its checksum record (see write_beside)."""
+    record, _ = write_beside(out, lambda f: write_checksummed(payload, f), install=install_full)
+    write_record(out, record)
 
 
 # ---- metadata -------------------------------------------------------------------------------------

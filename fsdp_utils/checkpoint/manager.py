@@ -108,16 +108,20 @@ class CheckpointManager:
         directory that another node cannot see (sharded checkpoints need a shared filesystem) shows now."""
         error = None
         if self.context.fmt == "sharded" or self.env.is_main:
-            probe = self.dir / f"{TMP_PREFIX}write-check-rank{self.env.rank}-{os.getpid()}"
-            made = False
+            probe, made = None, None
             try:
                 if self.env.is_main:
                     self.dir.mkdir(parents=True, exist_ok=True)
-                with open(probe, "xb") as f:  # x: never through an existing file or link
-                    made = True
-                    f.write(b"checkpoint write check\n")
-                    f.flush()
-                    os.fsync(f.fileno())
+                # a name of its own (another rank or job probing the same folder never meets it), created anew:
+                # nothing that stands in the folder, a planted link included, is opened or removed
+                probe, f = nofollow.open_unique(self.dir, f"{TMP_PREFIX}write-check-rank{self.env.rank}-")
+                with f:
+                    try:
+                        f.write(b"checkpoint write check\n")
+                        f.flush()
+                        os.fsync(f.fileno())
+                    finally:
+                        made = nofollow.written(f)  # removed below only while it is still this file
             except OSError as err:
                 hint = "" if self.dir.is_dir() else (" (the folder does not exist here: sharded checkpoints need "
                                                      "a filesystem every node sees)")
@@ -125,8 +129,8 @@ class CheckpointManager:
                                         f"{socket.gethostname()} ({first_line(err)}){hint}; fix the permissions or "
                                         f"choose another run.output_dir")
             finally:
-                if made:  # ours: made just above (a file of that name that was there already is not)
-                    probe.unlink(missing_ok=True)
+                if probe is not None and made is not None:  # the very file made just above, and only it
+                    nofollow.remove_made(probe, made)
         agree(self.env, error)
 
     def on_step_end(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
