@@ -1,7 +1,8 @@
 """The checkpoint manager: what the training loop calls. Saving in one format (full.py or sharded.py),
 synchronously or in the background (async_save.py), at the configured interval, at a stop signal and at
-the last step (`on_step_end`); resuming from a path or `latest`. The format on disk, its safe reading and
-its error types live in format.py; listing, retention and quarantine in retention.py.
+the last step (`on_step_end`); resuming from a path or `latest`. The format on disk, its checksums, its safe
+reading and its error types live in format.py; the journal of the run's own files, listing, retention and
+quarantine in retention.py.
 
 Every rank calls every method: state dicts, DCP reads and writes and the checks around them are
 collectives, and every rank reaches the same outcome (an error on one rank is raised on all).
