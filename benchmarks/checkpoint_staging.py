@@ -1067,7 +1067,7 @@ def measure_all(bench: Bench, names: list[str]) -> int:
     env = bench.env
     writer_start_s = None
     if any(VARIANTS[name].form == "process" for name in names) and AsyncCheckpointerType is not None:
-        # The prefix store, as our process writer sets it (fsdp_utils/checkpoint/writer.py), for both forms alike.
+        # The prefix store, as our process writer sets it (fsdp_utils/checkpoint/async_save.py), for both forms alike.
         os.environ.setdefault("DCP_USE_PREFIX_STORE", "1")
         begin = time.perf_counter()
         try:  # where it cannot start, each process variant fails with its own line

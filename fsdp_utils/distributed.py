@@ -134,7 +134,7 @@ def _attempt_store(launch: Launch, timeout: datetime.timedelta) -> dist.Store:
 
 def _publish_store(host: str, port: int) -> None:
     """MASTER_ADDR:MASTER_PORT name the process group's own store from now on, for what joins it later (the
-    process checkpoint writer's group, fsdp_utils/checkpoint/writer.py). Under torchrun that is this attempt's
+    process checkpoint writer's group, fsdp_utils/checkpoint/async_save.py). Under torchrun that is this attempt's
     store, not torchrun's: that one outlives a restart and would hand a restarted job's writers the previous
     attempt's keys."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import secrets
 import shutil
 import stat
 from pathlib import Path
@@ -105,6 +106,44 @@ def create(path: Path | str) -> BinaryIO:
     """A new binary file at `path` for writing, what stood there removed first (see `remove`)."""
     remove(path)
     return open_new(path)
+
+
+def open_unique(folder: Path | str, prefix: str) -> tuple[Path, BinaryIO]:
+    """A new binary file in `folder` named `prefix` and a random suffix, so that two writers (ranks, jobs) never
+    meet at one name and nothing that stood there is opened or removed (see `open_new`); its path and the file."""
+    for _ in range(100):
+        path = Path(folder) / f"{prefix}{secrets.token_hex(6)}"
+        try:
+            return path, open_new(path)
+        except (FileExistsError, UnsafePath):  # something is there already: another name
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free name for a new file after 100 tries in {folder}", prefix)
+
+
+def remove_made(path: Path | str, made: os.stat_result) -> None:
+    """Remove the file at `path` if it is still the very file `made` describes (fstat of the file the caller created
+    there, once written): the same device, inode, modification time and size. What another writer put at that
+    name since, even on a reused inode, stays."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(now.st_mode) and _identity(now) == _identity(made):
+        os.unlink(path)
+
+
+def written(f: BinaryIO) -> os.stat_result:
+    """fstat of the file `f` as its writer leaves it, its buffer flushed first (for `remove_made`; should the flush
+    fail, the error is the write's own and the caller's close raises it)."""
+    try:
+        f.flush()
+    except (OSError, ValueError):
+        pass
+    return os.fstat(f.fileno())
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def read_small(path: Path | str, *, limit: int) -> bytes:

@@ -44,19 +44,17 @@ from fsdp_utils.checkpoint.format import (  # noqa: E402
     META_KEYS,
     OPTIONAL_META_KEYS,
     RNG_NAME,
-    TMP_PREFIX,
     CheckpointCorrupt,
     CheckpointError,
     dcp_load,
-    install_full,
     load_full,
     load_rng,
     read_dcp_metadata,
-    save_with_checksum,
+    save_full,
     set_at,
     size_of,
-    write_record,
 )
+from fsdp_utils.checkpoint.retention import remove  # noqa: E402
 from fsdp_utils.checkpoint.sharded import ShardedCheckpoint  # noqa: E402
 from fsdp_utils.distributed import DistEnv, destroy_distributed  # noqa: E402
 
@@ -165,14 +163,7 @@ def to_full(src: Path, out: Path, *, force: bool = False) -> dict:
                **{k: meta[k] for k in (*META_KEYS, *OPTIONAL_META_KEYS) if k in meta}}
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
-    try:
-        record, _ = save_with_checksum(payload, tmp)
-        install_full(tmp, out)
-        write_record(out, record)  # .OUT.json next to it: a resume from OUT verifies its CRC32
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    save_full(payload, out)  # and .OUT.json next to it: a load from OUT verifies its CRC32
     return payload
 
 
@@ -217,10 +208,15 @@ def to_sharded(src: Path, out: Path, *, force: bool = False) -> dict:
     state = TrainState(**payload["train_state"], rng=payload.get("rng"))
     out.parent.mkdir(parents=True, exist_ok=True)
     with one_process_group() as env:
-        writer = ShardedCheckpoint(SavedContext(payload, out, env))
+        context = SavedContext(payload, out, env)
+        writer = ShardedCheckpoint(context)
         start = time.perf_counter()
-        writer.write({"model": payload["model"], "optimizer": payload["optimizer"]}, out)
-        writer.commit(out, state, start=start)
+        try:
+            writer.write({"model": payload["model"], "optimizer": payload["optimizer"]}, out)
+            writer.commit(out, state, start=start)
+        except BaseException:  # a failed write removes its folder itself; an interrupted one is removed here
+            remove(context.journal, writer.tmp_of(out))
+            raise
     return payload
 
 

@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -39,11 +38,9 @@ from data.errors import DataError  # noqa: E402
 from data.jsonfile import read_json_file  # noqa: E402
 from fsdp_utils.checkpoint.format import (  # noqa: E402
     FORMAT_VERSION,
-    TMP_PREFIX,
     CheckpointError,
-    install_full,
-    save_with_checksum,
-    write_record,
+    save_full,
+    write_beside,
 )
 from fsdp_utils.parallel.hf import HFModelError, index_shards  # noqa: E402
 from fsdp_utils.train.optim import build_optimizer  # noqa: E402
@@ -248,13 +245,7 @@ def import_hf(hf_dir: Path, out: Path, *, force: bool = False) -> ModelConfig:
     cfg = read_model_config(hf_dir)
     payload = checkpoint_payload(cfg, ours_state_dict(cfg, read_safetensors(hf_dir), hf_dir), hf_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
-    try:
-        record, _ = save_with_checksum(payload, tmp)
-        install_full(tmp, out)
-        write_record(out, record)  # .OUT.json next to it: a load from OUT verifies its CRC32
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_full(payload, out)  # and .OUT.json next to it: a load from OUT verifies its CRC32
     return cfg
 
 
@@ -301,10 +292,9 @@ def write_training_config(path: Path, base: Path, overrides: list[str], *, check
     if check_only:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    tmp.write_text(f"# {base.name} with the model imported by scripts/import_hf.py\n"
-                   + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
+    text = f"# {base.name} with the model imported by scripts/import_hf.py\n" + yaml.safe_dump(cfg.to_dict(),
+                                                                                           sort_keys=False)
+    write_beside(path, lambda f: f.write(text.encode()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint import io as checkpoint_io
+from fsdp_utils.checkpoint.async_save import resolve_async_save
 from fsdp_utils.checkpoint.staging import HostStaging
-from fsdp_utils.checkpoint.writer import resolve_async_save
 from fsdp_utils.host_memory import host_memory
 from tests.helpers import fault_env, losses, read_metrics, run_train
 from tests.test_checkpoint import as_full, assert_identical, checkpoint_names
@@ -472,9 +472,9 @@ def test_a_file_size_limit_on_the_shared_arena_falls_back_to_synchronous_saves(t
     import torch.distributed as dist
 
     from config import CheckpointConfig
+    from fsdp_utils.checkpoint.async_save import HAS_PROCESS_WRITER
     from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
     from fsdp_utils.checkpoint.staging import arena_bytes
-    from fsdp_utils.checkpoint.writer import HAS_PROCESS_WRITER
     from tests.test_checkpoint_input import CONFIG, ENV, model_and_optimizer
 
     if not HAS_PROCESS_WRITER:

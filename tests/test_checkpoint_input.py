@@ -646,7 +646,7 @@ def test_a_users_tmp_folder_stays_and_a_leftover_of_an_interrupted_save_goes(tmp
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(full, "install_full", interrupted)
+        patch.setattr(full, "install", interrupted)
         with pytest.raises(KeyboardInterrupt):
             save_step(out, "full", 2)
     assert (out / ".tmp-fsdp_cpt2.pth").is_file()  # what the interrupted save left
@@ -780,6 +780,96 @@ def test_convert_refuses_a_layout_that_would_allocate_without_bound(saved, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:"), err
     assert name in err[0] and "corrupt checkpoint metadata" in err[0], err
+
+
+USERS = b"the user's own file"
+
+
+def users_files(folder: Path, *names: str) -> dict[Path, bytes]:
+    """Files of the user's in `folder` at `names` (a name ending in `@` becomes a link to a file of the user's
+    elsewhere), each with what it holds or leads to."""
+    folder.mkdir(parents=True, exist_ok=True)
+    made = {}
+    for name in names:
+        if name.endswith("@"):
+            target = folder.parent / f"users-{name[:-1]}"
+            target.write_bytes(USERS)
+            (folder / name[:-1]).symlink_to(target)
+            made[folder / name[:-1]] = USERS
+        else:
+            (folder / name).write_bytes(USERS)
+            made[folder / name] = USERS
+    return made
+
+
+def unchanged(files: dict[Path, bytes]) -> bool:
+    return all(os.path.lexists(path) and path.read_bytes() == data for path, data in files.items())
+
+
+@pytest.mark.parametrize("fault", [None, OSError(28, "No space left on device"), KeyboardInterrupt()],
+                         ids=["written", "disk-full", "interrupted"])
+def test_a_conversion_to_full_leaves_no_temporary_file_and_every_file_of_the_users(saved, tmp_path, monkeypatch,
+                                                                                  capsys, fault):
+    """The converted file is written under a name of its own: the user's files (and links) at `.tmp-` names
+    beside OUT stay as they are, and a write that fails or is interrupted leaves nothing of its own behind."""
+    out = tmp_path / "out" / "fsdp_cpt2.pth"
+    users = users_files(out.parent, ".tmp-fsdp_cpt2.pth", ".tmp-.fsdp_cpt2.pth.json@", "notes.txt")
+    if fault is not None:
+        def failing_save(obj, f, *args, **kwargs):
+            f.write(b"half a checkpoint")
+            raise fault
+        monkeypatch.setattr(torch, "save", failing_save)
+    argv = [str(newest(saved["sharded"], "sharded")), str(out)]
+    if isinstance(fault, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            convert_checkpoint.main(argv)
+    else:
+        assert convert_checkpoint.main(argv) == (0 if fault is None else 1)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [] if fault is None else len(err) == 1 and "No space left" in err[0], err
+    written = {out.name, sidecar_of(out).name} if fault is None else set()
+    assert {p.name for p in out.parent.iterdir()} == {p.name for p in users} | written
+    assert unchanged(users)
+    if fault is None:
+        assert torch.load(out, weights_only=True)["train_state"]["step"] == 2
+        assert json.loads(sidecar_of(out).read_text())["files"][out.name] == file_record(out)
+
+
+def test_an_interrupted_conversion_to_sharded_removes_its_folder_and_only_it(saved, tmp_path, monkeypatch):
+    out = tmp_path / "out" / "fsdp_sharded_cpt2"
+    users = users_files(out.parent, "notes.txt", ".tmp-mybackup@")
+    real_save = dist.checkpoint.save
+
+    def interrupted(state_dict, *, checkpoint_id, **kwargs):
+        real_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)  # the shards are written, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dist.checkpoint, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint.main([str(newest(saved["full"], "full")), str(out)])
+    assert {p.name for p in out.parent.iterdir()} == {p.name for p in users} | {".checkpoint_journal.jsonl"}
+    assert unchanged(users)
+
+
+@pytest.mark.parametrize("planted", ["link", "dangling link", "file"])
+def test_the_write_check_never_meets_what_is_planted_in_the_output_directory(tmp_path, planted):
+    """The write check's probe has a name of its own: whatever stands at a name it could have had (here the
+    name a probe of this rank and process would have had without one) is neither opened, nor removed, nor in
+    the way of the run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    name = f".tmp-write-check-rank0-{os.getpid()}"
+    if planted == "file":
+        users = users_files(out, name)
+    elif planted == "link":
+        users = users_files(out, name + "@")
+    else:
+        (out / name).symlink_to(tmp_path / "nothing-yet")
+        users = {}
+    model, optimizer = model_and_optimizer()
+    manager(out, "sharded").prepare_saving(model, optimizer)
+    assert [p.name for p in out.iterdir()] == [name]
+    assert unchanged(users) and not (tmp_path / "nothing-yet").exists()
 
 
 # ---- misleading messages -------------------------------------------------------------------------

@@ -14,8 +14,13 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint.format import CheckpointError, sidecar_of
-from fsdp_utils.checkpoint.journal import Journal
-from fsdp_utils.checkpoint.retention import apply_retention, complete_checkpoints, move_aside, remove_incomplete
+from fsdp_utils.checkpoint.retention import (
+    Journal,
+    apply_retention,
+    complete_checkpoints,
+    move_aside,
+    remove_incomplete,
+)
 from model import ModelConfig
 from tests.distributed_harness import RankFailed, cpu_env, run_ranks
 
@@ -397,3 +402,39 @@ def test_the_harness_returns_values_and_reports_a_rank_failure_with_its_tracebac
     with pytest.raises(RankFailed,
                        match=r"(?s)rank 1 of 2 raised:.*raises_on_rank_1.*ValueError: rank 1's own failure"):
         run_ranks(raises_on_rank_1, world_size=2)
+
+
+def files_a_save_runs(rank: int, world_size: int, *, out: Path, fmt: str) -> list[str]:
+    """The files of fsdp_utils/checkpoint/ whose functions run during one synchronous save (the manager built
+    and prepared beforehand), as sys.setprofile sees the calls."""
+    import sys
+
+    from fsdp_utils.checkpoint import TrainState
+
+    package = Path(__file__).resolve().parents[1] / "fsdp_utils" / "checkpoint"
+    model, optimizer = build(seed=0)
+    manager = new_manager(out, rank, world_size, fmt, async_save=False)
+    manager.prepare_saving(model, optimizer)
+    ran: set[str] = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            ran.add(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        manager.save(model, optimizer, TrainState(step=1))
+    finally:
+        sys.setprofile(None)
+    manager.close()
+    return sorted(Path(name).name for name in ran if Path(name).resolve().parent == package)
+
+
+@pytest.mark.slow
+def test_a_synchronous_sharded_save_runs_few_files_of_the_package(tmp_path):
+    """The work of a save stays in a few modules (the manager, the format, the journal and retention, the
+    context): one more file on the path is a file that should not be there."""
+    files = run_ranks(files_a_save_runs, world_size=1, out=tmp_path, fmt="sharded")[0]
+    assert (tmp_path / "fsdp_sharded_cpt1" / "meta.json").is_file()
+    assert "manager.py" in files and "sharded.py" in files
+    assert len(files) <= 6, files

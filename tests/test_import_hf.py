@@ -446,3 +446,35 @@ def test_config_written_by_the_import_trains_as_it_is(tmp_path, corpus):
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
     assert read_metrics(out)[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("fault", [None, KeyboardInterrupt()], ids=["written", "interrupted"])
+def test_an_import_leaves_no_temporary_file_and_every_file_of_the_users(tmp_path, monkeypatch, fault):
+    """The checkpoint, its record and the training config are written under names of their own: the user's files
+    and links at `.tmp-` names beside them stay as they are (a link is never written through), and an interrupted
+    import leaves nothing of its own behind."""
+    from tests.test_checkpoint_input import unchanged, users_files
+
+    save_llama(tmp_path / "hf", **TINY_LLAMA)
+    out = tmp_path / "out" / "llama.pth"
+    users = users_files(out.parent, ".tmp-llama.pth@", ".tmp-.llama.pth.json", ".tmp-train.yaml@")
+    if fault is None:
+        import_hf.import_hf(tmp_path / "hf", out)
+        import_hf.write_training_config(out.parent / "train.yaml", ROOT / "config/train_tiny_fsdp.yaml", [])
+        written = {"llama.pth", ".llama.pth.json", "train.yaml"}
+    else:
+        def interrupted(obj, f, *args, **kwargs):
+            f.write(b"half a checkpoint")
+            raise fault
+
+        monkeypatch.setattr(torch, "save", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            import_hf.import_hf(tmp_path / "hf", out)
+        written = set()
+    assert {p.name for p in out.parent.iterdir()} == {p.name for p in users} | written
+    assert unchanged(users)
+    if fault is None:
+        assert not (out.parent / "train.yaml").is_symlink()
+        tiny = load_config(ROOT / "config/train_tiny_fsdp.yaml")
+        assert load_config(out.parent / "train.yaml").model == tiny.model
+        assert load_model(out)[1]["train_state"]["step"] == 0

@@ -183,3 +183,19 @@ def test_a_refused_data_path_is_one_data_error_line_and_one_error_line_of_the_sc
     code = prepare_script.main([str(ROOT / "config/train_tiny_fsdp.yaml"), f"--data.files=[{settings.files[0]}]",
                                 "--data.vocab_size=320", "--data.num_workers=0", f"--data.dataset_dir={root}"])
     assert (code, capsys.readouterr().err.strip().splitlines()) == (1, [f"error: {line}"])
+
+
+def test_a_unique_new_file_is_removed_only_while_it_is_the_very_file_made(tmp_path):
+    (tmp_path / ".tmp-x.").symlink_to(tmp_path / "users")
+    first, f = nofollow.open_unique(tmp_path, ".tmp-x.")
+    second, g = nofollow.open_unique(tmp_path, ".tmp-x.")
+    with f, g:
+        f.write(b"ours")
+        made_first, made_second = os.fstat(f.fileno()), os.fstat(g.fileno())
+    assert first != second and first.name.startswith(".tmp-x.") and not (tmp_path / "users").exists()
+    first.unlink()
+    first.write_bytes(b"another writer's, at that name since")
+    nofollow.remove_made(first, made_first)
+    nofollow.remove_made(second, made_second)
+    assert first.read_bytes() == b"another writer's, at that name since" and not second.exists()
+    assert (tmp_path / ".tmp-x.").is_symlink()

@@ -28,8 +28,7 @@ from .. import nofollow
 from ..distributed import DistEnv, agree, barrier
 from .format import FORMAT_VERSION, CheckpointCorrupt, CheckpointError, CheckpointMismatch, first_line, size_of
 from .io import model_config_of
-from .journal import Journal
-from .retention import apply_retention, complete_checkpoints, remove_incomplete
+from .retention import Journal, apply_retention, complete_checkpoints, remove_incomplete
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The checkpoint format on disk, shared by the checkpoint manager and the offline tools: names, metadata,
-checksums, safe reading and the error texts.
+checksums (written, and checked at load with the files spread over the ranks), safe reading and the error texts.
 
     fsdp_cpt{step}.pth            full: one torch.save file (model, optimizer, rng, train_state, ...)
     .fsdp_cpt{step}.pth.json      its checksum record (a sidecar: the .pth stays a plain torch.save file)
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import json
+import logging
 import math
 import os
 import pickle
@@ -30,10 +31,10 @@ import time
 import warnings
 import zipfile
 import zlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -42,10 +43,14 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .. import nofollow
-from .journal import Journal
+from ..distributed import DistEnv, agree
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FULL_RE = re.compile(r"^fsdp_cpt(\d+)\.pth$")
 SHARDED_RE = re.compile(r"^fsdp_sharded_cpt(\d+)$")
+_DCP_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # a shard DCP wrote: __{rank}_{i}.distcp
 TMP_PREFIX = ".tmp-"  # an interrupted save: never loaded, removed by the next save
 CORRUPT_PREFIX = "corrupt-"  # moved aside after failing its checks: never loaded, never deleted automatically
 META_NAME = "meta.json"
@@ -198,74 +203,83 @@ def check_archive(path: Path) -> tuple[bool, str | None]:
     return True, None
 
 
-def _new_file(path: Path, journal: Journal | None) -> BinaryIO:
-    """A new file at `path`, never opened through what stood there. In the run's output directory (`journal`) it
-    is recorded as the run's own first (and sealed by the caller once written), and what stood there is removed
-    only if the run's own, else kept aside; elsewhere (inside a folder being written, a tool's output of the
-    user's choosing) it is removed first (a link as itself, a folder refused: nofollow.create)."""
-    if journal is not None:
-        return journal.create_file(path)
-    return nofollow.create(path)
-
-
-def save_with_checksum(obj: Any, path: Path, *, journal: Journal | None = None) -> tuple[dict, float]:
-    """torch.save `obj` to a new file at `path` (see _new_file), flushed and fsynced; return the file's
-    {"size", "crc32"} and the seconds spent computing the CRC32."""
-    with _new_file(path, journal) as f:
-        writer = ChecksumWriter(f)
-        try:
-            torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save needs only write(); stubs ask for IO
-        except RuntimeError:
-            if writer.error is not None:  # a full disk, a quota, a file size limit
-                raise writer.error from None
-            raise
-        f.flush()
-        os.fsync(f.fileno())
-    if journal is not None:
-        journal.seal(path)
+def write_checksummed(obj: Any, f: BinaryIO) -> tuple[dict, float]:
+    """torch.save `obj` into the new file `f`, flushed and fsynced; return the file's {"size", "crc32"} and the
+    seconds spent computing the CRC32."""
+    writer = ChecksumWriter(f)
+    try:
+        torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save needs only write(); stubs ask for IO
+    except RuntimeError:
+        if writer.error is not None:  # a full disk, a quota, a file size limit
+            raise writer.error from None
+        raise
+    f.flush()
+    os.fsync(f.fileno())
     return writer.record(), writer.crc_seconds
 
 
-def write_json(path: Path, payload: dict, *, journal: Journal | None = None) -> None:
-    """Write a small JSON file durably (flushed and fsynced) before it is renamed into place, as a new file (see
-    _new_file)."""
-    with _new_file(path, journal) as f:
-        f.write(json.dumps(payload, indent=1).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    if journal is not None:
-        journal.seal(path)
+def save_with_checksum(obj: Any, path: Path) -> tuple[dict, float]:
+    """write_checksummed into a new file at `path`, what stood there removed first (a link as itself, a folder
+    refused: nofollow.create). The run's own files go through its journal instead (retention.Journal)."""
+    with nofollow.create(path) as f:
+        return write_checksummed(obj, f)
 
 
-def install_full(tmp: Path, final: Path, *, journal: Journal | None = None) -> None:
+def write_json_to(f: BinaryIO, payload: dict) -> None:
+    """Write a small JSON file durably (flushed and fsynced), before it is renamed into place."""
+    f.write(json.dumps(payload, indent=1).encode())
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """write_json_to a new file at `path` (as save_with_checksum makes it)."""
+    with nofollow.create(path) as f:
+        write_json_to(f, payload)
+
+
+def checksum_record(final: Path, record: dict) -> dict:
+    """The contents of a full checkpoint's checksum record (its sidecar), given the file's {"size", "crc32"}."""
+    return {"format_version": FORMAT_VERSION, "files": {final.name: record}}
+
+
+def install_full(tmp: Path, final: Path) -> None:
     """Rename a written full checkpoint into place. A record left by a file of the same name goes first:
-    it must never describe the new file (until its own is written, the new file loads unverified). In the run's
-    output directory (`journal`), a file there that the run did not make is kept aside, never replaced."""
-    if journal is None:
-        nofollow.remove(sidecar_of(final))
-        nofollow.replace(tmp, final)
-        return
-    journal.keep_foreign(final, why=f"the save of {final.name}", along=sidecar_of(final))
-    journal.clear(sidecar_of(final), why=f"the save of {final.name}")
-    journal.rename(tmp, final)
+    it must never describe the new file (until its own is written, the new file loads unverified)."""
+    nofollow.remove(sidecar_of(final))
+    nofollow.replace(tmp, final)
 
 
-def write_record(final: Path, record: dict, *, journal: Journal | None = None) -> None:
-    """Write a full checkpoint's checksum record next to it (atomically; `journal`: see install_full)."""
-    sidecar = sidecar_of(final)
-    tmp = sidecar.with_name(TMP_PREFIX + sidecar.name)
+def write_beside(final: Path, write: Callable[[BinaryIO], T], *,
+                 install: Callable[[Path, Path], None] = nofollow.replace) -> T:
+    """`write` fills a new file of a unique name beside `final` (`.tmp-<name>.<random>`: never a file the user
+    has there, never through a link), which `install(tmp, final)` then renames into place; returns what `write`
+    returned. Should anything fail or be interrupted, that file, and only it, is removed. For a tool's output
+    (scripts/): the run's own files go through its journal (retention.Journal)."""
+    tmp, f = nofollow.open_unique(final.parent, f"{TMP_PREFIX}{final.name}.")
+    made = os.fstat(f.fileno())
     try:
-        write_json(tmp, {"format_version": FORMAT_VERSION, "files": {final.name: record}}, journal=journal)
-        if journal is None:
-            nofollow.replace(tmp, sidecar)
-        else:
-            journal.clear(sidecar, why=f"the checksum record of {final.name}")
-            journal.rename(tmp, sidecar)
-    finally:
-        if journal is None:
-            nofollow.remove(tmp)
-        else:
-            journal.remove(tmp)
+        with f:
+            try:
+                result = write(f)
+            finally:
+                made = nofollow.written(f)  # removed below only while it is still this file
+        install(tmp, final)
+    except BaseException:
+        nofollow.remove_made(tmp, made)
+        raise
+    return result
+
+
+def write_record(final: Path, record: dict) -> None:
+    """Write a full checkpoint's checksum record next to it, atomically (see write_beside)."""
+    write_beside(sidecar_of(final), lambda f: write_json_to(f, checksum_record(final, record)))
+
+
+def save_full(payload: dict, out: Path) -> None:
+    """Write a tool's full checkpoint `payload` at `out`, then its checksum record (see write_beside)."""
+    record, _ = write_beside(out, lambda f: write_checksummed(payload, f), install=install_full)
+    write_record(out, record)
 
 
 # ---- metadata -------------------------------------------------------------------------------------
@@ -495,6 +509,53 @@ def check_meta(meta: object, where: Path, *, checkpoint: Path | None = None, ext
             f"{checkpoint}: holds step {meta['train_state']['step']}, its name says step {named} (a renamed "
             "checkpoint?); give it back its name or move it out of the output directory")
     return meta
+
+
+# ---- checksums over the ranks -----------------------------------------------------------------
+# Which rank hashes which file of a checkpoint when it is written, and the check of every file's size and
+# CRC32 against the checkpoint's record when it is loaded.
+
+
+def owner(name: str, index: int, world_size: int) -> int:
+    """The rank that hashes file `name` (the index-th of the checkpoint's files): DCP's `__{rank}_{i}.distcp`
+    goes to the rank that wrote it (still in its page cache), everything else round-robin."""
+    if (m := _DCP_FILE_RE.match(name)) and int(m.group(1)) < world_size:
+        return int(m.group(1))
+    return index % world_size
+
+
+def hash_own_files(folder: Path, rank: int, world_size: int) -> tuple[dict, float]:
+    """{name: {"size", "crc32"}} of the files of a written checkpoint that this rank hashes, and the
+    seconds it took."""
+    start = time.perf_counter()
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    mine = {n: file_record(folder / n) for i, n in enumerate(names) if owner(n, i, world_size) == rank}
+    return mine, time.perf_counter() - start
+
+
+def verify(path: Path, env: DistEnv) -> float:
+    """Collective: check every file's size and CRC32 against the checkpoint's record, the files spread over
+    the ranks; CheckpointCorrupt on every rank if any differs. Returns the seconds it took."""
+    start = time.perf_counter()
+    error, records = None, None
+    try:
+        records = checksum_records(path)
+    except CheckpointError as err:
+        error = err
+    agree(env, error)
+    if records is None:  # a .pth without its record: checked against the CRC32s in its own archive
+        verified, problem = check_archive(path) if env.is_main else (True, None)
+        agree(env, CheckpointCorrupt(problem) if problem else None)
+        if env.is_main and not verified:
+            log.warning("%s has no checksum record (%s) and its archive holds no CRC32s: loading it unverified", path,
+                        sidecar_of(path).name)
+        return time.perf_counter() - start
+    folder = path if path.is_dir() else path.parent
+    names = sorted(records)
+    mine = [n for i, n in enumerate(names) if owner(n, i, env.world_size) == env.rank]
+    problem = next((p for n in mine if (p := check_file(folder / n, records[n]))), None)
+    agree(env, CheckpointCorrupt(problem) if problem else None)
+    return time.perf_counter() - start
 
 
 # ---- safe reading ----------------------------------------------------------------------------------

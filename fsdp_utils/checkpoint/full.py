@@ -29,16 +29,38 @@ from .format import (
     FULL_PAYLOAD_KEYS,
     TMP_PREFIX,
     CheckpointMismatch,
+    checksum_record,
     first_line,
     full_name,
-    install_full,
     load_full,
-    save_with_checksum,
-    write_record,
+    sidecar_of,
+    write_checksummed,
+    write_json_to,
 )
-from .retention import remove
+from .retention import Journal, remove
 
 log = logging.getLogger(__name__)
+
+
+def install(journal: Journal, tmp: Path, final: Path) -> None:
+    """Rename a written full checkpoint into place. A record left by a file of the same name goes first: it must
+    never describe the new file (until its own is written, the new file loads unverified). A file there that the
+    run did not make is kept aside, never replaced."""
+    journal.keep_foreign(final, why=f"the save of {final.name}", along=sidecar_of(final))
+    journal.clear(sidecar_of(final), why=f"the save of {final.name}")
+    journal.rename(tmp, final)
+
+
+def write_record(journal: Journal, final: Path, record: dict) -> None:
+    """Write a full checkpoint's checksum record next to it, atomically, through the run's journal."""
+    sidecar = sidecar_of(final)
+    tmp = sidecar.with_name(TMP_PREFIX + sidecar.name)
+    try:
+        journal.write_file(tmp, lambda f: write_json_to(f, checksum_record(final, record)))
+        journal.clear(sidecar, why=f"the checksum record of {final.name}")
+        journal.rename(tmp, sidecar)
+    finally:
+        journal.remove(tmp)
 
 
 class FullCheckpoint(CheckpointFormat):
@@ -62,7 +84,7 @@ class FullCheckpoint(CheckpointFormat):
         if self.env.is_main:
             payload = {"model": model_sd, "optimizer": optim_sd, "rng": state.rng, **self.context.metadata(state)}
             try:
-                record, crc_s = save_with_checksum(payload, tmp, journal=journal)
+                record, crc_s = journal.write_file(tmp, lambda f: write_checksummed(payload, f))
             except Exception as err:  # disk full, quota, I/O error: agreed with the other ranks below
                 remove(journal, tmp)
                 error = write_error(final, err)
@@ -74,14 +96,14 @@ class FullCheckpoint(CheckpointFormat):
         error, journal = None, self.context.journal
         if self.env.is_main:
             try:
-                install_full(tmp, final, journal=journal)
+                install(journal, tmp, final)
             except OSError as err:
                 remove(journal, tmp)
                 error = write_error(final, err)
             else:
-                assert record is not None, "rank 0 wrote the file: save_with_checksum returned its record"
+                assert record is not None, "rank 0 wrote the file and its record"
                 try:
-                    write_record(final, record, journal=journal)
+                    write_record(journal, final, record)
                 except OSError as err:  # the checkpoint is in place, only its record is missing: it loads unverified
                     log.warning("%s: cannot write its checksum record (%s): it will load unverified", final,
                                 first_line(err))

@@ -40,7 +40,7 @@ from .format import (
     read_sharded_meta,
     size_of,
 )
-from .journal import Journal
+from .retention import Journal
 
 log = logging.getLogger(__name__)
 
@@ -188,10 +188,10 @@ def install_tokenizer(source: Path, out_dir: Path) -> None:
     if source.is_dir():
         journal.create_dir(tmp)
         shutil.copytree(source, tmp, dirs_exist_ok=True)
+        journal.seal(tmp)
     else:
-        with journal.create_file(tmp) as f, source.open("rb") as src:
-            shutil.copyfileobj(src, f)
-    journal.seal(tmp)
+        with source.open("rb") as src:
+            journal.write_file(tmp, lambda f: shutil.copyfileobj(src, f))
     journal.rename(tmp, dest)
 
 

@@ -1,7 +1,8 @@
 """The checkpoint manager: what the training loop calls. Saving in one format (full.py or sharded.py),
 synchronously or in the background (async_save.py), at the configured interval, at a stop signal and at
-the last step (`on_step_end`); resuming from a path or `latest`. The format on disk, its safe reading and
-its error types live in format.py; listing, retention and quarantine in retention.py.
+the last step (`on_step_end`); resuming from a path or `latest`. The format on disk, its checksums, its safe
+reading and its error types live in format.py; the journal of the run's own files, listing, retention and
+quarantine in retention.py.
 
 Every rank calls every method: state dicts, DCP reads and writes and the checks around them are
 collectives, and every rank reaches the same outcome (an error on one rank is raised on all).
@@ -26,7 +27,7 @@ import torch
 
 from .. import nofollow
 from ..distributed import DistEnv, agree, barrier
-from .async_save import AsyncSaveFailed, AsyncSaver
+from .async_save import AsyncSaveFailed, AsyncSaver, resolve_async_save
 from .base import CheckpointContext, CheckpointFormat, TrainState, gather_rng, restore_rng
 from .format import (
     META_CRC_KEY,
@@ -39,13 +40,12 @@ from .format import (
     check_structure,
     first_line,
     size_of,
+    verify,
 )
 from .full import FullCheckpoint
 from .retention import complete_checkpoints, incomplete_sharded, move_aside, odd_checkpoints
 from .sharded import ShardedCheckpoint
 from .staging import state_bytes
-from .verify import verify
-from .writer import resolve_async_save
 
 if TYPE_CHECKING:
     from config import CheckpointConfig
@@ -109,16 +109,20 @@ class CheckpointManager:
         directory that another node cannot see (sharded checkpoints need a shared filesystem) shows now."""
         error = None
         if self.context.fmt == "sharded" or self.env.is_main:
-            probe = self.dir / f"{TMP_PREFIX}write-check-rank{self.env.rank}-{os.getpid()}"
-            made = False
+            probe, made = None, None
             try:
                 if self.env.is_main:
                     self.dir.mkdir(parents=True, exist_ok=True)
-                with open(probe, "xb") as f:  # x: never through an existing file or link
-                    made = True
-                    f.write(b"checkpoint write check\n")
-                    f.flush()
-                    os.fsync(f.fileno())
+                # a name of its own (another rank or job probing the same folder never meets it), created anew:
+                # nothing that stands in the folder, a planted link included, is opened or removed
+                probe, f = nofollow.open_unique(self.dir, f"{TMP_PREFIX}write-check-rank{self.env.rank}-")
+                with f:
+                    try:
+                        f.write(b"checkpoint write check\n")
+                        f.flush()
+                        os.fsync(f.fileno())
+                    finally:
+                        made = nofollow.written(f)  # removed below only while it is still this file
             except OSError as err:
                 hint = "" if self.dir.is_dir() else (" (the folder does not exist here: sharded checkpoints need "
                                                      "a filesystem every node sees)")
@@ -126,8 +130,8 @@ class CheckpointManager:
                                         f"{socket.gethostname()} ({first_line(err)}){hint}; fix the permissions or "
                                         f"choose another run.output_dir")
             finally:
-                if made:  # ours: made just above (a file of that name that was there already is not)
-                    probe.unlink(missing_ok=True)
+                if probe is not None and made is not None:  # the very file made just above, and only it
+                    nofollow.remove_made(probe, made)
         agree(self.env, error)
 
     def on_step_end(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,

@@ -38,6 +38,7 @@ from .format import (
     CheckpointMismatch,
     dcp_load,
     first_line,
+    hash_own_files,
     load_rng,
     read_sharded_meta,
     save_with_checksum,
@@ -45,9 +46,7 @@ from .format import (
     with_meta_crc32,
     write_json,
 )
-from .journal import Journal
-from .retention import remove
-from .verify import hash_own_files
+from .retention import Journal, remove
 
 
 def replace_dir(src: Path, dst: Path, journal: Journal) -> None:

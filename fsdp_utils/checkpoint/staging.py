@@ -1,6 +1,6 @@
 """Host staging for asynchronous sharded saves: a copy of this rank's state dict in one host buffer (the
 arena), allocated once and reused by every save, so that training can change the originals while the copy
-is written in the background (writer.py).
+is written in the background (async_save.py).
 
 Tensors that may be live training state (anything on the GPU, anything sharing storage with a parameter
 or an optimizer state) are copied into the arena: pinned on GPUs (fast copies from the GPU), in shared
