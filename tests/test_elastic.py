@@ -212,18 +212,15 @@ def reachable(host: str, port: int) -> bool:
     return True
 
 
-@pytest.mark.slow
-def test_a_node_whose_config_or_run_id_differs_is_refused_and_the_job_runs_on(corpus, dataset_dir, tmp_path, nodes):
-    """Node rank 0 hosts the store on MASTER_ADDR only, under a random run id that the other nodes read there. A
-    node started with another config, or another RDZV_ID, says so in one line and exits 2 before its agent joins
-    the rendezvous: the job neither restarts nor stops."""
-    out = tmp_path / "out"
-    port = free_port()
-    args = job_args(out, corpus, dataset_dir, "--checkpoint.interval=0")
-    nodes.append(Node(tmp_path, 0, port, args))
-    wait_until("world 2 trained a few steps", lambda: len(logged_steps(out)) >= 3, nodes)
-    # 127.0.0.0/8 is all loopback: a store listening on every interface would answer at 127.0.0.2 too.
-    assert reachable("127.0.0.1", port) and not reachable("127.0.0.2", port)
+ROGUE = """import pathlib, sys, time
+pathlib.Path(sys.argv[1]).touch()
+time.sleep(120)
+"""
+
+
+def refuse_joiners(tmp_path: Path, port: int, args: list[str], nodes: list[Node]) -> None:
+    """A node started with another config, or another RDZV_ID, says so in one line and exits 2 before its agent
+    joins the rendezvous."""
     run_id = re.search(r"elastic: run id (\S+); this node's config is the job's", nodes[0].text()).group(1)
     assert re.fullmatch("[0-9a-f]{32}", run_id)
     for rank, extra, env, error in [
@@ -237,27 +234,12 @@ def test_a_node_whose_config_or_run_id_differs_is_refused_and_the_job_runs_on(co
         assert joiner.proc.wait(timeout=TIMEOUT_S) == 2, joiner.text()[-4000:]
         assert [line for line in joiner.text().splitlines() if line.startswith("error")] == [error], joiner.text()
         assert "Traceback" not in joiner.text()
-    steps = len(logged_steps(out))
-    wait_until("node 0 trains on", lambda: len(logged_steps(out)) >= steps + 3, nodes[:1])
-    assert "stopped by torchrun" not in nodes[0].text() and not resumed(nodes[0].text())
-    last = stop_after(nodes[0], out, steps + 4, nodes[:1])
-    assert logged_steps(out) == list(range(1, last + 1))  # one world throughout, every step once
 
 
-ROGUE = """import pathlib, sys, time
-pathlib.Path(sys.argv[1]).touch()
-time.sleep(120)
-"""
-
-
-@pytest.mark.slow
-def test_an_agent_with_a_run_id_made_from_the_config_and_address_meets_no_one(corpus, dataset_dir, tmp_path, nodes):
-    """A torchrun agent that computes the id the launcher once made from the config's file name and the
-    address (a checksum) would join the job's rendezvous and restart it: the launcher's id is random instead."""
-    out = tmp_path / "out"
-    port = free_port()
-    nodes.append(Node(tmp_path, 0, port, job_args(out, corpus, dataset_dir, "--checkpoint.interval=0")))
-    wait_until("world 2 trained a few steps", lambda: len(logged_steps(out)) >= 3, nodes)
+def start_rogue_agent(tmp_path: Path, port: int, nodes: list[Node]) -> subprocess.Popen:
+    """A torchrun agent that computes the id the launcher once made from the config's file name and the address (a
+    checksum): it would join the job's rendezvous and restart it, were the launcher's id not random. Its worker
+    runs once the agent forms a world of its own."""
     checksum = subprocess.run(["cksum"], input=f"{CONFIG.name} 127.0.0.1:{port}", capture_output=True, text=True,
                               check=True).stdout.split()[0]
     (tmp_path / "rogue.py").write_text(ROGUE)
@@ -270,13 +252,37 @@ def test_an_agent_with_a_run_id_made_from_the_config_and_address_meets_no_one(co
             cwd=tmp_path, env=script_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until("the rogue agent's worker started", ran.exists, nodes)
+    except BaseException:
+        kill_tree(rogue)
+        raise
+    return rogue
+
+
+# One job serves both checks below: each restarts a torchrun job, and the job must train on through both.
+@pytest.mark.slow
+def test_a_node_whose_config_or_run_id_differs_and_an_agent_with_a_made_up_run_id_leave_the_job_alone(
+        corpus, dataset_dir, tmp_path, nodes):
+    """Node rank 0 hosts the store on MASTER_ADDR only, under a random run id that the other nodes read there. A
+    node started with another config or another RDZV_ID is refused before its agent joins, and an agent with the
+    run id the launcher once made from the config and the address meets no one: the job neither restarts nor
+    stops."""
+    out = tmp_path / "out"
+    port = free_port()
+    args = job_args(out, corpus, dataset_dir, "--checkpoint.interval=0")
+    nodes.append(Node(tmp_path, 0, port, args))
+    wait_until("world 2 trained a few steps", lambda: len(logged_steps(out)) >= 3, nodes)
+    # 127.0.0.0/8 is all loopback: a store listening on every interface would answer at 127.0.0.2 too.
+    assert reachable("127.0.0.1", port) and not reachable("127.0.0.2", port)
+    refuse_joiners(tmp_path, port, args, nodes)
+    rogue = start_rogue_agent(tmp_path, port, nodes[:1])
+    try:
         steps = len(logged_steps(out))
-        wait_until("node 0 trains on", lambda: len(logged_steps(out)) >= steps + 3, nodes)
+        wait_until("node 0 trains on", lambda: len(logged_steps(out)) >= steps + 3, nodes[:1])
     finally:
         kill_tree(rogue)
     assert "stopped by torchrun" not in nodes[0].text() and not resumed(nodes[0].text())
-    last = stop_after(nodes[0], out, len(logged_steps(out)) + 1, nodes)
-    assert logged_steps(out) == list(range(1, last + 1))
+    last = stop_after(nodes[0], out, len(logged_steps(out)) + 1, nodes[:1])
+    assert logged_steps(out) == list(range(1, last + 1))  # one world throughout, every step once
 
 
 STORE_SCRIPT = ROOT / "scripts/rendezvous_store.py"

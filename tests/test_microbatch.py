@@ -32,7 +32,7 @@ from fsdp_utils.train.microbatch import (
     save_to_cache,
 )
 from tests.fault_injection import FakeProbe
-from tests.helpers import ROOT, WITH_FAULTS, fault_env, job_env, losses, run_train
+from tests.helpers import RANK_VARIABLES, ROOT, WITH_FAULTS, fault_env, job_env, losses, run_train
 
 TINY_PRESET = ROOT / "config/train_tiny_fsdp.yaml"
 ONE_STEP = ("--train.max_steps=1", "--train.warmup_steps=1")  # a warmup longer than the run is refused
@@ -738,17 +738,34 @@ def test_benchmark_grid_runs_each_pair_at_the_global_batch_beside_the_search():
                      r"[01]\.\d{3}\n", proc.stdout)
 
 
+def benchmark_main(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
+    """benchmarks/benchmark.py's main() on the tiny preset with argv, in this process (the script's own start is
+    tested where it runs): its exit status and what it printed to stderr. A run it would start fails the test."""
+    from benchmarks import benchmark
+
+    def no_run(**_):
+        raise AssertionError("the benchmark started a run")
+
+    monkeypatch.setattr(benchmark, "init_distributed", no_run)
+    monkeypatch.setattr(benchmark, "prefer_expandable_segments", lambda: None)  # it would set this process's env
+    for name in RANK_VARIABLES:  # a job of its own, as the script started alone would be
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", str(TINY_PRESET), "--run.device=cpu",
+                                      "--train.global_batch_size=8", *argv])
+    status = benchmark.main()
+    out, err = capsys.readouterr()
+    assert "tok/s/gpu" not in out
+    return status, err
+
+
 @pytest.mark.parametrize("grid, error", [
     ("none@3", "error: --grid none@3: "),  # 3 does not divide the per-rank batch of 8
     ("sometimes@2", "error: --grid sometimes@2: fsdp.activation_checkpointing='sometimes' is not one of"),
     ("none", "--grid: 'none' is not POLICY@MICRO_BATCH"),
 ])
-def test_benchmark_grid_refuses_a_bad_pair_before_any_run(grid, error):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
-                           "--train.global_batch_size=8", "--grid", grid], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=job_env({}))
-    assert proc.returncode == 2 and error in proc.stderr, proc.stderr[-2000:]
-    assert "tok/s/gpu" not in proc.stdout
+def test_benchmark_grid_refuses_a_bad_pair_before_any_run(grid, error, monkeypatch, capsys):
+    status, stderr = benchmark_main(monkeypatch, capsys, "--grid", grid)
+    assert status == 2 and error in stderr, stderr[-2000:]
 
 
 def test_an_empty_grid_is_refused_not_read_as_no_grid():
@@ -767,18 +784,16 @@ def test_an_empty_grid_is_refused_not_read_as_no_grid():
     (["--grid", ",,,"], "error: --grid ',,,': no POLICY@MICRO_BATCH pair in it"),
     (["--json", "{fifo}"], "error: --json {fifo}: a FIFO, not a file to append results to"),
 ], ids=["empty grid", "json to a FIFO"])
-def test_benchmark_refuses_an_empty_grid_or_a_fifo_destination_in_one_line(tmp_path, argv, error):
+def test_benchmark_refuses_an_empty_grid_or_a_fifo_destination_in_one_line(tmp_path, argv, error, monkeypatch,
+                                                                          capsys):
     """Both before any run: a FIFO given to --json would block the append after all the runs, until a reader
     comes."""
     fifo = tmp_path / "results.jsonl"
     os.mkfifo(fifo)
     argv, error = [a.format(fifo=fifo) for a in argv], error.format(fifo=fifo)
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
-                           "--train.global_batch_size=8", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=job_env({}))
-    lines = proc.stderr.splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(error), proc.stderr[-2000:]
-    assert "tok/s/gpu" not in proc.stdout
+    status, stderr = benchmark_main(monkeypatch, capsys, *argv)
+    lines = stderr.splitlines()
+    assert status == 2 and len(lines) == 1 and lines[0].startswith(error), stderr[-2000:]
 
 
 def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
