@@ -361,7 +361,9 @@ class _ExitCodeSeenLate:
 def test_launcher_stops_ranks_that_end_as_they_are_stopped(tmp_path):
     from tests import launcher
 
-    proc = launcher._fork_server().Process(target=sys.exit, args=(1,))
+    # os._exit, not sys.exit: a tracker's exit hook (wandb) may have replaced sys.exit in this process, and
+    # the replacement cannot be sent to the fork server.
+    proc = launcher._fork_server().Process(target=os._exit, args=(1,))
     proc.start()
     deadline = time.monotonic() + 60
     while Path(f"/proc/{proc.pid}").exists() and time.monotonic() < deadline:  # reaped; exit code not yet read
