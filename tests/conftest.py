@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -11,6 +12,11 @@ from tests.helpers import write_corpus  # noqa: E402
 
 
 def pytest_configure(config):
+    # Started in the background of a non-interactive shell (`pytest ... &` in a script), the suite inherits SIGINT
+    # ignored, and every job it started would too (an ignored signal stays ignored across exec): the tests that
+    # stop a run with Ctrl-C would see it ignored. A handler of our own is reset to the default in those jobs.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs (skipped without them)")
     config.addinivalue_line("markers", "gpu_exclusive: a GPU test that must have its GPUs to itself (it measures "
                                        "memory, or needs more than 2 GPUs); tests/tools/run_gpu_tests.py runs these "
