@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 from pathlib import Path
@@ -32,6 +33,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_finish(session):
+    # What collection imported (torch, the project, the test modules) lives as long as the session: left out of
+    # the garbage collector's passes, each full collection (destroy_distributed runs one after every in-process
+    # world) traverses only what the tests made since.
+    gc.freeze()
     # The slow tier's Hugging Face jobs would import transformers in every rank: the fork server that their
     # ranks come from (tests/launcher.py) imports it once. The quick tier does not pay for that import. Not
     # on GPU hosts: importing transformers' models there starts CUDA, and a forked rank cannot use it then.

@@ -38,6 +38,7 @@ def cpu_env(rank: int, world_size: int):
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, kwargs: dict,
                results: multiprocessing.Queue) -> None:
+    launcher.frozen_heap()
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
