@@ -25,12 +25,12 @@ pytestmark = pytest.mark.slow
 
 def test_in_job_preparation_longer_than_the_collective_timeout_trains(tmp_path):
     # Rank 0 prepares the corpus inside the job while rank 1 waits: on a file, not in a collective, which
-    # would give up after run.timeout_s=5. 50 MB, one worker process and a vocabulary of 8192 make the
+    # would give up after run.timeout_s=5. Its tokenizer training, slowed by 8 s (a test fault), makes the
     # preparation outlast that timeout.
-    corpus = write_corpus(tmp_path / "c.jsonl", 50)
-    proc = run_train("--data.max_corpus_mb=0", "--run.timeout_s=5", "--data.num_workers=1", "--data.vocab_size=8192",
-                     "--train.max_steps=2", nproc=2, out_dir=tmp_path / "out", corpus=corpus,
-                     dataset_dir=tmp_path / "prepared", timeout=400)
+    corpus = write_corpus(tmp_path / "c.jsonl", 1)
+    proc = run_train("--data.max_corpus_mb=0", "--run.timeout_s=5", "--data.num_workers=0", "--train.max_steps=2",
+                     nproc=2, out_dir=tmp_path / "out", corpus=corpus, dataset_dir=tmp_path / "prepared", timeout=400,
+                     faults={"tokenizer_training_delay_s": 8})
     seconds = json.loads((tmp_path / "prepared" / "meta.json").read_text())["seconds"]
     assert sum(seconds.values()) > 5, (f"the preparation must outlast run.timeout_s for the test to mean anything: "
                                        f"{seconds}")
