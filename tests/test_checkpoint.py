@@ -17,7 +17,6 @@ import pickle
 import shutil
 import struct
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -566,12 +565,9 @@ def test_full_checkpoint_is_a_plain_state_dict(runs, variant, tmp_path):
 
 def test_convert_sharded_to_full(runs, tmp_path):
     """The converted file is what a full save of the same state writes, and resumes identically."""
-    import subprocess
-
     out_pth = tmp_path / "converted.pth"
     source = runs.saved("sharded") / ckpt_name("sharded", SPLIT)
-    proc = subprocess.run([sys.executable, str(CONVERT), str(source), str(out_pth)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+    proc = helpers.run_job([str(CONVERT), str(source), str(out_pth)], cwd=tmp_path, env=helpers.job_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and out_pth.is_file()
     converted = load_full(out_pth)
@@ -635,8 +631,8 @@ def test_convert_full_to_sharded(runs, tmp_path):
     the full file on 1 rank does (the same state loaded, the same reduction order)."""
     source = runs.saved("full") / ckpt_name("full", SPLIT)
     converted = tmp_path / "converted" / ckpt_name("sharded", SPLIT)
-    proc = subprocess.run([sys.executable, str(CONVERT), str(source), str(converted)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+    proc = helpers.run_job([str(CONVERT), str(source), str(converted)], cwd=tmp_path, env=helpers.job_env(),
+                           timeout=120)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert f"wrote {converted} (step {SPLIT}, saved at world size 2" in proc.stdout
     # The metadata a sharded save of this state writes: the full file's, the world size it was saved at included.

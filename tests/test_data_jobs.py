@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -15,7 +13,7 @@ import pytest
 
 from benchmarks.benchmark_data import write_corpus
 from data import PrepareSettings, load_prepared, prepare_data
-from tests.helpers import ROOT, losses, run_train
+from tests.helpers import ROOT, job_env, losses, run_job, run_train
 from tests.test_data import make_documents
 from tests.test_failures import Job, alive, poll, train_cmd
 from tests.test_prepare import jsonl_lines
@@ -113,10 +111,8 @@ def test_stop_signal_ends_a_rank_waiting_for_the_data(tmp_path):
 def test_mixture_trains_and_resumes_at_another_world_size(tmp_path, corpus):
     # Source a: prepared by the command, as users do; source b: another corpus with a's tokenizer.
     a, b = tmp_path / "a", tmp_path / "b"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/prepare_data.py"),
-                           str(ROOT / "config/train_tiny_fsdp.yaml"), f"--data.files=[{corpus}]",
-                           f"--data.dataset_dir={a}", "--data.vocab_size=320"],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = run_job([str(ROOT / "scripts/prepare_data.py"), str(ROOT / "config/train_tiny_fsdp.yaml"),
+                    f"--data.files=[{corpus}]", f"--data.dataset_dir={a}", "--data.vocab_size=320"], env=job_env())
     assert proc.returncode == 0 and f"train on it with: --data.dataset_dir={a}" in proc.stdout, proc.stderr
     (tmp_path / "b.jsonl").write_text(jsonl_lines(make_documents(300, seed=4)))
     prepare_data(b, PrepareSettings(files=(str(tmp_path / "b.jsonl"),), tokenizer_model=str(a / "tokenizer.model"),
