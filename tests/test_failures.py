@@ -25,6 +25,7 @@ from tests.helpers import (
     TINY,
     alive,
     descendants,
+    fault_env,
     job_env,
     kill_tree,
     losses,
@@ -103,8 +104,8 @@ class ForkedJob:
     """Job's interface over forked ranks (tests/launcher.py), for the failures the ranks handle themselves: a
     signal to one of them, a rank that stops answering, a second run into a held output directory."""
 
-    def __init__(self, argv: list[str], *, nproc: int, log_dir: Path):
-        self.job = launcher.Job(argv, nproc=nproc, env=job_env(), log_dir=log_dir)
+    def __init__(self, argv: list[str], *, nproc: int, log_dir: Path, extra_env: dict | None = None):
+        self.job = launcher.Job(argv, nproc=nproc, env=job_env(extra_env), log_dir=log_dir)
 
     @property
     def stderr(self) -> str:
@@ -129,13 +130,15 @@ class ForkedJob:
         self.job.kill()
 
 
-def start_ranks(*args: str, nproc: int, out_dir: Path, corpus: Path, dataset_dir: Path,
-                log_dir: Path) -> Job | ForkedJob:
-    """A training job in the background as forked ranks, or under torchrun with FSDP_TEST_LAUNCH=process."""
+def start_ranks(*args: str, nproc: int, out_dir: Path, corpus: Path, dataset_dir: Path, log_dir: Path,
+                faults: dict | None = None) -> Job | ForkedJob:
+    """A training job in the background as forked ranks, or under torchrun with FSDP_TEST_LAUNCH=process; with
+    `faults` (tests/fault_injection.py) installed."""
     if launcher.enabled():
-        argv = train_argv(*args, out_dir=out_dir, corpus=corpus, dataset_dir=dataset_dir)
-        return ForkedJob(argv, nproc=nproc, log_dir=log_dir)
-    return Job(train_cmd(*args, nproc=nproc, out_dir=out_dir, corpus=corpus, dataset_dir=dataset_dir), log_dir)
+        argv = train_argv(*args, out_dir=out_dir, corpus=corpus, dataset_dir=dataset_dir, faults=bool(faults))
+        return ForkedJob(argv, nproc=nproc, log_dir=log_dir, extra_env=fault_env(faults))
+    cmd = train_cmd(*args, nproc=nproc, out_dir=out_dir, corpus=corpus, dataset_dir=dataset_dir, faults=bool(faults))
+    return Job(cmd, log_dir, extra_env=fault_env(faults))
 
 
 def poll(condition, *, job: Job | ForkedJob, timeout: float, what: str):
