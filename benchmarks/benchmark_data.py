@@ -43,9 +43,12 @@ SYLLABLES = "ka to ri en an mo lu si ter pro de in ex con al ver na be qu ol um 
 # ---------------------------------------------------------------- the synthetic corpus
 
 
-def write_corpus(path: Path, size_mb: float, *, seed: int = 0) -> Path:
+def write_corpus(path: Path, size_mb: float, *, seed: int = 0, meta_bytes: int = 0) -> Path:
     """Documents of Zipf-distributed pseudo-words in sentences of 6-20 words, one JSON object per line,
-    until the file holds size_mb MB. The same bytes for the same (size, seed)."""
+    until the file holds size_mb MB. The same bytes for the same (size, seed, meta_bytes). With meta_bytes,
+    each document also has a "meta" field of that many bytes, which preparation parses but does not tokenise
+    (as a corpus's URLs and other metadata): as many bytes to read, less text."""
+    meta = {"meta": "m" * meta_bytes} if meta_bytes else {}
     rng = np.random.default_rng(seed)
     words = np.array(["".join(rng.choice(SYLLABLES, size=n)) for n in rng.integers(1, 4, size=30_000)])
     zipf = np.cumsum(1.0 / np.arange(1, len(words) + 1) ** 1.1)
@@ -59,7 +62,7 @@ def write_corpus(path: Path, size_mb: float, *, seed: int = 0) -> Path:
     with open(path, "w", encoding="utf-8") as out:
         while written < target:
             picks = rng.integers(0, len(sentences), size=(256, 24))
-            lines = [json.dumps({"text": " ".join(sentences[i] for i in row)}) + "\n" for row in picks]
+            lines = [json.dumps({"text": " ".join(sentences[i] for i in row), **meta}) + "\n" for row in picks]
             block = "".join(lines)
             out.write(block)
             written += len(block)

@@ -43,15 +43,16 @@ def start_s3_server():
 
 
 def measure(size_mb: float, *, file_mb: float, workers: int, workdir: Path, local: bool = True,
-            vocab_size: int = 4096) -> dict:
-    """{"s3": run, "local": run} (benchmarks/benchmark_data.prepare's figures) for a corpus of size_mb; without
-    local, the S3 run alone."""
+            vocab_size: int = 4096, meta_bytes: int = 0) -> dict:
+    """{"s3": run, "local": run} (benchmarks/benchmark_data.prepare's figures) for a corpus of size_mb (each
+    document with a "meta" field of meta_bytes: benchmark_data.write_corpus); without local, the S3 run alone."""
     import boto3
 
     files = []
     for index in range(max(1, round(size_mb / file_mb))):
-        files.append(write_corpus(workdir / f"part-{index:04d}.jsonl", min(file_mb, size_mb), seed=index))
-    write_corpus(workdir / "sample.jsonl", 8, seed=1000)
+        files.append(write_corpus(workdir / f"part-{index:04d}.jsonl", min(file_mb, size_mb), seed=index,
+                                  meta_bytes=meta_bytes))
+    write_corpus(workdir / "sample.jsonl", 8, seed=1000, meta_bytes=meta_bytes)
     tokenizer = prepare(workdir / "sample.jsonl", workdir / "tokenizer", workers=1,
                         extra=[f"--data.vocab_size={vocab_size}"])
     assert tokenizer["tokens"] > 0

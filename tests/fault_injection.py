@@ -19,7 +19,9 @@ object in FSDP_TEST_FAULTS installed, by wrapping production functions in that p
   train with, but it runs the real conversion, FP8 all-gather and checkpoint paths on gloo);
 - "dcp_stage_fail": R: DCP's own stager (DefaultStager, benchmarks/checkpoint_staging.py's dcp_* variants) fails
   on rank R alone when it stages a training state (one with a "model" entry), in its staging thread where
-  staging is asynchronous.
+  staging is asynchronous;
+- "tokenizer_training_delay_s": S: training a tokenizer while preparing data sleeps S seconds first (a long
+  preparation, without the CPU time of a large corpus).
 """
 from __future__ import annotations
 
@@ -337,6 +339,19 @@ def _install_dcp_stage_fail(rank: int, *, current: dict) -> None:
     DefaultStager._stage = stage
 
 
+def _install_tokenizer_training_delay(delay_s: float, *, current: dict) -> None:
+    from data import prepare
+
+    real_train_tokenizer = prepare.train_tokenizer
+
+    @functools.wraps(real_train_tokenizer)
+    def train_tokenizer(*args, **kwargs):
+        time.sleep(delay_s)
+        return real_train_tokenizer(*args, **kwargs)
+
+    prepare.train_tokenizer = train_tokenizer
+
+
 _INSTALLERS = {  # in the order they are installed
     "stage_fail": _install_stage_fail,
     "write": _install_write,
@@ -348,6 +363,7 @@ _INSTALLERS = {  # in the order they are installed
     "oom": _install_oom,
     "float8_on_cpu": _install_float8_on_cpu,
     "dcp_stage_fail": _install_dcp_stage_fail,
+    "tokenizer_training_delay_s": _install_tokenizer_training_delay,
 }
 
 

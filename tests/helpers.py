@@ -7,6 +7,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,26 +99,54 @@ def job_env(extra_env: dict | None = None) -> dict:
     return {**env, "OMP_NUM_THREADS": "1", **(extra_env or {})}
 
 
-def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_dir: Path, extra_env: dict | None = None,
-              check: bool = True, timeout: float = 300, prefix: tuple[str, ...] = (),
-              faults: dict | None = None) -> subprocess.CompletedProcess:
-    """Run one training job as forked ranks (tests/launcher.py), or as real torchrun (nproc > 1) or python
-    processes when `prefix` runs it under another command (e.g. prlimit); `faults`
-    (tests/fault_injection.py) runs it with those faults installed. Returns the finished process."""
+def train_argv(*args: str, out_dir: Path, corpus: Path, dataset_dir: Path, faults: bool = False) -> list[str]:
+    """train_fsdp.py and its arguments for a job of the tiny model (`faults`: under tests/with_faults.py, which
+    installs the faults that tests.helpers.fault_env puts in the environment)."""
     script = [str(WITH_FAULTS), str(TRAIN)] if faults else [str(TRAIN)]
-    extra_env = {**(extra_env or {}), **fault_env(faults)}
+    return [*script, str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
+            f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
+
+
+def run_job(argv: list[str], *, nproc: int = 1, env: dict, cwd: Path = ROOT, timeout: float = 300,
+            prefix: tuple[str, ...] = (), fsize_limit: int | None = None,
+            real_processes: bool = False) -> subprocess.CompletedProcess:
+    """`argv` (a script and its arguments) run as `nproc` forked ranks (tests/launcher.py), or as real processes,
+    under torchrun for nproc > 1, when `real_processes` asks for them, when `prefix` runs them under another
+    command (e.g. unshare), or with FSDP_TEST_LAUNCH=process. `fsize_limit` caps the size of the files they
+    write (RLIMIT_FSIZE, what `prlimit --fsize` sets). Returns the finished job."""
+    if launcher.enabled() and not prefix and not real_processes:  # no start-up cost (tests/launcher.py)
+        return launcher.launch(argv, nproc=nproc, env=env, cwd=cwd, timeout=timeout, fsize_limit=fsize_limit)
+    if fsize_limit is not None:
+        prefix = ("prlimit", f"--fsize={fsize_limit}", *prefix)
     launcher_cmd = [*prefix, sys.executable] if nproc == 1 else [
         *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = launcher_cmd + script + [str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, f"--run.output_dir={out_dir}",
-                      f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
-    env = job_env(extra_env)
-    if launcher.enabled() and not prefix:  # forked ranks, no start-up cost (tests/launcher.py)
-        proc = launcher.launch(cmd[len(launcher_cmd):], nproc=nproc, env=env, timeout=timeout)
-    else:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*launcher_cmd, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_train(*args: str, nproc: int = 1, out_dir: Path, corpus: Path, dataset_dir: Path, extra_env: dict | None = None,
+              check: bool = True, timeout: float = 300, prefix: tuple[str, ...] = (),
+              faults: dict | None = None, fsize_limit: int | None = None) -> subprocess.CompletedProcess:
+    """Run one training job (run_job: forked ranks unless `prefix` asks for real processes); `faults`
+    (tests/fault_injection.py) runs it with those faults installed. Returns the finished job."""
+    argv = train_argv(*args, out_dir=out_dir, corpus=corpus, dataset_dir=dataset_dir, faults=bool(faults))
+    proc = run_job(argv, nproc=nproc, env=job_env({**(extra_env or {}), **fault_env(faults)}), timeout=timeout,
+                   prefix=prefix, fsize_limit=fsize_limit)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def assert_refused_before_the_process_group(proc: subprocess.CompletedProcess) -> None:
+    """A multi-rank job that a problem found before the process group ended: rank 0 exits 2, and no rank leaves
+    a traceback (a real torchrun reports the failure in a traceback of its own). A rank that was still starting
+    up (imports) when the launcher stopped the job ends by its SIGTERM (-15) before it could set its own handler,
+    which is a race, not a fault; any other signal (-9 after the shutdown timeout, -11, -6) would be one."""
+    assert proc.returncode != 0 and worker_tracebacks(proc.stderr) == 0, proc.stderr[-4000:]
+    if hasattr(proc, "exitcodes"):  # forked ranks (tests/launcher.py)
+        statuses = [str(code) for code in proc.exitcodes]
+    else:  # torchrun's report of its failed workers
+        statuses = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+    assert "2" in statuses and set(statuses) <= {"2", "-15"}, (statuses, proc.stderr[-4000:])
 
 
 def worker_tracebacks(stderr: str) -> int:

@@ -1,15 +1,16 @@
 """Start a training script's ranks without paying for Python and torch start-up every time.
 
 A training job on the tiny test model spends most of its CPU time importing torch and this project
-(several seconds per rank), a few hundredths of a second per step. `launch` forks each rank from a
-multiprocessing fork server that imported all of that once per test session, and gives every rank what
-torchrun would: its rank variables, a rendezvous address, the job's environment and working directory,
-its own stdout and stderr; when one rank fails, the others are stopped (SIGTERM, then SIGKILL) and the
-job fails with exit code 1, as torchrun reports it. A one-rank job runs like `python script.py`.
+(several seconds per rank), a few hundredths of a second per step. `launch` (or `Job`, for a job that runs
+in the background while the test signals its ranks) forks each rank from a multiprocessing fork server that
+imported all of that once per test session, and gives every rank what torchrun would: its rank variables, a
+rendezvous address, the job's environment and working directory, its own stdout and stderr; when one rank
+fails, the others are stopped (SIGTERM, then SIGKILL) and the job fails with exit code 1, as torchrun reports
+it. A one-rank job runs like `python script.py`.
 
-The tests of torchrun's own behaviour (launchers, signals sent to a live job, start-up races) keep real
-processes (tests/helpers.py `Job`, `run_train(prefix=...)`). FSDP_TEST_LAUNCH=process runs every job
-as a real torchrun or python process instead.
+The tests of torchrun's own behaviour (launchers, its restarts and rendezvous, signals sent to its agent, its
+reports) keep real processes (tests/test_failures.py `Job`, `run_train(prefix=...)`). FSDP_TEST_LAUNCH=process
+runs every job as a real torchrun or python process instead.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import gc
 import multiprocessing
 import multiprocessing.connection
 import os
+import resource
 import runpy
 import subprocess
 import sys
@@ -76,8 +78,10 @@ def context():
     return _fork_server()
 
 
-def _rank_main(script: str, argv: list[str], env: dict, cwd: str, out_path: str, err_path: str) -> None:
-    """One rank: the job's environment, directory and output files, then the script as `__main__`."""
+def _rank_main(script: str, argv: list[str], env: dict, cwd: str, out_path: str, err_path: str,
+               fsize_limit: int | None) -> None:
+    """One rank: the job's environment, directory, output files and file size limit, then the script as
+    `__main__`."""
     frozen_heap()
     os.chdir(cwd)
     os.environ.clear()
@@ -86,6 +90,8 @@ def _rank_main(script: str, argv: list[str], env: dict, cwd: str, out_path: str,
         target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    if fsize_limit is not None:  # what `prlimit --fsize` sets; Python ignores SIGXFSZ, so a write past it fails EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
@@ -100,41 +106,89 @@ def frozen_heap() -> None:
     gc.freeze()
 
 
-def launch(script_argv: list[str], *, nproc: int, env: dict, cwd: Path = ROOT,
-           timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `script_argv` (a script path and its arguments) as `nproc` forked ranks; the finished job,
-    like subprocess.run(capture_output=True, text=True) of torchrun or python. TimeoutExpired past
-    `timeout`, with every rank stopped."""
-    context = _fork_server()
-    env = dict(env)
-    agent_store = None
-    if nproc > 1:
-        # Like torchrun's agent, this process hosts a store the ranks share (on a port the system picked as it
-        # bound it: parallel test jobs can't race for one); rank 0 starts the job's own store through it.
-        import torch.distributed as dist
+class Job:
+    """`script_argv` (a script path and its arguments) started as `nproc` forked ranks, running in the background:
+    their pids by rank and the output so far, then `wait` for the finished job. Its stdout and stderr go to files
+    in `log_dir` (a temporary folder, removed once the job is waited for, unless given). `fsize_limit`: the largest
+    file a rank may write, in bytes (RLIMIT_FSIZE, as `prlimit --fsize` sets it)."""
 
-        agent_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(agent_store.port), TORCHELASTIC_USE_AGENT_STORE="True",
-                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
-                   TORCHELASTIC_RUN_ID="forked-test-job", TORCHELASTIC_RESTART_COUNT="0",
-                   TORCHELASTIC_MAX_RESTARTS="0")
-    with tempfile.TemporaryDirectory(prefix="job-") as tmp:
-        out_path, err_path = str(Path(tmp) / "stdout"), str(Path(tmp) / "stderr")
-        procs = []
+    def __init__(self, script_argv: list[str], *, nproc: int, env: dict, cwd: Path = ROOT,
+                 log_dir: Path | None = None, fsize_limit: int | None = None):
+        context = _fork_server()
+        env = dict(env)
+        self.argv, self._agent_store = script_argv, None
+        if nproc > 1:
+            # Like torchrun's agent, this process hosts a store the ranks share (on a port the system picked as
+            # it bound it: parallel test jobs can't race for one); rank 0 starts the job's own store through it.
+            import torch.distributed as dist
+
+            self._agent_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self._agent_store.port),
+                       TORCHELASTIC_USE_AGENT_STORE="True", WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                       GROUP_RANK="0", TORCHELASTIC_RUN_ID="forked-test-job", TORCHELASTIC_RESTART_COUNT="0",
+                       TORCHELASTIC_MAX_RESTARTS="0")
+        self._tmp = tempfile.TemporaryDirectory(prefix="job-") if log_dir is None else None
+        log_dir = Path(self._tmp.name) if self._tmp else log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.out_path, self.err_path = log_dir / "stdout", log_dir / "stderr"
+        for path in (self.out_path, self.err_path):
+            path.write_text("")
+        self.procs = []
         for rank in range(nproc):
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if nproc > 1 else env
-            proc = context.Process(target=_rank_main,
-                                   args=(script_argv[0], script_argv[1:], rank_env, str(cwd), out_path, err_path))
+            proc = context.Process(target=_rank_main, args=(script_argv[0], script_argv[1:], rank_env, str(cwd),
+                                                            str(self.out_path), str(self.err_path), fsize_limit))
             proc.start()
-            procs.append(proc)
-        timed_out = not _wait(procs, timeout, err_path)
-        stdout, stderr = Path(out_path).read_text(errors="replace"), Path(err_path).read_text(errors="replace")
-    del agent_store  # every rank has ended
-    if timed_out:
-        raise subprocess.TimeoutExpired(script_argv, timeout, output=stdout, stderr=stderr)
-    codes = [p.exitcode for p in procs]
-    returncode = codes[0] if nproc == 1 else (0 if all(c == 0 for c in codes) else 1)
-    return subprocess.CompletedProcess(script_argv, returncode, stdout, stderr)
+            self.procs.append(proc)
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.procs]
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def poll(self) -> int | None:
+        """None while a rank runs; then the job's exit code (see `wait`)."""
+        return None if any(proc.exitcode is None for proc in self.procs) else self._returncode()
+
+    def _returncode(self) -> int:
+        codes = [proc.exitcode for proc in self.procs]
+        return codes[0] if len(codes) == 1 else (0 if all(c == 0 for c in codes) else 1)
+
+    def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """The finished job, like subprocess.run(capture_output=True, text=True) of torchrun or python, with
+        each rank's exit code (`exitcodes`, a signal's negative). The first rank to fail has the others
+        stopped, as torchrun does. TimeoutExpired past `timeout`, with every rank stopped."""
+        timed_out = not _wait(self.procs, timeout, str(self.err_path))
+        stdout, stderr = self.out_path.read_text(errors="replace"), self.stderr
+        self.close()
+        if timed_out:
+            raise subprocess.TimeoutExpired(self.argv, timeout, output=stdout, stderr=stderr)
+        result = subprocess.CompletedProcess(self.argv, self._returncode(), stdout, stderr)
+        result.exitcodes = [proc.exitcode for proc in self.procs]  # type: ignore[attr-defined]
+        return result
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running (a test's cleanup, whatever happened)."""
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        self.close()
+
+    def close(self) -> None:
+        self._agent_store = None  # every rank has ended
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def launch(script_argv: list[str], *, nproc: int, env: dict, cwd: Path = ROOT, timeout: float = 300,
+           fsize_limit: int | None = None) -> subprocess.CompletedProcess:
+    """Run `script_argv` (a script path and its arguments) as `nproc` forked ranks: the finished `Job`."""
+    return Job(script_argv, nproc=nproc, env=env, cwd=cwd, fsize_limit=fsize_limit).wait(timeout)
 
 
 def _wait(procs: list, timeout: float, err_path: str) -> bool:

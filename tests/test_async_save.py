@@ -20,9 +20,9 @@ from fsdp_utils.checkpoint import io as checkpoint_io
 from fsdp_utils.checkpoint.async_save import resolve_async_save
 from fsdp_utils.checkpoint.staging import HostStaging
 from fsdp_utils.host_memory import host_memory
-from tests.helpers import fault_env, losses, read_metrics, run_train
+from tests.helpers import losses, read_metrics, run_train
 from tests.test_checkpoint import as_full, assert_identical, checkpoint_names
-from tests.test_failures import Job, logged_steps, poll, train_cmd
+from tests.test_failures import logged_steps, poll, start_ranks
 
 ASYNC = ("--checkpoint.format=sharded", "--checkpoint.async_save=true")
 
@@ -318,8 +318,8 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(baselines, c
     reference = baselines(2, steps=N)
     out = tmp_path / "out"
     args = (f"--train.max_steps={N}", *ASYNC, "--checkpoint.interval=4", "--checkpoint.keep_last_n=0")
-    job = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, faults=True),
-              tmp_path / "run", extra_env=fault_env({"write": {"step": 8, "delay_s": 60}}))
+    job = start_ranks(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, log_dir=tmp_path / "run",
+                      faults={"write": {"step": 8, "delay_s": 60}})
     try:
         # Steps after 8 logged while its write hangs: training did not wait for it.
         poll(lambda: (s := logged_steps(out)) and s[-1] >= 10 and (out / ".tmp-fsdp_sharded_cpt8").is_dir(),
@@ -345,8 +345,8 @@ def test_stop_signal_waits_for_the_save_in_flight(corpus, dataset_dir, tmp_path)
     at, after waiting for the save in flight, and exits 0 with both checkpoints complete and verified."""
     out = tmp_path / "out"
     args = ("--train.max_steps=40", *ASYNC, "--checkpoint.interval=4", "--checkpoint.keep_last_n=0")
-    job = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, faults=True),
-              tmp_path / "run", extra_env=fault_env({"write": {"step": 4, "delay_s": 5}}))
+    job = start_ranks(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, log_dir=tmp_path / "run",
+                      faults={"write": {"step": 4, "delay_s": 5}})
     try:
         poll(lambda: (s := logged_steps(out)) and s[-1] >= 5, job=job, timeout=180, what="step 5")
         assert (out / ".tmp-fsdp_sharded_cpt4").is_dir() and not (out / "fsdp_sharded_cpt4").exists()

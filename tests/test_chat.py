@@ -452,13 +452,10 @@ def test_finetune_config_loads(tmp_path):
     assert (cfg.model.type, cfg.data.format, cfg.data.tokenizer) == ("hf", "chat", "hf")
 
 
-@pytest.mark.slow  # a real two-process training job
+@pytest.mark.slow  # a two-rank training job
 def test_finetune_chat_hf_end_to_end(tmp_path):
-    import subprocess
-    import sys
-
     from data.mixture import open_datasets
-    from tests.helpers import losses, read_metrics
+    from tests.helpers import losses, read_metrics, run_job
 
     hf, dataset_dir, out = tmp_path / "hf", tmp_path / "data", tmp_path / "out"
     save_tiny_llama(hf, TEMPLATE_INCREMENTAL)
@@ -468,10 +465,8 @@ def test_finetune_chat_hf_end_to_end(tmp_path):
                  "--train.micro_batch_size=2", "--train.max_steps=8", "--train.lr=3e-3", "--train.warmup_steps=1",
                  "--train.eval_interval=4", "--train.eval_samples=4", "--logging.interval=1",
                  "--logging.trackers=[]"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train_fsdp.py"), str(FINETUNE_CONFIG), *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=job_env())
+    proc = run_job([str(ROOT / "train_fsdp.py"), str(FINETUNE_CONFIG), *overrides], nproc=2, env=job_env(),
+                   timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     logged = losses(out)
     assert sorted(logged) == list(range(1, 9)) and logged[8] < logged[1] - 0.2, logged

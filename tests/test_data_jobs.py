@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -15,7 +13,7 @@ import pytest
 
 from benchmarks.benchmark_data import write_corpus
 from data import PrepareSettings, load_prepared, prepare_data
-from tests.helpers import ROOT, losses, run_train
+from tests.helpers import ROOT, job_env, losses, run_job, run_train
 from tests.test_data import make_documents
 from tests.test_failures import Job, alive, poll, train_cmd
 from tests.test_prepare import jsonl_lines
@@ -25,12 +23,12 @@ pytestmark = pytest.mark.slow
 
 def test_in_job_preparation_longer_than_the_collective_timeout_trains(tmp_path):
     # Rank 0 prepares the corpus inside the job while rank 1 waits: on a file, not in a collective, which
-    # would give up after run.timeout_s=5. 50 MB, one worker process and a vocabulary of 8192 make the
+    # would give up after run.timeout_s=5. Its tokenizer training, slowed by 8 s (a test fault), makes the
     # preparation outlast that timeout.
-    corpus = write_corpus(tmp_path / "c.jsonl", 50)
-    proc = run_train("--data.max_corpus_mb=0", "--run.timeout_s=5", "--data.num_workers=1", "--data.vocab_size=8192",
-                     "--train.max_steps=2", nproc=2, out_dir=tmp_path / "out", corpus=corpus,
-                     dataset_dir=tmp_path / "prepared", timeout=400)
+    corpus = write_corpus(tmp_path / "c.jsonl", 1)
+    proc = run_train("--data.max_corpus_mb=0", "--run.timeout_s=5", "--data.num_workers=0", "--train.max_steps=2",
+                     nproc=2, out_dir=tmp_path / "out", corpus=corpus, dataset_dir=tmp_path / "prepared", timeout=400,
+                     faults={"tokenizer_training_delay_s": 8})
     seconds = json.loads((tmp_path / "prepared" / "meta.json").read_text())["seconds"]
     assert sum(seconds.values()) > 5, (f"the preparation must outlast run.timeout_s for the test to mean anything: "
                                        f"{seconds}")
@@ -113,10 +111,8 @@ def test_stop_signal_ends_a_rank_waiting_for_the_data(tmp_path):
 def test_mixture_trains_and_resumes_at_another_world_size(tmp_path, corpus):
     # Source a: prepared by the command, as users do; source b: another corpus with a's tokenizer.
     a, b = tmp_path / "a", tmp_path / "b"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/prepare_data.py"),
-                           str(ROOT / "config/train_tiny_fsdp.yaml"), f"--data.files=[{corpus}]",
-                           f"--data.dataset_dir={a}", "--data.vocab_size=320"],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = run_job([str(ROOT / "scripts/prepare_data.py"), str(ROOT / "config/train_tiny_fsdp.yaml"),
+                    f"--data.files=[{corpus}]", f"--data.dataset_dir={a}", "--data.vocab_size=320"], env=job_env())
     assert proc.returncode == 0 and f"train on it with: --data.dataset_dir={a}" in proc.stdout, proc.stderr
     (tmp_path / "b.jsonl").write_text(jsonl_lines(make_documents(300, seed=4)))
     prepare_data(b, PrepareSettings(files=(str(tmp_path / "b.jsonl"),), tokenizer_model=str(a / "tokenizer.model"),

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from fsdp_utils.evaluation.downstream import flat_metrics, load_tasks, run_tasks
 from fsdp_utils.evaluation.lm_eval_model import ModelLM, SentencePieceCodec  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from tests.distributed_harness import cpu_env, run_ranks  # noqa: E402
-from tests.helpers import ROOT, job_env, random_model, read_metrics, run_train, write_corpus  # noqa: E402
+from tests.helpers import ROOT, job_env, random_model, read_metrics, run_job, run_train, write_corpus  # noqa: E402
 
 CFG = ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 MAX_LEN = CFG.max_seq_len
@@ -314,7 +313,7 @@ def test_two_sharded_ranks_give_what_one_process_gives(setup):
 
 
 # ---- in training, and the script on the checkpoint it saved ------------------------------------------------
-@pytest.mark.slow  # a 2-rank training job, then scripts/evaluate.py under torchrun
+@pytest.mark.slow  # a 2-rank training job, then scripts/evaluate.py on 2 ranks
 def test_training_logs_the_scores_that_evaluate_py_finds_on_its_checkpoint(tmp_path, corpus, dataset_dir):
     tasks = write_tasks(tmp_path / "tasks", corpus.read_text().split("\n\n"))
     run_dir = tmp_path / "run"
@@ -328,11 +327,10 @@ def test_training_logs_the_scores_that_evaluate_py_finds_on_its_checkpoint(tmp_p
         assert 0 <= row["eval/tiny_choice/acc"] <= 1
     # The checkpoint saved at step 4 by 2 ranks, evaluated by 2 other ranks with the whole model each.
     out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "scripts/evaluate.py"), str(run_dir / "fsdp_sharded_cpt4"), "--tasks", ",".join(TASKS),
-           "--include_path", str(tasks), "--device", "cpu", "--bootstrap_iters", "0", "--output", str(out)]
+    argv = [str(ROOT / "scripts/evaluate.py"), str(run_dir / "fsdp_sharded_cpt4"), "--tasks", ",".join(TASKS),
+            "--include_path", str(tasks), "--device", "cpu", "--bootstrap_iters", "0", "--output", str(out)]
     env = job_env({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_job(argv, nproc=2, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "|tiny_choice" in proc.stdout and "evaluated in" in proc.stdout
     scores = json.loads(out.read_text())["evaluation"]["metrics"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from fsdp_utils.checkpoint import FORMAT_VERSION, TrainState
 from fsdp_utils.checkpoint.io import load_model, read_meta
 from model import ModelConfig, Transformer
 from scripts import export_hf
-from tests.helpers import ROOT, random_model, run_train
+from tests.helpers import ROOT, job_env, random_model, run_job, run_train
 
 pytestmark = pytest.mark.slow  # trains and exports real checkpoints
 
@@ -278,9 +276,8 @@ def test_errors(runs, tmp_path, capsys):
 
 
 def test_cli_error_exit_code(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/export_hf.py"), str(tmp_path / "nope.pth"),
-                           str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_job([str(ROOT / "scripts/export_hf.py"), str(tmp_path / "nope.pth"), str(tmp_path / "o")],
+                   env=job_env(), timeout=120)
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1, proc.stderr
 
 

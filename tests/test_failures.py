@@ -1,6 +1,8 @@
-"""Failures of a running multi-rank job (real torchrun processes, gloo on the CPU): preemption by SIGTERM,
-Ctrl-C (SIGINT), a worker killed outright under torchrun's restarts, a non-finite loss, HYBRID_SHARD against
-FULL_SHARD, and a rank that stops answering. Every process is started here and killed here, whatever happens."""
+"""Failures of a running multi-rank job (gloo on the CPU): preemption by SIGTERM, Ctrl-C (SIGINT), a worker killed
+outright under torchrun's restarts, a second run into a held output directory, a non-finite loss, HYBRID_SHARD
+against FULL_SHARD, and a rank that stops answering. Where torchrun's own part is under test (its signals, its
+restarts, its reports) the job runs under a real torchrun; the others run forked ranks (tests/launcher.py). Every
+process is started here and killed here, whatever happens."""
 from __future__ import annotations
 
 import json
@@ -17,18 +19,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import launcher
 from tests.helpers import (
     ROOT,
     TINY,
-    TRAIN,
-    WITH_FAULTS,
     alive,
     descendants,
+    fault_env,
     job_env,
     kill_tree,
     losses,
     read_metrics,
     run_train,
+    train_argv,
     worker_tracebacks,
 )
 
@@ -42,16 +45,15 @@ N = 40  # steps of the preemption/restart runs: ~0.06 s each here, so a signal s
 
 def train_cmd(*args: str, nproc: int, out_dir: Path, corpus: Path, dataset_dir: Path,
               faults: bool = False) -> list[str]:
-    """The command tests.helpers.run_train builds for nproc > 1 (`faults`: the launcher that installs the
-    faults given to Job through tests.helpers.fault_env)."""
+    """The command tests.helpers.run_train builds for nproc > 1 under torchrun (`faults`: the launcher that
+    installs the faults given to Job through tests.helpers.fault_env)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            *([str(WITH_FAULTS)] if faults else []), str(TRAIN), str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY,
-            f"--run.output_dir={out_dir}",
-            f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
+            *train_argv(*args, out_dir=out_dir, corpus=corpus, dataset_dir=dataset_dir, faults=faults)]
 
 
 class Job:
-    """A torchrun job in the background; stdout/stderr go to files (a full pipe would block the job)."""
+    """A torchrun job in the background; stdout/stderr go to files (a full pipe would block the job). For the
+    tests of what torchrun does (its signals, restarts and reports); `start_ranks` for the others."""
 
     def __init__(self, cmd: list[str], log_dir: Path, extra_env: dict | None = None):
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -81,6 +83,13 @@ class Job:
                     found[int(env[b"RANK"])] = pid
         return found
 
+    def processes(self) -> list[int]:
+        """torchrun and everything below it."""
+        return [self.proc.pid, *descendants(self.proc.pid)]
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
     def wait(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout=timeout)
@@ -91,15 +100,56 @@ class Job:
         kill_tree(self.proc)
 
 
-def poll(condition, *, job: Job, timeout: float, what: str):
+class ForkedJob:
+    """Job's interface over forked ranks (tests/launcher.py), for the failures the ranks handle themselves: a
+    signal to one of them, a rank that stops answering, a second run into a held output directory."""
+
+    def __init__(self, argv: list[str], *, nproc: int, log_dir: Path, extra_env: dict | None = None):
+        self.job = launcher.Job(argv, nproc=nproc, env=job_env(extra_env), log_dir=log_dir)
+
+    @property
+    def stderr(self) -> str:
+        return self.job.stderr
+
+    def workers(self) -> dict[int, int]:
+        return dict(enumerate(self.job.pids))
+
+    def processes(self) -> list[int]:
+        return self.job.pids
+
+    def poll(self) -> int | None:
+        return self.job.poll()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.job.wait(timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the job did not end within {timeout:.0f} s:\n{self.stderr[-4000:]}") from None
+
+    def kill(self) -> None:
+        self.job.kill()
+
+
+def start_ranks(*args: str, nproc: int, out_dir: Path, corpus: Path, dataset_dir: Path, log_dir: Path,
+                faults: dict | None = None) -> Job | ForkedJob:
+    """A training job in the background as forked ranks, or under torchrun with FSDP_TEST_LAUNCH=process; with
+    `faults` (tests/fault_injection.py) installed."""
+    if launcher.enabled():
+        argv = train_argv(*args, out_dir=out_dir, corpus=corpus, dataset_dir=dataset_dir, faults=bool(faults))
+        return ForkedJob(argv, nproc=nproc, log_dir=log_dir, extra_env=fault_env(faults))
+    cmd = train_cmd(*args, nproc=nproc, out_dir=out_dir, corpus=corpus, dataset_dir=dataset_dir, faults=bool(faults))
+    return Job(cmd, log_dir, extra_env=fault_env(faults))
+
+
+def poll(condition, *, job: Job | ForkedJob, timeout: float, what: str):
     """Wait until condition() is truthy (returning it); fail if the job ends first or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
-        if job.proc.poll() is not None:
-            raise AssertionError(f"the job ended ({job.proc.returncode}) before {what}:\n{job.stderr[-4000:]}")
+        if (code := job.poll()) is not None:
+            raise AssertionError(f"the job ended ({code}) before {what}:\n{job.stderr[-4000:]}")
         time.sleep(0.02)
     raise AssertionError(f"no {what} within {timeout:.0f} s:\n{job.stderr[-4000:]}")
 
@@ -143,7 +193,7 @@ def reference(tmp_path_factory, corpus, dataset_dir) -> dict[int, float]:
 def test_sigterm_to_one_worker_saves_and_resumes_exactly(reference, corpus, dataset_dir, tmp_path):
     out = tmp_path / "out"
     args = (f"--train.max_steps={N}", "--run.preemption_grace_s=60", "--checkpoint.keep_last_n=0")
-    job = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir), tmp_path / "run1")
+    job = start_ranks(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, log_dir=tmp_path / "run1")
     try:
         poll(lambda: len(logged_steps(out)) >= 2, job=job, timeout=180, what="second metrics row")
         workers = job.workers()
@@ -301,11 +351,12 @@ def test_a_second_run_in_the_same_output_directory_is_refused(reference, corpus,
     (Before: no lock; each run's retention deleted the other's checkpoints, their files mixed.)"""
     out = tmp_path / "out"
     args = (f"--train.max_steps={N}", "--checkpoint.interval=5", "--checkpoint.keep_last_n=1")
-    first = Job(train_cmd(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir), tmp_path / "first")
+    first = start_ranks(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
+                        log_dir=tmp_path / "first")
     try:
         poll(lambda: len(logged_steps(out)) >= 2, job=first, timeout=180, what="second metrics row")
         holder = first.workers()[0]
-        paused = [first.proc.pid, *descendants(first.proc.pid)]
+        paused = first.processes()
         for pid in paused:  # hold the first run still, so that any write into its directory would show
             os.kill(pid, signal.SIGSTOP)
         before = tree_state(out)
@@ -453,8 +504,8 @@ def test_hybrid_shard_matches_full_shard_and_checkpoints_cross_over(version, cor
 def test_stopped_rank_ends_the_job_within_the_timeout(reference, corpus, dataset_dir, tmp_path):
     timeout_s = 15  # not less: under load, rank 1 may reach the first collectives seconds after rank 0
     out = tmp_path / "out"
-    job = Job(train_cmd(f"--train.max_steps={N}", f"--run.timeout_s={timeout_s}", nproc=2, out_dir=out, corpus=corpus,
-                        dataset_dir=dataset_dir), tmp_path / "run")
+    job = start_ranks(f"--train.max_steps={N}", f"--run.timeout_s={timeout_s}", nproc=2, out_dir=out, corpus=corpus,
+                      dataset_dir=dataset_dir, log_dir=tmp_path / "run")
     try:
         poll(lambda: len(logged_steps(out)) >= 2, job=job, timeout=180, what="second metrics row")
         workers = job.workers()
@@ -463,13 +514,16 @@ def test_stopped_rank_ends_the_job_within_the_timeout(reference, corpus, dataset
         stopped_at = time.monotonic()
         poll(lambda: not alive(workers[0]), job=job, timeout=timeout_s + 60, what="rank 0 to end")
         took = time.monotonic() - stopped_at
-        # torchrun then sends the stopped rank SIGTERM, which a stopped process never handles, and SIGKILL 30 s
-        # later (torchrun's grace, not ours): the test sends that SIGKILL now instead of waiting for it.
+        # The launcher (torchrun, or tests/launcher.py alike) then sends the stopped rank SIGTERM, which a stopped
+        # process never handles, and SIGKILL 30 s later (its grace, not ours): the test sends that SIGKILL now.
         os.kill(workers[1], signal.SIGKILL)
         rc = job.wait(timeout=60)
         stderr = job.stderr
         assert rc != 0, stderr[-4000:]
-        assert re.search(r"\[rank0\]: RuntimeError: .*Timed out waiting \d+ms", stderr), stderr[-4000:]
+        # torchrun tags each worker's lines with its rank; forked ranks share one stderr, where rank 1 (stopped
+        # before its collectives could time out, then killed) wrote nothing of the kind.
+        tag = r"\[rank0\]: " if isinstance(job, Job) else ""
+        assert re.search(tag + r"RuntimeError: .*Timed out waiting \d+ms", stderr), stderr[-4000:]
         assert took >= timeout_s - 1, f"rank 0 ended {took:.1f} s after SIGSTOP: sooner than the collective timeout"
         assert not alive(workers[0]) and not alive(workers[1])
         assert logged_steps(out)[-1] < N

@@ -14,9 +14,6 @@ import copy
 import dataclasses
 import importlib.util
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,7 @@ from fsdp_utils.parallel import float8
 from fsdp_utils.parallel.float8 import float8_problems, hardware_problem, torchao_hint
 from model import ModelConfig, Transformer
 from model.transformer import DecoderBlock, rotary_tables
-from tests.helpers import ROOT, losses, run_train
+from tests.helpers import ROOT, job_env, losses, run_job, run_train
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (optional; FP8 only)")
@@ -94,10 +91,8 @@ def test_environment_problems_without_torchao_or_fp8_hardware(monkeypatch):
 @pytest.mark.slow
 def test_cli_float8_on_cpu_exits_2_before_the_process_group(tmp_path):
     # One error line per problem, exit 2, no process group (which would start gloo and write files).
-    env = dict(os.environ)
-    proc = subprocess.run([sys.executable, str(ROOT / "train_fsdp.py"), str(TINY_CONFIG), "--train.float8=tensorwise",
-                           "--fsdp.version=2", "--run.device=cpu", f"--run.output_dir={tmp_path / 'out'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    proc = run_job([str(ROOT / "train_fsdp.py"), str(TINY_CONFIG), "--train.float8=tensorwise", "--fsdp.version=2",
+                    "--run.device=cpu", f"--run.output_dir={tmp_path / 'out'}"], env=job_env(), timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors[-1].startswith("error: train.float8=tensorwise needs an NVIDIA GPU with FP8 support")

@@ -3,14 +3,12 @@ another seed other text, greedy decoding ignores the seed, and the output starts
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from scripts import generate
-from tests.helpers import ROOT, job_env, run_train
+from tests.helpers import ROOT, job_env, run_job, run_train
 
 pytestmark = pytest.mark.slow  # samples from a trained checkpoint
 
@@ -26,9 +24,9 @@ def checkpoint(tmp_path_factory, corpus, dataset_dir) -> Path:
 
 
 def cli(checkpoint: Path, *args: str) -> str:
-    cmd = [sys.executable, str(ROOT / "scripts/generate.py"), str(checkpoint), "--prompt", PROMPT, "--device", "cpu",
-           *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=job_env())
+    """scripts/generate.py as a forked process (tests/launcher.py), as `python` would run it."""
+    argv = [str(ROOT / "scripts/generate.py"), str(checkpoint), "--prompt", PROMPT, "--device", "cpu", *args]
+    proc = run_job(argv, env=job_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -32,7 +31,7 @@ from fsdp_utils.train.microbatch import (
     save_to_cache,
 )
 from tests.fault_injection import FakeProbe
-from tests.helpers import RANK_VARIABLES, ROOT, WITH_FAULTS, fault_env, job_env, losses, run_train
+from tests.helpers import RANK_VARIABLES, ROOT, WITH_FAULTS, fault_env, job_env, losses, run_job, run_train
 
 TINY_PRESET = ROOT / "config/train_tiny_fsdp.yaml"
 ONE_STEP = ("--train.max_steps=1", "--train.warmup_steps=1")  # a warmup longer than the run is refused
@@ -704,12 +703,10 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
     # One process, global batch 8: readings 1 + 0.5 * b GiB all fit a 9 GiB budget, so auto takes 8 (x 1);
     # the fixed micro-batch 2 needs accumulation 4; the reference runs at the auto choice.
     pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, str(WITH_FAULTS), str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET),
-                           "--run.device=cpu", "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32",
-                           "--data.seq_len=32",
-                           "--train.global_batch_size=8", "--compare_auto", "--fixed_micro_batch=2", "--peer",
-                           "--steps=1", "--warmup=1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=job_env(fault_env(fake_memory(10, 1, 0.5))))
+    proc = run_job([str(WITH_FAULTS), str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
+                    "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
+                    "--train.global_batch_size=8", "--compare_auto", "--fixed_micro_batch=2", "--peer", "--steps=1",
+                    "--warmup=1"], env=job_env(fault_env(fake_memory(10, 1, 0.5))), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:4] for line in proc.stdout.splitlines() if line.startswith(("ours", "hf_"))}
     assert rows["ours_mb2"] == ["2", "x", "4"]
@@ -723,12 +720,11 @@ def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
 def test_benchmark_grid_runs_each_pair_at_the_global_batch_beside_the_search():
     # Both autos choose selective_op@4 (AC_MEMORY on a 10 GiB GPU); the grid's fixed pairs run at the same global
     # batch of 8, each with its ratio to ours and the fastest of them named.
-    proc = subprocess.run([sys.executable, str(WITH_FAULTS), str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET),
-                           "--run.device=cpu", "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32",
-                           "--data.seq_len=32", "--train.global_batch_size=8", "--train.micro_batch_size=auto",
-                           "--fsdp.activation_checkpointing=auto", "--grid", "none@2,full@8", "--steps=1",
-                           "--warmup=1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=job_env(fault_env(fake_memory(10, 1, 1, **AC_MEMORY))))
+    proc = run_job([str(WITH_FAULTS), str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
+                    "--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
+                    "--train.global_batch_size=8", "--train.micro_batch_size=auto",
+                    "--fsdp.activation_checkpointing=auto", "--grid", "none@2,full@8", "--steps=1", "--warmup=1"],
+                   env=job_env(fault_env(fake_memory(10, 1, 1, **AC_MEMORY))), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:4] for line in proc.stdout.splitlines()
             if line.startswith(("ours", "grid_"))}
@@ -818,8 +814,8 @@ def test_benchmark_reference_halves_its_micro_batch_until_it_fits(monkeypatch):
 @pytest.mark.slow
 def test_benchmark_lora_only_without_ranks_is_one_error_line():
     # It would plan no run of ours (the reference alone, with no split to run at).
-    command = [sys.executable, str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET), "--lora_only", "--peer"]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=job_env())
+    proc = run_job([str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET), "--lora_only", "--peer"], env=job_env(),
+                   timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1].endswith("error: --lora_only goes with --lora (the ranks to run)")
 

@@ -32,7 +32,7 @@ from data import (
 from data.store import ShardWriter
 from data.tokenizer import TokenizerSample
 from fsdp_utils import nofollow
-from tests.helpers import ROOT, alive, children
+from tests.helpers import ROOT, alive, children, job_env, run_job
 from tests.test_data import VOCAB_SIZE, decode_split, held_out, make_documents, prep, split_tokens
 
 pa = pytest.importorskip("pyarrow")
@@ -253,12 +253,11 @@ def test_killed_prepare_script_resumes_to_the_same_result(corpus_2mb, tmp_path):
     job.wait()
     assert not (tmp_path / "killed" / "meta.json").exists()
 
-    resumed = subprocess.run([*args, f"--data.dataset_dir={tmp_path / 'killed'}"], cwd=ROOT, capture_output=True,
-                             text=True)
+    # The runs after it fork (helpers.run_job): the same script, without a new interpreter's start-up.
+    resumed = run_job([*args[1:], f"--data.dataset_dir={tmp_path / 'killed'}"], env=job_env())
     assert resumed.returncode == 0, resumed.stderr
     assert "continuing an interrupted preparation after its" in resumed.stderr
-    clean = subprocess.run([*args, f"--data.dataset_dir={tmp_path / 'clean'}"], cwd=ROOT, capture_output=True,
-                           text=True)
+    clean = run_job([*args[1:], f"--data.dataset_dir={tmp_path / 'clean'}"], env=job_env())
     assert clean.returncode == 0, clean.stderr
     assert store_files(load_prepared(tmp_path / "killed")) == store_files(load_prepared(tmp_path / "clean"))
     assert len(load_prepared(tmp_path / "clean").train_files) >= 4
@@ -793,17 +792,16 @@ def test_handoff_between_ranks(tmp_path):
 @pytest.mark.slow
 def test_prepare_script_errors_are_one_line(tmp_path):
     (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS[:40]) + "{not json\n")
-    script = [sys.executable, str(ROOT / "scripts/prepare_data.py"), str(ROOT / "config/train_tiny_fsdp.yaml")]
+    script = [str(ROOT / "scripts/prepare_data.py"), str(ROOT / "config/train_tiny_fsdp.yaml")]  # forked: run_job
     # Raised in a worker process: reaches the user as one line, not a multiprocessing traceback.
-    proc = subprocess.run([*script, f"--data.files=[{tmp_path / 'c.jsonl'}]", f"--data.dataset_dir={tmp_path / 'o'}",
-                           "--data.vocab_size=320"], cwd=ROOT, capture_output=True, text=True)
+    proc = run_job([*script, f"--data.files=[{tmp_path / 'c.jsonl'}]", f"--data.dataset_dir={tmp_path / 'o'}",
+                    "--data.vocab_size=320"], env=job_env())
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and errors == [f"error: {tmp_path / 'c.jsonl'} line 41: invalid JSON (Expecting "
                                                f"property name enclosed in double quotes) (data.on_bad_record=skip "
                                                f"skips such records)"], proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = subprocess.run([*script, "--data.num_workers=-2", "--data.shard_tokens=0"], cwd=ROOT, capture_output=True,
-                          text=True)
+    proc = run_job([*script, "--data.num_workers=-2", "--data.shard_tokens=0"], env=job_env())
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         "error: data.num_workers must not be negative, got -2", "error: data.shard_tokens must be positive, got 0"]
 

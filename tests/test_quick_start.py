@@ -12,12 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import ROOT, TRAIN, job_env, read_metrics
+from tests.helpers import ROOT, TRAIN, job_env, read_metrics, run_job
 
 RECORD = ROOT / "docs/results/quickstart_tiny.json"
 # The README's line: "[hh:mm:ss rank0] step 1000/1000 | loss 2.0200 | lr 3.00e-04 | grad_norm 0.748 | ..."
@@ -56,10 +55,10 @@ def test_the_quick_start_command_still_computes_the_recorded_run(tmp_path):
     python = sys.version.split()[0]
     if python != rec["python"]:  # the default corpus is this interpreter's standard library
         pytest.skip(f"the record's corpus is Python {rec['python']}'s standard library, this is {python}")
-    # From an empty folder, as from a fresh clone: data/cache/ and checkpoints/tiny/ are made under it.
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(TRAIN), str(ROOT / "config/train_tiny_fsdp.yaml"), "--train.max_steps=10"],
-                          cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=600)
+    # From an empty folder, as from a fresh clone: data/cache/ and checkpoints/tiny/ are made under it. Two ranks
+    # forked as torchrun starts them (tests/launcher.py): the numbers are the ranks'.
+    proc = run_job([str(TRAIN), str(ROOT / "config/train_tiny_fsdp.yaml"), "--train.max_steps=10"], nproc=2,
+                   cwd=tmp_path, env=job_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "train.warmup_steps=50 exceeds train.max_steps=10: the run ends inside its warmup" in proc.stderr
     out = tmp_path / "checkpoints" / "tiny"
