@@ -107,6 +107,11 @@ def train_argv(*args: str, out_dir: Path, corpus: Path, dataset_dir: Path, fault
             f"--data.files=[{corpus}]", f"--data.dataset_dir={dataset_dir}", *args]
 
 
+def torchrun_cmd(nproc: int) -> list[str]:
+    """A real torchrun of `nproc` ranks on this machine, before the script and its arguments."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def run_job(argv: list[str], *, nproc: int = 1, env: dict, cwd: Path = ROOT, timeout: float = 300,
             prefix: tuple[str, ...] = (), fsize_limit: int | None = None,
             real_processes: bool = False) -> subprocess.CompletedProcess:
@@ -118,8 +123,7 @@ def run_job(argv: list[str], *, nproc: int = 1, env: dict, cwd: Path = ROOT, tim
         return launcher.launch(argv, nproc=nproc, env=env, cwd=cwd, timeout=timeout, fsize_limit=fsize_limit)
     if fsize_limit is not None:
         prefix = ("prlimit", f"--fsize={fsize_limit}", *prefix)
-    launcher_cmd = [*prefix, sys.executable] if nproc == 1 else [
-        *prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher_cmd = [*prefix, sys.executable] if nproc == 1 else [*prefix, *torchrun_cmd(nproc)]
     return subprocess.run([*launcher_cmd, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

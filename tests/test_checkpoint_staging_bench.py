@@ -20,8 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from benchmarks import checkpoint_staging as bench
-from tests import launcher
-from tests.helpers import ROOT, WITH_FAULTS, fault_env, job_env
+from tests.helpers import ROOT, WITH_FAULTS, fault_env, job_env, run_job
 
 SCRIPT = ROOT / "benchmarks/checkpoint_staging.py"
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -118,12 +117,7 @@ def run_bench(*args: str, tmp_path: Path, faults: dict | None = None) -> tuple[s
     script = [str(WITH_FAULTS), str(SCRIPT)] if faults else [str(SCRIPT)]
     argv = [*script, str(ROOT / "config/train_tiny_fsdp.yaml"), *TINY, "--device", "cpu", "--out",
             str(tmp_path / "out"), "--json", str(rows_file), *args]
-    env = job_env(fault_env(faults))
-    if launcher.enabled():
-        proc = launcher.launch(argv, nproc=2, env=env, timeout=300)
-    else:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_job(argv, nproc=2, env=job_env(fault_env(faults)), timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc, [json.loads(line) for line in rows_file.read_text().splitlines()]
 

@@ -31,6 +31,7 @@ from tests.helpers import (
     losses,
     read_metrics,
     run_train,
+    torchrun_cmd,
     train_argv,
     worker_tracebacks,
 )
@@ -47,8 +48,8 @@ def train_cmd(*args: str, nproc: int, out_dir: Path, corpus: Path, dataset_dir: 
               faults: bool = False) -> list[str]:
     """The command tests.helpers.run_train builds for nproc > 1 under torchrun (`faults`: the launcher that
     installs the faults given to Job through tests.helpers.fault_env)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            *train_argv(*args, out_dir=out_dir, corpus=corpus, dataset_dir=dataset_dir, faults=faults)]
+    return [*torchrun_cmd(nproc), *train_argv(*args, out_dir=out_dir, corpus=corpus, dataset_dir=dataset_dir,
+                                              faults=faults)]
 
 
 class Job:
