@@ -68,9 +68,9 @@ class Float8ProjectionMatmuls:
         return torch._scaled_mm(self.h8[rows], self.w8.t(), scale_a=self.h_inverse, scale_b=self.w_inverse,
                                 out_dtype=self.dtype)
 
-    def grad_input(self, grad: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return torch._scaled_mm(grad[0], self.w8_t.t(), scale_a=self.grad_inverse, scale_b=self.w_inverse,
-                                out_dtype=self.dtype)
+    def grad_input(self, grad: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
+        torch._scaled_mm(grad[0], self.w8_t.t(), scale_a=self.grad_inverse, scale_b=self.w_inverse,
+                         out_dtype=self.dtype, out=out)
 
     def add_grad_weight(self, out: torch.Tensor, grad: tuple[torch.Tensor, torch.Tensor], rows: slice,
                         slices: list[slice]) -> None:

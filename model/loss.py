@@ -77,7 +77,7 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[to
     return loss, grad.to(logits.dtype)
 
 
-VOCAB_SLICES = 8  # the chunked loss's weight gradient is summed in this many slices of the vocabulary
+VOCAB_SLICES = 8  # where a chunk's weight gradient is a product apart from the sum: added in this many slices
 
 
 def vocab_slices(vocab_size: int, *, multiple: int) -> list[slice]:
@@ -89,9 +89,10 @@ def vocab_slices(vocab_size: int, *, multiple: int) -> list[slice]:
 
 class ProjectionMatmuls:
     """The chunked loss's three matmuls with the output weight, in the weight's dtype: a chunk's logits, the
-    gradient of its h, and its part of the weight's gradient, added to the fp32 sum a slice of the vocabulary at
-    a time (the chunk's (V, D) product in compute precision is then an eighth of the output projection, not a
-    whole one beside the sum). `grad` is what the chunk loss function returned as the logits' gradient."""
+    gradient of its h (written into its rows of the whole), and its part of the weight's gradient, which the
+    matmul adds to the fp32 sum itself on GPUs (on the CPU, which has no mixed-precision matmul, a slice of the
+    vocabulary at a time: the product in compute precision is then an eighth of the output projection, not a whole
+    one beside the sum). `grad` is what the chunk loss function returned as the logits' gradient."""
 
     alignment = 1  # of the vocabulary slices
 
@@ -101,13 +102,18 @@ class ProjectionMatmuls:
     def logits(self, rows: slice) -> torch.Tensor:
         return F.linear(self.h[rows], self.weight)
 
-    def grad_input(self, grad: torch.Tensor) -> torch.Tensor:
-        return grad @ self.weight
+    def grad_input(self, grad: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mm(grad, self.weight, out=out)
 
     def add_grad_weight(self, out: torch.Tensor, grad: torch.Tensor, rows: slice, slices: list[slice]) -> None:
         h_chunk = self.h[rows]
-        for vocab in slices:
-            out[vocab].add_(grad[:, vocab].t() @ h_chunk)
+        if out.dtype == h_chunk.dtype:
+            out.addmm_(grad.t(), h_chunk)
+        elif out.is_cuda:  # cuBLAS adds the product to the fp32 sum in its epilogue: no product tensor, no add
+            torch.addmm(out, grad.t(), h_chunk, out_dtype=out.dtype, out=out)
+        else:  # no mixed-precision matmul on the CPU
+            for vocab in slices:
+                out[vocab].add_(grad[:, vocab].t() @ h_chunk)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -126,7 +132,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # A frozen output weight (LoRA) gets no gradient: neither its V x D fp32 sum nor a third of the matmuls.
         wants_h, wants_weight = ctx.needs_input_grad[:2]
         matmuls = make_matmuls(h, weight)
-        grad_h = torch.empty_like(h) if wants_h else None
+        # Contiguous (empty_like would keep h's strides): each chunk's matmul writes its rows in place.
+        grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if wants_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         slices = vocab_slices(weight.shape[0], multiple=matmuls.alignment)
@@ -135,7 +142,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss, grad_logits = chunk_loss_fn(matmuls.logits(rows), targets[rows])
             total += loss
             if grad_h is not None:
-                grad_h[rows] = matmuls.grad_input(grad_logits)
+                matmuls.grad_input(grad_logits, out=grad_h[rows])
             if grad_weight is not None:
                 matmuls.add_grad_weight(grad_weight, grad_logits, rows, slices)
         # Kept in the weight's dtype, as grad_h is: the fp32 sum (twice the bytes of a bf16 output projection) is

@@ -263,7 +263,6 @@ def benchmark_peak(nproc: int, policy: str, tmp_path) -> tuple[float, int]:
 @needs_gpus(2)  # each process's own peak (max_memory_allocated): other tests on the same GPUs do not move it
 def test_peak_memory_is_the_sharded_states_plus_what_the_policy_keeps(tmp_path):
     from model import ModelConfig
-    from model.loss import VOCAB_SLICES
 
     cfg = ModelConfig(vocab_size=32768, dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, max_seq_len=1024)
     d, kv, hidden, vocab = cfg.dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
@@ -274,10 +273,10 @@ def test_peak_memory_is_the_sharded_states_plus_what_the_policy_keeps(tmp_path):
     # selective_op_wide also the k, output and up projections.
     kept = 2 * tokens * layers * (3 * d + kv + hidden)
     wide_extra = 2 * tokens * layers * (kv + d + hidden)
-    # Beside them: the loss's weight gradient (an fp32 sum, a slice of a bf16 chunk product, the bf16 copy kept for
-    # backward), the gathered bf16 embedding (the preset ties the output projection to it), and two blocks' gathered
-    # weights and gradient buffers.
-    beside = (4 + 2 / VOCAB_SLICES + 2) * vocab * d + 2 * vocab * d + 2 * 12 * block_params
+    # Beside them: the loss's weight gradient (an fp32 sum, which each chunk's matmul adds to in place, and the bf16
+    # copy kept for backward), the gathered bf16 embedding (the preset ties the output projection to it), and two
+    # blocks' gathered weights and gradient buffers.
+    beside = (4 + 2) * vocab * d + 2 * vocab * d + 2 * 12 * block_params
     for nproc in (1, 2):
         peak, params = benchmark_peak(nproc, "selective_op", tmp_path)
         wide, _ = benchmark_peak(nproc, "selective_op_wide", tmp_path)
