@@ -248,13 +248,12 @@ MEMORY_MODEL = ["--model.dim=1024", "--model.n_layers=4", "--model.n_heads=16", 
 def benchmark_peak(nproc: int, policy: str, tmp_path) -> tuple[float, int]:
     """benchmarks/benchmark.py's peak GPU memory (bytes, after two warm-up steps) and the model's parameter count."""
     import subprocess
-    import sys
 
-    from tests.helpers import ROOT
+    from tests.helpers import ROOT, torchrun_cmd
 
     out = tmp_path / f"{policy}-{nproc}.jsonl"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    str(ROOT / "benchmarks/benchmark.py"), str(ROOT / "config/train90M_fsdp.yaml"), *MEMORY_MODEL,
+    benchmark, preset = ROOT / "benchmarks/benchmark.py", ROOT / "config/train90M_fsdp.yaml"
+    subprocess.run([*torchrun_cmd(nproc), str(benchmark), str(preset), *MEMORY_MODEL,
                     f"--train.global_batch_size={4 * nproc}", f"--fsdp.activation_checkpointing={policy}",
                     "--steps", "2", "--warmup", "2", "--json", str(out)], check=True, cwd=ROOT, timeout=400)
     record = json.loads(out.read_text().splitlines()[-1])
