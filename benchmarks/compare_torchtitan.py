@@ -9,8 +9,10 @@ Run it with python, not under torchrun: it starts both runs itself. It reads our
 vocabulary, rotary theta, norm epsilon, sequence length, and the FFN width (torchtitan derives it from
 --ffn_dim_multiplier and --multiple_of: the pair that gives ours is passed, with --ffn to have the peer check
 it), compile, FP8 recipe and activation checkpointing where the peer has the same policy (else --peer_ac), and
-the micro-batch where ours is numeric (else --peer_mbs). The peer trains on random tokens without document
-masking, so ours runs with data.document_masking=false unless an override sets it.
+the micro-batch where ours is numeric (else --peer_mbs). The peer steps its optimizer after every
+micro-batch, or, with `--peer_global_batch ours`, accumulates micro-batches up to our global batch, so both
+train the same tokens per step. The peer trains on random tokens without document masking, so ours runs with
+data.document_masking=false unless an override sets it.
 
 Then `torchrun benchmarks/benchmark.py CONFIG ...` and `torchrun PEER_SCRIPT ...` run one after the other
 (`--rounds N`: alternately, N times each; medians of tokens/s, the highest peak memory), and one table shows
@@ -130,6 +132,14 @@ def peer_micro_batch(t: TrainConfig, override: int | None) -> int:
     return int(t.micro_batch_size)
 
 
+def peer_accumulation(global_batch: int, mbs: int, nproc: int) -> int:
+    """Micro-batches the peer accumulates per step to train ours' global batch (`--peer_global_batch ours`)."""
+    if global_batch % (mbs * nproc):
+        raise ConfigError([f"--peer_global_batch ours: train.global_batch_size={global_batch} is not a multiple of "
+                           f"the peer's micro-batch {mbs} x {nproc} GPU(s)"])
+    return global_batch // (mbs * nproc)
+
+
 def unmatched_features(cfg: Config) -> list[str]:
     """What of ours the peer's model has not: comparing then would compare different models."""
     problems = []
@@ -151,14 +161,19 @@ def collect(derive: Callable[[], T], problems: list[str]) -> T | None:
         return None
 
 
-def peer_arguments(cfg: Config, *, peer_ac: str | None, peer_mbs: int | None, steps: int, warmup: int) -> list[str]:
-    """The peer script's arguments that build and train our config's model. Raises ConfigError with every
-    problem."""
+def peer_arguments(cfg: Config, *, peer_ac: str | None, peer_mbs: int | None, steps: int, warmup: int,
+                   nproc: int = 1, same_global_batch: bool = False) -> list[str]:
+    """The peer script's arguments that build and train our config's model; with `same_global_batch`, the
+    peer accumulates micro-batches up to ours' global batch (else it steps after each). Raises ConfigError
+    with every problem."""
     problems = unmatched_features(cfg)
     m = cfg.model
     ffn = collect(lambda: ffn_arguments(m.dim, m.hidden_dim, multiple_of=m.multiple_of), problems)
     mbs = collect(lambda: peer_micro_batch(cfg.train, peer_mbs), problems)
     ac = collect(lambda: peer_activation_checkpointing(cfg.fsdp, peer_ac), problems)
+    accumulate = 1
+    if same_global_batch and mbs is not None:
+        accumulate = collect(lambda: peer_accumulation(cfg.train.global_batch_size, mbs, nproc), problems) or 1
     if ffn is None or mbs is None or ac is None or problems:
         raise ConfigError(problems)
     multiplier, multiple_of = ffn
@@ -169,6 +184,8 @@ def peer_arguments(cfg: Config, *, peer_ac: str | None, peer_mbs: int | None, st
     if multiplier is not None:
         args += ["--ffn_dim_multiplier", repr(multiplier)]
     args += ["--multiple_of", str(multiple_of), "--ffn", str(m.hidden_dim), "--mbs", str(mbs), "--ac", ac]
+    if accumulate > 1:
+        args += ["--grad_accum", str(accumulate)]
     if cfg.train.compile:
         args.append("--compile")
     return [*args, *peer_float8(cfg), "--steps", str(steps), "--warmup", str(warmup)]
@@ -305,9 +322,14 @@ def table(case: str, ours: dict, peer: dict) -> tuple[list[str], float | None, f
 
 
 def describe_case(config: str, cfg: Config, peer_args: list[str], nproc: int) -> str:
-    """One line naming what is compared: config, precision, checkpointing and micro-batch of both."""
+    """One line naming what is compared: config, precision, checkpointing and micro-batch (x accumulated
+    micro-batches) of both."""
     peer_ac, peer_mbs = (peer_args[peer_args.index(flag) + 1] for flag in ("--ac", "--mbs"))
+    if "--grad_accum" in peer_args:
+        peer_mbs += f" x {peer_args[peer_args.index('--grad_accum') + 1]}"
     ac, mbs = cfg.fsdp.activation_checkpointing, str(cfg.train.micro_batch_size)
+    if mbs != "auto" and (accumulate := cfg.train.global_batch_size // (int(mbs) * nproc)) > 1:
+        mbs += f" x {accumulate}"
     precision = "bf16" if cfg.train.float8 == "none" else f"FP8 {cfg.train.float8}"
     ac_text = f"AC {ac}" + ("" if peer_ac == ac else f" (peer {peer_ac})")
     mbs_text = f"mbs {mbs}" + ("" if peer_mbs == mbs else f" (peer {peer_mbs})")
@@ -359,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "has it (needed for ours' selective_op_lean, selective_op_wide and auto)")
     parser.add_argument("--peer_mbs", type=int, default=None,
                         help="the peer's micro-batch; default: ours (needed where ours is auto)")
+    parser.add_argument("--peer_global_batch", choices=["own", "ours"], default="own",
+                        help="own: the peer steps after each micro-batch (its global batch is --peer_mbs x --nproc); "
+                             "ours: it accumulates micro-batches up to our train.global_batch_size")
     parser.add_argument("--steps", type=int, default=10, help="timed steps of each run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
     parser.add_argument("--rounds", type=int, default=1, help="alternate the two runs this many times")
@@ -397,7 +422,8 @@ def plan(args, overrides: list[str]) -> dict:
             raise ConfigError([])  # named by argument_problems
         cfg = load_config(args.config, ours_overrides)
         peer_args = peer_arguments(cfg, peer_ac=args.peer_ac, peer_mbs=args.peer_mbs, steps=args.steps,
-                                   warmup=args.warmup)
+                                   warmup=args.warmup, nproc=args.nproc,
+                                   same_global_batch=args.peer_global_batch == "ours")
     except ConfigError as err:
         problems += err.problems
     if problems:

@@ -97,6 +97,23 @@ def test_peer_script_accepts_the_arguments(name, overrides, peer_ac, peer_mbs, e
     assert (parsed.dim, parsed.ffn, parsed.mbs) == (cfg.model.dim, cfg.model.hidden_dim, int(expected["--mbs"]))
 
 
+def test_the_peer_accumulates_to_our_global_batch_when_asked():
+    cfg = load_config(ROOT / "config" / "train8B_fsdp.yaml", ["--model.vocab_size=128256"])  # global batch 64
+    own = ct.peer_arguments(cfg, peer_ac="selective_op", peer_mbs=16, steps=5, warmup=2, nproc=2)
+    ours = ct.peer_arguments(cfg, peer_ac="selective_op", peer_mbs=16, steps=5, warmup=2, nproc=2,
+                             same_global_batch=True)
+    assert "--grad_accum" not in own and flag(ours, "--grad_accum") == "2"  # 16 x 2 GPUs x 2 = 64
+    assert "--grad_accum" not in ct.peer_arguments(cfg, peer_ac="none", peer_mbs=32, steps=5, warmup=2, nproc=2,
+                                                   same_global_batch=True)  # 32 x 2 is 64 already
+    assert ct.describe_case("train8B_fsdp.yaml", cfg, ours, 2).endswith("mbs auto (peer 16 x 2), 2 GPUs")
+    if PEER_SCRIPT.is_file():
+        assert peer_parser(PEER_SCRIPT).parse_args(ours).grad_accum == 2
+    with pytest.raises(ConfigError) as err:
+        ct.peer_arguments(cfg, peer_ac="none", peer_mbs=24, steps=5, warmup=2, nproc=2, same_global_batch=True)
+    assert err.value.problems == ["--peer_global_batch ours: train.global_batch_size=64 is not a multiple of the "
+                                  "peer's micro-batch 24 x 2 GPU(s)"]
+
+
 @pytest.mark.parametrize("dim", [256, 1000, 2048, 4096, 8192])
 @pytest.mark.parametrize("hidden", [688, 2816, 5000, 11008, 13824, 14336, 28672, 53248, 4097])
 def test_ffn_arguments_reproduce_any_width(dim, hidden):
@@ -283,8 +300,17 @@ def test_whole_comparison_with_fake_runs(tmp_path, monkeypatch, capsys):
         assert record["git_commit"] is None
     assert record["commands"]["peer"].endswith("--steps 2 --warmup 1")
     printed = capsys.readouterr().out
-    assert "| train300M_fsdp, bf16, AC none, mbs 4, 2 GPUs | 1,100 | 1,000 | 1.100 | 22.0 | 18.0 | +4.0 |" in printed
+    assert ("| train300M_fsdp, bf16, AC none, mbs 4 x 8 (peer 4), 2 GPUs | 1,100 | 1,000 | 1.100 | 22.0 | 18.0 | +4.0 |"
+            in printed)
     assert "--data.document_masking=false added" in printed and "NCCL_NVLS_ENABLE=0" in printed
+
+
+def test_the_peer_runs_at_our_global_batch_when_asked(tmp_path, monkeypatch, capsys):
+    code, calls, _ = run_fake(tmp_path, monkeypatch, "--peer_global_batch", "ours")
+    assert code == 0
+    peer_argv = calls[1]["argv"]
+    assert (flag(peer_argv, "--mbs"), flag(peer_argv, "--grad_accum")) == ("4", "8")  # 4 x 2 GPUs x 8 = 64
+    assert "| train300M_fsdp, bf16, AC none, mbs 4 x 8, 2 GPUs |" in capsys.readouterr().out
 
 
 def test_a_failed_side_is_reported_and_the_other_runs(tmp_path, monkeypatch, capsys):
@@ -352,7 +378,7 @@ def test_a_garbled_figure_is_no_result_and_the_table_and_record_remain(tmp_path,
     assert record[other]["tokens_per_sec_per_gpu"] == 1000.0
     if side == "peer":
         assert "1.2.3 tok/s/GPU" in record["peer"]["error"]
-    assert "| train300M_fsdp, bf16, AC none, mbs 4, 2 GPUs |" in capsys.readouterr().out
+    assert "| train300M_fsdp, bf16, AC none, mbs 4 x 8 (peer 4), 2 GPUs |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kind", ["fifo", "folder", "missing folder"])
