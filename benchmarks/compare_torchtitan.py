@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from config import Config, ConfigError, FSDPConfig, TrainConfig, load_config  # noqa: E402
+from config import Config, ConfigError, FSDPConfig, TrainConfig, check_batch_split, load_config  # noqa: E402
 from data.remote import scrub  # noqa: E402
 from fsdp_utils.nofollow import append_line, results_log_problem  # noqa: E402
 from fsdp_utils.observability.trackers import redacted_argument  # noqa: E402
@@ -323,12 +323,12 @@ def table(case: str, ours: dict, peer: dict) -> tuple[list[str], float | None, f
 
 def describe_case(config: str, cfg: Config, peer_args: list[str], nproc: int) -> str:
     """One line naming what is compared: config, precision, checkpointing and micro-batch (x accumulated
-    micro-batches) of both."""
+    micro-batches) of both. ConfigError where our global batch does not split over `nproc` GPUs."""
     peer_ac, peer_mbs = (peer_args[peer_args.index(flag) + 1] for flag in ("--ac", "--mbs"))
     if "--grad_accum" in peer_args:
         peer_mbs += f" x {peer_args[peer_args.index('--grad_accum') + 1]}"
     ac, mbs = cfg.fsdp.activation_checkpointing, str(cfg.train.micro_batch_size)
-    if mbs != "auto" and (accumulate := cfg.train.global_batch_size // (int(mbs) * nproc)) > 1:
+    if (accumulate := check_batch_split(cfg.train, nproc)) is not None and accumulate > 1:
         mbs += f" x {accumulate}"
     precision = "bf16" if cfg.train.float8 == "none" else f"FP8 {cfg.train.float8}"
     ac_text = f"AC {ac}" + ("" if peer_ac == ac else f" (peer {peer_ac})")
@@ -432,7 +432,7 @@ def plan(args, overrides: list[str]) -> dict:
     env, env_added = child_environment(dict(os.environ))
     return {"cfg": cfg, "overrides": ours_overrides, "unmasked": unmasked, "peer_args": peer_args,
             "launcher": launcher, "env": env, "env_added": env_added,
-            "case": describe_case(args.config, cfg, peer_args, args.nproc),
+            "case": describe_case(args.config, cfg, peer_args, args.nproc),  # ConfigError: main's error line
             "peer_command": [*launcher, args.peer_script, *peer_args]}
 
 

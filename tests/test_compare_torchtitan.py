@@ -184,6 +184,17 @@ def test_bad_arguments_end_with_error_lines(tmp_path, capsys):
         "selective_op or selective_N)"]
 
 
+def test_our_batch_that_does_not_split_over_the_gpus_is_refused_before_the_runs(tmp_path, capsys):
+    peer = tmp_path / "peer.py"
+    peer.write_text("")
+    code = ct.main([str(ROOT / "config" / "train300M_fsdp.yaml"), "--nproc", "3", "--peer_script", str(peer),
+                    "--train.micro_batch_size=4", "--launcher", f"{sys.executable} {tmp_path / 'never_run.py'}"])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: train.global_batch_size=64 is not divisible by train.micro_batch_size * world size = 4 * 3 = 12; "
+        "pick a global batch that is a multiple of 12"]
+
+
 def test_document_masking_is_switched_off_unless_given():
     assert ct.our_overrides(["--train.compile=false"]) == (["--train.compile=false", "--data.document_masking=false"],
                                                            True)
