@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,146 @@ def test_benchmark_records_are_dated():
     assert names
     undated = [n for n in names if not re.match(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md$", n)]
     assert not undated, undated
+
+
+# Figures quoted from the dated records: each quote sits next to a link to its record, and says what the record
+# says. A quoted output block (a fence without a language) after a paragraph that links records has each of its
+# lines in one of them; a table row or a paragraph that links records has each of its figures in them (as
+# recorded, or rounded from a recorded figure, or, for a ratio such as 1.07x, the quotient of two of its own).
+RECORD = re.compile(r"(?:^|/)benchmarks/\d{4}-\d{2}-\d{2}-[\w-]+\.md$")
+# A figure: 1,959 or 0.748 or 12 (thousands grouped by commas), with or without a unit (90M, 1.07x), not a piece
+# of a word (H200), a version (2.13.0) or a path.
+FIGURE = re.compile(r"(?<![\w.,/])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d/]|[.,]\d)")
+RESULTS = re.compile(r"(?<![\w/])(?:\.\./)?results/([\w.-]+)")
+LOG_LINE = re.compile(r"\brank\d+\] step \d+/\d+ \| loss ")
+
+
+def linked_records(text: str, page: Path) -> list[Path]:
+    targets = [(page.parent / t.partition("#")[0]).resolve() for t in LINK.findall(text)]
+    return [t for t in targets if RECORD.search(t.as_posix()) and t.is_file()]
+
+
+def record_text(record: Path) -> str:
+    """A record and the files of docs/results/ that it names (its raw figures)."""
+    named = [record.parents[1] / "results" / name for name in RESULTS.findall(record.read_text())]
+    return "\n".join([record.read_text(), *(p.read_text() for p in named if p.is_file())])
+
+
+def figures(text: str) -> list[str]:
+    return [f.replace(",", "") for f in FIGURE.findall(text)]
+
+
+def rounds_to(exact: str, shown: str) -> bool:
+    places = len(shown.partition(".")[2])
+    return len(exact.partition(".")[2]) >= places and \
+        Decimal(exact).quantize(Decimal(1).scaleb(-places), ROUND_HALF_UP) == Decimal(shown)
+
+
+def bounds(shown: str) -> tuple[Decimal, Decimal]:
+    """The values that round to a figure as shown."""
+    half = Decimal(5).scaleb(-len(shown.partition(".")[2]) - 1)
+    return Decimal(shown) - half, Decimal(shown) + half
+
+
+def a_ratio_of(shown: str, others: list[str]) -> bool:
+    """Whether a figure is the ratio of two others (each as shown, so within their rounding), as a row's
+    "1.07x" is of its two tokens/s figures. Single digits (GPU counts, steps) are not ratio operands."""
+    lo, hi = bounds(shown)
+    operands = [bounds(o) for o in others if len(o.replace(".", "").lstrip("0")) >= 2]
+    return any(a_lo / b_hi <= hi and a_hi / b_lo >= lo for a_lo, a_hi in operands for b_lo, b_hi in operands
+               if b_lo > 0)
+
+
+def unrecorded_figures(row: str, record: str) -> list[str]:
+    recorded = figures(record)
+    mine = figures(re.sub(r"\]\([^)]*\)|`[^`]*`", "", row))  # not the link targets, nor the commands' code
+    ratios = {f.replace(",", "") for f in re.findall(r"([\d.,]+)x\b", row)}
+    return [f for f in mine if not any(rounds_to(r, f) for r in recorded)
+            and not (f in ratios and a_ratio_of(f, [o for o in mine if o != f]))]
+
+
+def quoted_blocks(text: str) -> list[tuple[str, list[tuple[int, str]]]]:
+    """(the paragraph before it, its (line number, line)s) for each fenced block without a language."""
+    blocks, lines, n = [], text.splitlines(), 0
+    while n < len(lines):
+        if FENCE.match(lines[n].lstrip()):
+            end = next(i for i in range(n + 1, len(lines)) if FENCE.match(lines[i].lstrip()))
+            if lines[n].strip() in ("```", "~~~"):
+                last = max((i for i in range(n) if lines[i].strip()), default=-1)
+                first = max((i for i in range(last) if not lines[i].strip()), default=-1) + 1
+                blocks.append(("\n".join(lines[first:last + 1]), list(enumerate(lines[n + 1:end], n + 2))))
+            n = end
+        n += 1
+    return blocks
+
+
+def misquoted(page: Path, root: Path) -> list[str]:
+    """`file:line: what` for each quoted line or table figure of a page that its linked records do not hold."""
+    where, text, found = page.relative_to(root), page.read_text(), []
+    for paragraph, quote in quoted_blocks(text):
+        records = linked_records(paragraph, page)
+        held = {line.strip() for r in records for line in record_text(r).splitlines()}
+        for number, line in quote:
+            if records and line.strip() not in held:
+                found.append(f"{where}:{number}: {line}")
+            elif not records and LOG_LINE.search(line) and page.name == "README.md":
+                found.append(f"{where}:{number}: a training log line without the link to its record")
+    for number, line in quoting_lines(text):
+        if records := linked_records(line, page):
+            record = "\n".join(record_text(r) for r in records)
+            found += [f"{where}:{number}: {f} not in {', '.join(r.name for r in records)}"
+                      for f in unrecorded_figures(line, record)]
+    return found
+
+
+def quoting_lines(text: str) -> list[tuple[int, str]]:
+    """(first line number, text) of each table row and each paragraph outside the fenced blocks."""
+    out: list[tuple[int, list[str]]] = []
+    previous = 0  # the number of the paragraph's line before; 0 after anything else
+    for number, line in prose_lines(text):
+        if line.startswith("|"):
+            out.append((number, [line]))
+        elif line.strip() and not line.startswith("#"):
+            if previous and previous == number - 1:
+                out[-1][1].append(line)
+            else:
+                out.append((number, [line]))
+            previous = number
+            continue
+        previous = 0
+    return [(number, "\n".join(lines)) for number, lines in out]
+
+
+def test_quoted_figures_are_their_records():
+    # The README's sample output lines and the figures of docs/benchmarks.md are checked against the records they
+    # link; a figure that is stale or copied wrongly names its line. At least the quick start's line is checked.
+    assert linked_records((ROOT / "README.md").read_text(), ROOT / "README.md")
+    assert [p for p in current_docs(ROOT) for b in quoted_blocks(p.read_text()) if linked_records(b[0], p)]
+    assert [p for p in current_docs(ROOT) if misquoted(p, ROOT)] == [], \
+        [m for p in current_docs(ROOT) for m in misquoted(p, ROOT)]
+
+
+def test_misquote_detection(tmp_path):
+    (tmp_path / "docs/benchmarks").mkdir(parents=True)
+    (tmp_path / "docs/results").mkdir()
+    (tmp_path / "docs/results/run.jsonl").write_text('{"tokens_per_sec": 601329.4, "peer": 564320.2}\n')
+    (tmp_path / "docs/benchmarks/2026-01-02-cpu-run.md").write_text(
+        "raw figures: [results/run.jsonl](../results/run.jsonl); 3.52 s and 25.39 s\n\n"
+        "```\n[01:02:03 rank0] step 10/10 | loss 2.0200 | lr 3.00e-04\n```\n")
+    page = tmp_path / "README.md"
+    link = "([record](docs/benchmarks/2026-01-02-cpu-run.md))"
+    page.write_text(
+        f"The last line {link}:\n\n```\n[01:02:03 rank0] step 10/10 | loss 2.0200 | lr 3.00e-04\n```\n\n"
+        f"Stale {link}:\n\n```\n[01:02:03 rank0] step 10/10 | loss 2.0145 | lr 3.00e-04\n```\n\n"
+        "No record:\n\n```\n[01:02:03 rank0] step 10/10 | loss 2.0145 | lr 3.00e-04\n```\n\n```bash\necho 2\n```\n\n"
+        f"| 601,329 | 564,320 | 1.07x | 3.5 s, 25.4 s, 7.2x | `--steps 8` {link} |\n"
+        f"| 601,330 | 1.06x | 7.3x | {link} |\n\n"
+        f"A paragraph: 3.52 s, then\n4.25 s on 2 cores {link}.\n")
+    assert misquoted(page, tmp_path) == [
+        "README.md:10: [01:02:03 rank0] step 10/10 | loss 2.0145 | lr 3.00e-04",
+        "README.md:16: a training log line without the link to its record",
+        "README.md:24: 601330 not in 2026-01-02-cpu-run.md",
+        "README.md:24: 1.06 not in 2026-01-02-cpu-run.md",
+        "README.md:24: 7.3 not in 2026-01-02-cpu-run.md",
+        "README.md:26: 4.25 not in 2026-01-02-cpu-run.md",
+    ]
