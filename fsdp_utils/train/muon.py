@@ -12,9 +12,10 @@ sharded like the parameter; only the step's update travels. Newton-Schulz needs 
 given to one rank of its shard group (balanced by the work of its iterations): one all_to_all_single sends every
 rank's rows of each matrix to its owner, the owner orthogonalizes all its matrices batched by shape (one bmm chain
 per shape, tall matrices transposed so that (d, 4d) and (4d, d) share a batch), and a second all_to_all_single
-sends each rank its rows of the results. Two collectives a step per shard group, whatever the number of matrices;
-the rows travel in bf16 (torch's Newton-Schulz starts by casting to bf16, so nothing is lost). gloo and NCCL both
-implement all_to_all_single with uneven splits, which the uneven shards need; gloo's list all_to_all does not.
+sends each rank its rows of the results. Two collectives a step per shard group, whatever the number of matrices.
+The rows travel in bf16 (torch's Newton-Schulz starts by casting to bf16, so nothing is lost) on the mesh's device,
+with FSDP2's CPU offload too. gloo and NCCL both implement all_to_all_single with uneven splits, which uneven
+shards need; gloo's list all_to_all does not.
 Across the replicas of HSDP every replica computes the same results from the same reduced gradients; matrices
 that no rank shards (one process, or FSDP2's NO_SHARD) are orthogonalized where they are.
 
@@ -181,6 +182,7 @@ class _Exchange:
     """The matrices of one shard group and who orthogonalizes each. members: indices into the step's matrices,
     ordered by owner; `rows[i][k]`: rank k's rows of matrix i."""
     group: Any  # the shard dimension's ProcessGroup; None: each rank holds its matrices whole
+    device: torch.device  # where the group communicates and its owners orthogonalize
     rank: int
     size: int
     members: list[int]
@@ -200,7 +202,8 @@ def _ns_cost(shape: tuple[int, int], splits: tuple[int, ...]) -> int:
     return sum(min(r, cols) ** 2 * max(r, cols) for r in splits)
 
 
-def _plan_exchange(members: list[int], matrices: list[_Matrix], *, group: Any, rank: int, size: int) -> _Exchange:
+def _plan_exchange(members: list[int], matrices: list[_Matrix], *, group: Any, device: torch.device, rank: int,
+                   size: int) -> _Exchange:
     """Owners by longest-work-first onto the least loaded rank (the same on every rank: it depends only on the
     shapes and their order), then the all_to_all splits."""
     loads = [0] * size
@@ -211,7 +214,7 @@ def _plan_exchange(members: list[int], matrices: list[_Matrix], *, group: Any, r
         loads[owner] += _ns_cost(matrices[i].shape, matrices[i].splits)
     ordered = sorted(members, key=lambda i: (owners[i], i))
     rows = {i: chunk_rows(matrices[i].shape[0], size) for i in members}
-    ex = _Exchange(group, rank, size, ordered, owners, rows)
+    ex = _Exchange(group, device, rank, size, ordered, owners, rows)
     ex.send_splits = [sum(rows[i][rank] * matrices[i].shape[1] for i in ordered if owners[i] == k)
                       for k in range(size)]
     ex.recv_splits = [sum(rows[i][k] * matrices[i].shape[1] for i in ex.mine) for k in range(size)]
@@ -346,14 +349,15 @@ class MuonAdamW(torch.optim.Optimizer):
     def _make_plan(self, groups: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> tuple[list[_Matrix],
                                                                                             list[_Exchange]]:
         matrices: list[_Matrix] = []
-        by_group: dict[Any, list[int]] = {}
-        where: dict[Any, tuple[int, int]] = {}
+        by_group: dict[tuple[Any, torch.device], list[int]] = {}
+        where: dict[tuple[Any, torch.device], tuple[int, int]] = {}
         for g, ps in groups:
             for p in ps:
                 shape = (p.shape[0], p.shape[1])
                 splits = self._row_splits.get(id(p), (shape[0],))
                 dim = _shard_dim(p)
                 group, rank, size = None, 0, 1
+                device = _mesh_device(p.device_mesh.device_type) if isinstance(p, DTensor) else p.device
                 if dim is not None and p.device_mesh.size(dim) > 1:  # type: ignore[attr-defined]
                     mesh = p.device_mesh  # type: ignore[attr-defined]
                     group, rank, size = mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim)
@@ -364,10 +368,10 @@ class MuonAdamW(torch.optim.Optimizer):
                 offset = sum(rows[:rank])
                 matrices.append(_Matrix(shape, splits, (g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"]),
                                         _local_slices(splits, offset, rows[rank], shape[1], g["adjust_lr_fn"])))
-                by_group.setdefault(group, []).append(len(matrices) - 1)
-                where[group] = (rank, size)
-        exchanges = [_plan_exchange(members, matrices, group=group, rank=where[group][0], size=where[group][1])
-                     for group, members in by_group.items()]
+                by_group.setdefault((group, device), []).append(len(matrices) - 1)
+                where[group, device] = (rank, size)
+        exchanges = [_plan_exchange(members, matrices, group=group, device=device, rank=where[group, device][0],
+                                    size=where[group, device][1]) for (group, device), members in by_group.items()]
         return matrices, exchanges
 
     def _orthogonalize(self, updates: list[torch.Tensor], matrices: list[_Matrix],
@@ -379,8 +383,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for gathered in gathers:
             whole.update(gathered())
         self.orthogonalized_last_step = _orthogonalize_whole(whole, matrices)
-        like = updates[0].new_empty(0, dtype=self.ns_dtype)  # what a rank that owns no matrix sends
-        scattered = [_scatter(ex, whole, matrices, like) for ex in exchanges]
+        scattered = [_scatter(ex, whole, matrices, home=updates[0]) for ex in exchanges]
         for finish in scattered:
             results_of = finish()
             for i, value in results_of.items():
@@ -405,13 +408,13 @@ def _gather(ex: _Exchange, updates: list[torch.Tensor], matrices: list[_Matrix])
     """Start sending every rank's rows of each matrix to its owner; returns the wait, which gives the owner's
     whole matrices by index."""
     if ex.group is None:
-        return lambda: {i: updates[i] for i in ex.members}
-    send = torch.cat([updates[i].reshape(-1) for i in ex.members])
+        return lambda: {i: updates[i].to(ex.device) for i in ex.members}
+    send = torch.cat([updates[i].reshape(-1) for i in ex.members]).to(ex.device)
     recv = send.new_empty(sum(ex.recv_splits))
     work = dist.all_to_all_single(recv, send, ex.recv_splits, ex.send_splits, group=ex.group, async_op=True)
 
     def finish() -> dict[int, torch.Tensor]:
-        assert work is not None
+        assert work is not None and send.numel() == sum(ex.send_splits)  # send: alive until the exchange is done
         work.wait()
         mine = ex.mine
         # From each source rank k: its rows of each matrix this rank owns, in the exchange's order.
@@ -423,26 +426,35 @@ def _gather(ex: _Exchange, updates: list[torch.Tensor], matrices: list[_Matrix])
     return finish
 
 
-def _scatter(ex: _Exchange, whole: dict[int, torch.Tensor], matrices: list[_Matrix], like: torch.Tensor):
+def _scatter(ex: _Exchange, whole: dict[int, torch.Tensor], matrices: list[_Matrix], *, home: torch.Tensor):
     """Start sending each rank its rows of the matrices this rank orthogonalized; returns the wait, which gives
-    this rank's rows of every matrix of the exchange by index."""
+    this rank's rows of every matrix of the exchange by index, on the device and in the dtype of `home`."""
     if ex.group is None:
-        return lambda: {i: whole[i] for i in ex.members}
+        return lambda: {i: whole[i].to(home.device) for i in ex.members}
     mine = ex.mine
     starts = {i: [0, *itertools.accumulate(ex.rows[i])] for i in mine}
     send_parts = [whole[i][starts[i][k]:starts[i][k + 1]].reshape(-1) for k in range(ex.size) for i in mine]
-    send = torch.cat(send_parts) if send_parts else like
-    recv = like.new_empty(sum(ex.send_splits))
+    empty = home.new_empty(0).to(ex.device)
+    send = torch.cat(send_parts) if send_parts else empty  # empty: this rank owns no matrix
+    recv = empty.new_empty(sum(ex.send_splits))
     work = dist.all_to_all_single(recv, send, ex.send_splits, ex.recv_splits, group=ex.group, async_op=True)
 
     def finish() -> dict[int, torch.Tensor]:
-        assert work is not None
+        assert work is not None and send.numel() == sum(ex.recv_splits)  # send: alive until the exchange is done
         work.wait()
         # From each owner: this rank's rows of its matrices, in the exchange's order.
-        parts = recv.split([ex.rows[i][ex.rank] * matrices[i].shape[1] for i in ex.members])
+        parts = recv.to(home.device).split([ex.rows[i][ex.rank] * matrices[i].shape[1] for i in ex.members])
         return {i: part.view(-1, matrices[i].shape[1]) for i, part in zip(ex.members, parts, strict=True)}
 
     return finish
+
+
+def _mesh_device(device_type: str) -> torch.device:
+    """The device of a mesh: parameters offloaded to host memory (FSDP2's CPUOffloadPolicy) are still exchanged
+    over their NCCL group and orthogonalized on its GPU."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
 
 
 def _orthogonalize_whole(whole: dict[int, torch.Tensor], matrices: list[_Matrix]) -> int:
