@@ -1,0 +1,421 @@
+"""MuonAdamW (fsdp_utils/train/muon.py) against torch's own optimizers: torch.optim.Muon for the matrices and
+torch.optim.AdamW for the rest, single-process and under FSDP2 at 2 and 3 gloo ranks (uneven and empty shards), on
+an HSDP (replicate, shard) mesh, and across a DCP save at 2 ranks and load at 3.
+
+The multi-rank tests set the gradients themselves (the same full tensors on every rank, seeded by step and
+parameter, sharded like the parameters) instead of running a forward pass: the optimizer then sees exactly the
+reference's inputs, and any difference is the optimizer's. A sharded run equals one process's MuonAdamW to float
+rounding, and torch's optimizers to the rounding of Newton-Schulz in bf16 (BF16_NS_RTOL)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_utils.train.muon import (
+    FSDP1_PROBLEM,
+    MuonAdamW,
+    chunk_rows,
+    fused_row_splits,
+    sharding_problem,
+    split_parameters,
+)
+
+LR, MUON_DECAY, ADAMW_DECAY, BETAS = 0.02, 0.1, 0.01, (0.9, 0.95)
+FUSED_SPLITS = (5, 2, 2)  # Block.fused: three matrices stacked by rows, like our blocks' wqkv
+NUM_STEPS = 3
+
+
+class Block(nn.Module):
+    """Rows that 2 and 3 ranks do not divide evenly (7, 9), a matrix whose third shard is empty on 3 ranks
+    (4 rows: 2, 2, 0), two matrices of one shape and a third of its transpose (one Newton-Schulz batch), a
+    fused matrix, a bias and a norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 7)
+        self.b = nn.Linear(6, 7, bias=False)
+        self.c = nn.Linear(7, 6, bias=False)
+        self.d = nn.Linear(6, 4, bias=False)
+        self.fused = nn.Linear(6, sum(FUSED_SPLITS), bias=False)
+        self.norm = nn.LayerNorm(6)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 6)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.output = nn.Linear(6, 10, bias=False)
+
+
+MATRICES_PER_BLOCK = 4 + len(FUSED_SPLITS)
+
+
+def make_net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def groups(net: Net) -> tuple[list[dict], dict]:
+    """MuonAdamW's groups (Muon: the blocks' linear weights; AdamW with decay: embedding and output; without:
+    biases and norms) and the fused matrix's row splits."""
+    split = split_parameters(net, net.blocks)
+    decay = [p for p in split.others if p.ndim == 2]
+    no_decay = [p for p in split.others if p.ndim != 2]
+    rows = {block.fused.weight: FUSED_SPLITS for block in net.blocks}
+    return [{"params": split.matrices, "use_muon": True, "weight_decay": MUON_DECAY},
+            {"params": decay, "use_muon": False, "weight_decay": ADAMW_DECAY},
+            {"params": no_decay, "use_muon": False, "weight_decay": 0.0}], rows
+
+
+def make_optimizer(net: Net, adjust_lr_fn: str = "match_rms_adamw", nesterov: bool = True) -> MuonAdamW:
+    param_groups, rows = groups(net)
+    return MuonAdamW(param_groups, lr=LR, betas=BETAS, row_splits=rows, adjust_lr_fn=adjust_lr_fn,
+                     nesterov=nesterov)
+
+
+class Reference:
+    """The same training with torch's optimizers on whole tensors: torch.optim.Muon on each matrix (the fused
+    parameter as its three row blocks, each a leaf of its own), torch.optim.AdamW on the rest."""
+
+    def __init__(self, net: Net, adjust_lr_fn: str = "match_rms_adamw", nesterov: bool = True):
+        self.names = [name for name, _ in net.named_parameters()]
+        self.full = {name: p.detach().clone() for name, p in net.named_parameters()}
+        muon, self.parts = [], {}
+        for name in self.names:
+            if name.startswith("blocks.") and self.full[name].ndim == 2:
+                splits = FUSED_SPLITS if ".fused." in name else (self.full[name].shape[0],)
+                self.parts[name] = [t.clone().requires_grad_() for t in self.full[name].split(splits)]
+                muon += self.parts[name]
+        self.adamw = {n: self.full[n].clone().requires_grad_() for n in self.names if n not in self.parts}
+        decay = [t for t in self.adamw.values() if t.ndim == 2]
+        no_decay = [t for t in self.adamw.values() if t.ndim != 2]
+        self.muon = torch.optim.Muon(muon, lr=LR, weight_decay=MUON_DECAY, adjust_lr_fn=adjust_lr_fn,
+                                     nesterov=nesterov)
+        self.adam = torch.optim.AdamW([{"params": decay, "weight_decay": ADAMW_DECAY},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS)
+
+    def step(self, grads: dict[str, torch.Tensor], lr: float) -> None:
+        for name, grad in grads.items():
+            if name in self.parts:
+                splits = [t.shape[0] for t in self.parts[name]]
+                for t, g in zip(self.parts[name], grad.split(splits), strict=True):
+                    t.grad = g.clone()
+            else:
+                self.adamw[name].grad = grad.clone()
+        for opt in (self.muon, self.adam):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: torch.cat([t.detach() for t in self.parts[n]]) if n in self.parts else self.adamw[n].detach()
+                for n in self.names}
+
+    def momentum(self, name: str) -> torch.Tensor:
+        return torch.cat([self.muon.state[t]["momentum_buffer"] for t in self.parts[name]])
+
+
+def step_grads(net: Net, step: int) -> dict[str, torch.Tensor]:
+    """The full gradients of a step: the same on every rank and world size."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return {name: torch.randn(p.shape, generator=gen) for name, p in net.named_parameters()}
+
+
+def step_lr(step: int) -> float:
+    return LR * (1.0 - 0.2 * step)  # a schedule, set on every group as the training loop does
+
+
+def set_grads(net: Net, grads: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, p in net.named_parameters():
+        g = grads[name]
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else g
+
+
+def train(net: Net, opt: MuonAdamW, steps: range, reference: Reference | None = None) -> None:
+    for step in steps:
+        grads = step_grads(net, step)
+        set_grads(net, grads)
+        for group in opt.param_groups:
+            group["lr"] = step_lr(step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if reference is not None:
+            reference.step(grads, step_lr(step))
+
+
+def full_params(net: Net) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for n, p in net.named_parameters()}
+
+
+def assert_close_to(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """The same operations on the same numbers in the same kernels: equal to float rounding."""
+    assert actual.keys() == expected.keys()
+    for name in actual:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+# How far a Muon matrix's movement (weights now minus at the start) may be from torch.optim.Muon's, relative to its
+# size (Frobenius norms). Both run Newton-Schulz in bf16 (8 bits of mantissa) from the same numbers, but torch
+# multiplies each matrix with addmm and MuonAdamW a batch with baddbmm: an fp32 sum added in another order can round
+# to the neighbouring bf16 value, and the remaining iterations spread that. Observed here: at most 2.4e-3 (most
+# runs: 0). Any systematic error beyond 1% of the update fails; a wrong learning-rate ratio (the other
+# adjust_lr_fn) or a fused matrix orthogonalized whole is off by more than 10%.
+BF16_NS_RTOL = 1e-2
+
+
+def movement_error(actual: torch.Tensor, expected: torch.Tensor, start: torch.Tensor) -> float:
+    return ((actual - expected).norm() / (expected - start).norm()).item()
+
+
+def assert_matches_torch(actual: dict[str, torch.Tensor], reference: Reference) -> None:
+    expected = reference.params()
+    assert actual.keys() == expected.keys()
+    for name in actual:
+        if name in reference.parts:
+            assert movement_error(actual[name], expected[name], reference.full[name]) <= BF16_NS_RTOL, name
+        else:  # AdamW's: torch's own kernels on the same numbers
+            torch.testing.assert_close(actual[name], expected[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+# ---- single process ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_one_process_equals_torch_muon_and_adamw(adjust_lr_fn, nesterov):
+    net = make_net()
+    start = full_params(net)
+    reference = Reference(net, adjust_lr_fn, nesterov)
+    other_fn = Reference(net, next(f for f in ("original", "match_rms_adamw") if f != adjust_lr_fn), nesterov)
+    opt = make_optimizer(net, adjust_lr_fn, nesterov)
+    train(net, opt, range(NUM_STEPS), reference)
+    for step in range(NUM_STEPS):
+        other_fn.step(step_grads(net, step), step_lr(step))
+    assert_matches_torch(full_params(net), reference)
+    assert all(not torch.equal(reference.params()[n], start[n]) for n in start)  # no test of untouched weights
+    # The tolerance tells a wrong learning-rate ratio apart.
+    for name in reference.parts:
+        assert movement_error(other_fn.params()[name], reference.params()[name], start[name]) > 10 * BF16_NS_RTOL
+    # Each Muon matrix holds one momentum buffer (fp32 elementwise work: the same numbers as torch's), no AdamW moments.
+    w = net.blocks[0].fused.weight
+    assert set(opt.state[w]) == {"momentum_buffer"}
+    torch.testing.assert_close(opt.state[w]["momentum_buffer"], reference.momentum("blocks.0.fused.weight"),
+                               rtol=1e-6, atol=1e-7)
+    assert opt.orthogonalized_last_step == 2 * MATRICES_PER_BLOCK
+
+
+def test_fused_matrices_are_orthogonalized_one_by_one():
+    # Without row_splits the fused parameter is one 9 x 6 matrix: its update differs from that of its three
+    # blocks orthogonalized apart, which the reference (and the other test) uses.
+    net = make_net()
+    reference = Reference(net)
+    param_groups, _ = groups(net)
+    opt = MuonAdamW(param_groups, lr=LR, betas=BETAS)
+    train(net, opt, range(NUM_STEPS), reference)
+    actual, expected = full_params(net), reference.params()
+    fused, a = "blocks.0.fused.weight", "blocks.0.a.weight"
+    assert movement_error(actual[fused], expected[fused], reference.full[fused]) > 10 * BF16_NS_RTOL
+    assert movement_error(actual[a], expected[a], reference.full[a]) <= BF16_NS_RTOL
+
+
+def test_matrices_of_one_shape_are_orthogonalized_in_one_batch(monkeypatch):
+    from fsdp_utils.train import muon
+
+    batches = []
+
+    def recording(x, **kwargs):
+        batches.append(tuple(x.shape))
+        return newton_schulz(x, **kwargs)
+
+    newton_schulz = muon.newton_schulz
+    monkeypatch.setattr(muon, "newton_schulz", recording)
+    net = make_net()
+    train(net, make_optimizer(net), range(1))
+    # Per block: a and b (7 x 6, transposed to 6 x 7) with c (6 x 7); d (4 x 6); the fused matrix's 5 x 6 and its
+    # two 2 x 6. Two blocks: four batches, each holding its shape from both.
+    assert sorted(batches) == [(2, 4, 6), (2, 5, 6), (4, 2, 6), (6, 6, 7)]
+
+
+def test_state_dict_round_trip_continues_the_same():
+    net, other = make_net(), make_net()
+    opt = make_optimizer(net)
+    train(net, opt, range(2))
+    other.load_state_dict(net.state_dict())
+    resumed = make_optimizer(other)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch's load keeps the tensors it is given
+    train(net, opt, range(2, 4))
+    train(other, resumed, range(2, 4))
+    assert_close_to(full_params(other), full_params(net))
+
+
+def test_a_plain_adamw_state_is_refused():
+    net = make_net()
+    adamw = torch.optim.AdamW(net.parameters())
+    opt = make_optimizer(net)
+    with pytest.raises(ValueError, match="saved under another train.optimizer"):
+        opt.load_state_dict(adamw.state_dict())
+
+
+def test_bad_groups_are_refused():
+    net = make_net()
+    with pytest.raises(ValueError, match="use_muon"):
+        MuonAdamW([{"params": net.output.parameters()}], lr=LR)
+    with pytest.raises(ValueError, match=r"shape \(6,\)"):
+        MuonAdamW([{"params": [net.blocks[0].norm.weight], "use_muon": True}], lr=LR)
+    with pytest.raises(ValueError, match="do not add up"):
+        MuonAdamW([{"params": [net.blocks[0].a.weight], "use_muon": True}], lr=LR,
+                  row_splits={net.blocks[0].a.weight: (3, 3)})
+
+
+def test_split_parameters_of_our_transformer():
+    from model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    model = Transformer(cfg)
+    split = split_parameters(model, model.layers)
+    names = {id(p): n for n, p in model.named_parameters()}
+    # Muon: the four projection weights of each block; AdamW: embedding, norms, output.
+    assert sorted(names[id(p)] for p in split.matrices) == sorted(
+        f"layers.{i}.{w}.weight" for i in range(2)
+        for w in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"))
+    assert {names[id(p)] for p in split.others} == {n for n, _ in model.named_parameters()} - {
+        names[id(p)] for p in split.matrices}
+    # wqkv: 4 heads of 8 for q, 2 kv heads of 8 each for k and v; w13: gate and up of hidden_dim each.
+    head_dim = cfg.dim // cfg.n_heads
+    splits = fused_row_splits(model.layers)
+    assert splits[model.layers[0].attention.wqkv.weight] == (4 * head_dim, 2 * head_dim, 2 * head_dim)
+    assert splits[model.layers[1].feed_forward.w13.weight] == (cfg.hidden_dim, cfg.hidden_dim)
+    assert split.row_splits == splits
+
+
+def test_chunk_rows_follows_torch_chunk():
+    for rows in (1, 4, 5, 7, 9, 16):
+        for n in (1, 2, 3, 4):
+            # torch.chunk may return fewer than n chunks; the ranks past them hold nothing.
+            expected = [len(c) for c in torch.arange(rows).chunk(n)]
+            assert chunk_rows(rows, n) == expected + [0] * (n - len(expected))
+
+
+# ---- several ranks ----------------------------------------------------------------------------------------------
+
+
+def sharded_net(mesh_shape: tuple[int, ...]) -> tuple[Net, Reference, MuonAdamW]:
+    """make_net's model sharded by FSDP2 (each block, then the root) on a (shard,) or (replicate, shard) mesh, the
+    reference from its weights before sharding, and its optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    net = make_net()
+    reference = Reference(net)
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net, reference, make_optimizer(net)
+
+
+def sharded_training(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
+    net, reference, opt = sharded_net(mesh_shape)
+    train(net, opt, range(NUM_STEPS), reference)
+    unsharded = make_net()
+    train(unsharded, make_optimizer(unsharded), range(NUM_STEPS))
+    sharded = full_params(net)
+    assert_matches_torch(sharded, reference)
+    # Sharding adds nothing: the same numbers as one process's MuonAdamW (the same kernels on the same matrices).
+    assert_close_to(sharded, full_params(unsharded))
+    w = net.blocks[1].fused.weight
+    torch.testing.assert_close(opt.state[w]["momentum_buffer"].full_tensor(),
+                               reference.momentum("blocks.1.fused.weight"), rtol=1e-6, atol=1e-7)
+    return {"local_rows": w.to_local().shape[0], "orthogonalized": opt.orthogonalized_last_step}
+
+
+@pytest.mark.slow  # spawns gloo ranks
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_sharded_equals_torch_reference(world_size):
+    from tests.distributed_harness import run_ranks
+
+    ranks = run_ranks(sharded_training, world_size=world_size, mesh_shape=(world_size,))
+    # The momentum stays sharded: each rank holds its chunk of the fused matrix's 9 rows.
+    assert [r["local_rows"] for r in ranks] == chunk_rows(9, world_size)
+    # Each matrix is orthogonalized by one rank, and the work is split: no rank does all of them.
+    done = [r["orthogonalized"] for r in ranks]
+    assert sum(done) == 2 * MATRICES_PER_BLOCK and max(done) < 2 * MATRICES_PER_BLOCK, done
+
+
+@pytest.mark.slow  # spawns four gloo ranks
+def test_hsdp_mesh_equals_torch_reference():
+    from tests.distributed_harness import run_ranks
+
+    ranks = run_ranks(sharded_training, world_size=4, mesh_shape=(2, 2))
+    # Each replica splits the matrices between its two shards.
+    done = [r["orthogonalized"] for r in ranks]
+    assert done[0] + done[1] == done[2] + done[3] == 2 * MATRICES_PER_BLOCK, done
+    assert max(done) < 2 * MATRICES_PER_BLOCK, done
+
+
+def checkpointed_training(rank: int, world_size: int, path: str, save: bool, full: bool) -> None:
+    """At `save`: NUM_STEPS steps, then a save: DCP's sharded one, or (`full`) the full state dicts gathered to rank 0
+    in one file. Otherwise: a fresh model and optimizer loaded from it (resharded to this world size), one more step,
+    compared with the reference's uninterrupted NUM_STEPS + 1 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    net, reference, opt = sharded_net((world_size,))
+    options = StateDictOptions(full_state_dict=full)
+    if save:
+        train(net, opt, range(NUM_STEPS))
+        model_sd, optim_sd = get_state_dict(net, opt, options=options)
+        if not full:
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+        elif rank == 0:
+            torch.save({"model": model_sd, "optimizer": optim_sd}, path)
+        return
+    if full:
+        state = torch.load(path, weights_only=True)
+    else:
+        model_sd, optim_sd = get_state_dict(net, opt, options=options)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
+    train(net, opt, range(NUM_STEPS, NUM_STEPS + 1))
+    for step in range(NUM_STEPS + 1):
+        reference.step(step_grads(net, step), step_lr(step))
+    assert_matches_torch(full_params(net), reference)
+    torch.testing.assert_close(opt.state[net.blocks[0].fused.weight]["momentum_buffer"].full_tensor(),
+                               reference.momentum("blocks.0.fused.weight"), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow  # spawns gloo ranks
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_save_at_two_ranks_resumes_at_three_as_uninterrupted(tmp_path, full):
+    from tests.distributed_harness import run_ranks
+
+    path = str(tmp_path / "checkpoint")
+    run_ranks(checkpointed_training, world_size=2, path=path, save=True, full=full)
+    run_ranks(checkpointed_training, world_size=3, path=path, save=False, full=full)
+
+
+def fsdp1_problem(rank: int, world_size: int) -> str | None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return sharding_problem(FullyShardedDataParallel(make_net(), device_id=torch.device("cpu"), use_orig_params=True))
+
+
+@pytest.mark.slow  # spawns a gloo rank
+def test_fsdp1_is_named_as_the_problem():
+    from tests.distributed_harness import run_ranks
+
+    assert run_ranks(fsdp1_problem, world_size=1) == [FSDP1_PROBLEM]
+    assert "fsdp.version: 2" in FSDP1_PROBLEM
+    assert sharding_problem(make_net(), make_net().parameters()) is not None  # 1-D biases are no matrices
+    net = make_net()
+    assert sharding_problem(net, split_parameters(net, net.blocks).matrices) is None
