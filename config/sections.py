@@ -245,7 +245,8 @@ class TrainConfig:
     eval_tasks_limit: int = 0
     """Documents per task in train.eval_tasks (the first ones; 0: all)."""
     precision: Precision = "auto"
-    """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 or fp32."""
+    """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 (GPUs only: its loss scaling runs
+    on GPUs) or fp32."""
     compile: bool = False
     """torch.compile each DecoderBlock."""
     compile_tuning: bool = False
