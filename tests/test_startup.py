@@ -104,6 +104,14 @@ def test_fp16_on_the_cpu_is_refused_naming_bf16_by_check_and_by_a_run(corpus, da
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+def test_epochs_and_max_steps_both_set_are_one_line_by_check_and_by_a_run(corpus, dataset_dir, tmp_path):
+    for extra in (("--check",), ()):  # the tiny preset sets train.max_steps
+        proc = launch("--train.epochs=2", *extra, nproc=1, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+        line = assert_refused(proc, "train.epochs=2 and train.max_steps=1000 are both set: give one", nproc=1)
+        assert line.endswith("(--train.max_steps=null drops a config file's)"), line
+
+
 def test_fp16_is_refused_wherever_the_run_lands_on_the_cpu(tmp_path):
     from config import launch_problems
 

@@ -45,6 +45,8 @@ class TrainState:
     tokens_seen: int = 0
     grad_scaler: dict | None = None
     lr: float | None = None  # the learning rate of the last step taken: a resume checks the schedule continues
+    max_steps: int = 0  # the run's length, decided once (train/resume.py run_length): a resume keeps it
+    epochs: float | None = None  # the train.epochs counted into max_steps; None: train.max_steps gave it
     rng: list | None = None  # per rank: {"cpu": ByteTensor, "cuda": ByteTensor | None}
 
     def advance(self, *, samples: int, tokens: int) -> None:
