@@ -201,9 +201,9 @@ class Run:
 
 
 def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | None = None) -> Run:
-    """Every rank, in this order: data, model, optimizer and micro-batch, schedule, checkpoint manager and resume,
-    the run's files, then a trial of everything a save needs (a run that cannot save stops now, not at its first
-    save)."""
+    """Every rank, in this order: data, model, optimizer and micro-batch, checkpoint manager and resume (and the run's
+    length), schedule, the run's files, then a trial of everything a save needs (a run that cannot save stops now,
+    not at its first save)."""
     torch.manual_seed(cfg.run.seed)
 
     # ---- data: prepared once (rank 0 prepares a small corpus in the job while the others wait), memory-mapped
@@ -229,18 +229,22 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
         if cfg.model.type == "llama":  # a Hugging Face model's line comes from build_model, which counts it
             log_parameter_summary(cfg.model)
     built = build_run(cfg, env, wrap=wrap, vocab_size=vocab_size, model_signature=signature, eos_id=eos_id)
-    schedule = LRSchedule.from_config(cfg.train)
     if env.is_main:
         for line in [*describe_choice(built.choice, cfg, world_size=env.world_size),
-                     *describe_run(cfg, env, built, train_tokens=train_data.num_tokens, val_tokens=val_data.num_tokens),
-                     f"lr schedule: {schedule.describe()}"]:
+                     *describe_run(cfg, env, built, train_tokens=train_data.num_tokens,
+                                   val_tokens=val_data.num_tokens)]:
             log.info("%s", line)
 
     # ---- the checkpoint manager and the resume (after the micro-batch search: its trials need no optimizer state)
     ckpt = CheckpointManager(cfg.checkpoint, cfg.output_dir, env=env, model_config=signature,
                              timeout_s=cfg.run.timeout_s, tokenizer_sha256=tokenizer_sha256(prepared.tokenizer_path),
                              lora=lora_record(cfg, signature, base_dtype=built.precision.compute))
-    state = resume(ckpt, built, cfg, env, resume_from, elastic=stop.elastic)
+    # The run's length is decided here (train.epochs counted on the data, or kept from the checkpoint): from here on
+    # cfg.train.max_steps is that count.
+    cfg, state = resume(ckpt, built, cfg, env, resume_from, elastic=stop.elastic, train_samples=train_data.num_windows)
+    schedule = LRSchedule.from_config(cfg.train)
+    if env.is_main:
+        log.info("lr schedule: %s", schedule.describe())
     if env.is_main:  # only now: a refused resume leaves the output directory as it was
         write_run_files(cfg, prepared.tokenizer_path, built)
     ckpt.prepare_saving(built.model, built.optimizer)
@@ -264,16 +268,17 @@ def write_run_files(cfg: Config, tokenizer_path: Path, built: BuiltRun) -> None:
 def train(run: Run, stop: StopSignal) -> dict:
     """Train from the resumed step to train.max_steps, or to a stop signal; returns the last logged row."""
     cfg, env, t, state = run.cfg, run.env, run.cfg.train, run.state
-    if state.step >= t.max_steps:  # a finished run started again
+    max_steps = t.resolved_max_steps  # given, or train.epochs counted on the data (set_up)
+    if state.step >= max_steps:  # a finished run started again
         run.ckpt.close()
         if env.is_main:
-            log.info("%s", nothing_to_train(run.ckpt, cfg, state.step))
+            log.info("%s", nothing_to_train(run.ckpt, cfg, state.step, epochs=state.epochs))
         return {}
     observers = Observers(cfg, env, first_step=state.step, flops_per_token=run.flops_per_token, probe=run.built.probe)
     guard = OutOfMemoryGuard(env, probe=run.built.probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s,
                              compile=t.compile, on_oom=observers.memory.on_oom)
     batches = TrainBatches(run.train_data, env, run.built.split, first_step=state.step,
-                           samples_seen=state.samples_seen, max_steps=t.max_steps)
+                           samples_seen=state.samples_seen, max_steps=max_steps)
     bad_steps = BadSteps(t.max_bad_steps)
 
     def guarded(work: Callable[[], T], *, phase: str, step: int) -> T:
@@ -305,18 +310,18 @@ def train(run: Run, stop: StopSignal) -> dict:
 
     try:
         run.model.train()
-        while state.step < t.max_steps:
+        while state.step < max_steps:
             state.lr = lr = run.schedule(state.step)  # the schedule's learning rate for this step
             result = step(lr)  # -- batch and step
             bad_steps.check(result, step=state.step + 1)  # a non-finite step: its update skipped, or the run stops
             state.advance(samples=t.global_batch_size, tokens=t.global_batch_size * cfg.data.seq_len)
             observers.on_step(state.step, result, lr=lr, split=batches.split)  # -- log
-            if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == t.max_steps):
+            if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == max_steps):
                 evaluate_all()  # -- evaluate: every train.eval_interval steps and at the last
             # -- save: the manager decides (its interval, a save in flight to commit, a stop, the last step)
             state.grad_scaler = run.built.scaler.state_dict() if run.built.scaler else None
             run.ckpt.on_step_end(run.model, run.optimizer, state, stopping=result.stop_requested,
-                                 last=state.step == t.max_steps)
+                                 last=state.step == max_steps)
             observers.on_step_end(state.step)  # the profiler: a profiled step's range holds its log, eval and save
             if result.stop_requested:  # -- stop: a signal (Ctrl-C, preemption, an elastic job's nodes), saved above
                 run.restarting = after_stop(stop, env, step=state.step)

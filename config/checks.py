@@ -28,8 +28,22 @@ def validate(cfg: Config) -> list[str]:
          for problem in choice_problems(getattr(cfg, section.name), section.name)]
     p += _model_problems(cfg) + _data_problems(cfg) + _train_problems(cfg) + _run_problems(cfg.run)
     p += _fsdp_problems(cfg.fsdp) + _checkpoint_problems(cfg.checkpoint)
-    p += _logging_problems(cfg.logging, max_steps=cfg.train.max_steps)
+    p += _logging_problems(cfg.logging, max_steps=_known_steps(cfg.train))
     return p
+
+
+def _known_steps(t: TrainConfig) -> int:
+    """train.max_steps, or 0 while train.epochs waits for the prepared data to be counted in steps: the checks
+    against it are made then (run_length_problems)."""
+    return t.max_steps or 0
+
+
+def run_length_problems(cfg: Config) -> list[str]:
+    """The checks against train.max_steps again, once train.epochs is counted in steps (fsdp_utils/train/resume.py);
+    what else they check passed with the config."""
+    steps = cfg.train.resolved_max_steps
+    return (_profile_problems(cfg.logging, max_steps=steps) + _token_count_problems(cfg.train, cfg.data.seq_len)
+            + _schedule_problems(cfg.train))
 
 
 def _choices(section: type) -> dict[str, tuple]:
@@ -198,8 +212,13 @@ def _format_problems(d: DataConfig) -> list[str]:
 def _batch_problems(t: TrainConfig) -> list[str]:
     p: list[str] = []
     for name in ("max_steps", "global_batch_size"):
-        if getattr(t, name) <= 0:
-            p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+        if (value := getattr(t, name)) is not None and value <= 0:
+            p.append(f"train.{name} must be positive, got {value}")
+    if t.epochs is not None and t.max_steps is not None:
+        p.append(f"train.epochs={t.epochs:g} and train.max_steps={t.max_steps} are both set: give one "
+                 "(--train.max_steps=null drops a config file's)")
+    elif t.epochs is not None and t.epochs <= 0:
+        p.append(f"train.epochs must be positive, got {t.epochs:g}")
     if isinstance(t.micro_batch_size, str):
         if t.micro_batch_size != "auto":
             p.append(f"train.micro_batch_size must be a positive integer or auto, got '{t.micro_batch_size}'")
@@ -219,11 +238,7 @@ def _batch_problems(t: TrainConfig) -> list[str]:
 
 def _train_problems(cfg: Config) -> list[str]:
     t = cfg.train
-    p = _batch_problems(t)
-    per_step = t.global_batch_size * cfg.data.seq_len  # tokens: the checkpoint's counter of them is 64-bit
-    if t.max_steps > 0 and per_step > 0 and t.max_steps * per_step > MAX_SEED:
-        p.append(f"train.max_steps={t.max_steps} of {per_step:,} tokens each (train.global_batch_size x data.seq_len) "
-                 f"counts past 2**63 - 1 tokens; at most {MAX_SEED // per_step:,} steps")
+    p = _batch_problems(t) + _token_count_problems(t, cfg.data.seq_len)
     for name in ("warmup_steps", "eval_interval", "grad_clip", "weight_decay"):
         if getattr(t, name) < 0:
             p.append(f"train.{name} must not be negative, got {getattr(t, name)}")
@@ -245,6 +260,15 @@ def _train_problems(cfg: Config) -> list[str]:
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps must not be negative, got {t.max_bad_steps}")
     return p + _lora_problems(cfg) + _eval_tasks_problems(t)
+
+
+def _token_count_problems(t: TrainConfig, seq_len: int) -> list[str]:
+    """The tokens of train.max_steps fit the checkpoint's 64-bit counter of them."""
+    steps, per_step = _known_steps(t), t.global_batch_size * seq_len
+    if steps > 0 and per_step > 0 and steps * per_step > MAX_SEED:
+        return [f"train.max_steps={steps} of {per_step:,} tokens each (train.global_batch_size x data.seq_len) counts "
+                f"past 2**63 - 1 tokens; at most {MAX_SEED // per_step:,} steps"]
+    return []
 
 
 def _float8_output_problems(cfg: Config) -> list[str]:
@@ -301,11 +325,11 @@ def _schedule_problems(t: TrainConfig) -> list[str]:
         p.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     if not 0 < t.decay_fraction <= 1:
         p.append(f"train.decay_fraction must be in (0, 1], got {t.decay_fraction}")
-    elif t.lr_schedule == "wsd" and 0 <= t.warmup_steps <= t.max_steps and t.max_steps > 0:  # longer: a warning
+    elif t.lr_schedule == "wsd" and 0 <= t.warmup_steps <= (steps := _known_steps(t)) and steps > 0:  # longer: warned
         decay = t.wsd_decay_steps
-        if t.warmup_steps + decay > t.max_steps:
+        if t.warmup_steps + decay > steps:
             p.append(f"train.lr_schedule=wsd: train.warmup_steps={t.warmup_steps} plus the decay's "
-                     f"{decay} steps (train.decay_fraction={t.decay_fraction} of train.max_steps={t.max_steps}) "
+                     f"{decay} steps (train.decay_fraction={t.decay_fraction} of train.max_steps={steps}) "
                      f"exceed train.max_steps; shorten the warmup or the decay")
     return p
 
@@ -314,9 +338,9 @@ def config_warnings(cfg: Config) -> list[str]:
     """What a config allows but a run seldom means, said as warnings at startup and by --check: a short smoke run of
     a preset (train.max_steps lowered alone) must still start."""
     t, w = cfg.train, []
-    if t.warmup_steps > t.max_steps > 0:
-        w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.max_steps={t.max_steps}: the run ends inside its "
-                 f"warmup, at {t.max_steps / t.warmup_steps:.0%} of train.lr; for a real run, set train.warmup_steps "
+    if t.warmup_steps > (steps := _known_steps(t)) > 0:
+        w.append(f"train.warmup_steps={t.warmup_steps} exceeds train.max_steps={steps}: the run ends inside its "
+                 f"warmup, at {steps / t.warmup_steps:.0%} of train.lr; for a real run, set train.warmup_steps "
                  f"below train.max_steps")
     return w
 

@@ -74,6 +74,11 @@ def launch_problems(cfg: Config, *, world_size: int | None, local_world_size: in
             p.append(f"{where} does not divide the world size {world_size}; pick a divisor of {world_size}")
     if cfg.run.device == "cuda" and num_gpus == 0:
         p.append("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    elif cfg.train.precision == "fp16" and (cfg.run.device == "cpu" or num_gpus == 0):
+        # torch's gradient scaler turns itself off on the CPU, whose fp16 matmuls are also many times slower.
+        where = "run.device=cpu" if cfg.run.device == "cpu" else "the CPU (no CUDA device is visible)"
+        p.append(f"train.precision=fp16 on {where}: fp16 needs loss scaling, which runs on GPUs only; use "
+                 f"train.precision=bf16 (or auto: fp32 on the CPU)")
     elif cfg.run.device != "cpu" and 0 < num_gpus < local_world_size:
         p.append(f"{local_world_size} processes on this node but only {num_gpus} CUDA devices are visible; "
                  f"start at most {num_gpus} (--nproc_per_node), or use run.device=cpu")

@@ -183,10 +183,20 @@ class LoRAConfig:
     Hugging Face model's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj and down_proj layers one each."""
 
 
+# train.max_steps when neither it nor train.epochs is given.
+DEFAULT_MAX_STEPS = 1000
+
+
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000
-    """Optimizer steps to run."""
+    max_steps: int | None = None
+    """Optimizer steps to run. Give this or train.epochs, not both (--train.max_steps=null drops a config file's);
+    neither given: 1000."""
+    epochs: float | None = None
+    """Passes over the training data instead of train.max_steps, fractions allowed: the run takes ceil(epochs x the
+    training split's samples (windows of data.seq_len tokens) / global_batch_size) steps, counted once the data is
+    prepared and logged at the start. Its checkpoints keep that count: a resume, at any world size, runs to the
+    same step (docs/training.md)."""
     global_batch_size: int = 32
     """Sequences per optimizer step over all ranks; gradient accumulation is derived from it."""
     micro_batch_size: int | str = 8
@@ -245,7 +255,8 @@ class TrainConfig:
     eval_tasks_limit: int = 0
     """Documents per task in train.eval_tasks (the first ones; 0: all)."""
     precision: Precision = "auto"
-    """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 or fp32."""
+    """auto (bf16 where supported, else fp16 on GPU; fp32 on CPU), bf16, fp16 (GPUs only: its loss scaling runs
+    on GPUs) or fp32."""
     compile: bool = False
     """torch.compile each DecoderBlock."""
     compile_tuning: bool = False
@@ -273,6 +284,18 @@ class TrainConfig:
     The (tokens x vocab) fp32 logits never exist at once: their memory saved at the same speed
     (docs/benchmarks.md)."""
 
+    def __post_init__(self) -> None:
+        if self.max_steps is None and self.epochs is None:
+            self.max_steps = DEFAULT_MAX_STEPS
+
+    @property
+    def resolved_max_steps(self) -> int:
+        """The run's optimizer steps: train.max_steps, into which train.epochs is counted once the data is prepared
+        (fsdp_utils/train/resume.py run_length); the training reads it here."""
+        if self.max_steps is None:
+            raise AssertionError("train.epochs is counted in steps once the data is prepared, before it is read")
+        return self.max_steps
+
     @property
     def resolved_min_lr_ratio(self) -> float:
         """The schedule's floor as a fraction of lr: from min_lr, else min_lr_ratio, else 0.1."""
@@ -283,7 +306,7 @@ class TrainConfig:
     @property
     def wsd_decay_steps(self) -> int:
         """lr_schedule=wsd: the steps of the final decay, decay_fraction of max_steps rounded, at least one."""
-        return max(1, round(self.decay_fraction * self.max_steps))
+        return max(1, round(self.decay_fraction * self.resolved_max_steps))
 
 
 @dataclass

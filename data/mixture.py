@@ -50,6 +50,7 @@ class Mixture:
         self.slots = block_slots(weights)
         self._starts = np.cumsum([0, *self.slots[:-1]]).tolist()
         self.num_tokens = sum(d.num_tokens for d in datasets)
+        self.num_windows = sum(d.num_windows for d in datasets)  # an epoch: as many samples as the sources hold
         if 0 in self.slots:
             raise DataError(f"data.sources weights {weights} give a source no share of {BLOCK} samples")
 

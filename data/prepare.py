@@ -19,6 +19,7 @@ worker processes end with the process that started them, however it ends.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ import os
 import shutil
 import sys
 import sysconfig
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -500,10 +502,34 @@ def _in_order(submit: Callable[[worker.Chunk], Future], chunks: Iterator[worker.
             future.cancel()
 
 
-def _progress_bar(desc: str, total: int, *, initial: int = 0, show: bool) -> tqdm:
+def _progress_bar(desc: str, total: int | None, *, initial: int = 0, show: bool, **style: str) -> tqdm:
     # Into a log file (Slurm, a pipe) rather than a terminal: a line every 30 s, not ten a second.
     return tqdm(total=total, initial=initial, desc=desc, unit="B", unit_scale=True, disable=not show,
-                file=sys.stderr, dynamic_ncols=True, smoothing=0.05, mininterval=0.1 if sys.stderr.isatty() else 30)
+                file=sys.stderr, dynamic_ncols=True, smoothing=0.05, mininterval=0.1 if sys.stderr.isatty() else 30,
+                **style)
+
+
+@contextlib.contextmanager
+def _elapsed_bar(desc: str, *, show: bool) -> Iterator[None]:
+    """A progress line for work that gives no count to show (SentencePiece's training, one call into its library):
+    its elapsed time, redrawn by a thread as often as the other bars are."""
+    bar = _progress_bar(desc, None, show=show, bar_format="{desc}: {elapsed} elapsed")
+    done = threading.Event()
+
+    def redraw() -> None:
+        while not done.wait(bar.mininterval):
+            bar.refresh()
+
+    thread = threading.Thread(target=redraw, name="elapsed-bar", daemon=True)
+    if show:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if show:
+            thread.join()
+        bar.close()
 
 
 # ---------------------------------------------------------------- the passes
@@ -539,7 +565,8 @@ class _Preparation:
             documents = self.tokenizer_sample()
             self.seconds["tokenizer sample"] = time.perf_counter() - start
             lines = sampled_training_lines(documents, max_lines=MAX_TOKENIZER_SENTENCES, seed=s.seed)
-            _replace_with(path, lambda tmp: train_tokenizer(lines, vocab_size=s.vocab_size, out_path=tmp))
+            with _elapsed_bar(f"training the tokenizer ({s.vocab_size:,} pieces)", show=self.show_progress):
+                _replace_with(path, lambda tmp: train_tokenizer(lines, vocab_size=s.vocab_size, out_path=tmp))
             self.seconds["tokenizer training"] = time.perf_counter() - start - self.seconds["tokenizer sample"]
         load_tokenizer("sentencepiece", path)  # checks it loads and has an EOS piece
         return "sentencepiece", path

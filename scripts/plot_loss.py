@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--labels", default="",
                         help="comma-separated names for the runs (default: the directory names)")
     parser.add_argument("--title", default="", help="title above the charts")
-    parser.add_argument("--out", type=Path, default=Path("loss.png"), help="the loss PNG to write")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the loss PNG to write (default: loss.png beside the first run's metrics.jsonl)")
     parser.add_argument("--throughput", type=Path, default=None,
                         help="also write this PNG of tokens/s per GPU against the step")
     args = parser.parse_args(argv)
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    if args.out is None:
+        args.out = (args.runs[0] if args.runs[0].is_dir() else args.runs[0].parent) / "loss.png"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(labels, runs, args.title, args.out)
     table, worst = val_table(labels, [val for _, val in runs])

@@ -103,6 +103,80 @@ def test_no_config_file_means_defaults():
     assert load_config(None, []).to_dict() == Config().to_dict()
 
 
+# ---- train.epochs: the run's length counted on the data ------------------------------------------------------
+
+EPOCHS = ["--train.max_steps=null", "--train.epochs=0.5"]  # the tiny preset gives train.max_steps
+
+
+def test_epochs_or_max_steps_one_of_them_and_neither_is_1000_steps():
+    assert load_config(None, []).train.max_steps == 1000 and load_config(None, []).train.epochs is None
+    assert load_config(TINY, ["--train.max_steps=null"]).train.max_steps == 1000
+    t = load_config(TINY, EPOCHS).train
+    assert (t.max_steps, t.epochs) == (None, 0.5)
+    assert problems_of("--train.epochs=2") == [
+        "train.epochs=2 and train.max_steps=1000 are both set: give one (--train.max_steps=null drops a config "
+        "file's)"]
+    assert problems_of("--train.max_steps=null", "--train.epochs=0") == ["train.epochs must be positive, got 0"]
+    # The checks against the step count wait for the data to count it: none of them fires before.
+    cfg = load_config(TINY, [*EPOCHS, "--logging.profile_steps=[5,6]", "--train.lr_schedule=wsd"])
+    assert "0.5 epochs" in summarize_config(cfg)[2]
+
+
+def _counted(epochs: float, *, samples: int, saved=None, max_steps: str = "null"):
+    """The config after run_length, and what it logged (rank 0), for `epochs` over `samples` training samples."""
+    from fsdp_utils.train.resume import run_length
+    from tests.distributed_harness import cpu_env
+
+    cfg = load_config(TINY, [f"--train.max_steps={max_steps}", f"--train.epochs={epochs}"] if max_steps == "null"
+                      else [f"--train.max_steps={max_steps}"])
+    return run_length(cfg, saved, train_samples=samples, env=cpu_env(0, 1))
+
+
+def test_epochs_are_counted_in_steps_once_and_a_resume_keeps_its_checkpoints_count(caplog):
+    from fsdp_utils.checkpoint import TrainState
+
+    tiny = load_config(TINY)
+    batch, seq = tiny.train.global_batch_size, tiny.data.seq_len  # 16 and 128
+    with caplog.at_level("INFO", logger="train"):
+        # ceil(0.5 x 1,000 / 16) = ceil(31.25) = 32; 0.3 x 160 / 16 is 3 exactly (not the float's 3.0000000000000004)
+        assert _counted(0.5, samples=1000).train.max_steps == 32
+        assert _counted(0.3, samples=160).train.max_steps == 3
+        assert _counted(0.001, samples=160).train.max_steps == 1  # at least one step
+    assert caplog.messages[0] == (f"train.epochs=0.5: 32 steps (1,000 samples of {seq} tokens a pass, {batch} samples "
+                                  f"a step)")
+    resolved = _counted(0.5, samples=1000)
+    assert (resolved.train.epochs, resolved.train.resolved_max_steps) == (None, 32)  # config.yaml: the count
+    assert load_config(None, []).train.resolved_max_steps == 1000
+    caplog.clear()
+    with caplog.at_level("INFO", logger="train"):
+        # Resumed under the same train.epochs on a corpus that grew (1,200 samples: 38 steps): the checkpoint's 32.
+        saved = TrainState(step=10, max_steps=32, epochs=0.5)
+        assert _counted(0.5, samples=1200, saved=saved).train.max_steps == 32
+        said = "train.epochs=0.5: 32 steps, as the run's checkpoint recorded; this data would give 38 (1,200 samples " \
+               f"of {seq} tokens a pass, {batch} samples a step): it changed since the run began"
+        assert ("WARNING", said) in [(r.levelname, r.getMessage()) for r in caplog.records]
+        # Another train.epochs counts afresh; a checkpoint without a count (saved before runs kept one) too.
+        assert _counted(1, samples=1200, saved=saved).train.max_steps == 75
+        assert _counted(0.5, samples=1200, saved=TrainState(step=10)).train.max_steps == 38
+        # A given train.max_steps is the count, whatever the checkpoint says.
+        assert _counted(0.5, samples=1200, saved=saved, max_steps="100").train.max_steps == 100
+
+
+def test_a_count_from_epochs_is_checked_as_a_given_max_steps_is(caplog):
+    from fsdp_utils.train.resume import run_length
+    from tests.distributed_harness import cpu_env
+
+    cfg = load_config(TINY, [*EPOCHS, "--logging.profile_steps=[5,40]"])
+    with pytest.raises(ConfigError) as caught:
+        run_length(cfg, None, train_samples=1000, env=cpu_env(0, 1))  # 32 steps
+    assert caught.value.problems == [
+        "train.epochs=0.5 gives train.max_steps=32: logging.profile_steps=[5, 40] ends after train.max_steps=32"]
+    with caplog.at_level("INFO", logger="train"):  # the warmup of 100 steps is longer than the 32 counted
+        run_length(load_config(TINY, [*EPOCHS, "--train.warmup_steps=100"]), None, train_samples=1000,
+                   env=cpu_env(0, 1))
+    assert any(m.startswith("train.warmup_steps=100 exceeds train.max_steps=32") for m in caplog.messages)
+
+
 def test_save_config_round_trips(tmp_path):
     cfg = load_config(TINY, ["--train.lr=2e-3", "--model.vocab_size=320", "--fsdp.version=2"])
     save_config(cfg, tmp_path / "config.yaml")

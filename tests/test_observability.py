@@ -401,6 +401,49 @@ def test_metrics_writer_sends_any_metric_to_every_tracker(tmp_path):
                           (3, {"eval/arc_easy_acc": 0.25, "val/loss": 2.0})] and t.closed
 
 
+def _log_steps(tmp_path: Path, monkeypatch, caplog, *, compiling: bool, interval: int, ends: dict[int, float]
+               ) -> tuple[list[dict], list[str]]:
+    """A TrainingLog of 1,000 tokens a step on one rank, on a clock at 0 s at its start and ends[step] at the end
+    of each step: the metrics rows and the log lines."""
+    import types
+
+    from fsdp_utils.observability import metrics
+
+    tmp_path.mkdir()
+    clock = [0.0]
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    with caplog.at_level(logging.INFO, logger="train"):
+        training = metrics.TrainingLog(LoggingConfig(interval=interval), tmp_path, max_steps=max(ends), first_step=0,
+                                       tokens_per_step=1000, world_size=1, flops_per_token=1.0, peak_flops=None,
+                                       device=torch.device("cpu"), compiling=compiling)
+        for step, end in ends.items():
+            clock[0] = end
+            training.on_step(step, loss=torch.tensor(2.0), lr=1e-3, grad_norm=torch.tensor(1.0))
+        training.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return rows, [r.getMessage() for r in caplog.records]
+
+
+def test_the_step_that_compiles_is_said_and_left_out_of_tokens_per_second_and_the_eta(tmp_path, monkeypatch, caplog):
+    # Step 1 compiles for 90 s, then each step takes 1 s (1,000 tokens): 1,000 tokens/s from step 2 on.
+    ends = {1: 90.0, 2: 91.0, 3: 92.0, 4: 93.0, 5: 94.0, 6: 95.0}
+    rows, lines = _log_steps(tmp_path / "compiled", monkeypatch, caplog, compiling=True, interval=2, ends=ends)
+    assert lines[0].startswith("compiling: the first step compiles the model (train.compile)")
+    assert lines[1] == "compiled in 90.0 s (step 1, with its compute)"
+    assert [row["tokens_per_sec_per_gpu"] for row in rows] == [1000.0, 1000.0, 1000.0]
+    assert lines[2].endswith(f"| 1,000 tok/s/gpu | mfu n/a | mem {rows[0]['peak_mem_gib']:.2f} GiB | elapsed 0:01:31 | "
+                             f"eta 0:00:04"), lines[2]
+    # Logged at every step: the step that compiled has no rate of its own.
+    caplog.clear()
+    rows, lines = _log_steps(tmp_path / "every", monkeypatch, caplog, compiling=True, interval=1, ends=ends)
+    assert [row["tokens_per_sec_per_gpu"] for row in rows] == [None, 1000.0, 1000.0, 1000.0, 1000.0, 1000.0]
+    assert " n/a tok/s/gpu " in lines[2] and lines[2].endswith("eta n/a"), lines[2]
+    # Without train.compile the first window counts every step: 2,000 tokens in 91 s.
+    caplog.clear()
+    rows, lines = _log_steps(tmp_path / "eager", monkeypatch, caplog, compiling=False, interval=2, ends=ends)
+    assert rows[0]["tokens_per_sec_per_gpu"] == 2000 / 91 and not any("compil" in line for line in lines)
+
+
 # ---- memory snapshots -------------------------------------------------------------------------------------------
 
 def test_memory_snapshot_on_the_cpu_is_one_warning(tmp_path, caplog):

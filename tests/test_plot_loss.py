@@ -72,6 +72,22 @@ def test_runs_without_a_shared_evaluation_step_say_so(tmp_path, capsys):
     assert "largest validation-loss difference" not in printed
 
 
+@pytest.mark.parametrize("given", ["folder", "file"])
+def test_the_chart_goes_beside_the_first_runs_metrics_by_default(given, tmp_path, capsys, monkeypatch):
+    """Without --out, loss.png is written into the folder of the first run's metrics.jsonl (given as the run's
+    folder or as the file), not into the current folder."""
+    base = write_metrics(tmp_path / "a", {10: 5.0}, {50: 4.0})
+    other = write_metrics(tmp_path / "b", {10: 5.1}, {50: 4.1})
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    first = base if given == "folder" else base / "metrics.jsonl"
+    assert plot_loss.main([str(first), str(other)]) == 0
+    assert (base / "loss.png").stat().st_size > 0
+    assert list(here.iterdir()) == [] and not (other / "loss.png").exists()
+    assert capsys.readouterr().out.endswith(f"wrote {base / 'loss.png'}\n")
+
+
 def test_equal_runs_report_the_step_of_their_zero_difference(tmp_path, capsys):
     """Two runs with the same validation losses at step 50: the largest difference is 0 at step 50."""
     _, worst = plot_loss.val_table(["a", "b"], [{50: 4.0}, {50: 4.0}])

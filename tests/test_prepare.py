@@ -6,6 +6,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -369,6 +370,29 @@ def test_tokenizer_is_trained_on_the_whole_corpus(tmp_path, monkeypatch):
     # A sample from the start (the first 6 KB are all first-half documents) would learn no second-half piece.
     assert [piece for piece in merged if piece in text1 and piece not in text2], merged
     assert [piece for piece in merged if piece in text2 and piece not in text1], merged
+
+
+def test_tokenizer_training_shows_its_elapsed_time(tmp_path, monkeypatch, capsys):
+    """SentencePiece's training is one call that gives no count to show: its progress line is its elapsed time,
+    redrawn while it runs (as on a terminal here: every 0.1 s), like the bars of the passes around it."""
+    import data.prepare
+
+    train = data.prepare.train_tokenizer
+
+    def slow_training(*args, **kwargs) -> None:
+        time.sleep(1.2)  # a real corpus's training takes minutes
+        train(*args, **kwargs)
+
+    monkeypatch.setattr(data.prepare, "train_tokenizer", slow_training)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    (tmp_path / "c.jsonl").write_text(jsonl_lines(DOCUMENTS))
+    prepare_data(tmp_path / "out", PrepareSettings(files=(str(tmp_path / "c.jsonl"),), vocab_size=VOCAB_SIZE,
+                                                   num_workers=0), show_progress=True)
+    err = capsys.readouterr().err
+    shown = re.findall(rf"training the tokenizer \({VOCAB_SIZE:,} pieces\): (\d\d):(\d\d) elapsed", err)
+    assert len(shown) >= 4, err  # drawn at the start, redrawn while it runs, and at the end
+    assert int(shown[-1][0]) * 60 + int(shown[-1][1]) >= 1, err
+    assert err.index("sampling for the tokenizer") < err.index("training the tokenizer") < err.index("tokenising")
 
 
 def test_tokenizer_sample_does_not_depend_on_arrival_order():

@@ -95,6 +95,38 @@ def test_cuda_without_a_gpu(corpus, dataset_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_fp16_on_the_cpu_is_refused_naming_bf16_by_check_and_by_a_run(corpus, dataset_dir, tmp_path):
+    for extra in (("--check",), ()):
+        proc = launch("--train.precision=fp16", *extra, nproc=1, tmp_path=tmp_path, corpus=corpus,
+                      dataset_dir=dataset_dir)
+        line = assert_refused(proc, "train.precision=fp16 on run.device=cpu", nproc=1)
+        assert "train.precision=bf16" in line, line
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_epochs_and_max_steps_both_set_are_one_line_by_check_and_by_a_run(corpus, dataset_dir, tmp_path):
+    for extra in (("--check",), ()):  # the tiny preset sets train.max_steps
+        proc = launch("--train.epochs=2", *extra, nproc=1, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+        line = assert_refused(proc, "train.epochs=2 and train.max_steps=1000 are both set: give one", nproc=1)
+        assert line.endswith("(--train.max_steps=null drops a config file's)"), line
+
+
+def test_fp16_is_refused_wherever_the_run_lands_on_the_cpu(tmp_path):
+    from config import launch_problems
+
+    def problems(*overrides: str, num_gpus: int) -> list[str]:
+        cfg = load_config(CONFIG, [*overrides, f"--run.output_dir={tmp_path}"])
+        return [p for p in launch_problems(cfg, world_size=1, local_world_size=1, num_gpus=num_gpus) if "fp16" in p]
+
+    assert len(problems("--train.precision=fp16", "--run.device=auto", num_gpus=0)) == 1  # auto without GPUs: the CPU
+    assert problems("--train.precision=fp16", "--run.device=auto", num_gpus=1) == []
+    assert problems("--train.precision=fp16", "--run.device=cuda", num_gpus=1) == []
+    assert len(problems("--train.precision=fp16", "--run.device=cpu", num_gpus=1)) == 1
+    assert problems("--train.precision=bf16", "--run.device=cpu", num_gpus=0) == []
+
+
+@pytest.mark.slow
 def test_hybrid_group_size_not_dividing_the_world(corpus, dataset_dir, tmp_path):
     proc = launch("--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.hybrid_shard_group_size=3", nproc=2,
                   tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir, torchrun=True)

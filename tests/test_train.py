@@ -8,7 +8,9 @@ import re
 import pytest
 
 from config import load_config
-from tests.helpers import read_metrics, run_train
+from data import load_prepared
+from fsdp_utils.checkpoint.io import read_meta
+from tests.helpers import losses, read_metrics, run_train
 
 pytestmark = pytest.mark.slow  # every test here reads what a launched training run wrote
 
@@ -167,3 +169,32 @@ def test_a_finished_run_started_again_says_there_is_nothing_to_train(tmp_path, c
             f"train.max_steps={steps}: {afresh}; to continue that run, raise train.max_steps above 2"], proc.stderr
         assert "learning rate jumps" not in proc.stderr and "step 1/" not in proc.stderr
         assert files() == before  # config.yaml too: the finished run's, not this command's
+
+
+def test_epochs_are_counted_once_and_a_resume_on_another_world_size_keeps_the_count(tmp_path, corpus, dataset_dir):
+    """train.epochs=0.5 on 2 ranks: ceil(0.5 x the training samples / 8) steps, said at the start, trained to the
+    last and recorded in the checkpoints. Its step-10 checkpoint resumed on 1 rank, on a corpus that has grown since
+    (0.5 epochs of it are more steps), runs to the same last step and says why."""
+    epochs = ["--train.max_steps=null", "--train.epochs=0.5", "--checkpoint.interval=10", "--checkpoint.keep_last_n=0"]
+    first = tmp_path / "first"
+    proc = run_train(*epochs, nproc=2, out_dir=first, corpus=corpus, dataset_dir=dataset_dir)
+    prepared = load_prepared(dataset_dir)
+    tokens = sum(path.stat().st_size for path in prepared.train_files) // prepared.dtype.itemsize
+    samples = (tokens - 1) // 32  # windows of data.seq_len=32 tokens, each with one more token for its last target
+    steps = math.ceil(0.5 * samples / 8)  # global batch 8 (tests/helpers.py TINY)
+    assert f"train.epochs=0.5: {steps} steps ({samples:,} samples of 32 tokens a pass, 8 samples a step)" in proc.stderr
+    assert sorted(losses(first)) == list(range(1, steps + 1))
+    assert f"step {steps}/{steps} " in proc.stderr  # the log line's count, which the ETA reads
+    assert {key: read_meta(first / f"fsdp_cpt{steps}.pth")["train_state"][key] for key in ("max_steps", "epochs")} \
+        == {"max_steps": steps, "epochs": 0.5}
+    assert load_config(first / "config.yaml").train.max_steps == steps  # the count, loadable
+
+    grown = tmp_path / "grown.txt"
+    grown.write_text(corpus.read_text() * 2)
+    resumed = tmp_path / "resumed"
+    proc = run_train(*epochs, f"--resume_from={first / 'fsdp_cpt10.pth'}", f"--data.tokenizer_model="
+                     f"{prepared.tokenizer_path}", nproc=1, out_dir=resumed, corpus=grown, dataset_dir=tmp_path / "ds")
+    found = re.search(rf"train.epochs=0.5: {steps} steps, as the run's checkpoint recorded; this data would give "
+                      rf"(\d+) \(", proc.stderr)
+    assert found and int(found[1]) > steps, proc.stderr[-3000:]
+    assert sorted(losses(resumed)) == list(range(11, steps + 1))

@@ -45,6 +45,8 @@ class TrainState:
     tokens_seen: int = 0
     grad_scaler: dict | None = None
     lr: float | None = None  # the learning rate of the last step taken: a resume checks the schedule continues
+    max_steps: int = 0  # the run's length, decided once (train/resume.py run_length): a resume keeps it
+    epochs: float | None = None  # the train.epochs counted into max_steps; None: train.max_steps gave it
     rng: list | None = None  # per rank: {"cpu": ByteTensor, "cuda": ByteTensor | None}
 
     def advance(self, *, samples: int, tokens: int) -> None:
@@ -133,6 +135,11 @@ def has_frozen(model: torch.nn.Module) -> bool:
     return any(not p.requires_grad for p in model.parameters())
 
 
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """The names of the parameters that do not train, as state dicts name them (no wrapper prefixes)."""
+    return {_plain_name(name) for name, p in model.named_parameters() if not p.requires_grad}
+
+
 def full_save_options(model: torch.nn.Module, *, on_gpu: bool) -> tuple[StateDictOptions, list[str]]:
     """The options of a full state dict gathered to rank 0 (on GPUs through host memory), and the names of the
     frozen parameters the caller drops from it itself ([] when torch does).
@@ -160,7 +167,7 @@ def check_loaded(result: Any, model: torch.nn.Module, path: Path) -> None:
     checkpoint, and the checkpoint held nothing else."""
     if result is None:
         return
-    frozen = {_plain_name(n) for n, p in model.named_parameters() if not p.requires_grad}
+    frozen = frozen_names(model)
     missing = [k for k in getattr(result, "missing_keys", []) if _plain_name(k) not in frozen]
     unexpected = list(getattr(result, "unexpected_keys", []))
     if missing or unexpected:

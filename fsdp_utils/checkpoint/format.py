@@ -62,7 +62,8 @@ FORMAT_VERSION = 1
 META_KEYS = ("format_version", "world_size", "model_config", "train_state")
 OPTIONAL_META_KEYS = ("tokenizer_sha256", "lora")  # a checkpoint without them (no tokenizer record, no LoRA) loads
 FULL_PAYLOAD_KEYS = ("model", "optimizer", "rng")  # a full checkpoint's payload: these besides the metadata
-TRAIN_STATE_KEYS = ("step", "samples_seen", "tokens_seen", "grad_scaler", "lr")  # checkpoint.TrainState, less rng
+TRAIN_STATE_KEYS = ("step", "samples_seen", "tokens_seen", "grad_scaler", "lr", "max_steps",
+                    "epochs")  # checkpoint.TrainState, less rng
 _CHUNK = 8 << 20  # bytes per read when hashing
 
 
@@ -482,6 +483,12 @@ def _train_state_problem(state: object) -> str | None:
     lr = state.get("lr")
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0):
         return f"train_state.lr {lr!r} is not a finite non-negative number"
+    if "max_steps" in state and not _is_int(state["max_steps"], 0, MAX_COUNT):
+        return f"train_state.max_steps {state['max_steps']!r} is not an integer from 0 to 2**63-1"
+    epochs = state.get("epochs")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
+                               or not math.isfinite(epochs) or epochs <= 0):
+        return f"train_state.epochs {epochs!r} is not a finite positive number"
     return None
 
 

@@ -5,6 +5,7 @@ size. Writing and committing are separate steps, so an asynchronous save (async_
 background write the same way."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from .base import (
     TrainState,
     check_loaded,
     check_param_groups,
+    frozen_names,
     is_adapter_key,
     quiet_state_dict_warnings,
     state_dict_options,
@@ -151,13 +153,18 @@ class ShardedCheckpoint(CheckpointFormat):
         self.context.check_model(meta, path)
         with quiet_state_dict_warnings():
             options = state_dict_options(model)
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+            # Every tensor of the model, the frozen ones too (a LoRA run's base, which the checkpoint does not hold):
+            # FSDP1 loads a unit's parameters together and warns for each one absent, so those go back as they are.
+            model_sd, optim_sd = get_state_dict(model, optimizer,
+                                                options=dataclasses.replace(options, ignore_frozen_params=False))
+            frozen = frozen_names(model)
+            saved = {k: v for k, v in model_sd.items() if k not in frozen}
+            state: dict[str, Any] = {"model": saved, "optimizer": optim_sd}
             dcp_load(state, path)  # reads in place, resharding to this world size
             rng = load_rng(path)
             check_param_groups(state["optimizer"], model, optimizer, path)
             try:
-                loaded = set_state_dict(model, optimizer, model_state_dict=state["model"],
+                loaded = set_state_dict(model, optimizer, model_state_dict={**model_sd, **state["model"]},
                                         optim_state_dict=state["optimizer"], options=options)
             except (Exception, dcp.CheckpointException) as err:
                 raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None

@@ -76,8 +76,9 @@ class TrainingLog:
 
     def __init__(self, section: LoggingConfig, output_dir: Path | None, *, max_steps: int, first_step: int,
                  tokens_per_step: int, world_size: int, flops_per_token: float, peak_flops: float | None,
-                 device: torch.device, trackers: Sequence[Tracker] = ()):
-        """section: logging.interval; output_dir: None on the ranks that do not write (all but rank 0)."""
+                 device: torch.device, trackers: Sequence[Tracker] = (), compiling: bool = False):
+        """section: logging.interval; output_dir: None on the ranks that do not write (all but rank 0); compiling:
+        the loop's first step compiles the model (train.compile)."""
         self.interval, self.max_steps, self.device = section.interval, max_steps, device
         self.tokens_per_gpu_step = tokens_per_step / world_size
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
@@ -85,23 +86,34 @@ class TrainingLog:
         self.start = self.last_time = time.perf_counter()
         self.last_step = first_step
         self.last_row: dict = {}
+        self.compiling = compiling
+        if compiling and self.writer is not None:
+            log.info("compiling: the first step compiles the model (train.compile), which can take minutes; its time "
+                     "is left out of tokens/s and the ETA")
 
     def on_step(self, step: int, *, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if self.compiling:  # the rates count from the end of the step that compiled
+            self.compiling = False
+            if self.writer is not None:
+                log.info("compiled in %.1f s (step %d, with its compute)", now - self.last_time, step)
+            self.last_time, self.last_step = now, step
         if step % self.interval and step != self.max_steps:
             return
-        now = time.perf_counter()
-        step_time = (now - self.last_time) / (step - self.last_step)
-        tok_per_gpu = self.tokens_per_gpu_step / step_time
-        mfu = self.flops_per_token * tok_per_gpu / self.peak_flops if self.peak_flops else None
+        # Seconds per step since the last logged one; none right after the step that compiled.
+        step_time = (now - self.last_time) / (step - self.last_step) if step > self.last_step else None
+        tok_per_gpu = self.tokens_per_gpu_step / step_time if step_time else None
+        mfu = self.flops_per_token * tok_per_gpu / self.peak_flops if self.peak_flops and tok_per_gpu else None
         row = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
                "tokens_per_sec_per_gpu": tok_per_gpu, "mfu": mfu, "peak_mem_gib": peak_memory_gib(self.device)}
         self.last_row = row
         if self.writer is not None:
             log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s/gpu | mfu %s | mem %.2f GiB | "
                      "elapsed %s | eta %s", step, self.max_steps, row["loss"], lr, row["grad_norm"],
-                     f"{tok_per_gpu:,.0f}",
+                     f"{tok_per_gpu:,.0f}" if tok_per_gpu else "n/a",
                      f"{100 * mfu:.1f}%" if mfu is not None else "n/a", row["peak_mem_gib"],
-                     format_duration(now - self.start), format_duration(step_time * (self.max_steps - step)))
+                     format_duration(now - self.start),
+                     format_duration(step_time * (self.max_steps - step)) if step_time is not None else "n/a")
             self.writer.write(row)
         self.last_time, self.last_step = time.perf_counter(), step
 

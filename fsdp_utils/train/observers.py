@@ -34,10 +34,10 @@ class Observers:
         if env.is_main:
             log.info("%s", peak_note)
         trackers = open_trackers(cfg, resumed=first_step > 0) if env.is_main else []
-        self.log = TrainingLog(lg, cfg.output_dir if env.is_main else None, max_steps=t.max_steps,
+        self.log = TrainingLog(lg, cfg.output_dir if env.is_main else None, max_steps=t.resolved_max_steps,
                                first_step=first_step, tokens_per_step=t.global_batch_size * cfg.data.seq_len,
                                world_size=env.world_size, flops_per_token=flops_per_token, device=env.device,
-                               peak_flops=peak_flops, trackers=trackers)
+                               peak_flops=peak_flops, trackers=trackers, compiling=t.compile)
 
     def on_step(self, step: int, result: StepResult, *, lr: float, split: BatchSplit) -> None:
         """After the optimizer step `step`: the memory history, the log line and the metrics row."""

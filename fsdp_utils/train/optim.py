@@ -64,7 +64,7 @@ class LRSchedule:
     def from_config(cls, t: TrainConfig) -> LRSchedule:
         """From the `train` section (config.TrainConfig)."""
         return cls(kind=t.lr_schedule, max_lr=t.lr, min_lr_ratio=t.resolved_min_lr_ratio, warmup_steps=t.warmup_steps,
-                   max_steps=t.max_steps, decay_steps=t.wsd_decay_steps, decay_shape=t.decay_shape)
+                   max_steps=t.resolved_max_steps, decay_steps=t.wsd_decay_steps, decay_shape=t.decay_shape)
 
     @property
     def decay_start(self) -> int:

@@ -1,24 +1,48 @@
 """Where a run starts: afresh (from model.init_from's weights, if given), from --resume_from, or from
-checkpoint.auto_resume's newest complete checkpoint; and what is said about it: a learning-rate curve that does not
-continue, a world size that changed, a finished run given again."""
+checkpoint.auto_resume's newest complete checkpoint; how long it runs (train.epochs counted in steps, once); and what
+is said about it: a learning-rate curve that does not continue, a world size that changed, a finished run given
+again."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
-from config import Config
+from config import Config, ConfigError, config_warnings
+from config.checks import run_length_problems
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
 from ..distributed import DistEnv
 from .build_run import BuiltRun
 from .optim import LRSchedule
+from .run_data import epoch_steps
 
 log = logging.getLogger("train")
 
 
 def resume(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, env: DistEnv, resume_from: str | None, *,
-           elastic: bool) -> TrainState:
-    """The training state to start from, with the model, optimizer and grad scaler loaded into `run`. A checkpoint
-    past train.max_steps (a shorter run given a finished run's folder) is refused before anything is written."""
+           elastic: bool, train_samples: int) -> tuple[Config, TrainState]:
+    """The config with the run's length decided (run_length) and the training state to start from, with the model,
+    optimizer and grad scaler loaded into `run`. A checkpoint past the run's last step (a shorter run given a
+    finished run's folder) is refused before anything is written."""
+    state = _start(ckpt, run, cfg, resume_from)
+    epochs = cfg.train.epochs
+    cfg = run_length(cfg, state if ckpt.loaded is not None else None, train_samples=train_samples, env=env)
+    max_steps = cfg.train.resolved_max_steps
+    state.max_steps, state.epochs = max_steps, epochs  # recorded in every checkpoint from here on
+    if ckpt.loaded is None:
+        return cfg, state
+    if state.step > max_steps:
+        ckpt.close()
+        raise CheckpointMismatch(nothing_to_train(ckpt, cfg, state.step, epochs=epochs))
+    if env.is_main and state.step < max_steps:  # at max_steps the loop says there is nothing to train
+        if (warning := LRSchedule.from_config(cfg.train).jump(state.step, state.lr)) is not None:
+            log.warning("%s", warning)
+        _log_world_change(ckpt, env, state, elastic=elastic)
+    return cfg, state
+
+
+def _start(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, resume_from: str | None) -> TrainState:
+    """A fresh state (model.init_from's weights loaded, if given), or the checkpoint's, loaded."""
     out_dir = cfg.output_dir
     if resume_from is None and (existing := ckpt.complete_checkpoints()):
         # A fresh start would mix its checkpoints with these, and retention would delete them.
@@ -37,16 +61,37 @@ def resume(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, env: DistEnv, re
     weights_changed(run)
     if run.scaler is not None and state.grad_scaler:
         run.scaler.load_state_dict(state.grad_scaler)
-    if state.step > cfg.train.max_steps:
-        ckpt.close()
-        raise CheckpointMismatch(nothing_to_train(ckpt, cfg, state.step))
-    if env.is_main and state.step < cfg.train.max_steps:  # at max_steps the loop says there is nothing to train
-        if (warning := LRSchedule.from_config(cfg.train).jump(state.step, state.lr)) is not None:
-            log.warning("%s", warning)
-        _log_world_change(ckpt, env, state, elastic=elastic)
     return state
 
 
+def run_length(cfg: Config, saved: TrainState | None, *, train_samples: int, env: DistEnv) -> Config:
+    """The one place the run's length is decided: train.max_steps as given, or train.epochs counted in steps on this
+    data (`train_samples` a pass); a run resumed under the train.epochs its checkpoint recorded keeps that
+    checkpoint's count, which a corpus changed since would move (said in a warning). Returns the config with
+    train.max_steps set to it (train.epochs cleared: config.yaml and the trackers get the count), checked as a given
+    train.max_steps is."""
+    t = cfg.train
+    if t.epochs is None:
+        return cfg
+    counted = epoch_steps(t, train_samples=train_samples)
+    kept = saved is not None and saved.epochs == t.epochs and saved.max_steps > 0
+    steps = saved.max_steps if saved is not None and kept else counted
+    resolved = dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps, epochs=None))
+    if problems := run_length_problems(resolved):
+        raise ConfigError([f"train.epochs={t.epochs:g} gives train.max_steps={steps}: {problem}"
+                           for problem in problems])
+    if env.is_main:
+        how = (f"{train_samples:,} samples of {cfg.data.seq_len} tokens a pass, {t.global_batch_size} samples a "
+               f"step")
+        if steps == counted:
+            log.info("train.epochs=%g: %s steps (%s)", t.epochs, f"{steps:,}", how)
+        else:
+            log.warning("train.epochs=%g: %s steps, as the run's checkpoint recorded; this data would give %s (%s): it "
+                        "changed since the run began", t.epochs, f"{steps:,}", f"{counted:,}", how)
+        for line in config_warnings(resolved):
+            if line not in config_warnings(cfg):  # those that the count brings
+                log.warning("%s", line)
+    return resolved
 def weights_changed(run: BuiltRun) -> None:
     """The weights changed outside an optimizer step: the converters redo their post-step work (FP8 scales)."""
     for converter in run.converters:
@@ -62,16 +107,19 @@ def _log_world_change(ckpt: CheckpointManager, env: DistEnv, state: TrainState, 
                  path)
 
 
-def nothing_to_train(ckpt: CheckpointManager, cfg: Config, step: int) -> str:
-    """The line of a run resumed at or past train.max_steps: the same command after the run finished, or another
-    run (a smoke run with a lowered train.max_steps) given the finished run's folder."""
-    max_steps = cfg.train.max_steps
+def nothing_to_train(ckpt: CheckpointManager, cfg: Config, step: int, *, epochs: float | None = None) -> str:
+    """The line of a run resumed at or past its last step: the same command after the run finished, or another run (a
+    smoke run with a lowered train.max_steps) given the finished run's folder. `epochs`: the train.epochs that
+    counted the run's train.max_steps."""
+    max_steps = cfg.train.resolved_max_steps
     found = [path for saved, path in ckpt.complete_checkpoints() if saved == step]
     where = f"checkpoint {found[0]}" if found else f"checkpoint of step {step}"
     afresh = (f"to start a new run, give it its own folder (--run.name=NAME, or run.output_dir; this one is "
               f"{cfg.output_dir})")
+    length, knob, past = f"train.max_steps={max_steps}", "train.max_steps", f"train.max_steps above {step}"
+    if epochs is not None:
+        length, knob, past = f"train.epochs={epochs:g} ({max_steps} steps)", "train.epochs", "train.epochs"
     if step > max_steps:
         return (f"the run in {cfg.output_dir} already reached step {step} ({where}), past this command's "
-                f"train.max_steps={max_steps}: {afresh}; to continue that run, raise train.max_steps above {step}")
-    return (f"nothing to train: the run already reached train.max_steps={max_steps} ({where}); raise "
-            f"train.max_steps to continue, or {afresh}")
+                f"{length}: {afresh}; to continue that run, raise {past}")
+    return (f"nothing to train: the run already reached {length} ({where}); raise {knob} to continue, or {afresh}")

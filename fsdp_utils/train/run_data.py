@@ -1,13 +1,15 @@
 """The data a run trains on: prepared folders as they are (data.sources), or data.files prepared once by
 rank 0 while the other ranks wait for it on a file, not in a collective (preparing can outlast
-run.timeout_s)."""
+run.timeout_s); and train.epochs counted in steps on it."""
 from __future__ import annotations
 
+import math
 import uuid
+from fractions import Fraction
 
 import torch.distributed as dist
 
-from config import Config
+from config import Config, TrainConfig
 from data import (
     DataError,
     PreparedData,
@@ -90,3 +92,11 @@ def check_format(prepared: PreparedData, wanted: str, document_masking: bool = F
                             f"{prepared.root} hold the tokenizer's EOS inside them (their template ends turns with "
                             "it), so masking at EOS would cut them apart; set data.document_masking: false")
     return prepared
+
+
+def epoch_steps(t: TrainConfig, *, train_samples: int) -> int:
+    """train.epochs in optimizer steps: epochs x the training split's samples (windows of data.seq_len tokens) over
+    train.global_batch_size, rounded up (the last step may reach into the next pass), at least one."""
+    assert t.epochs is not None, "called for train.epochs"
+    epochs = Fraction(repr(t.epochs))  # as written: 0.3 epochs is 3/10, not the float just under it
+    return max(1, math.ceil(epochs * train_samples / t.global_batch_size))
