@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, cast
 
-from config import Config
+from config import Config, check_batch_split
 from config.sections import ShardingStrategy
 
 from ...parallel.parallelize import OP_POLICY_RECOMPUTES, CheckpointPolicy, resolve_grad_sync
@@ -87,6 +87,8 @@ class Settings:
     learned to run the causal kernel there): a record of older code."""
     fixed_segments: bool = False
     """The CUDA allocator without expandable segments (records before train_fsdp.py turned them on)."""
+    compiled: bool = True
+    """train.compile: the estimate is of compiled blocks, as every record's but the uncompiled ablations."""
 
     @property
     def fp8_all_gather(self) -> bool:
@@ -107,16 +109,17 @@ def settings_from(cfg: Config) -> Settings:
     t, f = cfg.train, cfg.fsdp
     return Settings(float8=t.float8, float8_output=t.float8_output, loss_chunk_tokens=t.loss_chunk_tokens,
                     reduce_bytes=4 if f.reduce_dtype == "fp32" else 2, grad_sync=f.grad_sync,
-                    margin=t.auto_micro_batch_margin)
+                    margin=t.auto_micro_batch_margin, compiled=t.compile)
 
 
 def plan_from(cfg: Config, *, gpus: int, micro_batch: int | None = None, checkpointing: str | None = None) -> Plan:
-    """The plan a config runs on `gpus` GPUs; `micro_batch` and `checkpointing` where the config says auto."""
+    """The plan a config runs on `gpus` GPUs; `micro_batch` and `checkpointing` where the config says auto.
+    ConfigError (config.check_batch_split's) when the global batch does not split so."""
     t, f = cfg.train, cfg.fsdp
     micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else micro_batch
     policy = f.activation_checkpointing if f.activation_checkpointing != "auto" else checkpointing
     assert micro is not None and policy is not None, "auto settings need a micro-batch and a policy"
-    if policy == "selective":
-        policy = CheckpointPolicy("selective", f.ac_every_n_layers).name
-    return Plan(policy, micro, t.global_batch_size // (micro * gpus), f.sharding_strategy,
-                f.hybrid_shard_group_size, f.version)
+    accumulation = check_batch_split(t, gpus, micro_batch=micro)
+    assert accumulation is not None
+    return Plan(CheckpointPolicy(policy, f.ac_every_n_layers if policy == "selective" else 1).name, micro,
+                accumulation, f.sharding_strategy, f.hybrid_shard_group_size, f.version)

@@ -20,13 +20,16 @@ def describe_cluster(planning: Planning) -> list[str]:
     budget = budget_gib(cluster, s)
     calibrated = "" if gpu.calibrated else " (not in our records: scaled from H100/H200 by peak and bandwidth)"
     precision = "bf16" if s.float8 == "none" else f"FP8 {s.float8}"
-    return [f"model: {shape.params / 1e9:.2f}B parameters, {shape.n_layers} layers, width {shape.dim}, sequence "
-            f"{shape.seq_len}, {shape.flops_per_token / 1e9:.1f} GFLOP a token; {precision}",
-            f"cluster: {cluster.gpus} x {gpu.name}{calibrated}, {cluster.nodes} node{'s' * (cluster.nodes > 1)} "
-            f"({links}); {planning.per_gpu_batch} sequences per GPU a step",
-            f"budget: {budget:.1f} GiB reserved per GPU ({gpu.memory_gib:g} GiB, less what the allocator does not "
-            f"see, times 1 - train.auto_micro_batch_margin={s.margin:g})",
-            "predictions, not measurements: docs/planning.md says how they are made and how far they miss our records"]
+    note = [] if s.compiled else ["note: train.compile=false, but the estimate is of compiled blocks (the records "
+                                  "measured uncompiled steps 1.5x slower)"]
+    return note + [f"model: {shape.params / 1e9:.2f}B parameters, {shape.n_layers} layers, width {shape.dim}, sequence "
+                   f"{shape.seq_len}, {shape.flops_per_token / 1e9:.1f} GFLOP a token; {precision}",
+                   f"cluster: {cluster.gpus} x {gpu.name}{calibrated}, {cluster.nodes} node{'s' * (cluster.nodes > 1)} "
+                   f"({links}); {planning.per_gpu_batch} sequences per GPU a step",
+                   f"budget: {budget:.1f} GiB reserved per GPU ({gpu.memory_gib:g} GiB, less what the allocator does "
+                   f"not see, times 1 - train.auto_micro_batch_margin={s.margin:g})",
+                   "predictions, not measurements: docs/planning.md says how they are made and how far they miss our "
+                   "records"]
 
 
 def plan_table(planning: Planning, estimates: list[Estimate]) -> list[str]:
