@@ -68,9 +68,8 @@ def plan_problems(cfg: Config, cluster: Cluster) -> list[str]:
 
 
 def sharding_options(cfg: Config, cluster: Cluster) -> list[tuple[str, int]]:
-    """(strategy, HYBRID_SHARD's group) pairs worth estimating: sharding over all GPUs (parameters, gradients and
-    optimizer state, or the last two), none, and across several nodes sharding within groups of one node and
-    more (a node, 2, 4, ... nodes) with replicas across them."""
+    """(strategy, HYBRID_SHARD's group) pairs worth estimating: FULL_SHARD and SHARD_GRAD_OP over all GPUs, NO_SHARD,
+    and across several nodes HYBRID_SHARD within groups of a node, 2, 4, ... nodes, replicated across the groups."""
     if cluster.gpus == 1:  # every strategy runs alike on one GPU: the config's names it
         strategy = cfg.fsdp.sharding_strategy
         return [("FULL_SHARD" if strategy == "HYBRID_SHARD" else strategy, 0)]
