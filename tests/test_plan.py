@@ -1,0 +1,276 @@
+"""scripts/plan.py and its estimate (fsdp_utils/train/planning/): held against every measured point of our records
+(`python -m pytest -s tests/test_plan.py -k measured` prints predicted against measured), the model's sizes against
+the model as built, the memory and speed terms against what they count, the command line and docs/planning.md."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from config import load_config
+from fsdp_utils.train.planning import (
+    KNOWN_MISSES,
+    Cluster,
+    Plan,
+    calibration_summary,
+    estimate,
+    gpu_spec,
+    load_points,
+    model_shape,
+    plan_cluster,
+    predict,
+    prediction_table,
+    settings_from,
+    skipped_runs,
+)
+from fsdp_utils.train.planning.memory import kept_bytes_per_token
+from fsdp_utils.train.planning.points import MEMORY_TOLERANCE, POINTS_FILE, SPEED_TOLERANCE
+from model import ModelConfig, Transformer
+from scripts.plan import main
+
+ROOT = Path(__file__).resolve().parents[1]
+# The dated records, by file name: where they are now, or where the benchmarks' move puts them.
+RECORDS = ROOT / "benchmarks/records" if (ROOT / "benchmarks/records").is_dir() else ROOT / "docs/benchmarks"
+GIB = 2**30
+EIGHT_B = ["--model.vocab_size=128256"]
+
+
+@pytest.fixture(scope="module")
+def predictions():
+    return [predict(point) for point in load_points()]
+
+
+def test_every_measured_point_within_the_targets_but_the_known_misses(predictions):
+    table = prediction_table(predictions) + calibration_summary(predictions)
+    print("\n" + "\n".join(table))  # pytest -s shows it
+    misses = [p.point.id for p in predictions if p.misses and p.known_miss is None]
+    assert not misses, "\n".join(table + ["outside the targets, not a known miss: " + ", ".join(misses)])
+    # Both targets are checked on many points of each kind, not a few.
+    assert sum(p.memory_error is not None for p in predictions) > 200
+    assert sum(p.speed_error is not None for p in predictions) > 200
+
+
+def test_known_misses_are_few_real_and_explained(predictions):
+    by_id = {p.point.id: p for p in predictions}
+    assert set(KNOWN_MISSES) <= set(by_id)
+    for point_id, why in KNOWN_MISSES.items():
+        # A point that meets the targets again leaves the list: the list says only what is true.
+        assert by_id[point_id].misses, f"{point_id} is within the targets: remove it from KNOWN_MISSES"
+        assert len(why) > 40, point_id
+    assert len(KNOWN_MISSES) <= 10
+
+
+def test_the_points_cover_every_record():
+    points, skipped = load_points(), skipped_runs()
+    records = {path.name for path in RECORDS.glob("*.md")}
+    named = {p.record for p in points} | {s["record"] for s in skipped}
+    assert named == records, (records - named, named - records)
+    ids = [p.id for p in points]
+    assert len(ids) == len(set(ids))
+    assert all(s["why"] and s["what"] for s in skipped)
+    assert all(p.mem_gib is not None or p.tokens_per_s is not None for p in points)
+    assert json.loads(POINTS_FILE.read_text())["points"][0]["record"].endswith(".md")
+
+
+@pytest.mark.parametrize("overrides", [[], ["--model.n_kv_heads=2", "--model.tie_embeddings=false"]])
+def test_parameters_are_counted_as_the_model_builds_them(overrides):
+    cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", overrides)
+    shape = model_shape(cfg)  # the preset's vocab_size 0 takes the tokenizer's, data.vocab_size
+    dims = ModelConfig(**{n: getattr(cfg.model, n) for n in ModelConfig.__dataclass_fields__})
+    dims.vocab_size = cfg.data.vocab_size
+    with torch.device("meta"):
+        model = Transformer(dims)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    block = model.layers[0]
+    assert shape.block_params == sum(p.numel() for p in block.parameters())
+    # The roles' shapes as the blocks hold them: q, k, v in wqkv, gate and up in w13.
+    attention, ffn = block.attention, block.feed_forward
+    assert attention.wqkv.weight.numel() == sum(shape.role_params[r] for r in ("q", "k", "v"))
+    assert attention.wo.weight.numel() == shape.role_params["o"]
+    assert ffn.w13.weight.numel() == shape.role_params["gate"] + shape.role_params["up"]
+    assert ffn.w2.weight.numel() == shape.role_params["down"]
+    assert shape.flops_per_token == dims.flops_per_token(cfg.data.seq_len)
+
+
+def _estimate(config: str, overrides: list[str], gpus: int, plan: Plan, gpu: str = "h200", nodes: int = 1):
+    cfg = load_config(ROOT / config, overrides)
+    return estimate(model_shape(cfg), Cluster(gpu_spec(gpu), gpus, nodes), plan, settings_from(cfg))
+
+
+def test_sharded_states_are_16_bytes_a_parameter_over_the_gpus():
+    # fp32 parameters (4) and AdamW's two moments (8) live through the step; the fp32 gradients' shards (4) between
+    # micro-batches: 8.03e9 parameters x 16 bytes / 4 GPUs = 29.9 GiB.
+    e = _estimate("config/train8B_fsdp.yaml", EIGHT_B, 4, Plan("selective_op", 8, 2))
+    assert e.memory.params + e.memory.optimizer + e.memory.grads == pytest.approx(8_030_261_248 * 16 / 4 / GIB)
+    one = _estimate("config/train8B_fsdp.yaml", EIGHT_B, 4, Plan("selective_op", 8, 1))
+    assert one.memory.grads == 0  # one micro-batch a step: no gradient is held at the forward's peak
+
+
+def test_what_an_op_level_policy_keeps():
+    # tests/test_gpu.py's count: selective_op keeps, per token and block in bf16, the block's input, q, v, the gate
+    # projection and attention's output (3 x 1024 + 256 + 2816 values at this shape, plus attention's fp32 log-sum-exp
+    # per head); selective_op_wide also the k, output and up projections (256 + 1024 + 2816).
+    overrides = ["--model.dim=1024", "--model.n_layers=4", "--model.n_heads=16", "--model.n_kv_heads=4"]
+    cfg = load_config(ROOT / "config/train90M_fsdp.yaml", overrides)
+    shape, settings = model_shape(cfg), settings_from(cfg)
+    narrow = kept_bytes_per_token(shape, Plan("selective_op", 4, 1), settings, {})
+    wide = kept_bytes_per_token(shape, Plan("selective_op_wide", 4, 1), settings, {})
+    assert narrow == 4 * (2 * (3 * 1024 + 256 + 2816) + 4 * 16)
+    assert wide - narrow == 4 * 2 * (256 + 1024 + 2816)
+
+
+def test_at_scale_activations_outweigh_the_states_and_the_network_sets_the_pace():
+    plan = Plan("none", 4, 1, "FULL_SHARD")
+    e = _estimate("config/train8B_fsdp.yaml", [*EIGHT_B, "--train.global_batch_size=2048"], 512, plan, "h100", 64)
+    assert e.memory.params + e.memory.optimizer < 0.1 * e.memory.activations
+    # FULL_SHARD over 64 nodes: 8B's gathers and reductions cross the network every micro-batch, far longer than its
+    # kernels; HYBRID_SHARD within a node keeps them on NVLink and only all-reduces across nodes once a step.
+    assert e.speed.exposed_comm_s > 0.5 * e.speed.step_s
+    hybrid = _estimate("config/train8B_fsdp.yaml", [*EIGHT_B, "--train.global_batch_size=2048"], 512,
+                       Plan("none", 4, 1, "HYBRID_SHARD", 8), "h100", 64)
+    assert hybrid.speed.tokens_per_s > 1.5 * e.speed.tokens_per_s
+
+
+def test_the_presets_are_planned_from_1_to_512_gpus_in_seconds():
+    start = time.perf_counter()
+    for preset in ("train90M_fsdp", "train300M_fsdp", "train1B_fsdp", "train8B_fsdp"):
+        cfg = load_config(ROOT / f"config/{preset}.yaml", ["--train.global_batch_size=1024"])
+        for gpus in (1, 2, 4, 8, 16, 64, 128, 256, 512):
+            planning = plan_cluster(cfg, Cluster(gpu_spec("h100"), gpus, max(1, gpus // 8)))
+            # 8B's states alone are 16 bytes a parameter, 120 GB: not on one 80 GB card; on two, at the edge
+            if preset != "train8B_fsdp" or gpus != 2:
+                assert (planning.fastest is not None) == (preset != "train8B_fsdp" or gpus > 1), (preset, gpus)
+    assert time.perf_counter() - start < 10
+
+
+def test_the_8b_preset_on_two_h200_fits_the_plans_the_search_measured():
+    # The 8B search on 2 x H200 measured selective_op@8 and selective_op_lean@16 within its 124.2 GiB budget and
+    # selective_op@16 over it (128.05 GiB); the estimate agrees on all three.
+    cfg = load_config(ROOT / "config/train8B_fsdp.yaml", EIGHT_B)
+    planning = plan_cluster(cfg, Cluster(gpu_spec("h200"), 2))
+    fits = {(e.plan.sharding, e.plan.checkpointing, e.plan.micro_batch): e.fits for e in planning.estimates}
+    assert fits[("FULL_SHARD", "selective_op", 8)] and fits[("FULL_SHARD", "selective_op_lean", 16)]
+    assert not fits[("FULL_SHARD", "selective_op", 16)]
+    assert planning.fastest is not None and planning.fastest.fits
+
+
+def test_plan_prints_the_breakdown_and_marks_the_fastest(capsys):
+    assert main(["config/train8B_fsdp.yaml", "--gpus", "2", "--gpu", "h200", *EIGHT_B]) == 0
+    out = capsys.readouterr().out
+    assert "2 x H200 SXM" in out and "predictions" in out
+    rows = [line for line in out.splitlines() if re.match(r"[* ] (FULL_SHARD|SHARD_GRAD_OP|NO_SHARD) ", line)]
+    assert len(rows) == 12  # 3 strategies x 4 policies, each at its fastest micro-batch
+    marked = [row for row in rows if row.startswith("*")]
+    assert len(marked) == 1 and " yes " in marked[0]
+    label = marked[0].split()[1] + " " + marked[0].split()[2]
+    assert f"fastest that fits: {label}" in out
+    assert all(word in out for word in ("params", "grads", "optim", "activ", "buffers", "headroom", "tok/s/GPU"))
+
+
+def test_plan_all_lists_every_candidate(capsys):
+    assert main(["config/train1B_fsdp.yaml", "--gpus", "16", "--all"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"[* ] [A-Z_]+(/\d+)? \S+@", line)]
+    # 2 nodes: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD/8; 4 policies; micro-batches 1, 2, 4 (64 / 16 GPUs)
+    assert len(rows) == 4 * 4 * 3
+
+
+def test_plan_markdown_is_a_row_per_gpu_count(capsys):
+    assert main(["config/train1B_fsdp.yaml", "--gpus", "8,64", "--gpu", "h100,h200", "--markdown"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].count("fastest plan") == 2 and len(lines) == 4
+    assert lines[2].startswith("| 8 | ") and lines[3].startswith("| 64 | ")
+
+
+@pytest.mark.parametrize(("argv", "culprit"), [
+    (["--gpus", "2", "--gpu", "v100"], "unknown GPU 'v100'"),
+    (["--gpus", "0"], "--gpus: expected a positive number"),
+    (["--gpus", "two"], "--gpus: expected a positive number"),
+    (["--gpus", "8,16"], "needs --markdown"),
+    (["--gpus", "8", "--nodes", "3"], "--nodes 3 does not divide --gpus 8"),
+    (["--gpus", "3"], "train.global_batch_size=64 is not divisible by the world size 3"),
+    (["--gpus", "2", "--train.lrr=1"], "unknown key 'train.lrr'"),
+    (["--gpus", "2", "--fsdp.cpu_offload=true"], "fsdp.cpu_offload"),
+    (["--gpus", "2", "--bogus"], "unrecognised argument '--bogus'"),
+])
+def test_bad_input_is_one_error_line(capsys, argv, culprit):
+    assert _status(["config/train1B_fsdp.yaml", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and culprit in err[0], err
+
+
+def _status(argv: list[str]) -> int | str | None:
+    """scripts/plan.py's exit status, whether main returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+def test_fp8_on_a_gpu_without_it_and_a_missing_config_are_one_error_line(capsys):
+    assert main(["config/train8B_fsdp.yaml", "--gpus", "4", "--gpu", "a100-80gb"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.float8=tensorwise needs FP8 tensor cores" in err[0], err
+    assert main(["config/nothing_here.yaml", "--gpus", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "nothing_here.yaml" in err[0], err
+    assert main(["--gpus", "4"]) == 2
+    assert capsys.readouterr().err.startswith("error: give a config file")
+
+
+def test_calibration_lists_every_constant_with_its_record(capsys):
+    assert main(["--calibration"]) == 0
+    out = capsys.readouterr().out
+    from fsdp_utils.train.planning import CALIBRATION
+
+    for name, constant in CALIBRATION.items():
+        assert f"| `{name}` | {constant.value:g} |" in out
+        assert constant.record == "assumption" or (RECORDS / constant.record).is_file(), name
+    for point_id in KNOWN_MISSES:
+        assert f"| {point_id} |" in out
+    assert f"(target {100 * MEMORY_TOLERANCE:.0f}%)" in out and f"(target {100 * SPEED_TOLERANCE:.0f}%)" in out
+
+
+def test_the_docs_tables_are_the_scripts_output(capsys):
+    page = (ROOT / "docs/planning.md").read_text()
+    commands = re.findall(r"^`python scripts/plan\.py (config/\S+ [^`]*--markdown)`\n\n((?:\|.*\n)+)", page, re.M)
+    assert len(commands) == 3  # 1B, 8B and the 70B shape
+    for command, table in commands:
+        assert main(command.split()) == 0
+        assert capsys.readouterr().out == table, command
+    assert main(["--calibration"]) == 0
+    summary = capsys.readouterr().out.splitlines()[0]
+    assert summary.startswith("calibration: ") and summary in page.splitlines()
+
+
+def test_one_line_for_the_config_as_launched():
+    # What train_fsdp.py --check will print: the plan the config runs (its auto settings given), in one line.
+    from fsdp_utils.train.planning import one_line, plan_from
+
+    cfg = load_config(ROOT / "config/train8B_fsdp.yaml", EIGHT_B)
+    plan = plan_from(cfg, gpus=2, micro_batch=8, checkpointing="selective_op")
+    assert plan == Plan("selective_op", 8, 4, "FULL_SHARD", 0, 2)
+    cluster = Cluster(gpu_spec("h200"), 2)
+    line = one_line(estimate(model_shape(cfg), cluster, plan, settings_from(cfg)), cluster)
+    assert line.startswith("predicted for FULL_SHARD selective_op@8x4 on 2 x H200 SXM: ") and "fits the budget" in line
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize(("device", "key"), [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                             ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA H100 PCIe", None),
+                                             ("Tesla V100-SXM2-16GB", None)])
+def test_a_device_name_finds_its_spec(device, key):
+    from fsdp_utils.train.planning import gpu_for_device
+
+    spec = gpu_for_device(device)
+    assert (spec.key if spec else None) == key
+
+
+def test_an_uncompiled_config_is_planned_with_a_note(capsys):
+    assert main(["config/train1B_fsdp.yaml", "--gpus", "2", "--train.compile=false"]) == 0
+    assert capsys.readouterr().out.startswith("note: train.compile=false")
+    assert main(["config/train1B_fsdp.yaml", "--gpus", "2"]) == 0
+    assert "note:" not in capsys.readouterr().out
