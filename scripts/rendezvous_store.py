@@ -18,6 +18,13 @@ import signal
 import socket
 import sys
 from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from config.numbers import integer_in  # noqa: E402
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
@@ -86,12 +93,12 @@ def default_host() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if not args.port.isdigit() or not 1 <= int(args.port) <= 65535:
+        if (port := integer_in(args.port, 1, 65535)) is None:
             raise StoreAddressError(f"--port={args.port} is not a port number from 1 to 65535")
         host = args.host or default_host()
         # Blocked before the store starts its threads, so that only sigwait below receives them.
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        store = serve_store(host, int(args.port))
+        store = serve_store(host, port)
     except StoreAddressError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

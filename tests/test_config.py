@@ -602,6 +602,20 @@ def test_cli_unknown_key_exits_2_with_one_error_line():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("name,value", [("RANK", "٠"), ("WORLD_SIZE", "²"), ("LOCAL_RANK", "x")])
+def test_a_rank_variable_that_is_not_a_whole_number_is_one_error_line(name, value, monkeypatch, capsys):
+    """torchrun sets them in ASCII digits; one set by hand in other digits (int() reads '٠' as 0, and fails on '²'
+    with a traceback) ends the script before anything starts."""
+    import train_fsdp
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        train_fsdp.main.__wrapped__([str(TINY), "--check"])  # without @record, which wants a real stderr
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (f"error: {name}={value} is not a whole number from {int(name == 'WORLD_SIZE')} "
+                                       "to 2147483647 (torchrun sets it; unset it to run one process)\n")
+
+
 @pytest.mark.parametrize("argv,hint", [
     (["--resum_from", "latest"], "unrecognised argument '--resum_from' (did you mean '--resume_from'?)"),
     (["--resum_from=latest"], "unrecognised argument '--resum_from=latest' (did you mean '--resume_from'?)"),

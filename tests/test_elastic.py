@@ -358,7 +358,10 @@ def test_the_store_script_names_a_port_it_cannot_serve(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        # int() would take '٣٠٠٠٠' (Arabic-Indic digits) for 30000, and fail on '²' (a digit to str.isdigit).
         for bad, culprit in [(["--port=70000"], "--port=70000 is not a port number"),
+                             (["--port=²"], "--port=² is not a port number from 1 to 65535"),
+                             (["--port=٣٠٠٠٠"], "--port=٣٠٠٠٠ is not a port number from 1 to 65535"),
                              ([f"--port={port}"], f"cannot serve the rendezvous store at 127.0.0.1:{port}"),
                              (["--host=203.0.113.7", "--port=29400"], "--host=203.0.113.7 is not an address of this")]:
             proc = subprocess.run([sys.executable, str(STORE_SCRIPT), "--host=127.0.0.1", *bad], capture_output=True,
@@ -379,3 +382,19 @@ def test_the_launcher_names_a_store_it_cannot_use(nnodes, store, culprit, tmp_pa
                           text=True, cwd=tmp_path, env=script_env(RDZV_STORE=store, NPROC_PER_NODE="2"), timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {culprit}"), proc.stderr
     assert proc.stderr.count("\n") == 1 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("setting", ["join_timeout=²", "join_timeout=٣٠", "last_call_timeout=1.5",
+                                     "keep_alive_max_attempt=-1"])
+def test_a_rendezvous_setting_that_is_not_a_whole_number_is_one_error_line(setting, capsys):
+    """RDZV_CONF reaches torchrun's --rdzv_conf, whose numbers torchrun reads with int(): '٣٠' as 30, '²' a
+    traceback. Refused before the node looks for the store (no store answers at this endpoint: a join would wait
+    join_timeout for it)."""
+    from scripts import _torchrun
+
+    start = time.monotonic()
+    assert _torchrun.main(["--store=join", "--", "--nnodes=1:2", "--rdzv_backend=c10d",
+                           f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--rdzv_conf=is_host=false,{setting}",
+                           "train_fsdp.py"]) == 2
+    assert capsys.readouterr().err == f"error: --rdzv_conf (RDZV_CONF): {setting} is not a whole number of at least 0\n"
+    assert time.monotonic() - start < 5

@@ -75,6 +75,22 @@ def test_scripts_are_executable_bash(script):
     assert script.read_text().startswith("#!/usr/bin/env bash\n")
 
 
+@pytest.mark.parametrize("script,argv", [
+    ("generate", ["model.pth", "--prompt", "a", "--max_new_tokens", "٣"]),  # int() reads it as 3
+    ("generate", ["model.pth", "--prompt", "a", "--temperature", "٠.٥"]),  # float() reads it as 0.5
+    ("evaluate", ["model.pth", "--tasks", "hellaswag", "--limit", "²"]),  # int() fails on it with a traceback
+    ("render_profile", ["trace", "trace.json", "--out", "t.png", "--step", "٢"]),
+])
+def test_command_line_numbers_are_read_in_the_digits_0_to_9_only(script, argv, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(f"scripts.{script}").main(argv)
+    kind = "number" if argv[-2] == "--temperature" else "integer"
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"{argv[-2]}: invalid {kind} value: '{argv[-1]}'")
+
+
 # ---- argument checks --------------------------------------------------------------------------------------
 
 
