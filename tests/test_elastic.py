@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -319,6 +320,34 @@ def test_the_store_script_listens_on_the_address_of_host_only(host, other, tmp_p
     # 127.0.0.0/8 is all loopback: a store listening on every interface would answer at both addresses.
     with store_script(tmp_path, host) as port:
         assert reachable(host, port) and not reachable(other, port)
+
+
+def test_the_store_script_on_every_interface_says_so_and_names_an_address_the_nodes_reach(tmp_path):
+    """0.0.0.0 listens on every interface: a warning, and the address given to the nodes is this machine's (its host
+    name, or its first address that is not a loopback one), which they can reach, not 0.0.0.0."""
+    with store_script(tmp_path, "0.0.0.0") as port:
+        log = (tmp_path / "store-0.0.0.0.log").read_text()
+        (address,) = re.findall(rf"RDZV_STORE=(\S+):{port} ", log)
+        assert address != "0.0.0.0" and reachable(address.strip("[]"), port), log
+    assert f"warning: --host=0.0.0.0 listens on every interface of this machine: anyone who reaches port {port}" in log
+    assert f"rendezvous store at {address}:{port}, listening on every interface (the nodes take" in log
+
+
+def test_a_malformed_message_to_the_store_script_is_one_line_in_its_log(tmp_path):
+    """A client that validates (TCPStore's query 0 and magic number) and then sends a key of 2**40 bytes: torch's store
+    refuses it with a warning followed by the C++ stack of where it was raised, some 15 lines of frames. In the
+    store's log: the warning's line alone."""
+    with store_script(tmp_path, "127.0.0.1") as port:
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"\x00" + struct.pack("<I", 0x3C85F7CE) + b"\x01" + struct.pack("<Q", 2**40))
+            deadline = time.monotonic() + TIMEOUT_S
+            while "Invalid string size" not in (tmp_path / "store-127.0.0.1.log").read_text():
+                assert time.monotonic() < deadline, "the store never refused the message"
+                time.sleep(0.05)
+    lines = (tmp_path / "store-127.0.0.1.log").read_text().splitlines()
+    assert len(lines) == 3 and "keep it up for the job's life" in lines[0], lines
+    assert lines[2] == "rendezvous store stopped by SIGTERM"
+    assert lines[1].endswith("Error processing client message: Invalid string size. size: 1099511627776, max: 8192")
 
 
 def test_the_store_script_refuses_a_host_name_that_no_other_node_can_reach(monkeypatch, capsys):
