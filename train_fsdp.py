@@ -113,6 +113,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return split_known_args(parser, argv)
 
 
+def read_launch() -> Launch:
+    """torchrun's variables; one set by hand that is not a whole number ends the script with its `error:` line."""
+    try:
+        return read_torchrun_env()
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def exit_early(problems: list[str], launch: Launch) -> int:
     """Report problems found before the process group as `error:` lines, once: rank 0 prints them.
 
@@ -341,7 +350,7 @@ def train(run: Run, stop: StopSignal) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     prefer_expandable_segments()  # before anything touches the GPU
-    launch = read_torchrun_env()
+    launch = read_launch()
     # Every problem with the config and the launch is found before any process group starts.
     unfit: list[str] = []
     try:

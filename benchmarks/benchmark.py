@@ -78,6 +78,7 @@ from config import (  # noqa: E402
     load_config,
 )
 from config.checks import float8_size_problem  # noqa: E402
+from config.numbers import integer, integer_in  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.distributed import (  # noqa: E402
     DistEnv,
@@ -419,15 +420,15 @@ SAVE_MODES = ("sync", "thread", "process", "sync_gpu")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator)")
-    parser.add_argument("--grad_accum", type=int, default=None,
+    parser.add_argument("--steps", type=integer, default=20, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=integer, default=5, help="untimed steps first (compilation, allocator)")
+    parser.add_argument("--grad_accum", type=integer, default=None,
                         help="micro-batches per step (default 1; with auto or --compare_auto: what "
                         "train.global_batch_size needs)")
     parser.add_argument("--compare_auto", action="store_true",
                         help="ours at --fixed_micro_batch and at the auto choice, same global batch (and --peer at "
                         "the auto choice)")
-    parser.add_argument("--fixed_micro_batch", type=int, default=8,
+    parser.add_argument("--fixed_micro_batch", type=integer, default=8,
                         help="--compare_auto's fixed micro-batch (default 8)")
     parser.add_argument("--peer", action="store_true", help="also run the Hugging Face + FSDP2 reference")
     parser.add_argument("--peer_only", action="store_true", help="run only the reference")
@@ -437,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run ours with train.float8_output (the output projection and loss in FP8)")
     parser.add_argument("--document_masking", action="store_true",
                         help="also run each of ours with data.document_masking and model.reset_positions")
-    parser.add_argument("--doc_len", type=int, default=None,
+    parser.add_argument("--doc_len", type=integer, default=None,
                         help="mean document length of the random tokens (an EOS with probability 1/doc_len); "
                         "default 1024 with --document_masking, else no EOS")
     parser.add_argument("--lora", default="",
@@ -448,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grid", default="",
                         help="also run ours at these fixed pairs of activation checkpointing policy and micro-batch, "
                         "POLICY@MICRO_BATCH, comma-separated (e.g. none@8,selective_op@16), at the global batch")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=integer, default=1,
                         help="alternate ours and the reference this many times (noisy machines)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of each run")
     parser.add_argument("--fused_projections", action="store_true",
@@ -458,8 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     parser.add_argument("--save_modes", default="", help="measure sharded checkpoint saves instead: any of sync, "
                         "thread, process, sync_gpu, comma-separated (e.g. sync,thread)")
-    parser.add_argument("--saves", type=int, default=1, help="with --save_modes: saves per mode")
-    parser.add_argument("--max_overlap_steps", type=int, default=300,
+    parser.add_argument("--saves", type=integer, default=1, help="with --save_modes: saves per mode")
+    parser.add_argument("--max_overlap_steps", type=integer, default=300,
                         help="with --save_modes: at most this many steps while an asynchronous write is in flight")
     parser.add_argument("--save_dir", default=str(ROOT / "checkpoints" / "benchmark-saves"),
                         help="with --save_modes: where the checkpoints are written (each deleted once measured)")
@@ -475,9 +476,9 @@ def grid_pairs(text: str) -> list[tuple[str, int]]:
     pairs = []
     for entry in (e.strip() for e in text.split(",") if e.strip()):
         policy, _, size = entry.rpartition("@")
-        if not policy or not size.isdigit() or int(size) < 1:
+        if not policy or (micro_batch := integer_in(size, 1)) is None:
             raise ValueError(f"--grid: {entry!r} is not POLICY@MICRO_BATCH (e.g. selective_op@16)")
-        pairs.append((policy, int(size)))
+        pairs.append((policy, micro_batch))
     if text and not pairs:
         raise ValueError(f"--grid {text!r}: no POLICY@MICRO_BATCH pair in it (e.g. none@8,selective_op@16); leave "
                          "--grid out for no grid")
@@ -508,7 +509,10 @@ def load_configs(args: argparse.Namespace, overrides: list[str], *, recipes: lis
     fp8_cfgs = {f"ours_fp8_{r}": load_config(args.config, [*overrides, f"--train.float8={r}"]) for r in recipes}
     if args.float8_output:
         fp8_cfgs["ours_fp8_output"] = load_config(args.config, [*overrides, "--train.float8_output=true"])
-    for rank in [int(r) for r in args.lora.split(",") if r.strip()]:
+    ranks = [r.strip() for r in args.lora.split(",") if r.strip()]
+    if bad := [r for r in ranks if integer_in(r, 1) is None]:
+        raise ConfigError([f"--lora: {bad[0]!r} is not a LoRA rank (a whole number of at least 1)"])
+    for rank in map(integer, ranks):
         fp8_cfgs[f"ours_lora_r{rank}"] = load_config(args.config, [*overrides, f"--train.lora.rank={rank}"])
     launch = read_torchrun_env()
     problems = [p for r in dict.fromkeys([cfg.train.float8, *recipes])

@@ -91,6 +91,10 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from benchmarks.benchmark import EOS_ID, random_batches  # noqa: E402
 from config import CheckpointConfig, ConfigError, check_batch_split, load_config  # noqa: E402
+from config.numbers import (  # noqa: E402
+    integer,
+    number as parse_number,
+)
 from fsdp_utils import nofollow  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.checkpoint.async_save import check_host_memory  # noqa: E402
@@ -1005,19 +1009,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="a training config (YAML); --section.key=value overrides follow")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
                         help=f"comma-separated, measured in this order; any of {', '.join(VARIANTS)}")
-    parser.add_argument("--saves", type=int, default=2,
+    parser.add_argument("--saves", type=integer, default=2,
                         help="saves per variant (the first allocates DCP's staging buffers; the second is steady)")
     parser.add_argument("--out", required=True,
                         help="folder for the checkpoints (a subfolder of this invocation's own, removed at the end); "
                              "needs one checkpoint's space")
     parser.add_argument("--json", default=None, help="append one JSON row per save to this file")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="run.device")
-    parser.add_argument("--steps", type=int, default=2, help="timed training steps before the saves (the normal step)")
-    parser.add_argument("--max_overlap_steps", type=int, default=1000,
+    parser.add_argument("--steps", type=integer, default=2,
+                        help="timed training steps before the saves (the normal step)")
+    parser.add_argument("--max_overlap_steps", type=integer, default=1000,
                         help="at most this many training steps while a save is in flight; then it is waited for")
-    parser.add_argument("--check_tensors", type=int, default=24,
+    parser.add_argument("--check_tensors", type=integer, default=24,
                         help="tensors of each checkpoint read back and compared (0: none)")
-    parser.add_argument("--budget_s", type=float, default=None,
+    parser.add_argument("--budget_s", type=parse_number, default=None,
                         help="skip the saves (and variants) that would end later than this many seconds after the "
                              "start, judged by the longest so far")
     return parser

@@ -17,6 +17,7 @@ import yaml
 
 from .checks import validate
 from .errors import ConfigError, closest
+from .numbers import integer_in, number
 from .sections import REMOVED_FIELDS, Config
 
 # A config file is a few kilobytes: a file far larger is a checkpoint or a corpus given in its place.
@@ -40,7 +41,7 @@ def _type_problem(where: str, value, kinds: Sequence[type]) -> str:
     expected = " or ".join(_EXPECTED.get(t, t.__name__) for t in kinds)
     given = "null" if value is None else f"{_GIVEN.get(type(value), type(value).__name__)} {value!r}"
     text = f"{where}: expected {expected}, got {given}"
-    if isinstance(value, str) and int in kinds and value.strip().lstrip("+-").isdigit():
+    if isinstance(value, str) and int in kinds and integer_in(value) is not None:
         text += " (in quotes, a number is a string: write it without them)"
     return text
 
@@ -52,8 +53,8 @@ def _is_a(value, kind: type) -> bool:
 
 def _coerce(value, hint, where: str, problems: list[str]):
     """Check `value` against type `hint`; return it (ints accepted for floats). Appends to problems."""
-    if isinstance(value, _LongInt):  # whatever the field's type: no value of a config has that many digits
-        problems.append(f"{where}: an integer of {value.digits:,} digits, far out of range")
+    if isinstance(value, _Unreadable):  # whatever the field's type: YAML read it, the config refuses it
+        problems.append(f"{where}: {value.problem}")
         return value
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
@@ -99,20 +100,20 @@ def _coerce_list(value, item, where: str, problems: list[str]):
 
 
 def _coerce_float(value: int | float | str, where: str, problems: list[str]) -> float | str:
-    """A float field's value: ints become floats; a string that reads as a number is accepted, because
-    YAML reads 3e-4 as a string (YAML 1.1 needs a dot); NaN and infinities are refused."""
+    """A float field's value: ints become floats; a string that reads as a number (in the digits 0-9) is
+    accepted, because YAML reads 3e-4 as a string (YAML 1.1 needs a dot); NaN and infinities are refused."""
     if isinstance(value, str):
         try:
-            number = float(value)
+            result = number(value)
         except ValueError:
             problems.append(_type_problem(where, value, [float]))
             return value
     else:
-        number = float(value)
-    if not math.isfinite(number):
+        result = float(value)
+    if not math.isfinite(result):
         problems.append(f"{where}: must be a finite number, got {value!r}")
-        return value if isinstance(value, float) else number
-    return number
+        return value if isinstance(value, float) else result
+    return result
 
 
 def _build(cls, raw: dict, where: str, problems: list[str]):
@@ -191,15 +192,33 @@ def _expansion(root: yaml.Node) -> int:
     return sizes[id(root)] - len(sizes)
 
 
-class _LongInt:
-    """A YAML integer with more digits than Python converts (sys.get_int_max_str_digits), kept as its length
-    so that the type check reports it under its key."""
+class _Unreadable:
+    """A value YAML reads that no config takes, kept so that the type check reports `problem` under its key."""
+
+    problem = ""
+
+
+class _LongInt(_Unreadable):
+    """A YAML integer with more digits than Python converts (sys.get_int_max_str_digits)."""
 
     def __init__(self, digits: int):
         self.digits = digits
+        self.problem = f"an integer of {digits:,} digits, far out of range"
 
     def __repr__(self) -> str:
         return f"<an integer of {self.digits:,} digits>"
+
+
+class _Base60(_Unreadable):
+    """A YAML 1.1 base-60 number: `190:20:30` is 685230 to YAML 1.1, a time or a typo to its writer."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.problem = (f"{text} is read as a number in base 60 (YAML 1.1's sexagesimal); write the number in "
+                        "decimal, or quote the text for a string")
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -244,6 +263,8 @@ class _BoundedLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
     def construct_yaml_int(self, node: yaml.ScalarNode):
+        if ":" in node.value:  # base 60 (YAML 1.1's resolver tags only 0-9, _ and : as an integer with a colon)
+            return _Base60(node.value)
         try:
             value = super().construct_yaml_int(node)
         except ValueError:  # past Python's limit on the digits of a decimal integer
@@ -253,7 +274,12 @@ class _BoundedLoader(yaml.SafeLoader):
         return _LongInt(digits) if 0 < sys.get_int_max_str_digits() < digits else value
 
 
+    def construct_yaml_float(self, node: yaml.ScalarNode):
+        return _Base60(node.value) if ":" in node.value else super().construct_yaml_float(node)
+
+
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+_BoundedLoader.add_constructor("tag:yaml.org,2002:float", _BoundedLoader.construct_yaml_float)
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:

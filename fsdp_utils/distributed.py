@@ -11,6 +11,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from config.numbers import integer_in
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -40,17 +42,29 @@ class Launch:
     elastic: bool = False
 
 
+def _env_int(name: str, default: int, *, low: int = 0, high: int = 2**31 - 1) -> int:
+    """A whole number from the environment (torchrun's, or set by hand); ValueError in one line naming it."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    if (value := integer_in(text, low, high)) is None:
+        raise ValueError(f"{name}={text} is not a whole number from {low} to {high} (torchrun sets it; unset it to "
+                         "run one process)")
+    return value
+
+
 def read_torchrun_env() -> Launch:
-    """This process's place from torchrun's variables; one process without them."""
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    """This process's place from torchrun's variables; one process without them. ValueError naming a variable
+    that is not a whole number."""
+    world_size = _env_int("WORLD_SIZE", 1, low=1)
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return Launch(
-        rank=int(os.environ.get("RANK", 0)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        rank=_env_int("RANK", 0),
+        local_rank=_env_int("LOCAL_RANK", 0),
         world_size=world_size,
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size, low=1),
         under_torchrun="TORCHELASTIC_RUN_ID" in os.environ,
-        agent_store=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) if shared else None,
+        agent_store=(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0, low=1, high=65535)) if shared else None,
         elastic="TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("FSDP_ELASTIC") == "1",
     )
 

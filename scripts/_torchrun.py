@@ -31,11 +31,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from config.numbers import integer_in  # noqa: E402
 from scripts.rendezvous_store import StoreAddressError, serve_store  # noqa: E402
 
 RUN_ID_KEY = "fsdp-lm/run_id"
 USER_ERROR_CODES = (1, 2)  # train_fsdp.py's exit status after its `error:` line
 JOIN_TIMEOUT_S = 600.0  # torchrun's default join_timeout
+# The --rdzv_conf settings that torchrun reads as whole numbers (seconds, or attempts).
+RDZV_NUMBERS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "read_timeout",
+                "keep_alive_interval", "keep_alive_max_attempt")
 
 
 class Refused(Exception):
@@ -53,13 +57,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     return parser.parse_args(argv[:split]), torchrun_args(argv[split + 1:])
 
 
-def join_timeout_s(rdzv_conf: str) -> float:
-    """torchrun's join_timeout from --rdzv_conf (key=value,...), or its default."""
+def rdzv_numbers(rdzv_conf: str) -> dict[str, int]:
+    """The whole-number settings of --rdzv_conf (key=value,...); Refused naming one that is not a whole number in
+    the digits 0-9 (torchrun's int() would read other scripts' digits, or end in a traceback)."""
+    numbers = {}
     for item in rdzv_conf.split(","):
-        key, _, value = item.partition("=")
-        if key.strip() == "join_timeout" and value.strip().isdigit():
-            return float(value)
-    return JOIN_TIMEOUT_S
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key in RDZV_NUMBERS:
+            if (number := integer_in(value, 0)) is None:
+                raise Refused(f"--rdzv_conf (RDZV_CONF): {key}={value} is not a whole number of at least 0")
+            numbers[key] = number
+    return numbers
+
+
+def join_timeout_s(rdzv_conf: str) -> float:
+    """torchrun's join_timeout from --rdzv_conf (key=value,...), or its default; Refused if it is not a number."""
+    return float(rdzv_numbers(rdzv_conf).get("join_timeout", JOIN_TIMEOUT_S))
 
 
 def connect_store(host: str, port: int, *, timeout_s: float):
@@ -137,12 +150,14 @@ def agree_on_run(args: argparse.Namespace, role: str):
     """Agree with the job on its run id and config (see the module's docstring); set args.rdzv_id. Returns the
     store, which a serving node must keep referenced: the store lives as long as the object."""
     endpoint = args.rdzv_endpoint
-    host, _, port = endpoint.rpartition(":")
+    host, _, port_text = endpoint.rpartition(":")
     host = host.strip("[]")  # an IPv6 address in brackets
+    if (port := integer_in(port_text, 1, 65535)) is None:
+        raise Refused(f"--rdzv_endpoint={endpoint} is not HOST:PORT, a port from 1 to 65535")
     if role == "serve":
-        store = serve_store(host, int(port), name="MASTER_ADDR")
+        store = serve_store(host, port, name="MASTER_ADDR")
     else:
-        store = connect_store(host, int(port), timeout_s=join_timeout_s(args.rdzv_conf))
+        store = connect_store(host, port, timeout_s=join_timeout_s(args.rdzv_conf))
     given = None if args.rdzv_id == "none" else args.rdzv_id  # torchrun's default when --rdzv_id is not given
     args.rdzv_id = agreed_run_id(store, given, role=role, endpoint=endpoint)
     check_config(store, args.rdzv_id, args.training_script_args, endpoint=endpoint)
@@ -179,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
     own, args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        rdzv_numbers(args.rdzv_conf)  # torchrun's own reading of them would end in a traceback
         store = agree_on_run(args, own.store) if own.store else None  # noqa: F841 (kept alive while torchrun runs)
     except (Refused, StoreAddressError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -14,7 +14,11 @@
 # check_whole NAME MIN [MAX]: the variable NAME holds a whole number from MIN (to MAX), else one `error:` line and
 # exit 2. Every value from the environment is checked as text before bash arithmetic sees it: (( )), $(( )) and
 # [[ -gt ]] evaluate a variable's text as an expression, running any command substitution in an array subscript.
+# is_whole VALUE MIN MAX: the same test as a status, for a check with a message of its own.
+# MAX_NODES, MAX_PROCS_PER_NODE: the bounds of node and per-node process counts, so that the product of a node
+# count, a process count and a batch size stays far inside bash's 64-bit arithmetic.
 # check_run_id: RDZV_ID, when set, is a run id torchrun can take, else one `error:` line and exit 2.
+# usage_on_help SCRIPT [ARGS...]: with -h or --help first in ARGS, print SCRIPT's opening comment and exit 0.
 
 run_torchrun() {
   set -m  # torchrun in a process group of its own: a Ctrl-C at the terminal reaches this script only
@@ -42,10 +46,17 @@ forward_signal() {
   pkill "-$sig" -P "$TORCHRUN_PID" || true  # torchrun's children are the training processes
 }
 
+# shellcheck disable=SC2034  # read by the launchers that source this file
+MAX_NODES=100000 MAX_PROCS_PER_NODE=1024
+
+is_whole() {
+  # The text first (at most 9 digits, no leading zero, which bash would read as octal), then the range.
+  [[ "$1" =~ ^(0|[1-9][0-9]{0,8})$ ]] && (( $1 >= $2 && $1 <= $3 ))
+}
+
 check_whole() {
   local name="$1" min="$2" max="${3:-999999999}" value="${!1:-}"
-  # The text first (at most 9 digits: a product of two stays inside bash's 64-bit arithmetic), then the range.
-  if ! [[ "$value" =~ ^(0|[1-9][0-9]{0,8})$ ]] || (( value < min || value > max )); then
+  if ! is_whole "$value" "$min" "$max"; then
     local range="of at least $min"
     [[ -n "${3:-}" ]] && range="from $min to $max"
     echo "error: $name=$value is not a whole number $range" >&2
@@ -59,3 +70,14 @@ check_run_id() {
     exit 2
   fi
 }
+
+usage_on_help() {
+  [[ "${2:-}" == -h || "${2:-}" == --help ]] || return 0
+  awk 'NR == 1 { next } /^#( |$)/ { sub(/^# ?/, ""); print; next } { exit }' "$1"
+  exit 0
+}
+
+# Run rather than sourced: say what it is.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  usage_on_help "$0" --help
+fi

@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from config.numbers import integer  # noqa: E402
 from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed, pick_device, read_torchrun_env  # noqa: E402
@@ -139,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="fsdp_cpt<step>.pth, fsdp_sharded_cpt<step>/ or an HF folder")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names or task .yaml files")
     parser.add_argument("--include_path", action="append", default=[], help="a folder of task .yaml files (repeatable)")
-    parser.add_argument("--limit", type=int, default=None, help="the first N documents of each task")
-    parser.add_argument("--batch_size", type=int, default=8, help="sequences per forward pass")
-    parser.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    parser.add_argument("--limit", type=integer, default=None, help="the first N documents of each task")
+    parser.add_argument("--batch_size", type=integer, default=8, help="sequences per forward pass")
+    parser.add_argument("--num_fewshot", type=integer, default=None,
+                        help="few-shot examples (default: each task's own)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: bf16 on GPUs, else fp32")
     parser.add_argument("--tokenizer", type=Path, default=None,
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", type=Path, default=None,
                         help="a checkpoint of a fine-tuned Hugging Face model: the model folder (or config.json) it "
                              "fine-tuned (default: model.hf_path or model.hf_config of the run's config.yaml)")
-    parser.add_argument("--bootstrap_iters", type=int, default=100_000, help="for standard errors (0: none)")
+    parser.add_argument("--bootstrap_iters", type=integer, default=100_000, help="for standard errors (0: none)")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -17,6 +17,10 @@
 # A node whose run id or resolved config differs from the job's is refused before it joins.
 # Ctrl-C on any node: every process saves a checkpoint after the current step and exits 0.
 set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=scripts/_torchrun.sh
+source "$ROOT/scripts/_torchrun.sh"
+usage_on_help "${BASH_SOURCE[0]}" "$@"
 if [[ $# -lt 3 ]]; then
   echo "usage: $0 MASTER_ADDR NODE_RANK NNODES [train_fsdp.py arguments...]   (NNODES: a count, or MIN:MAX)" >&2
   exit 2
@@ -25,21 +29,18 @@ MASTER_ADDR="$1"
 NODE_RANK="$2"
 NNODES="$3"
 shift 3
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CONFIG="${CONFIG:-$ROOT/config/train_tiny_fsdp.yaml}"
 MASTER_PORT="${MASTER_PORT:-29500}"
-# shellcheck source=scripts/_torchrun.sh
-source "$ROOT/scripts/_torchrun.sh"
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [[ "$NPROC_PER_NODE" -gt 0 ]] || NPROC_PER_NODE=1
 fi
-check_whole NODE_RANK 0
+check_whole NODE_RANK 0 "$((MAX_NODES - 1))"
 check_whole MASTER_PORT 1 65535
-check_whole NPROC_PER_NODE 1
+check_whole NPROC_PER_NODE 1 "$MAX_PROCS_PER_NODE"
 [[ -z "${MAX_RESTARTS:-}" ]] || check_whole MAX_RESTARTS 0
 if [[ "$NNODES" != *:* ]]; then
-  check_whole NNODES 1
+  check_whole NNODES 1 "$MAX_NODES"
   if [[ -n "${RDZV_STORE:-}" ]]; then
     echo "error: RDZV_STORE=$RDZV_STORE is for elastic runs (NNODES as a range MIN:MAX); a static run of" \
       "NNODES=$NNODES meets at MASTER_ADDR:MASTER_PORT" >&2
@@ -51,8 +52,8 @@ if [[ "$NNODES" != *:* ]]; then
   exit
 fi
 
-if ! [[ "$NNODES" =~ ^[1-9][0-9]{0,8}:[1-9][0-9]{0,8}$ ]] || (( ${NNODES%:*} > ${NNODES#*:} )); then
-  echo "error: NNODES=$NNODES is not a node range MIN:MAX with 1 <= MIN <= MAX" >&2
+if ! is_whole "${NNODES%%:*}" 1 "$MAX_NODES" || ! is_whole "${NNODES#*:}" "${NNODES%%:*}" "$MAX_NODES"; then
+  echo "error: NNODES=$NNODES is not a node range MIN:MAX with 1 <= MIN <= MAX <= $MAX_NODES" >&2
   exit 2
 fi
 check_run_id

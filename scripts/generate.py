@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from config.numbers import integer, number  # noqa: E402
 from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
 from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_hf_checkpoint  # noqa: E402
@@ -194,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="fsdp_cpt<step>.pth or fsdp_sharded_cpt<step>/")
     parser.add_argument("--prompt", required=True, help="text to continue (may be empty)")
-    parser.add_argument("--max_new_tokens", type=int, default=100)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    parser.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max_new_tokens", type=integer, default=100)
+    parser.add_argument("--temperature", type=number, default=0.8, help="0: greedy")
+    parser.add_argument("--top_k", type=integer, default=50, help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--seed", type=integer, default=0)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="a SentencePiece model or a Hugging Face tokenizer folder (default: the one next to "

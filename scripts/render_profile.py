@@ -399,13 +399,15 @@ def render_snapshot(path: Path, out: Path, device: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from config.numbers import integer
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=("trace", "summary", "snapshot"),
                         help="draw a profile trace (json), summarize one without drawing, or draw a memory snapshot")
     parser.add_argument("path", type=Path, help="the .pt.trace.json or .pickle file")
     parser.add_argument("--out", type=Path, help="the PNG to write (trace, snapshot)")
-    parser.add_argument("--step", type=int, default=None, help="trace: the step to draw (default: the second)")
-    parser.add_argument("--device", type=int, default=0, help="snapshot: the device index whose history to draw")
+    parser.add_argument("--step", type=integer, default=None, help="trace: the step to draw (default: the second)")
+    parser.add_argument("--device", type=integer, default=0, help="snapshot: the device index whose history to draw")
     args = parser.parse_args(argv)
     if args.kind != "summary" and args.out is None:
         parser.error(f"{args.kind} needs --out (the PNG to write)")

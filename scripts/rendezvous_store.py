@@ -5,19 +5,30 @@
     export RDZV_STORE=storehost:29400 RDZV_ID=$(openssl rand -hex 16)    # one id per job, the same on every node
     scripts/fsdp_multi_node.sh 10.0.0.1 0 2:4 ...                        # on every node
 
-It listens on the address of --host only, and serves until SIGINT or SIGTERM. The store has no authentication:
-anyone who reaches its port can read and write the rendezvous, so it must sit on a network only the job's
-machines reach. A port in use or an address that is not this machine's: one `error:` line, exit status 2.
+It listens on the address of --host only (0.0.0.0 or ::, every interface of the machine, with a warning), and serves
+until SIGINT or SIGTERM. The store has no authentication: anyone who reaches its port can read and write the
+rendezvous, so it must sit on a network only the job's machines reach. A port in use or an address that is not this
+machine's: one `error:` line, exit status 2. A malformed message from a client is one line in its log.
 """
 from __future__ import annotations
 
 import argparse
 import errno
 import ipaddress
+import os
+import re
 import signal
 import socket
 import sys
+import threading
 from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from config.numbers import integer_in  # noqa: E402
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
@@ -30,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default=None,
                         help="the address of this machine that the nodes reach, the only one the store listens on "
-                             "(default: the host name, unless it names a loopback address)")
+                             "(default: the host name, unless it names a loopback address; 0.0.0.0: every interface)")
     parser.add_argument("--port", required=True, help="the port to listen on")
     return parser.parse_args(argv)
 
@@ -83,21 +94,83 @@ def default_host() -> str:
     return host
 
 
+def advertised_host(host: str) -> str:
+    """The address the nodes take for a store listening on `host`: `host` itself, or for an unspecified address
+    (0.0.0.0, ::, which listen on every interface) this machine's host name, or else its first address that is not
+    a loopback one (the source address of its default route)."""
+    try:
+        if not ipaddress.ip_address(host.strip("[]")).is_unspecified:
+            return host
+    except ValueError:  # a host name
+        return host
+    try:
+        return default_host()
+    except StoreAddressError:  # the host name is a loopback address here
+        pass
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:  # a UDP connect sends nothing: it only picks the route, and with it this machine's address
+            probe.connect(("2001:db8::1" if family == socket.AF_INET6 else "192.0.2.1", 9))
+        except OSError:
+            return socket.gethostname()
+        address = str(probe.getsockname()[0])
+    return f"[{address}]" if ":" in address else address
+
+
+# What the C++ store writes after the line of a client's malformed message: where the exception was raised and
+# its stack, a dozen lines of frames that say nothing to the user of the store.
+_CPP_STACK = re.compile(rb"(Exception raised from .*|frame #\d+: .*|)\n")
+
+
+class OneLineLogs:
+    """This process's stderr (file descriptor 2, where the C++ store logs) routed through a thread that keeps the
+    first line of each record and drops the C++ stack after it, until stop()."""
+
+    def __init__(self) -> None:
+        read_end, write_end = os.pipe()
+        self.real_stderr = os.dup(2)
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        self.thread = threading.Thread(target=self._copy, args=(read_end,), name="one-line-logs", daemon=True)
+        self.thread.start()
+
+    def _copy(self, read_end: int) -> None:
+        with os.fdopen(read_end, "rb") as lines:
+            for line in lines:
+                if not _CPP_STACK.fullmatch(line):
+                    os.write(self.real_stderr, line)
+
+    def stop(self) -> None:
+        """stderr back to where it was; the copy ends once it has passed on what the pipe still holds."""
+        sys.stderr.flush()
+        os.dup2(self.real_stderr, 2)  # closes the pipe's last write end
+        self.thread.join(timeout=5)
+        os.close(self.real_stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if not args.port.isdigit() or not 1 <= int(args.port) <= 65535:
+        if (port := integer_in(args.port, 1, 65535)) is None:
             raise StoreAddressError(f"--port={args.port} is not a port number from 1 to 65535")
         host = args.host or default_host()
         # Blocked before the store starts its threads, so that only sigwait below receives them.
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        store = serve_store(host, int(args.port))
+        store = serve_store(host, port)
     except StoreAddressError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"rendezvous store at {host}:{store.port}, listening on that address only (the nodes take "
-          f"RDZV_STORE={host}:{store.port} and one RDZV_ID per job): keep it up for the job's life", flush=True)
+    reach = advertised_host(host)
+    if reach != host:
+        print(f"warning: --host={host} listens on every interface of this machine: anyone who reaches port "
+              f"{store.port} on any of them can read and write the rendezvous; name one address with --host",
+              file=sys.stderr, flush=True)
+    where = "on every interface" if reach != host else "on that address only"
+    print(f"rendezvous store at {reach}:{store.port}, listening {where} (the nodes take "
+          f"RDZV_STORE={reach}:{store.port} and one RDZV_ID per job): keep it up for the job's life", flush=True)
+    logs = OneLineLogs()
     sig = signal.sigwait(STOP_SIGNALS)
+    logs.stop()
     print(f"rendezvous store stopped by {signal.Signals(sig).name}", flush=True)
     return 0
 

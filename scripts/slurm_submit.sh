@@ -21,15 +21,21 @@
 #SBATCH --output=slurm-%j.out
 set -euo pipefail
 
-ROOT="${SLURM_SUBMIT_DIR:-$(pwd)}"
+# sbatch runs a copy of this script from its spool folder: the checkout is where the job was submitted.
+ROOT="${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 CONFIG="${CONFIG:-$ROOT/config/train1B_fsdp.yaml}"
 # shellcheck source=scripts/_torchrun.sh
 source "$ROOT/scripts/_torchrun.sh"
+usage_on_help "${BASH_SOURCE[0]}" "$@"
+if [[ -z "${SLURM_JOB_NODELIST:-}" ]]; then
+  echo "error: SLURM_JOB_NODELIST is not set: submit this script with sbatch (scripts/slurm_submit.sh --help)" >&2
+  exit 2
+fi
 GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
 MICRO_BATCH="${MICRO_BATCH:-2}"
 PORT="${MASTER_PORT:-29500}"
-[[ -z "${SLURM_NNODES:-}" ]] || check_whole SLURM_NNODES 1
-check_whole GPUS_PER_NODE 1
+[[ -z "${SLURM_NNODES:-}" ]] || check_whole SLURM_NNODES 1 "$MAX_NODES"
+check_whole GPUS_PER_NODE 1 "$MAX_PROCS_PER_NODE"
 [[ "$MICRO_BATCH" == auto ]] || check_whole MICRO_BATCH 1
 [[ -z "${GLOBAL_BATCH:-}" ]] || check_whole GLOBAL_BATCH 1
 [[ -z "${MASTER_PORT:-}" ]] || check_whole MASTER_PORT 1 65535
@@ -38,7 +44,7 @@ check_run_id
 RDZV_ID="${RDZV_ID:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"  # unguessable: another job cannot join by accident
 NNODES="${SLURM_NNODES:-1}"
 WORLD=$((NNODES * GPUS_PER_NODE))
-if [[ -n "${ELASTIC_MIN_NODES:-}" ]] && { ! [[ "$ELASTIC_MIN_NODES" =~ ^[1-9][0-9]*$ ]] || (( ELASTIC_MIN_NODES > NNODES )); }; then
+if [[ -n "${ELASTIC_MIN_NODES:-}" ]] && ! is_whole "$ELASTIC_MIN_NODES" 1 "$NNODES"; then
   echo "error: ELASTIC_MIN_NODES=$ELASTIC_MIN_NODES is not a node count from 1 to the job's $NNODES nodes" >&2
   exit 2
 fi

@@ -401,6 +401,22 @@ def test_invalid_metadata_is_one_line_for_every_reader(saved, tmp_path, fmt, cas
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
+@pytest.mark.parametrize("field", ["samples_seen", "tokens_seen"])
+def test_a_counter_past_2_63_is_never_saved(tmp_path, fmt, field):
+    """2**63 - 1 is the most a checkpoint's counter may hold (every reader refuses more, as above): a save that would
+    write more is refused in one line naming the field and the checkpoint, and writes no checkpoint."""
+    model, optimizer = model_and_optimizer()
+    state = TrainState(step=3, samples_seen=24, tokens_seen=192)
+    setattr(state, field, 2**63)
+    with pytest.raises(CheckpointError) as caught:
+        manager(tmp_path, fmt).save(model, optimizer, state)
+    final = tmp_path / ("fsdp_cpt3.pth" if fmt == "full" else "fsdp_sharded_cpt3")
+    assert one_line(caught.value) == (f"{final}: not saved: train_state.{field} 9223372036854775808 is not an integer "
+                                      "from 0 to 2**63-1 (a checkpoint holding it would not load)")
+    assert not list(tmp_path.glob("*cpt*"))
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_a_config_describing_more_than_the_checkpoint_holds_is_never_built(saved, tmp_path, fmt):
     """A whole model's checkpoint holds its weights: 2**16 layers of width 1,024 (8.3 * 10**11 weights) in a
     checkpoint of a few hundred KB are not its own, and load_model refuses them before allocating anything."""
@@ -999,6 +1015,38 @@ def test_fuzz_checkpoint_loaders(saved, tmp_path, target):
         assert checkpoint.exists() and path.exists()
     assert outcomes["refused"] > 0, outcomes
 
+
+
+# ---- end to end: counters at their limit ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_resume_whose_counters_have_no_room_for_the_run_is_refused(corpus, dataset_dir, tmp_path):
+    """The step-2 checkpoint of the tiny run (8 samples of 32 tokens a step) edited, its checksum recomputed.
+    samples_seen 2**63 - 1: the 2 steps to train.max_steps=4 would read past the largest data position and save a
+    checkpoint no reader loads (samples_seen 2**63 + 15): refused at the resume in one line naming the field and the
+    checkpoint, nothing written. tokens_seen 2**63 - 1 - 2 * 256, room for exactly those 2 steps: the run trains,
+    and its last checkpoint holds 2**63 - 1 tokens and loads."""
+    from tests.helpers import run_train
+
+    out = tmp_path / "run"
+    run_train("--train.max_steps=2", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    checkpoint = out / "fsdp_cpt2.pth"
+    mutate_meta(checkpoint, lambda m: m["train_state"].update(samples_seen=2**63 - 1))
+    def files() -> dict[str, bytes]:  # the run's lock aside: every run takes it anew
+        return {path.name: path.read_bytes() for path in out.iterdir() if path.is_file() and path.name != "run.lock"}
+
+    before = files()
+    proc = run_train("--train.max_steps=4", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors == [f"error: {checkpoint}: train_state.samples_seen 9223372036854775807 leaves no room for the 2 "
+                      "steps to train.max_steps=4 (8 each): it would pass 2**63-1, the most a checkpoint holds"]
+    assert files() == before
+
+    mutate_meta(checkpoint, lambda m: m["train_state"].update(samples_seen=16, tokens_seen=2**63 - 1 - 2 * 256))
+    run_train("--train.max_steps=4", nproc=1, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    assert checkpoint_io.read_meta(out / "fsdp_cpt4.pth")["train_state"]["tokens_seen"] == 2**63 - 1
 
 
 # ---- end to end: a run resumed with another tokenizer ---------------------------------------------

@@ -517,6 +517,29 @@ def test_an_integer_longer_than_python_reads_is_one_line_naming_the_key(tmp_path
         "model.dim: an integer of 6,021 digits, far out of range"]
 
 
+def test_a_base_60_number_is_one_line_naming_the_key(tmp_path):
+    """YAML 1.1 reads 190:20:30 as 190 * 3600 + 20 * 60 + 30 = 685230, and 1:30.5 as 90.5: a time or a typo taken as
+    a number. Refused under its key, in a file and in an override, whatever the field's type (run.name 12:30 would be
+    the integer 750)."""
+    path = tmp_path / "base60.yaml"
+    path.write_text("run:\n  name: 12:30\ntrain:\n  max_steps: 190:20:30\n  lr: 1:30.5\n")
+    fix = ("is read as a number in base 60 (YAML 1.1's sexagesimal); write the number in decimal, or quote the text "
+           "for a string")
+    assert problems_of(path=path) == [f"run.name: 12:30 {fix}", f"train.max_steps: 190:20:30 {fix}",
+                                      f"train.lr: 1:30.5 {fix}"]
+    assert problems_of("--train.max_steps=190:20:30", "--data.files=[a, 1:2]") == [
+        f"data.files[1]: 1:2 {fix}", f"train.max_steps: 190:20:30 {fix}"]
+    assert load_config(TINY, ["--run.name='12:30'"]).run.name == "12:30"  # quoted: the text
+
+
+def test_numbers_are_read_in_the_digits_0_to_9_only():
+    # float() reads other scripts' digits: '٣e-4' (Arabic-Indic three) would be the learning rate 0.0003.
+    assert problems_of("--train.lr=٣e-4") == ["train.lr: expected a number, got the string '٣e-4'"]
+    # No hint to remove quotes that are not there: '٣' is a string however it is written.
+    assert problems_of("--train.max_steps=٣") == ["train.max_steps: expected an integer, got the string '٣'"]
+    assert load_config(TINY, ["--train.lr=3e-4"]).train.lr == 3e-4
+
+
 def test_keys_that_are_not_names(tmp_path):
     path = tmp_path / "keys.yaml"
     path.write_text("1: 2\ntrain: {null: 1, 1.5: 2, lr: 0.1}\n")
@@ -577,6 +600,20 @@ def test_cli_unknown_key_exits_2_with_one_error_line():
     assert proc.returncode == 2
     assert error_lines(proc) == ["error: unknown key 'train.lrr' (did you mean 'train.lr'?)"]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name,value", [("RANK", "٠"), ("WORLD_SIZE", "²"), ("LOCAL_RANK", "x")])
+def test_a_rank_variable_that_is_not_a_whole_number_is_one_error_line(name, value, monkeypatch, capsys):
+    """torchrun sets them in ASCII digits; one set by hand in other digits (int() reads '٠' as 0, and fails on '²'
+    with a traceback) ends the script before anything starts."""
+    import train_fsdp
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        train_fsdp.main.__wrapped__([str(TINY), "--check"])  # without @record, which wants a real stderr
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (f"error: {name}={value} is not a whole number from {int(name == 'WORLD_SIZE')} "
+                                       "to 2147483647 (torchrun sets it; unset it to run one process)\n")
 
 
 @pytest.mark.parametrize("argv,hint", [

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -321,6 +322,34 @@ def test_the_store_script_listens_on_the_address_of_host_only(host, other, tmp_p
         assert reachable(host, port) and not reachable(other, port)
 
 
+def test_the_store_script_on_every_interface_says_so_and_names_an_address_the_nodes_reach(tmp_path):
+    """0.0.0.0 listens on every interface: a warning, and the address given to the nodes is this machine's (its host
+    name, or its first address that is not a loopback one), which they can reach, not 0.0.0.0."""
+    with store_script(tmp_path, "0.0.0.0") as port:
+        log = (tmp_path / "store-0.0.0.0.log").read_text()
+        (address,) = re.findall(rf"RDZV_STORE=(\S+):{port} ", log)
+        assert address != "0.0.0.0" and reachable(address.strip("[]"), port), log
+    assert f"warning: --host=0.0.0.0 listens on every interface of this machine: anyone who reaches port {port}" in log
+    assert f"rendezvous store at {address}:{port}, listening on every interface (the nodes take" in log
+
+
+def test_a_malformed_message_to_the_store_script_is_one_line_in_its_log(tmp_path):
+    """A client that validates (TCPStore's query 0 and magic number) and then sends a key of 2**40 bytes: torch's store
+    refuses it with a warning followed by the C++ stack of where it was raised, some 15 lines of frames. In the
+    store's log: the warning's line alone."""
+    with store_script(tmp_path, "127.0.0.1") as port:
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"\x00" + struct.pack("<I", 0x3C85F7CE) + b"\x01" + struct.pack("<Q", 2**40))
+            deadline = time.monotonic() + TIMEOUT_S
+            while "Invalid string size" not in (tmp_path / "store-127.0.0.1.log").read_text():
+                assert time.monotonic() < deadline, "the store never refused the message"
+                time.sleep(0.05)
+    lines = (tmp_path / "store-127.0.0.1.log").read_text().splitlines()
+    assert len(lines) == 3 and "keep it up for the job's life" in lines[0], lines
+    assert lines[2] == "rendezvous store stopped by SIGTERM"
+    assert lines[1].endswith("Error processing client message: Invalid string size. size: 1099511627776, max: 8192")
+
+
 def test_the_store_script_refuses_a_host_name_that_no_other_node_can_reach(monkeypatch, capsys):
     """Without --host the store takes the host name, which some systems map to a loopback address in /etc/hosts:
     listening there only, no node could reach it."""
@@ -358,7 +387,10 @@ def test_the_store_script_names_a_port_it_cannot_serve(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        # int() would take '٣٠٠٠٠' (Arabic-Indic digits) for 30000, and fail on '²' (a digit to str.isdigit).
         for bad, culprit in [(["--port=70000"], "--port=70000 is not a port number"),
+                             (["--port=²"], "--port=² is not a port number from 1 to 65535"),
+                             (["--port=٣٠٠٠٠"], "--port=٣٠٠٠٠ is not a port number from 1 to 65535"),
                              ([f"--port={port}"], f"cannot serve the rendezvous store at 127.0.0.1:{port}"),
                              (["--host=203.0.113.7", "--port=29400"], "--host=203.0.113.7 is not an address of this")]:
             proc = subprocess.run([sys.executable, str(STORE_SCRIPT), "--host=127.0.0.1", *bad], capture_output=True,
@@ -379,3 +411,19 @@ def test_the_launcher_names_a_store_it_cannot_use(nnodes, store, culprit, tmp_pa
                           text=True, cwd=tmp_path, env=script_env(RDZV_STORE=store, NPROC_PER_NODE="2"), timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {culprit}"), proc.stderr
     assert proc.stderr.count("\n") == 1 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("setting", ["join_timeout=²", "join_timeout=٣٠", "last_call_timeout=1.5",
+                                     "keep_alive_max_attempt=-1"])
+def test_a_rendezvous_setting_that_is_not_a_whole_number_is_one_error_line(setting, capsys):
+    """RDZV_CONF reaches torchrun's --rdzv_conf, whose numbers torchrun reads with int(): '٣٠' as 30, '²' a
+    traceback. Refused before the node looks for the store (no store answers at this endpoint: a join would wait
+    join_timeout for it)."""
+    from scripts import _torchrun
+
+    start = time.monotonic()
+    assert _torchrun.main(["--store=join", "--", "--nnodes=1:2", "--rdzv_backend=c10d",
+                           f"--rdzv_endpoint=127.0.0.1:{free_port()}", f"--rdzv_conf=is_host=false,{setting}",
+                           "train_fsdp.py"]) == 2
+    assert capsys.readouterr().err == f"error: --rdzv_conf (RDZV_CONF): {setting} is not a whole number of at least 0\n"
+    assert time.monotonic() - start < 5

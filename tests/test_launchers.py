@@ -75,6 +75,51 @@ def test_scripts_are_executable_bash(script):
     assert script.read_text().startswith("#!/usr/bin/env bash\n")
 
 
+# Every script a user runs: the shell launchers and the Python scripts with a command line.
+PYTHON_SCRIPTS = sorted(path for path in [*ROOT.glob("scripts/**/*.py"), *ROOT.glob("benchmarks/*.py"),
+                                          ROOT / "train_fsdp.py"] if 'if __name__ == "__main__":' in path.read_text())
+
+
+def opening_comment(script: Path) -> str:
+    """The comment under a shell script's first line, without its `# `: what the script does and how to run it."""
+    lines = []
+    for line in script.read_text().splitlines()[1:]:
+        if line != "#" and not line.startswith("# "):
+            break
+        lines.append(line[2:])
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, *PYTHON_SCRIPTS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_script_prints_its_usage_on_help_and_exits_0(script, tmp_path):
+    """From another folder, without Slurm's variables or any script's: usage on stdout, status 0, nothing written."""
+    command = ["bash", str(script)] if script.suffix == ".sh" else [sys.executable, str(script)]
+    proc = subprocess.run([*command, "--help"], cwd=tmp_path, env=script_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if script.suffix == ".sh":
+        assert proc.stdout == opening_comment(script) and len(proc.stdout.splitlines()) >= 3, proc.stdout
+    else:
+        assert proc.stdout.startswith(f"usage: {script.name} "), proc.stdout[:500]
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("script,argv", [
+    ("generate", ["model.pth", "--prompt", "a", "--max_new_tokens", "٣"]),  # int() reads it as 3
+    ("generate", ["model.pth", "--prompt", "a", "--temperature", "٠.٥"]),  # float() reads it as 0.5
+    ("evaluate", ["model.pth", "--tasks", "hellaswag", "--limit", "²"]),  # int() fails on it with a traceback
+    ("render_profile", ["trace", "trace.json", "--out", "t.png", "--step", "٢"]),
+])
+def test_command_line_numbers_are_read_in_the_digits_0_to_9_only(script, argv, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as info:
+        importlib.import_module(f"scripts.{script}").main(argv)
+    kind = "number" if argv[-2] == "--temperature" else "integer"
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"{argv[-2]}: invalid {kind} value: '{argv[-1]}'")
+
+
 # ---- argument checks --------------------------------------------------------------------------------------
 
 
@@ -221,7 +266,8 @@ def test_slurm_elastic_launch_checks_the_config_before_launching(tmp_path):
     assert "srun" not in calls.read_text()  # scontrol only: no job step started
 
 
-@pytest.mark.parametrize("value", ["4", "0", "two"])
+# 2**64 + 1: bash's arithmetic wraps it to 1, a minimum that torch's node range then fails on with a traceback.
+@pytest.mark.parametrize("value", ["4", "0", "two", "18446744073709551617", "01"])
 def test_slurm_elastic_minimum_is_checked_before_launching(value, tmp_path):
     bin_dir, calls = slurm_stubs(tmp_path)
     env = script_env(SLURM_NNODES="3", GPUS_PER_NODE="2", MICRO_BATCH="2", GLOBAL_BATCH="24", SLURM_JOB_ID="9",
@@ -251,13 +297,33 @@ def slurm_run(tmp_path: Path, *args: str, **variables: str) -> subprocess.Comple
 @pytest.mark.parametrize("name,value", [
     ("GPUS_PER_NODE", "HOME[$(touch PWNED)]"), ("MICRO_BATCH", "HOME[$(touch PWNED)]"),
     ("GLOBAL_BATCH", "x[$(touch PWNED)]"), ("SLURM_NNODES", "a[$(touch PWNED)]"), ("MASTER_PORT", "p[$(touch PWNED)]"),
-    ("MAX_RESTARTS", "r[$(touch PWNED)]"), ("GPUS_PER_NODE", "08"), ("MASTER_PORT", "65536"), ("GLOBAL_BATCH", "-8")])
+    ("MAX_RESTARTS", "r[$(touch PWNED)]"), ("GPUS_PER_NODE", "08"), ("MASTER_PORT", "65536"), ("GLOBAL_BATCH", "-8"),
+    # Past the bounds of a node or process count: nodes x GPUs x micro-batch could wrap bash's 64-bit arithmetic.
+    ("GPUS_PER_NODE", "536870912"), ("SLURM_NNODES", "536870912"), ("MICRO_BATCH", "1" + "0" * 9)])
 def test_slurm_checks_every_number_before_arithmetic(name, value, tmp_path):
     proc = slurm_run(tmp_path, **{name: value})
     assert not (tmp_path / "PWNED").exists(), "a value from the environment ran a command"
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"error: {name}={value} is not a whole number ") and proc.stderr.count("\n") == 1
     assert not (tmp_path / "calls.txt").exists()  # neither scontrol nor srun was called
+
+
+def test_slurm_numbers_whose_product_wraps_are_one_error_line(tmp_path):
+    """2**29 nodes x 2**29 GPUs x a micro-batch of 2**29 is 2**87, 0 in bash's 64-bit arithmetic: the batch checks
+    would divide by it ("division by 0", and go on). Refused at the first number out of bounds."""
+    proc = slurm_run(tmp_path, SLURM_NNODES="536870912", GPUS_PER_NODE="536870912", MICRO_BATCH="536870912")
+    assert proc.returncode == 2 and "division by 0" not in proc.stderr, proc.stderr
+    assert proc.stderr == "error: SLURM_NNODES=536870912 is not a whole number from 1 to 100000\n"
+    assert not (tmp_path / "calls.txt").exists()
+
+
+def test_slurm_outside_a_slurm_job_is_one_error_line(tmp_path):
+    env = script_env(SLURM_NNODES="1", GPUS_PER_NODE="1")  # the user's Slurm variables, but no job's node list
+    proc = subprocess.run(["bash", str(ROOT / "scripts/slurm_submit.sh")], env=env, capture_output=True, text=True,
+                          cwd=tmp_path, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr == ("error: SLURM_JOB_NODELIST is not set: submit this script with sbatch "
+                           "(scripts/slurm_submit.sh --help)\n")
 
 
 def test_slurm_run_id_is_random_unless_given(tmp_path):
@@ -277,12 +343,12 @@ def test_slurm_run_id_is_random_unless_given(tmp_path):
     assert bad.stderr == "error: RDZV_ID=a/b is not a run id (up to 128 letters, digits, '.', '_' and '-')\n"
 
 
-@pytest.mark.parametrize("nnodes", ["2:1", "0:2", "1:", "a:b"])
+@pytest.mark.parametrize("nnodes", ["2:1", "0:2", "1:", "a:b", "1:2:3", "01:2", "1:100001", "18446744073709551617:2"])
 def test_multi_node_rejects_a_bad_node_range(nnodes):
     proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", "0", nnodes], env=script_env(),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
-    assert proc.stderr == f"error: NNODES={nnodes} is not a node range MIN:MAX with 1 <= MIN <= MAX\n"
+    assert proc.stderr == f"error: NNODES={nnodes} is not a node range MIN:MAX with 1 <= MIN <= MAX <= 100000\n"
 
 
 @pytest.mark.parametrize("nnodes,name,value,culprit", [
@@ -290,7 +356,8 @@ def test_multi_node_rejects_a_bad_node_range(nnodes):
     ("1:2", "RDZV_ID", "-x", "RDZV_ID=-x is not a run id"),
     ("1:2", "MASTER_PORT", "29500x", "MASTER_PORT=29500x is not a whole number from 1 to 65535"),
     ("2", "MASTER_PORT", "0", "MASTER_PORT=0 is not a whole number from 1 to 65535"),
-    ("2", "NPROC_PER_NODE", "a[$(touch P)]", "NPROC_PER_NODE=a[$(touch P)] is not a whole number of at least 1"),
+    ("2", "NPROC_PER_NODE", "a[$(touch P)]", "NPROC_PER_NODE=a[$(touch P)] is not a whole number from 1 to 1024"),
+    ("1:2", "NPROC_PER_NODE", "536870912", "NPROC_PER_NODE=536870912 is not a whole number from 1 to 1024"),
     ("2", "MAX_RESTARTS", "many", "MAX_RESTARTS=many is not a whole number of at least 0")])
 def test_multi_node_names_a_value_torchrun_cannot_take_before_starting_it(nnodes, name, value, culprit, tmp_path):
     proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", "0", nnodes], capture_output=True,
@@ -299,10 +366,21 @@ def test_multi_node_names_a_value_torchrun_cannot_take_before_starting_it(nnodes
     assert proc.stderr.count("\n") == 1 and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("name,value,culprit", [
+    ("NGPU", "536870912", "NGPU=536870912 is not a whole number from 1 to 1024"),
+    ("NGPU", "²", "NGPU=² is not a whole number from 1 to 1024"),
+    ("MAX_RESTARTS", "18446744073709551617", "MAX_RESTARTS=18446744073709551617 is not a whole number of at least 0")])
+def test_fsdp_train_names_a_value_torchrun_cannot_take_before_starting_it(name, value, culprit, tmp_path):
+    proc = subprocess.run([str(ROOT / "scripts/fsdp_train.sh")], capture_output=True, text=True, cwd=tmp_path,
+                          env=script_env(**{"NGPU": "2", name: value}), timeout=60)
+    assert proc.returncode == 2 and proc.stderr == f"error: {culprit}\n", proc.stderr[-3000:]
+    assert not list(tmp_path.iterdir())
+
+
 def test_multi_node_names_a_node_rank_that_is_not_a_number(tmp_path):
     proc = subprocess.run([str(ROOT / "scripts/fsdp_multi_node.sh"), "127.0.0.1", "one", "2"], capture_output=True,
                           text=True, cwd=tmp_path, env=script_env(NPROC_PER_NODE="1"), timeout=60)
-    assert proc.returncode == 2 and proc.stderr == "error: NODE_RANK=one is not a whole number of at least 0\n"
+    assert proc.returncode == 2 and proc.stderr == "error: NODE_RANK=one is not a whole number from 0 to 99999\n"
 
 
 def test_check_only_finds_the_config_problems_of_any_world_size_and_starts_nothing(tmp_path):

@@ -758,6 +758,7 @@ def benchmark_main(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
     ("none@3", "error: --grid none@3: "),  # 3 does not divide the per-rank batch of 8
     ("sometimes@2", "error: --grid sometimes@2: fsdp.activation_checkpointing='sometimes' is not one of"),
     ("none", "--grid: 'none' is not POLICY@MICRO_BATCH"),
+    ("none@٨", "--grid: 'none@٨' is not POLICY@MICRO_BATCH"),  # int() would read the Arabic-Indic 8 as 8
 ])
 def test_benchmark_grid_refuses_a_bad_pair_before_any_run(grid, error, monkeypatch, capsys):
     status, stderr = benchmark_main(monkeypatch, capsys, "--grid", grid)

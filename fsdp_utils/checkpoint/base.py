@@ -26,7 +26,15 @@ from model.config import ROPE_SCALING_FIELDS
 
 from .. import nofollow
 from ..distributed import DistEnv, agree, barrier
-from .format import FORMAT_VERSION, CheckpointCorrupt, CheckpointError, CheckpointMismatch, first_line, size_of
+from .format import (
+    FORMAT_VERSION,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    first_line,
+    size_of,
+    train_state_problem,
+)
 from .io import model_config_of
 from .retention import Journal, apply_retention, complete_checkpoints, remove_incomplete
 
@@ -54,6 +62,16 @@ class TrainState:
         self.step += 1
         self.samples_seen += samples
         self.tokens_seen += tokens
+
+    def plain(self) -> dict:
+        """The state as a checkpoint's metadata records it (train_state): everything but the RNG states."""
+        plain = dataclasses.asdict(self)
+        plain.pop("rng")
+        return plain
+
+    def problem(self) -> str | None:
+        """What no checkpoint may hold (a counter outside 0 to 2**63-1, which every reader refuses), or None."""
+        return train_state_problem(self.plain())
 
 
 def is_adapter_key(name: str) -> bool:
@@ -239,8 +257,7 @@ class CheckpointContext:
         return self.env.device.type == "cuda" and bool(FullyShardedDataParallel.fsdp_modules(model))
 
     def metadata(self, state: TrainState) -> dict:
-        plain = dataclasses.asdict(state)
-        plain.pop("rng")
+        plain = state.plain()
         tokenizer = {"tokenizer_sha256": self.tokenizer_sha256} if self.tokenizer_sha256 else {}
         lora = {"lora": self.lora} if self.lora else {}
         return {"format_version": FORMAT_VERSION, "world_size": self.env.world_size, "model_config": self.model_config,

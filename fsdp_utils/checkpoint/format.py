@@ -440,7 +440,7 @@ def _meta_problem(meta: dict, extra_keys: tuple[str, ...]) -> str | None:
         return f"model_config.{bad[0]} is not a plain value"
     if "tokenizer_sha256" in meta and not re.fullmatch(r"[0-9a-f]{64}", str(meta["tokenizer_sha256"])):
         return "tokenizer_sha256 is not a sha256 hex digest"
-    return _lora_problem(meta.get("lora")) or _train_state_problem(meta["train_state"])
+    return _lora_problem(meta.get("lora")) or train_state_problem(meta["train_state"])
 
 
 def _lora_problem(lora: object) -> str | None:
@@ -467,7 +467,7 @@ def _lora_problem(lora: object) -> str | None:
     return None
 
 
-def _train_state_problem(state: object) -> str | None:
+def train_state_problem(state: object) -> str | None:
     """What is wrong with the metadata's train_state (its keys, the counters, the scaler, lr), or None."""
     if not isinstance(state, dict):
         return "train_state is not a mapping"

@@ -158,6 +158,9 @@ class CheckpointManager:
         or `finish` has committed it. An asynchronous save that cannot stage or start is made
         synchronously at once, and so is a `last` save (the end of the run, a stop signal) once any
         asynchronous save of this run has failed."""
+        if problem := state.problem():  # the same on every rank: each raises it, none waits in a collective
+            raise CheckpointError(f"{self.format.path_of(state.step)}: not saved: {problem} (a checkpoint holding it "
+                                  "would not load)")
         self.prepare_saving(model, optimizer)
         background = self.background
         if background.enabled and not (last and background.failed):

@@ -11,6 +11,7 @@ from config import Config, ConfigError, config_warnings
 from config.checks import run_length_problems
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
+from ..checkpoint.format import MAX_COUNT
 from ..distributed import DistEnv
 from .build_run import BuiltRun
 from .optim import LRSchedule
@@ -34,6 +35,9 @@ def resume(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, env: DistEnv, re
     if state.step > max_steps:
         ckpt.close()
         raise CheckpointMismatch(nothing_to_train(ckpt, cfg, state.step, epochs=epochs))
+    if problem := counters_problem(state, cfg):
+        ckpt.close()
+        raise CheckpointMismatch(f"{ckpt.loaded[0]}: {problem}")
     if env.is_main and state.step < max_steps:  # at max_steps the loop says there is nothing to train
         if (warning := LRSchedule.from_config(cfg.train).jump(state.step, state.lr)) is not None:
             log.warning("%s", warning)
@@ -92,6 +96,21 @@ def run_length(cfg: Config, saved: TrainState | None, *, train_samples: int, env
             if line not in config_warnings(cfg):  # those that the count brings
                 log.warning("%s", line)
     return resolved
+def counters_problem(state: TrainState, cfg: Config) -> str | None:
+    """Whether the checkpoint's data position and token count leave room for the steps up to the run's last (`cfg`
+    with its length decided): each step adds a global batch to them, and they are 64-bit integers wherever they are
+    used (the data order's indices, the next checkpoint). What does not, or None."""
+    t = cfg.train
+    remaining = t.resolved_max_steps - state.step
+    tokens_per_step = t.global_batch_size * cfg.data.seq_len  # as the loop's TrainState.advance counts them
+    for field, per_step in (("samples_seen", t.global_batch_size), ("tokens_seen", tokens_per_step)):
+        counter = getattr(state, field)
+        if counter + remaining * per_step > MAX_COUNT:
+            return (f"train_state.{field} {counter} leaves no room for the {remaining:,} steps to train.max_steps="
+                    f"{t.resolved_max_steps} ({per_step:,} each): it would pass 2**63-1, the most a checkpoint holds")
+    return None
+
+
 def weights_changed(run: BuiltRun) -> None:
     """The weights changed outside an optimizer step: the converters redo their post-step work (FP8 scales)."""
     for converter in run.converters:
