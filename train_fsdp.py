@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s,  # Ctrl-C from here on saves
                       elastic=launch.elastic)
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
-    lock = None
+    lock, run = None, None
     try:
         setup_logging(env)
         if unfit:
@@ -382,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         destroy_distributed()
-        if lock is not None:
-            os.close(lock)  # the operating system would release it at exit anyway
+        if lock is not None:  # a run that trained no step leaves no output directory it made
+            lock.release(discard=run is None or run.state.step == 0)
 
 
 if __name__ == "__main__":
