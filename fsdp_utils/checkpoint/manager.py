@@ -116,7 +116,7 @@ class CheckpointManager:
             return
         self._prepared = True
         self._check_writable()
-        self.context.check_space(self.dir / "(the first checkpoint)", None, estimate=state_bytes(model, optimizer))
+        self.context.check_space(self.dir, None, estimate=state_bytes(model, optimizer))
         self.background.prepare(model, optimizer)
 
     def _check_writable(self) -> None:
