@@ -808,6 +808,12 @@ def test_handoff_between_ranks(tmp_path):
     assert wait() == "data file not found: x.txt"
     assert handoff.outcome_path(tmp_path / "out", "job2") != path
     assert not (tmp_path / "ds").exists()  # nothing is written into the dataset folder
+    # Another name of a file of the user's where the outcome was once staged (a copied output directory): untouched.
+    (tmp_path / "users.txt").write_text("the user's own file")
+    staged = handoff.outcome_path(tmp_path / "out", "job3")
+    os.link(tmp_path / "users.txt", staged.with_name(staged.name + ".tmp"))
+    handoff.publish(staged, None)
+    assert (tmp_path / "users.txt").read_text() == "the user's own file" and staged.read_text() == "ok"
 
 
 # ---------------------------------------------------------------- the command and the HF tokenizer
