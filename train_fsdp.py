@@ -21,7 +21,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -36,7 +35,6 @@ from config import (
     FSDPConfig,
     config_warnings,
     load_config,
-    save_config,
     split_known_args,
     summarize_config,
     unfit_world,
@@ -45,7 +43,6 @@ from data import DataError, open_datasets
 from data.store import tokenizer_sha256
 from data.tokenizer import prepared_eos_id
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
-from fsdp_utils.checkpoint.io import install_tokenizer
 from fsdp_utils.distributed import (
     DistEnv,
     Launch,
@@ -74,12 +71,13 @@ from fsdp_utils.parallel.weights import WeightInit
 from fsdp_utils.train.batch import TrainBatches
 from fsdp_utils.train.build_run import BuiltRun, build_run, describe_run
 from fsdp_utils.train.launch_checks import launch_checks
-from fsdp_utils.train.microbatch import describe_choice, save_to_cache
+from fsdp_utils.train.microbatch import describe_choice
 from fsdp_utils.train.observers import Observers
 from fsdp_utils.train.oom_guard import OutOfMemory, OutOfMemoryGuard
 from fsdp_utils.train.optim import LRSchedule
 from fsdp_utils.train.resume import nothing_to_train, resume
 from fsdp_utils.train.run_data import prepare_dataset
+from fsdp_utils.train.run_files import write_run_files
 from fsdp_utils.train.step import BadSteps, NonFiniteError, StepResult, train_step
 
 log = logging.getLogger("train")
@@ -107,9 +105,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("config", help="YAML config, e.g. config/train_tiny_fsdp.yaml")
     parser.add_argument("--resume_from", default=None, help="checkpoint file, sharded folder, or 'latest'")
     parser.add_argument("--check", action="store_true",
-                        help="only check the config, --resume_from and what the options need on this machine "
-                             "(all but the world size): print the problems and exit 2, or exit 0; the elastic "
-                             "launchers run it first, since torchrun would repeat a config error at every restart")
+                        help="only check what a run checks before its first step without a GPU: the config, what "
+                             "the options need on this machine (all but the world size), the data files and what the "
+                             "resume would refuse; print the problems and exit 2, or exit 0; the elastic launchers "
+                             "run it first, since torchrun would repeat a config error at every restart")
     return split_known_args(parser, argv)
 
 
@@ -211,8 +210,8 @@ class Run:
 
 def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | None = None) -> Run:
     """Every rank, in this order: data, model, optimizer and micro-batch, checkpoint manager and resume (and the run's
-    length), schedule, the run's files, then a trial of everything a save needs (a run that cannot save stops now,
-    not at its first save)."""
+    length), schedule, a trial of everything a save needs (a run that cannot save stops now, not at its first save),
+    then the run's files (fsdp_utils/train/run_files.py)."""
     torch.manual_seed(cfg.run.seed)
 
     # ---- data: prepared once (rank 0 prepares a small corpus in the job while the others wait), memory-mapped
@@ -254,21 +253,13 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
     schedule = LRSchedule.from_config(cfg.train)
     if env.is_main:
         log.info("lr schedule: %s", schedule.describe())
-    if env.is_main:  # only now: a refused resume leaves the output directory as it was
-        write_run_files(cfg, prepared.tokenizer_path, built)
-    ckpt.prepare_saving(built.model, built.optimizer)
+    if state.step < cfg.train.resolved_max_steps:  # a finished run started again trains nothing and writes nothing
+        ckpt.prepare_saving(built.model, built.optimizer)
+        if env.is_main:  # only now: a refused resume, or a run that cannot save, leaves the output directory as it was
+            write_run_files(cfg, tokenizer=prepared.tokenizer_path, built=built, step=state.step,
+                            resumed=ckpt.loaded[0] if ckpt.loaded else None)
     return Run(cfg, env, train_data, val_data, built, schedule, ckpt, state, downstream, flops_per_token,
                masked_targets=cfg.data.format == "chat")
-
-
-def write_run_files(cfg: Config, tokenizer_path: Path, built: BuiltRun) -> None:
-    """The resolved config.yaml; the run's tokenizer beside its checkpoints (generate.py and export_hf.py find it
-    there); the micro-batch search's result for the next start."""
-    cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, cfg.output_dir / "config.yaml")
-    install_tokenizer(tokenizer_path, cfg.output_dir)
-    if built.choice.how == "search":
-        save_to_cache(cfg.output_dir, built.cache_key, built.choice)
 
 
 # ==== the training loop ==========================================================================================
@@ -281,7 +272,7 @@ def train(run: Run, stop: StopSignal) -> dict:
     if state.step >= max_steps:  # a finished run started again
         run.ckpt.close()
         if env.is_main:
-            log.info("%s", nothing_to_train(run.ckpt, cfg, state.step, epochs=state.epochs))
+            log.info("%s", nothing_to_train(cfg, state.step, epochs=state.epochs))
         return {}
     observers = Observers(cfg, env, first_step=state.step, flops_per_token=run.flops_per_token, probe=run.built.probe)
     guard = OutOfMemoryGuard(env, probe=run.built.probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s,
@@ -369,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopSignal(cfg.run.stop_signals, grace_s=cfg.run.preemption_grace_s,  # Ctrl-C from here on saves
                       elastic=launch.elastic)
     env = init_distributed(device=cfg.run.device, timeout_s=cfg.run.timeout_s)
-    lock = None
+    lock, run = None, None
     try:
         setup_logging(env)
         if unfit:
@@ -391,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         destroy_distributed()
-        if lock is not None:
-            os.close(lock)  # the operating system would release it at exit anyway
+        if lock is not None:  # a run that trained no step leaves no output directory it made
+            lock.release(discard=run is None or run.state.step == 0)
 
 
 if __name__ == "__main__":

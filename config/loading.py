@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import sys
 import types
@@ -14,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
+
+from fsdp_utils import nofollow
 
 from .checks import validate
 from .errors import ConfigError, closest
@@ -378,9 +379,12 @@ def summarize_config(cfg: Config) -> list[str]:
     ]
 
 
+def config_text(cfg: Config) -> str:
+    """The resolved config as YAML, as config.yaml holds it."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def save_config(cfg: Config, path: Path) -> None:
-    """Write the resolved config, renamed into place: a symbolic link at `path` is replaced, never written through."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.unlink(missing_ok=True)
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
+    """Write the resolved config into a new file of a unique name beside `path` (created exclusively, never through a
+    link), renamed into place: a symbolic link at `path` is replaced, never written through (nofollow.replace_file)."""
+    nofollow.replace_file(path, config_text(cfg).encode())

@@ -8,10 +8,11 @@ and the others poll for it, reporting as they wait, up to a limit of their own, 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from fsdp_utils import nofollow
 
 from .errors import DataError
 
@@ -25,11 +26,10 @@ def outcome_path(output_dir: str | Path, job_id: str) -> Path:
 
 
 def publish(path: Path, error: str | None) -> None:
-    """Rank 0: write the outcome atomically (the waiting ranks never see half a message)."""
+    """Rank 0: write the outcome atomically (the waiting ranks never see half a message), into a new file of a name
+    of its own renamed into place: nothing that stands in the output directory is written through."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(OK if error is None else error, encoding="utf-8")
-    os.replace(tmp, path)
+    nofollow.replace_file(path, (OK if error is None else error).encode("utf-8"))
 
 
 def wait_for(path: Path, *, dataset_dir: str | Path, timeout_s: float, stop_requested: Callable[[], str],

@@ -62,6 +62,7 @@ from .store import (
     PROGRESS_NAME,
     TOKEN_KEYS,
     TOKENIZER_NAME,
+    FolderInUse,
     PreparedData,
     ShardWriter,
     claim_folder,
@@ -675,6 +676,10 @@ class _Preparation:
             progress.update(shards=shards, files=sorted(keep))
             write_record(self.root / PROGRESS_NAME, progress)
             return progress
+        meta = read_record(self.root / META_NAME)
+        if (meta or progress).get("source_fingerprint") not in (None, self.source.fingerprint):
+            log.warning("%s holds data %s from other inputs or settings (%s): preparing it again in its place",
+                        self.root, "prepared" if meta else "partly prepared", self.source.difference(meta or progress))
         clear_folder(self.root)
         name = HF_TOKENIZER_NAME if self.settings.hf_tokenizer else TOKENIZER_NAME
         progress = {"source_fingerprint": self.source.fingerprint, "source": self.source.summary,
@@ -861,13 +866,47 @@ def _prepare(root: Path, settings: PrepareSettings, corpus: Corpus, source: Sour
     if not (is_ours(root) and nofollow.kind_at(root / LOCK_NAME) == "a file"):
         _refuse_foreign(root)  # before the marker and the lock: nothing is written into a folder that is not ours
     claim_folder(root)
-    with folder_lock(root) as waited:
+    complete = bool(read_record(root / META_NAME))  # replaced only while nothing holds the folder's lock
+    try:
+        return _prepare_locked(root, settings, corpus, source, show_progress=show_progress, wait=not complete)
+    except FolderInUse:
+        if (prepared := _reuse(root, source)) is not None:  # another preparation finished it meanwhile
+            return prepared
+        if not complete:
+            raise _just_prepared(root, source) from None
+        found = read_record(root / META_NAME)
+        other = f"holds data prepared from other inputs or settings ({source.difference(found)}) and " \
+            if found.get("source_fingerprint") != source.fingerprint else ""
+        raise DataError(f"{root} {other}is in use by another process (its {LOCK_NAME} is held: a training job "
+                        "reads it, or a preparation writes it), and a folder in use is not prepared again; wait for it "
+                        "to end, or give this preparation another data.dataset_dir") from None
+
+
+def _just_prepared(root: Path, source: Source) -> DataError:
+    """The refusal of a preparation that waited for another one of the same folder, which prepared other inputs."""
+    return DataError(f"{root} was just prepared by another process from other inputs or settings "
+                     f"({source.difference(read_record(root / META_NAME))}); give this preparation another "
+                     "data.dataset_dir")
+
+
+def _prepare_locked(root: Path, settings: PrepareSettings, corpus: Corpus, source: Source, *, show_progress: bool,
+                    wait: bool) -> PreparedData:
+    """_prepare under the folder's lock. Held by another process: with `wait` (the folder is not complete: another
+    preparation writes it), wait until it is released or the folder complete; else FolderInUse."""
+    said: list[str] = []
+
+    def waiting(holder: str) -> bool:
+        if not said:
+            said.append(holder)
+            log.info("waiting for another preparation of %s to finish (%s)", root, holder)
+        return not read_record(root / META_NAME)
+
+    with folder_lock(root, wait=waiting if wait else None) as waited:
         if waited:
             if (prepared := _reuse(root, source)) is not None:
                 return prepared
-            if (found := read_record(root / META_NAME)):
-                raise DataError(f"{root} was just prepared by another process from other inputs or settings "
-                                f"({source.difference(found)}); give this preparation another data.dataset_dir")
+            if read_record(root / META_NAME):
+                raise _just_prepared(root, source)
         _refuse_foreign(root)
         num_workers = settings.processes(corpus.read_bytes)
         log.info("preparing %s into %s with %s", corpus.name, root,

@@ -8,7 +8,8 @@
                                              beside it, 1 where the token is trained on (the assistant's)
     DIR/progress.json                        while preparing: the finished shards, for resuming
     DIR/meta.json                            written last: its presence means the folder is complete
-    DIR/prepare.lock                         held (flock) by the process preparing the folder
+    DIR/prepare.lock                         held (flock) by the process preparing the folder, shared by
+                                             the training jobs that read it
     DIR/data-folder.json                     the marker: written first, into a new or empty folder
 
 A shard's files are written under a .tmp name and renamed once complete, then recorded in
@@ -35,7 +36,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,7 @@ HF_TOKENIZER_NAME = "hf_tokenizer"  # a folder saved by a transformers tokenizer
 # The only names the library writes folders under: any other folder in the dataset folder is the user's.
 FOLDER_NAMES = (HF_TOKENIZER_NAME, HF_TOKENIZER_NAME + ".tmp")
 LOCK_NAME = "prepare.lock"
+LOCK_TMP_NAME = LOCK_NAME + ".tmp"  # a new lock file, renamed over one with other hard links
 MARKER_NAME = "data-folder.json"
 RECORD_LIMIT = 1 << 30  # bytes: more than meta.json or progress.json of any corpus holds
 MARKER_KIND = "a prepared data folder of this library: only the files its records name are the library's"
@@ -67,7 +69,7 @@ MARKER_VERSION = 1
 # size of the store (docs/data.md gives the figures).
 HASH_BLOCK_BYTES = 16 << 20
 # Written by the library under these names whatever its records say (write_json_atomic, the lock).
-FIXED_NAMES = (META_NAME, META_NAME + ".tmp", PROGRESS_NAME, PROGRESS_NAME + ".tmp", LOCK_NAME)
+FIXED_NAMES = (META_NAME, META_NAME + ".tmp", PROGRESS_NAME, PROGRESS_NAME + ".tmp", LOCK_NAME, LOCK_TMP_NAME)
 
 
 @dataclass
@@ -467,33 +469,73 @@ def clear_folder(root: Path) -> None:
     remove_names(root, names)
 
 
+class FolderInUse(DataError):
+    """Another process holds the folder's lock: a preparation writing it, or a training job reading it."""
+
+
 @contextmanager
-def folder_lock(root: Path) -> Iterator[bool]:
-    """Hold root's preparation lock (flock: released however the holder ends). Yields True when another
-    process held it first and this one waited for it to finish."""
-    path = root / LOCK_NAME
+def folder_lock(root: Path, *, wait: Callable[[str], bool] | None = None) -> Iterator[bool]:
+    """Hold root's preparation lock (flock: released however the holder ends; a lock file with other hard links is
+    replaced, never written: nofollow.lock_file). Held by another process (a preparation, or a training job reading
+    the folder: see hold_for_reading): FolderInUse, or wait while `wait(its holder's line)` says to. Yields True
+    when this one waited."""
+    _stop_reading(root)  # this process's own read of the folder is no other reader
     try:
-        fd = nofollow.open_fd(path, os.O_RDWR | os.O_CREAT)
+        held = nofollow.lock_file(root / LOCK_NAME, holder=f"host {socket.gethostname()}, pid {os.getpid()}",
+                                  wait=wait, tmp=root / LOCK_TMP_NAME)
+    except nofollow.LockHeld as err:
+        raise FolderInUse(f"{root}: its {LOCK_NAME} is held by another process ({err.holder})") from None
     except nofollow.UnsafePath:  # its own line, naming the path: a DataError at data's boundary
         raise
     except OSError as err:
         raise DataError(f"cannot write in {root}: {err.strerror or err}") from None
     try:
-        waited = False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process starting up"
-            log.info("waiting for another preparation of %s to finish (%s)", root, holder)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            waited = True
-        except OSError as err:  # a filesystem without locks
-            log.warning("cannot lock %s (%s): nothing stops a second preparation of %s at the same time",
-                        path, err.strerror, root)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
-        yield waited
+        if not held.locked:  # a filesystem without locks
+            log.warning("cannot lock %s: nothing stops a second preparation of %s at the same time", root / LOCK_NAME,
+                        root)
+        yield held.waited
     finally:
+        os.close(held.fd)
+
+
+# Shared locks on the lock files of the folders this process reads, held until it ends: fd by folder.
+_READING: dict[Path, int] = {}
+READ_LOCK_WAIT_S = 10.0  # a preparation that only checks a folder holds its lock for a moment
+
+
+def hold_for_reading(root: Path) -> None:
+    """Hold a shared lock on root's preparation lock until this process ends, so that no preparation replaces the data
+    while this process reads it (one that would, refuses: folder_lock). A folder without a lock file, or whose lock
+    file this process cannot open (a read-only copy), is read without it. DataError if a preparation holds it for
+    longer than READ_LOCK_WAIT_S."""
+    root = Path(root).absolute()
+    if root in _READING or nofollow.kind_at(root / LOCK_NAME) != "a file":
+        return
+    try:
+        fd = nofollow.open_fd(root / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return
+    deadline = time.monotonic() + READ_LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+            holder = nofollow.holder_of(fd)
+            os.close(fd)
+            raise DataError(f"{root} is being prepared by another process ({holder}); wait for it to finish") from None
+        except OSError:  # a filesystem without locks
+            os.close(fd)
+            return
+    _READING[root] = fd
+
+
+def _stop_reading(root: Path) -> None:
+    fd = _READING.pop(Path(root).absolute(), None)
+    if fd is not None:
         os.close(fd)
 
 

@@ -8,19 +8,28 @@ Whatever the library writes, reads or deletes there goes through these functions
 - A name the library writes anew (a new file, a file renamed into place) or removes has what stands there
   replaced or removed as itself: a link, never what it leads to. A folder is removed only where the caller keeps
   a folder; anywhere else it may hold the user's files, and is refused and left as it is.
+- A file is written in place (appended to, truncated, rewritten) only while it has one name: a file with other hard
+  links (a folder copied with `cp -al` or `rsync --link-dest`) shares its contents with them, so writing would
+  change the other copies. Such a file is refused (`SharedFile`), or given a copy of its own first (`open_append`
+  with copy_if_shared, `lock_file`), renamed over that one name.
 Entries are checked with lstat, then opened with O_NOFOLLOW and O_NONBLOCK, so that one swapped in after the check
 is refused too. Standard library only, so that any package can use it.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import os
 import secrets
 import shutil
 import stat
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import BinaryIO, TextIO, TypeVar
+
+T = TypeVar("T")
 
 
 class UnsafePath(OSError):
@@ -68,13 +77,28 @@ def check(path: Path | str, *, folder_ok: bool = False) -> bool:
     return kind is not None
 
 
-def open_fd(path: Path | str, flags: int, mode: int = 0o644) -> int:
+class SharedFile(UnsafePath):
+    """A file to be written in place that has other hard links: writing would change them too."""
+
+    def __init__(self, path: Path | str, links: int):
+        super().__init__(path, f"a file with {links} hard links where this library writes in place (another name "
+                               "shares its contents, which writing here would change); refusing to write to it "
+                               "(move it away)")
+
+    def __reduce__(self):
+        return UnsafePath, (self.filename, self.strerror)
+
+
+def open_fd(path: Path | str, flags: int, mode: int = 0o644, *, shared_ok: bool = False) -> int:
     """os.open of a regular file that is not a link (O_NOFOLLOW), without blocking on a FIFO; UnsafePath for
-    anything else, which is never opened where lstat sees it first. The descriptor is blocking again when
-    returned."""
+    anything else, which is never opened where lstat sees it first. Opened for writing, a file with other hard
+    links is refused (SharedFile) before anything is written or truncated, unless `shared_ok` (a caller that
+    only locks it, see `lock_file`). The descriptor is blocking again when returned."""
     check(path)
+    truncate_it = flags & os.O_TRUNC  # done once the file is known to be one the rule lets us write
+    writing = flags & (os.O_WRONLY | os.O_RDWR)
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        fd = os.open(path, flags & ~os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a link, a FIFO without a reader, a folder
             what = kind_at(path)
@@ -82,9 +106,13 @@ def open_fd(path: Path | str, flags: int, mode: int = 0o644) -> int:
                 raise refusal(path, what) from None
         raise
     try:
-        mode_now = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode_now):
-            raise refusal(path, kind_of(mode_now))
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode):
+            raise refusal(path, kind_of(now.st_mode))
+        if writing and now.st_nlink > 1 and not shared_ok:
+            raise SharedFile(path, now.st_nlink)
+        if truncate_it:
+            os.ftruncate(fd, 0)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
@@ -92,9 +120,34 @@ def open_fd(path: Path | str, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
-def open_append(path: Path | str) -> TextIO:
-    """A text file opened for appending (created if missing), never through a link."""
-    return open(path, "a", opener=lambda name, _: open_fd(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT))
+def open_append(path: Path | str, *, copy_if_shared: bool = False) -> TextIO:
+    """A text file opened for appending (created if missing), never through a link. A file with other hard links is
+    refused (SharedFile), or with `copy_if_shared` given a copy of its own first (see `unshare`): the other names
+    keep the file as it was."""
+    def opener(name: str, _: int) -> int:
+        return open_fd(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+    try:
+        return open(path, "a", opener=opener)
+    except SharedFile:
+        if not copy_if_shared:
+            raise
+    unshare(Path(path))
+    return open(path, "a", opener=opener)
+
+
+def unshare(path: Path) -> None:
+    """Give `path`, a file with other hard links, a file of its own: a copy of its contents (and permissions), written
+    beside it and renamed over that one name. Its other names keep the file as it was."""
+    fd = open_fd(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as src:
+        def copy(dst: BinaryIO) -> None:
+            shutil.copyfileobj(src, dst)
+            os.fchmod(dst.fileno(), stat.S_IMODE(os.fstat(fd).st_mode))
+            dst.flush()
+            os.fsync(dst.fileno())
+
+        write_beside(path, copy)
 
 
 def open_new(path: Path | str) -> BinaryIO:
@@ -165,6 +218,126 @@ def truncate(path: Path | str, size: int) -> None:
         os.close(fd)
 
 
+# ---- lock files ------------------------------------------------------------------------------------
+
+
+class LockHeld(OSError):
+    """Another process holds the lock: `holder` is the line it wrote into the lock file (may be empty)."""
+
+    def __init__(self, path: Path | str, holder: str):
+        super().__init__(errno.EWOULDBLOCK, "held by another process", str(path))
+        self.holder = holder
+
+
+@dataclasses.dataclass
+class HeldLock:
+    """An exclusive flock held until `fd` is closed (the operating system releases it however the process ends).
+    `locked` is False where the filesystem has no locks; `waited`, whether another process held it first."""
+    fd: int
+    locked: bool
+    waited: bool = False
+
+
+def lock_file(path: Path, *, holder: str, wait: Callable[[str], bool] | None = None,
+              tmp: Path | None = None) -> HeldLock:
+    """Lock the file at `path` (created if missing) exclusively, then write `holder` (a line saying who holds it)
+    into it. Held by another process: LockHeld, or with `wait`, tried again every 0.2 s while wait(its holder's line)
+    says to wait.
+
+    The file is written only while it has one name: one with other hard links (a copied folder) is locked, then a
+    new file, locked too, is renamed over that name (written beside it: at `tmp` if given, see replace_file), so the
+    other names keep theirs and the lock never lapses. A file replaced or removed while this one waited for it is
+    opened again: its new one is the lock."""
+    waited = False
+    for _ in range(100):
+        fd = open_fd(path, os.O_RDWR | os.O_CREAT, shared_ok=True)  # written only once it has one name (_take)
+        try:
+            lock = _flock(path, fd, wait)
+            waited = waited or lock.waited
+            taken = _take(path, lock, holder=holder, tmp=tmp)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not taken or lock.fd != fd:  # replaced meanwhile (try again), or by a file of its own
+            os.close(fd)
+        if taken:
+            lock.waited = waited
+            return lock
+    raise UnsafePath(path, "replaced by other processes 100 times while this one locked it")
+
+
+def _take(path: Path, lock: HeldLock, *, holder: str, tmp: Path | None) -> bool:
+    """Write `holder` into the file `lock` has just locked, given a file of its own first if it has other names;
+    False if `path` names another file by now (this one was replaced or removed meanwhile: it locks nothing)."""
+    fd = lock.fd
+    now = os.fstat(fd)
+    if lock.locked and not _same_file(path, now):
+        return False
+    if now.st_nlink > 1:
+        lock.fd = _replace_locked(path, lock, tmp)
+    try:
+        os.ftruncate(lock.fd, 0)
+        os.pwrite(lock.fd, f"{holder}\n".encode(), 0)
+    except BaseException:
+        if lock.fd != fd:
+            os.close(lock.fd)
+        raise
+    return True
+
+
+def _flock(path: Path, fd: int, wait: Callable[[str], bool] | None) -> HeldLock:
+    """Lock `fd` without blocking, trying again while `wait` says so; a filesystem without locks is no lock."""
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return HeldLock(fd, locked=True, waited=waited)
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no locks here (some network ones)
+                return HeldLock(fd, locked=False)
+        holder = holder_of(fd)
+        if wait is None or not wait(holder):
+            raise LockHeld(path, holder)
+        waited = True
+        time.sleep(0.2)
+
+
+def holder_of(fd: int) -> str:
+    """The line a lock file open at `fd` holds about its holder: its first, of at most 200 bytes (it goes into a
+    message, and the file may be another name of any file)."""
+    return os.pread(fd, 200, 0).decode(errors="replace").strip().split("\n")[0]
+
+
+def _same_file(path: Path, opened: os.stat_result) -> bool:
+    """Whether `path` is still the file `opened` describes."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def _replace_locked(path: Path, lock: HeldLock, tmp: Path | None) -> int:
+    """A new lock file renamed over `path`, whose file has other hard links and is locked by `lock`: the new one
+    is locked before it takes the name. Returns its descriptor."""
+    if tmp is None:
+        tmp, f = open_unique(path.parent, f".tmp-{path.name}.")
+    else:
+        f = create(tmp)
+    with f:
+        fd = os.dup(f.fileno())
+        made = os.fstat(fd)
+    try:
+        if lock.locked:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else has it
+        replace(tmp, path)
+    except BaseException:
+        os.close(fd)
+        remove_made(tmp, made)
+        raise
+    return fd
+
+
 def make_dir(path: Path | str) -> Path:
     """Create a folder (its parents too) if missing; UnsafePath if a link or anything but a folder is there."""
     path = Path(path)
@@ -201,14 +374,37 @@ def replace(source: Path | str, target: Path | str, *, folder_ok: bool = False) 
 # ---- small record files and results logs ---------------------------------------------------------------
 
 
+def write_beside(final: Path, write: Callable[[BinaryIO], T], *,
+                 install: Callable[[Path, Path], None] = replace) -> T:
+    """`write` fills a new file of a unique name beside `final` (`.tmp-<name>.<random>`, created exclusively: never a
+    file the user has there, never through a link), which `install(tmp, final)` then renames into place; returns what
+    `write` returned. Should anything fail or be interrupted, that file, and only it, is removed."""
+    tmp, f = open_unique(final.parent, f".tmp-{final.name}.")
+    made = os.fstat(f.fileno())
+    try:
+        with f:
+            try:
+                result = write(f)
+            finally:
+                made = written(f)  # removed below only while it is still this file
+        install(tmp, final)
+    except BaseException:
+        remove_made(tmp, made)
+        raise
+    return result
+
+
 def replace_file(path: Path, data: bytes, *, tmp: Path | None = None) -> None:
-    """`path` holds `data`, or (interrupted) what it held before. The bytes go to `tmp` beside it (.tmp-<name>
-    unless given; created anew, see `create`), which is then renamed over `path` (see `replace`). A folder at
-    either name is refused, before anything is written."""
-    tmp = path.with_name(f".tmp-{path.name}") if tmp is None else tmp
-    for name in (tmp, path):
+    """`path` holds `data`, or (interrupted) what it held before. The bytes go to a new file beside it, which is then
+    renamed over `path` (see `replace`): a file of a unique name (see `write_beside`), or `tmp` when given (a name
+    the caller records as its own; what stands there is removed first, see `create`). A folder at either name is
+    refused, before anything is written."""
+    for name in (path,) if tmp is None else (tmp, path):
         if kind_at(name) == "a folder":
             raise refusal(name, "a folder")
+    if tmp is None:
+        write_beside(path, lambda f: f.write(data))
+        return
     with create(tmp) as f:
         f.write(data)
     replace(tmp, path)

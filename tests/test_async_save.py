@@ -453,7 +453,8 @@ def test_no_room_for_a_checkpoint_stops_the_run_before_step_1(fmt, corpus, datas
                      faults={"disk_free_bytes": 2**20})
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-4000:]
-    assert "not enough disk space to save it" in errors[0] and "stopped before the first training step" in errors[0]
+    assert errors[0].startswith(f"error: {out}: not enough disk space to save a checkpoint (") and \
+        "stopped before the first training step" in errors[0], errors[0]
     assert "step 1/" not in proc.stderr and checkpoint_names(out) == []
 
 

@@ -455,6 +455,26 @@ def worker_error(proc) -> str:
 
 
 @pytest.mark.slow
+def test_a_resume_without_room_for_one_more_checkpoint_says_why_retention_needs_it(corpus, dataset_dir, tmp_path):
+    """A resume onto a disk with less room than a checkpoint (its free space shown as half of one), with
+    checkpoint.keep_last_n=1: the line names the output directory, not a checkpoint that does not exist, and says that
+    the checkpoint it has stays until the next is complete. Nothing is written."""
+    out = tmp_path / "run"
+    run_train("--train.max_steps=2", "--checkpoint.keep_last_n=1", nproc=1, out_dir=out, corpus=corpus,
+              dataset_dir=dataset_dir)
+    size, before = (out / "fsdp_cpt2.pth").stat().st_size, sorted(p.name for p in out.iterdir())
+    proc = run_train("--train.max_steps=4", "--checkpoint.keep_last_n=1", nproc=1, out_dir=out, corpus=corpus,
+                     dataset_dir=dataset_dir, check=False, faults={"disk_free_bytes": size // 2})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and errors == [
+        f"error: {out}: not enough disk space to save a checkpoint ({size / 2**20:,.1f} MiB needed (checkpoint."
+        "keep_last_n=1 removes fsdp_cpt2.pth only once the next checkpoint is complete: the disk must hold both), "
+        f"{size // 2 / 2**20:,.1f} MiB free in {out}); stopped before the first training step. Free some space and "
+        "resume with --resume_from latest"], proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_disk_with_room_for_one_checkpoint(fmt, corpus, dataset_dir, tmp_path):
     """The second save into a disk with room for one checkpoint (2 ranks): refused before anything is

@@ -131,9 +131,9 @@ def made(*folders: str) -> Callable[[Path], None]:
 
 
 def lock(out: Path) -> None:
-    fd = take_run_lock(out, ENV)
-    if fd is not None:
-        os.close(fd)
+    held = take_run_lock(out, ENV)
+    if held is not None:
+        held.release()
 
 
 def install_tokenizer(out: Path) -> None:
@@ -196,6 +196,10 @@ CASES: dict[str, Case] = {
 }
 
 
+# Written into a new file of a unique name beside the file (nofollow.write_beside), never at `.tmp-<name>`.
+WRITTEN_BESIDE = ("trackers.json tmp file", "micro-batch cache tmp file", "config.yaml tmp file")
+
+
 def make_hostile(path: Path, kind: str, elsewhere: Path) -> None:
     """Put a `kind` at `path` (whatever was there removed). A link leads to the user's own file or folder."""
     if path.is_dir() and not path.is_symlink():
@@ -222,6 +226,17 @@ def make_hostile(path: Path, kind: str, elsewhere: Path) -> None:
         (path / "notes.txt").write_text("a folder where a file goes")
 
 
+def set_up_case(tmp_path: Path, case: str) -> tuple[Path, Path, Path]:
+    """The output directory (the case's setup run in it), a folder elsewhere, and the case's path."""
+    where, setup, _, _ = CASES[case]
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    if setup is not None:
+        setup(out)
+    return out, elsewhere, out / where
+
+
 def snapshot(folder: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
 
@@ -246,17 +261,15 @@ def bounded(work: Callable[[], object]) -> BaseException | None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_hostile_path_is_refused_in_one_line_or_replaced(tmp_path, case, kind):
-    where, setup, operation, writes = CASES[case]
-    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
-    out.mkdir()
-    elsewhere.mkdir()
-    if setup is not None:
-        setup(out)
-    hostile = out / where
+    out, elsewhere, hostile = set_up_case(tmp_path, case)
+    operation, writes = CASES[case][2:]
     make_hostile(hostile, kind, elsewhere)
-    before = snapshot(elsewhere)
+    before, there = snapshot(elsewhere), os.lstat(hostile)
     error = bounded(lambda: operation(out))
     assert snapshot(elsewhere) == before, "the user's files changed: written through a link"
+    if case in WRITTEN_BESIDE:  # a unique temporary name: what stands at `.tmp-<name>` is not the writer's, and stays
+        assert error is None and (os.lstat(hostile).st_ino, os.lstat(hostile).st_mode) == (there.st_ino, there.st_mode)
+        return
     if error is not None:
         assert isinstance(error, (OSError, CheckpointError, RunLocked)), repr(error)
         line = str(error)
@@ -302,3 +315,113 @@ def test_the_default_mlflow_store_is_named_without_resolving_a_link(tmp_path):
     with mock.patch.dict(os.environ):
         os.environ.pop("MLFLOW_TRACKING_URI", None)
         assert mlflow_uri(tracked_config(out, "mlflow")) == (out.resolve() / "mlruns").as_uri()
+
+
+# ---- hard links: a copied run folder (`cp -al`, `rsync --link-dest`) shares its files' contents ------------------
+
+# The cases that write a file of the output directory (not a folder; W&B's own log is W&B's to write).
+LINKABLE = [case for case, (where, _, _, writes) in CASES.items()
+            if writes and Path(where).name not in FOLDERS and "sharded" not in where and where != "wandb/debug.log"]
+
+
+@pytest.mark.parametrize("case", LINKABLE)
+def test_a_hard_link_is_never_written_through(tmp_path, case):
+    """A file of the output directory that is a second name of a file elsewhere (as in a folder copied with cp -al):
+    the run writes a file of its own there, or refuses in one line naming it; the file elsewhere keeps its bytes."""
+    out, elsewhere, hostile = set_up_case(tmp_path, case)
+    operation = CASES[case][2]
+    if hostile.is_file():  # what the setup wrote there is what the other copy holds
+        shutil.copyfile(hostile, elsewhere / "users-file")
+        hostile.unlink()
+    else:
+        (elsewhere / "users-file").write_text("the user's own file\n")
+    os.link(elsewhere / "users-file", hostile)
+    before = snapshot(elsewhere)
+    error = bounded(lambda: operation(out))
+    assert snapshot(elsewhere) == before, "the user's file changed: written through a hard link"
+    if error is not None:
+        line = str(error)
+        assert isinstance(error, OSError) and "\n" not in line and str(hostile) in line, repr(error)
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+@pytest.mark.parametrize("case", WRITTEN_BESIDE)
+def test_a_users_entry_at_a_temporary_name_is_kept_and_the_write_goes_on(tmp_path, case, kind):
+    """A file or folder of the user's at `.tmp-config.yaml` (or the other small records' `.tmp-` names) is neither
+    deleted nor in the way: the record is written beside it under a name of its own."""
+    where, _, operation, _ = CASES[case]
+    out = tmp_path / "run"
+    out.mkdir()
+    if kind == "file":
+        (out / where).write_text("the user's own file")
+    else:
+        (out / where).mkdir()
+        (out / where / "notes.txt").write_text("the user's own file")
+    operation(out)
+    users = out / where if kind == "file" else out / where / "notes.txt"
+    assert users.read_text() == "the user's own file"
+    final = out / where.removeprefix(".tmp-")
+    assert final.is_file() and not final.is_symlink()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".tmp-")) == [where]
+
+
+def test_a_link_swapped_in_at_the_temporary_name_is_never_written_through(tmp_path):
+    """Another writer in the folder puts a symbolic link to the user's file at the name save_config is about to open
+    for its new file, between its check and its open: the open must not follow it (O_EXCL | O_NOFOLLOW) and the
+    config goes to a name of its own. An audit hook makes the swap land at that very moment, every time."""
+    import sys
+
+    out, users = tmp_path / "run", tmp_path / "users-file"
+    out.mkdir()
+    users.write_text("the user's own file")
+    swapped: list[str] = []
+
+    def swap_in_a_link(event: str, args: tuple) -> None:
+        if event == "open" and not swapped and isinstance(args[0], (str, os.PathLike)) and \
+                os.path.basename(args[0]).startswith(".tmp-config.yaml") and args[1] != "r":
+            swapped.append(os.fspath(args[0]))
+            if os.path.lexists(args[0]):
+                os.unlink(args[0])
+            os.symlink(users, args[0])
+
+    sys.addaudithook(swap_in_a_link)  # hooks stay for the process: `swapped` turns this one off after its swap
+    try:
+        save_config(Config(), out / "config.yaml")
+    finally:
+        swapped.append("done")
+    assert len(swapped) == 2 and users.read_text() == "the user's own file"
+    assert "model:" in (out / "config.yaml").read_text() and not (out / "config.yaml").is_symlink()
+
+
+# ---- a run that trains nothing leaves no folder it made -------------------------------------------------------
+
+
+def test_a_run_that_trained_nothing_removes_the_folder_it_made_and_only_that(tmp_path):
+    """What a run wrote into a folder it made (run.lock, the journal, files the journal records) goes with the
+    folder. A folder that was there before, or that holds anything else, stays with all it holds."""
+    from fsdp_utils.checkpoint.retention import Journal
+
+    made = tmp_path / "made"
+    lock = take_run_lock(made, ENV)
+    Journal(made).install_file(made / "config.yaml", lambda f: f.write(b"run: {}\n"))
+    lock.release(discard=True)
+    assert not made.exists()
+
+    for users in ("notes.txt", "config.yaml"):  # a file of the user's, or under a name the run writes
+        lock = take_run_lock(made, ENV)
+        Journal(made).install_file(made / "metrics.jsonl", lambda f: f.write(b""))
+        (made / users).write_text("the user's own file")
+        lock.release(discard=True)
+        assert sorted(p.name for p in made.iterdir()) == sorted(
+            {".checkpoint_journal.jsonl", "metrics.jsonl", "run.lock", users})
+        assert (made / users).read_text() == "the user's own file"
+        shutil.rmtree(made)
+
+    there = tmp_path / "there"
+    there.mkdir()
+    lock = take_run_lock(there, ENV)
+    lock.release(discard=True)
+    assert there.is_dir()
+    lock = take_run_lock(made, ENV)
+    lock.release(discard=False)  # a run that trained keeps its folder
+    assert (made / "run.lock").is_file()

@@ -345,11 +345,14 @@ def test_cache_round_trip_and_replace(tmp_path):
     assert read_cache(tmp_path, {"gpu": "A100"}) is None
     (tmp_path / CACHE_FILE).write_text("{not json")
     assert read_cache(tmp_path, key_a) is None  # unreadable: searched again, not a crash
-    for damaged in ('{"entries": [1]}', '{"entries": 1}', "[]"):  # JSON, not a cache: replaced by this run's entry
+    kept = {}
+    for damaged in ('{"entries": [1]}', '{"entries": 1}', "[]"):  # JSON, not a cache: kept aside for this run's entry
         (tmp_path / CACHE_FILE).write_text(damaged)
         assert read_cache(tmp_path, key_a) is None
         save_to_cache(tmp_path, key_a, MicroBatchChoice(8, "search", {1: 2.0, 8: 20.0}, 79.0, 71.1, 9.0))
         assert read_cache(tmp_path, key_a)["micro_batch_size"] == 8
+        kept[f"kept-{len(kept) + 1}-{CACHE_FILE}" if kept else f"kept-{CACHE_FILE}"] = damaged
+    assert {name: (tmp_path / name).read_text() for name in kept} == kept
 
 
 @pytest.mark.parametrize("override", ["--train.float8_output=true", "--train.lora.rank=4", "--train.compile=true",

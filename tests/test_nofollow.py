@@ -199,3 +199,93 @@ def test_a_unique_new_file_is_removed_only_while_it_is_the_very_file_made(tmp_pa
     nofollow.remove_made(second, made_second)
     assert first.read_bytes() == b"another writer's, at that name since" and not second.exists()
     assert (tmp_path / ".tmp-x.").is_symlink()
+
+
+# ---- hard links: a file written in place has one name -------------------------------------------------------
+
+
+def hard_linked(tmp_path: Path) -> tuple[Path, Path]:
+    """A file of the user's elsewhere, and a second name of it where the library writes (a `cp -al` copy)."""
+    (tmp_path / "elsewhere").mkdir()
+    users, path = tmp_path / "elsewhere" / "file", tmp_path / "name"
+    users.write_text(USERS)
+    os.link(users, path)
+    return users, path
+
+
+IN_PLACE: dict[str, Callable[[Path], object]] = {
+    "open_append": lambda path: nofollow.open_append(path).close(),
+    "open_fd read-write": lambda path: os.close(nofollow.open_fd(path, os.O_RDWR | os.O_CREAT)),
+    "open_fd truncating": lambda path: os.close(nofollow.open_fd(path, os.O_WRONLY | os.O_TRUNC)),
+    "truncate": lambda path: nofollow.truncate(path, 0),
+}
+
+
+@pytest.mark.parametrize("operation", list(IN_PLACE))
+def test_a_file_with_other_hard_links_is_never_written_in_place(tmp_path, operation):
+    users, path = hard_linked(tmp_path)
+    with pytest.raises(nofollow.SharedFile) as caught:
+        IN_PLACE[operation](path)
+    assert str(caught.value) == (f"{path}: a file with 2 hard links where this library writes in place (another name "
+                                 "shares its contents, which writing here would change); refusing to write to it "
+                                 "(move it away)")
+    assert users.read_text() == USERS and os.stat(path).st_ino == os.stat(users).st_ino
+
+
+def test_an_appended_file_with_other_hard_links_goes_on_in_a_copy_of_its_own(tmp_path):
+    users, path = hard_linked(tmp_path)
+    os.chmod(users, 0o600)
+    with nofollow.open_append(path, copy_if_shared=True) as f:
+        f.write("the run's row\n")
+    assert users.read_text() == USERS and path.read_text() == USERS + "the run's row\n"
+    assert os.stat(users).st_nlink == os.stat(path).st_nlink == 1 and os.stat(path).st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "name"]  # no copy left beside it
+
+
+def test_a_lock_file_with_other_hard_links_is_replaced_by_one_of_its_own_held_from_the_start(tmp_path):
+    import fcntl
+
+    users, path = hard_linked(tmp_path)
+    lock = nofollow.lock_file(path, holder="host h, pid 1")
+    try:
+        assert users.read_text() == USERS and path.read_text() == "host h, pid 1\n"
+        assert os.stat(path).st_ino != os.stat(users).st_ino and os.stat(users).st_nlink == 1
+        with pytest.raises(nofollow.LockHeld) as held:  # the new file is the lock
+            nofollow.lock_file(path, holder="another")
+        assert held.value.holder == "host h, pid 1"
+        with open(users) as f:  # and the user's file is free
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(lock.fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "name"]
+
+
+def test_a_lock_file_removed_while_it_was_waited_for_is_taken_anew(tmp_path):
+    # The holder removes its lock file as it lets go (a run that trained nothing removes the folder it made): the
+    # waiter locked the removed file, which locks nothing, so it takes the file now at that name.
+    path = tmp_path / "run.lock"
+    first = nofollow.lock_file(path, holder="first")
+    waits: list[str] = []
+
+    def wait(holder: str) -> bool:
+        waits.append(holder)
+        path.unlink()
+        os.close(first.fd)
+        return True
+
+    second = nofollow.lock_file(path, holder="second", wait=wait)
+    try:
+        assert waits == ["first"] and second.waited and path.read_text() == "second\n"
+        assert os.fstat(second.fd).st_ino == os.stat(path).st_ino
+    finally:
+        os.close(second.fd)
+
+
+def test_a_hard_linked_prepare_lock_is_replaced_and_the_users_file_kept(interrupted, tmp_path):
+    root, settings = interrupted
+    (tmp_path / "users.txt").write_text(USERS)
+    (root / "prepare.lock").unlink()
+    os.link(tmp_path / "users.txt", root / "prepare.lock")
+    prepared = prepare_data(root, settings, show_progress=False)
+    assert (tmp_path / "users.txt").read_text() == USERS and os.stat(tmp_path / "users.txt").st_nlink == 1
+    assert load_prepared(root).num_train_tokens == prepared.num_train_tokens > 0

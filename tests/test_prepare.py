@@ -808,6 +808,12 @@ def test_handoff_between_ranks(tmp_path):
     assert wait() == "data file not found: x.txt"
     assert handoff.outcome_path(tmp_path / "out", "job2") != path
     assert not (tmp_path / "ds").exists()  # nothing is written into the dataset folder
+    # Another name of a file of the user's where the outcome was once staged (a copied output directory): untouched.
+    (tmp_path / "users.txt").write_text("the user's own file")
+    staged = handoff.outcome_path(tmp_path / "out", "job3")
+    os.link(tmp_path / "users.txt", staged.with_name(staged.name + ".tmp"))
+    handoff.publish(staged, None)
+    assert (tmp_path / "users.txt").read_text() == "the user's own file" and staged.read_text() == "ok"
 
 
 # ---------------------------------------------------------------- the command and the HF tokenizer
@@ -1063,3 +1069,36 @@ def test_an_edited_meta_json_says_to_delete_the_folder_and_nothing_is_replaced(t
                                         r"can no longer be proven and none is replaced: delete the folder"):
         prep(tmp_path, [str(corpus)], dataset_dir=folder, num_workers=0)
     assert {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()} == before
+
+
+def test_a_folder_a_job_reads_is_not_prepared_again_and_a_replacement_is_logged(tmp_path, caplog):
+    """A folder of other inputs is prepared again in its place, with a warning saying so; but not while a training job
+    reads it (its shared lock, data.store.hold_for_reading, held here by another process): one line, nothing
+    changed, and the job's data stays as it was."""
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text(jsonl_lines(make_documents(60, seed=1)))
+    second.write_text(jsonl_lines(make_documents(60, seed=2)))
+    root = tmp_path / "prepared"
+    prep(tmp_path, [str(first)], dataset_dir=root, num_workers=0)
+    before = {path.name: path.read_bytes() for path in root.iterdir()}
+    reader = subprocess.Popen([sys.executable, "-c", "import sys; from data.store import hold_for_reading; "
+                               "hold_for_reading(sys.argv[1]); print('reading', flush=True); sys.stdin.read()",
+                               str(root)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline() == "reading\n"
+        with pytest.raises(DataError) as refused:
+            prep(tmp_path, [str(second)], dataset_dir=root, num_workers=0)
+    finally:
+        reader.communicate(timeout=30)
+    assert str(refused.value) == (
+        f"{root} holds data prepared from other inputs or settings (other input files (names, sizes, modification "
+        "times, ETags or content hashes)) and is in use by another process (its prepare.lock is held: a training job "
+        "reads it, or a preparation writes it), and a folder in use is not prepared again; wait for it to end, or "
+        "give this preparation another data.dataset_dir")
+    assert {path.name: path.read_bytes() for path in root.iterdir()} == before
+    with caplog.at_level(logging.WARNING, logger="data.prepare"):
+        prepared = prep(tmp_path, [str(second)], dataset_dir=root, num_workers=0)
+    assert [r.getMessage() for r in caplog.records if "preparing it again" in r.getMessage()] == [
+        f"{root} holds data prepared from other inputs or settings (other input files (names, sizes, modification "
+        "times, ETags or content hashes)): preparing it again in its place"]
+    assert prepared.num_train_tokens > 0 and (root / "train-00000.bin").read_bytes() != before["train-00000.bin"]

@@ -218,3 +218,27 @@ def test_the_cuda_allocator_grows_segments_unless_the_user_configured_it(monkeyp
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's: left as it is
     prefer_expandable_segments()
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512" and "PYTORCH_ALLOC_CONF" not in os.environ
+
+
+@pytest.mark.slow
+def test_check_refuses_what_the_run_would_refuse_before_its_first_step(corpus, dataset_dir, tmp_path):
+    """--check runs the checks the run makes before its first step that need no GPU: with a finished run's folder,
+    each refusal of the run is --check's too, in the run's words (exit 2 here, where the run exits 1 or 2)."""
+    out = tmp_path / "out"
+    run_train("--train.max_steps=2", "--checkpoint.interval=1", "--checkpoint.keep_last_n=0", nproc=1, out_dir=out,
+              corpus=corpus, dataset_dir=dataset_dir)
+    refusals = {
+        "a lowered train.max_steps": ("--train.max_steps=1",),
+        "a fresh start over checkpoints": ("--train.max_steps=4", "--checkpoint.auto_resume=false"),
+        "an older checkpoint over newer": ("--train.max_steps=4", f"--resume_from={out / 'fsdp_cpt1.pth'}"),
+        "a missing data file": ("--train.max_steps=4", f"--data.files=[{tmp_path / 'missing.txt'}]"),
+    }
+    for what, args in refusals.items():
+        run = launch(*args, nproc=1, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+        line = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+        assert run.returncode in (1, 2) and len(line) == 1, (what, run.stderr[-3000:])
+        checked = launch("--check", *args, nproc=1, tmp_path=tmp_path, corpus=corpus, dataset_dir=dataset_dir)
+        assert assert_refused(checked, line[0].removeprefix("error: "), nproc=1) == line[0], what
+    passed = launch("--check", "--train.max_steps=4", nproc=1, tmp_path=tmp_path, corpus=corpus,
+                    dataset_dir=dataset_dir)
+    assert passed.returncode == 0 and "error" not in passed.stderr, passed.stderr[-3000:]

@@ -133,7 +133,7 @@ def test_data_error_is_one_line(problem, nproc, tmp_path):
         # none of the frames may come from this project's code.
         assert not OUR_FRAMES.search(proc.stderr), proc.stderr[-3000:]
         assert "DataError" not in proc.stderr
-    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    assert not (tmp_path / "out").exists()  # the run made the folder, and leaves none behind
 
 
 
@@ -153,7 +153,8 @@ def test_a_finished_run_started_again_says_there_is_nothing_to_train(tmp_path, c
     afresh = f"to start a new run, give it its own folder (--run.name=NAME, or run.output_dir; this one is {out})"
     line = (f"nothing to train: the run already reached train.max_steps=2 (checkpoint {checkpoint}); raise "
             f"train.max_steps to continue, or {afresh}")
-    for extra, nproc in (((), 1), (("--resume_from", "latest"), 2)):  # checkpoint.auto_resume, then explicitly
+    # checkpoint.auto_resume, then explicitly, then with other settings: the run's record of them stays as it was
+    for extra, nproc in (((), 1), (("--resume_from", "latest"), 2), (("--train.lr=0.5",), 1)):
         proc = run_train("--train.max_steps=2", *extra, nproc=nproc, out_dir=out, corpus=corpus,
                          dataset_dir=dataset_dir)
         assert proc.returncode == 0 and proc.stderr.count(line) == 1, proc.stderr[-3000:]
@@ -198,3 +199,63 @@ def test_epochs_are_counted_once_and_a_resume_on_another_world_size_keeps_the_co
                       rf"(\d+) \(", proc.stderr)
     assert found and int(found[1]) > steps, proc.stderr[-3000:]
     assert sorted(losses(resumed)) == list(range(11, steps + 1))
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_folder_it_made(tmp_path, corpus):
+    """A tokenizer the corpus cannot give: the run.lock and the folder the run made go; a folder that was there, with
+    a file of the user's in it, stays (with run.lock, the lock of the next run)."""
+    too_large = ("--data.vocab_size=100000", "--train.max_steps=2")
+    proc = run_train(*too_large, out_dir=tmp_path / "new", corpus=corpus, dataset_dir=tmp_path / "prepared",
+                     check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "data.vocab_size=100000 is too large" in errors[0], errors
+    assert not (tmp_path / "new").exists()
+    there = tmp_path / "there"
+    there.mkdir()
+    (there / "notes.txt").write_text("the user's own file")
+    proc = run_train(*too_large, out_dir=there, corpus=corpus, dataset_dir=tmp_path / "prepared", check=False)
+    assert proc.returncode == 1 and sorted(p.name for p in there.iterdir()) == ["notes.txt", "run.lock"]
+    assert (there / "notes.txt").read_text() == "the user's own file"
+
+
+def records(out) -> list[str]:
+    return sorted(p.name for p in out.glob("config*.yaml"))
+
+
+def test_a_resume_keeps_config_yaml_and_records_other_settings_beside_it(tmp_path, corpus, dataset_dir):
+    """config.yaml holds the settings the run started with, whatever comes after. A resume with the same settings
+    adds nothing; one with others adds config.1.yaml, whose first line says from which step they hold."""
+    out, args = tmp_path / "out", ("--train.max_steps=4", "--checkpoint.interval=2", "--checkpoint.keep_last_n=0")
+    proc = run_train(*args, out_dir=out, corpus=corpus, dataset_dir=dataset_dir, check=False,
+                     faults={"nan_at_step": 3})  # stopped after the save of step 2
+    assert proc.returncode == 1 and "non-finite loss" in proc.stderr
+    first = (out / "config.yaml").read_bytes()
+    run_train(*args, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)  # the same command: from step 2 to 4
+    assert records(out) == ["config.yaml"] and (out / "config.yaml").read_bytes() == first
+    run_train("--train.max_steps=6", "--train.lr=0.5", *args[1:], out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
+    assert records(out) == ["config.1.yaml", "config.yaml"] and (out / "config.yaml").read_bytes() == first
+    assert (out / "config.1.yaml").read_text().splitlines()[0] == (
+        f"# this run's settings from step 4 on (resumed from {out / 'fsdp_cpt4.pth'}); config.yaml holds those it "
+        "started with")
+    started, resumed = load_config(out / "config.yaml").train, load_config(out / "config.1.yaml").train
+    assert (started.lr, started.max_steps, resumed.lr, resumed.max_steps) == (LR, 4, 0.5, 6)
+
+
+def test_a_fresh_run_keeps_the_users_files_in_its_folder_aside(tmp_path, corpus, dataset_dir):
+    """The folder chosen for a new run holds the user's own config.yaml, metrics.jsonl and tensorboard/: each is kept
+    as kept-<name> with a warning, and the run writes its own."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.yaml").write_text("the user's config\n")
+    (out / "metrics.jsonl").write_text('{"users": 1}\n')
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "notes.txt").write_text("the user's notes\n")
+    proc = run_train("--train.max_steps=2", "--logging.trackers=[tensorboard]", nproc=1, out_dir=out, corpus=corpus,
+                     dataset_dir=dataset_dir)
+    assert (out / "kept-config.yaml").read_text() == "the user's config\n"
+    assert (out / "kept-metrics.jsonl").read_text() == '{"users": 1}\n'
+    assert (out / "kept-tensorboard" / "notes.txt").read_text() == "the user's notes\n"
+    assert [row["step"] for row in read_metrics(out)] == [1, 2]
+    assert load_config(out / "config.yaml").train.max_steps == 2
+    for name in ("config.yaml", "metrics.jsonl", "tensorboard"):
+        assert f"{name} is in the way of this run's {name} and is not something this run made" in proc.stderr

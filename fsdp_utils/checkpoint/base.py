@@ -275,10 +275,10 @@ class CheckpointContext:
         agree(self.env, error)
 
     def check_space(self, final: Path, state_dicts: tuple | None, *, estimate: int | None = None) -> None:
-        """Collective: stop before writing when the checkpoint will not fit on the disk: a write that fails
+        """Collective: stop before writing when the checkpoint `final` will not fit on the disk: a write that fails
         half-way costs the time of writing it, and a full disk hurts everything else writing there. At the
-        start of the run (`estimate`: this rank's share of the state, as state_bytes counts it) the same
-        check stops the run before its first step."""
+        start of the run (`estimate`: this rank's share of the state, as state_bytes counts it; `final`: the output
+        directory) the same check stops the run before its first step."""
         if estimate is not None:  # every rank's share: the full checkpoint holds them all, the sharded one too
             mine = estimate
         else:  # full: rank 0 writes what it holds (other ranks may hold a copy too); sharded: every rank its shard
@@ -298,8 +298,13 @@ class CheckpointContext:
                 else:
                     keep = "stopped before writing, " + (f"{previous[0][1].name} stays the newest checkpoint"
                                                          if previous else "no checkpoint was written")
+                # Retention removes a checkpoint only once the next is complete: the disk holds one more meanwhile.
+                both = (f" (checkpoint.keep_last_n={self.keep_last_n} removes {previous[0][1].name} only once the "
+                        f"next checkpoint is complete: the disk must hold both)") if previous and self.keep_last_n \
+                    else ""
+                it = "a checkpoint" if estimate is not None else "it"
                 error = CheckpointError(
-                    f"{final}: not enough disk space to save it ({needed / 2**20:,.1f} MiB needed, "
+                    f"{final}: not enough disk space to save {it} ({needed / 2**20:,.1f} MiB needed{both}, "
                     f"{free / 2**20:,.1f} MiB free in {self.dir}); {keep}. Free some space and resume with "
                     "--resume_from latest")
         agree(self.env, error)

@@ -31,7 +31,7 @@ import time
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .. import nofollow
 from ..distributed import DistEnv, agree
+from ..nofollow import write_beside
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -249,27 +250,6 @@ def install_full(tmp: Path, final: Path) -> None:
     it must never describe the new file (until its own is written, the new file loads unverified)."""
     nofollow.remove(sidecar_of(final))
     nofollow.replace(tmp, final)
-
-
-def write_beside(final: Path, write: Callable[[BinaryIO], T], *,
-                 install: Callable[[Path, Path], None] = nofollow.replace) -> T:
-    """`write` fills a new file of a unique name beside `final` (`.tmp-<name>.<random>`: never a file the user
-    has there, never through a link), which `install(tmp, final)` then renames into place; returns what `write`
-    returned. Should anything fail or be interrupted, that file, and only it, is removed. For a tool's output
-    (scripts/): the run's own files go through its journal (retention.Journal)."""
-    tmp, f = nofollow.open_unique(final.parent, f"{TMP_PREFIX}{final.name}.")
-    made = os.fstat(f.fileno())
-    try:
-        with f:
-            try:
-                result = write(f)
-            finally:
-                made = nofollow.written(f)  # removed below only while it is still this file
-        install(tmp, final)
-    except BaseException:
-        nofollow.remove_made(tmp, made)
-        raise
-    return result
 
 
 def write_record(final: Path, record: dict) -> None:

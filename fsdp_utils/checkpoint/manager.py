@@ -55,6 +55,22 @@ __all__ = ["AsyncSaveFailed", "CheckpointManager", "TrainState"]
 log = logging.getLogger(__name__)
 
 
+def odd_checkpoint_problem(path: Path) -> str:
+    """The refusal of `latest` where something other than a checkpoint has a checkpoint's name (odd_checkpoints)."""
+    return (f"{path}: {nofollow.kind_of(os.lstat(path).st_mode)} under a checkpoint's name in the output directory, "
+            "where only the run's own checkpoints belong; move it away")
+
+
+def newer_work(resume_from: Path, step: int, directory: Path) -> str | None:
+    """The refusal of resuming the checkpoint `resume_from` (of `step`) into `directory` when that holds a newer one:
+    continuing there would overwrite, or let retention delete, work that is further along."""
+    newer = [path for saved, path in complete_checkpoints(directory) if saved > step]
+    if not newer:
+        return None
+    return (f"--resume_from {resume_from} (step {step}): {directory} already holds the newer {newer[0].name}; "
+            "continue in a fresh run.output_dir, or use --resume_from latest")
+
+
 class CheckpointManager:
     """The run's checkpoints as the `checkpoint` config section describes them (format, interval, retention,
     verification, asynchronous saves, tokenizer changes), in `output_dir`. The rest is what the section
@@ -100,7 +116,7 @@ class CheckpointManager:
             return
         self._prepared = True
         self._check_writable()
-        self.context.check_space(self.dir / "(the first checkpoint)", None, estimate=state_bytes(model, optimizer))
+        self.context.check_space(self.dir, None, estimate=state_bytes(model, optimizer))
         self.background.prepare(model, optimizer)
 
     def _check_writable(self) -> None:
@@ -202,9 +218,7 @@ class CheckpointManager:
         """Candidates to try in order: the given path, or for `latest` every complete one, newest first."""
         if resume_from == "latest":
             if odd := odd_checkpoints(self.dir):  # never read, counted or deleted: the user's to sort out
-                raise CheckpointUnsafe(f"{odd[0]}: {nofollow.kind_of(os.lstat(odd[0]).st_mode)} under a checkpoint's "
-                                       "name in the output directory, where only the run's own checkpoints belong; "
-                                       "move it away")
+                raise CheckpointUnsafe(odd_checkpoint_problem(odd[0]))
             # A folder under a sharded checkpoint's name without meta.json is tried too (and moved aside as corrupt,
             # named in the warning), never passed over in silence: the save of its step would have to replace it.
             found = self.complete_checkpoints() + incomplete_sharded(self.dir)
@@ -225,12 +239,8 @@ class CheckpointManager:
         candidates = self.resolve(resume_from)
         if resume_from != "latest":
             state = self._load_one(model, optimizer, candidates[0])
-            newer = [(step, p) for step, p in self.complete_checkpoints() if step > state.step]
-            if newer:
-                # Continuing here would overwrite, or let retention delete, work that is further along.
-                raise CheckpointMismatch(
-                    f"--resume_from {candidates[0]} (step {state.step}): {self.dir} already holds the newer "
-                    f"{newer[0][1].name}; continue in a fresh run.output_dir, or use --resume_from latest")
+            if newer := newer_work(candidates[0], state.step, self.dir):
+                raise CheckpointMismatch(newer)
             return state
         for i, path in enumerate(candidates):
             try:

@@ -102,7 +102,9 @@ class Journal:
         self._refresh()
         line = json.dumps(entry) + "\n"
         torn = self._size > self._read  # a line a crash cut short: this one starts on a line of its own
-        with nofollow.open_append(self.path) as f:
+        # A journal with other hard links (a copied output directory) gets a copy of its own: the copy's records
+        # go on in the copy only.
+        with nofollow.open_append(self.path, copy_if_shared=True) as f:
             f.write("\n" * torn + line)
             f.flush()
             os.fsync(f.fileno())
@@ -139,6 +141,24 @@ class Journal:
         self.seal(path)
         return result
 
+    def install_file(self, final: Path, write: Callable[[BinaryIO], T]) -> T:
+        """`final` made anew, recorded as the run's own, with what `write` writes: into a new file of a unique `.tmp-`
+        name beside it (created exclusively, recorded before anything goes in: an interrupted write leaves a leftover
+        the next save removes), sealed, then renamed into place. What stood at `final` is replaced if the run's own,
+        else kept aside (see keep_foreign)."""
+        tmp, f = nofollow.open_unique(self.dir, f"{TMP_PREFIX}{final.name}.")
+        with f:
+            try:
+                self.made(tmp)
+            except BaseException:
+                nofollow.remove_made(tmp, os.fstat(f.fileno()))
+                raise
+            result = write(f)
+        self.seal(tmp)
+        self.keep_foreign(final, why=f"the run's {final.name}")
+        self.rename(tmp, final)
+        return result
+
     def create_dir(self, path: Path) -> None:
         """A new, empty folder at `path`, recorded as the run's own (what stood there: as for create_file)."""
         self.clear(path)
@@ -169,7 +189,7 @@ class Journal:
         if not os.path.lexists(path) or self.owns(path):
             return
         target = set_aside(path, KEPT_PREFIX, journal=self, along=along)
-        log.warning("%s is in the way of %s and is not something this run's saves made (%s does not record it): "
+        log.warning("%s is in the way of %s and is not something this run made (%s does not record it): "
                     "kept as %s, never loaded or deleted automatically", path.name, why, JOURNAL_NAME, target.name)
 
     def clear(self, path: Path, *, why: str = "a save") -> None:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from config import LoggingConfig
 
 log = logging.getLogger("train")
+METRICS_NAME = "metrics.jsonl"
 
 
 def detect_peak_flops(device: torch.device, override: float = 0.0) -> float | None:
@@ -47,8 +48,10 @@ class MetricsWriter:
     so any metric written here (training, validation, an evaluation's accuracy) reaches all of them."""
 
     def __init__(self, output_dir: Path, *, trackers: Sequence[Tracker] = ()):
-        self.path = output_dir / "metrics.jsonl"
-        self.file = open_append(self.path)  # never through a link, a FIFO or a device at that name
+        self.path = output_dir / METRICS_NAME
+        # Never through a link, a FIFO or a device at that name; a file with other hard links (a copied run folder)
+        # gets a copy of its own, which this run goes on in: the other names keep the rows they had.
+        self.file = open_append(self.path, copy_if_shared=True)
         self.trackers = list(trackers)
 
     def write(self, row: dict) -> None:

@@ -16,14 +16,23 @@ from ..evaluation.downstream import task_problems
 from ..observability.trackers import tracker_problems
 from ..parallel.float8 import float8_output_problems, float8_problems
 from ..parallel.hf import hf_problems
+from .resume import resume_refusals
+from .run_data import data_problems
 
 
 def launch_checks(cfg: Config, launch: Launch, resume_from: str | None, *, any_world: bool = False) -> list[str]:
     """Everything that can be checked before the process group starts, beyond the config's own checks (which
-    load_config made); with `any_world`, all but what depends on the world size."""
+    load_config made). With `any_world` (--check): all but what depends on the world size, and also what a run finds
+    only once its process group has started, before its first step, where no GPU is needed to find it: the data files
+    and what the resume would refuse. Not the output directory's lock: the nodes joining an elastic job check their
+    command while the job holds it."""
     problems = launch_problems(cfg, world_size=None if any_world else launch.world_size,
                                local_world_size=launch.local_world_size, num_gpus=torch.cuda.device_count())
-    problems += resume_problems(resume_from, output_dir=cfg.output_dir)
+    problems += (resumed := resume_problems(resume_from, output_dir=cfg.output_dir))
+    if any_world:
+        problems += data_problems(cfg)
+        if not resumed:  # the checkpoint named is whole: what would resuming it refuse?
+            problems += resume_refusals(cfg, resume_from)
     problems += float8_problems(cfg.train.float8, run_device=cfg.run.device, local_rank=launch.local_rank)
     problems += float8_output_problems(cfg.train.float8_output, run_device=cfg.run.device,
                                        local_rank=launch.local_rank)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from config import Config
 
 from .. import nofollow
+from ..checkpoint.retention import Journal
 from ..distributed import DistEnv, broadcast_decision
 from ..nofollow import replace_file
 from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch
@@ -490,12 +491,16 @@ def read_cache(out_dir: Path, key: dict) -> dict | None:
 
 
 def save_to_cache(out_dir: Path, key: dict, choice: MicroBatchChoice) -> None:
-    """Add (or replace) this key's entry in <out_dir>/microbatch_cache.json; rank 0 only."""
+    """Add (or replace) this key's entry in <out_dir>/microbatch_cache.json; rank 0 only. Anything else at that name
+    (not a cache) is kept aside as kept-microbatch_cache.json, never written over."""
     path = out_dir / CACHE_FILE
     try:
         entries = [e for e in _cache_entries(path) if e.get("key") != key]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # none, or not a cache: replaced by this one
+    except FileNotFoundError:
         entries = []
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # not a cache: this one goes beside it
+        entries = []
+        Journal(out_dir).keep_foreign(path, why="the micro-batch cache")
     entries.append({"key": key, "micro_batch_size": choice.micro_batch_size,
                     "measured_gib": {str(b): round(m, 3) for b, m in choice.measured_gib.items()},
                     "capacity_gib": round(choice.capacity_gib, 3), "budget_gib": round(choice.budget_gib, 3),

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
-from config import Config, ConfigError, config_warnings
+from config import Config, ConfigError, TrainConfig, config_warnings
 from config.checks import run_length_problems
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
-from ..checkpoint.format import MAX_COUNT
+from ..checkpoint.format import MAX_COUNT, CheckpointError
+from ..checkpoint.io import read_meta
+from ..checkpoint.manager import newer_work, odd_checkpoint_problem
+from ..checkpoint.retention import complete_checkpoints, odd_checkpoints
 from ..distributed import DistEnv
 from .build_run import BuiltRun
 from .optim import LRSchedule
@@ -34,7 +38,7 @@ def resume(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, env: DistEnv, re
         return cfg, state
     if state.step > max_steps:
         ckpt.close()
-        raise CheckpointMismatch(nothing_to_train(ckpt, cfg, state.step, epochs=epochs))
+        raise CheckpointMismatch(nothing_to_train(cfg, state.step, epochs=epochs))
     if problem := counters_problem(state, cfg):
         ckpt.close()
         raise CheckpointMismatch(f"{ckpt.loaded[0]}: {problem}")
@@ -47,15 +51,10 @@ def resume(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, env: DistEnv, re
 
 def _start(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, resume_from: str | None) -> TrainState:
     """A fresh state (model.init_from's weights loaded, if given), or the checkpoint's, loaded."""
-    out_dir = cfg.output_dir
-    if resume_from is None and (existing := ckpt.complete_checkpoints()):
-        # A fresh start would mix its checkpoints with these, and retention would delete them.
-        if not cfg.checkpoint.auto_resume:
-            raise CheckpointMismatch(f"{out_dir} already holds checkpoints of an earlier run (newest "
-                                     f"{existing[0][1].name}); resume with --resume_from latest, or give this "
-                                     "run another run.output_dir")
-        resume_from = "latest"
-        log.info("checkpoint.auto_resume: continuing from the newest complete checkpoint in %s", out_dir)
+    if resume_from is None:
+        resume_from = planned_resume(cfg, None)
+        if resume_from is not None:
+            log.info("checkpoint.auto_resume: continuing from the newest complete checkpoint in %s", cfg.output_dir)
     if resume_from is None:
         if cfg.model.init_from:  # a resume (above) continues the run's own weights instead
             ckpt.load_weights(run.model, cfg.model.init_from)
@@ -78,9 +77,9 @@ def run_length(cfg: Config, saved: TrainState | None, *, train_samples: int, env
     if t.epochs is None:
         return cfg
     counted = epoch_steps(t, train_samples=train_samples)
-    kept = saved is not None and saved.epochs == t.epochs and saved.max_steps > 0
-    steps = saved.max_steps if saved is not None and kept else counted
-    resolved = dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps, epochs=None))
+    kept = kept_length(t, saved) if saved is not None else None
+    steps = kept if kept is not None else counted
+    resolved = _with_length(cfg, steps)
     if problems := run_length_problems(resolved):
         raise ConfigError([f"train.epochs={t.epochs:g} gives train.max_steps={steps}: {problem}"
                            for problem in problems])
@@ -96,6 +95,8 @@ def run_length(cfg: Config, saved: TrainState | None, *, train_samples: int, env
             if line not in config_warnings(cfg):  # those that the count brings
                 log.warning("%s", line)
     return resolved
+
+
 def counters_problem(state: TrainState, cfg: Config) -> str | None:
     """Whether the checkpoint's data position and token count leave room for the steps up to the run's last (`cfg`
     with its length decided): each step adds a global batch to them, and they are 64-bit integers wherever they are
@@ -109,6 +110,64 @@ def counters_problem(state: TrainState, cfg: Config) -> str | None:
             return (f"train_state.{field} {counter} leaves no room for the {remaining:,} steps to train.max_steps="
                     f"{t.resolved_max_steps} ({per_step:,} each): it would pass 2**63-1, the most a checkpoint holds")
     return None
+
+
+def kept_length(t: TrainConfig, saved: TrainState) -> int | None:
+    """The run's length a resume keeps from its checkpoint: the count of the train.epochs the checkpoint recorded, when
+    the command gives the same; None where the run's length is not the checkpoint's to give."""
+    return saved.max_steps if t.epochs is not None and saved.epochs == t.epochs and saved.max_steps > 0 else None
+
+
+def _with_length(cfg: Config, steps: int) -> Config:
+    """The config with train.max_steps set to the run's length (train.epochs cleared)."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps, epochs=None))
+
+
+def planned_resume(cfg: Config, resume_from: str | None) -> str | None:
+    """What a run resumes from: --resume_from as given; else `latest` where the output directory holds a complete
+    checkpoint (checkpoint.auto_resume), or None, a fresh start. A fresh start is refused where checkpoints are."""
+    if resume_from is None and (existing := complete_checkpoints(cfg.output_dir)):
+        # A fresh start would mix its checkpoints with these, and retention would delete them.
+        if not cfg.checkpoint.auto_resume:
+            raise CheckpointMismatch(f"{cfg.output_dir} already holds checkpoints of an earlier run (newest "
+                                     f"{existing[0][1].name}); resume with --resume_from latest, or give this "
+                                     "run another run.output_dir")
+        return "latest"
+    return resume_from
+
+
+def resume_refusals(cfg: Config, resume_from: str | None) -> list[str]:
+    """What `resume` (and the manager's load) would refuse, found from the output directory and the checkpoint's
+    metadata alone, without a process group: for --check. A checkpoint that does not read is left to the run,
+    which checks it whole (and with `latest` falls back to the one before); so is a run's length that train.epochs
+    counts on the data."""
+    try:
+        planned = planned_resume(cfg, resume_from)
+    except CheckpointError as err:
+        return [str(err)]
+    if planned is None:
+        return []
+    out_dir = cfg.output_dir
+    if planned == "latest":
+        if odd := odd_checkpoints(out_dir):
+            return [odd_checkpoint_problem(odd[0])]
+        if not (found := complete_checkpoints(out_dir)):
+            return []  # said by launch_checks.resume_problems
+        path = found[0][1]
+    else:
+        path = Path(planned)
+    try:
+        saved = TrainState(**read_meta(path)["train_state"])
+    except (CheckpointError, OSError, TypeError):
+        return []
+    steps = cfg.train.max_steps if cfg.train.epochs is None else kept_length(cfg.train, saved)
+    if steps is not None and saved.step > steps:
+        return [nothing_to_train(_with_length(cfg, steps), saved.step, epochs=cfg.train.epochs)]
+    if steps is not None and (problem := counters_problem(saved, _with_length(cfg, steps))):
+        return [f"{path}: {problem}"]
+    if planned != "latest" and (newer := newer_work(path, saved.step, out_dir)):
+        return [newer]
+    return []
 
 
 def weights_changed(run: BuiltRun) -> None:
@@ -126,12 +185,12 @@ def _log_world_change(ckpt: CheckpointManager, env: DistEnv, state: TrainState, 
                  path)
 
 
-def nothing_to_train(ckpt: CheckpointManager, cfg: Config, step: int, *, epochs: float | None = None) -> str:
+def nothing_to_train(cfg: Config, step: int, *, epochs: float | None = None) -> str:
     """The line of a run resumed at or past its last step: the same command after the run finished, or another run (a
     smoke run with a lowered train.max_steps) given the finished run's folder. `epochs`: the train.epochs that
     counted the run's train.max_steps."""
     max_steps = cfg.train.resolved_max_steps
-    found = [path for saved, path in ckpt.complete_checkpoints() if saved == step]
+    found = [path for saved, path in complete_checkpoints(cfg.output_dir) if saved == step]
     where = f"checkpoint {found[0]}" if found else f"checkpoint of step {step}"
     afresh = (f"to start a new run, give it its own folder (--run.name=NAME, or run.output_dir; this one is "
               f"{cfg.output_dir})")

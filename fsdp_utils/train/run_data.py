@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import uuid
 from fractions import Fraction
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -20,7 +21,9 @@ from data import (
     prepare_for_training,
 )
 from data.hf_datasets import HFDataset
-from data.store import META_NAME, read_record
+from data.readers import expand_inputs
+from data.remote import is_url
+from data.store import META_NAME, hold_for_reading, read_record
 
 from ..distributed import DistEnv, barrier
 from ..guards.preemption import StopSignal
@@ -36,6 +39,8 @@ def prepare_dataset(cfg: Config, env: DistEnv, stop: StopSignal) -> list[tuple[P
     """
     d = cfg.data
     if d.sources:
+        for source in d.sources:
+            hold_for_reading(Path(source.path))  # no preparation replaces it while this run reads it
         return [(check_format(load_prepared(source.path), d.format, d.document_masking), source.weight)
                 for source in d.sources]
     settings = prepare_settings(cfg)
@@ -59,7 +64,23 @@ def prepare_dataset(cfg: Config, env: DistEnv, stop: StopSignal) -> list[tuple[P
         outcome.unlink(missing_ok=True)
     if error is not None:
         raise DataError(error)
+    hold_for_reading(Path(dataset_dir))
     return [(check_format(load_prepared(dataset_dir), d.format, d.document_masking), 1.0)]
+
+
+def data_problems(cfg: Config) -> list[str]:
+    """What `prepare_dataset` refuses before it prepares anything, found without a process group: for --check.
+    Each folder of data.sources complete and of data.format; else data.files' local files there (URLs are left to
+    the run: reaching them takes the network)."""
+    d = cfg.data
+    try:
+        for source in d.sources:
+            check_format(load_prepared(source.path), d.format, d.document_masking)
+        if not d.sources and (local := [entry for entry in d.files if not is_url(entry)]):
+            expand_inputs(local)
+    except DataError as err:
+        return [str(err)]
+    return []
 
 
 def prepare_settings(cfg: Config) -> PrepareSettings:
