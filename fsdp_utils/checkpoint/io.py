@@ -206,16 +206,18 @@ def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None, sha256: str |
         return tokenizer
     folder = Path(checkpoint).absolute().parent
     current = folder / TOKENIZER_NAME
+    # The run's files: anything but a regular file (or the folder of a Hugging Face tokenizer) is refused, a link
+    # included (UnsafePath naming it), never read.
     if sha256 is None:
-        if not current.is_file():
+        if not nofollow.check(current):
             raise CheckpointError(f"{current}: no tokenizer next to the checkpoint; pass --tokenizer PATH")
         return current
     names = (TOKENIZER_NAME, HF_TOKENIZER_NAME)
     for name in names:
         for candidate in (folder / name, folder / kept_tokenizer_name(name, sha256)):
-            if candidate.exists() and tokenizer_sha256(candidate) == sha256:
+            if nofollow.check(candidate, folder_ok=name == HF_TOKENIZER_NAME) and tokenizer_sha256(candidate) == sha256:
                 return candidate
-    others = [name for name in names if (folder / name).exists()]
+    others = [str(folder / name) for name in names if (folder / name).exists()]
     there = f"{' and '.join(others)} {'is another' if len(others) == 1 else 'are others'}" if others else \
         f"no {' or '.join(names)} there"
     raise CheckpointError(f"{checkpoint}: no tokenizer with its sha256 {sha256[:8]} next to it ({there}); "
