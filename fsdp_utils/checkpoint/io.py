@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 def model_config_of(meta: dict, where: Path) -> ModelConfig:
     """The ModelConfig a checkpoint was saved with, each field's type and value checked. A checkpoint of a whole
     model must hold its weights: a config that describes more than its model tensors hold is not theirs, and
-    building it could exhaust memory (`_check_held`). A LoRA checkpoint holds adapters, not its base: whoever builds the base
-    bounds it by where the base comes from (its own files, or `check_buildable` for a seeded one)."""
+    building it could exhaust memory (`_check_held`). A LoRA checkpoint holds adapters, not its base: whoever
+    builds the base bounds it by where the base comes from (its own files, or `check_buildable` for a seeded one)."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     saved = meta["model_config"]
     unknown = sorted(set(saved) - known)
