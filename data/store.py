@@ -135,9 +135,10 @@ def read_tokenizer_file(path: Path) -> bytes:
 
 def tokenizer_sha256(path: Path) -> str:
     """sha256 of a tokenizer file, or of a tokenizer folder's files (names and contents), each read as every tokenizer
-    is (read_tokenizer_file: UnsafePath in one line for a FIFO, a device or a file past its size bound)."""
+    is (read_tokenizer_file: UnsafePath in one line for a FIFO, a device or a file past its size bound; in a folder
+    too, where a library would open it by name)."""
     digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    files = sorted(p for p in path.rglob("*") if not p.is_dir()) if path.is_dir() else [path]
     for file in files:
         digest.update(file.relative_to(path).as_posix().encode() if path.is_dir() else b"")
         digest.update(read_tokenizer_file(file))

@@ -396,3 +396,14 @@ def test_a_hostile_tokenizer_is_one_error_line_of_every_tool(tmp_path, capsys, t
     says = "is another" if (kind, where) == ("damaged", "beside the checkpoint") else SAYS[kind]  # found by its hash
     assert says in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fifo_inside_the_runs_tokenizer_folder_is_refused_by_name(tmp_path):
+    """A Hugging Face tokenizer's folder beside the checkpoint is hashed file by file: a FIFO there was skipped, for
+    transformers to block on when it opened the folder."""
+    (tmp_path / "hf_tokenizer").mkdir()
+    (tmp_path / "hf_tokenizer/tokenizer_config.json").write_text("{}")
+    os.mkfifo(tmp_path / "hf_tokenizer/vocab.json")
+    with failing_after(30), pytest.raises(OSError) as caught:
+        find_tokenizer(tmp_path)
+    assert str(caught.value) == f"{tmp_path / 'hf_tokenizer/vocab.json'}: a FIFO, not a regular file"
