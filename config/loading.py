@@ -310,8 +310,12 @@ def read_yaml_file(path: Path) -> dict:
     ConfigError in one line otherwise. Also for config.yaml files that came with a copied run folder."""
     if path.is_dir():
         raise ConfigError([f"{path} is a directory; give a config file, e.g. config/train_tiny_fsdp.yaml"])
-    if not path.is_file():
-        raise ConfigError([f"config file not found: {path}"])
+    if not path.is_file():  # a FIFO would block reading, a device never end
+        from data.errors import file_problem, shown
+
+        problem = file_problem(path)
+        raise ConfigError([f"config file not found: {shown(path)}" if problem == "no such file" else
+                           f"{shown(path)}: {problem}; give the YAML file, e.g. config/train_tiny_fsdp.yaml"])
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise ConfigError([f"{path}: {path.stat().st_size:,} bytes is not a config file (at most "

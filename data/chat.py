@@ -127,9 +127,12 @@ def plain_text(messages: list[dict[str, str]]) -> str:
     return "".join(text for text, _ in plain_segments(messages))
 
 
-def plain_prompt(messages: list[dict[str, str]]) -> str:
-    """A prompt for generation with the PLAIN template: the conversation so far, then the assistant's header."""
-    return plain_text(messages) + "<|assistant|>\n"
+def plain_prompt(encode, messages: list[dict[str, str]]) -> list[int]:
+    """The context for generating the assistant's next turn with the PLAIN template: the conversation so far, then
+    the assistant's header, each part tokenised on its own as render_plain tokenises the training data (encode as
+    there)."""
+    ids, _ = render_plain(encode, messages)
+    return ids + encode([plain_segments([{"role": "assistant", "content": ""}])[0][0]])[0]
 
 
 def render_plain(encode, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:

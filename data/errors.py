@@ -1,10 +1,13 @@
 """The one error type of data/: its message names the culprit (file, line or row, setting) in one line."""
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
-from fsdp_utils.nofollow import UnsafePath
+from fsdp_utils.nofollow import UnsafePath, kind_of
 
 
 class DataError(ValueError):
@@ -20,6 +23,26 @@ def refusals_as_data_errors() -> Iterator[None]:
         yield
     except UnsafePath as err:
         raise DataError(str(err)) from None
+
+
+def shown(path: object) -> str:
+    """A path (or another name from outside) as an error line names it: as it is when every character of it prints,
+    else quoted as Python writes a string, so that a newline or a control character in a file's name can neither
+    split the line nor forge another."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
+def file_problem(path: Path | str) -> str | None:
+    """Why `path` (a link followed: the user named it) is no file to read, in words for an error line ("no such
+    file", "a FIFO, not a regular file", ...); None for a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as err:
+        return err.strerror or str(err)
+    return None if stat.S_ISREG(mode) else f"{kind_of(mode)}, not a regular file"
 
 
 def first_line(err: BaseException) -> str:

@@ -9,14 +9,16 @@ output are those of local files: the same documents in the same order give the s
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from fsdp_utils import nofollow
+
 from .chat import ChatFields
-from .errors import DataError, first_line
+from .errors import DataError, first_line, shown
+from .jsonfile import MAX_JSON_BYTES, read_json_file
 from .readers import Piece, optional_import
 from .store import is_plain_name
 
@@ -98,7 +100,7 @@ def open_dataset(spec: HFDataset, *, text_field: str, chat: ChatFields | None) -
         else:
             rows, read = _load(datasets, str(folder), spec, streaming=spec.streaming, folder=real)
         files = sorted({*below, *read})
-    where = f"{spec.path}{f' ({spec.name})' if spec.name else ''}[{spec.split}]"
+    where = f"{shown(spec.path)}{f' ({shown(spec.name)})' if spec.name else ''}[{shown(spec.split)}]"
     columns = _columns(datasets, rows, where, text_field=text_field, chat=chat)
     num_rows = None if isinstance(rows, datasets.IterableDataset) else rows.num_rows
     return OpenedDataset(where, rows, files, columns, num_rows, chat=chat is not None)
@@ -127,10 +129,9 @@ def _hub_snapshot(name: str) -> Path | None:
     import huggingface_hub.constants as hub
 
     repo = Path(hub.HF_HUB_CACHE) / ("datasets--" + name.replace("/", "--"))
-    try:
-        revision = (repo / "refs" / "main").read_text().strip()
-    except OSError:
+    if not (repo / "refs" / "main").exists():
         return None
+    revision = _metadata_text(repo / "refs" / "main").strip()
     # A revision names a folder of snapshots/ (a commit hash): `..` or a path would lead out of the repository.
     if revision in (".", "..") or any(c in revision for c in "/\\\0"):
         raise DataError(f"{repo / 'refs' / 'main'}: names the revision {revision!r}, which is not a folder of "
@@ -168,11 +169,13 @@ def _check_saved_records(folder: Path) -> None:
     records = [(folder / "dataset_dict.json", "splits", ""), (folder / "state.json", "_data_files", "filename")]
     while records:
         path, field, key = records.pop()
-        if not path.is_file():
+        if not path.exists():
             continue  # the library says what is missing
+        if key and (path.parent / "dataset_info.json").exists():  # read by the library beside state.json: bounded
+            read_json_file(path.parent / "dataset_info.json")
         try:
-            names = [entry[key] if key else entry for entry in json.loads(path.read_bytes())[field]]
-        except (OSError, ValueError, RecursionError, LookupError, TypeError) as err:
+            names = [entry[key] if key else entry for entry in read_json_file(path)[field]]
+        except (LookupError, TypeError) as err:
             raise DataError(f"{path}: not a save_to_disk record the datasets library reads ({_said(err)})") from None
         if (bad := next((name for name in names if not is_plain_name(name)), None)) is not None:
             raise DataError(f"{path} names {str(bad)[:200]!r} in '{field}', not a name inside {path.parent}: only "
@@ -248,9 +251,10 @@ def _check_card(folder: Path, path: str) -> None:
     import yaml
     from huggingface_hub import DatasetCard
 
-    card = DatasetCard.load(folder / "README.md").data.to_dict() if (folder / "README.md").is_file() else {}
-    if (folder / ".huggingface.yaml").is_file():
-        card.update(yaml.safe_load((folder / ".huggingface.yaml").read_text()) or {})
+    readme, extra = folder / "README.md", folder / ".huggingface.yaml"
+    card = DatasetCard(_metadata_text(readme)).data.to_dict() if readme.exists() else {}
+    if extra.exists():
+        card.update(yaml.safe_load(_metadata_text(extra)) or {})
     configs = card.get("configs")
     for config in configs if isinstance(configs, list) else []:
         for key in ("data_dir", "data_files"):
@@ -275,6 +279,19 @@ def _strings(value: object) -> Iterator[str]:
                 yield from _strings(item)
 
 
+def _metadata_text(path: Path) -> str:
+    """A dataset's metadata file (README.md, a hub cache's ref) as text, read within MAX_JSON_BYTES whatever its size
+    says (a sparse file of many GB reads as nothing but zeros), and only if it is a regular file (a link followed:
+    a hub snapshot's files are links); DataError in one line otherwise."""
+    try:
+        return nofollow.read_capped(path, limit=MAX_JSON_BYTES, follow_links=True,
+                                    what="a dataset's metadata file").decode("utf-8")
+    except OSError as err:
+        raise DataError(f"{path}: cannot read it ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not valid UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
 def _said(err: BaseException) -> str:
     return f"{type(err).__name__}: {first_line(err)}"
 
@@ -293,11 +310,11 @@ def _files_below(folder: Path) -> list[Path]:
     files = []
     for path in sorted(folder.rglob("*")):
         if path.is_symlink() and path.is_dir():
-            raise DataError(f"{path} is a link to a folder: a dataset folder's data is read only inside it; give "
-                            f"data.hf_dataset.path a folder without such links (a link to a file is fine)")
+            raise DataError(f"{shown(path)} is a link to a folder: a dataset folder's data is read only inside it; "
+                            f"give data.hf_dataset.path a folder without such links (a link to a file is fine)")
         if not (path.is_file() or path.is_dir()):
-            raise DataError(f"{path} is not a regular file (a FIFO, device or socket, or a link to nothing): a dataset "
-                            f"folder holds files and folders")
+            raise DataError(f"{shown(path)} is not a regular file (a FIFO, device or socket, or a link to nothing): a "
+                            f"dataset folder holds files and folders")
         if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts):
             files.append(path)
     return files

@@ -7,9 +7,11 @@ preparation worker process builds its own from the folder.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
+
+from .jsonfile import read_json_file
+from .store import read_tokenizer_file
 
 
 class HFTokenizer:
@@ -19,6 +21,9 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.path = Path(path)
+        # First: it reads each tokenizer file as every tokenizer is read, refusing a FIFO or a file past the size
+        # bound before transformers would block on it or read it whole (without a folder, transformers says why).
+        digest = tokenizer_files_digest(self.path) if self.path.is_dir() else ""
         try:
             self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError) as err:  # transformers' own text spans lines and advises trust_remote_code
@@ -29,7 +34,7 @@ class HFTokenizer:
             raise ValueError(f"{type(err).__name__}: {lines[0] if lines else ''}") from None
         if self.tok.eos_token_id is None:
             raise ValueError(f"tokenizer in {path} has no EOS token; documents need one as separator")
-        self.fingerprint = f"hf:{tokenizer_files_digest(self.path)}"
+        self.fingerprint = f"hf:{digest}"
 
     def encode(self, texts: list[str], out_type=int, num_threads: int = 1) -> list[list[int]]:
         return self.tok(texts, add_special_tokens=False)["input_ids"]
@@ -57,10 +62,11 @@ class HFTokenizer:
 
 
 def tokenizer_files_digest(folder: Path) -> str:
-    """sha256 over the tokenizer files of a model folder (names and contents), not its weights."""
+    """sha256 over the tokenizer files of a model folder (names and contents), not its weights. Whatever else stands
+    under such a name (a FIFO, a device) is refused: UnsafePath, an OSError."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.iterdir() if p.is_file() and "token" in p.name):
-        digest.update(path.name.encode() + path.read_bytes())
+    for path in sorted(p for p in folder.iterdir() if "token" in p.name and p.exists() and not p.is_dir()):
+        digest.update(path.name.encode() + read_tokenizer_file(path))
     return digest.hexdigest()
 
 
@@ -68,6 +74,6 @@ def names_own_code(folder: Path, json_name: str) -> bool:
     """Whether a model folder's config.json or tokenizer_config.json points transformers at Python files of the
     folder (`auto_map`), which it would import: code from a model folder is never run here."""
     try:
-        return bool(json.loads((folder / json_name).read_text()).get("auto_map"))
-    except (OSError, ValueError, AttributeError):  # no such file, not JSON, or not an object
+        return bool(read_json_file(folder / json_name).get("auto_map"))
+    except (OSError, ValueError, AttributeError):  # no such file (a DataError), not JSON, or not an object
         return False

@@ -5,11 +5,11 @@ data/ is the lowest package, so config/, fsdp_utils/ and the scripts all read JS
 from __future__ import annotations
 
 import json
-import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
+
+from fsdp_utils import nofollow
 
 from .errors import DataError
 
@@ -62,27 +62,14 @@ def parse_json(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 def read_json_file(path: Path, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """The JSON value in the file `path` (links followed: a hub cache's files are links), DataError in one line
-    naming it when it cannot be read, is not a regular file (a FIFO would block), holds more than max_bytes, is
-    not JSON or nests deeper than max_depth."""
+    naming it when it cannot be read, is not a regular file (a FIFO would block), holds more than max_bytes
+    (nofollow.read_capped: whatever its size says), is not JSON or nests deeper than max_depth."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = nofollow.read_capped(path, limit=max_bytes, follow_links=True, what="a JSON file of its kind")
+    except nofollow.UnsafePath as err:
+        raise DataError(str(err)) from None
     except OSError as err:
         raise DataError(f"{path}: cannot read it ({err.strerror or err})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise DataError(f"{path}: not a file")
-        if info.st_size > max_bytes:
-            raise DataError(f"{path}: {info.st_size:,} bytes, more than a JSON file of its kind holds "
-                            f"({max_bytes:,})")
-        with os.fdopen(fd, "rb", closefd=False) as file:
-            data = file.read(max_bytes + 1)
-    except OSError as err:
-        raise DataError(f"{path}: cannot read it ({err.strerror or err})") from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:  # it grew while being read
-        raise DataError(f"{path}: more than a JSON file of its kind holds ({max_bytes:,} bytes)")
     try:
         return parse_json(data, max_depth=max_depth)
     except ValueError as err:

@@ -25,7 +25,6 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
 import sys
 import sysconfig
 import threading
@@ -44,7 +43,7 @@ from fsdp_utils import nofollow
 
 from . import worker
 from .chat import TEMPLATES, ChatFields
-from .errors import DataError, refusals_as_data_errors
+from .errors import DataError, refusals_as_data_errors, shown
 from .hf_datasets import HFDataset, OpenedDataset, open_dataset
 from .readers import InputFile, Piece, expand_inputs, format_of, input_size, read_pieces, truncate
 from .remote import TIMEOUT_S, FetchLimit, RemoteFile, SourceChanged, display
@@ -76,6 +75,7 @@ from .store import (
     is_plain_name,
     load_prepared,
     read_record,
+    read_tokenizer_file,
     recorded_names,
     remove_names,
     resumable_shards,
@@ -83,7 +83,14 @@ from .store import (
     tokenizer_sha256,
     write_record,
 )
-from .tokenizer import MAX_TOKENIZER_SENTENCES, TokenizerSample, load_tokenizer, sampled_training_lines, train_tokenizer
+from .tokenizer import (
+    MAX_TOKENIZER_SENTENCES,
+    TokenizerSample,
+    load_sentencepiece,
+    load_tokenizer,
+    sampled_training_lines,
+    train_tokenizer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -249,10 +256,10 @@ class Corpus:
         paths = _bounded(expand_inputs(list(settings.files), timeout_s=settings.remote_timeout_s), settings,
                          max_input_mb=max_input_mb)
         if settings.format == "chat" and (other := [p for p in paths if (format_of(p) or ("",))[0] != "jsonl"]):
-            raise DataError(f"{other[0]}: data.format=chat reads .jsonl files (also .jsonl.gz, .jsonl.zst) of "
+            raise DataError(f"{shown(other[0])}: data.format=chat reads .jsonl files (also .jsonl.gz, .jsonl.zst) of "
                             f"conversations, one JSON object a line")
-        return cls(paths, ", ".join(map(display, settings.files)), strict=True, max_mb=settings.max_corpus_mb,
-                   max_document_mb=settings.max_document_mb)
+        return cls(paths, ", ".join(shown(display(entry)) for entry in settings.files), strict=True,
+                   max_mb=settings.max_corpus_mb, max_document_mb=settings.max_document_mb)
 
     @cached_property
     def disk_bytes(self) -> int:
@@ -821,8 +828,8 @@ def _replace_with(path: Path, write: Callable[[Path], object]) -> None:
 
 
 def _copy_into(source: Path, target: Path) -> None:
-    with open(source, "rb") as src, nofollow.create(target) as dst:
-        shutil.copyfileobj(src, dst)
+    with nofollow.create(target) as dst:
+        dst.write(read_tokenizer_file(source))  # bounded, and never a FIFO or a device
 
 
 # ---------------------------------------------------------------- entry points
@@ -849,8 +856,8 @@ def _corpus_and_source(settings: PrepareSettings, *, max_input_mb: float) -> tup
     RemoteFile.identity)."""
     settings.check()
     corpus = Corpus.of(settings, max_input_mb=max_input_mb)
-    if settings.tokenizer_model and not Path(settings.tokenizer_model).expanduser().is_file():
-        raise DataError(f"tokenizer model not found: {Path(settings.tokenizer_model).expanduser()}")
+    if settings.tokenizer_model:  # missing, not a regular file, too large, damaged: one line before any work
+        load_sentencepiece(Path(settings.tokenizer_model).expanduser())
     return corpus, Source.of(settings, corpus)
 
 
@@ -943,8 +950,8 @@ def _refuse_foreign(root: Path) -> None:
             raise DataError(f"{root / META_NAME} is damaged or was edited, so which files in {root} this library "
                             f"wrote can no longer be proven and none is replaced: delete the folder and prepare "
                             f"again, or choose another data.dataset_dir")
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise DataError(f"{root} holds files this library did not write ({shown}): data.dataset_dir must be a new "
+        listed = ", ".join(map(shown, foreign[:3])) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise DataError(f"{root} holds files this library did not write ({listed}): data.dataset_dir must be a new "
                         f"or empty folder, or one prepared by this library; nothing was changed there")
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from .chat import BadConversation, ChatFields, Conversation, canonical_text, conversation
-from .errors import DataError
+from .errors import DataError, first_line, shown
 from .remote import TIMEOUT_S, RemoteFile, expand_url, is_url
 
 # suffix -> (how records are laid out, compression). Longest suffixes first, so .jsonl.gz is not .gz.
@@ -89,17 +89,18 @@ def expand_inputs(entries: list[str], *, timeout_s: float = TIMEOUT_S) -> list[I
         if glob.has_magic(str(path)):
             found = [p for p in sorted(_glob(path)) if format_of(p) and _regular_file(p)]
             if not found:
-                raise DataError(f"no {SUPPORTED} files match {entry}")
+                raise DataError(f"no {SUPPORTED} files match {shown(entry)}")
             paths.extend(found)
         elif not path.exists():
-            raise DataError(f"data file not found: {path}")
+            raise DataError(f"data file not found: {shown(path)}")
         elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if format_of(p) and _regular_file(p))
             if not found:
-                raise DataError(f"no {SUPPORTED} files under directory {path}")
+                raise DataError(f"no {SUPPORTED} files under directory {shown(path)}")
             paths.extend(found)
         elif not format_of(path):
-            raise DataError(f"unsupported data file {path}: expected one of {SUPPORTED}, a folder or a glob of them")
+            raise DataError(f"unsupported data file {shown(path)}: expected one of {SUPPORTED}, a folder or a glob of "
+                            f"them")
         elif _regular_file(path):
             paths.append(path)
     return _once_each(paths)
@@ -117,11 +118,11 @@ def _regular_file(path: Path) -> bool:
     try:
         mode = path.stat().st_mode
     except OSError as err:
-        raise DataError(f"cannot read data file {path}: {err.strerror or err}") from None
+        raise DataError(f"cannot read data file {shown(path)}: {err.strerror or err}") from None
     if stat.S_ISDIR(mode):
         return False
     if not stat.S_ISREG(mode):
-        raise DataError(f"data file {path} is not a regular file (a FIFO, device or socket): data.files takes "
+        raise DataError(f"data file {shown(path)} is not a regular file (a FIFO, device or socket): data.files takes "
                         f"files, folders and globs of them")
     return True
 
@@ -153,7 +154,7 @@ def optional_import(module: str, package: str, path: InputFile):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise DataError(f"reading {path} needs the {package} package: pip install {package}") from None
+        raise DataError(f"reading {shown(path)} needs the {package} package: pip install {package}") from None
 
 
 # ---------------------------------------------------------------- parent side: files -> pieces
@@ -175,10 +176,10 @@ def read_pieces(path: InputFile, *, piece_bytes: int, text_field: str, max_docum
         yield from _parquet_pieces(path, text_field, max_document_bytes=max_document_bytes, skip_long=skip_long)
         return
     size = min(TXT_DOCUMENT_BYTES if layout == "text" else piece_bytes, max_document_bytes)
-    first_line = 1
+    line_number, name = 1, shown(path)  # name: as error lines name the file
 
     def long_line() -> str:
-        problem = f"{path} line {first_line}: a record of more than data.max_document_mb={max_document_mb:g} MB"
+        problem = f"{name} line {line_number}: a record of more than data.max_document_mb={max_document_mb:g} MB"
         if not skip_long:
             raise _LongRecord(problem)
         return problem
@@ -191,13 +192,13 @@ def read_pieces(path: InputFile, *, piece_bytes: int, text_field: str, max_docum
             for data in lines:
                 if isinstance(data, tuple):
                     problem, num_bytes = data
-                    yield Piece("too_long", str(path), problem, first_line, num_bytes, raw.tell())
-                    first_line += 1
+                    yield Piece("too_long", name, problem, line_number, num_bytes, raw.tell())
+                    line_number += 1
                     continue
-                yield Piece(layout, str(path), data, first_line, len(data), raw.tell())
-                first_line += data.count(b"\n")
+                yield Piece(layout, name, data, line_number, len(data), raw.tell())
+                line_number += data.count(b"\n")
         except _LongRecord as stop:
-            yield Piece("too_long", str(path), str(stop), first_line, 0, raw.tell())
+            yield Piece("too_long", name, str(stop), line_number, 0, raw.tell())
 
 
 class _LongRecord(Exception):
@@ -343,12 +344,12 @@ def _read_block(stream: _Readable, path: InputFile, compression: str | None) -> 
         return stream.read(READ_BLOCK_BYTES)
     except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
         if compression is None:
-            raise DataError(f"cannot read {path}: {err}") from None
+            raise DataError(f"cannot read {shown(path)}: {first_line(err)}") from None
         kind = {"gz": "gzip", "zst": "zstd"}[compression]
-        raise DataError(f"{path}: corrupt or truncated {kind} file ({err})") from None
+        raise DataError(f"{shown(path)}: corrupt or truncated {kind} file ({first_line(err)})") from None
     except Exception as err:
         if type(err).__name__ == "ZstdError":  # zstandard's own error type, without importing it here
-            raise DataError(f"{path}: corrupt or truncated zstd file ({err})") from None
+            raise DataError(f"{shown(path)}: corrupt or truncated zstd file ({first_line(err)})") from None
         raise
 
 
@@ -358,16 +359,16 @@ def _parquet_pieces(path: InputFile, field: str, *, max_document_bytes: int, ski
     a bad record as a whole, never decoded, and batches have as few rows as keeps them to PARQUET_BATCH_BYTES."""
     with open_input(path) as raw, (open_input(path) if isinstance(path, RemoteFile) else nullcontext()) as source:
         parquet, column = _open_parquet(path, field, source)
-        num_rows, disk_size, row = parquet.metadata.num_rows, input_size(path), 0
+        num_rows, disk_size, row, name = parquet.metadata.num_rows, input_size(path), 0, shown(path)
         for group in range(parquet.num_row_groups):
             group_rows = parquet.metadata.row_group(group).num_rows
             largest = _largest_page(raw, parquet.metadata.row_group(group).column(column), path, group)
             done = disk_size * (row + group_rows) // max(num_rows, 1)
             if largest > max_document_bytes + PARQUET_PAGE_SLACK:
-                problem = (f"{path} rows {row} to {row + group_rows - 1}: a page of {largest / 2**20:.1f} MB in column "
+                problem = (f"{name} rows {row} to {row + group_rows - 1}: a page of {largest / 2**20:.1f} MB in column "
                            f"'{field}' could hold a record of more than data.max_document_mb="
                            f"{max_document_bytes / 2**20:g} MB")
-                yield Piece("too_long", str(path), problem, row, 0, done)
+                yield Piece("too_long", name, problem, row, 0, done)
                 if not skip_long:  # an error, raised by the worker that reaches it (see read_pieces)
                     return
             else:
@@ -384,14 +385,16 @@ def _open_parquet(path: InputFile, field: str, source: BinaryIO | None):
 
     try:
         parquet = pq.ParquetFile(path if source is None else source)
-    except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{path}: not a readable parquet file ({err})") from None
+    except (pa.ArrowException, OSError) as err:  # a damaged footer's message may end in a line break
+        raise DataError(f"{shown(path)}: not a readable parquet file ({first_line(err)})") from None
     names = parquet.schema_arrow.names
     if field not in names:
-        raise DataError(f"{path} has no column '{field}' (it has {', '.join(names)}); set data.text_field")
+        raise DataError(f"{shown(path)} has no column '{field}' (it has {', '.join(names)}); set data.text_field")
     column_type = parquet.schema_arrow.field(field).type
+    if pa.types.is_dictionary(column_type):  # a pandas Categorical: text, each value once in a dictionary
+        column_type = column_type.value_type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise DataError(f"{path}: column '{field}' holds {column_type}, not text")
+        raise DataError(f"{shown(path)}: column '{field}' holds {column_type}, not text")
     schema = parquet.metadata.schema
     return parquet, next(i for i in range(len(schema)) if schema.column(i).path == field)
 
@@ -404,10 +407,12 @@ def _row_group_pieces(parquet, group: int, field: str, path: InputFile, *, batch
     try:
         for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=[group], columns=[field]):
             column = batch.column(0)
-            yield Piece("rows", str(path), column, row, column.nbytes, done)
+            if pa.types.is_dictionary(column.type):  # decoded: what is read is the text, as for any string column
+                column = column.dictionary_decode()
+            yield Piece("rows", shown(path), column, row, column.nbytes, done)
             row += len(column)
     except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{path} row {row}: cannot read parquet ({err})") from None
+        raise DataError(f"{shown(path)} row {row}: cannot read parquet ({first_line(err)})") from None
 
 
 def _largest_page(raw: BinaryIO, chunk, path: InputFile, group: int) -> int:
@@ -431,7 +436,7 @@ def _largest_page(raw: BinaryIO, chunk, path: InputFile, group: int) -> int:
     except DataError:  # a URL that could not be read: its own line
         raise
     except (ValueError, EOFError, OSError) as err:
-        raise DataError(f"{path}: not a readable parquet file (row group {group}: {err})") from None
+        raise DataError(f"{shown(path)}: not a readable parquet file (row group {group}: {first_line(err)})") from None
     return largest
 
 

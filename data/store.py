@@ -68,6 +68,9 @@ MARKER_VERSION = 1
 # check costs each rank one block's hash for each block it reads, and nothing at start-up, whatever the
 # size of the store (docs/data.md gives the figures).
 HASH_BLOCK_BYTES = 16 << 20
+# A SentencePiece model is a few MB, the largest file of a Hugging Face tokenizer's folder tens of MB: a file
+# past this is no tokenizer, and reading it whole could exhaust memory.
+MAX_TOKENIZER_BYTES = 64 << 20
 # Written by the library under these names whatever its records say (write_json_atomic, the lock).
 FIXED_NAMES = (META_NAME, META_NAME + ".tmp", PROGRESS_NAME, PROGRESS_NAME + ".tmp", LOCK_NAME, LOCK_TMP_NAME)
 
@@ -123,13 +126,24 @@ def data_format(record: dict) -> str:
     return record.get("format", "text") if isinstance(record, dict) else "text"
 
 
+def read_tokenizer_file(path: Path) -> bytes:
+    """The bytes of a tokenizer file (a SentencePiece model, a file of a tokenizer's folder), as every reader of one
+    reads it: a regular file, opened without blocking (a FIFO or a device is refused, never read), of at most
+    MAX_TOKENIZER_BYTES whatever its size says; UnsafePath (an OSError) in one line naming it otherwise. A link is
+    followed: the user may keep their models anywhere (a hub cache's files are links); in a folder the library
+    keeps (a prepared folder, a run's), whoever names the file refuses a link there first (nofollow.check)."""
+    return nofollow.read_capped(path, limit=MAX_TOKENIZER_BYTES, follow_links=True, what="a tokenizer file")
+
+
 def tokenizer_sha256(path: Path) -> str:
-    """sha256 of a tokenizer file, or of a tokenizer folder's files (names and contents)."""
+    """sha256 of a tokenizer file, or of a tokenizer folder's files (names and contents), each read as every tokenizer
+    is (read_tokenizer_file: UnsafePath in one line for a FIFO, a device or a file past its size bound; in a folder
+    too, where a library would open it by name)."""
     digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    files = sorted(p for p in path.rglob("*") if not p.is_dir()) if path.is_dir() else [path]
     for file in files:
         digest.update(file.relative_to(path).as_posix().encode() if path.is_dir() else b"")
-        digest.update(file.read_bytes())
+        digest.update(read_tokenizer_file(file))
     return digest.hexdigest()
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from .errors import DataError
+from .errors import DataError, first_line, shown
+from .store import read_tokenizer_file
 
 # Text SentencePiece learns from, at most: documents, then lines drawn from them.
 MAX_SAMPLE_CHARS = 32 << 20
@@ -127,14 +128,25 @@ class _ProtoSink:
         self.data += data
 
 
-def load_sentencepiece(path: Path) -> spm.SentencePieceProcessor:
+def load_sentencepiece(path: Path, *, need_eos: bool = True) -> spm.SentencePieceProcessor:
+    """The SentencePiece model in the file `path` (read by read_tokenizer_file), every piece of it UTF-8 text (or
+    decoding would fail on it); DataError in one line naming the file otherwise, and, with need_eos, for a model
+    without an EOS piece."""
+    try:
+        data = read_tokenizer_file(path)
+    except OSError as err:
+        raise DataError(f"{shown(path)}: cannot read the SentencePiece model ({err.strerror or err})") from None
     processor = spm.SentencePieceProcessor()
     try:
-        processor.load(str(path))
+        processor.LoadFromSerializedProto(data)
+        processor.id_to_piece(list(range(processor.get_piece_size())))
+    except UnicodeDecodeError:  # a piece, or SentencePiece's message quoting one, that is not UTF-8
+        raise DataError(f"cannot load SentencePiece model {shown(path)}: a piece of it is not valid UTF-8 text (a "
+                        f"damaged file)") from None
     except (OSError, RuntimeError) as err:
-        raise DataError(f"cannot load SentencePiece model {path}: {err}") from err
-    if processor.eos_id() < 0:
-        raise DataError(f"SentencePiece model {path} has no EOS piece; documents need one as separator")
+        raise DataError(f"cannot load SentencePiece model {shown(path)}: {first_line(err)}") from None
+    if need_eos and processor.eos_id() < 0:
+        raise DataError(f"SentencePiece model {shown(path)} has no EOS piece; documents need one as separator")
     return processor
 
 

@@ -200,13 +200,47 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 def read_small(path: Path | str, *, limit: int) -> bytes:
-    """The bytes of a regular file (not a link) of at most `limit` bytes, its size known before reading."""
-    fd = open_fd(path, os.O_RDONLY)
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise UnsafePath(path, f"{size:,} bytes, more than such a file ever holds ({limit:,})")
-        return f.read(size)
+    """The bytes of a regular file (not a link) of at most `limit` bytes (see read_capped)."""
+    return read_capped(path, limit=limit)
+
+
+_READ_BLOCK = 1 << 20
+
+
+def read_capped(path: Path | str, *, limit: int, follow_links: bool = False, what: str = "such a file") -> bytes:
+    """The bytes of the regular file at `path`, UnsafePath in one line if it holds more than `limit` (`what` names
+    the kind of file in that line). At most limit + 1 bytes are ever read, whatever the file's size says: a sparse
+    file's apparent size costs nothing on disk, a file may grow while read, and one of /proc says 0. Opened without
+    blocking and checked with fstat, so that a FIFO or a device is refused, never read; a link is refused too (see
+    open_fd), or with follow_links (a path the user named: a link is theirs to make) followed."""
+    fd = _open_following(path) if follow_links else open_fd(path, os.O_RDONLY)
+    chunks: list[bytes] = []
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        too_large, num_bytes = os.fstat(fd).st_size > limit, 0  # a size past the bound: refused unread
+        # In blocks: one read of limit + 1 bytes would take that much memory even for a file of a few bytes.
+        while not too_large and (chunk := f.read(min(_READ_BLOCK, limit + 1 - num_bytes))):
+            chunks.append(chunk)
+            num_bytes += len(chunk)
+            too_large = num_bytes > limit
+    if too_large:
+        raise UnsafePath(path, f"more than {limit:,} bytes, more than {what} ever holds")
+    return b"".join(chunks)
+
+
+def _open_following(path: Path | str) -> int:
+    """A blocking descriptor for reading the regular file `path` leads to; UnsafePath naming anything else."""
+    what = kind_of(os.stat(path).st_mode)  # first: a device is never opened (opening some has effects)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC) if what == "a file" else -1
+    try:
+        what = kind_of(os.fstat(fd).st_mode) if fd >= 0 else what  # what was opened, if swapped since the stat
+        if what != "a file":
+            raise UnsafePath(path, f"{what}, not a regular file")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    return fd
 
 
 def truncate(path: Path | str, size: int) -> None:

@@ -9,8 +9,9 @@ CHECKPOINT is a full checkpoint file, a sharded checkpoint folder (saved at any 
 model folder (config.json and weights). Our checkpoints use the run's tokenizer found next to them (as
 scripts/generate.py does) or --tokenizer; an HF folder its own tokenizer. Under torchrun every rank holds the
 whole model and evaluates its share of the batches (fsdp_utils/evaluation/lm_eval_model.py); rank 0 prints the
-table and writes --output. --tasks takes task, group or tag names and task .yaml files; --include_path adds
-folders of your own task .yaml files. bf16 (autocast, weights kept in fp32) on GPUs, fp32 on the CPU.
+table and writes --output (checked before evaluating; written beside it, then renamed into place). --tasks takes
+task, group or tag names and task .yaml files; --include_path adds folders of your own task .yaml files. bf16
+(autocast, weights kept in fp32) on GPUs, fp32 on the CPU.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from config.numbers import integer  # noqa: E402
+from fsdp_utils import nofollow  # noqa: E402
 from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed, pick_device, read_torchrun_env  # noqa: E402
@@ -126,6 +129,24 @@ def evaluate(checkpoint: Path, tasks: list[str], *, include_path: list[str], lim
     return results
 
 
+def output_problem(path: Path) -> str | None:
+    """Why the results could not be written to --output `path`, or None: checked before evaluating, whose results
+    would otherwise be lost at its end. It must be a regular file, which is replaced, or a new name in a folder
+    this process may write into (the results are written beside it first, then renamed into place)."""
+    try:
+        kind = nofollow.kind_at(path)
+    except OSError as err:
+        return f"--output {path}: {err.strerror or err}"
+    if kind not in (None, "a file"):
+        return f"--output {path}: {kind}, not a file to write the results to"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"--output {path}: the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"--output {path}: the folder {folder} is not writable"
+    return None
+
+
 def report(results: dict) -> str:
     """lm_eval's table of the results, then one line with the time taken."""
     from lm_eval.utils import make_table
@@ -158,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = task_problems(tasks, args.include_path, where="--tasks") if tasks else ["--tasks: no task named"]
     problems += [f"--{name} must be positive, got {value}" for name, value in
                  (("limit", args.limit), ("batch_size", args.batch_size)) if value is not None and value <= 0]
+    if args.output is not None and (problem := output_problem(args.output)):
+        problems.append(problem)
     if problems:
         for line in problems:
             print(f"error: {line}", file=sys.stderr)
@@ -172,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.output is not None:
                 from lm_eval.utils import handle_non_serializable
 
-                args.output.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+                text = json.dumps(results, indent=2, default=handle_non_serializable) + "\n"
+                nofollow.write_beside(args.output, lambda f: f.write(text.encode()))
     except (DownstreamError, CheckpointError, HFModelError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -46,6 +46,9 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from config import ModelSection  # noqa: E402
+from data.errors import DataError  # noqa: E402
+from data.store import read_tokenizer_file  # noqa: E402
+from data.tokenizer import load_sentencepiece  # noqa: E402
 from fsdp_utils.checkpoint.format import CheckpointError, dcp_load, first_line, load_full  # noqa: E402
 from fsdp_utils.checkpoint.io import (  # noqa: E402
     check_buildable,
@@ -127,15 +130,14 @@ def hf_tokenizer(model_file: Path, max_len: int | None):
     """A tokenizers-backed tokenizer equivalent to our SentencePiece BPE model (identity normalisation,
     no dummy prefix, byte fallback). SentencePiece stores no merge list: every split of a piece into two
     pieces is a merge, ranked by the piece's score, which reproduces SentencePiece's merge order."""
-    import sentencepiece as spm
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
     try:
-        sp = spm.SentencePieceProcessor(model_file=str(model_file))
-    except (OSError, RuntimeError) as err:
-        raise ExportError(f"{model_file}: not a SentencePiece model ({err})") from None
+        sp = load_sentencepiece(model_file, need_eos=False)
+    except DataError as err:
+        raise ExportError(str(err)) from None
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     ranked = []
     for i in range(sp.get_piece_size()):
@@ -378,7 +380,7 @@ def export_hf_model(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", for
         lm.save_pretrained(tmp)
         hf_tok.save_pretrained(tmp)
         if not tokenizer.is_dir():
-            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+            (tmp / "tokenizer.model").write_bytes(read_tokenizer_file(tokenizer))
         if generation is not None and generation.is_file():  # the base's (stop tokens of a chat model, sampling)
             shutil.copyfile(generation, tmp / generation.name)
 
@@ -445,7 +447,7 @@ def export(checkpoint: Path, out_dir: Path, *, dtype: str = "fp32", force: bool 
         # Only the tokenizer's own files: a --tokenizer folder may be a whole model folder (weights, config.json).
         hf_tok.save_pretrained(tmp)
         if not tokenizer.is_dir():
-            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+            (tmp / "tokenizer.model").write_bytes(read_tokenizer_file(tokenizer))
 
     _write_folder(out_dir, fill)
     return out_dir

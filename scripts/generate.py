@@ -12,8 +12,10 @@ on the base the checkpoint records once that is checked against its fingerprint,
 does. The tokenizer is the run's (a SentencePiece model, or a Hugging Face tokenizer's folder), found next to
 the checkpoint by the hash the checkpoint records (train_fsdp.py copies it there). The prompt is encoded as
 training encoded documents (no BOS); --chat instead renders it as a user message with the tokenizer's chat
-template, followed by the start of the assistant's turn. Sampling: logits / temperature, keep the top_k most
-likely tokens (0: all), draw with a torch.Generator seeded by --seed, so a fixed seed gives the same text;
+template, followed by the start of the assistant's turn: a SentencePiece tokenizer, or a Hugging Face one without
+a template, renders it with the PLAIN template its chat training data was rendered with (data/chat.py), and the
+reply ends at that template's end-of-turn marker. Sampling: logits / temperature, keep the top_k most likely
+tokens (0: all), draw with a torch.Generator seeded by --seed, so a fixed seed gives the same text;
 --temperature 0 is greedy and ignores the seed. The context is cropped to the model's context length;
 generation stops early at the end-of-document token. An empty prompt starts a fresh document.
 """
@@ -34,6 +36,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from config.numbers import integer, number  # noqa: E402
+from data.chat import PLAIN_END, plain_prompt  # noqa: E402
+from data.errors import DataError  # noqa: E402
+from data.tokenizer import load_sentencepiece  # noqa: E402
 from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
 from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_hf_checkpoint  # noqa: E402
@@ -62,9 +67,11 @@ def context_length(model: nn.Module) -> int | None:
 
 @torch.no_grad()
 def sample(model: nn.Module, context: list[int], *, max_new_tokens: int, temperature: float, top_k: int,
-           generator: torch.Generator, vocab_limit: int, stop_id: int | None = None) -> list[int]:
-    """The new token ids after `context`; only ids below vocab_limit (the tokenizer's size) are drawn. `model`
-    maps tokens (B, T) to logits (B, T, V): our Transformer, or a Hugging Face model's CausalLMAdapter."""
+           generator: torch.Generator, vocab_limit: int, stop_id: int | None = None,
+           until: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """The new token ids after `context`; only ids below vocab_limit (the tokenizer's size) are drawn, until stop_id
+    is drawn (not kept) or until(the new ids) holds. `model` maps tokens (B, T) to logits (B, T, V): our
+    Transformer, or a Hugging Face model's CausalLMAdapter."""
     device = next(model.parameters()).device
     window_len = context_length(model)
     tokens = list(context)
@@ -84,6 +91,8 @@ def sample(model: nn.Module, context: list[int], *, max_new_tokens: int, tempera
             break
         tokens.append(next_id)
         new.append(next_id)
+        if until is not None and until(new):
+            break
     return new
 
 
@@ -95,7 +104,8 @@ class TextCodec:
     decode: Callable[[list[int]], str]
     size: int
     eos_id: int | None
-    chat: Callable[[str], list[int]] | None = None  # the prompt as a user message, then the assistant's turn
+    chat: Callable[[str], list[int]]  # the prompt as a user message, then the start of the assistant's turn
+    chat_end: str | None  # the text that ends the assistant's turn (PLAIN_END), where no token of its own does
 
 
 def open_tokenizer(path: Path) -> TextCodec:
@@ -114,15 +124,21 @@ def open_tokenizer(path: Path) -> TextCodec:
                                            add_generation_prompt=True)
             return tok(text, add_special_tokens=False)["input_ids"]  # the template writes its own special tokens
 
+        own = hf.has_chat_template()  # without one, chat data was prepared with the PLAIN template
         return TextCodec(lambda text: hf.encode([text])[0], tok.decode, hf.get_piece_size(), hf.eos_id(),
-                         chat if hf.has_chat_template() else None)
-    import sentencepiece as spm
-
+                         chat if own else plain_chat(hf.encode), None if own else PLAIN_END)
     try:
-        sp = spm.SentencePieceProcessor(model_file=str(path))
-    except (OSError, RuntimeError) as err:
-        raise GenerateError(f"{path}: not a SentencePiece model ({err})") from None
-    return TextCodec(sp.encode, sp.decode, sp.get_piece_size(), sp.eos_id() if sp.eos_id() >= 0 else None)
+        sp = load_sentencepiece(path, need_eos=False)
+    except DataError as err:
+        raise GenerateError(str(err)) from None
+    return TextCodec(sp.encode, sp.decode, sp.get_piece_size(), sp.eos_id() if sp.eos_id() >= 0 else None,
+                     plain_chat(sp.encode), PLAIN_END)
+
+
+def plain_chat(encode: Callable) -> Callable[[str], list[int]]:
+    """The prompt as a user message, then the assistant's header, with the PLAIN template (data/chat.py): what chat
+    training data is rendered with for a tokenizer without a chat template of its own."""
+    return lambda prompt: plain_prompt(encode, [{"role": "user", "content": prompt}])
 
 
 def load_for_generation(checkpoint: Path, meta: dict, *, device: torch.device,
@@ -158,11 +174,13 @@ def argument_problems(*, max_new_tokens: int, temperature: float, top_k: int, se
     return problems
 
 
-def prompt_tokens(codec: TextCodec, prompt: str, *, chat: bool, tokenizer: Path) -> list[int]:
+def prompt_tokens(codec: TextCodec, prompt: str, *, chat: bool) -> list[int]:
     """The context to continue: the prompt as a document (an empty one starts at EOS), or as a chat turn."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:  # bytes of the command line that are not UTF-8 (surrogate escapes)
+        raise GenerateError(f"--prompt is not valid UTF-8 text (at character {err.start})") from None
     if chat:
-        if codec.chat is None:
-            raise GenerateError(f"--chat: the tokenizer {tokenizer} has no chat template")
         return codec.chat(prompt)
     context = codec.encode(prompt) or ([codec.eos_id] if codec.eos_id is not None else [])
     if not context:
@@ -179,16 +197,19 @@ def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 100, temper
     meta = read_meta(checkpoint)  # first: a missing or foreign checkpoint is the error to report
     tokenizer = find_tokenizer(checkpoint, tokenizer, meta.get("tokenizer_sha256"))  # the one it was trained with
     codec = open_tokenizer(tokenizer)
-    context = prompt_tokens(codec, prompt, chat=chat, tokenizer=tokenizer)
+    context = prompt_tokens(codec, prompt, chat=chat)
     dev = pick_device(device)
     model, vocab_size = load_for_generation(checkpoint, meta, device=dev, base=base)
     if codec.size > vocab_size:
         raise GenerateError(f"{tokenizer}: {codec.size} tokens, more than the model's vocab_size={vocab_size}")
     generator = torch.Generator(device=dev)
     generator.manual_seed(seed)
+    end = codec.chat_end if chat else None
+    until = (lambda new: end in codec.decode(new)) if end else None
     new = sample(model, context, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                 generator=generator, vocab_limit=codec.size, stop_id=codec.eos_id)
-    return prompt + codec.decode(new)
+                 generator=generator, vocab_limit=codec.size, stop_id=codec.eos_id, until=until)
+    text = codec.decode(new)
+    return prompt + (text.split(end)[0] if end else text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a SentencePiece model or a Hugging Face tokenizer folder (default: the one next to "
                              "CHECKPOINT that it was trained with)")
     parser.add_argument("--chat", action="store_true",
-                        help="render the prompt as a user message with the tokenizer's chat template")
+                        help="render the prompt as a user message with the tokenizer's chat template (or the PLAIN "
+                             "template of data/chat.py)")
     parser.add_argument("--base", type=Path, default=None,
                         help="a checkpoint of a fine-tuned Hugging Face model: the model folder (or config.json) it "
                              "fine-tuned (default: model.hf_path or model.hf_config of the run's config.yaml)")

@@ -131,6 +131,22 @@ def test_plain_template_masks_the_assistant_content_and_end_marker():
     assert text.startswith("<|system|>\n") and text.endswith(PLAIN_END + "\n")
 
 
+def test_a_plain_prompt_is_the_training_tokens_before_the_assistants_reply():
+    """generate.py --chat with a SentencePiece tokenizer: the context is what the training data held before the
+    assistant's content, token for token (each part tokenised on its own, as render_plain does)."""
+    import sentencepiece as spm
+
+    from data.chat import plain_prompt
+
+    sp = spm.SentencePieceProcessor(model_file=str(ROOT / "tests/fixtures/checkpoints_2026_12/tokenizer.model"))
+    messages = conversation(make_conversations(2)[1], ChatFields())
+    for turn in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
+        ids, mask = render_plain(sp.encode, messages[: turn + 1])
+        prompt = plain_prompt(sp.encode, messages[:turn])
+        assert prompt == ids[: len(prompt)] and mask[len(prompt) - 1 : len(prompt) + 1] == [0, 1]  # the reply next
+        assert sp.decode(prompt) == plain_text(messages[:turn]) + "<|assistant|>\n"
+
+
 @pytest.mark.parametrize("record,problem", [
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
     ({"messages": [{"role": "bot", "content": "hi"}]}, "role"),
@@ -490,3 +506,22 @@ def test_finetune_chat_hf_end_to_end(tmp_path):
     assert abs(counting_all - logged[1]) > 2e-4 * logged[1], (counting_all, logged[1])
     val_rows = [row for row in read_metrics(out) if "val_loss" in row]
     assert [row["step"] for row in val_rows] == [4, 8] and all(math.isfinite(row["val_loss"]) for row in val_rows)
+
+
+@pytest.mark.slow  # a training job
+def test_generate_chat_samples_a_sentencepiece_chat_model(tmp_path, capsys):
+    """A tiny model trained on chat data with a SentencePiece tokenizer (the PLAIN template): half the conversations
+    answer "alpha beta gamma" with "omega sigma lambda", which 300 steps learn by heart. generate.py --chat renders
+    the prompt as training did and stops at the end-of-turn marker: greedy, it gives that reply and nothing after."""
+    from scripts import generate
+    from tests.helpers import run_train
+
+    fixed = {"prompt": "alpha beta gamma", "response": "omega sigma lambda"}
+    records = [record if i % 2 else fixed for i, record in enumerate(make_conversations(200, seed=3))]
+    data = write_jsonl(tmp_path / "chat.jsonl", records)
+    run_train("--data.format=chat", "--data.vocab_size=300", "--train.max_steps=300", "--logging.interval=100",
+              out_dir=tmp_path / "out", corpus=data, dataset_dir=tmp_path / "data", timeout=600)
+    argv = [str(tmp_path / "out/fsdp_cpt300.pth"), "--chat", "--temperature", "0", "--device", "cpu",
+            "--max_new_tokens", "30"]
+    assert generate.main([*argv, "--prompt", "alpha beta gamma"]) == 0
+    assert capsys.readouterr().out == "alpha beta gammaomega sigma lambda\n"

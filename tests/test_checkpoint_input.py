@@ -53,6 +53,7 @@ from fsdp_utils.distributed import DistEnv
 from fsdp_utils.guards.run_lock import RunLocked, take_run_lock
 from model import ModelConfig, Transformer
 from scripts import convert_checkpoint
+from tests.helpers import ROOT
 
 CONFIG = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16, multiple_of=16)
 ENV = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
@@ -425,8 +426,31 @@ def test_a_config_describing_more_than_the_checkpoint_holds_is_never_built(saved
     mutate_meta(checkpoint, lambda m: m["model_config"].update(n_layers=2**16, dim=1024))
     with pytest.raises(CheckpointError) as caught:
         checkpoint_io.load_model(checkpoint)
-    assert one_line(caught.value).startswith(f"{checkpoint}: model_config describes "), caught.value
-    assert "bytes hold" in str(caught.value)
+    assert one_line(caught.value) == (f"{checkpoint}: model_config describes 825,841,812,480 parameters, more than "
+                                      f"the {CONFIG.num_params():,} weights of the checkpoint's model tensors")
+
+
+def test_a_sparse_file_in_a_sharded_checkpoint_does_not_vouch_for_a_larger_model(saved, tmp_path, capsys):
+    """A pad file listed without a CRC32 (sparse: 20 GiB of size, no disk) made a config of 1.0 * 10**9 weights
+    (2 bytes each: under the folder's size) pass for the checkpoint's own, and load_model allocated 4 GB for it
+    before DCP refused the shapes. DCP's metadata lists the tensors the shards hold: 17,504 weights (CONFIG)."""
+    from scripts import generate
+
+    out = run_copy(saved, "sharded", tmp_path)
+    checkpoint = newest(out, "sharded")
+    with (checkpoint / "pad.bin").open("wb") as f:
+        f.truncate(20 << 30)
+    mutate_meta(checkpoint, lambda m: (m["files"].update({"pad.bin": {"size": 20 << 30, "crc32": None}}),
+                                       m["model_config"].update(n_layers=80, dim=1024)))
+    described = dataclasses.replace(CONFIG, n_layers=80, dim=1024).num_params()
+    assert described * 2 < 20 << 30  # the premise: the folder's size vouched for it
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint_io.load_model(checkpoint)
+    assert one_line(caught.value) == (f"{checkpoint}: model_config describes {described:,} parameters, more than "
+                                      f"the {CONFIG.num_params():,} weights of the checkpoint's model tensors")
+    tokenizer = ROOT / "tests/fixtures/checkpoints_2026_12/tokenizer.model"  # any SentencePiece model will do
+    assert generate.main([str(checkpoint), "--prompt", "x", "--device", "cpu", "--tokenizer", str(tokenizer)]) == 1
+    assert capsys.readouterr().err == f"error: {caught.value}\n"
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])

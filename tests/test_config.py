@@ -3,6 +3,7 @@ and the command line's exit codes for config errors (before any process group st
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -328,6 +329,17 @@ def test_missing_and_malformed_config_files(tmp_path):
     (tmp_path / "broken.yaml").write_text("train: [1, 2\n")
     (problem,) = problems_of(path=tmp_path / "broken.yaml")
     assert problem.startswith(f"{tmp_path / 'broken.yaml'}: not valid YAML")
+
+
+def test_a_config_file_that_is_not_a_regular_file_says_what_it_is(tmp_path):
+    """A FIFO (which a read would block on) and /dev/zero (which a read never ends) were "not found"; a name holding
+    a line break is quoted, so that it cannot split the error line."""
+    os.mkfifo(tmp_path / "fifo.yaml")
+    hint = "give the YAML file, e.g. config/train_tiny_fsdp.yaml"
+    assert problems_of(path=tmp_path / "fifo.yaml") == [f"{tmp_path / 'fifo.yaml'}: a FIFO, not a regular file; {hint}"]
+    assert problems_of(path=Path("/dev/zero")) == [f"/dev/zero: a device, not a regular file; {hint}"]
+    forged = tmp_path / "a\nerror: b.yaml"
+    assert problems_of(path=forged) == ["config file not found: " + repr(str(forged))]
 
 
 # Values that passed validation and then failed in the run (a ZeroDivisionError building the model,

@@ -338,3 +338,36 @@ def test_training_logs_the_scores_that_evaluate_py_finds_on_its_checkpoint(tmp_p
     assert logged.keys() == scores.keys()
     for key, value in scores.items():
         assert logged[key] == pytest.approx(value, rel=1e-5), key
+
+
+# ---- --output ------------------------------------------------------------------------------------------------
+def test_the_output_is_checked_before_evaluating_and_replaced_as_a_whole(tmp_path, monkeypatch, capsys):
+    """--output on a FIFO blocked once the whole evaluation was done; onto a folder or into a missing one, the
+    evaluation ran to its end and its results were lost. Each is now refused before anything is evaluated (the
+    evaluation is replaced here by one that records its call), a link too (nothing is written through one); a file
+    there is replaced by the results, written beside it first."""
+    from scripts import evaluate
+    from tests.helpers import failing_after
+
+    ran: list[str] = []
+    monkeypatch.setattr(evaluate, "task_problems", lambda *args, **kwargs: [])  # no task index to build
+    monkeypatch.setattr(evaluate, "evaluate", lambda checkpoint, *args, **kwargs: ran.append(checkpoint) or
+                        {"results": {"tiny_gen": {"exact_match": 0.25}}})
+    monkeypatch.setattr(evaluate, "report", lambda results: "the table")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "users.json").write_text("the user's own")
+    (tmp_path / "link.json").symlink_to(tmp_path / "users.json")
+    for output, why in ((tmp_path / "fifo", "a FIFO, not a file to write the results to"),
+                        (tmp_path / "folder", "a folder, not a file to write the results to"),
+                        (tmp_path / "link.json", "a symbolic link, not a file to write the results to"),
+                        (tmp_path / "missing/results.json", f"the folder {tmp_path / 'missing'} does not exist")):
+        with failing_after(30):  # the write to a FIFO blocks for ever: fail instead
+            assert evaluate.main(["ckpt", "--tasks", "tiny_gen", "--output", str(output)]) == 2
+        assert capsys.readouterr().err == f"error: --output {output}: {why}\n"
+    assert ran == [] and (tmp_path / "users.json").read_text() == "the user's own"
+    (tmp_path / "results.json").write_text("earlier results")
+    assert evaluate.main(["ckpt", "--tasks", "tiny_gen", "--output", str(tmp_path / "results.json")]) == 0
+    assert json.loads((tmp_path / "results.json").read_text()) == {"results": {"tiny_gen": {"exact_match": 0.25}}}
+    assert ran == [Path("ckpt")] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "fifo", "folder", "link.json", "results.json", "users.json"]

@@ -2,6 +2,7 @@
 another seed other text, greedy decoding ignores the seed, and the output starts with the prompt."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -93,3 +94,15 @@ def test_sampling_arguments_out_of_range_are_one_line(tmp_path, capsys):
                           "--seed", str(2**64)]) == 1
     assert capsys.readouterr().err == ("error: --max_new_tokens must be positive, got 0; --top_k must be 0 (all "
                                        f"tokens) or positive, got -1; --seed must be in [0, 2**63 - 1], got {2**64}\n")
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    """$'import os\\xff' on the command line reaches Python as a surrogate escape (os.fsdecode), which SentencePiece
+    refused with a RuntimeError traceback. The fixture's trained checkpoint, with its tokenizer beside it."""
+    fixture = ROOT / "tests/fixtures/checkpoints_2026_12"
+    shutil.copytree(fixture / "full", tmp_path / "run")
+    shutil.copyfile(fixture / "tokenizer.model", tmp_path / "run/tokenizer.model")
+    for chat in ([], ["--chat"]):
+        assert generate.main([str(tmp_path / "run/fsdp_cpt2.pth"), "--prompt", os.fsdecode(b"import os\xff"),
+                              "--device", "cpu", *chat]) == 1
+        assert capsys.readouterr().err == "error: --prompt is not valid UTF-8 text (at character 9)\n"

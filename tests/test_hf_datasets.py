@@ -5,6 +5,7 @@ rows equal their .jsonl; an interrupted preparation continues; a changed dataset
 one line; a training job prepares and trains on one. Everything is offline: the caches live in tmp_path."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -463,3 +464,45 @@ def test_a_training_job_prepares_and_trains_on_a_dataset_folder(tmp_path):
     meta = json.loads((tmp_path / "prep" / "meta.json").read_text())
     assert meta["inputs"] == {"hf_dataset": {"path": str(saved), "name": "", "split": "train"}}
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
+
+
+@contextlib.contextmanager
+def memory_bound(extra: int):
+    """At most `extra` bytes more of address space for this process inside (RLIMIT_AS): a read past it is a
+    MemoryError that fails the test, rather than the machine's memory exhausted."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    in_use = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (in_use + extra, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.mark.parametrize("name", ["state.json", "dataset_info.json", "dataset_dict.json", "README.md", "refs/main"])
+def test_a_sparse_metadata_file_is_one_line_in_bounded_memory(tmp_path, name):
+    """A dataset folder's metadata, 20 GiB of size and no disk (sparse): read whole by the library or by the datasets
+    library (dataset_info.json), it exhausted memory. Each is refused in one line naming it, reading no more than
+    its bound (the test allows 2 GiB more address space than the process has)."""
+    if name == "dataset_dict.json":
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(make_rows(20))}).save_to_disk(str(tmp_path / "ds"))
+    elif name in ("state.json", "dataset_info.json"):
+        write_saved(tmp_path / "ds", make_rows(20))
+    else:
+        write_snapshot(tmp_path / "ds", make_rows(20))
+    folder, given = tmp_path / "ds", str(tmp_path / "ds")
+    if name == "refs/main":  # a dataset by name, found in the hub cache by the revision its ref names
+        repo = tmp_path / "hf_home" / "hub" / ("datasets--" + HUB_NAME.replace("/", "--"))
+        (repo / "snapshots").mkdir(parents=True)
+        folder.rename(repo / "snapshots" / "abc123")
+        (repo / "refs").mkdir()
+        folder, given = repo, HUB_NAME
+    with (folder / name).open("wb") as f:
+        f.truncate(20 << 30)
+    with pytest.raises(DataError) as err, memory_bound(2 << 30):
+        prepare(tmp_path / "out", hf=HFDataset(given))
+    line = str(err.value)
+    assert line.startswith(f"{folder / name}: ") and "more than 67,108,864 bytes" in line and "\n" not in line, line
+    assert not (tmp_path / "out").exists()

@@ -225,3 +225,40 @@ def test_hostile_paths_in_a_dataset_folder_read_nothing_outside_it(folders, tmp_
     # The folder's own file, named plainly in the README, prepares; every name reaching out is refused.
     assert {("README.md data_files", "inside.parquet"), ("README.md data_files", "./inside.parquet")} <= set(ok), ok
     assert not [case for case in ok if "outside" in case[1] or ".." in case[1] or case[1].startswith("/")], ok
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "device", "sparse", "damaged"])
+def test_a_hostile_tokenizer_model_is_one_line_before_any_work(folders, tmp_path, capsys, kind):
+    """data.tokenizer_model: a FIFO or /dev/zero was called "not found" (and copied, /dev/zero, without end), a
+    sparse 20 GiB file was copied whole, a piece of invalid UTF-8 was a UnicodeDecodeError traceback. Each is one
+    line saying what it is, before the corpus is read; the same file in a prepared folder is refused as it is read."""
+    from scripts import prepare_data as prepare_script
+    from tests.helpers import ROOT
+    from tests.test_hostile_paths import damaged_tokenizer
+
+    sandbox, settings = folders
+    given = tmp_path / "given.model"
+    if kind == "sparse":
+        with given.open("wb") as f:
+            f.truncate(20 << 30)
+    elif kind == "damaged":
+        damaged_tokenizer(given)
+    else:
+        make_hostile(given, kind, sandbox)
+    says = {"FIFO": "a FIFO, not a regular file", "device": "a device, not a regular file",
+            "sparse": "more than 67,108,864 bytes, more than a tokenizer file ever holds",
+            "damaged": "a piece of it is not valid UTF-8 text"}[kind]
+    codes = []
+    assert outcome(lambda: codes.append(prepare_script.main([
+        str(ROOT / "config/train_tiny_fsdp.yaml"), f"--data.files=[{settings['files'][0]}]", "--data.num_workers=0",
+        f"--data.tokenizer_model={given}", f"--data.dataset_dir={tmp_path / 'out'}"]))) == "ok"
+    err = capsys.readouterr().err
+    assert codes == [1] and err.startswith("error: ") and err.count("\n") == 1, err
+    assert str(given) in err and says in err and not (tmp_path / "out").exists(), err
+    if kind in ("sparse", "damaged"):  # such a file in a prepared folder: read by its hash, when the folder is opened
+        root = tmp_path / "complete"
+        copy_folder(sandbox / "complete", root)
+        os.replace(given, root / "tokenizer.model")
+        said = outcome(lambda: load_prepared(root))
+        assert str(root / "tokenizer.model") in said and ("is not the tokenizer" in said if kind == "damaged" else
+                                                          says in said), said

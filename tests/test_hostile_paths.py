@@ -15,6 +15,7 @@ import os
 import pickle
 import shutil
 import stat
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +34,8 @@ from fsdp_utils.observability.metrics import MetricsWriter
 from fsdp_utils.observability.profiling import MemorySnapshots, StepProfiler
 from fsdp_utils.observability.trackers import TensorBoardTracker, WandbTracker, mlflow_uri, open_trackers, read_ids
 from fsdp_utils.train.microbatch import CACHE_FILE, MicroBatchChoice, read_cache, save_to_cache
-from tests.test_checkpoint_input import CONFIG, ENV, model_and_optimizer
+from tests.helpers import ROOT, failing_after
+from tests.test_checkpoint_input import CONFIG, ENV, TOKENIZER, model_and_optimizer
 
 TIMEOUT_S = 30  # far more than any of these operations takes; a FIFO opened for reading would block forever
 KINDS = ["link", "fifo", "device", "folder"]
@@ -151,6 +153,11 @@ def read_given(out: Path) -> None:
     check_structure(out / "given")  # train_fsdp.py's check of --resume_from before the process group starts
 
 
+def find_tokenizer(out: Path, sha256: str | None = TOKENIZER) -> None:
+    """What generate.py, export_hf.py and evaluate.py do first with a checkpoint: find the run's tokenizer beside it."""
+    checkpoint_io.find_tokenizer(out / "fsdp_cpt1.pth", None, sha256)
+
+
 # name -> (the hostile path in the output directory, what runs there first, the operation, whether it writes)
 Case = tuple[str, Callable[[Path], object] | None, Callable[[Path], object], bool]
 CASES: dict[str, Case] = {
@@ -193,6 +200,10 @@ CASES: dict[str, Case] = {
     "--resume_from": ("given", None, lambda out: resume(out, "full", str(out / "given")), False),
     "--resume_from, checked at the start": ("given", None, read_given, False),
     "model.init_from": ("given", None, init_from, False),
+    "tokenizer.model, read by the tools": ("tokenizer.model", None, find_tokenizer, False),
+    "tokenizer.model of a checkpoint without its hash": ("tokenizer.model", None,
+                                                         lambda out: find_tokenizer(out, None), False),
+    "hf_tokenizer/, read by the tools": ("hf_tokenizer", None, find_tokenizer, False),
 }
 
 
@@ -425,3 +436,97 @@ def test_a_run_that_trained_nothing_removes_the_folder_it_made_and_only_that(tmp
     lock = take_run_lock(made, ENV)
     lock.release(discard=False)  # a run that trained keeps its folder
     assert (made / "run.lock").is_file()
+
+
+# ---- a tokenizer the tools are given ---------------------------------------------------------------------
+
+FIXTURE = ROOT / "tests/fixtures/checkpoints_2026_12"  # a trained checkpoint, and the tokenizer it records
+
+
+def damaged_tokenizer(path: Path) -> None:
+    """The fixture's tokenizer with the first byte of one of its pieces (of two bytes or more) made 0xff: no longer
+    UTF-8, which SentencePiece loads and Python cannot decode."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    data = (FIXTURE / "tokenizer.model").read_bytes()
+    proto = sentencepiece_model_pb2.ModelProto.FromString(data)
+    piece = next(p.piece.encode() for p in proto.pieces if p.type == p.NORMAL and len(p.piece.encode()) > 2)
+    at = data.index(b"\x0a" + bytes([len(piece)]) + piece) + 2  # field 1 (the piece) of its entry: tag, length
+    path.write_bytes(data[:at] + b"\xff" + data[at + 1:])
+
+
+def hostile_tokenizer(path: Path, kind: str) -> Path:
+    """A `kind` of tokenizer at `path` (/dev/zero itself for a device given by name); the path to give."""
+    if kind == "sparse":  # 20 GiB of size, no disk: read whole, it exhausted memory
+        with path.open("wb") as f:
+            f.truncate(20 << 30)
+    elif kind == "damaged":
+        damaged_tokenizer(path)
+    elif kind == "device" and path.name != "tokenizer.model":
+        return Path("/dev/zero")
+    else:
+        make_hostile(path, kind, path.parent)
+    return path
+
+
+def evaluate_tool(checkpoint: Path, tokenizer: Path | None, out_dir: Path) -> int:
+    """scripts/evaluate.py as far as the tokenizer: what its main() prints is the error's line."""
+    from scripts import evaluate
+
+    try:
+        evaluate.load_for_eval(checkpoint, device=torch.device("cpu"), tokenizer=tokenizer)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def generate_tool(checkpoint: Path, tokenizer: Path | None, out_dir: Path) -> int:
+    from scripts import generate
+
+    given = ["--tokenizer", str(tokenizer)] if tokenizer else []
+    return generate.main([str(checkpoint), "--prompt", "x", "--device", "cpu", *given])
+
+
+def export_tool(checkpoint: Path, tokenizer: Path | None, out_dir: Path) -> int:
+    from scripts import export_hf
+
+    return export_hf.main([str(checkpoint), str(out_dir), *(["--tokenizer", str(tokenizer)] if tokenizer else [])])
+
+
+TOOLS = {"generate": generate_tool, "export_hf": export_tool, "evaluate": evaluate_tool}
+# What the line says of each kind: given by name it is loaded; beside the checkpoint, found by its hash first.
+SAYS = {"fifo": "a FIFO", "device": "a device", "sparse": "more than 67,108,864 bytes, more than a tokenizer file",
+        "damaged": "a piece of it is not valid UTF-8 text"}
+
+
+@pytest.mark.parametrize("kind", list(SAYS))
+@pytest.mark.parametrize("where", ["--tokenizer", "beside the checkpoint"])
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_a_hostile_tokenizer_is_one_error_line_of_every_tool(tmp_path, capsys, tool, where, kind):
+    """A FIFO blocked generate.py and export_hf.py for ever, /dev/zero or a sparse file exhausted memory, a damaged
+    piece was a UnicodeDecodeError traceback: each is now one line naming the file, read in bounded time and memory."""
+    pytest.importorskip("sentencepiece")
+    if tool == "evaluate":
+        pytest.importorskip("lm_eval")
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE / "full", run)
+    given = hostile_tokenizer(tmp_path / "given.model" if where == "--tokenizer" else run / "tokenizer.model", kind)
+    with failing_after(120):  # a FIFO opened for reading blocks for ever: fail instead
+        code = TOOLS[tool](run / "fsdp_cpt2.pth", given if where == "--tokenizer" else None, tmp_path / "out")
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1 and str(given) in err, err
+    says = "is another" if (kind, where) == ("damaged", "beside the checkpoint") else SAYS[kind]  # found by its hash
+    assert says in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_fifo_inside_the_runs_tokenizer_folder_is_refused_by_name(tmp_path):
+    """A Hugging Face tokenizer's folder beside the checkpoint is hashed file by file: a FIFO there was skipped, for
+    transformers to block on when it opened the folder."""
+    (tmp_path / "hf_tokenizer").mkdir()
+    (tmp_path / "hf_tokenizer/tokenizer_config.json").write_text("{}")
+    os.mkfifo(tmp_path / "hf_tokenizer/vocab.json")
+    with failing_after(30), pytest.raises(OSError) as caught:
+        find_tokenizer(tmp_path)
+    assert str(caught.value) == f"{tmp_path / 'hf_tokenizer/vocab.json'}: a FIFO, not a regular file"

@@ -16,7 +16,7 @@ from data import DataError, PrepareSettings, load_prepared, prepare_data
 from fsdp_utils import nofollow
 from fsdp_utils.checkpoint.format import install_full, save_with_checksum, write_record
 from scripts import prepare_data as prepare_script
-from tests.helpers import ROOT
+from tests.helpers import ROOT, failing_after
 from tests.test_data import make_documents
 from tests.test_prepare import stopped_after
 
@@ -139,6 +139,34 @@ def test_the_refusal_is_one_line_with_the_path_as_its_filename(tmp_path):
     assert str(err) == f"{err.filename}: {err.strerror}" and "\n" not in str(err)
     again = pickle.loads(pickle.dumps(err))
     assert type(again) is nofollow.UnsafePath and str(again) == str(err)
+
+
+def test_a_capped_read_reads_no_more_than_its_bound_whatever_the_size_says(tmp_path):
+    """/proc's files say 0 bytes and hold more (a file may also grow while read): a bound checked against the size
+    alone read all of it (or, trusting the size, nothing). A sparse file's size costs no disk (20 GiB here). Only a
+    regular file is read: a FIFO, even through a link the user made, and a device are refused, never opened."""
+    status = Path("/proc/self/status")
+    assert status.stat().st_size == 0 and len(status.read_bytes()) > 100  # the premise
+    with pytest.raises(nofollow.UnsafePath) as caught:
+        nofollow.read_capped(status, limit=100, follow_links=True)
+    assert str(caught.value) == f"{status}: more than 100 bytes, more than such a file ever holds"
+    assert nofollow.read_capped(status, limit=1 << 20, follow_links=True).startswith(b"Name:")
+    sparse = tmp_path / "sparse.json"
+    with sparse.open("wb") as f:
+        f.truncate(20 << 30)
+    with pytest.raises(nofollow.UnsafePath, match="more than 1,048,576 bytes, more than a record ever holds"):
+        nofollow.read_capped(sparse, limit=1 << 20, what="a record")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(tmp_path / "fifo")
+    with failing_after(10):
+        for path, what in ((tmp_path / "link", "a FIFO"), (Path("/dev/zero"), "a device")):
+            with pytest.raises(nofollow.UnsafePath) as caught:
+                nofollow.read_capped(path, limit=100, follow_links=True)
+            assert str(caught.value) == f"{path}: {what}, not a regular file"
+        expect_refusal(lambda: nofollow.read_capped(tmp_path / "link", limit=100), tmp_path / "link",
+                       "a symbolic link where this library expects a regular file")
+    (tmp_path / "small").write_bytes(b"x" * 100)
+    assert nofollow.read_capped(tmp_path / "small", limit=100) == b"x" * 100
 
 
 # ---- the prepared data folder under the same rules ---------------------------------------------------------

@@ -330,3 +330,54 @@ def test_json_nested_too_deeply_is_a_bad_record(tmp_path):
     assert bad[1:] == ["c.jsonl line 1: expected a list 'messages', or string fields 'prompt' and 'response'",
                        "c.jsonl line 2: JSON nested too deeply to read",
                        "c.jsonl line 3: expected a list 'messages', or string fields 'prompt' and 'response'"]
+
+
+# ---------------------------------------------------------------- parquet footers, dictionary columns, file names
+
+
+@pytest.mark.parametrize("damage", ["magic", "footer length", "footer"])
+def test_a_parquet_file_with_a_damaged_footer_is_one_line(tmp_path, damage):
+    """pyarrow's message for a footer that does not deserialize ends in a line break: it made two lines."""
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": ["some text"] * 50}), path)
+    data = path.read_bytes()
+    path.write_bytes({"magic": data[:-4] + b"XXXX", "footer length": data[:-8] + b"\xff\xff\x00\x00PAR1",
+                      "footer": data[:-40] + b"\x07" * 32 + data[-8:]}[damage])
+    with pytest.raises(DataError) as caught:
+        list(readers.read_pieces(path, piece_bytes=MiB, text_field="text", max_document_mb=1, skip_long=True))
+    assert str(caught.value).startswith(f"{path}: not a readable parquet file (") and "\n" not in str(caught.value)
+    assert str(caught.value).endswith(")")
+
+
+def test_a_dictionary_text_column_is_read_as_its_text(tmp_path):
+    """A pandas Categorical saves as parquet dictionary<values=string>: text, each distinct value once. It was
+    refused as "not text"; its documents are those of the same column saved as plain strings."""
+    texts = [f"document {i % 7} of the corpus, said again" for i in range(300)]
+    plain, categorical = tmp_path / "plain.parquet", tmp_path / "categorical.parquet"
+    pq.write_table(pa.table({"text": texts}), plain)
+    pq.write_table(pa.table({"text": pa.array(texts).dictionary_encode()}), categorical)
+    assert pa.types.is_dictionary(pq.ParquetFile(categorical).schema_arrow.field("text").type)  # the premise
+
+    def documents(path: Path) -> list[str]:
+        out = []
+        for piece in readers.read_pieces(path, piece_bytes=MiB, text_field="text", max_document_mb=1, skip_long=True):
+            out += [text for text, _ in readers.piece_documents(piece, text_field="text", strict=True,
+                                                                max_document_mb=1, bad_record=pytest.fail)]
+        return out
+
+    assert documents(categorical) == documents(plain) == texts
+    assert prep(tmp_path, [str(categorical)], dataset_dir=tmp_path / "a").num_train_tokens == prep(
+        tmp_path, [str(plain)], dataset_dir=tmp_path / "b").num_train_tokens > 0
+
+
+def test_a_line_break_in_a_file_name_cannot_split_or_forge_an_error_line(tmp_path):
+    """A data file named 'x\\nerror: forged' gave an error line that ended at its name, and a second that looked
+    like the project's own. Names that do not print as they are are quoted as Python writes a string."""
+    path = tmp_path / "bad\nerror: all checkpoints deleted\n.jsonl"
+    path.write_text('{"text": "fine"}\n{"no text": 1}\n')
+    with pytest.raises(DataError) as caught:
+        prep(tmp_path, [str(path)], on_bad_record="error")
+    assert str(caught.value).startswith(repr(str(path)) + " line 2: ") and "\n" not in str(caught.value), caught.value
+    with pytest.raises(DataError) as caught:
+        readers.expand_inputs([str(tmp_path / "gone\n.jsonl")])
+    assert str(caught.value) == "data file not found: " + repr(str(tmp_path / "gone\n.jsonl"))

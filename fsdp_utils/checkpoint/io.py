@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from config.model_checks import model_problems
 from data.store import HF_TOKENIZER_NAME, tokenizer_sha256
@@ -37,8 +39,8 @@ from .format import (
     dcp_load,
     first_line,
     load_full,
+    read_dcp_metadata,
     read_sharded_meta,
-    size_of,
 )
 from .retention import Journal
 
@@ -47,9 +49,9 @@ log = logging.getLogger(__name__)
 
 def model_config_of(meta: dict, where: Path) -> ModelConfig:
     """The ModelConfig a checkpoint was saved with, each field's type and value checked. A checkpoint of a whole
-    model must hold its weights: a config that describes more than its files hold is not theirs, and building it
-    could exhaust memory (`_check_held`). A LoRA checkpoint holds adapters, not its base: whoever builds the base
-    bounds it by where the base comes from (its own files, or `check_buildable` for a seeded one)."""
+    model must hold its weights: a config that describes more than its model tensors hold is not theirs, and
+    building it could exhaust memory (`_check_held`). A LoRA checkpoint holds adapters, not its base: whoever
+    builds the base bounds it by where the base comes from (its own files, or `check_buildable` for a seeded one)."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     saved = meta["model_config"]
     unknown = sorted(set(saved) - known)
@@ -70,11 +72,23 @@ def model_config_of(meta: dict, where: Path) -> ModelConfig:
 
 
 def _check_held(cfg: ModelConfig, where: Path) -> None:
-    """Each weight takes at least 2 bytes on disk: a config describing more weights than the checkpoint at `where`
-    holds is not its own."""
-    if cfg.num_params() * 2 > size_of(where):
+    """A config describing more weights than the model tensors of the checkpoint at `where` hold is not its own.
+    Counted from the tensors' recorded shapes, not from the files' sizes: a sparse file's size costs nothing."""
+    if cfg.num_params() > (held := held_weights(where)):
         raise CheckpointError(f"{where}: model_config describes {cfg.num_params():,} parameters, more than the "
-                              f"checkpoint's {size_of(where):,} bytes hold")
+                              f"{held:,} weights of the checkpoint's model tensors")
+
+
+def held_weights(path: Path) -> int:
+    """The number of weights in the model tensors of a checkpoint, from their shapes: those DCP's metadata records
+    for a sharded folder (each tensor's whole size), those of a full file's payload (memory-mapped: each bounded by
+    the data the file holds for it)."""
+    if path.is_dir():
+        entries = read_dcp_metadata(path / ".metadata").state_dict_metadata.items()
+        shapes = [m.size for name, m in entries if name.startswith("model.") and isinstance(m, TensorStorageMetadata)]
+    else:
+        shapes = [t.shape for t in load_full(path)["model"].values() if isinstance(t, torch.Tensor)]
+    return sum(math.prod(shape) for shape in shapes)
 
 
 def check_buildable(cfg: ModelConfig, where: Path, *, why: str) -> None:
@@ -206,16 +220,18 @@ def find_tokenizer(checkpoint: str | Path, tokenizer: Path | None, sha256: str |
         return tokenizer
     folder = Path(checkpoint).absolute().parent
     current = folder / TOKENIZER_NAME
+    # The run's files: anything but a regular file (or the folder of a Hugging Face tokenizer) is refused, a link
+    # included (UnsafePath naming it), never read.
     if sha256 is None:
-        if not current.is_file():
+        if not nofollow.check(current):
             raise CheckpointError(f"{current}: no tokenizer next to the checkpoint; pass --tokenizer PATH")
         return current
     names = (TOKENIZER_NAME, HF_TOKENIZER_NAME)
     for name in names:
         for candidate in (folder / name, folder / kept_tokenizer_name(name, sha256)):
-            if candidate.exists() and tokenizer_sha256(candidate) == sha256:
+            if nofollow.check(candidate, folder_ok=name == HF_TOKENIZER_NAME) and tokenizer_sha256(candidate) == sha256:
                 return candidate
-    others = [name for name in names if (folder / name).exists()]
+    others = [str(folder / name) for name in names if (folder / name).exists()]
     there = f"{' and '.join(others)} {'is another' if len(others) == 1 else 'are others'}" if others else \
         f"no {' or '.join(names)} there"
     raise CheckpointError(f"{checkpoint}: no tokenizer with its sha256 {sha256[:8]} next to it ({there}); "

@@ -41,14 +41,9 @@ class SentencePieceCodec:
     no context is conditioned on EOS (the start of a document)."""
 
     def __init__(self, path: str | Path):
-        import sentencepiece as spm
+        from data.tokenizer import load_sentencepiece
 
-        try:
-            self.sp = spm.SentencePieceProcessor(model_file=str(path))
-        except (OSError, RuntimeError) as err:
-            raise ValueError(f"{path}: not a SentencePiece model ({err})") from None
-        if self.sp.eos_id() < 0:
-            raise ValueError(f"{path}: the SentencePiece model has no EOS piece")
+        self.sp = load_sentencepiece(Path(path))  # a DataError (a ValueError) in one line for anything but one
         self.eos_id = self.prefix_id = self.sp.eos_id()
         self.vocab_size = self.sp.get_piece_size()
 
