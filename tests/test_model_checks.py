@@ -3,7 +3,6 @@ allocation the allocator refuses: each one line naming the model's dimensions. A
 config holds a wrong type, said before any comparison of shapes."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import subprocess
@@ -17,6 +16,7 @@ import torch
 from config import load_config
 from fsdp_utils.checkpoint import CheckpointError
 from fsdp_utils.checkpoint.base import CheckpointContext
+from fsdp_utils.checkpoint.io import read_meta
 from fsdp_utils.distributed import DistEnv
 from fsdp_utils.parallel.build import ModelMemoryError, build_model
 from model import ModelConfig
@@ -118,14 +118,14 @@ def test_an_allocation_the_allocator_refuses_is_one_line():
 
 
 def test_a_checkpoint_model_config_of_the_wrong_type_is_said_before_comparing_shapes(tmp_path):
-    # A string "128" in the checkpoint's model config is not "128 here, 128 in the checkpoint".
-    ours = dataclasses.asdict(ModelConfig(dim=128))
+    # A string "32" in the checkpoint's model config is not "32 here, 32 in the checkpoint". A real checkpoint,
+    # since its model config is also held against the tensors it holds.
+    path = ROOT / "tests/fixtures/checkpoints_2026_12/full/fsdp_cpt2.pth"
+    ours = read_meta(path)["model_config"]
     context = CheckpointContext(tmp_path, ONE_RANK, "full", 1, ours)
-    path = tmp_path / "fsdp_cpt1.pth"
-    path.write_bytes(b"\0" * (ModelConfig(dim=128).num_params() * 4))
     with pytest.raises(CheckpointError) as err:
-        context.check_model({"model_config": ours | {"dim": "128"}}, path)
-    assert str(err.value) == f"{path}: invalid model_config (dim='128', expected int)"
+        context.check_model({"model_config": ours | {"dim": "32"}}, path)
+    assert str(err.value) == f"{path}: invalid model_config (dim='32', expected int)"
     context.check_model({"model_config": ours}, path)  # the same config, each field its type: no mismatch
 
 
