@@ -87,7 +87,6 @@ from fsdp_utils.distributed import (  # noqa: E402
     prefer_expandable_segments,
     read_torchrun_env,
 )
-from fsdp_utils.nofollow import append_line, results_log_problem  # noqa: E402
 from fsdp_utils.observability.metrics import detect_peak_flops  # noqa: E402
 from fsdp_utils.observability.trackers import redacted_argument  # noqa: E402
 from fsdp_utils.parallel.build import describe_model  # noqa: E402
@@ -97,6 +96,7 @@ from fsdp_utils.train.build_run import BuiltRun, build_run  # noqa: E402
 from fsdp_utils.train.microbatch import describe_choice  # noqa: E402
 from fsdp_utils.train.step import train_step  # noqa: E402
 from model.float8_projection import FLOAT8_ALIGNMENT  # noqa: E402
+from safe_io.nofollow import append_line, results_log_problem  # noqa: E402
 from train_fsdp import wrap  # noqa: E402
 
 # The document separator of the random tokens (--doc_len); any id serves.

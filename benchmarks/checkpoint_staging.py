@@ -95,7 +95,6 @@ from config.numbers import (  # noqa: E402
     integer,
     number as parse_number,
 )
-from fsdp_utils import nofollow  # noqa: E402
 from fsdp_utils.checkpoint import CheckpointManager, TrainState  # noqa: E402
 from fsdp_utils.checkpoint.async_save import check_host_memory  # noqa: E402
 from fsdp_utils.checkpoint.base import CheckpointContext, quiet_state_dict_warnings  # noqa: E402
@@ -115,6 +114,7 @@ from fsdp_utils.parallel.build import describe_model  # noqa: E402
 from fsdp_utils.parallel.float8 import float8_problems  # noqa: E402
 from fsdp_utils.train.build_run import build_run  # noqa: E402
 from fsdp_utils.train.step import train_step  # noqa: E402
+from safe_io import nofollow  # noqa: E402
 from train_fsdp import wrap  # noqa: E402
 
 try:  # DCP's own stager (torch 2.9 and later)

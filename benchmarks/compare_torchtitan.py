@@ -43,9 +43,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from config import Config, ConfigError, FSDPConfig, TrainConfig, check_batch_split, load_config  # noqa: E402
-from data.remote import scrub  # noqa: E402
-from fsdp_utils.nofollow import append_line, results_log_problem  # noqa: E402
 from fsdp_utils.observability.trackers import redacted_argument  # noqa: E402
+from safe_io.nofollow import append_line, results_log_problem  # noqa: E402
+from safe_io.urls import scrub  # noqa: E402
 
 BENCHMARK = ROOT / "benchmarks" / "benchmark.py"
 DEFAULT_LAUNCHER = "torchrun --standalone --nproc_per_node={nproc}"

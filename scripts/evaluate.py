@@ -32,7 +32,6 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from config.numbers import integer  # noqa: E402
-from fsdp_utils import nofollow  # noqa: E402
 from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
 from fsdp_utils.distributed import destroy_distributed, init_distributed, pick_device, read_torchrun_env  # noqa: E402
@@ -51,6 +50,7 @@ from fsdp_utils.parallel.hf import (  # noqa: E402
     load_hf_checkpoint,
     load_pretrained,
 )
+from safe_io import nofollow  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -20,11 +20,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from config import Config
+from safe_io import nofollow
+from safe_io.nofollow import replace_file
 
-from .. import nofollow
 from ..checkpoint.retention import Journal
 from ..distributed import DistEnv, broadcast_decision
-from ..nofollow import replace_file
 from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch
 from .batch import divisors
 from .memory import GiB, MemoryProbe, gib, max_over_ranks

@@ -13,7 +13,7 @@ Whatever the library writes, reads or deletes there goes through these functions
   change the other copies. Such a file is refused (`SharedFile`), or given a copy of its own first (`open_append`
   with copy_if_shared, `lock_file`), renamed over that one name.
 Entries are checked with lstat, then opened with O_NOFOLLOW and O_NONBLOCK, so that one swapped in after the check
-is refused too. Standard library only, so that any package can use it.
+is refused too.
 """
 from __future__ import annotations
 
