@@ -18,15 +18,13 @@ import argparse
 import inspect
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model.documents import document_block_mask, document_ids, document_starts  # noqa: E402
+from model.documents import document_block_mask, document_ids, document_starts
 
 EOS = 0
 SHAPES = {  # name: (micro-batch, query heads, key/value heads, head dim) at the presets' choices

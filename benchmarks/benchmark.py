@@ -64,40 +64,39 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from config import (  # noqa: E402
-    CheckpointConfig,  # noqa: E402
+from config import (
+    CheckpointConfig,
     Config,
     ConfigError,
     check_batch_split,
     load_config,
 )
-from config.checks import float8_size_problem  # noqa: E402
-from config.numbers import integer, integer_in  # noqa: E402
-from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState  # noqa: E402
-from fsdp_utils.distributed import (  # noqa: E402
+from config.checks import float8_size_problem
+from config.numbers import integer, integer_in
+from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
+from fsdp_utils.distributed import (
     DistEnv,
     destroy_distributed,
     init_distributed,
     prefer_expandable_segments,
     read_torchrun_env,
 )
-from fsdp_utils.nofollow import append_line, results_log_problem  # noqa: E402
-from fsdp_utils.observability.metrics import detect_peak_flops  # noqa: E402
-from fsdp_utils.observability.trackers import redacted_argument  # noqa: E402
-from fsdp_utils.parallel.build import describe_model  # noqa: E402
-from fsdp_utils.parallel.float8 import float8_output_problems, float8_problems  # noqa: E402
-from fsdp_utils.parallel.parallelize import compile_options, describe_sharding  # noqa: E402
-from fsdp_utils.train.build_run import BuiltRun, build_run  # noqa: E402
-from fsdp_utils.train.microbatch import describe_choice  # noqa: E402
-from fsdp_utils.train.step import train_step  # noqa: E402
-from model.float8_projection import FLOAT8_ALIGNMENT  # noqa: E402
-from train_fsdp import wrap  # noqa: E402
+from fsdp_utils.observability.metrics import detect_peak_flops
+from fsdp_utils.observability.trackers import redacted_argument
+from fsdp_utils.parallel.build import describe_model
+from fsdp_utils.parallel.float8 import float8_output_problems, float8_problems
+from fsdp_utils.parallel.parallelize import compile_options, describe_sharding
+from fsdp_utils.train.build_run import BuiltRun, build_run
+from fsdp_utils.train.microbatch import describe_choice
+from fsdp_utils.train.step import train_step
+from model.float8_projection import FLOAT8_ALIGNMENT
+from safe_io.nofollow import append_line, results_log_problem
+from train_fsdp import wrap
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The document separator of the random tokens (--doc_len); any id serves.
 EOS_ID = 0

@@ -7,7 +7,7 @@ Writes a synthetic .jsonl corpus (benchmarks/benchmark_data.py's), starts moto's
 uploads the corpus to it, trains a tokenizer once on a small corpus of the same kind, then runs
 `scripts/prepare_data.py` on `s3://BUCKET/corpus/*.jsonl` and on the local files, and prints the peak memory of
 each run (the prepare process and its workers, sampled from /proc as benchmarks/benchmark_data.py does). Needs
-s3fs and moto[server] (requirements-dev.txt).
+s3fs and moto[server] (the `dev` extra).
 """
 from __future__ import annotations
 
@@ -20,10 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.benchmark_data import cpu_name, prepare, write_corpus  # noqa: E402 - after the path above
+from benchmarks.benchmark_data import cpu_name, prepare, write_corpus
 
 BUCKET = "benchmark-corpus"
 

@@ -81,28 +81,24 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-from benchmarks.benchmark import EOS_ID, random_batches  # noqa: E402
-from config import CheckpointConfig, ConfigError, check_batch_split, load_config  # noqa: E402
-from config.numbers import (  # noqa: E402
+from benchmarks.benchmark import EOS_ID, random_batches
+from config import CheckpointConfig, ConfigError, check_batch_split, load_config
+from config.numbers import (
     integer,
     number as parse_number,
 )
-from fsdp_utils import nofollow  # noqa: E402
-from fsdp_utils.checkpoint import CheckpointManager, TrainState  # noqa: E402
-from fsdp_utils.checkpoint.async_save import check_host_memory  # noqa: E402
-from fsdp_utils.checkpoint.base import CheckpointContext, quiet_state_dict_warnings  # noqa: E402
-from fsdp_utils.checkpoint.format import first_line  # noqa: E402
-from fsdp_utils.checkpoint.sharded import ShardedCheckpoint  # noqa: E402
-from fsdp_utils.checkpoint.staging import arena_bytes, state_bytes, storage_tensors  # noqa: E402
-from fsdp_utils.distributed import (  # noqa: E402
+from fsdp_utils.checkpoint import CheckpointManager, TrainState
+from fsdp_utils.checkpoint.async_save import check_host_memory
+from fsdp_utils.checkpoint.base import CheckpointContext, quiet_state_dict_warnings
+from fsdp_utils.checkpoint.format import first_line
+from fsdp_utils.checkpoint.sharded import ShardedCheckpoint
+from fsdp_utils.checkpoint.staging import arena_bytes, state_bytes, storage_tensors
+from fsdp_utils.distributed import (
     DistEnv,
     barrier,
     broadcast_decision,
@@ -111,11 +107,14 @@ from fsdp_utils.distributed import (  # noqa: E402
     prefer_expandable_segments,
     read_torchrun_env,
 )
-from fsdp_utils.parallel.build import describe_model  # noqa: E402
-from fsdp_utils.parallel.float8 import float8_problems  # noqa: E402
-from fsdp_utils.train.build_run import build_run  # noqa: E402
-from fsdp_utils.train.step import train_step  # noqa: E402
-from train_fsdp import wrap  # noqa: E402
+from fsdp_utils.parallel.build import describe_model
+from fsdp_utils.parallel.float8 import float8_problems
+from fsdp_utils.train.build_run import build_run
+from fsdp_utils.train.step import train_step
+from safe_io import nofollow
+from train_fsdp import wrap
+
+ROOT = Path(__file__).resolve().parents[1]
 
 try:  # DCP's own stager (torch 2.9 and later)
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions

@@ -38,15 +38,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from config import Config, ConfigError, FSDPConfig, TrainConfig, check_batch_split, load_config
+from fsdp_utils.observability.trackers import redacted_argument
+from safe_io.nofollow import append_line, results_log_problem
+from safe_io.urls import scrub
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from config import Config, ConfigError, FSDPConfig, TrainConfig, check_batch_split, load_config  # noqa: E402
-from data.remote import scrub  # noqa: E402
-from fsdp_utils.nofollow import append_line, results_log_problem  # noqa: E402
-from fsdp_utils.observability.trackers import redacted_argument  # noqa: E402
-
 BENCHMARK = ROOT / "benchmarks" / "benchmark.py"
 DEFAULT_LAUNCHER = "torchrun --standalone --nproc_per_node={nproc}"
 # Set for both runs where the user left them unset: NVLink multicast (NVLS) off, as docs/benchmarks.md's commands

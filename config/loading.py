@@ -14,7 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from fsdp_utils import nofollow
+from safe_io import nofollow
+from safe_io.names import shown
+from safe_io.urls import display
 
 from .checks import validate
 from .errors import ConfigError, closest
@@ -311,7 +313,7 @@ def read_yaml_file(path: Path) -> dict:
     if path.is_dir():
         raise ConfigError([f"{path} is a directory; give a config file, e.g. config/train_tiny_fsdp.yaml"])
     if not path.is_file():  # a FIFO would block reading, a device never end
-        from data.errors import file_problem, shown
+        from data.errors import file_problem
 
         problem = file_problem(path)
         raise ConfigError([f"config file not found: {shown(path)}" if problem == "no such file" else
@@ -364,7 +366,6 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
 def summarize_config(cfg: Config) -> list[str]:
     """A few lines for the console; the whole resolved config goes to <output_dir>/config.yaml."""
-    from data.remote import display  # a URL's password or query string is not printed
 
     d, t, f, c = cfg.data, cfg.train, cfg.fsdp, cfg.checkpoint
     corpus = (d.dataset_dir or ", ".join(map(display, d.files)) or ", ".join(s.path for s in d.sources)

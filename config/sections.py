@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from model import ModelConfig
+from safe_io.urls import without_credentials
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"]
@@ -447,15 +448,3 @@ class Config:
         """The config as plain data, for config.yaml and the trackers: every URL in it (data.files,
         logging.mlflow_tracking_uri, ...) without a user, password or query string, which may be credentials."""
         return without_credentials(dataclasses.asdict(self))
-
-
-def without_credentials(value: Any) -> Any:
-    """Plain data (dicts, lists, strings, ...) with every string that is a URL as data.remote.display shows it:
-    no user, password, query string or fragment."""
-    from data.remote import display  # the standard library only
-
-    if isinstance(value, dict):
-        return {key: without_credentials(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(without_credentials(item) for item in value)
-    return display(value) if isinstance(value, str) else value

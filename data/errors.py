@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fsdp_utils.nofollow import UnsafePath, kind_of
+from safe_io.nofollow import UnsafePath, kind_of
 
 
 class DataError(ValueError):
@@ -16,21 +16,13 @@ class DataError(ValueError):
 
 @contextmanager
 def refusals_as_data_errors() -> Iterator[None]:
-    """A path of the prepared folder that fsdp_utils.nofollow refuses (UnsafePath, an OSError) raised as the
+    """A path of the prepared folder that safe_io.nofollow refuses (UnsafePath, an OSError) raised as the
     DataError of the same line, at data/'s boundary (its entry points wear this as a decorator): their callers and
     data/'s own checks handle DataError alone."""
     try:
         yield
     except UnsafePath as err:
         raise DataError(str(err)) from None
-
-
-def shown(path: object) -> str:
-    """A path (or another name from outside) as an error line names it: as it is when every character of it prints,
-    else quoted as Python writes a string, so that a newline or a control character in a file's name can neither
-    split the line nor forge another."""
-    text = str(path)
-    return text if text.isprintable() else repr(text)
 
 
 def file_problem(path: Path | str) -> str | None:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fsdp_utils import nofollow
+from safe_io import nofollow
 
 from .errors import DataError
 

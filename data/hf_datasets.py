@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from fsdp_utils import nofollow
+from safe_io import nofollow
+from safe_io.names import shown
 
 from .chat import ChatFields
-from .errors import DataError, first_line, shown
+from .errors import DataError, first_line
 from .jsonfile import MAX_JSON_BYTES, read_json_file
 from .readers import Piece, optional_import
 from .store import is_plain_name

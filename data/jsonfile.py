@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fsdp_utils import nofollow
+from safe_io import nofollow
 
 from .errors import DataError
 

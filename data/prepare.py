@@ -39,14 +39,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fsdp_utils import nofollow
+from safe_io import nofollow
+from safe_io.names import shown
+from safe_io.urls import display
 
 from . import worker
 from .chat import TEMPLATES, ChatFields
-from .errors import DataError, refusals_as_data_errors, shown
+from .errors import DataError, refusals_as_data_errors
 from .hf_datasets import HFDataset, OpenedDataset, open_dataset
 from .readers import InputFile, Piece, expand_inputs, format_of, input_size, read_pieces, truncate
-from .remote import TIMEOUT_S, FetchLimit, RemoteFile, SourceChanged, display
+from .remote import TIMEOUT_S, FetchLimit, RemoteFile, SourceChanged
 from .store import (
     FIXED_NAMES,
     FOLDER_NAMES,

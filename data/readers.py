@@ -24,9 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from safe_io.names import shown
+from safe_io.urls import is_url
+
 from .chat import BadConversation, ChatFields, Conversation, canonical_text, conversation
-from .errors import DataError, first_line, shown
-from .remote import TIMEOUT_S, RemoteFile, expand_url, is_url
+from .errors import DataError, first_line
+from .remote import TIMEOUT_S, RemoteFile, expand_url
 
 # suffix -> (how records are laid out, compression). Longest suffixes first, so .jsonl.gz is not .gz.
 FORMATS = {

@@ -27,13 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, TypeVar
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import urlsplit
+
+from safe_io.urls import STORE_SCHEMES, display, is_url, scheme_of, scrub, split_url
 
 from .errors import DataError
 
 # scheme -> the package fsspec needs for it
 PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
-LISTED_SCHEMES = ("s3", "gs", "gcs")  # stores whose folders and globs are listed; an http(s) URL names one file
 RETRIES = 5
 RETRY_DELAY_S = 0.5  # before the first retry; doubled before each next one
 # fsspec fetches a file in requests of this size, one block ahead: what one open file holds in memory.
@@ -43,8 +44,6 @@ MESSAGE_CHARS = 300  # a library's error text is cut to this in a message
 
 log = logging.getLogger(__name__)
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://[^\s'\"<>]+")
 _BYTES_IN_TEXT = re.compile(r"""\bb(?:'(?:[^'\\]|\\.)*'?|"(?:[^"\\]|\\.)*"?)""")  # a bytes repr: a response's body
 # Error types (by name, so that none of their packages is imported here) of a connection that failed or broke.
 _TRANSIENT_TYPES = {"ClientConnectionError", "ClientPayloadError", "ServerTimeoutError", "FSTimeoutError",
@@ -61,46 +60,6 @@ CREDENTIALS_HELP["gcs"] = CREDENTIALS_HELP["gs"]
 T = TypeVar("T")
 
 
-def scheme_of(entry: str) -> str | None:
-    """The URL scheme of a data.files entry ("s3", "https", ...), None for a local path."""
-    match = _SCHEME.match(entry)
-    return match.group(1).lower() if match else None
-
-
-def is_url(entry: str) -> bool:
-    return scheme_of(entry) is not None
-
-
-def display(url: str) -> str:
-    """The URL without what may be a secret: a user, password, query string or fragment. A URL whose host does
-    not parse (a password holding an unescaped '/', say) is shown from the last '@' before its query on."""
-    if not is_url(url):
-        return url
-    parts = _split(url)
-    if parts is None:
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://{re.split(r'[?#]', rest, maxsplit=1)[0].rpartition('@')[2]}"
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"  # the host as written
-
-
-def _split(url: str) -> SplitResult | None:
-    """The URL's parts, or None where its host or port does not parse (or, in a store's URL, holds the ':' that
-    no bucket name has: what precedes it may be a key and secret)."""
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number from 0 to 65535
-    except ValueError:
-        return None
-    if parts.scheme in LISTED_SCHEMES and ":" in parts.netloc.rpartition("@")[2]:
-        return None
-    return parts
-
-
-def scrub(text: str) -> str:
-    """text with every URL in it as display() shows it."""
-    return _URL_IN_TEXT.sub(lambda match: display(match.group(0)), text)
-
-
 def url_problem(entry: str) -> str | None:
     """Why a URL entry cannot be read here (an unknown scheme, a URL that does not parse or carries credentials,
     a package not installed), or None."""
@@ -113,7 +72,7 @@ def url_problem(entry: str) -> str | None:
                 f"https:// are){hint}")
     if problem := _form_problem(entry, scheme):
         return f"data.files: {display(entry)}: {problem}"
-    if scheme not in LISTED_SCHEMES and glob.has_magic(urlsplit(entry).path):
+    if scheme not in STORE_SCHEMES and glob.has_magic(urlsplit(entry).path):
         return (f"data.files: {display(entry)}: an http(s):// URL names one file, never a glob (s3:// and gs:// URLs "
                 f"take globs)")
     for package in ("fsspec", PACKAGES[scheme]):
@@ -124,15 +83,15 @@ def url_problem(entry: str) -> str | None:
 
 def _form_problem(entry: str, scheme: str) -> str | None:
     """What is wrong with the URL's form: credentials in a store's URL, a host or port that does not parse."""
-    parts = _split(entry)
-    if scheme in LISTED_SCHEMES and "@" in (entry.partition("://")[2] if parts is None else parts.netloc):
+    parts = split_url(entry)
+    if scheme in STORE_SCHEMES and "@" in (entry.partition("://")[2] if parts is None else parts.netloc):
         return (f"the URL holds credentials, which are refused (a URL shows in logs and process lists); {scheme}:// "
                 f"takes them from {CREDENTIALS_HELP[scheme]}")
     if parts is None:
         return ("not a valid URL: its host or port cannot be read (a user or password holding '/', '?', '#' or '@' "
                 "is written percent-encoded)")
     if not parts.hostname:
-        return f"names no {'bucket' if scheme in LISTED_SCHEMES else 'host'}"
+        return f"names no {'bucket' if scheme in STORE_SCHEMES else 'host'}"
     return None
 
 
@@ -220,7 +179,7 @@ def expand_url(entry: str, accept: Callable[[str], bool], supported: str, *,
     scheme = scheme_of(entry)
     assert scheme is not None
     fs = _filesystem(entry, scheme, timeout_s)
-    if scheme not in LISTED_SCHEMES:
+    if scheme not in STORE_SCHEMES:  # a store's folders and globs are listed; an http(s) URL names one file
         _check_format(entry, accept, supported)  # before any request
         return [_one_file(fs, entry, _call(entry, fs.info, entry), accept, supported)]
     if glob.has_magic(entry):
@@ -270,7 +229,7 @@ def _options(scheme: str, timeout_s: float) -> dict:
                                   "retries": {"total_max_attempts": 1}}}
     aiohttp = importlib.import_module("aiohttp")
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
-    if scheme in LISTED_SCHEMES:  # gcsfs
+    if scheme in STORE_SCHEMES:  # gcsfs
         return {"requests_timeout": timeout}
     return {"block_size": BLOCK_BYTES, "client_kwargs": {"timeout": timeout}}
 
@@ -543,7 +502,7 @@ def _secrets(url: str) -> list[str]:
     """What of url display() leaves out, which may be credentials: its user and password, query and fragment."""
     rest = url.partition("://")[2]
     cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
-    parts = _split(url)
+    parts = split_url(url)
     user = (parts.netloc if parts is not None else rest[:cut]).rpartition("@")[0]
     after = rest[cut + 1 :]
     found = [user, user.partition(":")[2], after, *after.split("#")]

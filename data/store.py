@@ -21,7 +21,7 @@ the folder's records always name everything the library wrote there: only those 
 folder holding anything else is not the library's to write into. A folder is the library's only when its
 marker says so (or, in a folder without one, a meta.json or progress.json with a valid checksum); in any
 other, every name is the user's, meta.json included. Nothing in it is written, read or deleted through a
-link (fsdp_utils/nofollow.py).
+link (safe_io/nofollow.py).
 
 Each shard file's sha256 is recorded per block of hash_block_bytes, and each shard's largest token id: the
 loader checks a block's hash on its first read, so damaged data never reaches the model.
@@ -44,7 +44,7 @@ from typing import TypeGuard
 
 import numpy as np
 
-from fsdp_utils import nofollow
+from safe_io import nofollow
 
 from .errors import DataError, refusals_as_data_errors
 

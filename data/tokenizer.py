@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from .errors import DataError, first_line, shown
+from safe_io.names import shown
+
+from .errors import DataError, first_line
 from .store import read_tokenizer_file
 
 # Text SentencePiece learns from, at most: documents, then lines drawn from them.

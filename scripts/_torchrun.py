@@ -26,13 +26,9 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from config.numbers import integer_in  # noqa: E402
-from scripts.rendezvous_store import StoreAddressError, serve_store  # noqa: E402
+from config.numbers import integer_in
+from scripts.rendezvous_store import StoreAddressError, serve_store
 
 RUN_ID_KEY = "fsdp-lm/run_id"
 USER_ERROR_CODES = (1, 2)  # train_fsdp.py's exit status after its `error:` line

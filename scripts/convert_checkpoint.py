@@ -30,17 +30,13 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
-
-from fsdp_utils.checkpoint import io as checkpoint_io  # noqa: E402
-from fsdp_utils.checkpoint.base import CheckpointContext, TrainState  # noqa: E402
-from fsdp_utils.checkpoint.format import (  # noqa: E402
+from fsdp_utils.checkpoint import io as checkpoint_io
+from fsdp_utils.checkpoint.base import CheckpointContext, TrainState
+from fsdp_utils.checkpoint.format import (
     META_KEYS,
     OPTIONAL_META_KEYS,
     RNG_NAME,
@@ -54,9 +50,9 @@ from fsdp_utils.checkpoint.format import (  # noqa: E402
     set_at,
     size_of,
 )
-from fsdp_utils.checkpoint.retention import remove  # noqa: E402
-from fsdp_utils.checkpoint.sharded import ShardedCheckpoint  # noqa: E402
-from fsdp_utils.distributed import DistEnv, destroy_distributed  # noqa: E402
+from fsdp_utils.checkpoint.retention import remove
+from fsdp_utils.checkpoint.sharded import ShardedCheckpoint
+from fsdp_utils.distributed import DistEnv, destroy_distributed
 
 
 class ConvertError(Exception):

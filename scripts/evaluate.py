@@ -24,19 +24,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from config.numbers import integer  # noqa: E402
-from fsdp_utils import nofollow  # noqa: E402
-from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
-from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
-from fsdp_utils.distributed import destroy_distributed, init_distributed, pick_device, read_torchrun_env  # noqa: E402
-from fsdp_utils.evaluation.downstream import (  # noqa: E402
+from config.numbers import integer
+from fsdp_utils.checkpoint.format import CheckpointError
+from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta
+from fsdp_utils.distributed import destroy_distributed, init_distributed, pick_device, read_torchrun_env
+from fsdp_utils.evaluation.downstream import (
     DownstreamError,
     flat_metrics,
     load_tasks,
@@ -44,13 +39,14 @@ from fsdp_utils.evaluation.downstream import (  # noqa: E402
     task_manager,
     task_problems,
 )
-from fsdp_utils.parallel.hf import (  # noqa: E402
+from fsdp_utils.parallel.hf import (
     CausalLMAdapter,
     HFModelError,
     HFSource,
     load_hf_checkpoint,
     load_pretrained,
 )
+from safe_io import nofollow
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -39,18 +39,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from config import ModelSection  # noqa: E402
-from data.errors import DataError  # noqa: E402
-from data.store import read_tokenizer_file  # noqa: E402
-from data.tokenizer import load_sentencepiece  # noqa: E402
-from fsdp_utils.checkpoint.format import CheckpointError, dcp_load, first_line, load_full  # noqa: E402
-from fsdp_utils.checkpoint.io import (  # noqa: E402
+from config import ModelSection
+from data.errors import DataError
+from data.store import read_tokenizer_file
+from data.tokenizer import load_sentencepiece
+from fsdp_utils.checkpoint.format import CheckpointError, dcp_load, first_line, load_full
+from fsdp_utils.checkpoint.io import (
     check_buildable,
     find_tokenizer,
     load_model,
@@ -58,7 +54,7 @@ from fsdp_utils.checkpoint.io import (  # noqa: E402
     read_meta,
     verify,
 )
-from fsdp_utils.parallel.hf import (  # noqa: E402
+from fsdp_utils.parallel.hf import (
     CausalLMAdapter,
     HFModelError,
     dtype_kwarg,
@@ -66,7 +62,7 @@ from fsdp_utils.parallel.hf import (  # noqa: E402
     load_hf_config,
     load_pretrained,
 )
-from fsdp_utils.parallel.lora import (  # noqa: E402
+from fsdp_utils.parallel.lora import (
     HF_NAMES,
     LoRASettings,
     adapters_of,
@@ -74,7 +70,7 @@ from fsdp_utils.parallel.lora import (  # noqa: E402
     base_reference,
     merged_state_dict,
 )
-from model import ModelConfig, Transformer  # noqa: E402
+from model import ModelConfig, Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

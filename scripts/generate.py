@@ -28,20 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from config.numbers import integer, number  # noqa: E402
-from data.chat import PLAIN_END, plain_prompt  # noqa: E402
-from data.errors import DataError  # noqa: E402
-from data.tokenizer import load_sentencepiece  # noqa: E402
-from fsdp_utils.checkpoint.format import CheckpointError  # noqa: E402
-from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta  # noqa: E402
-from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_hf_checkpoint  # noqa: E402
+from config.numbers import integer, number
+from data.chat import PLAIN_END, plain_prompt
+from data.errors import DataError
+from data.tokenizer import load_sentencepiece
+from fsdp_utils.checkpoint.format import CheckpointError
+from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta
+from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_hf_checkpoint
 
 MIN_TEMPERATURE = 1e-6
 

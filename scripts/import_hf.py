@@ -25,27 +25,25 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import yaml
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
-
-from config import ConfigError, load_config  # noqa: E402
-from config.model_checks import MAX_SEQ_LEN, model_problems  # noqa: E402
-from data.errors import DataError  # noqa: E402
-from data.jsonfile import read_json_file  # noqa: E402
-from fsdp_utils.checkpoint.format import (  # noqa: E402
+from config import ConfigError, load_config
+from config.model_checks import MAX_SEQ_LEN, model_problems
+from data.errors import DataError
+from data.jsonfile import read_json_file
+from fsdp_utils.checkpoint.format import (
     FORMAT_VERSION,
     CheckpointError,
     save_full,
     write_beside,
 )
-from fsdp_utils.parallel.hf import HFModelError, index_shards  # noqa: E402
-from fsdp_utils.train.optim import build_optimizer  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
-from model.config import ROPE_SCALING_FIELDS  # noqa: E402
+from fsdp_utils.parallel.hf import HFModelError, index_shards
+from fsdp_utils.train.optim import build_optimizer
+from model import ModelConfig, Transformer
+from model.config import ROPE_SCALING_FIELDS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Tensors that older checkpoints carry and that are derived, not learned (our rotary tables are recomputed).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 # Imports live in main(): worker processes start by importing this file, and need none of them.

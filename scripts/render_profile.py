@@ -23,10 +23,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 GIB = 2**30
 # Kernel (or op) names -> kind, the first match wins: NCCL before matmuls (NCCL kernels are not GEMMs),
 # attention before matmuls (flash kernels contain 'gemm'-like names in some builds).

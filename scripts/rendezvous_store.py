@@ -22,13 +22,8 @@ import socket
 import sys
 import threading
 from datetime import timedelta
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from config.numbers import integer_in  # noqa: E402
+from config.numbers import integer_in
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 

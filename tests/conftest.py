@@ -1,15 +1,17 @@
 from __future__ import annotations
 
 import gc
+import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers import ROOT, write_corpus
 
-from tests.helpers import write_corpus  # noqa: E402
+# The processes the tests start (scripts, torchrun jobs, tests/with_faults.py) import this checkout's packages and
+# tests/, whichever copy of the project the environment has installed, or none.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def pytest_configure(config):

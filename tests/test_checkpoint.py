@@ -131,7 +131,6 @@ def as_full(checkpoint: Path, scratch: Path) -> dict:
 HOOKED_TRAIN = '''
 import os, runpy, signal, sys
 from pathlib import Path
-sys.path.insert(0, {root!r})
 import torch
 import torch.distributed.checkpoint as dcp
 from config import CheckpointConfig
@@ -176,7 +175,7 @@ class Runs:
         self.root, self.corpus, self.dataset_dir = root, corpus, dataset_dir
         self._cache: dict = {}
         self.hooked_train = root / "hooked_train.py"
-        self.hooked_train.write_text(HOOKED_TRAIN.format(root=str(ROOT), train=str(helpers.TRAIN)))
+        self.hooked_train.write_text(HOOKED_TRAIN.format(train=str(helpers.TRAIN)))
 
     def train(self, out_dir: Path | str, *args: str, nproc: int = 2, check: bool = True, hooks: dict | None = None):
         """run_train with STEPS steps (a later --train.max_steps wins) into `out_dir` (a name: under root);

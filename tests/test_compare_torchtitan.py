@@ -413,7 +413,7 @@ def test_json_destination_that_is_not_a_file_is_refused_before_the_runs(tmp_path
 
 
 def test_a_json_destination_that_turns_into_a_fifo_is_refused_without_blocking(tmp_path):
-    from fsdp_utils.nofollow import append_line
+    from safe_io.nofollow import append_line
 
     fifo = tmp_path / "out.jsonl"
     os.mkfifo(fifo)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 import tracemalloc
 from itertools import pairwise
@@ -17,11 +16,8 @@ import pytest
 import sentencepiece as spm
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from config import ConfigError, load_config  # noqa: E402
-from data import (  # noqa: E402
+from config import ConfigError, load_config
+from data import (
     BatchPrefetcher,
     DataError,
     Mixture,
@@ -33,8 +29,10 @@ from data import (  # noqa: E402
     prepare_data,
     stdlib_source_files,
 )
-from data.loader import RandomPermutation  # noqa: E402
-from data.mixture import BLOCK as MIX_BLOCK  # noqa: E402
+from data.loader import RandomPermutation
+from data.mixture import BLOCK as MIX_BLOCK
+
+ROOT = Path(__file__).resolve().parents[1]
 
 VOCAB_SIZE = 320
 WORDS = "alpha beta gamma delta epsilon zeta theta lambda sigma omega return yield class def".split()

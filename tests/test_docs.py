@@ -13,7 +13,7 @@ from tests.tools.config_reference import ROOT, render
 
 README_MAX_LINES = 220
 # docs/*.md a reader finishes: every page but the generated configuration reference (the dated records in
-# docs/benchmarks/ are not pages).
+# benchmarks/records/ are not pages).
 DOCS_MAX_LINES = 1800  # room for the pages of steps or epochs, planning and the optimizers; no more
 
 # A word of 7 to 40 hexadecimal digits with at least one letter and one digit: how git abbreviates a
@@ -24,13 +24,20 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
 
 
+RECORDS = "benchmarks/records"  # the dated records, their raw figures in results/ below
+
+
 def current_docs(root: Path) -> list[Path]:
-    """README.md and docs/*.md, the pages that describe today (not the dated records in docs/benchmarks/)."""
+    """README.md and docs/*.md, the pages that describe today (not the dated records in benchmarks/records/)."""
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
+def records(root: Path) -> list[Path]:
+    return sorted((root / RECORDS).glob("*.md"))
+
+
 def all_docs(root: Path) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    return [*current_docs(root), *records(root)]
 
 
 def prose_lines(text: str) -> list[tuple[int, str]]:
@@ -157,7 +164,7 @@ def test_the_layout_is_described_once():
 
 @pytest.mark.parametrize("path", current_docs(ROOT), ids=lambda p: str(p.relative_to(ROOT)))
 def test_current_docs_name_no_commit_and_no_issue(path: Path):
-    # Commits and dates belong to the records in docs/benchmarks/, history to git.
+    # Commits and dates belong to the records in benchmarks/records/, history to git.
     text = path.read_text()
     assert not commit_hashes(text), commit_hashes(text)
     assert not issue_mentions(text), issue_mentions(text)
@@ -192,7 +199,7 @@ def missing_scripts(paths: list[Path], root: Path) -> list[str]:
 
 def test_the_scripts_that_docs_and_code_name_exist():
     # Commands and usage lines name scripts by their path from the repository's root: a moved script leaves
-    # none behind. The dated records in docs/benchmarks/ name the paths of their own commit and are not read.
+    # none behind. The dated records in benchmarks/records/ name the paths of their own commit and are not read.
     code = [ROOT / "train_fsdp.py", *(p for folder in CODE for p in sorted((ROOT / folder).rglob("*"))
                                       if p.suffix in (".py", ".sh"))]
     assert ROOT / "tests/tools/run_gpu_tests.py" in code
@@ -209,7 +216,7 @@ def test_missing_script_detection(tmp_path):
 
 
 def test_benchmark_records_are_dated():
-    names = [p.name for p in (ROOT / "docs" / "benchmarks").glob("*.md")]
+    names = [p.name for p in records(ROOT)]
     assert names
     undated = [n for n in names if not re.match(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md$", n)]
     assert not undated, undated
@@ -219,11 +226,11 @@ def test_benchmark_records_are_dated():
 # says. A quoted output block (a fence without a language) after a paragraph that links records has each of its
 # lines in one of them; a table row or a paragraph that links records has each of its figures in them (as
 # recorded, or rounded from a recorded figure, or, for a ratio such as 1.07x, the quotient of two of its own).
-RECORD = re.compile(r"(?:^|/)benchmarks/\d{4}-\d{2}-\d{2}-[\w-]+\.md$")
+RECORD = re.compile(rf"(?:^|/){RECORDS}/\d{{4}}-\d{{2}}-\d{{2}}-[\w-]+\.md$")
 # A figure: 1,959 or 0.748 or 12 (thousands grouped by commas), with or without a unit (90M, 1.07x), not a piece
 # of a word (H200), a version (2.13.0) or a path.
 FIGURE = re.compile(r"(?<![\w.,/])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d/]|[.,]\d)")
-RESULTS = re.compile(r"(?<![\w/])(?:\.\./)?results/([\w.-]+)")
+RESULTS = re.compile(r"(?<![\w/])results/([\w.-]+)")
 LOG_LINE = re.compile(r"\brank\d+\] step \d+/\d+ \| loss ")
 
 
@@ -233,8 +240,8 @@ def linked_records(text: str, page: Path) -> list[Path]:
 
 
 def record_text(record: Path) -> str:
-    """A record and the files of docs/results/ that it names (its raw figures)."""
-    named = [record.parents[1] / "results" / name for name in RESULTS.findall(record.read_text())]
+    """A record and the files of its results/ folder that it names (its raw figures)."""
+    named = [record.parent / "results" / name for name in RESULTS.findall(record.read_text())]
     return "\n".join([record.read_text(), *(p.read_text() for p in named if p.is_file())])
 
 
@@ -333,14 +340,13 @@ def test_quoted_figures_are_their_records():
 
 
 def test_misquote_detection(tmp_path):
-    (tmp_path / "docs/benchmarks").mkdir(parents=True)
-    (tmp_path / "docs/results").mkdir()
-    (tmp_path / "docs/results/run.jsonl").write_text('{"tokens_per_sec": 601329.4, "peer": 564320.2}\n')
-    (tmp_path / "docs/benchmarks/2026-01-02-cpu-run.md").write_text(
-        "raw figures: [results/run.jsonl](../results/run.jsonl); 3.52 s and 25.39 s\n\n"
+    (tmp_path / RECORDS / "results").mkdir(parents=True)
+    (tmp_path / RECORDS / "results/run.jsonl").write_text('{"tokens_per_sec": 601329.4, "peer": 564320.2}\n')
+    (tmp_path / RECORDS / "2026-01-02-cpu-run.md").write_text(
+        "raw figures: [results/run.jsonl](results/run.jsonl); 3.52 s and 25.39 s\n\n"
         "```\n[01:02:03 rank0] step 10/10 | loss 2.0200 | lr 3.00e-04\n```\n")
     page = tmp_path / "README.md"
-    link = "([record](docs/benchmarks/2026-01-02-cpu-run.md))"
+    link = f"([record]({RECORDS}/2026-01-02-cpu-run.md))"
     page.write_text(
         f"The last line {link}:\n\n```\n[01:02:03 rank0] step 10/10 | loss 2.0200 | lr 3.00e-04\n```\n\n"
         f"Stale {link}:\n\n```\n[01:02:03 rank0] step 10/10 | loss 2.0145 | lr 3.00e-04\n```\n\n"

@@ -278,13 +278,13 @@ def test_ctrl_c_through_the_launcher_exits_0(corpus, dataset_dir, tmp_path):
 def test_a_second_signal_aborts_at_once():
     """The first stop signal only sets the flag the loop reads; a second one ends the process at once,
     with one line and the shell's status for a signal (128 + its number)."""
-    code = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from fsdp_utils.guards.preemption import "
+    code = ("import os, signal, sys, time; from fsdp_utils.guards.preemption import "
             "StopSignal; "
             "stop = StopSignal(['SIGINT', 'SIGTERM'], grace_s=60); os.kill(os.getpid(), signal.SIGINT); "
             "time.sleep(0.5); "
             "print('first: requested' if stop.requested else 'first: ignored', flush=True); "
             "os.kill(os.getpid(), signal.SIGINT); time.sleep(10); print('not aborted')")
-    proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr
     assert proc.stdout == "first: requested\n"
     assert "SIGINT after SIGINT: aborting without saving" in proc.stderr and "Traceback" not in proc.stderr

@@ -5,6 +5,8 @@ scontrol/srun commands (no Slurm here): what it would launch, and how it forward
 signal."""
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -102,6 +104,25 @@ def test_every_script_prints_its_usage_on_help_and_exits_0(script, tmp_path):
     else:
         assert proc.stdout.startswith(f"usage: {script.name} "), proc.stdout[:500]
     assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
+
+
+def installed_from_this_checkout() -> bool:
+    """Whether the environment has this checkout installed in place (`pip install -e .`): the installed copy's record
+    names it (the checkout's own fsdp_lm.egg-info, which the install leaves there, names no place)."""
+    return any(json.loads(found.read_text("direct_url.json") or "{}").get("url") == ROOT.as_uri()
+               for found in importlib.metadata.distributions(name="fsdp-lm"))
+
+
+@pytest.mark.skipif(not installed_from_this_checkout(), reason="needs this checkout installed: pip install -e .")
+@pytest.mark.parametrize("script", ["scripts/generate.py", "scripts/_torchrun.py", "benchmarks/checkpoint_staging.py"])
+def test_installed_scripts_import_the_project_from_any_folder(script, tmp_path):
+    """Installed, the project needs no path of its own: a script run from another folder, without the PYTHONPATH
+    that the tests give their processes, imports the packages, the scripts' and benchmarks' own modules and
+    train_fsdp (each of these three imports some of them)."""
+    env = {k: v for k, v in script_env().items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / script), "--help"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: "), proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("script,argv", [

@@ -1,4 +1,4 @@
-"""fsdp_utils/nofollow.py, the one set of no-follow rules of the run's output directory and of a prepared data
+"""safe_io/nofollow.py, the one set of no-follow rules of the run's output directory and of a prepared data
 folder: a file is opened only if it is a regular file (anything else refused in one line and left as it is); a
 name written anew or removed has what stands there replaced or removed as itself, never what a link leads to;
 a folder goes only where the caller keeps one."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from data import DataError, PrepareSettings, load_prepared, prepare_data
-from fsdp_utils import nofollow
 from fsdp_utils.checkpoint.format import install_full, save_with_checksum, write_record
+from safe_io import nofollow
 from scripts import prepare_data as prepare_script
 from tests.helpers import ROOT, failing_after
 from tests.test_data import make_documents

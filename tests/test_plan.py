@@ -34,7 +34,7 @@ from scripts.plan import main
 
 ROOT = Path(__file__).resolve().parents[1]
 # The dated records, by file name: where they are now, or where the benchmarks' move puts them.
-RECORDS = ROOT / "benchmarks/records" if (ROOT / "benchmarks/records").is_dir() else ROOT / "docs/benchmarks"
+RECORDS = ROOT / "benchmarks/records"
 GIB = 2**30
 EIGHT_B = ["--model.vocab_size=128256"]
 

@@ -32,7 +32,7 @@ from data import (
 )
 from data.store import ShardWriter
 from data.tokenizer import TokenizerSample
-from fsdp_utils import nofollow
+from safe_io import nofollow
 from tests.helpers import ROOT, alive, children, job_env, run_job
 from tests.test_data import VOCAB_SIZE, decode_split, held_out, make_documents, prep, split_tokens
 

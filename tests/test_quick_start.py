@@ -1,8 +1,8 @@
 """The README's quick start says what the code prints. Its quoted last line is the last training row of a recorded
-run of the quick-start command (docs/results/quickstart_tiny.json, that run's metrics.jsonl), and the code today
-still computes that run: the same command with one flag, --train.max_steps=10 (a smoke run, which the preset's
-50-step warmup turns into a warning), takes the first 10 steps of the full run (the warmup's learning rates do not
-depend on train.max_steps), so its step-10 row must be the record's, to the float.
+run of the quick-start command (benchmarks/records/results/quickstart_tiny.json, that run's metrics.jsonl), and the
+code today still computes that run: the same command with one flag, --train.max_steps=10 (a smoke run, which the
+preset's 50-step warmup turns into a warning), takes the first 10 steps of the full run (the warmup's learning rates do
+not depend on train.max_steps), so its step-10 row must be the record's, to the float.
 
 When a change moves the numbers on purpose, run the quick start again from a fresh clone
 (`torchrun --nproc_per_node=2 train_fsdp.py config/train_tiny_fsdp.yaml`), put its checkpoints/tiny/metrics.jsonl
@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers import ROOT, TRAIN, job_env, read_metrics, run_job
 
-RECORD = ROOT / "docs/results/quickstart_tiny.json"
+RECORD = ROOT / "benchmarks/records/results/quickstart_tiny.json"
 # The README's line: "[hh:mm:ss rank0] step 1000/1000 | loss 2.0200 | lr 3.00e-04 | grad_norm 0.748 | ..."
 LOG_LINE = re.compile(r"\] step (\d+)/(\d+) \| loss (\S+) \| lr (\S+) \| grad_norm (\S+) \|")
 

@@ -18,6 +18,7 @@ import pytest
 from data import DataError, PrepareSettings, prepare_data, remote
 from data.prepare import PROGRESS_NAME, _Preparation
 from data.store import ShardWriter, read_record
+from safe_io import urls
 from scripts import prepare_data as prepare_script
 from tests.test_data import VOCAB_SIZE, make_documents
 from tests.test_prepare import jsonl_lines, store_files
@@ -218,7 +219,7 @@ def test_a_url_that_does_not_parse_is_one_line_naming_it(url, shown, tmp_path, c
         assert errors == [f"error: data.files: {shown}: not a valid URL: its host or port cannot be read (a user or "
                           f"password holding '/', '?', '#' or '@' is written percent-encoded)"]
         assert "Traceback" not in output and "w0rd" not in output and "hunter2" not in output
-    assert remote.display(url) == shown
+    assert urls.display(url) == shown
 
 
 def test_remote_timeout_s_is_checked_with_the_config(capsys):

@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 from data import DataError, PrepareSettings, prepare_data, remote
+from safe_io import urls
 from scripts import prepare_data as prepare_script
 from tests.test_data import VOCAB_SIZE, make_documents, prep
 from tests.test_prepare import jsonl_lines, stopped_after, store_files
@@ -395,15 +396,15 @@ def test_a_glob_of_http_urls_is_one_line_before_anything_starts(tmp_path, capsys
 
 
 def test_urls_are_shown_without_secrets():
-    assert remote.display("https://me:pw@example.com:8443/a/b.jsonl?X-Amz-Signature=abc#f") == \
+    assert urls.display("https://me:pw@example.com:8443/a/b.jsonl?X-Amz-Signature=abc#f") == \
         "https://example.com:8443/a/b.jsonl"
-    assert remote.scrub("GET 'https://me:pw@h/x?sig=1' failed") == "GET 'https://h/x' failed"
-    assert remote.display("/local/path?.jsonl") == "/local/path?.jsonl"
+    assert urls.scrub("GET 'https://me:pw@h/x?sig=1' failed") == "GET 'https://h/x' failed"
+    assert urls.display("/local/path?.jsonl") == "/local/path?.jsonl"
 
 
 def test_a_url_is_shown_with_its_host_as_written():
-    assert remote.display("http://me:pw@[::1]:8080/a.jsonl?sig=1") == "http://[::1]:8080/a.jsonl"
-    assert remote.display("s3://My-Bucket/a.jsonl") == "s3://My-Bucket/a.jsonl"
+    assert urls.display("http://me:pw@[::1]:8080/a.jsonl?sig=1") == "http://[::1]:8080/a.jsonl"
+    assert urls.display("s3://My-Bucket/a.jsonl") == "s3://My-Bucket/a.jsonl"
 
 
 def test_the_resolved_config_holds_no_secret_of_a_url(tmp_path):

@@ -7,11 +7,8 @@ import json
 import os
 import runpy
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests import fault_injection  # noqa: E402
+from tests import fault_injection
 
 if __name__ == "__main__":
     fault_injection.install(json.loads(os.environ.get(fault_injection.ENV, "{}")))

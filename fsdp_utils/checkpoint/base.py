@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from model import ModelConfig
 from model.config import ROPE_SCALING_FIELDS
+from safe_io import nofollow
 
-from .. import nofollow
 from ..distributed import DistEnv, agree, barrier
 from .format import (
     FORMAT_VERSION,

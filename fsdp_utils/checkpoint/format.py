@@ -42,9 +42,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .. import nofollow
+from safe_io import nofollow
+from safe_io.nofollow import write_beside
+
 from ..distributed import DistEnv, agree
-from ..nofollow import write_beside
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from config.model_checks import model_problems
 from data.store import HF_TOKENIZER_NAME, tokenizer_sha256
 from model import ModelConfig, Transformer
+from safe_io import nofollow
 
-from .. import nofollow
 from ..host_memory import format_size, host_memory
 from .format import (
     META_KEYS,

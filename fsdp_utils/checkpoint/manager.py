@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import nofollow
+from safe_io import nofollow
+
 from ..distributed import DistEnv, agree, barrier
 from .async_save import AsyncSaveFailed, AsyncSaver, resolve_async_save
 from .base import CheckpointContext, CheckpointFormat, TrainState, gather_rng, restore_rng

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from .. import nofollow
+from safe_io import nofollow
+
 from .format import CORRUPT_PREFIX, FULL_RE, META_NAME, SHARDED_RE, TMP_PREFIX, sidecar_of
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,8 @@ import os
 import socket
 from pathlib import Path
 
-from .. import nofollow
+from safe_io import nofollow
+
 from ..checkpoint.retention import JOURNAL_NAME, Journal
 from ..distributed import DistEnv, agree
 

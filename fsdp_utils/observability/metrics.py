@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..nofollow import open_append
+from safe_io.nofollow import open_append
+
 from .peak_flops import resolve_peak_flops
 from .trackers import Tracker, scalars
 

@@ -20,7 +20,7 @@ import torch
 import torch.utils.checkpoint
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .. import nofollow
+from safe_io import nofollow
 
 if TYPE_CHECKING:
     from config import LoggingConfig

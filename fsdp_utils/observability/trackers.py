@@ -8,7 +8,7 @@ run (resume="allow" with its id) and the same MLflow run (its run_id) instead of
 The folder each tracker writes into (tensorboard/, wandb/, mlruns/) is one the run made itself: a symbolic
 link, FIFO or file at that name is refused with one line (UnsafePath), never followed, since the tracker's
 package opens its files itself. A URI is recorded and shown without its user, password or query string
-(data.remote.display); an MLflow server's credentials reach MLflow through its own environment variables.
+(safe_io.urls.display); an MLflow server's credentials reach MLflow through its own environment variables.
 """
 from __future__ import annotations
 
@@ -29,11 +29,9 @@ import yaml
 
 from config import Config, ConfigError
 from config.loading import parse_override
-from config.sections import without_credentials
-from data.remote import display, is_url, scrub
-
-from .. import nofollow
-from ..nofollow import replace_file
+from safe_io import nofollow
+from safe_io.nofollow import replace_file
+from safe_io.urls import display, is_url, scrub, without_credentials
 
 log = logging.getLogger("train")
 
@@ -124,7 +122,7 @@ def command_line_without_secrets() -> Iterator[None]:
 def redacted_argument(arg: str) -> str:
     """A command-line argument as it may be printed or recorded: every URL in it without user, password or query
     string. An override's value is read as the config loader reads it (`--data.files=["URL", "URL"]` is a list of
-    two URLs, whatever characters their passwords hold); other text has the URLs that data.remote.scrub finds."""
+    two URLs, whatever characters their passwords hold); other text has the URLs that safe_io.urls.scrub finds."""
     if is_url(arg):
         return display(arg)
     if arg.startswith("--") and "=" in arg:

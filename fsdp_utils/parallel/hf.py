@@ -89,7 +89,7 @@ class CausalLMAdapter(nn.Module):
 
 def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
     """transformers' keyword for a model's dtype: `dtype`, or `torch_dtype` in the releases before 4.56 that
-    requirements.txt still admits (newer ones warn about it)."""
+    pyproject.toml still admits (newer ones warn about it)."""
     from packaging.version import Version
     from transformers import __version__
 

@@ -20,11 +20,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from config import Config
+from safe_io import nofollow
+from safe_io.nofollow import replace_file
 
-from .. import nofollow
 from ..checkpoint.retention import Journal
 from ..distributed import DistEnv, broadcast_decision
-from ..nofollow import replace_file
 from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch
 from .batch import divisors
 from .memory import GiB, MemoryProbe, gib, max_over_ranks
@@ -260,7 +260,7 @@ class _Trials:
         """Per rank, over one whole step (the accumulation of the per-rank batch), warmed up: right after this
         pair's memory trial where that trial was the whole step (two micro-batches or fewer), the trial was the
         warm-up; otherwise one step warms up first: a step timed right after a partial trial, or after other
-        pairs, runs slow (docs/benchmarks/ has the figures)."""
+        pairs, runs slow (benchmarks/records/ has the figures)."""
         num_micro = self.per_rank // micro_batch
         if self.warm_pair != pair_name(self.policy, micro_batch):
             self.probe.begin(micro_batch, self.policy_name)

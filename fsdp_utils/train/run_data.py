@@ -22,8 +22,8 @@ from data import (
 )
 from data.hf_datasets import HFDataset
 from data.readers import expand_inputs
-from data.remote import is_url
 from data.store import META_NAME, hold_for_reading, read_record
+from safe_io.urls import is_url
 
 from ..distributed import DistEnv, barrier
 from ..guards.preemption import StopSignal

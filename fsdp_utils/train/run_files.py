@@ -19,8 +19,8 @@ from pathlib import Path
 
 from config import Config
 from config.loading import MAX_CONFIG_BYTES, config_text
+from safe_io import nofollow
 
-from .. import nofollow
 from ..checkpoint.io import install_tokenizer
 from ..checkpoint.retention import Journal
 from ..observability.metrics import METRICS_NAME

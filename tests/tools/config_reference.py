@@ -13,10 +13,9 @@ import sys
 from itertools import pairwise
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from config import Config
 
-from config import Config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 HEADER = """# Configuration reference
 

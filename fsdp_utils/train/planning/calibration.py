@@ -1,4 +1,4 @@
-"""The estimate's constants, each with the dated record (a file name in docs/benchmarks/) it was read or fitted from,
+"""The estimate's constants, each with the dated record (a file name in benchmarks/records/) it was read or fitted from,
 and how. memory.py and speed.py read them from VALUES; tests/test_plan.py holds the estimate against every point of
 measured_points.json, and KNOWN_MISSES lists the points outside the targets with why. Where no record measures a
 figure (the links between nodes), the constant says it is an assumption."""
@@ -12,7 +12,7 @@ class Constant:
     value: float
     unit: str
     record: str
-    """The record it comes from (docs/benchmarks/<record>), or 'assumption'."""
+    """The record it comes from (benchmarks/records/<record>), or 'assumption'."""
     how: str
 
 

@@ -1,4 +1,4 @@
-"""The measured points of our records (measured_points.json: each a run of a record in docs/benchmarks/, its config
+"""The measured points of our records (measured_points.json: each a run of a record in benchmarks/records/, its config
 and plan, its peak memory and tokens/s per GPU), the estimate of each, and the calibration error over them."""
 from __future__ import annotations
 
