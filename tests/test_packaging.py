@@ -2,9 +2,11 @@
 are skipped without torchao), as each feature's extra names them."""
 from __future__ import annotations
 
-import tomllib
+import pytest
 
 from tests.helpers import ROOT
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 
 def test_the_dev_extra_holds_every_features_packages():
