@@ -20,7 +20,7 @@ from data import (
     prepare_for_training,
 )
 from data.readers import expand_inputs
-from data.store import META_NAME, hold_for_reading, read_record
+from data.store import META_NAME, format_problem, hold_for_reading, read_record
 from safe_io.urls import is_url
 
 from ..distributed import DistEnv, barrier
@@ -90,10 +90,8 @@ def prepare_settings(cfg: Config) -> PrepareSettings:
 def check_format(prepared: PreparedData, wanted: str, document_masking: bool = False) -> PreparedData:
     """The folder, if it holds data of data.format (a chat folder has masks, a text folder none) that
     data.document_masking can keep apart."""
-    if prepared.format != wanted:
-        raise DataError(f"data.format={wanted}: {prepared.root} holds {prepared.format} data (prepared with "
-                        f"data.format={prepared.format}); set data.format={prepared.format}, or prepare the corpus "
-                        f"with data.format={wanted} into another folder")
+    if (problem := format_problem(prepared.root, prepared.format, wanted)) is not None:
+        raise DataError(f"data.format={wanted}: {problem}")
     if document_masking and wanted == "chat":
         # Masking cuts at every EOS: a template whose end-of-turn token is the EOS would cut inside conversations.
         meta = read_record(prepared.root / META_NAME)
