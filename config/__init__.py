@@ -1,6 +1,8 @@
 """The typed config tree: its sections (sections.py), reading and writing it (loading.py), its value checks
 (checks.py, the model's dimensions in model_checks.py) and its checks against the launch (launch.py); and the YAML
 presets (*.yaml)."""
+from data.settings import DataConfig, SourceConfig
+
 from .checks import config_warnings
 from .errors import ConfigError
 from .launch import check_batch_split, fitting_world_sizes, launch_problems, output_dir_problems, unfit_world
@@ -8,13 +10,11 @@ from .loading import load_config, read_yaml_file, save_config, split_known_args,
 from .sections import (
     CheckpointConfig,
     Config,
-    DataConfig,
     FSDPConfig,
     LoggingConfig,
     LoRAConfig,
     ModelSection,
     RunConfig,
-    SourceConfig,
     TrainConfig,
 )
 

@@ -1,6 +1,7 @@
 """Value checks of a loaded config, each problem naming the field (and for a choice the closest valid one). The
-model's dimensions are checked in model_checks.py, the config against the launch (world size, GPUs, the output
-directory, the tokenizer's files) in launch.py."""
+model's dimensions are checked in model_checks.py, the data section's own settings in data/settings.py (which data/
+checks with them), the config against the launch (world size, GPUs, the output directory, the tokenizer's files) in
+launch.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,17 +9,15 @@ import os
 import typing
 from pathlib import Path
 
+from data.settings import MAX_SECONDS
 from model.float8_projection import FLOAT8_ALIGNMENT
 
 from .errors import closest
 from .model_checks import model_problems
-from .sections import CheckpointConfig, Config, DataConfig, FSDPConfig, LoggingConfig, RunConfig, TrainConfig
+from .sections import CheckpointConfig, Config, FSDPConfig, LoggingConfig, RunConfig, TrainConfig
 
 # Seeds reach numpy's generators (non-negative) and signed 64-bit keys of the data order; token counts are 64-bit.
 MAX_SEED = 2**63 - 1
-# Waits longer than about 31 years are "never" in practice; the process group's store and time.sleep count
-# in int64 nanoseconds and overflow at 2**63 ns (292 years).
-MAX_SECONDS = 10**9
 
 
 def validate(cfg: Config) -> list[str]:
@@ -132,80 +131,15 @@ def _hf_model_problems(cfg: Config) -> list[str]:
 
 
 def _data_problems(cfg: Config) -> list[str]:
-    p: list[str] = []
-    d = cfg.data
-    if d.seq_len <= 0:
-        p.append(f"data.seq_len must be positive, got {d.seq_len}")
-    elif cfg.model.type == "llama" and d.seq_len > cfg.model.max_seq_len:
-        p.append(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    if not 0 < d.val_fraction < 1:
-        p.append(f"data.val_fraction must be between 0 and 1, got {d.val_fraction}")
-    if d.vocab_size < 16 and not d.tokenizer_model:
-        p.append(f"data.vocab_size must be at least 16, got {d.vocab_size}")
-    for name in ("max_corpus_mb", "num_workers", "max_in_job_mb"):
-        if getattr(d, name) < 0:
-            p.append(f"data.{name} must not be negative, got {getattr(d, name)}")
-    for name in ("shard_tokens", "prepare_wait_s"):
-        if getattr(d, name) <= 0:
-            p.append(f"data.{name} must be positive, got {getattr(d, name)}")
-    if not d.max_document_mb * 2**20 >= 1:  # a smaller bound leaves no byte of a document to read
-        p.append(f"data.max_document_mb must be at least one byte ({1 / 2**20:.3g} MB), got {d.max_document_mb}")
-    if not d.text_field:
-        p.append("data.text_field must name the field or column holding the text")
-    if cfg.model.type == "hf" and d.document_masking != cfg.model.reset_positions:
+    """The data section's own checks (data/settings.py), and those against the model."""
+    d, m = cfg.data, cfg.model
+    p = d.problems()
+    if m.type == "llama" and d.seq_len > m.max_seq_len > 0:
+        p.append(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if m.type == "hf" and d.document_masking != m.reset_positions:
         # transformers detects packed documents only where position_ids restart, and masks at every restart.
         p.append(f"model.type=hf: data.document_masking={d.document_masking} needs model.reset_positions="
                  f"{d.document_masking} (transformers masks documents exactly where their positions restart)")
-    return p + _format_problems(d) + _sources_problems(d) + _hf_dataset_problems(d) + _url_problems(d)
-
-
-def _hf_dataset_problems(d: DataConfig) -> list[str]:
-    hf = d.hf_dataset
-    if not hf.path:
-        given = [f"data.hf_dataset.{name}" for name, default in (("name", ""), ("split", "train"))
-                 if getattr(hf, name) != default]
-        return [f"{' and '.join(given)} without data.hf_dataset.path: name the dataset"] if given else []
-    if d.files or d.sources:
-        return ["data.hf_dataset.path and data.files (or data.sources) both name a corpus: give one of them"]
-    return []
-
-
-def _url_problems(d: DataConfig) -> list[str]:
-    """URLs in data.files of a scheme not read, of a form refused (credentials in it, a host that does not parse)
-    or whose package is not installed; data.remote_timeout_s."""
-    from data.remote import url_problem  # the standard library only: no store package is imported
-
-    p = [problem for entry in d.files if (problem := url_problem(entry))]
-    if not 0 < d.remote_timeout_s <= MAX_SECONDS:
-        p.append(f"data.remote_timeout_s must be in (0, 10**9] seconds, got {d.remote_timeout_s}")
-    return p
-
-
-def _sources_problems(d: DataConfig) -> list[str]:
-    if not d.sources:
-        return []
-    p: list[str] = []
-    if d.files or d.dataset_dir:
-        p.append("data.sources replaces data.files and data.dataset_dir: leave those empty (--data.files=[])")
-    from data.mixture import source_problems  # reads the folders' meta.json; imported only when needed
-
-    return p + source_problems([(s.path, s.weight) for s in d.sources], wanted_format=d.format)
-
-
-def _format_problems(d: DataConfig) -> list[str]:
-    p: list[str] = []
-    for name in ("messages_field", "prompt_field", "response_field"):
-        if not getattr(d, name):
-            p.append(f"data.{name} must name a field of the records")
-    if d.format == "chat" and not d.files and not d.dataset_dir and not d.sources and not d.hf_dataset.path:
-        p.append("data.format=chat needs data.files (.jsonl conversations) or a prepared data.dataset_dir")
-    meta_path = Path(d.dataset_dir) / "meta.json"
-    if d.dataset_dir and meta_path.is_file():
-        from data.mixture import format_problem
-        from data.store import read_record
-
-        if (problem := format_problem(d.dataset_dir, read_record(meta_path), d.format)) is not None:
-            p.append(f"data.format={d.format}: {problem}")
     return p
 
 

@@ -1,6 +1,7 @@
 """The sections of the config tree: one dataclass per YAML section, a docstring under each field
-(docs/configuration.md is generated from them by tests/tools/config_reference.py). A string field with a fixed set of
-values is typed Literal: the loader checks the value against those choices."""
+(docs/configuration.md is generated from them by tests/tools/config_reference.py); the data section, which data/
+shares, is in data/settings.py. A string field with a fixed set of values is typed Literal: the loader checks the
+value against those choices."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from data.settings import DEFAULT_SEED, DataConfig
 from model import ModelConfig
 from safe_io.urls import without_credentials
 
@@ -39,7 +41,7 @@ class RunConfig:
     """Run name; the default output directory is checkpoints/<name>, so one folder name (no '/', not '..')."""
     output_dir: str = ""
     """Where config.yaml, metrics.jsonl, tensorboard/ and checkpoints go; empty means checkpoints/<name>."""
-    seed: int = 1234
+    seed: int = DEFAULT_SEED
     """Seed for the initial weights and the data order (the same on every rank); 0 to 2**63 - 1."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """auto (CUDA when available, else CPU), cuda or cpu."""
@@ -71,101 +73,6 @@ class ModelSection(ModelConfig):
     """Rotary positions restart at 0 at each document of a packed window (the token after an EOS starts one),
     instead of counting across the window. model.type=hf: goes with data.document_masking (transformers finds
     the documents from the restarting positions), so both are on or both off (docs/training.md)."""
-
-
-@dataclass
-class SourceConfig:
-    """One entry of data.sources."""
-
-    path: str = ""
-    """A folder prepared by scripts/prepare_data.py."""
-    weight: float = 1.0
-    """Its share of the training samples, relative to the other sources' weights."""
-
-
-@dataclass
-class HFDatasetConfig:
-    """data.hf_dataset: a Hugging Face dataset as the corpus, read offline with the datasets library (docs/data.md)."""
-
-    path: str = ""
-    """A save_to_disk folder, a folder of the dataset's parquet/jsonl files (a hub snapshot), or a dataset name
-    (org/name) in the local caches; empty: data.files is the corpus. The text is in column data.text_field."""
-    name: str = ""
-    """The dataset's configuration (load_dataset's name); empty: its default."""
-    split: str = "train"
-    """The split to prepare."""
-    streaming: bool = True
-    """Read a folder of data files as a stream, in one pass, without first converting it into the datasets cache
-    (a save_to_disk folder and a cached name are read from their memory-mapped files either way)."""
-
-
-@dataclass
-class DataConfig:
-    files: list[str] = field(default_factory=list)
-    """.txt, .jsonl, .json.gz/.jsonl.gz, .jsonl.zst/.json.zst and .parquet files, folders of them and glob
-    patterns, local or URLs (s3://, gs:// with folders and globs; http(s):// files; docs/data.md); empty means
-    the Python standard library sources (or data.hf_dataset)."""
-    hf_dataset: HFDatasetConfig = field(default_factory=HFDatasetConfig)
-    sources: list[SourceConfig] = field(default_factory=list)
-    """Train on a mixture of prepared folders instead of data.files: [{path: DIR, weight: 0.7}, ...], all made
-    with the same tokenizer; samples are drawn from each in proportion to its weight (docs/data.md)."""
-    dataset_dir: str = ""
-    """The prepared folder (tokenizer and token shards): written by scripts/prepare_data.py, or by the training
-    job itself for data.files up to data.max_in_job_mb; empty means data/cache/<fingerprint of the data settings>."""
-    tokenizer_model: str = ""
-    """An existing SentencePiece .model to use instead of training one."""
-    tokenizer: Literal["sentencepiece", "hf"] = "sentencepiece"
-    """sentencepiece (train one, or data.tokenizer_model) or hf (a Hugging Face tokenizer: data.hf_tokenizer, or
-    model.hf_path's own)."""
-    hf_tokenizer: str = ""
-    """data.tokenizer=hf: a local folder with a Hugging Face tokenizer (e.g. the Llama model imported for
-    model.init_from); empty: model.hf_path's."""
-    vocab_size: int = 4096
-    """Vocabulary size of the SentencePiece model trained on the corpus."""
-    val_fraction: float = 0.02
-    """Share of documents held out for validation, chosen by a hash of each document's text."""
-    max_corpus_mb: float = 0.0
-    """Read at most this many MB of the (uncompressed) corpus, logging where it stops (0: all of it)."""
-    max_document_mb: float = 64.0
-    """Longest document (MB of text) preparation holds, which bounds its memory: a longer .txt line is cut
-    into documents of this size; a longer .jsonl line or parquet value is a bad record (data.on_bad_record).
-    At least one byte (1/1048576)."""
-    text_field: str = "text"
-    """The .jsonl field, or parquet column, that holds each document's text."""
-    on_bad_record: Literal["error", "skip"] = "error"
-    """A .jsonl line that is not JSON or lacks the text field, a null parquet value, or text that is not UTF-8:
-    error (stop, naming the file and line or row) or skip (count them and report the first)."""
-    num_workers: int = 0
-    """Processes that parse and tokenise the corpus in parallel (0: one per CPU core, or none for a corpus
-    under 16 MB; never more than the CPU cores preparation may run on); the output is the same for any number."""
-    shard_tokens: int = 100_000_000
-    """Training tokens per shard file of the prepared folder (a shard closes at the first work unit past it)."""
-    max_in_job_mb: float = 1024.0
-    """train_fsdp.py prepares data.files itself only up to this many MB, on disk and of text read; larger corpora
-    are prepared beforehand with scripts/prepare_data.py (0: no limit)."""
-    remote_timeout_s: float = 30.0
-    """URLs in data.files: seconds a server may take to accept a connection, or between two parts of its answer,
-    before the request fails as a network error (retried, docs/data.md)."""
-    prepare_wait_s: float = 7200.0
-    """How long the other ranks wait for rank 0 to prepare data inside the job before giving up."""
-    seq_len: int = 256
-    """Tokens per training sample."""
-    document_masking: bool = False
-    """Inside a packed window of data.seq_len tokens, each token attends only to its own document (documents are
-    joined by EOS; the token after an EOS starts a new one), through FlexAttention's block-sparse kernel;
-    model.type=hf: through transformers' packed-sequence mask, with model.reset_positions (docs/training.md)."""
-    format: Literal["text", "chat"] = "text"
-    """text (documents: every token is trained on) or chat (fine-tuning: .jsonl conversations or prompt/response
-    pairs, rendered by a chat template; only the assistant's tokens are trained on, docs/training.md)."""
-    messages_field: str = "messages"
-    """data.format=chat: the field holding a record's list of messages ({role: system|user|assistant, content})."""
-    prompt_field: str = "prompt"
-    """data.format=chat: in a record without data.messages_field, the field holding the prompt (the user's turn)."""
-    response_field: str = "response"
-    """data.format=chat: in a record without data.messages_field, the field holding the response (trained on)."""
-    chat_template: Literal["auto", "plain"] = "auto"
-    """data.format=chat: auto (the tokenizer's own chat template with data.tokenizer=hf, ours otherwise) or plain
-    (ours, for any tokenizer: <|user|>, <|assistant|> headers and an <|end|> marker, docs/training.md)."""
 
 
 @dataclass

@@ -33,7 +33,6 @@ from .errors import first_line
 
 ROLES = ("system", "user", "assistant")
 PLAIN_END = "<|end|>"
-TEMPLATES = ("auto", "plain")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 

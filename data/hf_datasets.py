@@ -21,24 +21,11 @@ from .chat import ChatFields
 from .errors import DataError, first_line
 from .jsonfile import MAX_JSON_BYTES, read_json_file
 from .readers import Piece, optional_import
+from .settings import HFDatasetConfig
 from .store import is_plain_name
 
 BATCH_ROWS = 1024  # rows per piece, as a parquet file's batches
 SAVED_MARKERS = ("state.json", "dataset_dict.json")  # what Dataset.save_to_disk / DatasetDict.save_to_disk write
-
-
-@dataclass(frozen=True)
-class HFDataset:
-    """data.hf_dataset: which dataset, configuration and split to read."""
-
-    path: str
-    name: str = ""
-    split: str = "train"
-    streaming: bool = True
-
-    def record(self) -> dict:
-        """What decides the prepared data (streaming only decides how it is read)."""
-        return {"path": self.path, "name": self.name, "split": self.split}
 
 
 @dataclass
@@ -79,7 +66,7 @@ class OpenedDataset:
             raise DataError(f"{self.where}: cannot read the rows from {row} on ({err})") from None
 
 
-def open_dataset(spec: HFDataset, *, text_field: str, chat: ChatFields | None) -> OpenedDataset:
+def open_dataset(spec: HFDatasetConfig, *, text_field: str, chat: ChatFields | None) -> OpenedDataset:
     """The dataset at spec.path, checked: its split exists and has the text column (or the conversation columns).
     Reads only local files, and of a folder only files inside it; DataError in one line otherwise."""
     datasets = optional_import("datasets", "datasets", Path(spec.path))
@@ -141,7 +128,7 @@ def _hub_snapshot(name: str) -> Path | None:
     return snapshot if revision and snapshot.is_dir() else None
 
 
-def _saved(datasets, folder: Path, real: Path, spec: HFDataset):
+def _saved(datasets, folder: Path, real: Path, spec: HFDatasetConfig):
     """A save_to_disk folder (real: its resolved path): one Dataset (one split), or a DatasetDict of splits."""
     if spec.name:
         raise DataError(f"data.hf_dataset.name={spec.name}: {folder} is a save_to_disk folder, which has no "
@@ -185,7 +172,7 @@ def _check_saved_records(folder: Path) -> None:
             records += [(path.parent / name / "state.json", "_data_files", "filename") for name in names]
 
 
-def _load(datasets, path: str, spec: HFDataset, *, streaming: bool,
+def _load(datasets, path: str, spec: HFDatasetConfig, *, streaming: bool,
           folder: Path | None = None) -> tuple[Any, list[Path]]:
     """A local folder (folder: its resolved path) or a cached name as load_dataset reads it, all its splits, then
     the one asked for; with the data files read, each checked to lie inside the folder."""
@@ -216,7 +203,8 @@ def _load(datasets, path: str, spec: HFDataset, *, streaming: bool,
     return _split(splits, spec, path), files
 
 
-def _build(datasets, path: str, spec: HFDataset, *, streaming: bool, folder: Path | None) -> tuple[Any, list[Path]]:
+def _build(datasets, path: str, spec: HFDatasetConfig, *, streaming: bool,
+           folder: Path | None) -> tuple[Any, list[Path]]:
     """load_dataset's own steps (its builder, then the splits streamed or converted into the datasets cache), with
     the data files the builder resolved checked before any is read."""
     with hub_offline(datasets):
@@ -297,7 +285,7 @@ def _said(err: BaseException) -> str:
     return f"{type(err).__name__}: {first_line(err)}"
 
 
-def _split(splits, spec: HFDataset, where: str):
+def _split(splits, spec: HFDatasetConfig, where: str):
     if spec.split not in splits:
         raise DataError(f"{where} has no split '{spec.split}' (it has {', '.join(splits)}); set "
                         f"data.hf_dataset.split")

@@ -22,7 +22,7 @@ import torch
 
 from .errors import DataError
 from .loader import TokenDataset, _sample_range, samples_to_batch
-from .store import META_NAME, PreparedData, data_format, read_json
+from .store import META_NAME, PreparedData, data_format, format_problem, read_json
 
 BLOCK_BITS = 10
 BLOCK = 1 << BLOCK_BITS
@@ -88,15 +88,6 @@ def open_datasets(sources: list[tuple[PreparedData, float]], *, seq_len: int, se
     return Mixture(train, weights), Mixture(val, weights)
 
 
-def format_problem(path: str | Path, meta: dict, wanted: str) -> str | None:
-    """Why a prepared folder (its meta.json) cannot be trained on with data.format=wanted, or None."""
-    found = data_format(meta)
-    if found == wanted:
-        return None
-    return (f"{path} holds {found} data (prepared with data.format={found}), not {wanted}: set data.format={found}, "
-            f"or prepare the corpus with data.format={wanted} into another folder")
-
-
 def source_problems(sources: list[tuple[str, float]], *, wanted_format: str = "text") -> list[str]:
     """Config problems of data.sources: missing or unprepared folders, bad weights, different tokenizers, a folder
     of another data.format."""
@@ -115,7 +106,7 @@ def source_problems(sources: list[tuple[str, float]], *, wanted_format: str = "t
         except DataError as err:
             problems.append(f"{where}.path: {err}")
             continue
-        if (problem := format_problem(path, metas[-1][2], wanted_format)) is not None:
+        if (problem := format_problem(path, data_format(metas[-1][2]), wanted_format)) is not None:
             problems.append(f"{where}.path: {problem}")
     if not problems and 0 in block_slots([w for _, w in sources]):
         problems.append(f"data.sources: a weight below 1/{BLOCK} of the total gives its source no samples")

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -44,16 +44,16 @@ from safe_io.names import shown
 from safe_io.urls import display
 
 from . import worker
-from .chat import TEMPLATES, ChatFields
+from .chat import ChatFields
 from .errors import DataError, refusals_as_data_errors
-from .hf_datasets import HFDataset, OpenedDataset, open_dataset
+from .hf_datasets import OpenedDataset, open_dataset
 from .readers import InputFile, Piece, expand_inputs, format_of, input_size, read_pieces, truncate
-from .remote import TIMEOUT_S, FetchLimit, RemoteFile, SourceChanged
+from .remote import FetchLimit, RemoteFile, SourceChanged
+from .settings import DEFAULT_SEED, DataConfig
 from .store import (
     FIXED_NAMES,
     FOLDER_NAMES,
     FORMAT_VERSION,
-    FORMATS,
     HASH_BLOCK_BYTES,
     HF_TOKENIZER_NAME,
     LOCK_NAME,
@@ -115,59 +115,31 @@ EXPANSION_FLOOR_BYTES = 16 << 20
 PREPARE_FIRST = ("prepare it first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train "
                  "with --data.dataset_dir=DIR")
 STDLIB_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-BAD_RECORD_CHOICES = ("error", "skip")
 CHAT_SETTINGS = ("format", "messages_field", "prompt_field", "response_field", "chat_template")
 
 
-@dataclass(frozen=True)
-class PrepareSettings:
-    """Everything that decides the prepared folder (plus num_workers, which does not change it)."""
+# The settings that decide a prepared folder, in its record's order (files and num_workers as None: the inputs are
+# described apart, and the workers change nothing); a text folder's record holds none of CHAT_SETTINGS.
+RECORDED = ("files", "tokenizer_model", "hf_tokenizer", "vocab_size", "val_fraction", "max_corpus_mb",
+            "max_document_mb", "seed", "text_field", "on_bad_record", "shard_tokens", "num_workers")
 
-    files: tuple[str, ...] = ()  # empty: the Python standard library sources
-    tokenizer_model: str = ""  # an existing SentencePiece model instead of training one
-    hf_tokenizer: str = ""  # a model folder whose own tokenizer to use instead of SentencePiece
-    vocab_size: int = 4096
-    val_fraction: float = 0.02
-    max_corpus_mb: float = 0.0
-    max_document_mb: float = 64.0
-    seed: int = 1234
-    text_field: str = "text"
-    on_bad_record: str = "error"
-    shard_tokens: int = 100_000_000
-    num_workers: int = 0  # 0: one per CPU core
-    format: str = "text"  # chat: conversations (data/chat.py), with a mask store
-    messages_field: str = "messages"  # the chat fields: only with format chat
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    chat_template: str = "auto"
-    hf_dataset: HFDataset | None = None  # a Hugging Face dataset instead of files (data/hf_datasets.py)
-    remote_timeout_s: float = TIMEOUT_S  # URLs: how long a request may get no answer (changes nothing prepared)
 
-    def check(self) -> None:
-        if not 0.0 < self.val_fraction < 1.0:
-            raise DataError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-        if self.max_corpus_mb < 0:
-            raise DataError(f"data.max_corpus_mb must be >= 0 (0 = no cap), got {self.max_corpus_mb}")
-        if not self.max_document_mb * 2**20 >= 1:
-            raise DataError(f"data.max_document_mb must be at least one byte ({1 / 2**20:.3g} MB), "
-                            f"got {self.max_document_mb}")
-        if self.vocab_size < 1:
-            raise DataError(f"data.vocab_size must be positive, got {self.vocab_size}")
-        if self.shard_tokens < 1:
-            raise DataError(f"data.shard_tokens must be positive, got {self.shard_tokens}")
-        if self.num_workers < 0:
-            raise DataError(f"data.num_workers must be >= 0 (0 = one per CPU core), got {self.num_workers}")
-        if self.on_bad_record not in BAD_RECORD_CHOICES:
-            raise DataError(f"data.on_bad_record must be one of {', '.join(BAD_RECORD_CHOICES)}, "
-                            f"got {self.on_bad_record!r}")
-        if self.format not in FORMATS:
-            raise DataError(f"data.format must be one of {', '.join(FORMATS)}, got {self.format!r}")
-        if self.files and self.hf_dataset:
-            raise DataError("data.files and data.hf_dataset.path both name a corpus: give one of them")
-        if self.chat_template not in TEMPLATES:
-            raise DataError(f"data.chat_template must be one of {', '.join(TEMPLATES)}, got {self.chat_template!r}")
-        if not self.remote_timeout_s > 0:
-            raise DataError(f"data.remote_timeout_s must be positive, got {self.remote_timeout_s}")
+@dataclass
+class PrepareSettings(DataConfig):
+    """The data section, and the settings of other sections that decide the prepared folder with it."""
+
+    seed: int = DEFAULT_SEED  # run.seed: the validation split and the tokenizer's sample
+    model_hf_path: str = ""  # model.hf_path: the tokenizer of data.tokenizer=hf without data.hf_tokenizer
+
+    @property
+    def hf_tokenizer_dir(self) -> str:
+        """The Hugging Face tokenizer's folder (data.tokenizer=hf), or "" for SentencePiece."""
+        return (self.hf_tokenizer or self.model_hf_path) if self.tokenizer == "hf" else ""
+
+    @property
+    def folder(self) -> str:
+        """The prepared folder: data.dataset_dir, or the cache folder these settings name."""
+        return self.dataset_dir or default_dataset_dir(self)
 
     @property
     def chat(self) -> ChatFields | None:
@@ -179,19 +151,17 @@ class PrepareSettings:
     @property
     def template(self) -> str:
         """data.format=chat: "tokenizer" (the HF tokenizer's own chat template) or "plain" (ours)."""
-        return "tokenizer" if self.chat_template == "auto" and self.hf_tokenizer else "plain"
+        return "tokenizer" if self.chat_template == "auto" and self.hf_tokenizer_dir else "plain"
 
     def record(self) -> dict:
         """The settings that decide the prepared folder; a text preparation's record holds no chat field, so
         folders prepared before chat data keep their fingerprint."""
-        settings = {**asdict(self), "num_workers": None, "files": None}
-        settings.pop("hf_dataset")
-        settings.pop("remote_timeout_s")
-        if self.hf_dataset:
+        settings = {name: getattr(self, name) for name in RECORDED}
+        settings.update(files=None, num_workers=None, hf_tokenizer=self.hf_tokenizer_dir)
+        if self.format != "text":
+            settings.update({name: getattr(self, name) for name in CHAT_SETTINGS})
+        if self.hf_dataset.path:
             settings["hf_dataset"] = self.hf_dataset.record()
-        if self.format == "text":
-            for name in CHAT_SETTINGS:
-                settings.pop(name)
         return settings
 
     def processes(self, corpus_bytes: int) -> int:
@@ -246,7 +216,7 @@ class Corpus:
 
     @classmethod
     def _of(cls, settings: PrepareSettings, *, max_input_mb: float) -> Corpus:
-        if settings.hf_dataset:
+        if settings.hf_dataset.path:
             hf = open_dataset(settings.hf_dataset, text_field=settings.text_field, chat=settings.chat)
             return cls([*hf.files], hf.where, strict=True, max_mb=settings.max_corpus_mb,
                        max_document_mb=settings.max_document_mb, hf=hf)
@@ -398,7 +368,7 @@ class Source:
             "inputs": [describe(p) for p in corpus.paths],
             "settings": settings_record,
             "tokenizer_model": describe(tokenizer_model) if tokenizer_model else None,
-            "hf_tokenizer": _hf_fingerprint(settings.hf_tokenizer) if settings.hf_tokenizer else None,
+            "hf_tokenizer": _hf_fingerprint(settings.hf_tokenizer_dir) if settings.hf_tokenizer_dir else None,
         }
         summary = {"settings": {k: v for k, v in settings_record.items() if v is not None},
                    "inputs": digest(record["inputs"]),
@@ -437,10 +407,10 @@ FIRST_NAMED = ("files", "num_workers", "tokenizer_model", "hf_tokenizer", "vocab
 def default_dataset_dir(settings: PrepareSettings) -> str:
     """Where the data of these settings is cached when data.dataset_dir is empty: a name from every setting
     that decides the folder, so that settings that differ never share one."""
-    tokenizer = settings.hf_tokenizer or settings.tokenizer_model
+    tokenizer = settings.hf_tokenizer_dir or settings.tokenizer_model
     record = settings.record()
     chat = [] if settings.format == "text" else [record[name] for name in CHAT_SETTINGS]
-    hf = [settings.hf_dataset.record()] if settings.hf_dataset else []
+    hf = [settings.hf_dataset.record()] if settings.hf_dataset.path else []
     # The others join the name only away from their defaults, so that the folders named before keep their names.
     defaults = {f.name: f.default for f in fields(PrepareSettings)}
     others = {name: value for name, value in record.items() if name not in FIRST_NAMED and value != defaults[name]}
@@ -563,9 +533,9 @@ class _Preparation:
     def tokenizer(self) -> tuple[str, Path]:
         """(kind, path) of the folder's tokenizer, made now: copied, saved or trained."""
         s = self.settings
-        if s.hf_tokenizer:
+        if s.hf_tokenizer_dir:
             path = self.root / HF_TOKENIZER_NAME
-            _replace_with(path, lambda tmp: load_tokenizer("hf", Path(s.hf_tokenizer)).save(tmp))
+            _replace_with(path, lambda tmp: load_tokenizer("hf", Path(s.hf_tokenizer_dir)).save(tmp))
             return "hf", path
         path = self.root / TOKENIZER_NAME
         if s.tokenizer_model:
@@ -584,8 +554,8 @@ class _Preparation:
     def check_chat_template(self, kind: str, path: Path) -> None:
         if self.settings.format == "chat" and self.settings.template == "tokenizer" \
                 and not load_tokenizer(kind, path).has_chat_template():
-            raise DataError(f"the tokenizer of model.hf_path={self.settings.hf_tokenizer} has no chat template; set "
-                            f"data.chat_template=plain to use ours (docs/training.md)")
+            raise DataError(f"the tokenizer of model.hf_path={self.settings.hf_tokenizer_dir} has no chat template; "
+                            f"set data.chat_template=plain to use ours (docs/training.md)")
 
     def tokenizer_sample(self) -> list[str]:
         sample, totals = TokenizerSample(), _zero_totals()
@@ -690,7 +660,7 @@ class _Preparation:
             log.warning("%s holds data %s from other inputs or settings (%s): preparing it again in its place",
                         self.root, "prepared" if meta else "partly prepared", self.source.difference(meta or progress))
         clear_folder(self.root)
-        name = HF_TOKENIZER_NAME if self.settings.hf_tokenizer else TOKENIZER_NAME
+        name = HF_TOKENIZER_NAME if self.settings.hf_tokenizer_dir else TOKENIZER_NAME
         progress = {"source_fingerprint": self.source.fingerprint, "source": self.source.summary,
                     "files": [name, name + ".tmp"], "shards": [], "format": self.settings.format,
                     "hash_block_bytes": HASH_BLOCK_BYTES}
@@ -733,7 +703,7 @@ class _Preparation:
             "num_skipped_records": totals["num_bad_records"],
             "first_skipped_record": totals["first_bad_record"],
             "text_bytes": totals["text_bytes"],
-            "inputs": ({"hf_dataset": s.hf_dataset.record()} if s.hf_dataset
+            "inputs": ({"hf_dataset": s.hf_dataset.record()} if s.hf_dataset.path
                        else [display(entry) for entry in s.files] or "python-stdlib"),
             "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
             "shards": [{k: shard[k] for k in (*keys, "num_train_tokens", "num_val_tokens", "max_token_id", "sha256")}
@@ -856,7 +826,8 @@ def prepare_data(dataset_dir: str | Path, settings: PrepareSettings, *, show_pro
 def _corpus_and_source(settings: PrepareSettings, *, max_input_mb: float) -> tuple[Corpus, Source]:
     """The corpus, checked, and what the folder prepared from it depends on (which may read a URL through: see
     RemoteFile.identity)."""
-    settings.check()
+    if problems := settings.problems():
+        raise DataError("; ".join(problems))
     corpus = Corpus.of(settings, max_input_mb=max_input_mb)
     if settings.tokenizer_model:  # missing, not a regular file, too large, damaged: one line before any work
         load_sentencepiece(Path(settings.tokenizer_model).expanduser())
@@ -969,12 +940,12 @@ def prepare_for_training(dataset_dir: str | Path, settings: PrepareSettings, *, 
     """
     root = Path(dataset_dir)
     found = read_record(root / META_NAME) if named_dir else {}
-    if found and not settings.files and not settings.hf_dataset:
+    if found and not settings.files and not settings.hf_dataset.path:
         log.info("training on the data prepared in %s (data.files is empty)", root)
         return
     corpus, source = _corpus_and_source(settings, max_input_mb=max_input_mb)  # once: it may hash URLs
     if found and found.get("source_fingerprint") != source.fingerprint:
-        given = "data.hf_dataset.path" if settings.hf_dataset else "data.files"
+        given = "data.hf_dataset.path" if settings.hf_dataset.path else "data.files"
         raise DataError(f"{root} already holds data prepared from other inputs or settings "
                         f"({source.difference(found)}); delete it to prepare {given} there, or leave "
                         f"{given} empty to train on it as it is")

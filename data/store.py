@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeGuard
+from typing import Literal, TypeGuard, get_args
 
 import numpy as np
 
@@ -107,7 +107,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
-FORMATS = ("text", "chat")
+DataFormat = Literal["text", "chat"]  # data.format: what a prepared folder holds
+FORMATS = get_args(DataFormat)
 # The names of a shard's files in a meta.json or progress.json shard record: tokens, and masks for chat.
 TOKEN_KEYS = ("train", "val")
 MASK_KEYS = ("train_mask", "val_mask")
@@ -124,6 +125,14 @@ def mask_names(index: int) -> tuple[str, str]:
 def data_format(record: dict) -> str:
     """The format a meta.json or progress.json records; folders from before chat data hold text."""
     return record.get("format", "text") if isinstance(record, dict) else "text"
+
+
+def format_problem(path: str | Path, found: str, wanted: str) -> str | None:
+    """Why a prepared folder of data format `found` cannot be trained on with data.format=wanted, or None."""
+    if found == wanted:
+        return None
+    return (f"{path} holds {found} data (prepared with data.format={found}), not {wanted}: set data.format={found}, "
+            f"or prepare the corpus with data.format={wanted} into another folder")
 
 
 def read_tokenizer_file(path: Path) -> bytes:

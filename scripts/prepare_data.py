@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from config import ConfigError, load_config, split_known_args
-    from data import DataError, default_dataset_dir, prepare_data
+    from data import DataError, prepare_data
     from fsdp_utils.train.run_data import prepare_settings
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     settings = prepare_settings(cfg)
-    dataset_dir = cfg.data.dataset_dir or default_dataset_dir(settings)
+    dataset_dir = settings.folder
     try:
         prepare_data(dataset_dir, settings)
     except DataError as err:

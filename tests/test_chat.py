@@ -169,6 +169,11 @@ def chat_settings(path: Path, **kwargs) -> PrepareSettings:
                               "format": "chat", "num_workers": 0} | kwargs)
 
 
+def hf_tokenizer(tmp_path: Path) -> dict:
+    """The settings of a Hugging Face tokenizer saved in tmp_path/hf."""
+    return {"tokenizer": "hf", "hf_tokenizer": str(tmp_path / "hf")}
+
+
 def read_split(prepared, split: str) -> tuple[np.ndarray, np.ndarray]:
     files = prepared.train_files if split == "train" else prepared.val_files
     masks = prepared.train_mask_files if split == "train" else prepared.val_mask_files
@@ -225,7 +230,7 @@ def test_hf_template_preparation(tmp_path):
     tok.save_pretrained(tmp_path / "hf")
     records = make_conversations(40, seed=2)
     path = write_jsonl(tmp_path / "c.jsonl", records)
-    prepared = prepare_data(tmp_path / "out", chat_settings(path, hf_tokenizer=str(tmp_path / "hf")),
+    prepared = prepare_data(tmp_path / "out", chat_settings(path, **hf_tokenizer(tmp_path)),
                             show_progress=False)
     tokens, mask = read_split(prepared, "train")
     eos = tok.eos_token_id
@@ -250,7 +255,7 @@ def test_document_masking_refuses_conversations_that_hold_the_eos(tmp_path):
     tok = word_tokenizer(TEMPLATE_INCREMENTAL.replace("<eot>", "<eos>"))
     tok.save_pretrained(tmp_path / "hf")
     path = write_jsonl(tmp_path / "c.jsonl", make_conversations(12, seed=3))
-    prepared = prepare_data(tmp_path / "out", chat_settings(path, hf_tokenizer=str(tmp_path / "hf")),
+    prepared = prepare_data(tmp_path / "out", chat_settings(path, **hf_tokenizer(tmp_path)),
                             show_progress=False)
     assert check_format(prepared, "chat", document_masking=False) is prepared
     with pytest.raises(DataError, match=r"conversations in .* hold the tokenizer's EOS inside them") as err:
@@ -288,7 +293,7 @@ def test_a_template_that_never_ends_is_one_line_naming_it(tmp_path, monkeypatch,
     path = write_jsonl(tmp_path / "c.jsonl", make_conversations(5))
     start = time.process_time()
     with pytest.raises(DataError) as err, failing_after(120):
-        prepare_data(tmp_path / "out", chat_settings(path, hf_tokenizer=str(tmp_path / "hf"), on_bad_record="skip"),
+        prepare_data(tmp_path / "out", chat_settings(path, **hf_tokenizer(tmp_path), on_bad_record="skip"),
                      show_progress=False)
     # Stopped at the first conversation (a template error is the corpus's, not a record to skip), in about 0.5 s of
     # its rendering's CPU time (preparation's own start, tokenizer training included, takes a few more).
@@ -322,9 +327,9 @@ def test_tokenizer_without_a_chat_template_is_one_line(tmp_path):
     tok.save_pretrained(tmp_path / "hf")
     path = write_jsonl(tmp_path / "c.jsonl", make_conversations(5))
     with pytest.raises(DataError, match="has no chat template; set data.chat_template=plain"):
-        prepare_data(tmp_path / "out", chat_settings(path, hf_tokenizer=str(tmp_path / "hf")), show_progress=False)
+        prepare_data(tmp_path / "out", chat_settings(path, **hf_tokenizer(tmp_path)), show_progress=False)
     # Ours works with any tokenizer.
-    prepared = prepare_data(tmp_path / "out", chat_settings(path, hf_tokenizer=str(tmp_path / "hf"),
+    prepared = prepare_data(tmp_path / "out", chat_settings(path, **hf_tokenizer(tmp_path),
                                                             chat_template="plain"), show_progress=False)
     assert prepared.format == "chat"
 
@@ -354,13 +359,14 @@ def test_training_on_a_folder_of_the_other_format_is_one_line(tmp_path):
     folder = tmp_path / "text"
     prepared = prepare_data(folder, PrepareSettings(files=(str(text),), vocab_size=300, num_workers=0),
                             show_progress=False)
+    line = (f"data.format=chat: {folder} holds text data (prepared with data.format=text), not chat: set "
+            f"data.format=text, or prepare the corpus with data.format=chat into another folder")
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "config/train_tiny_fsdp.yaml", [f"--data.dataset_dir={folder}", "--data.format=chat"])
-    assert err.value.problems == [f"data.format=chat: {folder} holds text data (prepared with data.format=text), not "
-                                  f"chat: set data.format=text, or prepare the corpus with data.format=chat into "
-                                  f"another folder"]
-    with pytest.raises(DataError, match="holds text data"):
+    assert err.value.problems == [line]
+    with pytest.raises(DataError) as raised:  # the same line when the job finds it (a folder prepared meanwhile)
         check_format(load_prepared(folder), "chat")
+    assert str(raised.value) == line
     assert check_format(prepared, "text") is prepared
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from data import DataError, PrepareSettings, prepare_data
-from data.hf_datasets import HFDataset, open_dataset
+from data.hf_datasets import open_dataset
+from data.settings import HFDatasetConfig
 from data.store import ShardWriter
 from scripts import prepare_data as prepare_script
 from tests.helpers import ROOT, losses, run_train
@@ -99,9 +100,11 @@ def prepared_files(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.suffix in (".bin", ".mask", ".model")}
 
 
-def prepare(root: Path, *, files: tuple[str, ...] = (), hf: HFDataset | None = None, **settings) -> dict[str, bytes]:
+def prepare(root: Path, *, files: tuple[str, ...] = (), hf: HFDatasetConfig | None = None,
+            **settings) -> dict[str, bytes]:
     settings = {"vocab_size": 320, "num_workers": 0, **settings}
-    prepared = prepare_data(root, PrepareSettings(files=files, hf_dataset=hf, **settings), show_progress=False)
+    prepared = prepare_data(root, PrepareSettings(files=files, hf_dataset=hf or HFDatasetConfig(), **settings),
+                            show_progress=False)
     return prepared_files(prepared.root)
 
 
@@ -115,11 +118,11 @@ def test_every_form_of_a_dataset_prepares_the_shards_of_its_jsonl(tmp_path):
              "jsonl_snapshot": str(write_snapshot(tmp_path / "jsonl_snapshot", rows, suffix=".jsonl"))}
     # The names are found where each cache keeps them: the datasets cache's arrow files, the hub cache's snapshot.
     for form, cache in (("cached", "datasets"), ("hub", "hub")):
-        found = open_dataset(HFDataset(forms[form]), text_field="text", chat=None).files
+        found = open_dataset(HFDatasetConfig(forms[form]), text_field="text", chat=None).files
         assert found and all((tmp_path / "hf_home" / cache) in path.parents for path in found), (form, found)
     for form, path in forms.items():
         for streaming in (True, False):
-            got = prepare(tmp_path / f"{form}-{streaming}", hf=HFDataset(path, streaming=streaming))
+            got = prepare(tmp_path / f"{form}-{streaming}", hf=HFDatasetConfig(path, streaming=streaming))
             assert got == expected, (form, streaming)
 
 
@@ -137,7 +140,7 @@ def test_shards_do_not_depend_on_the_worker_count_or_streaming(tmp_path, monkeyp
     for path, streaming, num_workers in ((saved, True, 0), (saved, False, 1), (saved, True, 2), (snapshot, True, 1),
                                          (snapshot, False, 2)):
         outputs[path.name, streaming, num_workers] = prepare(
-            tmp_path / f"{path.name}-{streaming}-{num_workers}", hf=HFDataset(str(path), streaming=streaming),
+            tmp_path / f"{path.name}-{streaming}-{num_workers}", hf=HFDatasetConfig(str(path), streaming=streaming),
             num_workers=num_workers, shard_tokens=500, tokenizer_model=str(tokenizer))
     first = next(iter(outputs.values()))
     assert len([name for name in first if name.startswith("train-")]) >= 4
@@ -165,14 +168,14 @@ def test_a_chat_dataset_prepares_the_shards_and_masks_of_its_jsonl(tmp_path):
     assert {"train-00000.mask", "val-00000.mask"} <= set(expected)
     saved = write_saved(tmp_path / "saved", records)
     assert set(datasets.load_from_disk(str(saved)).column_names) == {"messages", "prompt", "response"}
-    assert prepare(tmp_path / "from_saved", hf=HFDataset(str(saved)), **chat) == expected
+    assert prepare(tmp_path / "from_saved", hf=HFDatasetConfig(str(saved)), **chat) == expected
 
 
 def test_an_interrupted_preparation_continues_to_the_same_shards(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr("data.hf_datasets.BATCH_ROWS", 8)
     monkeypatch.setattr("data.prepare.CHUNK_BYTES", 512)
     saved = write_saved(tmp_path / "saved", make_rows(400))
-    hf = HFDataset(str(saved))
+    hf = HFDatasetConfig(str(saved))
     expected = prepare(tmp_path / "whole", hf=hf, shard_tokens=500)
     finish_shard, calls = ShardWriter.finish_shard, []
 
@@ -193,22 +196,22 @@ def test_an_interrupted_preparation_continues_to_the_same_shards(tmp_path, monke
 
 def test_a_changed_dataset_is_prepared_again(tmp_path, caplog):
     saved = tmp_path / "saved"
-    first = prepare(tmp_path / "out", hf=HFDataset(str(write_saved(saved, make_rows(300)))))
+    first = prepare(tmp_path / "out", hf=HFDatasetConfig(str(write_saved(saved, make_rows(300)))))
     datasets.Dataset.from_list(make_rows(300, seed=1)).save_to_disk(str(saved), num_shards=3)
     with caplog.at_level(logging.INFO, logger="data.prepare"):
-        again = prepare(tmp_path / "out", hf=HFDataset(str(saved)))
+        again = prepare(tmp_path / "out", hf=HFDatasetConfig(str(saved)))
     assert "using the data prepared earlier" not in caplog.text
-    assert again != first and again == prepare(tmp_path / "fresh", hf=HFDataset(str(saved)))
+    assert again != first and again == prepare(tmp_path / "fresh", hf=HFDatasetConfig(str(saved)))
     with caplog.at_level(logging.INFO, logger="data.prepare"):
-        prepare(tmp_path / "out", hf=HFDataset(str(saved)))
+        prepare(tmp_path / "out", hf=HFDatasetConfig(str(saved)))
     assert "using the data prepared earlier" in caplog.text
 
 
 def test_a_named_folder_of_another_corpus_names_the_dataset_setting_to_clear(tmp_path):
     from data import DataError, prepare_for_training
 
-    prepare(tmp_path / "prepared", hf=HFDataset(str(write_saved(tmp_path / "a", make_rows(60)))))
-    other = PrepareSettings(hf_dataset=HFDataset(str(write_saved(tmp_path / "b", make_rows(60, seed=1)))),
+    prepare(tmp_path / "prepared", hf=HFDatasetConfig(str(write_saved(tmp_path / "a", make_rows(60)))))
+    other = PrepareSettings(hf_dataset=HFDatasetConfig(str(write_saved(tmp_path / "b", make_rows(60, seed=1)))),
                             vocab_size=320, num_workers=0)
     with pytest.raises(DataError, match=r"delete it to prepare data.hf_dataset.path there, or leave "
                                         r"data.hf_dataset.path empty to train on it as it is$"):
@@ -353,7 +356,7 @@ def test_data_files_outside_the_dataset_folder_are_refused(tmp_path, monkeypatch
         monkeypatch.setattr("data.hf_datasets._check_card", lambda folder, path: None)
     folder = write_outside_cases(tmp_path, case)
     with pytest.raises(DataError) as err:
-        prepare(tmp_path / "out", hf=HFDataset(str(folder), streaming=False))
+        prepare(tmp_path / "out", hf=HFDatasetConfig(str(folder), streaming=False))
     said = str(err.value)
     assert "\n" not in said and said.startswith(str(folder)), said
     if case.startswith("saved"):
@@ -384,7 +387,7 @@ def test_links_to_folders_and_special_files_in_a_dataset_folder_are_refused(tmp_
     if case == "hidden_root":
         write_card(folder, "configs:\n- config_name: default\n  data_files: .root/**/*.parquet\n")
     with pytest.raises(DataError) as err:
-        prepare(tmp_path / "out", hf=HFDataset(str(folder)))
+        prepare(tmp_path / "out", hf=HFDatasetConfig(str(folder)))
     expected = "is a link to a folder: a dataset folder's data is read only inside it" if case != "fifo" else (
         "is not a regular file (a FIFO, device or socket, or a link to nothing)")
     assert str(err.value).startswith(f"{culprit} {expected}") and "\n" not in str(err.value), err.value
@@ -397,14 +400,14 @@ def test_a_change_to_a_linked_data_file_is_prepared_again(tmp_path, caplog):
     (tmp_path / "ds" / "data").mkdir(parents=True)
     for path in (elsewhere / "data").iterdir():
         (tmp_path / "ds" / "data" / path.name).symlink_to(path)
-    hf = HFDataset(str(tmp_path / "ds"))
+    hf = HFDatasetConfig(str(tmp_path / "ds"))
     first = prepare(tmp_path / "out", hf=hf)
-    assert first == prepare(tmp_path / "direct", hf=HFDataset(str(elsewhere)))
+    assert first == prepare(tmp_path / "direct", hf=HFDatasetConfig(str(elsewhere)))
     pq.write_table(pa.Table.from_pylist(make_rows(100, seed=2)), elsewhere / "data" / "train-00001-of-00002.parquet")
     with caplog.at_level(logging.INFO, logger="data.prepare"):
         again = prepare(tmp_path / "out", hf=hf)
     assert "using the data prepared earlier" not in caplog.text
-    assert again != first and again == prepare(tmp_path / "fresh", hf=HFDataset(str(elsewhere)))
+    assert again != first and again == prepare(tmp_path / "fresh", hf=HFDatasetConfig(str(elsewhere)))
 
 
 @pytest.mark.parametrize("ref", ["../..", "../../../outside", "/{tmp}/outside"])
@@ -419,7 +422,7 @@ def test_a_hub_cache_ref_cannot_lead_out_of_its_repository(tmp_path, ref):
     from data import DataError
 
     with pytest.raises(DataError) as err:
-        open_dataset(HFDataset(name), text_field="text", chat=None)
+        open_dataset(HFDatasetConfig(name), text_field="text", chat=None)
     assert str(err.value) == (f"{main}: names the revision {ref!r}, which is not a folder of "
                               f"{main.parent.parent / 'snapshots'}; download the dataset again")
 
@@ -450,7 +453,7 @@ def test_a_dataset_folder_that_reads_as_far_more_than_its_size_is_one_line(tmp_p
     size = (tmp_path / "ds" / "data" / "train-00000-of-00001.jsonl.zst").stat().st_size
     assert size * 100 < 1 << 20
     with pytest.raises(DataError) as err:
-        prepare(tmp_path / "out", hf=HFDataset(str(tmp_path / "ds")))
+        prepare(tmp_path / "out", hf=HFDatasetConfig(str(tmp_path / "ds")))
     assert str(err.value).startswith(f"{tmp_path / 'ds'}[train] reads as more than 100 times its {size:,} bytes on "
                                      f"disk (a compression bomb?"), err.value
 
@@ -502,7 +505,7 @@ def test_a_sparse_metadata_file_is_one_line_in_bounded_memory(tmp_path, name):
     with (folder / name).open("wb") as f:
         f.truncate(20 << 30)
     with pytest.raises(DataError) as err, memory_bound(2 << 30):
-        prepare(tmp_path / "out", hf=HFDataset(given))
+        prepare(tmp_path / "out", hf=HFDatasetConfig(given))
     line = str(err.value)
     assert line.startswith(f"{folder / name}: ") and "more than 67,108,864 bytes" in line and "\n" not in line, line
     assert not (tmp_path / "out").exists()

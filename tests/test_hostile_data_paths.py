@@ -205,7 +205,7 @@ def hostile_dataset(case: Path, record: str, value: str) -> Path:
 
 def test_hostile_paths_in_a_dataset_folder_read_nothing_outside_it(folders, tmp_path):
     # Each one DataError line, or prepared from the folder's own 20 rows and nothing else; never a hang.
-    from data.hf_datasets import HFDataset
+    from data.settings import HFDatasetConfig
 
     sandbox, settings = folders
     outcomes = []
@@ -213,7 +213,8 @@ def test_hostile_paths_in_a_dataset_folder_read_nothing_outside_it(folders, tmp_
         for v, value in enumerate(HOSTILE_DATA_PATHS):
             case = tmp_path / f"{r}-{v}"
             folder = hostile_dataset(case, record, value)
-            hf = PrepareSettings(**{**settings, "files": (), "shard_tokens": 10**6}, hf_dataset=HFDataset(str(folder)))
+            hf = PrepareSettings(**{**settings, "files": (), "shard_tokens": 10**6},
+                                 hf_dataset=HFDatasetConfig(str(folder)))
             said = outcome(lambda: prepare_data(case / "out", hf, show_progress=False))  # noqa: B023 - called here
             if said == "ok":
                 meta = json.loads((case / "out" / "meta.json").read_text())

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from config import ConfigError, load_config
 from data import (
     DataError,
     PrepareSettings,
@@ -30,8 +31,11 @@ from data import (
     prepare_for_training,
     readers,
 )
+from data.prepare import Corpus, Source
+from data.settings import HFDatasetConfig
 from data.store import ShardWriter
 from data.tokenizer import TokenizerSample
+from fsdp_utils.train.run_data import prepare_settings
 from safe_io import nofollow
 from tests.helpers import ROOT, alive, children, job_env, run_job
 from tests.test_data import VOCAB_SIZE, decode_split, held_out, make_documents, prep, split_tokens
@@ -188,6 +192,79 @@ def test_default_folders_of_default_settings_keep_their_names():
         "data/cache/custom-cd0367a213"
     assert default_dataset_dir(PrepareSettings(files=("a.jsonl",), vocab_size=320, format="chat")) == \
         "data/cache/custom-7c809fffea"
+
+
+# The identity of a prepared folder for the settings a config gives (the overrides): its record in meta.json, its
+# folder under data/cache when data.dataset_dir is empty, and the fingerprint of those settings over no input file.
+# A change to any of them prepares every existing folder again.
+IDENTITIES = [
+    ([], '{"files": null, "tokenizer_model": "", "hf_tokenizer": "", "vocab_size": 4096, "val_fraction": 0.02, '
+         '"max_corpus_mb": 0.0, "max_document_mb": 64.0, "seed": 1234, "text_field": "text", "on_bad_record": "error", '
+         '"shard_tokens": 100000000, "num_workers": null}',
+     "data/cache/stdlib-a1fce57cb6", "398d99dbea39d83bb6a9cc7fb1440b9caa6447b17a76fffe64068051fcb4f158"),
+    (["--data.files=[a.jsonl,b.txt]", "--data.format=chat", "--data.chat_template=plain", "--data.max_corpus_mb=3",
+      "--run.seed=7", "--data.vocab_size=320", "--data.shard_tokens=1000", "--data.text_field=body",
+      "--data.num_workers=3"],
+     '{"files": null, "tokenizer_model": "", "hf_tokenizer": "", "vocab_size": 320, "val_fraction": 0.02, '
+     '"max_corpus_mb": 3.0, "max_document_mb": 64.0, "seed": 7, "text_field": "body", "on_bad_record": "error", '
+     '"shard_tokens": 1000, "num_workers": null, "format": "chat", "messages_field": "messages", "prompt_field": '
+     '"prompt", "response_field": "response", "chat_template": "plain"}',
+     "data/cache/custom-c2e64e2655", "0b138ee854de77201ad2f26f9c7effc8d147dd633b51a35ee02a45d9670c4558"),
+    (["--data.hf_dataset.path=org/ds", "--data.hf_dataset.name=cfg", "--data.hf_dataset.split=val",
+      "--data.hf_dataset.streaming=false", "--data.on_bad_record=skip", "--data.max_document_mb=2",
+      "--data.remote_timeout_s=5"],
+     '{"files": null, "tokenizer_model": "", "hf_tokenizer": "", "vocab_size": 4096, "val_fraction": 0.02, '
+     '"max_corpus_mb": 0.0, "max_document_mb": 2.0, "seed": 1234, "text_field": "text", "on_bad_record": "skip", '
+     '"shard_tokens": 100000000, "num_workers": null, "hf_dataset": {"path": "org/ds", "name": "cfg", "split": "val"}}',
+     "data/cache/custom-14efe44059", "76f492fde0521099e16ce76bc92df17d8836f022f113ca3f5a10c331b9496e75"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "record", "folder", "fingerprint"), IDENTITIES, ids=["default", "chat", "hf"])
+def test_the_identity_of_a_prepared_folder_is_unchanged(overrides, record, folder, fingerprint):
+    settings = prepare_settings(load_config(None, overrides))  # as train_fsdp.py and scripts/prepare_data.py make them
+    no_files = Corpus([], "no files", strict=True, max_mb=settings.max_corpus_mb,
+                      max_document_mb=settings.max_document_mb)
+    assert json.dumps(settings.record()) == record
+    assert default_dataset_dir(settings) == settings.folder == folder
+    assert Source.of(settings, no_files).fingerprint == fingerprint
+    if not overrides:  # the library's own defaults are the config's
+        assert PrepareSettings().record() == settings.record()
+
+
+def test_the_tokenizer_folder_is_data_hf_tokenizer_else_model_hf_path(tmp_path):
+    model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
+    model.mkdir()
+    tokenizer.mkdir()
+    hf_model = ["--model.type=hf", f"--model.hf_path={model}"]
+
+    def recorded(*overrides: str) -> str:
+        return prepare_settings(load_config(None, [*hf_model, *overrides])).record()["hf_tokenizer"]
+
+    assert recorded("--data.tokenizer=hf") == str(model)
+    assert recorded("--data.tokenizer=hf", f"--data.hf_tokenizer={tokenizer}") == str(tokenizer)
+    assert recorded(f"--data.hf_tokenizer={tokenizer}") == ""  # data.tokenizer=sentencepiece trains one
+
+
+def test_bad_data_settings_are_the_same_lines_for_the_config_and_for_prepare_data(tmp_path):
+    # Every problem at once, by one check: the training run reads them from the config, prepare_data raises them.
+    bad = {"val_fraction": 0.0, "vocab_size": 8, "num_workers": -1, "shard_tokens": 0, "max_document_mb": 1e-7,
+           "text_field": "", "remote_timeout_s": 0.0}
+    lines = ["data.val_fraction must be between 0 and 1, got 0.0", "data.vocab_size must be at least 16, got 8",
+             "data.num_workers must not be negative, got -1", "data.shard_tokens must be positive, got 0",
+             "data.max_document_mb must be at least one byte (9.54e-07 MB), got 1e-07",
+             "data.text_field must name the field or column holding the text",
+             "data.hf_dataset.path and data.files (or data.sources) both name a corpus: give one of them",
+             "data.remote_timeout_s must be in (0, 10**9] seconds, got 0.0"]
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [f"--data.{name}={value}" for name, value in bad.items()]
+                    + ["--data.files=[c.jsonl]", "--data.hf_dataset.path=org/ds"])
+    assert caught.value.problems == lines
+    with pytest.raises(DataError) as raised:
+        prepare_data(tmp_path / "out", PrepareSettings(**bad, files=["c.jsonl"], hf_dataset=HFDatasetConfig("org/ds")),
+                     show_progress=False)
+    assert str(raised.value).split("; ") == lines
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
@@ -844,7 +921,7 @@ def test_hf_tokenizer_in_the_workers(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(jsonl_lines(DOCUMENTS))
     save_tokenizer(tmp_path / "hf", corpus)
-    prepared = prep(tmp_path, [str(corpus)], hf_tokenizer=str(tmp_path / "hf"), num_workers=2)
+    prepared = prep(tmp_path, [str(corpus)], tokenizer="hf", hf_tokenizer=str(tmp_path / "hf"), num_workers=2)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
 
     def tokens(documents: list[str]) -> list[int]:

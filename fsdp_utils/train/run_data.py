@@ -15,14 +15,12 @@ from data import (
     DataError,
     PreparedData,
     PrepareSettings,
-    default_dataset_dir,
     handoff,
     load_prepared,
     prepare_for_training,
 )
-from data.hf_datasets import HFDataset
 from data.readers import expand_inputs
-from data.store import META_NAME, hold_for_reading, read_record
+from data.store import META_NAME, format_problem, hold_for_reading, read_record
 from safe_io.urls import is_url
 
 from ..distributed import DistEnv, barrier
@@ -44,7 +42,7 @@ def prepare_dataset(cfg: Config, env: DistEnv, stop: StopSignal) -> list[tuple[P
         return [(check_format(load_prepared(source.path), d.format, d.document_masking), source.weight)
                 for source in d.sources]
     settings = prepare_settings(cfg)
-    dataset_dir = d.dataset_dir or default_dataset_dir(settings)
+    dataset_dir = settings.folder
     job_id: list[str | None] = [uuid.uuid4().hex if env.is_main else None]
     dist.broadcast_object_list(job_id, src=0)  # quick: every rank arrives here straight after startup
     assert job_id[0] is not None
@@ -86,25 +84,14 @@ def data_problems(cfg: Config) -> list[str]:
 def prepare_settings(cfg: Config) -> PrepareSettings:
     """What decides the prepared folder of data.files (or data.hf_dataset): the data section, run.seed (the
     validation split), and model.hf_path, whose tokenizer data.tokenizer=hf uses without data.hf_tokenizer."""
-    d = cfg.data
-    return PrepareSettings(files=tuple(d.files), tokenizer_model=d.tokenizer_model,
-                           hf_tokenizer=(d.hf_tokenizer or cfg.model.hf_path) if d.tokenizer == "hf" else "",
-                           vocab_size=d.vocab_size, val_fraction=d.val_fraction, max_corpus_mb=d.max_corpus_mb,
-                           max_document_mb=d.max_document_mb, seed=cfg.run.seed, text_field=d.text_field,
-                           on_bad_record=d.on_bad_record, shard_tokens=d.shard_tokens, num_workers=d.num_workers,
-                           format=d.format, messages_field=d.messages_field, prompt_field=d.prompt_field,
-                           response_field=d.response_field, chat_template=d.chat_template,
-                           hf_dataset=HFDataset(**vars(d.hf_dataset)) if d.hf_dataset.path else None,
-                           remote_timeout_s=d.remote_timeout_s)
+    return PrepareSettings(**vars(cfg.data), seed=cfg.run.seed, model_hf_path=cfg.model.hf_path)
 
 
 def check_format(prepared: PreparedData, wanted: str, document_masking: bool = False) -> PreparedData:
     """The folder, if it holds data of data.format (a chat folder has masks, a text folder none) that
     data.document_masking can keep apart."""
-    if prepared.format != wanted:
-        raise DataError(f"data.format={wanted}: {prepared.root} holds {prepared.format} data (prepared with "
-                        f"data.format={prepared.format}); set data.format={prepared.format}, or prepare the corpus "
-                        f"with data.format={wanted} into another folder")
+    if (problem := format_problem(prepared.root, prepared.format, wanted)) is not None:
+        raise DataError(f"data.format={wanted}: {problem}")
     if document_masking and wanted == "chat":
         # Masking cuts at every EOS: a template whose end-of-turn token is the EOS would cut inside conversations.
         meta = read_record(prepared.root / META_NAME)

@@ -58,8 +58,6 @@ def plan_problems(cfg: Config, cluster: Cluster) -> list[str]:
     if t.float8 != "none" and cluster.gpu.peak.fp8 is None:
         p.append(f"train.float8={t.float8} needs FP8 tensor cores, which the {cluster.gpu.name} lacks; set "
                  f"--train.float8=none")
-    if t.float8 != "none" and f.version != 2:
-        p.append(f"train.float8={t.float8} needs fsdp.version=2")
     try:
         check_batch_split(dataclasses.replace(t, micro_batch_size="auto"), cluster.gpus)
     except ConfigError as err:
