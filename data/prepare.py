@@ -114,7 +114,13 @@ MAX_EXPANSION = 100
 EXPANSION_FLOOR_BYTES = 16 << 20
 PREPARE_FIRST = ("prepare it first with `python scripts/prepare_data.py CONFIG --data.dataset_dir=DIR`, then train "
                  "with --data.dataset_dir=DIR")
+# Folders whose .py files the built-in corpora leave out: tests, byte code, and in the stdlib the installed packages
+# (data.builtin_corpus=python lists them itself) and tools.
 STDLIB_SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+# The built-in corpora (data.builtin_corpus): how messages name each, and how meta.json's inputs do.
+BUILTIN_CORPORA = {"stdlib": ("the Python stdlib", "python-stdlib"),
+                   "python": ("the Python sources of the stdlib and the installed packages",
+                              "python-stdlib-and-packages")}
 CHAT_SETTINGS = ("format", "messages_field", "prompt_field", "response_field", "chat_template")
 
 
@@ -162,6 +168,8 @@ class PrepareSettings(DataConfig):
             settings.update({name: getattr(self, name) for name in CHAT_SETTINGS})
         if self.hf_dataset.path:
             settings["hf_dataset"] = self.hf_dataset.record()
+        if self.builtin_corpus != "stdlib":  # away from the default only, so that the stdlib's folders keep theirs
+            settings["builtin_corpus"] = self.builtin_corpus
         return settings
 
     def processes(self, corpus_bytes: int) -> int:
@@ -183,17 +191,41 @@ def usable_cpus() -> int:
 # ---------------------------------------------------------------- the corpus
 
 
+def _python_files(root: Path) -> Iterator[Path]:
+    """The readable .py files below root, outside the folders named in STDLIB_SKIP_DIRS. Links to folders are not
+    followed, so the walk neither loops nor leaves the tree; a link to a file is that file."""
+    for folder, dirs, names in os.walk(root):  # errors (a folder it may not list) leave that folder out
+        dirs[:] = [name for name in dirs if name not in STDLIB_SKIP_DIRS]
+        for name in names:
+            path = Path(folder, name)
+            if name.endswith(".py") and path.is_file() and os.access(path, os.R_OK):
+                yield path
+
+
 def stdlib_source_files() -> list[Path]:
     """The running interpreter's stdlib .py files: a default corpus that needs no download."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    found = []
-    for path in root.rglob("*.py"):
-        relative_dirs = path.relative_to(root).parts[:-1]
-        if any(part in STDLIB_SKIP_DIRS for part in relative_dirs):
-            continue
-        if path.is_file():
+    return sorted(_python_files(Path(sysconfig.get_paths()["stdlib"])))
+
+
+def python_source_files() -> list[Path]:
+    """The stdlib's .py files and those of every installed package (sysconfig's purelib and platlib folders), in
+    sorted order. A file reached twice (purelib is platlib, a link to a file found already, a hard link) is listed
+    once, under its own name rather than a link's; every file of stdlib_source_files is listed."""
+    found = stdlib_source_files()
+    seen = {_file_identity(path) for path in found}
+    roots = dict.fromkeys(Path(sysconfig.get_paths()[name]).resolve() for name in ("purelib", "platlib"))
+    packages = sorted(path for root in roots for path in _python_files(root))
+    for path in sorted(packages, key=Path.is_symlink):  # stable: the files, then the links, each in sorted order
+        if (identity := _file_identity(path)) not in seen:
+            seen.add(identity)
             found.append(path)
     return sorted(found)
+
+
+def _file_identity(path: Path) -> tuple[int, int]:
+    """The file a path leads to: the same for its links and hard links."""
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino
 
 
 @dataclass
@@ -223,8 +255,7 @@ class Corpus:
         if not settings.files:
             if settings.format == "chat":
                 raise DataError("data.format=chat needs data.files: .jsonl files of conversations")
-            return cls([*stdlib_source_files()], "the Python stdlib", strict=False, max_mb=settings.max_corpus_mb,
-                       max_document_mb=settings.max_document_mb)
+            return cls.builtin(settings)
         paths = _bounded(expand_inputs(list(settings.files), timeout_s=settings.remote_timeout_s), settings,
                          max_input_mb=max_input_mb)
         if settings.format == "chat" and (other := [p for p in paths if (format_of(p) or ("",))[0] != "jsonl"]):
@@ -232,6 +263,17 @@ class Corpus:
                             f"conversations, one JSON object a line")
         return cls(paths, ", ".join(shown(display(entry)) for entry in settings.files), strict=True,
                    max_mb=settings.max_corpus_mb, max_document_mb=settings.max_document_mb)
+
+    @classmethod
+    def builtin(cls, settings: PrepareSettings) -> Corpus:
+        """data.builtin_corpus: this interpreter's .py files, named with their count and size for the log. They are
+        not the user's to fix: undecodable bytes are replaced."""
+        paths = python_source_files() if settings.builtin_corpus == "python" else stdlib_source_files()
+        corpus = cls([*paths], "", strict=False, max_mb=settings.max_corpus_mb,
+                     max_document_mb=settings.max_document_mb)
+        corpus.name = (f"{BUILTIN_CORPORA[settings.builtin_corpus][0]} ({len(paths):,} .py files, "
+                       f"{corpus.disk_bytes / 2**20:,.1f} MB)")
+        return corpus
 
     @cached_property
     def disk_bytes(self) -> int:
@@ -382,7 +424,7 @@ class Source:
                 or record.get("format_version", FORMAT_VERSION) != FORMAT_VERSION):
             return "prepared by another version of this library"
         names = {"seed": "run.seed", "hf_tokenizer": "data.hf_tokenizer (or model.hf_path)"}
-        defaults = {"format": "text"}  # a text folder's record names no format
+        defaults = {"format": "text", "builtin_corpus": "stdlib"}  # a record names neither at its default
         parts = [f"{names.get(key, 'data.' + key)} {theirs['settings'].get(key, defaults.get(key))!r} there, "
                  f"{value!r} here" for key, value in self.summary["settings"].items()
                  if theirs["settings"].get(key, defaults.get(key)) != value]
@@ -417,7 +459,7 @@ def default_dataset_dir(settings: PrepareSettings) -> str:
     what = json.dumps([list(settings.files), tokenizer, settings.vocab_size, settings.val_fraction,
                        settings.max_corpus_mb, settings.seed, FORMAT_VERSION, *chat, *hf]
                       + ([others] if others else []))
-    kind = "stdlib" if not settings.files and not hf else "custom"
+    kind = settings.builtin_corpus if not settings.files and not hf else "custom"
     return str(Path("data/cache") / f"{kind}-{hashlib.sha1(what.encode()).hexdigest()[:10]}")
 
 
@@ -704,7 +746,7 @@ class _Preparation:
             "first_skipped_record": totals["first_bad_record"],
             "text_bytes": totals["text_bytes"],
             "inputs": ({"hf_dataset": s.hf_dataset.record()} if s.hf_dataset.path
-                       else [display(entry) for entry in s.files] or "python-stdlib"),
+                       else [display(entry) for entry in s.files] or BUILTIN_CORPORA[s.builtin_corpus][1]),
             "seconds": {phase: round(seconds, 2) for phase, seconds in self.seconds.items()},
             "shards": [{k: shard[k] for k in (*keys, "num_train_tokens", "num_val_tokens", "max_token_id", "sha256")}
                        for shard in writer.shards],

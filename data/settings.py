@@ -53,7 +53,11 @@ class DataConfig:
     files: list[str] = field(default_factory=list)
     """.txt, .jsonl, .json.gz/.jsonl.gz, .jsonl.zst/.json.zst and .parquet files, folders of them and glob
     patterns, local or URLs (s3://, gs:// with folders and globs; http(s):// files; docs/data.md); empty means
-    the Python standard library sources (or data.hf_dataset)."""
+    the built-in corpus, data.builtin_corpus (or data.hf_dataset)."""
+    builtin_corpus: Literal["stdlib", "python"] = "stdlib"
+    """The corpus when data.files and data.hf_dataset are empty, read from this interpreter's files (no download):
+    stdlib (the standard library's .py sources) or python (those and the .py sources of every installed package,
+    in site-packages; docs/data.md)."""
     hf_dataset: HFDatasetConfig = field(default_factory=HFDatasetConfig)
     sources: list[SourceConfig] = field(default_factory=list)
     """Train on a mixture of prepared folders instead of data.files: [{path: DIR, weight: 0.7}, ...], all made
@@ -155,6 +159,9 @@ class DataConfig:
 
             p += source_problems([(s.path, s.weight) for s in self.sources], wanted_format=self.format)
         hf = self.hf_dataset
+        if self.builtin_corpus != "stdlib" and (self.files or self.sources or hf.path):
+            p.append(f"data.builtin_corpus={self.builtin_corpus} is the corpus only when data.files, data.sources and "
+                     f"data.hf_dataset.path are empty: leave it at stdlib, or empty them")
         if hf.path and (self.files or self.sources):
             p.append("data.hf_dataset.path and data.files (or data.sources) both name a corpus: give one of them")
         elif given := [f"data.hf_dataset.{name}" for name, default in (("name", ""), ("split", "train"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sysconfig
 import time
 import tracemalloc
 from itertools import pairwise
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
+import yaml
 
 from config import ConfigError, load_config
 from data import (
@@ -31,6 +33,7 @@ from data import (
 )
 from data.loader import RandomPermutation
 from data.mixture import BLOCK as MIX_BLOCK
+from data.prepare import python_source_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -609,7 +612,7 @@ def test_prefetcher_close_stops_thread(token_file):
     assert not prefetcher._thread.is_alive()
 
 
-# ---------------------------------------------------------------- stdlib corpus
+# ---------------------------------------------------------------- the built-in corpora
 
 
 @pytest.mark.slow
@@ -622,6 +625,39 @@ def test_stdlib_source_files():
     assert not any(banned & set(path.parts) for path in files)
     names = {path.name for path in files}
     assert {"os.py", "json", "argparse.py"} & names >= {"os.py", "argparse.py"}
+
+
+def test_the_python_corpus_is_the_stdlib_and_every_installed_package_once():
+    stdlib, python = stdlib_source_files(), python_source_files()
+    assert set(stdlib) <= set(python) and len(python) > len(stdlib) + 1000  # this venv: 601 and 20,401
+    assert python == sorted(python) and len(set(python)) == len(python)
+    assert len({path.resolve() for path in python}) == len(python)  # no file under two names
+    assert Path(yaml.__file__) in python and Path(np.__file__) in python
+    assert not any({"tests", "__pycache__"} & set(path.parts) for path in python)
+
+
+def test_the_python_corpus_lists_each_file_once_and_stays_in_its_folders(tmp_path, monkeypatch):
+    root = tmp_path.resolve()
+    stdlib, site = root / "stdlib", root / "venv/lib/site-packages"
+    for path in ("os.py", "json/__init__.py", "test/test_os.py", "site-packages/own.py", "__pycache__/os.py",
+                 "notes.txt"):
+        (stdlib / path).parent.mkdir(parents=True, exist_ok=True)
+        (stdlib / path).write_text("x = 1\n")
+    for path in ("pkg/__init__.py", "pkg/mod.py", "pkg/tests/test_mod.py", "pkg/__pycache__/mod.py", "top.py"):
+        (site / path).parent.mkdir(parents=True, exist_ok=True)
+        (site / path).write_text("y = 2\n")
+    (site / "pkg/alias.py").symlink_to("mod.py")  # a link to a file of the tree: listed as the file
+    (site / "pkg/os_again.py").symlink_to(stdlib / "os.py")  # a link to a stdlib file: already listed
+    (site / "pkg/mod_copy.py").hardlink_to(site / "pkg/mod.py")  # the same file under a second name
+    (site / "pkg/gone.py").symlink_to("missing.py")  # a link to nothing: no file to read
+    (site / "pkg/loop").symlink_to("..")  # links to folders are not followed: no loop, nothing outside the tree
+    (site / "pkg/outside").symlink_to(stdlib)
+    (root / "venv/lib64").symlink_to("lib")  # platlib is purelib through a link to its folder, as in many venvs
+    paths = {"stdlib": str(stdlib), "purelib": str(site), "platlib": str(root / "venv/lib64/site-packages")}
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
+    assert stdlib_source_files() == [stdlib / "json/__init__.py", stdlib / "os.py"]
+    assert python_source_files() == [stdlib / "json/__init__.py", stdlib / "os.py", site / "pkg/__init__.py",
+                                     site / "pkg/mod.py", site / "top.py"]
 
 
 # ---------------------------------------------------------------- mixtures

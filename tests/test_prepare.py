@@ -31,9 +31,9 @@ from data import (
     prepare_for_training,
     readers,
 )
-from data.prepare import Corpus, Source
+from data.prepare import Corpus, Source, python_source_files, stdlib_source_files
 from data.settings import HFDatasetConfig
-from data.store import ShardWriter
+from data.store import ShardWriter, read_record
 from data.tokenizer import TokenizerSample
 from fsdp_utils.train.run_data import prepare_settings
 from safe_io import nofollow
@@ -217,10 +217,16 @@ IDENTITIES = [
      '"max_corpus_mb": 0.0, "max_document_mb": 2.0, "seed": 1234, "text_field": "text", "on_bad_record": "skip", '
      '"shard_tokens": 100000000, "num_workers": null, "hf_dataset": {"path": "org/ds", "name": "cfg", "split": "val"}}',
      "data/cache/custom-14efe44059", "76f492fde0521099e16ce76bc92df17d8836f022f113ca3f5a10c331b9496e75"),
+    (["--data.builtin_corpus=python", "--data.max_corpus_mb=100"],
+     '{"files": null, "tokenizer_model": "", "hf_tokenizer": "", "vocab_size": 4096, "val_fraction": 0.02, '
+     '"max_corpus_mb": 100.0, "max_document_mb": 64.0, "seed": 1234, "text_field": "text", "on_bad_record": "error", '
+     '"shard_tokens": 100000000, "num_workers": null, "builtin_corpus": "python"}',
+     "data/cache/python-8d72248148", "a66e0146eb4fa129e2627a2ac11c59b9310c02f53140a797552126afafafbbcc"),
 ]
 
 
-@pytest.mark.parametrize(("overrides", "record", "folder", "fingerprint"), IDENTITIES, ids=["default", "chat", "hf"])
+@pytest.mark.parametrize(("overrides", "record", "folder", "fingerprint"), IDENTITIES,
+                         ids=["default", "chat", "hf", "python"])
 def test_the_identity_of_a_prepared_folder_is_unchanged(overrides, record, folder, fingerprint):
     settings = prepare_settings(load_config(None, overrides))  # as train_fsdp.py and scripts/prepare_data.py make them
     no_files = Corpus([], "no files", strict=True, max_mb=settings.max_corpus_mb,
@@ -230,6 +236,45 @@ def test_the_identity_of_a_prepared_folder_is_unchanged(overrides, record, folde
     assert Source.of(settings, no_files).fingerprint == fingerprint
     if not overrides:  # the library's own defaults are the config's
         assert PrepareSettings().record() == settings.record()
+
+
+def test_the_python_corpus_is_capped_by_max_corpus_mb_into_a_folder_of_its_own(tmp_path, caplog):
+    common = dict(vocab_size=512, val_fraction=0.1, max_corpus_mb=0.2, num_workers=0)
+    stdlib_settings, python_settings = PrepareSettings(**common), PrepareSettings(**common, builtin_corpus="python")
+    with caplog.at_level(logging.INFO, logger="data.prepare"):
+        stdlib = prepare_data(tmp_path / "stdlib", stdlib_settings, show_progress=False)
+        python = prepare_data(tmp_path / "python", python_settings, show_progress=False)
+    files = python_source_files()
+    megabytes = sum(path.stat().st_size for path in files) / 2**20
+    assert (f"preparing the Python sources of the stdlib and the installed packages ({len(files):,} .py files, "
+            f"{megabytes:,.1f} MB) into {tmp_path / 'python'}") in caplog.text
+    assert f"preparing the Python stdlib ({len(stdlib_source_files()):,} .py files, " in caplog.text
+    assert caplog.text.count("data.max_corpus_mb=0.2: read the first") == 2
+    metas = [read_record(prepared.root / "meta.json") for prepared in (stdlib, python)]
+    # Reading stops after the .py file (a document of at most TXT_DOCUMENT_BYTES) that reaches the cap.
+    assert all(0.2 * 2**20 <= meta["text_bytes"] <= 0.2 * 2**20 + readers.TXT_DOCUMENT_BYTES for meta in metas)
+    assert python.num_train_tokens > 10_000
+    assert [meta["inputs"] for meta in metas] == ["python-stdlib", "python-stdlib-and-packages"]
+    assert metas[0]["source_fingerprint"] != metas[1]["source_fingerprint"]
+    assert default_dataset_dir(stdlib_settings).startswith("data/cache/stdlib-")
+    assert default_dataset_dir(python_settings).startswith("data/cache/python-")
+    python_source = Source.of(python_settings, Corpus.of(python_settings))
+    assert python_source.difference(metas[0]).startswith("data.builtin_corpus 'stdlib' there, 'python' here; other "
+                                                         "input files")
+    assert python_source.difference(metas[1]) == "the same inputs and settings"
+
+
+def test_the_built_in_corpus_is_chosen_only_without_a_corpus_named(tmp_path):
+    line = ("data.builtin_corpus=python is the corpus only when data.files, data.sources and data.hf_dataset.path are "
+            "empty: leave it at stdlib, or empty them")
+    for named in ("--data.files=[c.jsonl]", "--data.hf_dataset.path=org/ds"):
+        with pytest.raises(ConfigError) as caught:
+            load_config(None, [named, "--data.builtin_corpus=python"])
+        assert caught.value.problems == [line]
+    with pytest.raises(DataError, match=re.escape(line)):
+        prepare_data(tmp_path / "out", PrepareSettings(files=("c.jsonl",), builtin_corpus="python"),
+                     show_progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_tokenizer_folder_is_data_hf_tokenizer_else_model_hf_path(tmp_path):
