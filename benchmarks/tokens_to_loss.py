@@ -1,0 +1,200 @@
+"""Tokens to the same validation loss: train one config with each optimizer at several learning rates and seeds,
+then say how many tokens each optimizer needs to reach the best final validation loss of the first.
+
+    python scripts/prepare_data.py config/train90M_fsdp.yaml --data.builtin_corpus=python --data.dataset_dir=/data/py
+    python benchmarks/tokens_to_loss.py config/train90M_fsdp.yaml --optimizers adamw,muon \
+        --lrs 1e-3,2e-3,4e-3 --seeds 1,2 --concurrent 2 --out /tmp/ttl -- \
+        --data.sources="[{path: /data/py, weight: 1.0}]" --train.max_steps=150 --train.eval_interval=10
+
+Each run is `train_fsdp.py CONFIG OVERRIDES --train.optimizer=O --train.lr=LR --run.seed=S` in a process of its
+own (`--concurrent` of them at a time share the machine's GPUs), writing into OUT/<optimizer>-lr<LR>-s<S>/. The
+overrides after `--` go to every run: a prepared folder given as data.sources keeps the validation split the same
+for every seed (run.seed then draws the weights and the data order only). From each run's metrics.jsonl:
+the validation loss at each evaluation against the tokens trained (steps x global batch x sequence length),
+tokens/s and peak memory. The best learning rate of an optimizer is the one with the lowest final validation loss
+averaged over the seeds; the target is the first optimizer's best; for each optimizer at its best learning rate,
+the tokens at which its seed-averaged validation curve first reaches the target (linear between evaluations;
+none when it never does), and that over the first optimizer's. Prints a table, writes OUT/summary.json and, with
+matplotlib, OUT/val_loss.png (the best runs' curves).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "train_fsdp.py"
+
+
+@dataclass(frozen=True)
+class Run:
+    optimizer: str
+    lr: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.optimizer}-lr{self.lr:g}-s{self.seed}"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("--optimizers", default="adamw,muon", help="train.optimizer values; the first is the target's")
+    parser.add_argument("--lrs", default="1e-3,2e-3,4e-3", help="train.lr values, for every optimizer")
+    parser.add_argument("--seeds", default="1,2", help="run.seed values")
+    parser.add_argument("--concurrent", type=int, default=1, help="runs at a time")
+    parser.add_argument("--out", required=True, help="a folder for the runs and the summary")
+    args = parser.parse_args(own)
+    try:
+        args.lr_list = [float(v) for v in args.lrs.split(",")]
+        args.seed_list = [int(v) for v in args.seeds.split(",")]
+    except ValueError as err:
+        parser.error(f"--lrs takes numbers and --seeds whole numbers, comma-separated ({err})")
+    args.optimizer_list = args.optimizers.split(",")
+    if args.concurrent < 1:
+        parser.error("--concurrent must be at least 1")
+    return args, overrides
+
+
+def train(run: Run, config: str, overrides: list[str], out: Path) -> tuple[Run, int, float]:
+    """One run of train_fsdp.py: (the run, its exit status, its seconds); its output in out/<name>/train.log."""
+    folder = out / run.name
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(TRAIN), config, *overrides, f"--train.optimizer={run.optimizer}",
+           f"--train.lr={run.lr}", f"--run.seed={run.seed}", f"--run.output_dir={folder / 'run'}",
+           "--logging.trackers=[]"]
+    start = time.perf_counter()
+    with (folder / "train.log").open("w") as log:
+        status = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    return run, status, time.perf_counter() - start
+
+
+def read_run(folder: Path) -> dict:
+    """The validation curve (tokens, loss), the median tokens/s per GPU and the peak memory of a finished run."""
+    config = folder / "run" / "config.yaml"
+    rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+    tokens_per_step = _tokens_per_step(config)
+    curve = [(row["step"] * tokens_per_step, row["val_loss"]) for row in rows if "val_loss" in row]
+    speeds = [row["tokens_per_sec_per_gpu"] for row in rows if row.get("tokens_per_sec_per_gpu")]
+    return {"curve": curve, "tokens_per_sec_per_gpu": statistics.median(speeds) if speeds else None,
+            "peak_mem_gib": max((row.get("peak_mem_gib") or 0.0 for row in rows), default=None)}
+
+
+def _tokens_per_step(config: Path) -> int:
+    import yaml
+
+    cfg = yaml.safe_load(config.read_text())
+    return int(cfg["train"]["global_batch_size"]) * int(cfg["data"]["seq_len"])
+
+
+def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The seeds' validation curves averaged point by point (they evaluate at the same steps)."""
+    return [(points[0][0], statistics.fmean(loss for _, loss in points)) for points in zip(*curves, strict=True)]
+
+
+def tokens_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The tokens at which the curve first reaches `target`, linear between evaluations; None if it never does."""
+    previous = None
+    for tokens, loss in curve:
+        if loss <= target:
+            if previous is None or previous[1] == loss:
+                return tokens
+            t0, l0 = previous
+            return t0 + (tokens - t0) * (l0 - target) / (l0 - loss)
+        previous = (tokens, loss)
+    return None
+
+
+def summarize(results: dict[Run, dict], optimizers: list[str]) -> dict:
+    """Per optimizer: each learning rate's seed-averaged final validation loss, the best learning rate, and the
+    tokens its averaged curve needs to reach the first optimizer's best final loss."""
+    by_optimizer: dict[str, dict] = {}
+    for optimizer in optimizers:
+        curves: dict[float, list] = {}
+        for run, result in results.items():
+            if run.optimizer == optimizer:
+                curves.setdefault(run.lr, []).append(result["curve"])
+        averaged = {lr: mean_curve(runs) for lr, runs in curves.items()}
+        best_lr = min(averaged, key=lambda lr: averaged[lr][-1][1])
+        by_optimizer[optimizer] = {"final_by_lr": {lr: curve[-1][1] for lr, curve in averaged.items()},
+                                   "best_lr": best_lr, "curve": averaged[best_lr]}
+    target = by_optimizer[optimizers[0]]["curve"][-1][1]
+    base_tokens = tokens_to_reach(by_optimizer[optimizers[0]]["curve"], target)
+    for entry in by_optimizer.values():
+        entry["tokens_to_target"] = tokens_to_reach(entry["curve"], target)
+        entry["ratio"] = entry["tokens_to_target"] / base_tokens if entry["tokens_to_target"] and base_tokens else None
+    return {"target_val_loss": target, "optimizers": by_optimizer}
+
+
+def report(results: dict[Run, dict], summary: dict) -> list[str]:
+    lines = ["| optimizer | lr | seed | final val loss | tokens/s/GPU | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for run, r in sorted(results.items(), key=lambda item: (item[0].optimizer, item[0].lr, item[0].seed)):
+        speed = f"{r['tokens_per_sec_per_gpu']:,.0f}" if r["tokens_per_sec_per_gpu"] else "n/a"
+        lines.append(f"| {run.optimizer} | {run.lr:g} | {run.seed} | {r['curve'][-1][1]:.4f} | {speed} | "
+                     f"{r['peak_mem_gib']:.1f} |")
+    lines.append(f"target: {summary['target_val_loss']:.4f} (the first optimizer's best final validation loss)")
+    for name, entry in summary["optimizers"].items():
+        reached = entry["tokens_to_target"]
+        lines.append(f"{name}: best lr {entry['best_lr']:g}, final {entry['curve'][-1][1]:.4f}, target reached at "
+                     + (f"{reached / 1e6:.2f}M tokens ({entry['ratio']:.2f}x)" if reached else "never"))
+    return lines
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, entry in summary["optimizers"].items():
+        tokens, losses = zip(*entry["curve"], strict=True)
+        ax.plot([t / 1e6 for t in tokens], losses, marker=".", label=f"{name}, lr {entry['best_lr']:g}")
+    ax.axhline(summary["target_val_loss"], color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("tokens (millions)")
+    ax.set_ylabel("validation loss (mean of the seeds)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
+    runs = [Run(o, lr, s) for o in args.optimizer_list for lr in args.lr_list for s in args.seed_list]
+    failed = []
+    with ThreadPoolExecutor(max_workers=args.concurrent) as pool:
+        for run, status, seconds in pool.map(lambda r: train(r, args.config, overrides, out), runs):
+            print(f"{run.name}: exit {status} in {seconds:.0f} s", flush=True)
+            if status != 0:
+                failed.append(run.name)
+    if failed:
+        print(f"error: {len(failed)} runs failed ({', '.join(failed)}): see their train.log in {out}", file=sys.stderr)
+        return 1
+    results = {run: read_run(out / run.name) for run in runs}
+    summary = summarize(results, args.optimizer_list)
+    lines = report(results, summary)
+    print("\n".join(lines))
+    (out / "summary.json").write_text(json.dumps(
+        {"runs": {run.name: result for run, result in results.items()}, **summary}, indent=1))
+    try:
+        plot(summary, out / "val_loss.png")
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
