@@ -5,8 +5,8 @@
     torchrun --nproc_per_node=8 train_fsdp.py config/train1B_fsdp.yaml --resume_from latest
 
 This file is the training script, to read top to bottom: `main` (the command line, every check that needs no
-process group, the process group, teardown), `set_up` (the data, the model of DecoderBlocks wrapped by FSDP in
-`wrap`, the optimizer and the micro-batch plan, the learning-rate schedule, the checkpoint manager and the resume)
+process group, the process group, teardown), `set_up` (the data, the model of DecoderBlocks wrapped by FSDP, the
+optimizer and the micro-batch plan, the learning-rate schedule, the checkpoint manager and the resume)
 and `train`, the loop: each step a batch of micro-batches through `train_step`, then the log, the evaluation, the
 save and the stop, each component deciding for itself when it acts. The parts it calls live in fsdp_utils/ (one
 job each: parallel/, train/, checkpoint/, evaluation/, observability/, guards/) and data/.
@@ -26,13 +26,10 @@ from typing import TypeVar
 import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from config import (
     Config,
     ConfigError,
-    FSDPConfig,
     config_warnings,
     load_config,
     split_known_args,
@@ -40,6 +37,8 @@ from config import (
     unfit_world,
 )
 from data import DataError, open_datasets
+from data.loader import TokenDataset
+from data.mixture import Mixture
 from data.store import tokenizer_sha256
 from data.tokenizer import prepared_eos_id
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
@@ -59,15 +58,6 @@ from fsdp_utils.guards.run_lock import RunLocked, take_run_lock
 from fsdp_utils.parallel.build import ModelMemoryError, describe_model, log_parameter_summary
 from fsdp_utils.parallel.hf import HFModelError
 from fsdp_utils.parallel.lora import lora_record
-from fsdp_utils.parallel.parallelize import (
-    Precision,
-    fsdp1_options,
-    fsdp1_strategy,
-    fsdp1_units,
-    fsdp2_options,
-    fully_shard_edges_and_root,
-)
-from fsdp_utils.parallel.weights import WeightInit
 from fsdp_utils.train.batch import TrainBatches
 from fsdp_utils.train.build_run import BuiltRun, build_run, describe_run
 from fsdp_utils.train.launch_checks import launch_checks
@@ -150,35 +140,6 @@ def setup_logging(env: DistEnv) -> None:
     logging.basicConfig(level=level, format=f"[%(asctime)s rank{env.rank}] %(message)s", datefmt="%H:%M:%S", force=True)
 
 
-# ==== the model's FSDP wrapping ==================================================================================
-
-
-def wrap(model: nn.Module, blocks: list[nn.Module], fsdp: FSDPConfig, env: DistEnv, precision: Precision, *,
-         offload: bool, compile: bool, init: WeightInit | None) -> nn.Module:
-    """Shard the model with FSDP: each block (our DecoderBlock, or a Hugging Face model's decoder layer) one unit
-    that gathers its weights in the compute dtype and reduces gradients in fsdp.reduce_dtype (fp32 by default).
-    fsdp.version 1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the
-    root. parallelize (fsdp_utils/parallel/parallelize.py) calls this after FP8, activation checkpointing and
-    compile, and initialises meta-device weights after it."""
-    if fsdp.version == 2:
-        policy = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.reduce)
-        options = fsdp2_options(fsdp, env, offload=offload)
-        for block in blocks:
-            fully_shard(block, mp_policy=policy, **options)
-        fully_shard_edges_and_root(model, mp_policy=policy, **options)  # embedding, output projection, then root
-        return model
-    mixed = None  # fp32 needs no casting
-    if precision.compute != torch.float32:
-        mixed = MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce, buffer_dtype=None)
-    return FullyShardedDataParallel(
-        model,
-        auto_wrap_policy=ModuleWrapPolicy(fsdp1_units(model, blocks)),  # a unit per block (and LoRA adapter)
-        mixed_precision=mixed,
-        sharding_strategy=fsdp1_strategy(fsdp, env),
-        **fsdp1_options(model, fsdp, env, offload=offload, compile=compile, init=init),
-    )
-
-
 # ==== everything before the first step ==========================================================================
 
 
@@ -188,8 +149,8 @@ class Run:
     converters, micro-batch plan), the schedule, the checkpoint manager and the state it saves."""
     cfg: Config
     env: DistEnv
-    train_data: object
-    val_data: object
+    train_data: TokenDataset | Mixture
+    val_data: TokenDataset | Mixture
     built: BuiltRun
     schedule: LRSchedule
     ckpt: CheckpointManager
@@ -228,7 +189,7 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
     downstream = open_downstream(cfg.train, tokenizer_kind=cfg.data.tokenizer, tokenizer_path=prepared.tokenizer_path,
                                  max_length=cfg.data.seq_len, env=env)
 
-    # ---- the model of DecoderBlocks, wrapped by FSDP (`wrap`), its optimizer, the micro-batch plan
+    # ---- the model of DecoderBlocks, wrapped by FSDP, its optimizer, the micro-batch plan
     if env.is_main:
         for line in summarize_config(cfg):
             log.info("%s", line)
@@ -236,7 +197,10 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
             log.warning("%s", line)
         if cfg.model.type == "llama":  # a Hugging Face model's line comes from build_model, which counts it
             log_parameter_summary(cfg.model)
-    built = build_run(cfg, env, wrap=wrap, vocab_size=vocab_size, model_signature=signature, eos_id=eos_id)
+    # FSDP through the adapter of fsdp.version (built.fsdp, fsdp_utils/parallel/fsdp.py); FSDP1, the default, wraps with
+    # FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({DecoderBlock}), mixed_precision=MixedPrecision(
+    # param_dtype=compute dtype, reduce_dtype=fp32)). The step and the out-of-memory guard use it too.
+    built = build_run(cfg, env, vocab_size=vocab_size, model_signature=signature, eos_id=eos_id)
     if env.is_main:
         for line in [*describe_choice(built.choice, cfg, world_size=env.world_size),
                      *describe_run(cfg, env, built, train_tokens=train_data.num_tokens,
@@ -275,8 +239,8 @@ def train(run: Run, stop: StopSignal) -> dict:
             log.info("%s", nothing_to_train(cfg, state.step, epochs=state.epochs))
         return {}
     observers = Observers(cfg, env, first_step=state.step, flops_per_token=run.flops_per_token, probe=run.built.probe)
-    guard = OutOfMemoryGuard(env, probe=run.built.probe, retry=t.oom_retry_half, timeout_s=cfg.run.timeout_s,
-                             compile=t.compile, on_oom=observers.memory.on_oom)
+    guard = OutOfMemoryGuard(env, fsdp=run.built.fsdp, probe=run.built.probe, retry=t.oom_retry_half,
+                             timeout_s=cfg.run.timeout_s, compile=t.compile, on_oom=observers.memory.on_oom)
     batches = TrainBatches(run.train_data, env, run.built.split, first_step=state.step,
                            samples_seen=state.samples_seen, max_steps=max_steps)
     bad_steps = BadSteps(t.max_bad_steps)
@@ -291,8 +255,9 @@ def train(run: Run, stop: StopSignal) -> dict:
         """grad_accum micro-batches of this rank's share of the global batch, one optimizer step at `lr`."""
         for group in run.optimizer.param_groups:
             group["lr"] = lr
-        return guarded(lambda: train_step(run.model, run.optimizer, batches, grad_accum=batches.split.grad_accum,
-                                          grad_clip=t.grad_clip, world_size=env.world_size, scaler=run.built.scaler,
+        return guarded(lambda: train_step(run.model, run.optimizer, batches, fsdp=run.built.fsdp,
+                                          grad_accum=batches.split.grad_accum, grad_clip=t.grad_clip,
+                                          world_size=env.world_size, scaler=run.built.scaler,
                                           stop_requested=stop.requested, masked_targets=run.masked_targets),
                        phase="training", step=state.step + 1)
 

@@ -88,13 +88,13 @@ from fsdp_utils.observability.metrics import detect_peak_flops
 from fsdp_utils.observability.trackers import redacted_argument
 from fsdp_utils.parallel.build import describe_model
 from fsdp_utils.parallel.float8 import float8_output_problems, float8_problems
-from fsdp_utils.parallel.parallelize import compile_options, describe_sharding
+from fsdp_utils.parallel.fsdp import fsdp_adapter
+from fsdp_utils.parallel.parallelize import compile_options
 from fsdp_utils.train.build_run import BuiltRun, build_run
 from fsdp_utils.train.microbatch import describe_choice
 from fsdp_utils.train.step import train_step
 from model.float8_projection import FLOAT8_ALIGNMENT
 from safe_io.nofollow import append_line, results_log_problem
-from train_fsdp import wrap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,14 +152,14 @@ def run_config(cfg: Config, env: DistEnv, *, micro_batch: int | str, grad_accum:
 def build_ours(cfg: Config, env: DistEnv, args: argparse.Namespace, *, micro_batch: int | str,
                grad_accum: int | None) -> tuple[Callable[[], None], BuiltRun]:
     """(step function, the run) of train_fsdp.py's model, wrapping, optimizer, micro-batch plan and step: built by
-    build_run with train_fsdp.py's own `wrap`, on random tokens. The ablations are its parameters:
+    build_run as train_fsdp.py builds it, on random tokens. The ablations are its parameters:
     --fused_projections (one matmul per fused q/k/v and gate/up weight, split after, instead of one per slice; same
     weights and results), --unfused_adamw (the multi-tensor AdamW)."""
     run_cfg = run_config(cfg, env, micro_batch=micro_batch, grad_accum=grad_accum)
     vocab_size, signature, _ = describe_model(run_cfg, run_cfg.data.vocab_size)
     try:
         check_batch_split(run_cfg.train, env.world_size)  # before the build: a split that cannot work costs no model
-        run = build_run(run_cfg, env, wrap=wrap, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID,
+        run = build_run(run_cfg, env, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID,
                         use_cache=False, fused_matmul=True if args.fused_projections else None,
                         fused_adamw=not args.unfused_adamw)
     except ConfigError as err:
@@ -172,8 +172,8 @@ def build_ours(cfg: Config, env: DistEnv, args: argparse.Namespace, *, micro_bat
 
     def step() -> None:
         # The training loop's own step (fsdp_utils/train/step.py), its one host sync included.
-        train_step(run.model, run.optimizer, batches, grad_accum=run.split.grad_accum, grad_clip=cfg.train.grad_clip,
-                   world_size=env.world_size, scaler=run.scaler)
+        train_step(run.model, run.optimizer, batches, fsdp=run.fsdp, grad_accum=run.split.grad_accum,
+                   grad_clip=cfg.train.grad_clip, world_size=env.world_size, scaler=run.scaler)
 
     return step, run
 
@@ -362,7 +362,7 @@ def print_saves(rows: list[dict], cfg: Config, env: DistEnv, args: argparse.Name
     device = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     print(f"\n{args.config}: {m.num_params() / 1e9:.2f}B params, seq {cfg.data.seq_len}, micro-batch "
           f"{rows[0]['micro_batch']} x accum {rows[0]['grad_accum']}, world {env.world_size} x {device}, "
-          f"FSDP{cfg.fsdp.version} {describe_sharding(cfg.fsdp, env)}, AC {cfg.fsdp.activation_checkpointing}, "
+          f"{fsdp_adapter(cfg.fsdp, env).describe()}, AC {cfg.fsdp.activation_checkpointing}, "
           f"sharded checkpoint {rows[0]['checkpoint_gb']:.1f} GB")
     print(f"{'mode':<8}{'save':>5}{'stall s':>9}{'save s':>9}{'staging s':>10}{'prepare s':>10}{'step s':>8}"
           f"{'overlap step s (n)':>20}{'peak GiB train':>16}{'save':>7}{'overlap':>9}")
@@ -631,7 +631,7 @@ def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg: C
     global_batch = max(r["micro_batch"] * r["grad_accum"] for r in rows) * env.world_size
     print(f"\n{args.config}: {m.num_params() / 1e6:.0f}M params, seq {cfg.data.seq_len}, global batch "
           f"{global_batch}, world {env.world_size} x {device}, "
-          f"FSDP{cfg.fsdp.version} {describe_sharding(cfg.fsdp, env)}, AC {cfg.fsdp.activation_checkpointing}, "
+          f"{fsdp_adapter(cfg.fsdp, env).describe()}, AC {cfg.fsdp.activation_checkpointing}, "
           f"compile {cfg.train.compile}{' (tuned)' if cfg.train.compile_tuning else ''}, "
           f"cpu_offload {cfg.fsdp.cpu_offload}"
           + (f", documents of {args.doc_len} tokens on average" if args.doc_len else "")

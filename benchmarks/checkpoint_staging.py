@@ -112,7 +112,6 @@ from fsdp_utils.parallel.float8 import float8_problems
 from fsdp_utils.train.build_run import build_run
 from fsdp_utils.train.step import train_step
 from safe_io import nofollow
-from train_fsdp import wrap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -882,15 +881,15 @@ def make_root(env: DistEnv, out: str) -> Path:
 def build_bench(cfg: Any, env: DistEnv, args: argparse.Namespace, *, root: Path, deadline: float) -> Bench:
     """The run as training builds it, one step taken (AdamW's moments exist from here), the normal step timed."""
     vocab_size, signature, _ = describe_model(cfg, cfg.data.vocab_size)
-    run = build_run(cfg, env, wrap=wrap, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID,
+    run = build_run(cfg, env, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID,
                     use_cache=False)
     batches = random_batches(vocab_size, micro_batch=run.split.micro_batch_size, seq_len=cfg.data.seq_len,
                              device=env.device, seed=env.rank)
 
     def step() -> float:
         begin = time.perf_counter()
-        train_step(run.model, run.optimizer, batches, grad_accum=run.split.grad_accum, grad_clip=cfg.train.grad_clip,
-                   world_size=env.world_size, scaler=run.scaler)
+        train_step(run.model, run.optimizer, batches, fsdp=run.fsdp, grad_accum=run.split.grad_accum,
+                   grad_clip=cfg.train.grad_clip, world_size=env.world_size, scaler=run.scaler)
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         return time.perf_counter() - begin

@@ -77,7 +77,8 @@ def test_the_resolver_sees_relative_and_package_imports(graph):
     ("fsdp_utils", (*ENTRY_POINTS, "tests")),
     # the users' tools stand without the benchmarks (which may measure them); neither needs the tests
     ("scripts", ("benchmarks", "tests")),
-    ("benchmarks", ("tests",)),
+    # the benchmarks build the run through fsdp_utils (build_run), as the training script does, not from the script
+    ("benchmarks", ("tests", "train_fsdp")),
 ])
 def test_no_upward_arrows(graph, importer, forbidden):
     assert _offenders(graph, importer, forbidden) == []
@@ -149,3 +150,93 @@ def test_no_import_cycles(graph):
         if name not in state:
             cycle = visit(name, [name])
             assert cycle is None, " -> ".join(cycle)
+
+
+# ---- one place asks which FSDP wraps a model -----------------------------------------------------------------------
+
+ADAPTER = "fsdp_utils/parallel/fsdp.py"
+# (file, function) pairs that still ask, until the checkpoint code asks the adapter (its full_save_options and
+# offloads_sharded_state_dict answer alike: tests/test_fsdp_adapter.py).
+NOT_YET_MOVED = {("fsdp_utils/checkpoint/base.py", "full_save_options"),
+                 ("fsdp_utils/checkpoint/base.py", "CheckpointContext.offload")}
+
+
+def fsdp_members() -> set[str]:
+    """The attributes FSDP1's wrapper and FSDP2's sharded modules have and a plain module has not (no_sync,
+    set_requires_gradient_sync, clip_grad_norm_, ...): asking a model for one tells the versions apart."""
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return (set(dir(FullyShardedDataParallel)) | set(dir(FSDPModule))) - set(dir(nn.Module))
+
+
+def fsdp_questions(source: str) -> list[str]:
+    """Where `source` asks which FSDP a model has, by function (`Class.method`, `<module>`): isinstance or issubclass
+    with a class of torch.distributed.fsdp (whatever it is imported as), hasattr or getattr of an FSDP member, or
+    FullyShardedDataParallel.fsdp_modules (which lists a model's FSDP1 units)."""
+    tree = ast.parse(source)
+    fsdp_names = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                  and (node.module or "").startswith("torch.distributed.fsdp") for alias in node.names}
+    members = fsdp_members()
+
+    def names_fsdp(node: ast.AST) -> bool:
+        return any((isinstance(n, ast.Name) and n.id in fsdp_names) or
+                   (isinstance(n, ast.Attribute) and n.attr in ("FullyShardedDataParallel", "FSDPModule"))
+                   for n in ast.walk(node))
+
+    def asks(node: ast.AST) -> bool:
+        if not isinstance(node, ast.Call):
+            return False
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in ("isinstance", "issubclass") and len(node.args) == 2:
+            return names_fsdp(node.args[1])
+        if isinstance(func, ast.Name) and func.id in ("hasattr", "getattr") and len(node.args) >= 2:
+            attr = node.args[1]
+            return isinstance(attr, ast.Constant) and attr.value in members
+        return isinstance(func, ast.Attribute) and func.attr == "fsdp_modules" and names_fsdp(func.value)
+
+    found = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, child.name if where == "<module>" else f"{where}.{child.name}")
+            else:
+                if asks(child):
+                    found.append(where)
+                visit(child, where)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_the_fsdp_question_detector_sees_each_form():
+    # Each way of asking is flagged, else the next test proves nothing; other type questions are not.
+    asked = """
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, FSDPModule
+import torch.distributed.fsdp
+
+def a(model):
+    return isinstance(model, FSDP)
+
+class B:
+    def c(self, model):
+        return isinstance(model, (nn.Linear, FSDPModule)) or hasattr(model, "no_sync")
+
+    def d(self, model):
+        return getattr(model, "set_requires_gradient_sync", None) or FSDP.fsdp_modules(model)
+
+e = isinstance(m, torch.distributed.fsdp.FullyShardedDataParallel)
+"""
+    assert fsdp_questions(asked) == ["a", "B.c", "B.c", "B.d", "B.d", "<module>"]
+    assert fsdp_questions("from torch.distributed.tensor import DTensor\n"
+                          "def f(t):\n    return isinstance(t, DTensor) or hasattr(t, 'local_shards')\n") == []
+
+
+def test_only_the_fsdp_adapter_asks_which_fsdp_wraps_a_model():
+    paths = [path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))] + [ROOT / "train_fsdp.py"]
+    assert ROOT / ADAPTER in paths and fsdp_questions((ROOT / ADAPTER).read_text())  # the reader sees the adapter's
+    found = {(path.relative_to(ROOT).as_posix(), where) for path in paths if path != ROOT / ADAPTER
+             for where in fsdp_questions(path.read_text())}
+    assert found - NOT_YET_MOVED == set()
+    assert NOT_YET_MOVED - found == set(), "these ask the adapter now: remove them from NOT_YET_MOVED"

@@ -414,9 +414,12 @@ def _rank_step(rank: int, world_size: int, grad_accum: int) -> dict:
     """One rank's forward_backward under FSDP2, and the reference on rank 0: the whole global batch at once."""
     from torch.distributed.fsdp import fully_shard
 
+    from config import FSDPConfig
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
     from fsdp_utils.train.step import forward_backward
     from model import ModelConfig
     from model.transformer import Transformer
+    from tests.distributed_harness import cpu_env
 
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=16)
     torch.manual_seed(0)
@@ -429,7 +432,9 @@ def _rank_step(rank: int, world_size: int, grad_accum: int) -> dict:
     fully_shard(model)
     batches = _global_batch(world_size, grad_accum, 16, 50)
     mine = iter(batches[rank * grad_accum : (rank + 1) * grad_accum])
-    loss = forward_backward(model, mine, None, grad_accum=grad_accum, world_size=world_size, masked_targets=True)
+    fsdp = fsdp_adapter(FSDPConfig(version=2, grad_sync="last_micro_batch"), cpu_env(rank, world_size))
+    loss = forward_backward(model, mine, None, fsdp=fsdp, grad_accum=grad_accum, world_size=world_size,
+                            masked_targets=True)
     torch.distributed.all_reduce(loss)
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     out = {"loss": loss.item() / world_size}

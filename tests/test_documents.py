@@ -321,17 +321,18 @@ def masked_losses_on_ranks(rank: int, world_size: int, *, combos: list[tuple[int
     """For each (FSDP version, activation checkpointing): three SGD steps of a masked model sharded over the
     ranks, each rank on its half of the batch."""
     from fsdp_utils.parallel.build import build_model
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from tests.distributed_harness import cpu_env
-    from train_fsdp import wrap
 
     env = cpu_env(rank, world_size)
     out = []
     for version, ac in combos:
         cfg = masked_config(version, ac)
         built_model = build_model(cfg, env, eos_id=EOS)
-        model = parallelize(built_model.module, wrap=wrap, block_classes=built_model.block_classes, fsdp=cfg.fsdp,
-                            precision=resolve_precision("fp32", "fp32", env.device), compile=False, env=env,
+        model = parallelize(built_model.module, fsdp=fsdp_adapter(cfg.fsdp, env),
+                            block_classes=built_model.block_classes,
+                            precision=resolve_precision("fp32", "fp32", env.device), compile=False,
                             init=built_model.init)
         out.append(sgd_losses(model, rows=slice(2 * rank, 2 * rank + 2), world_size=world_size))
     return out

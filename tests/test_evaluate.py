@@ -280,15 +280,16 @@ def test_unknown_tasks_missing_folders_and_a_missing_lm_eval_are_one_line_each(s
 def evaluate_sharded(rank: int, world_size: int, *, tasks: str, tokenizer: str) -> dict:
     """On each rank: the peaked model sharded by FSDP1, then by FSDP2, evaluated on every task."""
     from config import FSDPConfig
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from model import DecoderBlock
-    from train_fsdp import wrap
 
     env = cpu_env(rank, world_size)
     out = {}
     for version in (1, 2):
-        model = parallelize(peaked_model(), wrap=wrap, block_classes={DecoderBlock}, fsdp=FSDPConfig(version=version),
-                            precision=resolve_precision("fp32", "fp32", CPU), compile=False, env=env)
+        model = parallelize(peaked_model(), fsdp=fsdp_adapter(FSDPConfig(version=version), env),
+                            block_classes={DecoderBlock}, precision=resolve_precision("fp32", "fp32", CPU),
+                            compile=False)
         lm = ModelLM(model, SentencePieceCodec(tokenizer), device=CPU, batch_size=2, max_length=MAX_LEN)
         results = run_tasks(lm, load_tasks(task_manager(TASKS, [tasks]), TASKS))
         out[version] = {"metrics": flat_metrics(results), "num_forward": lm.num_forward}

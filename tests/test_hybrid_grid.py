@@ -67,10 +67,10 @@ def train_grid(rank: int, world_size: int, *, local_world_size: int, setups: lis
     with this rank's share of each global batch; its (loss, gradient norm) per step."""
     from config import FSDPConfig
     from fsdp_utils.distributed import DistEnv
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from fsdp_utils.train.step import train_step
     from model import DecoderBlock, Transformer
-    from train_fsdp import wrap
 
     env = DistEnv(rank=rank, local_rank=rank % local_world_size, world_size=world_size,
                   local_world_size=local_world_size, device=torch.device("cpu"))
@@ -82,13 +82,15 @@ def train_grid(rank: int, world_size: int, *, local_world_size: int, setups: lis
         module = Transformer(model_config())
         module.init_weights(seed=SEED)
         fsdp = FSDPConfig(version=version, sharding_strategy=strategy, hybrid_shard_group_size=group)
-        model = parallelize(module, wrap=wrap, block_classes={DecoderBlock}, fsdp=fsdp, compile=False, env=env,
+        adapter = fsdp_adapter(fsdp, env)
+        model = parallelize(module, fsdp=adapter, block_classes={DecoderBlock}, compile=False,
                             precision=resolve_precision("fp32", "fp32", env.device))
         optimizer = make_optimizer(model.parameters())
         rows = []
         for tokens in mine:
             micro = iter([(t[:, :-1], t[:, 1:]) for t in tokens.split(MICRO_BATCH)])
-            result = train_step(model, optimizer, micro, grad_accum=grad_accum, grad_clip=1.0, world_size=world_size)
+            result = train_step(model, optimizer, micro, fsdp=adapter, grad_accum=grad_accum, grad_clip=1.0,
+                                world_size=world_size)
             rows.append((result.loss.item(), result.grad_norm.item()))
         results[(version, strategy, group)] = rows
     return results
@@ -137,24 +139,24 @@ def test_every_sharding_trains_like_one_process_or_is_refused(world_size, tmp_pa
 def test_the_log_names_the_sharding_that_runs():
     from config import FSDPConfig
     from fsdp_utils.distributed import DistEnv
-    from fsdp_utils.parallel.parallelize import describe_sharding
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
 
-    def described(strategy: str, group: int, world_size: int, local_world_size: int) -> str:
+    def described(strategy: str, group: int, world_size: int, local_world_size: int, version: int = 1) -> str:
         env = DistEnv(rank=0, local_rank=0, world_size=world_size, local_world_size=local_world_size,
                       device=torch.device("cpu"))
-        return describe_sharding(FSDPConfig(sharding_strategy=strategy, hybrid_shard_group_size=group), env)
+        f = FSDPConfig(version=version, sharding_strategy=strategy, hybrid_shard_group_size=group)
+        return fsdp_adapter(f, env).describe()
 
     # One process per node (group 0 is then 1): every rank holds everything and all-reduces over the world.
     assert described("HYBRID_SHARD", 0, 2, 1) == \
-        "NO_SHARD (fsdp.sharding_strategy=HYBRID_SHARD with shard groups of 1 of 2 ranks)"
+        "FSDP1 NO_SHARD (fsdp.sharding_strategy=HYBRID_SHARD with shard groups of 1 of 2 ranks)"
     assert described("HYBRID_SHARD", 4, 4, 2) == \
-        "FULL_SHARD (fsdp.sharding_strategy=HYBRID_SHARD with shard groups of 4 of 4 ranks)"
-    assert described("HYBRID_SHARD", 0, 8, 4) == "HYBRID_SHARD (2 replicas x 4 shards)"
-    assert described("SHARD_GRAD_OP", 2, 4, 2) == "SHARD_GRAD_OP"
+        "FSDP1 FULL_SHARD (fsdp.sharding_strategy=HYBRID_SHARD with shard groups of 4 of 4 ranks)"
+    assert described("HYBRID_SHARD", 0, 8, 4) == "FSDP1 HYBRID_SHARD (2 replicas x 4 shards)"
+    assert described("SHARD_GRAD_OP", 2, 4, 2) == "FSDP1 SHARD_GRAD_OP"
     # FSDP1 on one process runs every strategy as NO_SHARD (torch warns that it switched); FSDP2 keeps its mesh of one.
-    assert described("FULL_SHARD", 0, 1, 1) == "NO_SHARD (one process; fsdp.sharding_strategy=FULL_SHARD)"
-    assert describe_sharding(FSDPConfig(version=2), DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
-                                                            device=torch.device("cpu"))) == "FULL_SHARD"
+    assert described("FULL_SHARD", 0, 1, 1) == "FSDP1 NO_SHARD (one process; fsdp.sharding_strategy=FULL_SHARD)"
+    assert described("FULL_SHARD", 0, 1, 1, version=2) == "FSDP2 FULL_SHARD"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -164,17 +166,16 @@ def test_fsdp1_on_one_process_runs_no_shard_without_torch_warning_of_it(strategy
     import warnings
 
     from config import FSDPConfig
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from model import DecoderBlock, Transformer
-    from train_fsdp import wrap
 
     module = Transformer(model_config())
     module.init_weights(seed=SEED)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fsdp = FSDPConfig(version=1, sharding_strategy=strategy)
-        model = parallelize(module, wrap=wrap, block_classes={DecoderBlock}, fsdp=fsdp,
-                            compile=False, env=world_of_one,
+        fsdp = fsdp_adapter(FSDPConfig(version=1, sharding_strategy=strategy), world_of_one)
+        model = parallelize(module, fsdp=fsdp, block_classes={DecoderBlock}, compile=False,
                             precision=resolve_precision("fp32", "fp32", world_of_one.device))
     assert not [w for w in caught if "NO_SHARD" in str(w.message)], [str(w.message) for w in caught]
     tokens = global_batches()[0]

@@ -258,10 +258,10 @@ def _train_lora(rank: int, world_size: int, version: int, precision: str, steps:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fsdp_utils.parallel.build import build_model
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from fsdp_utils.train.optim import build_optimizer
     from fsdp_utils.train.step import train_step
-    from train_fsdp import wrap
 
     env = cpu_env(rank, world_size)
     cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml",
@@ -269,8 +269,9 @@ def _train_lora(rank: int, world_size: int, version: int, precision: str, steps:
                        "--model.vocab_size=320", "--train.lora.dropout=0.0"])
     built = build_model(cfg, env)
     prec = resolve_precision(precision, "fp32", env.device)
-    model = parallelize(built.module, wrap=wrap, block_classes=built.block_classes, fsdp=cfg.fsdp, precision=prec,
-                        compile=False, env=env, init=built.init)
+    fsdp = fsdp_adapter(cfg.fsdp, env)
+    model = parallelize(built.module, fsdp=fsdp, block_classes=built.block_classes, precision=prec, compile=False,
+                        init=built.init)
     optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=False)
     generator = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 320, (4, 33), generator=generator) for _ in range(steps)]
@@ -278,7 +279,7 @@ def _train_lora(rank: int, world_size: int, version: int, precision: str, steps:
     for batch in data:
         mine = batch[2 * rank:2 * rank + 2] if world_size == 2 else batch
         micro = [(m[:, :-1], m[:, 1:]) for m in mine.split(2)]
-        result = train_step(model, optimizer, iter(micro), grad_accum=len(micro), grad_clip=1.0,
+        result = train_step(model, optimizer, iter(micro), fsdp=fsdp, grad_accum=len(micro), grad_clip=1.0,
                             world_size=world_size)
         losses.append(result.loss.item())
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
@@ -324,11 +325,16 @@ def test_full_saves_on_gpus_leave_the_frozen_base_out_on_every_rank(tmp_path, co
     from fsdp_utils.checkpoint.base import full_save_options
 
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.lora.rank=4", f"--fsdp.version={version}")
-    model = _new_run(cfg, world_of_one).model
-    options, frozen = full_save_options(model, on_gpu=True)
+    built = _new_run(cfg, world_of_one).built
+    model = built.model
+    options, frozen = built.fsdp.full_save_options(model, on_gpu=True)
     assert options.full_state_dict and options.cpu_offload
-    on_cpu, none_named = full_save_options(model, on_gpu=False)
+    on_cpu, none_named = built.fsdp.full_save_options(model, on_gpu=False)
     assert on_cpu.ignore_frozen_params and not on_cpu.cpu_offload and none_named == []
+    # The checkpoint's own copy of the options (until it asks the adapter) decides alike.
+    for on_gpu, (want, names) in ((True, (options, frozen)), (False, (on_cpu, none_named))):
+        got, got_names = full_save_options(model, on_gpu=on_gpu)
+        assert got == want and sorted(got_names) == names
     if version == 2:
         assert options.ignore_frozen_params and frozen == []
         return

@@ -267,8 +267,8 @@ def test_a_pair_timed_right_after_a_whole_step_trial_takes_no_warm_up_step(monke
     probe = FakeProbe({"capacity_gib": 10, "fixed_gib": 1, "per_sample_gib": 1}, 0)
     env = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)
     monkeypatch.setattr(microbatch, "max_over_ranks", lambda value, env: value)
-    trials = microbatch._Trials(torch.nn.Linear(2, 2), None, per_rank=8, seq_len=4, vocab_size=16, grad_clip=1.0,
-                                compile=False, env=env, probe=probe, switch=None)
+    trials = microbatch._Trials(torch.nn.Linear(2, 2), None, fsdp=None, per_rank=8, seq_len=4, vocab_size=16,
+                                grad_clip=1.0, compile=False, env=env, probe=probe, switch=None)  # a stand-in step
     trials.measure(4)
     assert steps == [2]  # a memory trial: up to two micro-batches
     assert trials.tokens_per_s(4) == 8 * 4 / (1 / 4) and steps == [2, 2]  # one timed step, accumulation 2
@@ -302,8 +302,8 @@ def test_the_trials_train_at_learning_rate_zero_and_leave_the_weights_bit_for_bi
 
     def search():
         probe = FakeProbe({"capacity_gib": 10, "fixed_gib": 1, "per_sample_gib": 1}, 0)
-        return microbatch.search_micro_batch(model, optimizer, per_rank=8, seq_len=4, vocab_size=16, grad_clip=1.0,
-                                             margin=0.1, compile=False, env=env, probe=probe)
+        return microbatch.search_micro_batch(model, optimizer, fsdp=None, per_rank=8, seq_len=4, vocab_size=16,
+                                             grad_clip=1.0, margin=0.1, compile=False, env=env, probe=probe)
 
     monkeypatch.setattr(microbatch, "train_step", adamw_step)
     assert search().micro_batch_size == 8

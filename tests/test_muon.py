@@ -404,18 +404,17 @@ def test_a_save_at_two_ranks_resumes_at_three_as_uninterrupted(tmp_path, full):
     run_ranks(checkpointed_training, world_size=3, path=path, save=False, full=full)
 
 
-def fsdp1_problem(rank: int, world_size: int) -> str | None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return sharding_problem(FullyShardedDataParallel(make_net(), device_id=torch.device("cpu"), use_orig_params=True))
-
-
-@pytest.mark.slow  # spawns a gloo rank
 def test_fsdp1_is_named_as_the_problem():
-    from tests.distributed_harness import run_ranks
+    # The run's FSDP adapter says whether each parameter is a matrix of its own (tests/test_fsdp_adapter.py checks
+    # that against real wraps); FSDP1's flat parameters are not.
+    from config import FSDPConfig
+    from fsdp_utils.distributed import DistEnv
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
 
-    assert run_ranks(fsdp1_problem, world_size=1) == [FSDP1_PROBLEM]
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    fsdp1, fsdp2 = (fsdp_adapter(FSDPConfig(version=version), env) for version in (1, 2))
+    assert sharding_problem(fsdp1) == FSDP1_PROBLEM
     assert "fsdp.version: 2" in FSDP1_PROBLEM
-    assert sharding_problem(make_net(), make_net().parameters()) is not None  # 1-D biases are no matrices
+    assert sharding_problem(fsdp2, make_net().parameters()) is not None  # 1-D biases are no matrices
     net = make_net()
-    assert sharding_problem(net, split_parameters(net, net.blocks).matrices) is None
+    assert sharding_problem(fsdp2, split_parameters(net, net.blocks).matrices) is None

@@ -117,7 +117,7 @@ def assert_fsdp2_matches_and_resumes(tmp_path_factory, corpus, dataset_dir, name
 
 def test_fsdp2_with_untied_embeddings_matches_one_process_and_resumes_exactly(tmp_path_factory, corpus, dataset_dir):
     # Untied, the embedding and the final norm with the output projection are FSDP2 units of their own
-    # (parallelize.edge_modules): the embedding's gathered weight is freed after its forward and gathered again
+    # (parallel/fsdp.py edge_modules): the embedding's gathered weight is freed after its forward and gathered again
     # for its gradient at the end of backward. Two ranks still train as one process, and resume bit for bit.
     untied = ["--model.tie_embeddings=false"]
     ref = train_rows(tmp_path_factory, corpus, dataset_dir, "ref_untied", *untied, nproc=1,

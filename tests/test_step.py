@@ -74,7 +74,8 @@ def test_micro_batch_trials_run_train_step(tmp_path, corpus, dataset_dir, world_
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=1", "--train.warmup_steps=1")
     run = train_fsdp.set_up(cfg, world_of_one, stop=StopSignal([], grace_s=60))  # a fresh start: no optimizer state
     probe = FakeProbe({"capacity_gib": 10, "fixed_gib": 1, "per_sample_gib": 1}, 0)
-    choice = microbatch.search_micro_batch(run.model, run.optimizer, per_rank=8, seq_len=cfg.data.seq_len,
+    choice = microbatch.search_micro_batch(run.model, run.optimizer, fsdp=run.built.fsdp, per_rank=8,
+                                           seq_len=cfg.data.seq_len,
                                            vocab_size=run.model.cfg.vocab_size, grad_clip=1.0, margin=0.1,
                                            compile=False, env=world_of_one, probe=probe)
     assert choice.micro_batch_size == 8 and spy.calls  # 1 + 8 GiB fits the 9 GiB budget
@@ -106,7 +107,8 @@ def test_benchmark_step_is_train_step(tmp_path, corpus, dataset_dir, world_of_on
     # The benchmark draws its random tokens from a generator seeded by the rank: the same stream here.
     batches = benchmark.random_batches(cfg.model.vocab_size, micro_batch=2, seq_len=cfg.data.seq_len,
                                        device=world_of_one.device, seed=world_of_one.rank)
-    step.train_step(model, optimizer, batches, grad_accum=grad_accum, grad_clip=cfg.train.grad_clip, world_size=1)
+    step.train_step(model, optimizer, batches, fsdp=run.fsdp, grad_accum=grad_accum, grad_clip=cfg.train.grad_clip,
+                    world_size=1)
     assert len(spy.calls) == 1 and spy.calls[0]["grad_accum"] == grad_accum
     for got, want, old in zip(after_benchmark, weights(), before, strict=True):
         assert torch.equal(got, want) and not torch.equal(got, old)
@@ -141,15 +143,15 @@ def test_benchmark_trains_the_loops_objects(tmp_path, corpus, dataset_dir, world
     assert type(ours.optimizer) is type(run.optimizer)
     assert groups(ours.model, ours.optimizer) == groups(run.model, run.optimizer)
     assert [type(c) for c in ours.converters] == [type(c) for c in run.converters]
+    assert type(ours.fsdp) is type(run.fsdp) and ours.fsdp.f == run.fsdp.f  # the same FSDP adapter and settings
     assert (ours.precision, ours.scaler, ours.checkpoint_switch) == (run.precision, run.scaler, run.checkpoint_switch)
     # global batch 8 on one rank at the configured micro-batch 2: accumulation 4
     assert ours.split == run.split == BatchSplit(8, 1, 2) and ours.choice == run.choice
 
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, 320, (2, cfg.data.seq_len + 1), generator=gen) for _ in range(run.split.grad_accum)]
-    results = [step.train_step(model, optimizer, ((t[:, :-1], t[:, 1:]) for t in tokens), grad_accum=4,
-                               grad_clip=cfg.train.grad_clip, world_size=1)
-               for model, optimizer in ((run.model, run.optimizer), (ours.model, ours.optimizer))]
+    results = [step.train_step(built.model, built.optimizer, ((t[:, :-1], t[:, 1:]) for t in tokens), fsdp=built.fsdp,
+                               grad_accum=4, grad_clip=cfg.train.grad_clip, world_size=1) for built in (run, ours)]
     assert torch.equal(results[0].loss, results[1].loss) and torch.equal(results[0].grad_norm, results[1].grad_norm)
     theirs_w, ours_w = weights(run.model), weights(ours.model)
     assert all(torch.equal(ours_w[n], theirs_w[n]) for n in theirs_w)
@@ -161,7 +163,7 @@ def gradient_numel(model) -> int:
     FSDP2's sharded .grad plus the unsharded gradients it accumulates internally when not reducing."""
     from torch.distributed.fsdp import FSDPModule
 
-    from fsdp_utils.train.oom_guard import fsdp2_param_groups
+    from fsdp_utils.parallel.fsdp import fsdp2_param_groups
 
     held = sum(p.grad.numel() if not hasattr(p.grad, "to_local") else p.grad.to_local().numel()
                for p in model.parameters() if p.grad is not None)
@@ -179,10 +181,10 @@ def accumulate_two_micro_batches(rank: int, world_size: int) -> dict:
     """On each rank, for each FSDP version and fsdp.grad_sync: the gradients' size after the first of two
     micro-batches (sharded: reduced already; whole: held until the last), and the weights after a step."""
     from config import FSDPConfig
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
     from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
     from model import DecoderBlock, ModelConfig, Transformer
     from tests.distributed_harness import cpu_env
-    from train_fsdp import wrap
 
     env = cpu_env(rank, world_size)
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
@@ -192,14 +194,14 @@ def accumulate_two_micro_batches(rank: int, world_size: int) -> dict:
         for grad_sync in ("every_micro_batch", "last_micro_batch"):
             module = Transformer(cfg)
             module.init_weights(seed=5)
-            model = parallelize(module, wrap=wrap, block_classes={DecoderBlock}, fsdp=FSDPConfig(version=version,
-                                grad_sync=grad_sync), precision=resolve_precision("fp32", "fp32", env.device),
-                                compile=False, env=env)
+            fsdp = fsdp_adapter(FSDPConfig(version=version, grad_sync=grad_sync), env)
+            model = parallelize(module, fsdp=fsdp, block_classes={DecoderBlock},
+                                precision=resolve_precision("fp32", "fp32", env.device), compile=False)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            with step.micro_batch_sync(model, last=False):
+            with fsdp.gradient_sync(model, last=False):
                 model(tokens[0, :, :-1], tokens[0, :, 1:]).backward()
             held = gradient_numel(model)
-            with step.micro_batch_sync(model, last=True):
+            with fsdp.gradient_sync(model, last=True):
                 model(tokens[1, :, :-1], tokens[1, :, 1:]).backward()
             optimizer.step()
             local = [p.detach() if version == 1 else p.to_local().detach() for p in model.parameters()]

@@ -276,9 +276,9 @@ def test_the_policies_by_role_need_projections_they_know():
 def test_compile_tuning_needs_compile_and_reaches_every_compiled_function(monkeypatch):
     from config import ConfigError, load_config
     from fsdp_utils.parallel.build import build_model
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
     from fsdp_utils.parallel.parallelize import compile_options, parallelize, resolve_precision
     from tests.helpers import ROOT, world_of_one
-    from train_fsdp import wrap
 
     tiny = ROOT / "config/train_tiny_fsdp.yaml"
     with pytest.raises(ConfigError) as err:
@@ -294,7 +294,7 @@ def test_compile_tuning_needs_compile_and_reaches_every_compiled_function(monkey
             cfg = load_config(tiny, ["--train.compile=true", f"--train.compile_tuning={str(tuning).lower()}",
                                      "--model.vocab_size=96", f"--fsdp.version={version}"])
             built = build_model(cfg, env, eos_id=0)  # the chunked loss's function
-            parallelize(built.module, wrap=wrap, block_classes=built.block_classes, fsdp=cfg.fsdp, env=env,
+            parallelize(built.module, fsdp=fsdp_adapter(cfg.fsdp, env), block_classes=built.block_classes,
                         init=built.init,
                         precision=resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device),
                         compile=cfg.train.compile, compile_tuning=cfg.train.compile_tuning)  # each block

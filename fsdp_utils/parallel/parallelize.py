@@ -2,7 +2,7 @@
 one, in one fixed order, for our Transformer and Hugging Face models alike:
 
     FP8 linear layers (train.float8) -> activation checkpointing -> torch.compile -> FSDP (each block,
-    then the root) -> materialise and initialise weights shard by shard.
+    then the root; parallel/fsdp.py) -> materialise and initialise weights shard by shard.
 
 Activation checkpointing and compile are applied in place (the block's forward is replaced,
 `nn.Module.compile` compiles in place), so parameter names never gain wrapper prefixes and
@@ -10,40 +10,22 @@ checkpoints hold the plain model's names.
 """
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (
-    BackwardPrefetch,
-    CPUOffload,
-    CPUOffloadPolicy,
-    ShardingStrategy,
-    fully_shard,
-)
 from torch.utils.checkpoint import CheckpointPolicy as OpPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..distributed import DistEnv
-from .lora import LoRAAdapter, has_adapters
 from .weights import WeightInit
 
 if TYPE_CHECKING:
-    from config import Config, FSDPConfig
-    from config.sections import ShardingStrategy as StrategyName
+    from config import Config
 
-log = logging.getLogger(__name__)
-
-# train_fsdp.py's `wrap`: (model, its blocks, fsdp section, env, precision, *, offload, compile, init) -> the model
-# to train, sharded by FSDP.
-Wrap = Callable[..., nn.Module]
+    from .fsdp import FSDPAdapter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# The model's attribute holding its resolved fsdp.grad_sync: set here, read by every training step (train/step.py).
-GRAD_SYNC_ATTRIBUTE = "fsdp_grad_sync"
 
 
 @dataclass(frozen=True)
@@ -271,49 +253,6 @@ def apply_compile(blocks: list[nn.Module], *, tuning: bool = False) -> None:
         block.compile(options=compile_options(tuning))
 
 
-def hybrid_group_size(f: FSDPConfig, env: DistEnv) -> int:
-    """HYBRID_SHARD's ranks per shard group: fsdp.hybrid_shard_group_size, 0 meaning the processes per node."""
-    return f.hybrid_shard_group_size or env.local_world_size
-
-
-def resolve_sharding(f: FSDPConfig, env: DistEnv) -> StrategyName:
-    """The sharding strategy that runs. HYBRID_SHARD with shard groups of one rank replicates everywhere:
-    NO_SHARD over the whole world (FSDP1 would otherwise switch to NO_SHARD inside each group of one and
-    never reduce across the groups); with one group of the whole world it shards everywhere: FULL_SHARD."""
-    if f.sharding_strategy != "HYBRID_SHARD":
-        return f.sharding_strategy
-    group = hybrid_group_size(f, env)
-    if group == 1:
-        return "NO_SHARD"
-    return "FULL_SHARD" if group == env.world_size else "HYBRID_SHARD"
-
-
-def describe_sharding(f: FSDPConfig, env: DistEnv) -> str:
-    """What runs, for the log: the strategy, the mesh of HYBRID_SHARD, and the setting it came from."""
-    strategy = resolve_sharding(f, env)
-    if strategy == "HYBRID_SHARD":
-        group = hybrid_group_size(f, env)
-        return f"HYBRID_SHARD ({env.world_size // group} replicas x {group} shards)"
-    if f.version == 1 and env.world_size == 1 and strategy != "NO_SHARD":
-        # FSDP1 runs any strategy on one process as NO_SHARD (torch says so in a warning).
-        return f"NO_SHARD (one process; fsdp.sharding_strategy={f.sharding_strategy})"
-    if strategy != f.sharding_strategy:
-        return (f"{strategy} (fsdp.sharding_strategy=HYBRID_SHARD with shard groups of "
-                f"{hybrid_group_size(f, env)} of {env.world_size} ranks)")
-    return strategy
-
-
-def _mesh(env: DistEnv, f: FSDPConfig) -> DeviceMesh:
-    device_type = env.device.type
-    if f.sharding_strategy != "HYBRID_SHARD":
-        return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
-    group = hybrid_group_size(f, env)
-    if env.world_size % group:
-        raise ValueError(f"fsdp.hybrid_shard_group_size={group} does not divide the world size {env.world_size}")
-    # (replicate, shard): shard inside a group (a node by default), replicate across groups.
-    return init_device_mesh(device_type, (env.world_size // group, group), mesh_dim_names=("replicate", "shard"))
-
-
 def model_converters(cfg: Config) -> list:
     """The converters a run applies to its blocks before parallelizing (FP8 with train.float8). Each has
     `convert(blocks)`, `register(model, optimizer)` for work after every optimizer step,
@@ -327,142 +266,35 @@ def model_converters(cfg: Config) -> list:
     return [Float8Converter(cfg.train.float8, float8_all_gather=cfg.train.float8 == "tensorwise")]
 
 
-def parallelize(model: nn.Module, *, block_classes: set[type], fsdp: FSDPConfig, precision: Precision, compile: bool,
-                env: DistEnv, wrap: Wrap, init: WeightInit | None = None, converters: Sequence = (),
+def parallelize(model: nn.Module, *, fsdp: FSDPAdapter, block_classes: set[type], precision: Precision,
+                compile: bool, init: WeightInit | None = None, converters: Sequence = (),
                 checkpoint_switch: CheckpointSwitch | None = None, compile_tuning: bool = False) -> nn.Module:
     """Make a built model trainable and sharded, in the one documented order:
 
     model converters on the blocks (`converters`, e.g. FP8 linear layers) -> activation
     checkpointing (fsdp.activation_checkpointing) -> torch.compile of each block (tuned with
-    `compile_tuning`, see compile_options) -> `wrap`: FSDP on each block, then the root (train_fsdp.py's `wrap`,
-    fsdp.version 1 or 2, with fsdp's options) -> weights materialised (`init`, for a model built on the meta
-    device). Blocks are the modules of `block_classes`. Returns the model to train: the FSDP1 wrapper, or the
-    same module sharded in place by FSDP2. fsdp.activation_checkpointing=auto needs `checkpoint_switch`, through
-    which the micro-batch search picks the policy.
+    `compile_tuning`, see compile_options) -> FSDP on each block, then the root (`fsdp.wrap`: FSDP1's
+    FullyShardedDataParallel with a ModuleWrapPolicy of the blocks and MixedPrecision, or FSDP2's fully_shard;
+    parallel/fsdp.py) -> weights materialised (`init`, for a model built on the meta device). Blocks are the modules
+    of `block_classes`. Returns the model to train: the FSDP1 wrapper, or the same module sharded in place by FSDP2.
+    fsdp.activation_checkpointing=auto needs `checkpoint_switch`, through which the micro-batch search picks the
+    policy.
     """
-    # From here on the strategy is the one that runs (resolve_sharding): a HYBRID_SHARD group of one rank or
-    # of the whole world is NO_SHARD or FULL_SHARD everywhere below, gradient synchronisation included.
-    fsdp = replace(fsdp, sharding_strategy=resolve_sharding(fsdp, env))
     blocks = [m for m in model.modules() if type(m) in block_classes]
     for converter in converters:
         # First: checkpointing and compile then wrap the converted modules' forward, and FSDP2 shards
         # their weights (FP8 all-gather subclasses included).
         converter.convert(blocks)
-    if fsdp.activation_checkpointing == "auto":
+    if fsdp.f.activation_checkpointing == "auto":
         assert checkpoint_switch is not None, "fsdp.activation_checkpointing=auto is chosen through a CheckpointSwitch"
         apply_switchable_checkpointing(blocks, checkpoint_switch)
     else:
-        apply_activation_checkpointing(blocks, fsdp.activation_checkpointing, fsdp.ac_every_n_layers)
+        apply_activation_checkpointing(blocks, fsdp.f.activation_checkpointing, fsdp.f.ac_every_n_layers)
     if compile:
         apply_compile(blocks, tuning=compile_tuning)
-    offload = fsdp.cpu_offload and env.device.type == "cuda"  # on the CPU the tensors are there already
-    model = wrap(model, blocks, fsdp, env, precision, offload=offload, compile=compile, init=init)
+    model = fsdp.wrap(model, blocks, param_dtype=precision.compute, reduce_dtype=precision.reduce, compile=compile,
+                      init=init)
     if init is not None:
         # With CPU offload the sharded parameters live in host memory.
-        init.init_sharded(model, torch.device("cpu") if offload else env.device)
-    setattr(model, GRAD_SYNC_ATTRIBUTE, resolve_grad_sync(fsdp))
+        init.init_sharded(model, torch.device("cpu") if fsdp.offload else fsdp.env.device)
     return model
-
-
-def resolve_grad_sync(f: FSDPConfig) -> str:
-    """fsdp.grad_sync without auto: NO_SHARD's gradients are whole on every rank anyway, so it reduces once a
-    step; sharded strategies keep gradients sharded between micro-batches (the reduce-scatter hides behind
-    backward, and unsharded fp32 gradients would cost 4 bytes per parameter on every GPU)."""
-    if f.grad_sync != "auto":
-        return f.grad_sync
-    return "last_micro_batch" if f.sharding_strategy == "NO_SHARD" else "every_micro_batch"
-
-
-# ---- what train_fsdp.py's `wrap` hands to FSDP besides the wrap policy and the mixed precision -------------
-
-
-def fsdp1_units(model: nn.Module, blocks: list[nn.Module]) -> set[type]:
-    """The module classes FSDP1's auto-wrap policy makes units of: the blocks', and LoRA's adapters (train.lora),
-    units of their own because a unit is one flat tensor of one dtype (the frozen base is stored in the compute
-    dtype, the adapters in fp32)."""
-    return {type(block) for block in blocks} | ({LoRAAdapter} if has_adapters(model) else set())
-
-
-def fsdp1_strategy(f: FSDPConfig, env: DistEnv) -> ShardingStrategy:
-    """fsdp.sharding_strategy as it runs (resolve_sharding's); one process holds everything whatever the
-    strategy: NO_SHARD, which FSDP1 would otherwise switch to itself, with a warning."""
-    return ShardingStrategy["NO_SHARD" if env.world_size == 1 else f.sharding_strategy]
-
-
-def fsdp1_options(model: nn.Module, f: FSDPConfig, env: DistEnv, *, offload: bool, compile: bool,
-                  init: WeightInit | None) -> dict[str, Any]:
-    """The rest of FullyShardedDataParallel's arguments from the fsdp section: offload, prefetching, the
-    HYBRID_SHARD mesh, the original parameters (compile and LoRA need them), meta-device initialisation unit by
-    unit, and for unsharded LoRA the frozen base left out of FSDP."""
-    param_init_fn = (lambda module: init.init_module(module, env.device)) if init is not None else None
-    ignored = None
-    if has_adapters(model) and (f.sharding_strategy == "NO_SHARD" or env.world_size == 1):
-        # Unsharded (NO_SHARD, or any strategy on one rank), a frozen unit is never handed its parameters
-        # back after backward (torch reshards such units only when they are sharded). Unsharded, FSDP
-        # would only hold the same full copy on every rank: the frozen base is left to the ranks instead.
-        if param_init_fn is not None:
-            # Materialised by FSDP1, a meta-device module gets new Parameter objects, which ignored_states
-            # (naming the meta ones) would miss: FSDP1 would then flatten part of the base and fail at the
-            # first state dict. Every rank holds the whole model here anyway, so it is materialised first.
-            for module in model.modules():
-                param_init_fn(module)
-            param_init_fn = None
-        ignored = [p for p in model.parameters() if not p.requires_grad]
-    hybrid = fsdp1_strategy(f, env) == ShardingStrategy.HYBRID_SHARD
-    return dict(
-        cpu_offload=CPUOffload(offload_params=True) if offload else None,
-        backward_prefetch=None if f.backward_prefetch == "NONE" else BackwardPrefetch[f.backward_prefetch],
-        forward_prefetch=f.forward_prefetch,
-        limit_all_gathers=f.limit_all_gathers,
-        use_orig_params=f.use_orig_params or compile,
-        sync_module_states=f.sync_module_states,
-        device_id=env.device,
-        param_init_fn=param_init_fn,
-        device_mesh=_mesh(env, f) if hybrid else None,
-        ignored_states=ignored,
-    )
-
-
-def fsdp2_options(f: FSDPConfig, env: DistEnv, *, offload: bool) -> dict[str, Any]:
-    """fully_shard's arguments from the fsdp section, besides the mixed precision: the mesh (replicas x shards for
-    HYBRID_SHARD and NO_SHARD), resharding after forward (FULL_SHARD frees gathered weights after forward,
-    SHARD_GRAD_OP keeps them until backward) and offload."""
-    mesh = _mesh(env, f)
-    if f.sharding_strategy == "NO_SHARD":
-        mesh = init_device_mesh(env.device.type, (env.world_size, 1), mesh_dim_names=("replicate", "shard"))
-    reshard = f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
-    options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=reshard)
-    if offload:
-        options["offload_policy"] = CPUOffloadPolicy()
-    return options
-
-
-def fully_shard_edges_and_root(model: nn.Module, **options: Any) -> None:
-    """After each block: the embedding and the output projection as units of their own where they have their own
-    weights, as torchtitan's, so neither stays gathered in the root's unit for the whole step (the embedding's
-    gathered weight goes after its forward and is gathered again at the end of backward; the output
-    projection's, with its gathered gradient, after its backward, the first of the step, and it is kept gathered
-    from forward to backward, as the root's would be); then the root."""
-    edges = edge_modules(model)
-    if edges is not None:
-        embedding, head = edges
-        fully_shard(embedding, **options)
-        fully_shard(head, **{**options, "reshard_after_forward": False})
-    fully_shard(model, **options)
-
-
-def edge_modules(model: nn.Module) -> tuple[nn.Module, list[nn.Module]] | None:
-    """(input embedding, [final norm, output projection]) of our Transformer or a Hugging Face causal LM whose
-    output projection has its own weight; None when it is tied to the embedding (one weight for the first and
-    the last op of the step: it stays in the root's unit) or the model has no such parts."""
-    lm = getattr(model, "lm", model)  # a Hugging Face model inside its adapter (parallel/hf.py)
-    if hasattr(lm, "tok_embeddings"):  # ours
-        embedding, norm, output = lm.tok_embeddings, lm.norm, lm.output
-    elif hasattr(lm, "get_input_embeddings") and hasattr(lm, "get_output_embeddings"):
-        embedding, output = lm.get_input_embeddings(), lm.get_output_embeddings()  # type: ignore[operator]
-        norm = getattr(getattr(lm, "model", None), "norm", None)
-    else:
-        return None
-    if not isinstance(embedding, nn.Module) or not isinstance(output, nn.Module) or output.weight is embedding.weight:
-        return None
-    return embedding, [m for m in (norm, output) if isinstance(m, nn.Module)]

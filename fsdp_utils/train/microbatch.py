@@ -25,6 +25,7 @@ from safe_io.nofollow import replace_file
 
 from ..checkpoint.retention import Journal
 from ..distributed import DistEnv, broadcast_decision
+from ..parallel.fsdp import FSDPAdapter
 from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch
 from .batch import divisors
 from .memory import GiB, MemoryProbe, gib, max_over_ranks
@@ -215,10 +216,11 @@ class _Trials:
     """The trial steps of one search: training steps (forward, backward, clipping, optimizer step) on random
     tokens from a private generator, at a micro-batch and, with a switch, an activation checkpointing policy."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, per_rank: int, seq_len: int,
-                 vocab_size: int, grad_clip: float, compile: bool, env: DistEnv, probe: MemoryProbe,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, fsdp: FSDPAdapter, per_rank: int,
+                 seq_len: int, vocab_size: int, grad_clip: float, compile: bool, env: DistEnv, probe: MemoryProbe,
                  switch: CheckpointSwitch | None):
-        self.model, self.optimizer, self.env, self.probe, self.switch = model, optimizer, env, probe, switch
+        self.model, self.optimizer, self.fsdp = model, optimizer, fsdp
+        self.env, self.probe, self.switch = env, probe, switch
         self.per_rank, self.seq_len, self.vocab_size, self.grad_clip, self.compile = (per_rank, seq_len, vocab_size,
                                                                                     grad_clip, compile)
         self.gen = torch.Generator(device=env.device).manual_seed(20_000 + env.rank)
@@ -242,8 +244,8 @@ class _Trials:
         tokens = (torch.randint(0, self.vocab_size, (micro_batch, self.seq_len + 1), device=self.env.device,
                                 generator=self.gen) for _ in range(num_micro))
         # The training step itself: its optimizer step runs the model converters' hooks (FP8 scales) too.
-        train_step(self.model, self.optimizer, ((t[:, :-1], t[:, 1:]) for t in tokens), grad_accum=num_micro,
-                   grad_clip=self.grad_clip, world_size=self.env.world_size)
+        train_step(self.model, self.optimizer, ((t[:, :-1], t[:, 1:]) for t in tokens), fsdp=self.fsdp,
+                   grad_accum=num_micro, grad_clip=self.grad_clip, world_size=self.env.world_size)
 
     def measure(self, micro_batch: int) -> float:
         """The peak reserved memory of a step, max over the ranks. The accumulation this size would train with,
@@ -269,8 +271,8 @@ class _Trials:
             self.probe.time(lambda: self.step(micro_batch, num_micro), repeats=1), self.env)
 
 
-def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, per_rank: int, seq_len: int,
-                       vocab_size: int, grad_clip: float, margin: float, compile: bool, env: DistEnv,
+def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, fsdp: FSDPAdapter, per_rank: int,
+                       seq_len: int, vocab_size: int, grad_clip: float, margin: float, compile: bool, env: DistEnv,
                        probe: MemoryProbe, micro_batch: int | None = None,
                        switch: CheckpointSwitch | None = None, every_n: int = 2) -> MicroBatchChoice:
     """The largest divisor of `per_rank` whose training step fits in memory with `margin` to spare, the same on
@@ -289,8 +291,8 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, pe
     weights = _fingerprint(model)
     capacity = -max_over_ranks(-probe.capacity(), env)
     budget = capacity * (1 - margin)
-    trials = _Trials(model, optimizer, per_rank=per_rank, seq_len=seq_len, vocab_size=vocab_size, grad_clip=grad_clip,
-                     compile=compile, env=env, probe=probe, switch=switch)
+    trials = _Trials(model, optimizer, fsdp=fsdp, per_rank=per_rank, seq_len=seq_len, vocab_size=vocab_size,
+                     grad_clip=grad_clip, compile=compile, env=env, probe=probe, switch=switch)
     label = auto_label(auto_size=micro_batch is None, auto_checkpointing=switch is not None)
 
     def nothing_fits(size: int, measured: dict[int, float]) -> OutOfMemory:
@@ -520,8 +522,8 @@ def cpu_micro_batch(per_rank: int, limit: int) -> int:
 
 
 def resolve_micro_batch(cfg: Config, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        vocab_size: int, key: dict, probe: MemoryProbe | None, switch: CheckpointSwitch | None = None,
-                        use_cache: bool = True) -> MicroBatchChoice:
+                        fsdp: FSDPAdapter, vocab_size: int, key: dict, probe: MemoryProbe | None,
+                        switch: CheckpointSwitch | None = None, use_cache: bool = True) -> MicroBatchChoice:
     """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice (`use_cache`), or a
     search; with fsdp.activation_checkpointing=auto (`switch`) the policy too, left set in the switch.
     `describe_choice` says how it was chosen."""
@@ -552,9 +554,9 @@ def resolve_micro_batch(cfg: Config, env: DistEnv, *, model: nn.Module, optimize
                                                                       auto_checkpointing=switch is not None),
              probe.name, f"the largest micro-batch of {sizes} that fits" if switch is None else
              f"the fastest pair of activation checkpointing policy and micro-batch (of {sizes}) that fits")
-    return search_micro_batch(model, optimizer, per_rank=per_rank, seq_len=cfg.data.seq_len, vocab_size=vocab_size,
-                              grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin, compile=t.compile, env=env,
-                              probe=probe, micro_batch=configured, switch=switch,
+    return search_micro_batch(model, optimizer, fsdp=fsdp, per_rank=per_rank, seq_len=cfg.data.seq_len,
+                              vocab_size=vocab_size, grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin,
+                              compile=t.compile, env=env, probe=probe, micro_batch=configured, switch=switch,
                               every_n=cfg.fsdp.ac_every_n_layers)
 
 

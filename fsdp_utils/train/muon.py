@@ -33,7 +33,7 @@ state is one `momentum_buffer` per matrix, a DTensor like its parameter, so DCP 
 another world size reshards it; the optimizer holds half of AdamW's state for the Muon matrices.
 
 FSDP1 flattens each unit's parameters into one 1-D shard, so no rank holds a matrix's rows: `sharding_problem`
-says so (FSDP1_PROBLEM), and the optimizer refuses such parameters.
+says so (FSDP1_PROBLEM, from the run's FSDP adapter), and the optimizer refuses such parameters.
 """
 from __future__ import annotations
 
@@ -46,10 +46,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor, Shard
 
 from model.transformer import Attention, FeedForward
+
+from ..parallel.fsdp import FSDPAdapter
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c) as Muon publishes them
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -145,10 +146,10 @@ def chunk_rows(rows: int, num_ranks: int) -> list[int]:
     return [max(0, min(size, rows - r * size)) for r in range(num_ranks)]
 
 
-def sharding_problem(model: nn.Module, matrices: Iterable[torch.Tensor] = ()) -> str | None:
-    """Why Muon cannot run on this model and these matrices (FSDP1, a parameter that is not a matrix, a layout
-    other than rows sharded over one mesh dimension); None when it can."""
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+def sharding_problem(fsdp: FSDPAdapter, matrices: Iterable[torch.Tensor] = ()) -> str | None:
+    """Why Muon cannot run on these matrices of a model sharded by `fsdp` (FSDP1, a parameter that is not a matrix,
+    a layout other than rows sharded over one mesh dimension); None when it can."""
+    if not fsdp.per_matrix:
         return FSDP1_PROBLEM
     return next((problem for problem in map(_matrix_problem, matrices) if problem is not None), None)
 

@@ -10,9 +10,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 
 from ..distributed import DistEnv
+from ..parallel.fsdp import FSDPAdapter
 from .batch import BatchSplit
 from .memory import MemoryProbe, gib, max_over_ranks
 
@@ -43,51 +43,6 @@ def memory_hint(probe: MemoryProbe | None, env: DistEnv, *, micro_batch: int, gr
 # ---- out of memory during training ---------------------------------------------------------------
 
 
-def end_interrupted_step(model: nn.Module) -> None:
-    """Bring FSDP back to its between-steps state after an exception interrupted a forward or backward.
-
-    FSDP ends every step in a callback queued at the start of backward (reshard what is still gathered,
-    reset each unit's per-step state, hand gradients to the optimizer); an exception skips it, and the
-    next step then silently computes wrong gradients (FSDP2) or fails (FSDP1). There is no public API for
-    this, so this calls FSDP's own end-of-backward callback, after dropping the interrupted step's
-    gradients (sharded or not, accumulated under no_sync or not). Tested bit for bit against an
-    uninterrupted run, for both versions and for errors in forward and backward (tests/test_microbatch.py).
-    """
-    if isinstance(model, FSDP):
-        from torch.distributed.fsdp import _runtime_utils
-
-        for unit in FSDP.fsdp_modules(model):
-            handle = unit._handle
-            if handle is None:
-                continue
-            flat = handle.flat_param
-            flat.grad = None
-            if hasattr(flat, "_saved_grad_shard"):
-                del flat._saved_grad_shard
-            flat._post_backward_called = False  # type: ignore[attr-defined]  # FSDP1 sets it in backward
-        _runtime_utils._post_backward_final_callback(model, model)
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(True)  # also requires the all-reduce again
-        for group in fsdp2_param_groups(model):
-            if hasattr(group, "_partial_reduce_output"):  # HSDP: reduce-scattered, not yet all-reduced
-                group._partial_reduce_output = None
-            for param in group.fsdp_params:
-                param.unsharded_accumulated_grad = None
-                if hasattr(param, "_unsharded_param"):
-                    param._unsharded_param.grad = None
-        model._get_fsdp_state()._root_post_backward_final_callback()
-
-
-def fsdp2_param_groups(model: FSDPModule) -> list:
-    """Every FSDP2 parameter group of a model sharded with fully_shard (torch's internals: no public API)."""
-    groups: list = []
-    for state in model._get_fsdp_state()._state_ctx.all_states:
-        # A list of groups in recent torch versions, one group (or None) before.
-        found = getattr(state, "_fsdp_param_groups", None)
-        groups += found if found is not None else [g for g in [state._fsdp_param_group] if g is not None]
-    return groups
-
-
 class OutOfMemoryGuard:
     """Runs a training step or an evaluation; on a CUDA out-of-memory error it reports the figures and
     then stops (OutOfMemory, one line) or, with train.oom_retry_half, lets the caller redo the work at
@@ -99,9 +54,9 @@ class OutOfMemoryGuard:
     the others are already waiting in the step's next collective, the meeting times out, and the run
     stops with that said, as it would without the retry (never a silent mismatch of collectives)."""
 
-    def __init__(self, env: DistEnv, *, probe: MemoryProbe | None, retry: bool, timeout_s: float, compile: bool,
-                 on_oom: Callable[[int, str], None] | None = None):
-        self.env, self.probe, self.retry, self.compile = env, probe, retry, compile
+    def __init__(self, env: DistEnv, *, fsdp: FSDPAdapter, probe: MemoryProbe | None, retry: bool, timeout_s: float,
+                 compile: bool, on_oom: Callable[[int, str], None] | None = None):
+        self.env, self.fsdp, self.probe, self.retry, self.compile = env, fsdp, probe, retry, compile
         self.on_oom = on_oom  # (step, phase): called while the error is handled, e.g. to dump a memory snapshot
         self.timeout_s = timeout_s
         # Created now, on every rank (creating a group is itself collective).
@@ -159,7 +114,7 @@ class OutOfMemoryGuard:
                               f"run.timeout_s={self.timeout_s:g} s: they are waiting in the step's next collective), "
                               f"so the step cannot be redone; stopping ({str(err).splitlines()[0]})") from None
         try:
-            end_interrupted_step(model)
+            self.fsdp.end_interrupted_step(model)
         except AttributeError as err:  # FSDP's internals moved in this torch version
             raise OutOfMemory(f"{report}. Cannot end the interrupted step with torch {torch.__version__}'s FSDP "
                               f"({err}); stopping") from None

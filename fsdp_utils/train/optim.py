@@ -1,5 +1,5 @@
-"""AdamW with weight decay on matrices only, the learning-rate schedules (warmup, then cosine, WSD or constant)
-and global-norm clipping."""
+"""AdamW with weight decay on matrices only, and the learning-rate schedules (warmup, then cosine, WSD or
+constant)."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from config import TrainConfig
@@ -115,15 +113,3 @@ class LRSchedule:
         cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return self.max_lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
 
-
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip by the gradient norm over all shards and ranks; return that norm (before clipping).
-
-    FSDP1's own clip_grad_norm_ reduces the norm across ranks; for FSDP2 the DTensor gradients make the
-    plain utility compute the global norm. max_norm <= 0 measures without clipping.
-    """
-    limit = max_norm if max_norm > 0 else float("inf")
-    if isinstance(model, FSDP):
-        return model.clip_grad_norm_(limit)
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], limit)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm

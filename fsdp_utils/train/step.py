@@ -1,4 +1,4 @@
-"""The one training step: forward and backward over the micro-batches (gradients reduced after the last),
+"""The one training step: forward and backward over the micro-batches (gradients reduced as fsdp.grad_sync says),
 unscaling (fp16), clipping over all shards, the loss and stop-flag all-reduce, the finiteness check and
 the optimizer step (whose hooks run the model converters' post-step work, e.g. FP8 scales).
 
@@ -7,40 +7,28 @@ so what is timed and measured is what trains.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 
 from model.loss import IGNORE_INDEX
 
-from ..parallel.parallelize import GRAD_SYNC_ATTRIBUTE
-from .optim import clip_grad_norm
+from ..parallel.fsdp import FSDPAdapter
 
 log = logging.getLogger("train")
 
-
-def micro_batch_sync(model, last: bool):
-    """The gradient reduction of one micro-batch's backward, as parallelize recorded fsdp.grad_sync on the
-    model (GRAD_SYNC_ATTRIBUTE): every_micro_batch reduce-scatters each (FSDP2 HSDP: the all-reduce across
-    replicas only at the last), last_micro_batch skips the reduction before the last (FSDP1 no_sync, FSDP2
-    requires_gradient_sync). A context manager for FSDP1's sake; FSDP2 is set before every micro-batch."""
-    every = getattr(model, GRAD_SYNC_ATTRIBUTE, "last_micro_batch") == "every_micro_batch"
-    if hasattr(model, "no_sync"):
-        return model.no_sync() if not (last or every) else contextlib.nullcontext()
-    if every:
-        model.set_requires_all_reduce(last)
-    else:
-        model.set_requires_gradient_sync(last)
-    return contextlib.nullcontext()
+Batches = Iterator[tuple[Tensor, Tensor]]  # (inputs, targets) micro-batches, each (micro-batch, sequence)
+Scaler = torch.amp.GradScaler  # fp16's loss scaling (FSDP's ShardedGradScaler)
 
 
-def forward_backward(model, batches, scaler, *, grad_accum: int, world_size: int = 1,
-                     masked_targets: bool = False) -> torch.Tensor:
-    """Run grad_accum micro-batches, reducing gradients only after the last; return this rank's share of the
-    step's loss (summed over the ranks, it is the global batch's mean loss times the world size).
+def forward_backward(model: nn.Module, batches: Batches, scaler: Scaler | None, *, fsdp: FSDPAdapter,
+                     grad_accum: int, world_size: int = 1, masked_targets: bool = False) -> Tensor:
+    """Run grad_accum micro-batches, reducing gradients as fsdp.grad_sync says (fsdp.gradient_sync); return this
+    rank's share of the step's loss (summed over the ranks, it is the global batch's mean loss times the world size).
 
     Every target counts (masked_targets False): each micro-batch's mean loss, over grad_accum. Targets may be
     IGNORE_INDEX (masked_targets, fine-tuning data): the step's loss is the sum over the global batch's trained
@@ -48,11 +36,12 @@ def forward_backward(model, batches, scaler, *, grad_accum: int, world_size: int
     weighs no more per token than one holding many. The count needs every micro-batch first: they are drawn
     up front (token ids only, small) and their counts all-reduced once."""
     if masked_targets:
-        return _forward_backward_token_mean(model, batches, scaler, grad_accum=grad_accum, world_size=world_size)
+        return _forward_backward_token_mean(model, batches, scaler, fsdp=fsdp, grad_accum=grad_accum,
+                                            world_size=world_size)
     loss_sum = None
     for micro in range(grad_accum):
         x, y = next(batches)
-        with micro_batch_sync(model, last=micro == grad_accum - 1):
+        with fsdp.gradient_sync(model, last=micro == grad_accum - 1):
             loss = model(x, y) / grad_accum
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
@@ -60,7 +49,8 @@ def forward_backward(model, batches, scaler, *, grad_accum: int, world_size: int
     return loss_sum
 
 
-def _forward_backward_token_mean(model, batches, scaler, *, grad_accum: int, world_size: int) -> torch.Tensor:
+def _forward_backward_token_mean(model: nn.Module, batches: Batches, scaler: Scaler | None, *, fsdp: FSDPAdapter,
+                                 grad_accum: int, world_size: int) -> Tensor:
     micro_batches = [next(batches) for _ in range(grad_accum)]
     num_trained = torch.stack([(y != IGNORE_INDEX).sum() for _, y in micro_batches]).sum().float()
     dist.all_reduce(num_trained)
@@ -69,7 +59,7 @@ def _forward_backward_token_mean(model, batches, scaler, *, grad_accum: int, wor
     scale = world_size / num_trained.clamp(min=1)
     loss_sum = torch.zeros((), device=num_trained.device)
     for micro, (x, y) in enumerate(micro_batches):
-        with micro_batch_sync(model, last=micro == grad_accum - 1):
+        with fsdp.gradient_sync(model, last=micro == grad_accum - 1):
             loss = model(x, y, loss_reduction="sum") * scale
             (scaler.scale(loss) if scaler else loss).backward()
         loss_sum = loss_sum + loss.detach().float()
@@ -82,23 +72,24 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # mean over the ranks and micro-batches (0-dim, on the device)
-    grad_norm: torch.Tensor  # over all shards, before clipping
+    loss: Tensor  # mean over the ranks and micro-batches (0-dim, on the device)
+    grad_norm: Tensor  # over all shards, before clipping
     applied: bool  # False: the loss or the gradient norm was not finite and the update was skipped
     stop_requested: bool  # some rank asked to stop (a signal); every rank sees the same
 
 
-def train_step(model, optimizer, batches, *, grad_accum: int, grad_clip: float, world_size: int, scaler=None,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches, *, fsdp: FSDPAdapter,
+               grad_accum: int, grad_clip: float, world_size: int, scaler: Scaler | None = None,
                stop_requested: bool = False, masked_targets: bool = False) -> StepResult:
     """One optimizer step on `grad_accum` micro-batches from `batches`. Every rank calls it together and
     reaches the same decision: the loss, the gradient norm and the stop flags are reduced over the ranks,
     and the step's one host sync reads them (a non-finite step is skipped everywhere). masked_targets: the
     targets may hold IGNORE_INDEX (see forward_backward)."""
-    loss_sum = forward_backward(model, batches, scaler, grad_accum=grad_accum, world_size=world_size,
+    loss_sum = forward_backward(model, batches, scaler, fsdp=fsdp, grad_accum=grad_accum, world_size=world_size,
                                 masked_targets=masked_targets)
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(model, grad_clip)  # already the same on every rank
+    grad_norm = fsdp.clip_grad_norm(model, grad_clip)  # over all shards: already the same on every rank
     # One small collective a step: the loss (for the log and the finiteness check) and the stop flags.
     shared = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=loss_sum.device)])
     dist.all_reduce(shared)

@@ -9,7 +9,8 @@ from typing import Literal, cast
 from config import Config, check_batch_split
 from config.sections import ShardingStrategy
 
-from ...parallel.parallelize import OP_POLICY_RECOMPUTES, CheckpointPolicy, resolve_grad_sync
+from ...parallel.fsdp import resolve_grad_sync
+from ...parallel.parallelize import OP_POLICY_RECOMPUTES, CheckpointPolicy
 from .hardware import GPUSpec
 
 

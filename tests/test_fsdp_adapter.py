@@ -1,0 +1,137 @@
+"""The FSDP adapter (fsdp_utils/parallel/fsdp.py), each version on two gloo ranks against one process without FSDP:
+its wrap computes the same losses, its gradient sync skips the reduction before the step's last micro-batch (or
+reduces after every one, fsdp.grad_sync=every_micro_batch), and its clipping returns the global gradient norm and
+clips to it, so that one SGD step lands on the reference's weights. Also: the state-dict answers it gives the
+checkpoints are those of the checkpoint code's own functions."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+SEED, LR = 5, 0.1
+MAX_NORM = 0.5  # below the reference's gradient norm (the test asserts it), so clipping acts
+SYNCS = ("last_micro_batch", "every_micro_batch")
+
+
+def global_batch() -> torch.Tensor:
+    """(rank, micro-batch, sequences, tokens): two ranks' two micro-batches of two sequences of 16 (+1 target)."""
+    return torch.randint(0, CFG.vocab_size, (2, 2, 2, CFG.max_seq_len + 1), generator=torch.Generator().manual_seed(0))
+
+
+def reference() -> dict:
+    """One process, no FSDP, on the whole global batch: each micro-batch's loss, the norm of the gradient of their
+    mean (what the ranks' FSDP-averaged gradient of their mean over two micro-batches is), and the weights after
+    one SGD step on that gradient clipped to MAX_NORM."""
+    model = Transformer(CFG)
+    model.init_weights(seed=SEED)
+    tokens = global_batch()
+    losses = [[model(t[:, :-1], t[:, 1:]) for t in rank] for rank in tokens]
+    torch.stack([loss for rank in losses for loss in rank]).mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return {"losses": [[loss.item() for loss in rank] for rank in losses], "norm": norm.item(),
+            "weights": {name: p.detach().numpy() for name, p in model.named_parameters()}}
+
+
+def reductions(counts: dict) -> int:
+    """Gradient reductions (reduce-scatters, all-reduces) among a CommDebugMode's collective counts."""
+    return sum(n for op, n in counts.items() if "reduce" in str(op))
+
+
+def step_on_ranks(rank: int, world_size: int) -> dict:
+    """On this rank, for each version and fsdp.grad_sync: the adapter's wrap of the reference's model, two
+    micro-batches of this rank's share under its gradient sync (their losses, the reductions each made), its
+    clipping (the norm measured without clipping, then clipped to MAX_NORM), one SGD step, and the full weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from config import FSDPConfig
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
+    from tests.distributed_harness import cpu_env
+
+    env = cpu_env(rank, world_size)
+    mine = global_batch()[rank]
+    out = {}
+    for version in (1, 2):
+        for grad_sync in SYNCS:
+            fsdp = fsdp_adapter(FSDPConfig(version=version, grad_sync=grad_sync), env)
+            module = Transformer(CFG)
+            module.init_weights(seed=SEED)
+            model = fsdp.wrap(module, list(module.layers), param_dtype=torch.float32, reduce_dtype=torch.float32,
+                              compile=False, init=None)
+            losses, reduced = [], []
+            for micro, tokens in enumerate(mine):
+                with CommDebugMode() as comm, fsdp.gradient_sync(model, last=micro == len(mine) - 1):
+                    loss = model(tokens[:, :-1], tokens[:, 1:])
+                    (loss / len(mine)).backward()
+                losses.append(loss.item())
+                reduced.append(reductions(comm.get_comm_counts()))
+            measured = fsdp.clip_grad_norm(model, 0.0).item()
+            norm = fsdp.clip_grad_norm(model, MAX_NORM).item()
+            after = fsdp.clip_grad_norm(model, 0.0).item()
+            torch.optim.SGD(model.parameters(), lr=LR).step()
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            out[(version, grad_sync)] = {
+                "losses": losses, "reduced": reduced, "measured": measured, "norm": norm, "after": after,
+                "weights": {name: value.numpy() for name, value in full.items()},
+                # Each matrix a 2-D parameter of its own, or flattened into its unit's 1-D shard.
+                "matrices_whole": max(p.ndim for p in model.parameters()) == 2, "per_matrix": fsdp.per_matrix}
+    return out
+
+
+@pytest.mark.slow  # spawns two gloo ranks
+def test_both_versions_wrap_sync_and_clip_like_one_process():
+    from tests.distributed_harness import run_ranks
+
+    ref = reference()
+    assert ref["norm"] > MAX_NORM  # clipping acts
+    for rank, got in enumerate(run_ranks(step_on_ranks, world_size=2)):
+        for (version, grad_sync), run in got.items():
+            what = (rank, version, grad_sync)
+            # The wrap: the same loss on each micro-batch as the unwrapped model.
+            np.testing.assert_allclose(run["losses"], ref["losses"][rank], rtol=1e-6, err_msg=str(what))
+            # The sync: last_micro_batch reduces nothing before the last micro-batch; both reduce at the last.
+            first, last = run["reduced"]
+            assert last > 0 and (first == 0 if grad_sync == "last_micro_batch" else first == last), (what, first, last)
+            # Clipping: the norm over all shards and ranks, with max_norm 0 measured only, then clipped to MAX_NORM.
+            assert run["measured"] == pytest.approx(ref["norm"], rel=1e-5), what
+            assert run["norm"] == pytest.approx(ref["norm"], rel=1e-5), what
+            assert run["after"] == pytest.approx(MAX_NORM, rel=1e-4), what
+            # Reduced, averaged and clipped as one process: the same weights after the step.
+            assert run["weights"].keys() == ref["weights"].keys(), what
+            for name, value in run["weights"].items():
+                np.testing.assert_allclose(value, ref["weights"][name], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{what} {name}")
+            assert run["matrices_whole"] == run["per_matrix"] == (version == 2), what
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_state_dict_answers_are_the_checkpoint_codes(version, world_of_one, tmp_path):
+    # The adapter's full_save_options and offloads_sharded_state_dict answer as the checkpoint code's own
+    # full_save_options and CheckpointContext.offload (which ask the model's wrapper) do, on the CPU and on a GPU.
+    # The GPU is only a device in the environment: both answer from its type, and nothing is gathered here.
+    from config import FSDPConfig
+    from fsdp_utils.checkpoint.base import CheckpointContext, full_save_options
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
+
+    module = Transformer(CFG)
+    module.init_weights(seed=SEED)
+    model = fsdp_adapter(FSDPConfig(version=version), world_of_one).wrap(
+        module, list(module.layers), param_dtype=torch.float32, reduce_dtype=torch.float32, compile=False, init=None)
+    answers = set()
+    for device in ("cpu", "cuda"):
+        env = dataclasses.replace(world_of_one, device=torch.device(device))
+        fsdp = fsdp_adapter(FSDPConfig(version=version), env)
+        offload = fsdp.offloads_sharded_state_dict()
+        assert offload == CheckpointContext(tmp_path, env, "sharded", 0, {}).offload(model), device
+        answers.add(offload)
+        for on_gpu in (False, True):
+            assert fsdp.full_save_options(model, on_gpu=on_gpu) == full_save_options(model, on_gpu=on_gpu)
+    # FSDP1 offloads its sharded state dicts on GPUs; FSDP2's hold the live shards.
+    assert answers == ({False, True} if version == 1 else {False})
