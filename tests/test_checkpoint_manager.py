@@ -14,14 +14,9 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint.format import CheckpointError, sidecar_of
-from fsdp_utils.checkpoint.retention import (
-    Journal,
-    apply_retention,
-    complete_checkpoints,
-    move_aside,
-    remove_incomplete,
-)
+from fsdp_utils.checkpoint.retention import apply_retention, complete_checkpoints, move_aside, remove_incomplete
 from model import ModelConfig
+from safe_io.journal import Journal
 from tests.distributed_harness import RankFailed, cpu_env, run_ranks
 
 CONFIG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=16, multiple_of=16)

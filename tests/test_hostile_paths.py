@@ -410,7 +410,7 @@ def test_a_link_swapped_in_at_the_temporary_name_is_never_written_through(tmp_pa
 def test_a_run_that_trained_nothing_removes_the_folder_it_made_and_only_that(tmp_path):
     """What a run wrote into a folder it made (run.lock, the journal, files the journal records) goes with the
     folder. A folder that was there before, or that holds anything else, stays with all it holds."""
-    from fsdp_utils.checkpoint.retention import Journal
+    from safe_io.journal import Journal
 
     made = tmp_path / "made"
     lock = take_run_lock(made, ENV)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from model import ModelConfig
 from model.config import ROPE_SCALING_FIELDS
 from safe_io import nofollow
+from safe_io.journal import Journal
 
 from ..distributed import DistEnv, agree, barrier
 from .format import (
@@ -36,7 +37,7 @@ from .format import (
     train_state_problem,
 )
 from .io import model_config_of
-from .retention import Journal, apply_retention, complete_checkpoints, remove_incomplete
+from .retention import apply_retention, complete_checkpoints, remove_incomplete
 
 log = logging.getLogger(__name__)
 

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from safe_io import nofollow
+from safe_io.journal import TMP_PREFIX as TMP_PREFIX  # the name of a save in progress, for the format's users
 from safe_io.nofollow import write_beside
 
 from ..distributed import DistEnv, agree
@@ -53,7 +54,6 @@ T = TypeVar("T")
 FULL_RE = re.compile(r"^fsdp_cpt(\d+)\.pth$")
 SHARDED_RE = re.compile(r"^fsdp_sharded_cpt(\d+)$")
 _DCP_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")  # a shard DCP wrote: __{rank}_{i}.distcp
-TMP_PREFIX = ".tmp-"  # an interrupted save: never loaded, removed by the next save
 CORRUPT_PREFIX = "corrupt-"  # moved aside after failing its checks: never loaded, never deleted automatically
 META_NAME = "meta.json"
 META_CRC_KEY = "meta_crc32"  # meta.json's own checksum, over its other keys

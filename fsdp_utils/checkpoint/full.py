@@ -13,6 +13,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from safe_io.journal import Journal
+
 from ..distributed import agree
 from .base import (
     CheckpointFormat,
@@ -37,7 +39,7 @@ from .format import (
     write_checksummed,
     write_json_to,
 )
-from .retention import Journal, remove
+from .retention import remove
 
 log = logging.getLogger(__name__)
 

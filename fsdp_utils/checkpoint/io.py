@@ -25,6 +25,7 @@ from config.model_checks import model_problems
 from data.store import HF_TOKENIZER_NAME, tokenizer_sha256
 from model import ModelConfig, Transformer
 from safe_io import nofollow
+from safe_io.journal import Journal
 
 from ..host_memory import format_size, host_memory
 from .format import (
@@ -42,7 +43,6 @@ from .format import (
     read_dcp_metadata,
     read_sharded_meta,
 )
-from .retention import Journal
 
 log = logging.getLogger(__name__)
 

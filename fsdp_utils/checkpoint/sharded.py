@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from safe_io.journal import Journal
+
 from ..distributed import agree, barrier
 from .base import (
     CheckpointFormat,
@@ -48,7 +50,7 @@ from .format import (
     with_meta_crc32,
     write_json,
 )
-from .retention import Journal, remove
+from .retention import remove
 
 
 def replace_dir(src: Path, dst: Path, journal: Journal) -> None:
