@@ -9,9 +9,9 @@ import os
 import stat
 from pathlib import Path
 
-from safe_io.journal import Journal, set_aside
+from safe_io.journal import TMP_PREFIX, Journal, set_aside
 
-from .format import CORRUPT_PREFIX, FULL_RE, META_NAME, SHARDED_RE, TMP_PREFIX, sidecar_of
+from .names import CORRUPT_PREFIX, FULL_RE, META_NAME, SHARDED_RE, sidecar_of
 
 log = logging.getLogger(__name__)
 
