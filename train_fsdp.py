@@ -41,7 +41,7 @@ from data.loader import TokenDataset
 from data.mixture import Mixture
 from data.store import tokenizer_sha256
 from data.tokenizer import prepared_eos_id
-from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
+from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, Contents, TrainState
 from fsdp_utils.distributed import (
     DistEnv,
     Launch,
@@ -209,6 +209,7 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
 
     # ---- the checkpoint manager and the resume (after the micro-batch search: its trials need no optimizer state)
     ckpt = CheckpointManager(cfg.checkpoint, cfg.output_dir, env=env, model_config=signature,
+                             contents=Contents(built.model, built.optimizer, grad_scaler=built.scaler),
                              timeout_s=cfg.run.timeout_s, tokenizer_sha256=tokenizer_sha256(prepared.tokenizer_path),
                              lora=lora_record(cfg, signature, base_dtype=built.precision.compute))
     # The run's length is decided here (train.epochs counted on the data, or kept from the checkpoint): from here on
@@ -218,7 +219,7 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
     if env.is_main:
         log.info("lr schedule: %s", schedule.describe())
     if state.step < cfg.train.resolved_max_steps:  # a finished run started again trains nothing and writes nothing
-        ckpt.prepare_saving(built.model, built.optimizer)
+        ckpt.prepare_saving()
         if env.is_main:  # only now: a refused resume, or a run that cannot save, leaves the output directory as it was
             write_run_files(cfg, tokenizer=prepared.tokenizer_path, built=built, step=state.step,
                             resumed=ckpt.loaded[0] if ckpt.loaded else None)
@@ -284,9 +285,7 @@ def train(run: Run, stop: StopSignal) -> dict:
             if t.eval_interval and (state.step % t.eval_interval == 0 or state.step == max_steps):
                 evaluate_all()  # -- evaluate: every train.eval_interval steps and at the last
             # -- save: the manager decides (its interval, a save in flight to commit, a stop, the last step)
-            state.grad_scaler = run.built.scaler.state_dict() if run.built.scaler else None
-            run.ckpt.on_step_end(run.model, run.optimizer, state, stopping=result.stop_requested,
-                                 last=state.step == max_steps)
+            run.ckpt.on_step_end(stopping=result.stop_requested, last=state.step == max_steps)
             observers.on_step_end(state.step)  # the profiler: a profiled step's range holds its log, eval and save
             if result.stop_requested:  # -- stop: a signal (Ctrl-C, preemption, an elastic job's nodes), saved above
                 run.restarting = after_stop(stop, env, step=state.step)

@@ -76,7 +76,7 @@ from config import (
 )
 from config.checks import float8_size_problem
 from config.numbers import integer, integer_in
-from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, TrainState
+from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, Contents
 from fsdp_utils.distributed import (
     DistEnv,
     destroy_distributed,
@@ -309,13 +309,14 @@ def bench_saves(cfg: Config, env: DistEnv, args: argparse.Namespace) -> list[dic
         sync = mode in ("sync", "sync_gpu")
         section = CheckpointConfig(format="sharded", keep_last_n=0, async_save=not sync,
                                    async_writer="thread" if sync else mode)
-        manager = CheckpointManager(section, root / mode, env=env, model_config={}, timeout_s=cfg.run.timeout_s)
+        manager = CheckpointManager(section, root / mode, env=env, contents=Contents(model, optimizer), model_config={},
+                                    timeout_s=cfg.run.timeout_s)
         if mode == "sync_gpu":
             # Measurement only: the state dict as FSDP1 makes it, on the GPU.
             manager.context.offload = lambda model: False
         start = time.perf_counter()
         try:
-            manager.prepare_saving(model, optimizer)  # the staging arena: once per run, before the first save
+            manager.prepare_saving()  # the staging arena: once per run, before the first save
         except CheckpointError as err:  # raised on every rank alike (e.g. /dev/shm too small for the process writer)
             if env.is_main:
                 print(f"{mode}: not measured: {err}")
@@ -323,7 +324,8 @@ def bench_saves(cfg: Config, env: DistEnv, args: argparse.Namespace) -> list[dic
         prepare_s = max_over_ranks(time.perf_counter() - start, env)
         for i in range(args.saves):
             reset_peak(env)
-            manager.save(model, optimizer, TrainState(step=i + 1))
+            manager.contents.state.step = i + 1
+            manager.save()
             save_peak = peak_memory_gib(env)
             overlapped, overlap_peak = [], None
             if manager.in_flight:

@@ -92,10 +92,11 @@ from config.numbers import (
     integer,
     number as parse_number,
 )
-from fsdp_utils.checkpoint import CheckpointManager, TrainState
+from fsdp_utils.checkpoint import CheckpointManager, Contents
 from fsdp_utils.checkpoint.async_save import check_host_memory
-from fsdp_utils.checkpoint.base import CheckpointContext, quiet_state_dict_warnings
-from fsdp_utils.checkpoint.format import first_line
+from fsdp_utils.checkpoint.base import CheckpointContext
+from fsdp_utils.checkpoint.contents import quiet_state_dict_warnings
+from fsdp_utils.checkpoint.errors import first_line
 from fsdp_utils.checkpoint.sharded import ShardedCheckpoint
 from fsdp_utils.checkpoint.staging import arena_bytes, state_bytes, storage_tensors
 from fsdp_utils.distributed import (
@@ -461,6 +462,10 @@ class Bench:
     touches: int = 0
     writer_stuck: str | None = None  # a process variant whose failed save DCP's writer process still waits in
     kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # the state dict's tensors by kind (kind_of)
+    contents: Contents = dataclasses.field(init=False)  # what a checkpoint of the run holds
+
+    def __post_init__(self) -> None:
+        self.contents = Contents(self.model, self.optimizer)
 
 
 class OursVariant:
@@ -473,18 +478,19 @@ class OursVariant:
         is_async = spec.form != "sync"
         section = CheckpointConfig(format="sharded", keep_last_n=0, async_save=is_async,
                                    async_writer="process" if spec.form == "process" else "thread")
-        self.manager = CheckpointManager(section, bench.root / name, env=bench.env, model_config={},
-                                         timeout_s=bench.cfg.run.timeout_s)
+        self.manager = CheckpointManager(section, bench.root / name, env=bench.env, contents=bench.contents,
+                                         model_config={}, timeout_s=bench.cfg.run.timeout_s)
         self.memory: dict[str, int] = {}
         self.written_at: float | None = None
         self.start_at = 0.0
 
     def setup(self) -> None:
-        self.manager.prepare_saving(self.bench.model, self.bench.optimizer)
+        self.manager.prepare_saving()
 
     def start(self, index: int) -> Path:
         self.start_at, self.written_at, self.memory = time.perf_counter(), None, {}
-        path = self.manager.save(self.bench.model, self.bench.optimizer, TrainState(step=index))
+        self.manager.contents.state.step = index
+        path = self.manager.save()
         flight = getattr(self.manager.background, "_in_flight", None)  # read for the measurement only
         if flight is not None:
             self.memory = staged_memory(flight.staged_state)
@@ -570,9 +576,7 @@ class DcpVariant:
     def start(self, index: int) -> Path:
         path = self.dir / f"save{index}"
         self.start_at, self.waited_s, self.polled_s, self.written_at = time.perf_counter(), 0.0, 0.0, None
-        with quiet_state_dict_warnings():
-            model_sd, optim_sd = self.bench.sharded.state_dicts(self.bench.model, self.bench.optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        state = self.bench.sharded.tensors(self.bench.contents)
         if self.stager is not None:
             self.stager.staged, self.stager.done_at = None, None
         self.upload = None
@@ -719,11 +723,9 @@ def measure_save(bench: Bench, variant: Any, index: int, *, baseline: int) -> di
     """One save of a variant, the training steps while it is in flight, its check and its removal: its row."""
     b, env = bench, bench.env
     begin = time.perf_counter()
-    with quiet_state_dict_warnings():
-        model_sd, optim_sd = b.sharded.state_dicts(b.model, b.optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
+    state = b.sharded.tensors(b.contents)
     expected = expect(state, sample_paths(state, b.args.check_tensors))
-    del state, model_sd, optim_sd
+    del state
     barrier(env)
     b.sampler.restart()
     reset_gpu_peak(env)
@@ -903,9 +905,7 @@ def build_bench(cfg: Any, env: DistEnv, args: argparse.Namespace, *, root: Path,
     times = [step() for _ in range(max(args.steps, 1))]
     measured = over_ranks(env, {"step_s": statistics.median(times), "gpu": gpu_peak_gib(env)})
     bench.normal_step_s, bench.train_gpu_peak_gib = measured["step_s"], measured["gpu"]
-    with quiet_state_dict_warnings():
-        model_sd, optim_sd = sharded.state_dicts(run.model, run.optimizer)
-    for path, t in tensor_leaves({"model": model_sd, "optimizer": optim_sd}):
+    for path, t in tensor_leaves(sharded.tensors(bench.contents)):
         kind = f"{path[0]}: {'/'.join(kind_of(t))}"
         bench.kinds[kind] = bench.kinds.get(kind, 0) + 1
     return bench

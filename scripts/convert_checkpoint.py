@@ -35,35 +35,20 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_utils.checkpoint import io as checkpoint_io
-from fsdp_utils.checkpoint.base import CheckpointContext, TrainState
-from fsdp_utils.checkpoint.format import (
-    META_KEYS,
-    OPTIONAL_META_KEYS,
-    RNG_NAME,
-    CheckpointCorrupt,
-    CheckpointError,
-    dcp_load,
-    load_full,
-    load_rng,
-    read_dcp_metadata,
-    save_full,
-    set_at,
-    size_of,
-)
+from fsdp_utils.checkpoint.base import CheckpointContext
+from fsdp_utils.checkpoint.checksums import save_full
+from fsdp_utils.checkpoint.contents import OPTIMIZER, TENSOR_PARTS, Snapshot, full_payload, parts_of
+from fsdp_utils.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from fsdp_utils.checkpoint.metadata import META_KEYS, OPTIONAL_META_KEYS
+from fsdp_utils.checkpoint.names import size_of
 from fsdp_utils.checkpoint.retention import remove
+from fsdp_utils.checkpoint.safe_read import dcp_load, load_full, load_per_rank, read_dcp_metadata, set_at
 from fsdp_utils.checkpoint.sharded import ShardedCheckpoint
 from fsdp_utils.distributed import DistEnv, destroy_distributed
 
 
 class ConvertError(Exception):
     """A problem with the input or output; the message names the path."""
-
-
-def read_meta(src: Path) -> dict:
-    """meta.json of a complete sharded checkpoint, after checking every listed file is whole."""
-    if not src.exists():
-        raise ConvertError(f"{src}: no such file or directory")
-    return checkpoint_io.read_meta(src)  # meta.json, every shard's size, the format version
 
 
 def check_layout(metadata, src: Path) -> None:
@@ -123,7 +108,7 @@ def load_sharded(src: Path) -> dict:
             set_at(state, tuple(metadata.planner_data[name]), value)
     except (TypeError, IndexError, AttributeError) as err:  # paths that disagree (a list where a dict was)
         raise CheckpointCorrupt(f"{src / '.metadata'}: corrupt checkpoint metadata (planner data: {err})") from None
-    missing = [k for k in ("model", "optimizer") if k not in state]
+    missing = [k for k in TENSOR_PARTS if k not in state]
     if missing:
         raise ConvertError(f"{src}: the shards hold no {' or '.join(missing)} state")
     return state
@@ -151,12 +136,11 @@ def convert(src: Path, out: Path, *, force: bool = False) -> dict:
 def to_full(src: Path, out: Path, *, force: bool = False) -> dict:
     """Write the full checkpoint for sharded checkpoint `src` to `out`; return its payload."""
     check_out(out, force=force, folder=False)
-    meta = read_meta(src)
+    meta = checkpoint_io.read_meta(src)  # meta.json, every shard's size, the format version
     checkpoint_io.verify(src)
     state = load_sharded(src)
-    rng = load_rng(src) if (src / RNG_NAME).is_file() else None
-    payload = {"model": state["model"], "optimizer": state["optimizer"], "rng": rng,
-               **{k: meta[k] for k in (*META_KEYS, *OPTIONAL_META_KEYS) if k in meta}}
+    payload = full_payload({name: state[name] for name in TENSOR_PARTS}, load_per_rank(src, meta["files"]),
+                           {k: meta[k] for k in (*META_KEYS, *OPTIONAL_META_KEYS) if k in meta})
 
     out.parent.mkdir(parents=True, exist_ok=True)
     save_full(payload, out)  # and .OUT.json next to it: a load from OUT verifies its CRC32
@@ -172,8 +156,8 @@ class SavedContext(CheckpointContext):
                          tokenizer_sha256=payload.get("tokenizer_sha256"), lora=payload.get("lora"))
         self.saved_world_size = payload["world_size"]
 
-    def metadata(self, state: TrainState) -> dict:
-        return {**super().metadata(state), "world_size": self.saved_world_size}
+    def metadata(self, snapshot: Snapshot) -> dict:
+        return {**super().metadata(snapshot), "world_size": self.saved_world_size}
 
 
 @contextlib.contextmanager
@@ -198,18 +182,18 @@ def to_sharded(src: Path, out: Path, *, force: bool = False) -> dict:
     payload = load_full(src)  # memory-mapped: cheap, and refuses a file that would run code before anything else
     check_out(out, force=force, folder=True)
     checkpoint_io.verify(src)
-    if not payload["optimizer"].get("state"):
+    tensors, per_rank, meta = parts_of(payload)
+    if not tensors[OPTIMIZER].get("state"):
         raise ConvertError(f"{src}: holds no optimizer state (no step taken, as scripts/import_hf.py writes it): "
                            "resume from it as it is, or start from its weights with model.init_from")
-    state = TrainState(**payload["train_state"], rng=payload.get("rng"))
     out.parent.mkdir(parents=True, exist_ok=True)
     with one_process_group() as env:
         context = SavedContext(payload, out, env)
         writer = ShardedCheckpoint(context)
         start = time.perf_counter()
         try:
-            writer.write({"model": payload["model"], "optimizer": payload["optimizer"]}, out)
-            writer.commit(out, state, start=start)
+            writer.write(tensors, out)
+            writer.commit(out, Snapshot(meta["train_state"], per_rank), start=start)
         except BaseException:  # a failed write removes its folder itself; an interrupted one is removed here
             remove(context.journal, writer.tmp_of(out))
             raise

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from config.numbers import integer
-from fsdp_utils.checkpoint.format import CheckpointError
+from fsdp_utils.checkpoint.errors import CheckpointError
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta
 from fsdp_utils.distributed import destroy_distributed, init_distributed, pick_device, read_torchrun_env
 from fsdp_utils.evaluation.downstream import (

@@ -45,7 +45,8 @@ from config import ModelSection
 from data.errors import DataError
 from data.store import read_tokenizer_file
 from data.tokenizer import load_sentencepiece
-from fsdp_utils.checkpoint.format import CheckpointError, dcp_load, first_line, load_full
+from fsdp_utils.checkpoint.contents import MODEL
+from fsdp_utils.checkpoint.errors import CheckpointError, first_line
 from fsdp_utils.checkpoint.io import (
     check_buildable,
     find_tokenizer,
@@ -54,6 +55,7 @@ from fsdp_utils.checkpoint.io import (
     read_meta,
     verify,
 )
+from fsdp_utils.checkpoint.safe_read import dcp_load, load_full
 from fsdp_utils.parallel.hf import (
     CausalLMAdapter,
     HFModelError,
@@ -243,9 +245,9 @@ def load_lora_model(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
     model.float()  # computes in fp32 from here (the rounded base values stay as they were)
     adapters = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
     if checkpoint.is_dir():
-        dcp_load({"model": adapters}, checkpoint, no_dist=True)  # in place, only the adapters
+        dcp_load({MODEL: adapters}, checkpoint, no_dist=True)  # in place, only the adapters
     else:
-        saved = load_full(checkpoint)["model"]
+        saved = load_full(checkpoint)[MODEL]
         shapes = lambda d: {k: tuple(getattr(v, "shape", ())) for k, v in d.items()}  # noqa: E731
         if shapes(saved) != shapes(adapters):  # copy_ below would broadcast a tensor of another shape
             raise CheckpointError(f"{checkpoint}: its tensors are not the adapters train.lora={lora} makes")

@@ -35,7 +35,7 @@ from config.numbers import integer, number
 from data.chat import PLAIN_END, plain_prompt
 from data.errors import DataError
 from data.tokenizer import load_sentencepiece
-from fsdp_utils.checkpoint.format import CheckpointError
+from fsdp_utils.checkpoint.errors import CheckpointError
 from fsdp_utils.checkpoint.io import find_tokenizer, load_model, read_meta
 from fsdp_utils.parallel.hf import CausalLMAdapter, HFModelError, load_hf_checkpoint
 

@@ -32,16 +32,15 @@ from config import ConfigError, load_config
 from config.model_checks import MAX_SEQ_LEN, model_problems
 from data.errors import DataError
 from data.jsonfile import read_json_file
-from fsdp_utils.checkpoint.format import (
-    FORMAT_VERSION,
-    CheckpointError,
-    save_full,
-    write_beside,
-)
+from fsdp_utils.checkpoint.checksums import save_full
+from fsdp_utils.checkpoint.contents import MODEL, OPTIMIZER, RNG, TrainState, full_payload, train_state_record
+from fsdp_utils.checkpoint.errors import CheckpointError
+from fsdp_utils.checkpoint.names import FORMAT_VERSION
 from fsdp_utils.parallel.hf import HFModelError, index_shards
 from fsdp_utils.train.optim import build_optimizer
 from model import ModelConfig, Transformer
 from model.config import ROPE_SCALING_FIELDS
+from safe_io.nofollow import write_beside
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -219,9 +218,9 @@ def checkpoint_payload(cfg: ModelConfig, weights: dict[str, torch.Tensor], where
     names = {id(p): n for n, p in model.named_parameters()}
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
               for group in optimizer.param_groups]
-    return {"model": model.state_dict(), "optimizer": {"state": {}, "param_groups": groups}, "rng": None,
-            "format_version": FORMAT_VERSION, "world_size": 1, "model_config": dataclasses.asdict(cfg),
-            "train_state": {"step": 0, "samples_seen": 0, "tokens_seen": 0, "grad_scaler": None, "lr": None}}
+    return full_payload({MODEL: model.state_dict(), OPTIMIZER: {"state": {}, "param_groups": groups}}, {RNG: None},
+                        {"format_version": FORMAT_VERSION, "world_size": 1, "model_config": dataclasses.asdict(cfg),
+                         "train_state": train_state_record(TrainState())})
 
 
 def read_model_config(hf_dir: Path) -> ModelConfig:

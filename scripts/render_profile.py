@@ -311,7 +311,8 @@ def load_snapshot(path: Path) -> dict:
     """A memory snapshot (torch.cuda.memory._dump_snapshot's pickle), unpickled as plain data only: dicts,
     lists, tuples, strings and numbers, which is all the format holds. A snapshot copied from elsewhere is
     as untrusted as any pickle: one that imports anything is refused (CheckpointUnsafe) before it runs."""
-    from fsdp_utils.checkpoint.format import CheckpointError, RestrictedUnpickler, first_line
+    from fsdp_utils.checkpoint.errors import CheckpointError, first_line
+    from fsdp_utils.checkpoint.safe_read import RestrictedUnpickler
 
     check_regular_file(path)
     try:
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.kind != "summary" and args.out is None:
         parser.error(f"{args.kind} needs --out (the PNG to write)")
-    from fsdp_utils.checkpoint.format import CheckpointError
+    from fsdp_utils.checkpoint.errors import CheckpointError
 
     try:
         if args.kind == "summary":

@@ -205,9 +205,9 @@ def _install_stage_fail(steps: list[int], *, current: dict) -> None:
     real_start, real_stage = AsyncSaver.start, staging.HostStaging.stage
 
     @functools.wraps(real_start)
-    def start(self, model, optimizer, state):
-        current["step"] = state.step
-        return real_start(self, model, optimizer, state)
+    def start(self, contents):
+        current["step"] = contents.state.step
+        return real_start(self, contents)
 
     @functools.wraps(real_stage)
     def stage(self, state_dict, *, live):

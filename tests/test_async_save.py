@@ -89,7 +89,7 @@ def test_host_memory_hot_plugged_on_demand_is_not_exact(tmp_path):
 def test_a_node_too_small_for_the_staging_is_refused_at_the_start(monkeypatch, caplog):
     """Two ranks on one node (the gather faked): 2 x 48 GiB needed against what the node can give."""
     from fsdp_utils.checkpoint import async_save as host_memory_module
-    from fsdp_utils.checkpoint.format import CheckpointError
+    from fsdp_utils.checkpoint.errors import CheckpointError
     from fsdp_utils.distributed import DistEnv
 
     gib = 2**30
@@ -474,7 +474,7 @@ def test_a_file_size_limit_on_the_shared_arena_falls_back_to_synchronous_saves(t
 
     from config import CheckpointConfig
     from fsdp_utils.checkpoint.async_save import HAS_PROCESS_WRITER
-    from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
+    from fsdp_utils.checkpoint.manager import CheckpointManager, Contents, TrainState
     from fsdp_utils.checkpoint.staging import arena_bytes
     from tests.test_checkpoint_input import CONFIG, ENV, model_and_optimizer
 
@@ -488,18 +488,20 @@ def test_a_file_size_limit_on_the_shared_arena_falls_back_to_synchronous_saves(t
         assert arena_bytes(model, optimizer) > limit  # the arena must exceed the limit for the test to mean anything
         manager = CheckpointManager(CheckpointConfig(format="sharded", keep_last_n=0, async_save=True,
                                                      async_writer="process"),
-                                    tmp_path, model_config=dataclasses.asdict(CONFIG), env=ENV)
+                                    tmp_path, contents=Contents(model, optimizer, TrainState(step=1, samples_seen=8,
+                                                                                          tokens_seen=64)),
+                                    model_config=dataclasses.asdict(CONFIG), env=ENV)
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
         try:
-            manager.prepare_saving(model, optimizer)
+            manager.prepare_saving()
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         assert not manager.background.enabled and manager.background.failed
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert len(warned) == 1 and "cannot be staged in host memory" in warned[0], warned
         assert "File too large" in warned[0] and "every save of this run is synchronous" in warned[0], warned
-        saved = manager.save(model, optimizer, TrainState(step=1, samples_seen=8, tokens_seen=64))
+        saved = manager.save()
         assert saved == tmp_path / "fsdp_sharded_cpt1" and checkpoint_io.read_meta(saved)["train_state"]["step"] == 1
     finally:
         if manager is not None:

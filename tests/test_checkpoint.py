@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from fsdp_utils.checkpoint import io as checkpoint_io
-from fsdp_utils.checkpoint.format import META_CRC_KEY, meta_crc32, sidecar_of
+from fsdp_utils.checkpoint.checksums import META_CRC_KEY, meta_crc32
+from fsdp_utils.checkpoint.names import sidecar_of
 from fsdp_utils.guards.run_lock import LOCK_NAME
 from model import ModelConfig, Transformer
 from tests import helpers
@@ -153,12 +154,12 @@ def sharded_save(state_dict, *args, checkpoint_id=None, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     return result
 
-def load_then_save(self, model, optimizer, resume_from):
+def load_then_save(self, resume_from):
     torch.manual_seed(1000 + self.env.rank)
-    state = load(self, model, optimizer, resume_from)
+    state = load(self, resume_from)
     out = Path(os.environ["SAVE_LOADED_TO"])
     section = CheckpointConfig(format="full", keep_last_n=0)
-    ckpt.CheckpointManager(section, out, model_config=self.model_config, env=self.env).save(model, optimizer, state)
+    ckpt.CheckpointManager(section, out, contents=self.contents, model_config=self.model_config, env=self.env).save()
     return state
 
 torch.save, dcp.save = save, sharded_save

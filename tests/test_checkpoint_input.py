@@ -37,18 +37,12 @@ import torch.distributed as dist
 from config import CheckpointConfig, Config, save_config
 from fsdp_utils.checkpoint import io as checkpoint_io
 from fsdp_utils.checkpoint.async_save import _InFlight
-from fsdp_utils.checkpoint.format import (
-    TRAIN_STATE_KEYS,
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointMismatch,
-    CheckpointUnsafe,
-    SafeFileSystemReader,
-    file_record,
-    sidecar_of,
-    with_meta_crc32,
-)
-from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
+from fsdp_utils.checkpoint.checksums import file_record, with_meta_crc32
+from fsdp_utils.checkpoint.contents import Contents, Snapshot, TrainState, train_state_record
+from fsdp_utils.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointUnsafe
+from fsdp_utils.checkpoint.manager import CheckpointManager
+from fsdp_utils.checkpoint.names import sidecar_of
+from fsdp_utils.checkpoint.safe_read import SafeFileSystemReader
 from fsdp_utils.distributed import DistEnv
 from fsdp_utils.guards.run_lock import RunLocked, take_run_lock
 from model import ModelConfig, Transformer
@@ -77,12 +71,14 @@ def model_and_optimizer(seed: int = 0) -> tuple[Transformer, torch.optim.Optimiz
     return model, optimizer
 
 
-def manager(out: Path, fmt: str, *, allow_tokenizer_change: bool = False, section_keep_last_n: int = 0,
-            **kwargs) -> CheckpointManager:
+def manager(out: Path, fmt: str, contents: Contents | None = None, *, allow_tokenizer_change: bool = False,
+            section_keep_last_n: int = 0, **kwargs) -> CheckpointManager:
+    """The manager of a run in `out` whose checkpoints hold `contents` (by default a model of seed 1, at step 0)."""
     section = CheckpointConfig(format=fmt, keep_last_n=section_keep_last_n,
                                allow_tokenizer_change=allow_tokenizer_change)
     kwargs = {"model_config": dataclasses.asdict(CONFIG), "tokenizer_sha256": TOKENIZER, **kwargs}
-    return CheckpointManager(section, out, env=ENV, **kwargs)
+    return CheckpointManager(section, out, env=ENV, contents=contents or Contents(*model_and_optimizer(seed=1)),
+                             **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +89,8 @@ def saved(tmp_path_factory) -> dict[str, Path]:
         out = tmp_path_factory.mktemp(fmt)
         model, optimizer = model_and_optimizer()
         for step in (1, 2):
-            manager(out, fmt).save(model, optimizer, TrainState(step=step, samples_seen=8 * step,
-                                                                tokens_seen=64 * step))
+            manager(out, fmt, Contents(model, optimizer, TrainState(step=step, samples_seen=8 * step,
+                                                                    tokens_seen=64 * step))).save()
         runs[fmt] = out
     return runs
 
@@ -110,8 +106,7 @@ def newest(out: Path, fmt: str) -> Path:
 
 
 def load(out: Path, fmt: str, resume_from: str = "latest", **kwargs) -> TrainState:
-    model, optimizer = model_and_optimizer(seed=1)
-    return manager(out, fmt, **kwargs).load(model, optimizer, resume_from)
+    return manager(out, fmt, **kwargs).load(resume_from)
 
 
 def one_line(err: BaseException) -> str:
@@ -301,7 +296,7 @@ def test_a_protocol_4_payload_is_refused_as_foreign_code_in_one_line(saved, tmp_
 def test_every_global_torch_save_writes_into_a_checkpoint_counts_as_data(saved):
     """A failed load is called unsafe as soon as its pickle imports a global outside the data torch.save writes:
     the checkpoints' own globals, and those of the other tensors and values a state may hold, are inside."""
-    from fsdp_utils.checkpoint.format import _holds_only_data, _pickle_of, pickle_globals
+    from fsdp_utils.checkpoint.safe_read import _holds_only_data, _pickle_of, pickle_globals
 
     buf = io.BytesIO()
     torch.save({"bf16": torch.zeros(2, dtype=torch.bfloat16), "fp8": torch.zeros(2, dtype=torch.float8_e4m3fn),
@@ -410,7 +405,7 @@ def test_a_counter_past_2_63_is_never_saved(tmp_path, fmt, field):
     state = TrainState(step=3, samples_seen=24, tokens_seen=192)
     setattr(state, field, 2**63)
     with pytest.raises(CheckpointError) as caught:
-        manager(tmp_path, fmt).save(model, optimizer, state)
+        manager(tmp_path, fmt, Contents(model, optimizer, state)).save()
     final = tmp_path / ("fsdp_cpt3.pth" if fmt == "full" else "fsdp_sharded_cpt3")
     assert one_line(caught.value) == (f"{final}: not saved: train_state.{field} 9223372036854775808 is not an integer "
                                       "from 0 to 2**63-1 (a checkpoint holding it would not load)")
@@ -608,8 +603,66 @@ def test_a_link_inside_a_checkpoint_is_refused_and_left_alone(saved, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == before
 
 
-def test_train_state_keys_are_the_train_state_fields():
-    assert set(TRAIN_STATE_KEYS) == {f.name for f in dataclasses.fields(TrainState)} - {"rng"}
+# ---- the parts of plain data (contents.PLAIN_PARTS) ---------------------------------------------------------
+
+
+class Window:
+    """A part of plain data as a spike skipper's window of recent losses would be: state_dict / load_state_dict."""
+
+    def __init__(self, losses: tuple[float, ...] = ()):
+        self.losses = list(losses)
+
+    def state_dict(self) -> dict:
+        return {"losses": self.losses}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.losses = list(state["losses"])
+
+
+@pytest.fixture
+def window_part(monkeypatch):
+    """PLAIN_PARTS with one more entry, "window", as the checkpoint code and its checks see it."""
+    from fsdp_utils.checkpoint import contents, metadata
+
+    for module in (contents, metadata):
+        monkeypatch.setattr(module, "PLAIN_PARTS", (*contents.PLAIN_PARTS, "window"))
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_new_plain_part_is_one_entry_and_a_checkpoint_without_it_leaves_it_fresh(saved, tmp_path, fmt,
+                                                                                   window_part):
+    out = run_copy(saved, fmt, tmp_path)
+    window = Window((9.0,))
+    run = Contents(*model_and_optimizer(seed=1), window=window)
+    assert manager(out, fmt, run).load("latest").step == 2  # saved before the part existed
+    assert window.losses == [9.0]
+    run.state.advance(samples=8, tokens=64)
+    window.losses = [1.5, 2.5]
+    path = manager(out, fmt, run).save()
+    assert checkpoint_io.read_meta(path)["train_state"]["window"] == {"losses": [1.5, 2.5]}
+    resumed = Window()
+    assert manager(out, fmt, Contents(*model_and_optimizer(seed=1), window=resumed)).load("latest").step == 3
+    assert resumed.losses == [1.5, 2.5]
+    mutate_meta(path, lambda m: m["train_state"].update(window=[1.5]))
+    with pytest.raises(CheckpointCorrupt, match="train_state.window is not a mapping"):
+        checkpoint_io.read_meta(path)
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_the_grad_scaler_is_a_part_of_the_checkpoint(tmp_path, fmt):
+    """The scale is saved with the checkpoint and restored into the resumed run's scaler, the loop doing nothing for
+    it; a run without a scaler saves None there."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    scaler.scale(torch.ones(()))
+    scaler.update(new_scale=1024.0)  # as after backoffs: the value a resume must give back, not the initial one
+    model, optimizer = model_and_optimizer()
+    path = manager(tmp_path, fmt, Contents(model, optimizer, TrainState(step=1), grad_scaler=scaler)).save()
+    assert checkpoint_io.read_meta(path)["train_state"]["grad_scaler"]["scale"] == 1024.0
+    resumed = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    manager(tmp_path, fmt, Contents(*model_and_optimizer(seed=1), grad_scaler=resumed)).load("latest")
+    assert resumed.get_scale() == 1024.0
+    plain = manager(tmp_path / "fp32", fmt, Contents(model, optimizer, TrainState(step=1))).save()
+    assert checkpoint_io.read_meta(plain)["train_state"]["grad_scaler"] is None
 
 
 # ---- what a save replaces or removes: only what the run's saves made ---------------------------
@@ -617,8 +670,8 @@ def test_train_state_keys_are_the_train_state_fields():
 
 def save_step(out: Path, fmt: str, step: int, **kwargs) -> Path:
     model, optimizer = model_and_optimizer()
-    return manager(out, fmt, **kwargs).save(model, optimizer, TrainState(step=step, samples_seen=8 * step,
-                                                                         tokens_seen=64 * step))
+    state = TrainState(step=step, samples_seen=8 * step, tokens_seen=64 * step)
+    return manager(out, fmt, Contents(model, optimizer, state), **kwargs).save()
 
 
 def users_folder(path: Path) -> dict[str, str]:
@@ -749,7 +802,7 @@ def test_resuming_with_another_tokenizer_is_refused_unless_allowed(saved, tmp_pa
 
 def test_a_checkpoint_from_before_tokenizers_were_recorded_still_loads(tmp_path):
     model, optimizer = model_and_optimizer()
-    manager(tmp_path, "sharded", tokenizer_sha256=None).save(model, optimizer, TrainState(step=3))
+    manager(tmp_path, "sharded", Contents(model, optimizer, TrainState(step=3)), tokenizer_sha256=None).save()
     assert "tokenizer_sha256" not in checkpoint_io.read_meta(tmp_path / "fsdp_sharded_cpt3")
     assert load(tmp_path, "sharded").step == 3
 
@@ -763,9 +816,9 @@ def test_a_changed_tokenizer_is_kept_and_each_checkpoint_finds_its_own(tmp_path)
     model, optimizer = model_and_optimizer()
     hash_a, hash_b = (hashlib.sha256(p.read_bytes()).hexdigest() for p in (source_a, source_b))
     checkpoint_io.install_tokenizer(source_a, out)
-    manager(out, "full", tokenizer_sha256=hash_a).save(model, optimizer, TrainState(step=1))
+    manager(out, "full", Contents(model, optimizer, TrainState(step=1)), tokenizer_sha256=hash_a).save()
     checkpoint_io.install_tokenizer(source_b, out)  # a deliberate vocabulary swap
-    manager(out, "full", tokenizer_sha256=hash_b).save(model, optimizer, TrainState(step=2))
+    manager(out, "full", Contents(model, optimizer, TrainState(step=2)), tokenizer_sha256=hash_b).save()
     assert (out / "tokenizer.model").read_bytes() == b"tokenizer B"
     assert (out / f"tokenizer.{hash_a[:8]}.model").read_bytes() == b"tokenizer A"
     for step, expected in ((1, b"tokenizer A"), (2, b"tokenizer B")):
@@ -906,8 +959,7 @@ def test_the_write_check_never_meets_what_is_planted_in_the_output_directory(tmp
     else:
         (out / name).symlink_to(tmp_path / "nothing-yet")
         users = {}
-    model, optimizer = model_and_optimizer()
-    manager(out, "sharded").prepare_saving(model, optimizer)
+    manager(out, "sharded", Contents(*model_and_optimizer())).prepare_saving()
     assert [p.name for p in out.iterdir()] == [name]
     assert unchanged(users) and not (tmp_path / "nothing-yet").exists()
 
@@ -938,7 +990,8 @@ def test_a_background_write_that_stopped_short_says_why(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.distributed.checkpoint, "save", failing_save)
     monkeypatch.setattr(ckpt.background, "_writer", types.SimpleNamespace(group=None))
     ckpt.background._in_flight = _InFlight(tmp_path / ".tmp-fsdp_sharded_cpt5", tmp_path / "fsdp_sharded_cpt5",
-                                           TrainState(step=5), time.perf_counter(), job, staged=None, staged_state={})
+                                           Snapshot(train_state_record(TrainState(step=5)), {"rng": None}),
+                                           time.perf_counter(), job, staged=None, staged_state={})
     with pytest.raises(CheckpointError, match="a full disk, a quota or a file size limit"):
         ckpt.finish()
 

@@ -13,15 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_utils.checkpoint.format import CheckpointError, sidecar_of
-from fsdp_utils.checkpoint.retention import (
-    Journal,
-    apply_retention,
-    complete_checkpoints,
-    move_aside,
-    remove_incomplete,
-)
+from fsdp_utils.checkpoint.errors import CheckpointError
+from fsdp_utils.checkpoint.names import sidecar_of
+from fsdp_utils.checkpoint.retention import apply_retention, complete_checkpoints, move_aside, remove_incomplete
 from model import ModelConfig
+from safe_io.journal import Journal
 from tests.distributed_harness import RankFailed, cpu_env, run_ranks
 
 CONFIG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=16, multiple_of=16)
@@ -180,12 +176,14 @@ def differences(a: dict, b: dict) -> list[str]:
     return diff
 
 
-def new_manager(out: Path, rank: int, world_size: int, fmt: str, **section_fields):
+def new_manager(out: Path, rank: int, world_size: int, fmt: str, model, optimizer, **section_fields):
+    """The manager of checkpoints of `model` and `optimizer` (its train state: manager.contents.state)."""
     from config import CheckpointConfig
-    from fsdp_utils.checkpoint import CheckpointManager
+    from fsdp_utils.checkpoint import CheckpointManager, Contents
 
     section = CheckpointConfig(**{"format": fmt, "keep_last_n": 0, **section_fields})
-    return CheckpointManager(section, out, model_config=dataclasses.asdict(CONFIG), env=cpu_env(rank, world_size))
+    return CheckpointManager(section, out, contents=Contents(model, optimizer), model_config=dataclasses.asdict(CONFIG),
+                             env=cpu_env(rank, world_size))
 
 
 def load_and_compare(out: Path, rank: int, world_size: int, fmt: str, reference: dict, resume_from: str = "latest"):
@@ -193,20 +191,20 @@ def load_and_compare(out: Path, rank: int, world_size: int, fmt: str, reference:
     the RNG stream right after the load)."""
     model, optimizer = build(seed=1)
     torch.manual_seed(1000 + rank)
-    state = new_manager(out, rank, world_size, fmt).load(model, optimizer, resume_from)
+    state = new_manager(out, rank, world_size, fmt, model, optimizer).load(resume_from)
     return state, differences(reference, full_state(model, optimizer)), torch.rand(4)
 
 
 def round_trip(rank: int, world_size: int, *, out: Path, fmt: str, writer: str | None) -> dict:
     """Train a step, save at step 3 (in the background with `writer`), load into another model."""
-    from fsdp_utils.checkpoint import TrainState
-
     model, optimizer = build(seed=0)
     train_step(model, optimizer, rank)
-    manager = new_manager(out, rank, world_size, fmt, async_save=writer is not None, async_writer=writer or "thread")
-    manager.prepare_saving(model, optimizer)
+    manager = new_manager(out, rank, world_size, fmt, model, optimizer, async_save=writer is not None,
+                          async_writer=writer or "thread")
+    manager.prepare_saving()
     reference = full_state(model, optimizer)
-    path = manager.save(model, optimizer, TrainState(step=3, samples_seen=24, tokens_seen=192))
+    manager.contents.state.step, manager.contents.state.samples_seen, manager.contents.state.tokens_seen = 3, 24, 192
+    path = manager.save()
     stream = torch.rand(4)  # the RNG as saved: the load restores it
     in_flight, polls = manager.in_flight, 0
     while manager.in_flight:  # every rank polls as often: each poll agrees on "every write done"
@@ -238,18 +236,19 @@ def test_save_then_load_restores_everything_at_2_ranks(tmp_path, fmt, writer):
 def failing_background_write(rank: int, world_size: int, *, out: Path, faults: dict, on_error: str) -> dict:
     """An asynchronous save of step 2 whose background write fails (tests/fault_injection.py), through
     on_step_end at the interval; then the last step's save."""
-    from fsdp_utils.checkpoint import TrainState
     from tests import fault_injection
 
     fault_injection.install(faults)
     model, optimizer = build(seed=0)
     train_step(model, optimizer, rank)
-    manager = new_manager(out, rank, world_size, "sharded", interval=2, async_save=True, on_async_error=on_error)
-    manager.prepare_saving(model, optimizer)
+    manager = new_manager(out, rank, world_size, "sharded", model, optimizer, interval=2, async_save=True,
+                          on_async_error=on_error)
+    manager.prepare_saving()
     reference = full_state(model, optimizer)
     error = None
     try:
-        manager.on_step_end(model, optimizer, TrainState(step=2), stopping=False, last=False)
+        manager.contents.state.step = 2
+        manager.on_step_end(stopping=False, last=False)
         while manager.in_flight:  # as the loop's next steps would: the failure shows at a poll
             time.sleep(0.05)
             manager.poll()
@@ -260,7 +259,8 @@ def failing_background_write(rank: int, world_size: int, *, out: Path, faults: d
         _, result["diff"], _ = load_and_compare(out, rank, world_size, "sharded", reference)
     after = None
     if error is None:
-        after = manager.on_step_end(model, optimizer, TrainState(step=3), stopping=False, last=True)
+        manager.contents.state.step = 3
+        after = manager.on_step_end(stopping=False, last=True)
     manager.close()
     return {**result, "modes": [row["mode"] for row in manager.stats], "last": after and after.name}
 
@@ -296,16 +296,17 @@ def fallback_and_retention(rank: int, world_size: int, *, out: Path, fmt: str) -
     the next saves (3, then 4 again) count only good checkpoints and never touch the one moved aside."""
     import torch.distributed as dist
 
-    from fsdp_utils.checkpoint import TrainState, io as checkpoint_io
+    from fsdp_utils.checkpoint import io as checkpoint_io
 
     model, optimizer = build(seed=0)
-    manager = new_manager(out, rank, world_size, fmt, keep_last_n=2)
+    manager = new_manager(out, rank, world_size, fmt, model, optimizer, keep_last_n=2)
     reference = None
     for step in (2, 4):
         train_step(model, optimizer, rank)
         if step == 2:
             reference = full_state(model, optimizer)
-        manager.save(model, optimizer, TrainState(step=step))
+        manager.contents.state.step = step
+        manager.save()
     if rank == 0:
         newest = out / ("fsdp_cpt4.pth" if fmt == "full" else "fsdp_sharded_cpt4")
         damaged = newest if fmt == "full" else sorted(newest.glob("*.distcp"))[-1]
@@ -314,9 +315,10 @@ def fallback_and_retention(rank: int, world_size: int, *, out: Path, fmt: str) -
     dist.barrier()
     state, diff, _ = load_and_compare(out, rank, world_size, fmt, reference)
     seen = {"loaded": state.step, "diff": diff, "after_fallback": names(out)}
-    model, optimizer = build(seed=2)
+    manager = new_manager(out, rank, world_size, fmt, *build(seed=2), keep_last_n=2)
     for step in (3, 4):
-        manager.save(model, optimizer, TrainState(step=step))
+        manager.contents.state.step = step
+        manager.save()
         dist.barrier()  # rank 0 applies retention after the save's last collective
         seen[f"after_{step}"] = names(out)
     for _, path in manager.complete_checkpoints():
@@ -347,19 +349,18 @@ class _Lines(logging.Handler):
 
 def step_end_calls(rank: int, world_size: int, *, out: Path, writer: str | None, stop_at: int | None) -> dict:
     """on_step_end at every step of 8 (interval 2, keep_last_n=2), stopping at `stop_at` if given."""
-    from fsdp_utils.checkpoint import TrainState
-
     lines = _Lines()
     logging.getLogger("fsdp_utils.checkpoint").addHandler(lines)
     logging.getLogger("fsdp_utils.checkpoint").setLevel(logging.INFO)
     model, optimizer = build(seed=0)
-    manager = new_manager(out, rank, world_size, "sharded", interval=2, keep_last_n=2, async_save=writer is not None,
-                          async_writer=writer or "thread")
+    manager = new_manager(out, rank, world_size, "sharded", model, optimizer, interval=2, keep_last_n=2,
+                          async_save=writer is not None, async_writer=writer or "thread")
     returned = {}
     for step in range(1, 9):
         train_step(model, optimizer, rank)
         stopping = step == stop_at
-        path = manager.on_step_end(model, optimizer, TrainState(step=step), stopping=stopping, last=step == 8)
+        manager.contents.state.step = step
+        path = manager.on_step_end(stopping=stopping, last=step == 8)
         returned[step] = path and path.name
         if stopping:
             break
@@ -409,12 +410,10 @@ def files_a_save_runs(rank: int, world_size: int, *, out: Path, fmt: str) -> lis
     and prepared beforehand), as sys.setprofile sees the calls."""
     import sys
 
-    from fsdp_utils.checkpoint import TrainState
-
     package = Path(__file__).resolve().parents[1] / "fsdp_utils" / "checkpoint"
-    model, optimizer = build(seed=0)
-    manager = new_manager(out, rank, world_size, fmt, async_save=False)
-    manager.prepare_saving(model, optimizer)
+    manager = new_manager(out, rank, world_size, fmt, *build(seed=0), async_save=False)
+    manager.contents.state.step = 1
+    manager.prepare_saving()
     ran: set[str] = set()
 
     def profile(frame, event, arg):
@@ -423,7 +422,7 @@ def files_a_save_runs(rank: int, world_size: int, *, out: Path, fmt: str) -> lis
 
     sys.setprofile(profile)
     try:
-        manager.save(model, optimizer, TrainState(step=1))
+        manager.save()
     finally:
         sys.setprofile(None)
     manager.close()
@@ -432,9 +431,11 @@ def files_a_save_runs(rank: int, world_size: int, *, out: Path, fmt: str) -> lis
 
 @pytest.mark.slow
 def test_a_synchronous_sharded_save_runs_few_files_of_the_package(tmp_path):
-    """The work of a save stays in a few modules (the manager, the format, the journal and retention, the
-    context): one more file on the path is a file that should not be there."""
+    """The work of a save stays in the modules of its jobs (the manager, with the settling of a background save, the
+    contents, the context and the format, the format's names, checksums and checks, retention): one more file on the
+    path is a file that should not be there."""
     files = run_ranks(files_a_save_runs, world_size=1, out=tmp_path, fmt="sharded")[0]
     assert (tmp_path / "fsdp_sharded_cpt1" / "meta.json").is_file()
     assert "manager.py" in files and "sharded.py" in files
-    assert len(files) <= 6, files
+    assert set(files) <= {"manager.py", "async_save.py", "contents.py", "base.py", "sharded.py", "names.py",
+                          "checksums.py", "metadata.py", "retention.py"}, files

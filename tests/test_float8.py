@@ -426,7 +426,7 @@ def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
     import torch.distributed as dist
 
     from config import CheckpointConfig
-    from fsdp_utils.checkpoint import CheckpointManager, TrainState
+    from fsdp_utils.checkpoint import CheckpointManager, Contents, TrainState
     from fsdp_utils.distributed import DistEnv
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -440,11 +440,12 @@ def test_fp8_all_gather_weights_survive_a_checkpoint_load(tmp_path, fmt):
         assert kind.__module__.startswith("torchao")
         env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
         manager = CheckpointManager(CheckpointConfig(format=fmt, keep_last_n=0), tmp_path,
+                                    contents=Contents(model, optimizer, TrainState(step=1)),
                                     model_config=dataclasses.asdict(model.cfg), env=env)
-        manager.save(model, optimizer, TrainState(step=1))
+        manager.save()
         with torch.no_grad():
             weight.zero_()
-        manager.load(model, optimizer, "latest")
+        manager.load("latest")
         after = model.layers[0].attention.wqkv.weight
         assert after is weight and type(after.to_local()) is kind
         assert torch.equal(after.full_tensor(), saved)

@@ -27,8 +27,10 @@ import torch.distributed as dist
 
 from config import CheckpointConfig, Config, LoggingConfig, save_config
 from fsdp_utils.checkpoint import io as checkpoint_io
-from fsdp_utils.checkpoint.format import CheckpointError, check_structure
-from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
+from fsdp_utils.checkpoint.contents import Contents, TrainState
+from fsdp_utils.checkpoint.errors import CheckpointError
+from fsdp_utils.checkpoint.manager import CheckpointManager
+from fsdp_utils.checkpoint.metadata import check_structure
 from fsdp_utils.guards.run_lock import RunLocked, take_run_lock
 from fsdp_utils.observability.metrics import MetricsWriter
 from fsdp_utils.observability.profiling import MemorySnapshots, StepProfiler
@@ -49,19 +51,18 @@ def process_group():
     dist.destroy_process_group()
 
 
-def manager(out: Path, fmt: str) -> CheckpointManager:
+def manager(out: Path, fmt: str, contents: Contents) -> CheckpointManager:
     section = CheckpointConfig(format=fmt, keep_last_n=0)
-    return CheckpointManager(section, out, env=ENV, model_config=dataclasses.asdict(CONFIG))
+    return CheckpointManager(section, out, env=ENV, contents=contents, model_config=dataclasses.asdict(CONFIG))
 
 
 def save(out: Path, fmt: str, step: int = 1) -> Path:
     model, optimizer = model_and_optimizer()
-    return manager(out, fmt).save(model, optimizer, TrainState(step=step, samples_seen=8 * step))
+    return manager(out, fmt, Contents(model, optimizer, TrainState(step=step, samples_seen=8 * step))).save()
 
 
 def resume(out: Path, fmt: str, resume_from: str) -> None:
-    model, optimizer = model_and_optimizer(seed=1)
-    manager(out, fmt).load(model, optimizer, resume_from)
+    manager(out, fmt, Contents(*model_and_optimizer(seed=1))).load(resume_from)
 
 
 def write_metrics(out: Path) -> None:
@@ -145,8 +146,7 @@ def install_tokenizer(out: Path) -> None:
 
 
 def init_from(out: Path) -> None:
-    model, _ = model_and_optimizer()
-    manager(out, "full").load_weights(model, str(out / "given"))
+    manager(out, "full", Contents(*model_and_optimizer())).load_weights(str(out / "given"))
 
 
 def read_given(out: Path) -> None:
@@ -410,7 +410,7 @@ def test_a_link_swapped_in_at_the_temporary_name_is_never_written_through(tmp_pa
 def test_a_run_that_trained_nothing_removes_the_folder_it_made_and_only_that(tmp_path):
     """What a run wrote into a folder it made (run.lock, the journal, files the journal records) goes with the
     folder. A folder that was there before, or that holds anything else, stays with all it holds."""
-    from fsdp_utils.checkpoint.retention import Journal
+    from safe_io.journal import Journal
 
     made = tmp_path / "made"
     lock = take_run_lock(made, ENV)

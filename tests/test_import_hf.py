@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from config import load_config
-from fsdp_utils.checkpoint.format import CheckpointMismatch
+from fsdp_utils.checkpoint.errors import CheckpointMismatch
 from fsdp_utils.checkpoint.io import load_model
 from model import ModelConfig, Transformer
 from scripts import import_hf

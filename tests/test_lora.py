@@ -15,10 +15,12 @@ import train_fsdp
 from config import CheckpointConfig, ConfigError, ModelSection, load_config
 from config.sections import LoRATarget
 from fsdp_utils.checkpoint import CheckpointMismatch
-from fsdp_utils.checkpoint.base import is_adapter_key
-from fsdp_utils.checkpoint.format import CheckpointError, file_record, sidecar_of, size_of
+from fsdp_utils.checkpoint.checksums import file_record
+from fsdp_utils.checkpoint.contents import Contents, TrainState, is_adapter_key
+from fsdp_utils.checkpoint.errors import CheckpointError
 from fsdp_utils.checkpoint.io import read_meta
-from fsdp_utils.checkpoint.manager import CheckpointManager, TrainState
+from fsdp_utils.checkpoint.manager import CheckpointManager
+from fsdp_utils.checkpoint.names import sidecar_of, size_of
 from fsdp_utils.guards.preemption import StopSignal
 from fsdp_utils.parallel.lora import (
     GROUPS,
@@ -377,17 +379,17 @@ def test_a_lora_checkpoint_far_smaller_than_its_base_resumes_and_generates(tmp_p
     signature = dataclasses.asdict(BIG_BASE)
     record = lora_record(run_cfg, signature, base_dtype=torch.float32)
 
-    def manager() -> CheckpointManager:
+    def manager(contents: Contents) -> CheckpointManager:
         return CheckpointManager(CheckpointConfig(format=fmt, keep_last_n=0), tmp_path, env=world_of_one,
-                                 model_config=signature, lora=record)
+                                 contents=contents, model_config=signature, lora=record)
 
     trained, optimizer = _seeded_lora_model(run_cfg.run.seed, steps=3)
-    path = manager().save(trained, optimizer, TrainState(step=3, samples_seen=6))
+    path = manager(Contents(trained, optimizer, TrainState(step=3, samples_seen=6))).save()
     assert size_of(path) * 10 < BIG_BASE.num_params() * 2, size_of(path)  # the premise: a small fraction
 
     # Resumed (`latest`, as Ctrl-C, preemption and elastic restarts do) into a fresh model and optimizer.
     fresh, fresh_optimizer = _seeded_lora_model(run_cfg.run.seed, steps=0)
-    assert manager().load(fresh, fresh_optimizer, "latest").step == 3
+    assert manager(Contents(fresh, fresh_optimizer)).load("latest").step == 3
     for (name, want), got in zip(trained.named_parameters(), fresh.parameters(), strict=True):
         assert torch.equal(got, want), name
     saved_moments = [s["exp_avg"] for s in optimizer.state.values()]
@@ -409,9 +411,10 @@ def test_a_forged_lora_config_cannot_make_generate_build_an_enormous_base(tmp_pa
     run_cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", SMALL_ADAPTERS)
     signature = dataclasses.asdict(BIG_BASE)
     model, optimizer = _seeded_lora_model(run_cfg.run.seed, steps=1)
-    path = CheckpointManager(CheckpointConfig(format="full"), tmp_path, env=world_of_one, model_config=signature,
-                             lora=lora_record(run_cfg, signature, base_dtype=torch.float32)).save(
-        model, optimizer, TrainState(step=1, samples_seen=2))
+    path = CheckpointManager(CheckpointConfig(format="full"), tmp_path, env=world_of_one,
+                             contents=Contents(model, optimizer, TrainState(step=1, samples_seen=2)),
+                             model_config=signature, lora=lora_record(run_cfg, signature, base_dtype=torch.float32)
+                             ).save()
     payload = torch.load(path, weights_only=True)
     forged = {**signature, "dim": 4096, "n_layers": 4096, "n_heads": 32, "n_kv_heads": 8}
     payload["model_config"] = forged
@@ -461,14 +464,15 @@ def test_a_lora_base_from_a_checkpoint_is_bounded_by_that_checkpoint(tmp_path, w
     base_model.init_weights(7)
     signature = dataclasses.asdict(BIG_BASE)
     base = CheckpointManager(CheckpointConfig(format="full"), tmp_path / "base", env=world_of_one,
-                             model_config=signature).save(
-        base_model, torch.optim.AdamW(base_model.parameters()), TrainState(step=0))
+                             contents=Contents(base_model, torch.optim.AdamW(base_model.parameters())),
+                             model_config=signature).save()
     run_cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml", [*SMALL_ADAPTERS, f"--model.init_from={base}"])
     model, optimizer = _seeded_lora_model(run_cfg.run.seed, steps=2)
     model.load_state_dict(base_model.state_dict(), strict=False)  # the adapters, over the checkpoint's base
     path = CheckpointManager(CheckpointConfig(format="full"), tmp_path / "lora", env=world_of_one,
+                             contents=Contents(model, optimizer, TrainState(step=2, samples_seen=4)),
                              model_config=signature, lora=lora_record(run_cfg, signature, base_dtype=torch.float32)
-                             ).save(model, optimizer, TrainState(step=2, samples_seen=4))
+                             ).save()
     loaded, _ = generate.load_for_generation(path, read_meta(path), device=torch.device("cpu"), base=None)
     tokens = torch.randint(0, BIG_BASE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

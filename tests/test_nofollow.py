@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from data import DataError, PrepareSettings, load_prepared, prepare_data
-from fsdp_utils.checkpoint.format import install_full, save_with_checksum, write_record
+from fsdp_utils.checkpoint.checksums import install_full, save_with_checksum, write_record
 from safe_io import nofollow
 from scripts import prepare_data as prepare_script
 from tests.helpers import ROOT, failing_after

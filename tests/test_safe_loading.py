@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_utils.checkpoint.format import META_NAME, file_record, sidecar_of, with_meta_crc32
+from fsdp_utils.checkpoint.checksums import file_record, with_meta_crc32
+from fsdp_utils.checkpoint.names import META_NAME, sidecar_of
 from scripts import convert_checkpoint, export_hf, generate
 from tests.helpers import run_train
 

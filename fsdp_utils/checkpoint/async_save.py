@@ -31,15 +31,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from ..distributed import agree, barrier
 from ..host_memory import HostMemory, format_size, host_memory
-from .base import TrainState, gather_rng, quiet_state_dict_warnings, state_dict_options, write_cause
-from .format import CheckpointError, first_line, hash_own_files
+from .base import write_cause
+from .checksums import hash_own_files
+from .contents import Contents, Snapshot, quiet_state_dict_warnings
+from .errors import CheckpointError, first_line
 from .retention import remove
 from .sharded import ShardedCheckpoint
-from .staging import HostStaging, StageStats, arena_bytes, live_storages, storage_tensors, trainable_parameters
+from .staging import HostStaging, StageStats, arena_bytes, live_storages
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class _InFlight:
 
     tmp: Path
     final: Path
-    state: TrainState  # a copy taken when the save started: the loop goes on changing its own
+    snapshot: Snapshot  # taken when the save started: the loop goes on changing its state
     start: float
     job: concurrent.futures.Future  # (this rank's checksum records, seconds) once the write is done
     staged: StageStats
@@ -172,7 +173,7 @@ class AsyncSaver:
         return self._in_flight is not None
 
     # ---- the start of the run ------------------------------------------------------------------
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def prepare(self, contents: Contents) -> None:
         """Collective, once before the first save: start the writer, check that the node's host memory (and
         /dev/shm for the process writer) holds what sharded saves stage there, reserve the staging arena and
         stage this very state dict once (a state the staging cannot copy turns asynchronous saves off, with
@@ -180,6 +181,7 @@ class AsyncSaver:
         if self.enabled:
             self._writer = BackgroundWriter(writer=self.writer_kind, timeout_s=self.timeout_s)
             self._staging = HostStaging(pin=self.env.device.type == "cuda", share=self._writer.writer == "process")
+        model, optimizer = contents.model, contents.optimizer
         offload = self.context.offload(model)
         if self.context.fmt != "sharded" or not (self.enabled or offload):
             return
@@ -197,7 +199,7 @@ class AsyncSaver:
         # The arena holds copies of whatever may be live training state. FSDP1 on GPUs makes its pieces
         # on the host for each save (see CheckpointContext.offload), so there only the process writer needs it.
         if self.enabled:
-            self._try_staging(model, optimizer, reserve=arena_bytes(model, optimizer) if share or not offload else None)
+            self._try_staging(contents, reserve=arena_bytes(model, optimizer) if share or not offload else None)
 
     def _reserve(self, staging: HostStaging, nbytes: int) -> AsyncSaveFailed | None:
         """Allocate the staging arena; the failure of a host that cannot give it (/dev/shm full, a file size
@@ -212,30 +214,21 @@ class AsyncSaver:
                      seconds)
         return None
 
-    def _try_staging(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, reserve: int | None) -> None:
-        """Reserve the arena (`reserve` bytes, None: none) and stage this run's state dict once, as a save will.
-        Before the first optimizer step the optimizer holds no state: one moment-like tensor (zeros_like of a
-        parameter, as AdamW makes them) per kind of parameter stands in for it, so a tensor kind the staging
-        cannot copy shows now too. Any failure turns asynchronous saves off, on every rank."""
+    def _try_staging(self, contents: Contents, *, reserve: int | None) -> None:
+        """Reserve the arena (`reserve` bytes, None: none) and stage this run's state dict once, as a save will
+        (before the first optimizer step with a stand-in for the optimizer's state: contents.OptimizerPart.take), so
+        that a tensor kind the staging cannot copy shows now. Any failure turns asynchronous saves off, on every
+        rank."""
         staging = self._staging
         assert staging is not None, "prepare() makes the staging of asynchronous saves"
         error = self._reserve(staging, reserve) if reserve is not None else None
-        with quiet_state_dict_warnings():
-            options = state_dict_options(model, cpu_offload=self.context.offload(model))
-            if optimizer.state:  # resumed
-                model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-            else:  # get_state_dict would initialise the optimizer's state with a step, and change the training
-                model_sd = get_model_state_dict(model, options=options)
-                kinds: dict[tuple, tuple] = {}
-                for name, p in trainable_parameters(model):
-                    kinds.setdefault(tuple(type(t).__name__ for t in (p, *storage_tensors(p))), (name, p))
-                optim_sd = {"state": {name: {"exp_avg": torch.zeros_like(p.detach())} for name, p in kinds.values()}}
-            try:
-                if error is None:  # the state dict above is a collective: every rank takes it either way
-                    staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
-            except Exception as err:
-                error = AsyncSaveFailed(first_line(err))
-        del model_sd, optim_sd
+        tensors = self.sharded.tensors(contents, trial=True)
+        try:
+            if error is None:  # the state dict above is a collective: every rank takes it either way
+                staging.stage(tensors, live=live_storages(contents.model, contents.optimizer))
+        except Exception as err:
+            error = AsyncSaveFailed(first_line(err))
+        del tensors
         try:
             agree(self.env, error)
         except AsyncSaveFailed as err:
@@ -250,26 +243,26 @@ class AsyncSaver:
                      format_size(staging.last.copied))
 
     # ---- saving --------------------------------------------------------------------------------
-    def start(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
-        """Collective: stage the checkpoint of state.step in host memory and start its background write;
+    def start(self, contents: Contents) -> Path:
+        """Collective: stage the checkpoint of contents.state.step in host memory and start its background write;
         AsyncSaveFailed (every rank) if it cannot be staged or started."""
         staging, writer = self._staging, self._writer
         assert staging is not None and writer is not None, "prepare() makes them when asynchronous saves are on"
         self.settle()  # the previous save, before this one starts (at most one in flight)
         start = time.perf_counter()
-        snapshot = dataclasses.replace(state, rng=gather_rng(self.env))
+        snapshot = contents.snapshot(self.env)
         self.context.begin_save()
-        final = self.sharded.path_of(state.step)
+        final = self.sharded.path_of(snapshot.step)
         tmp = self.sharded.make_tmp(final)
         error, staged = None, {}
         with quiet_state_dict_warnings():
-            model_sd, optim_sd = self.sharded.state_dicts(model, optimizer)
-            self.context.check_space(final, (model_sd, optim_sd))
+            tensors = self.sharded.tensors(contents)
+            self.context.check_space(final, tensors)
             try:
-                staged = staging.stage({"model": model_sd, "optimizer": optim_sd}, live=live_storages(model, optimizer))
+                staged = staging.stage(tensors, live=live_storages(contents.model, contents.optimizer))
             except Exception as err:  # host memory could not be had, a tensor this staging cannot copy, ...
                 error = AsyncSaveFailed(f"{final}: cannot stage the checkpoint in host memory ({first_line(err)})")
-        del model_sd, optim_sd
+        del tensors
         if error is not None and self.env.is_main:
             remove(self.context.journal, tmp)
         agree(self.env, error)
@@ -358,7 +351,7 @@ class AsyncSaver:
         except CheckpointError as err:
             self._recover(flight, str(err), last=last)
             return
-        self.sharded.commit(flight.final, flight.state, start=flight.start, hashed=hashed, mode=None)
+        self.sharded.commit(flight.final, flight.snapshot, start=flight.start, hashed=hashed, mode=None)
         now = time.perf_counter()
         flight.blocked += now - begin
         row = {"name": flight.final.name, "mode": "async", "blocked_s": flight.blocked, "total_s": now - flight.start,
@@ -384,7 +377,7 @@ class AsyncSaver:
         try:
             start = time.perf_counter()
             self.sharded.write(flight.staged_state, flight.final, process_group=writer.group)
-            self.sharded.commit(flight.final, flight.state, start=start, mode="sync-retry")
+            self.sharded.commit(flight.final, flight.snapshot, start=start, mode="sync-retry")
             return
         except CheckpointError as err:
             error = f"{error}; the synchronous retry failed too ({err})"

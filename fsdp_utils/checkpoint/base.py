@@ -1,17 +1,12 @@
-"""What both checkpoint formats share: the training state saved next to model and optimizer, the run's
-checkpoint settings (`CheckpointContext`) with the collective steps around every save and load (the
-disk-space check, the end of a save, the model and tokenizer checks), and the interface the manager
-calls (`CheckpointFormat`)."""
+"""What both checkpoint formats share: the run's checkpoint settings (`CheckpointContext`) with the collective steps
+around every save and load (the disk-space check, the end of a save, the model and tokenizer checks), the metadata
+every checkpoint records, and the interface the manager calls (`CheckpointFormat`)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import re
 import shutil
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,74 +19,16 @@ from torch.distributed.tensor import DTensor
 from model import ModelConfig
 from model.config import ROPE_SCALING_FIELDS
 from safe_io import nofollow
+from safe_io.journal import Journal
 
 from ..distributed import DistEnv, agree, barrier
-from .format import (
-    FORMAT_VERSION,
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointMismatch,
-    first_line,
-    size_of,
-    train_state_problem,
-)
+from .contents import Contents, Snapshot, has_frozen, plain_name, state_dict_options
+from .errors import CheckpointError, CheckpointMismatch, first_line
 from .io import model_config_of
-from .retention import Journal, apply_retention, complete_checkpoints, remove_incomplete
+from .names import FORMAT_VERSION, size_of
+from .retention import apply_retention, complete_checkpoints, remove_incomplete
 
 log = logging.getLogger(__name__)
-
-# Module names that wrappers insert into parameter names; checkpoints hold the plain model's names.
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Everything besides model and optimizer that an exact resume needs, as plain data."""
-
-    step: int = 0  # optimizer steps taken
-    samples_seen: int = 0  # global sample index of the next batch (the data position)
-    tokens_seen: int = 0
-    grad_scaler: dict | None = None
-    lr: float | None = None  # the learning rate of the last step taken: a resume checks the schedule continues
-    max_steps: int = 0  # the run's length, decided once (train/resume.py run_length): a resume keeps it
-    epochs: float | None = None  # the train.epochs counted into max_steps; None: train.max_steps gave it
-    rng: list | None = None  # per rank: {"cpu": ByteTensor, "cuda": ByteTensor | None}
-
-    def advance(self, *, samples: int, tokens: int) -> None:
-        """One optimizer step taken, on a global batch of `samples` sequences holding `tokens` tokens."""
-        self.step += 1
-        self.samples_seen += samples
-        self.tokens_seen += tokens
-
-    def plain(self) -> dict:
-        """The state as a checkpoint's metadata records it (train_state): everything but the RNG states."""
-        plain = dataclasses.asdict(self)
-        plain.pop("rng")
-        return plain
-
-    def problem(self) -> str | None:
-        """What no checkpoint may hold (a counter outside 0 to 2**63-1, which every reader refuses), or None."""
-        return train_state_problem(self.plain())
-
-
-def is_adapter_key(name: str) -> bool:
-    """A LoRA adapter's tensor (parallel/lora.py puts each under a `lora` child of its layer): a base
-    checkpoint (model.init_from) does not hold it."""
-    return ".lora." in f".{name}"
-
-
-@contextlib.contextmanager
-def quiet_state_dict_warnings() -> Iterator[None]:
-    """FSDP1's state dicts warn on every call, at every save and load: the sharded one (ShardedTensor)
-    that ShardedTensor is deprecated and that `_get_pg_default_device` will be, and at world size 1 that
-    NO_SHARD returns full state dicts. Torch's internals, nothing a user can act on."""
-    with warnings.catch_warnings():
-        for message in ("Please use DTensor instead", "`_get_pg_default_device` will be deprecated",
-                        "Multiple backends are registered with this ProcessGroup",
-                        # The prefix common to "will be" and "willbe", both spellings torch has used.
-                        "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will"):
-            warnings.filterwarnings("ignore", message=re.escape(message))
-        yield
 
 
 def write_cause(err: BaseException) -> str:
@@ -122,42 +59,6 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _param_group_fqns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Parameter names of each optimizer group, without wrapper prefixes (as in the state dicts)."""
-    names = {id(param): _plain_name(name) for name, param in model.named_parameters()}
-    return [[names.get(id(p), "?") for p in group["params"]] for group in optimizer.param_groups]
-
-
-def check_param_groups(saved_optim_sd: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       path: Path) -> None:
-    """The checkpoint's optimizer groups hold the same parameters as this optimizer's: torch would
-    otherwise load mismatched groups without a word and fail (or train wrongly) at the first step."""
-    try:
-        saved = [list(group["params"]) for group in saved_optim_sd["param_groups"]]
-    except (KeyError, TypeError):
-        raise CheckpointCorrupt(f"{path}: the optimizer state has no parameter groups") from None
-    here = _param_group_fqns(model, optimizer)
-    if saved != here:
-        sizes = lambda groups: "/".join(str(len(g)) for g in groups)  # noqa: E731
-        raise CheckpointMismatch(
-            f"{path}: the optimizer's parameter groups differ from the checkpoint's ({sizes(here)} parameters "
-            f"per group here, {sizes(saved)} in the checkpoint): saved by a different optimizer setup")
-
-
-def _plain_name(name: str) -> str:
-    return ".".join(p for p in name.split(".") if p not in WRAPPER_PREFIXES)
-
-
-def has_frozen(model: torch.nn.Module) -> bool:
-    """Whether some parameters do not train (a LoRA run's base): checkpoints then hold only the others."""
-    return any(not p.requires_grad for p in model.parameters())
-
-
-def frozen_names(model: torch.nn.Module) -> set[str]:
-    """The names of the parameters that do not train, as state dicts name them (no wrapper prefixes)."""
-    return {_plain_name(name) for name, p in model.named_parameters() if not p.requires_grad}
-
-
 def full_save_options(model: torch.nn.Module, *, on_gpu: bool) -> tuple[StateDictOptions, list[str]]:
     """The options of a full state dict gathered to rank 0 (on GPUs through host memory), and the names of the
     frozen parameters the caller drops from it itself ([] when torch does).
@@ -169,48 +70,8 @@ def full_save_options(model: torch.nn.Module, *, on_gpu: bool) -> tuple[StateDic
     options = state_dict_options(model, full_state_dict=True, cpu_offload=on_gpu)
     if not (on_gpu and isinstance(model, FullyShardedDataParallel) and has_frozen(model)):
         return options, []
-    frozen = [_plain_name(name) for name, p in model.named_parameters() if not p.requires_grad]
+    frozen = [plain_name(name) for name, p in model.named_parameters() if not p.requires_grad]
     return dataclasses.replace(options, ignore_frozen_params=False), frozen
-
-
-def state_dict_options(model: torch.nn.Module, **kwargs: Any) -> StateDictOptions:
-    """The options of every state dict a checkpoint saves or loads: frozen parameters (a LoRA run's base,
-    which the run loads from its own source) are left out, and loading is strict about the others
-    (check_loaded; torch's strict mode would ask for the frozen ones too)."""
-    return StateDictOptions(ignore_frozen_params=True, strict=not has_frozen(model), **kwargs)
-
-
-def check_loaded(result: Any, model: torch.nn.Module, path: Path) -> None:
-    """After a non-strict load (a model with frozen parameters): every trainable tensor came from the
-    checkpoint, and the checkpoint held nothing else."""
-    if result is None:
-        return
-    frozen = frozen_names(model)
-    missing = [k for k in getattr(result, "missing_keys", []) if _plain_name(k) not in frozen]
-    unexpected = list(getattr(result, "unexpected_keys", []))
-    if missing or unexpected:
-        what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
-        raise CheckpointMismatch(f"{path}: does not fit this model ({what})")
-
-
-def _rng_state(device: torch.device) -> dict:
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def gather_rng(env: DistEnv) -> list:
-    """Every rank's RNG states, on every rank (a collective)."""
-    states: list = [None] * env.world_size
-    dist.all_gather_object(states, _rng_state(env.device))
-    return states
-
-
-def restore_rng(states: list | None, env: DistEnv) -> None:
-    # A run resumed on a different world size has no saved state for the new ranks: they keep their seed.
-    if not states or env.rank >= len(states):
-        return
-    torch.set_rng_state(states[env.rank]["cpu"])
-    if env.device.type == "cuda" and states[env.rank]["cuda"] is not None:
-        torch.cuda.set_rng_state(states[env.rank]["cuda"], env.device)
 
 
 def _model_kind(model_config: dict) -> str:
@@ -256,12 +117,12 @@ class CheckpointContext:
         the live sharded tensors (no copies): nothing to offload."""
         return self.env.device.type == "cuda" and bool(FullyShardedDataParallel.fsdp_modules(model))
 
-    def metadata(self, state: TrainState) -> dict:
-        plain = state.plain()
+    def metadata(self, snapshot: Snapshot) -> dict:
+        """What a checkpoint records besides its parts' states (a sharded one's meta.json, less its files)."""
         tokenizer = {"tokenizer_sha256": self.tokenizer_sha256} if self.tokenizer_sha256 else {}
         lora = {"lora": self.lora} if self.lora else {}
         return {"format_version": FORMAT_VERSION, "world_size": self.env.world_size, "model_config": self.model_config,
-                "train_state": plain, **tokenizer, **lora}
+                "train_state": snapshot.train_state, **tokenizer, **lora}
 
     def begin_save(self) -> None:
         """Collective, before a save writes: rank 0 makes the folder and removes what interrupted saves left."""
@@ -274,7 +135,7 @@ class CheckpointContext:
                 error = CheckpointError(str(err) if isinstance(err, nofollow.UnsafePath) else first_line(err))
         agree(self.env, error)
 
-    def check_space(self, final: Path, state_dicts: tuple | None, *, estimate: int | None = None) -> None:
+    def check_space(self, final: Path, state_dicts: dict | None, *, estimate: int | None = None) -> None:
         """Collective: stop before writing when the checkpoint `final` will not fit on the disk: a write that fails
         half-way costs the time of writing it, and a full disk hurts everything else writing there. At the
         start of the run (`estimate`: this rank's share of the state, as state_bytes counts it; `final`: the output
@@ -406,16 +267,16 @@ class CheckpointFormat:
     def path_of(self, step: int) -> Path:
         raise NotImplementedError
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
-             start: float) -> Path:
-        """Write and commit the checkpoint of state.step (state.rng already gathered); `start`: when the
-        save began, for its duration."""
+    def save(self, contents: Contents, snapshot: Snapshot, *, start: float) -> Path:
+        """Write and commit the checkpoint of `contents` at snapshot.step (`snapshot` taken); `start`: when the save
+        began, for its duration."""
         raise NotImplementedError
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> tuple[dict, list | None]:
-        """Restore model and optimizer from `path` (already checked); returns its metadata and RNG states."""
+    def load(self, contents: Contents, path: Path) -> tuple[dict, dict]:
+        """Restore the tensor parts of `contents` from `path` (already checked); returns its metadata and its per-rank
+        parts (contents.Contents.restore_plain restores those and the train state)."""
         raise NotImplementedError
 
-    def load_weights(self, model: torch.nn.Module, path: Path) -> dict:
+    def load_weights(self, contents: Contents, path: Path) -> dict:
         """Only the model's weights from `path` (already checked; model.init_from); returns its metadata."""
         raise NotImplementedError

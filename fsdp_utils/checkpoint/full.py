@@ -5,39 +5,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from safe_io.journal import TMP_PREFIX, Journal
 
 from ..distributed import agree
-from .base import (
-    CheckpointFormat,
-    TrainState,
-    check_loaded,
-    check_param_groups,
-    full_save_options,
-    is_adapter_key,
-    quiet_state_dict_warnings,
-    state_dict_options,
-    write_error,
-)
-from .format import (
-    FULL_PAYLOAD_KEYS,
-    TMP_PREFIX,
-    CheckpointMismatch,
-    checksum_record,
-    first_line,
-    full_name,
-    load_full,
-    sidecar_of,
-    write_checksummed,
-    write_json_to,
-)
-from .retention import Journal, remove
+from .base import CheckpointFormat, full_save_options, write_error
+from .checksums import checksum_record, write_checksummed, write_json_to
+from .contents import MODEL, Contents, Snapshot, full_payload, parts_of, state_dict_options
+from .errors import first_line
+from .names import full_name, sidecar_of
+from .retention import remove
+from .safe_read import load_full
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +44,20 @@ class FullCheckpoint(CheckpointFormat):
     def path_of(self, step: int) -> Path:
         return self.context.dir / full_name(step)
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
-             start: float) -> Path:
+    def save(self, contents: Contents, snapshot: Snapshot, *, start: float) -> Path:
         # Gather to rank 0 on the CPU: no GPU memory spike, no other rank holds a copy. On the CPU the
         # tensors are already in host memory (and FSDP1's offload path fails there), so no offload.
-        options, frozen = full_save_options(model, on_gpu=self.env.device.type == "cuda")
-        with quiet_state_dict_warnings():
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        options, frozen = full_save_options(contents.model, on_gpu=self.env.device.type == "cuda")
+        tensors = contents.take_tensors(options)
         for name in frozen:
-            model_sd.pop(name, None)
-        final = self.path_of(state.step)
-        self.context.check_space(final, (model_sd, optim_sd))
+            tensors[MODEL].pop(name, None)
+        final = self.path_of(snapshot.step)
+        self.context.check_space(final, tensors)
         tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
         error, record, crc_s = None, None, 0.0
         journal = self.context.journal
         if self.env.is_main:
-            payload = {"model": model_sd, "optimizer": optim_sd, "rng": state.rng, **self.context.metadata(state)}
+            payload = full_payload(tensors, snapshot.per_rank, self.context.metadata(snapshot))
             try:
                 record, crc_s = journal.write_file(tmp, lambda f: write_checksummed(payload, f))
             except Exception as err:  # disk full, quota, I/O error: agreed with the other ranks below
@@ -111,44 +86,14 @@ class FullCheckpoint(CheckpointFormat):
         self.context.end_save(final, start=start, crc_s=crc_s)
         return final
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> tuple[dict, list | None]:
-        payload = load_full(path)
-        meta = {k: v for k, v in payload.items() if k not in FULL_PAYLOAD_KEYS}
+    def load(self, contents: Contents, path: Path) -> tuple[dict, dict]:
+        tensors, per_rank, meta = parts_of(load_full(path))
         self.context.check_model(meta, path)
-        check_param_groups(payload["optimizer"], model, optimizer, path)
-        if not payload["optimizer"].get("state"):  # no step taken yet (scripts/import_hf.py): a fresh optimizer
-            self._set_model(model, payload["model"], path)
-            return meta, payload.get("rng")
-        try:
-            with quiet_state_dict_warnings():
-                loaded = set_state_dict(model, optimizer, model_state_dict=payload["model"],
-                                        optim_state_dict=payload["optimizer"],
-                                        options=state_dict_options(model, full_state_dict=True))
-        except Exception as err:  # readable, but not this model's (missing or extra tensors)
-            raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
-        check_loaded(loaded, model, path)
-        return meta, payload.get("rng")
+        contents.restore_tensors(tensors, state_dict_options(contents.model, full_state_dict=True), path)
+        return meta, per_rank
 
-    def load_weights(self, model: torch.nn.Module, path: Path) -> dict:
-        payload = load_full(path)
-        meta = {k: v for k, v in payload.items() if k not in FULL_PAYLOAD_KEYS}
+    def load_weights(self, contents: Contents, path: Path) -> dict:
+        tensors, _, meta = parts_of(load_full(path))
         self.context.check_weights(meta, path)
-        try:
-            with quiet_state_dict_warnings():
-                result = set_model_state_dict(model, payload["model"],
-                                              options=StateDictOptions(full_state_dict=True, strict=False))
-        except Exception as err:  # readable, but not this model's (other shapes)
-            raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
-        missing = [k for k in result.missing_keys if not is_adapter_key(k)]  # LoRA's adapters start fresh
-        if missing or result.unexpected_keys:
-            raise CheckpointMismatch(f"{path}: does not fit this model (missing {missing[:3]}, unexpected "
-                                     f"{list(result.unexpected_keys)[:3]})")
+        contents.model_part.restore_weights(tensors[MODEL], path, full=True)
         return meta
-
-    @staticmethod
-    def _set_model(model: torch.nn.Module, state_dict: dict, path: Path) -> None:
-        try:
-            with quiet_state_dict_warnings():
-                set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
-        except Exception as err:  # readable, but not this model's (missing or extra tensors, other shapes)
-            raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None

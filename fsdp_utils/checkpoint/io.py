@@ -25,24 +25,14 @@ from config.model_checks import model_problems
 from data.store import HF_TOKENIZER_NAME, tokenizer_sha256
 from model import ModelConfig, Transformer
 from safe_io import nofollow
+from safe_io.journal import TMP_PREFIX, Journal
 
 from ..host_memory import format_size, host_memory
-from .format import (
-    META_KEYS,
-    OPTIONAL_META_KEYS,
-    TMP_PREFIX,
-    CheckpointCorrupt,
-    CheckpointError,
-    check_archive,
-    check_file,
-    checksum_records,
-    dcp_load,
-    first_line,
-    load_full,
-    read_dcp_metadata,
-    read_sharded_meta,
-)
-from .retention import Journal
+from .checksums import check_archive, check_file
+from .contents import MODEL, parts_of
+from .errors import CheckpointCorrupt, CheckpointError, first_line
+from .metadata import check_structure, read_sharded_meta
+from .safe_read import dcp_load, load_full, read_dcp_metadata
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +75,10 @@ def held_weights(path: Path) -> int:
     the data the file holds for it)."""
     if path.is_dir():
         entries = read_dcp_metadata(path / ".metadata").state_dict_metadata.items()
-        shapes = [m.size for name, m in entries if name.startswith("model.") and isinstance(m, TensorStorageMetadata)]
+        shapes = [m.size for name, m in entries
+                  if name.startswith(f"{MODEL}.") and isinstance(m, TensorStorageMetadata)]
     else:
-        shapes = [t.shape for t in load_full(path)["model"].values() if isinstance(t, torch.Tensor)]
+        shapes = [t.shape for t in load_full(path)[MODEL].values() if isinstance(t, torch.Tensor)]
     return sum(math.prod(shape) for shape in shapes)
 
 
@@ -106,19 +97,16 @@ def read_meta(path: str | Path) -> dict:
     For a full checkpoint this maps the file (mmap), so it is cheap even for large ones.
     """
     path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
     if path.is_dir():
         return read_sharded_meta(path)
-    payload = load_full(path)
-    return {k: payload[k] for k in (*META_KEYS, *OPTIONAL_META_KEYS) if k in payload}
+    return parts_of(load_full(path))[2]
 
 
 def verify(path: str | Path) -> None:
     """Check every file of a checkpoint against its recorded size and CRC32 (a full file copied without its
     checksum record: against the CRC32s of its archive); CheckpointCorrupt naming the first file that differs."""
     path = Path(path)
-    records = checksum_records(path)
+    records = check_structure(path)
     if records is None and (problem := check_archive(path)[1]):
         raise CheckpointCorrupt(problem)
     folder = path if path.is_dir() else path.parent
@@ -142,10 +130,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple
     model.to_empty(device="cpu")  # no random init: every weight is overwritten below
     model.reset_buffers()
     if path.is_dir():
-        dcp_load({"model": model.state_dict()}, path, no_dist=True)  # in place; reads only the model's tensors
+        dcp_load({MODEL: model.state_dict()}, path, no_dist=True)  # in place; reads only the model's tensors
     else:
         try:
-            model.load_state_dict(load_full(path)["model"], strict=True)
+            model.load_state_dict(load_full(path)[MODEL], strict=True)
         except RuntimeError as err:  # missing or extra tensors, wrong shapes
             raise CheckpointError(
                 f"{path}: does not fit the model its model_config describes ({first_line(err)})") from None

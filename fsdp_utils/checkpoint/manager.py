@@ -1,8 +1,9 @@
 """The checkpoint manager: what the training loop calls. Saving in one format (full.py or sharded.py),
 synchronously or in the background (async_save.py), at the configured interval, at a stop signal and at
-the last step (`on_step_end`); resuming from a path or `latest`. The format on disk, its checksums, its safe
-reading and its error types live in format.py; the journal of the run's own files, listing, retention and
-quarantine in retention.py.
+the last step (`on_step_end`); resuming from a path or `latest`. What a checkpoint holds is the run's `Contents`
+(contents.py), which the manager is given; the names on disk live in names.py, the checksums in checksums.py, the
+metadata checks in metadata.py, the safe reading in safe_read.py, the error types in errors.py; listing, retention
+and quarantine in retention.py.
 
 Every rank calls every method: state dicts, DCP reads and writes and the checks around them are
 collectives, and every rank reaches the same outcome (an error on one rank is raised on all).
@@ -23,27 +24,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from safe_io import nofollow
+from safe_io.journal import TMP_PREFIX
 
 from ..distributed import DistEnv, agree, barrier
 from .async_save import AsyncSaveFailed, AsyncSaver, resolve_async_save
-from .base import CheckpointContext, CheckpointFormat, TrainState, gather_rng, restore_rng
-from .format import (
-    META_CRC_KEY,
-    META_NAME,
-    TMP_PREFIX,
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointMismatch,
-    CheckpointUnsafe,
-    check_structure,
-    first_line,
-    size_of,
-    verify,
-)
+from .base import CheckpointContext, CheckpointFormat
+from .checksums import META_CRC_KEY, verify
+from .contents import Contents, TrainState
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointUnsafe, first_line
 from .full import FullCheckpoint
+from .metadata import check_structure, train_state_problem
+from .names import META_NAME, size_of
 from .retention import complete_checkpoints, incomplete_sharded, move_aside, odd_checkpoints
 from .sharded import ShardedCheckpoint
 from .staging import state_bytes
@@ -51,7 +43,7 @@ from .staging import state_bytes
 if TYPE_CHECKING:
     from config import CheckpointConfig
 
-__all__ = ["AsyncSaveFailed", "CheckpointManager", "TrainState"]
+__all__ = ["AsyncSaveFailed", "CheckpointManager", "Contents", "TrainState"]
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +65,18 @@ def newer_work(resume_from: Path, step: int, directory: Path) -> str | None:
 
 
 class CheckpointManager:
-    """The run's checkpoints as the `checkpoint` config section describes them (format, interval, retention,
-    verification, asynchronous saves, tokenizer changes), in `output_dir`. The rest is what the section
-    cannot know: the ranks (`env`), the model's signature (`model_config`), the tokenizer's hash, the LoRA
-    record and the process group's timeout (run.timeout_s), which bounds a background write."""
+    """The run's checkpoints of `contents` (its model, optimizer, train state and the other parts: contents.py) as the
+    `checkpoint` config section describes them (format, interval, retention, verification, asynchronous saves,
+    tokenizer changes), in `output_dir`. The rest is what the section cannot know: the ranks (`env`), the model's
+    signature (`model_config`), the tokenizer's hash, the LoRA record and the process group's timeout (run.timeout_s),
+    which bounds a background write."""
 
-    def __init__(self, section: CheckpointConfig, output_dir: Path, *, env: DistEnv, model_config: dict,
-                 timeout_s: float = 600, tokenizer_sha256: str | None = None, lora: dict | None = None):
+    def __init__(self, section: CheckpointConfig, output_dir: Path, *, env: DistEnv, contents: Contents,
+                 model_config: dict, timeout_s: float = 600, tokenizer_sha256: str | None = None,
+                 lora: dict | None = None):
         self.dir = Path(output_dir)
         self.env = env
+        self.contents = contents
         self.interval = section.interval  # save every `interval` steps (0: only at a stop signal and the last step)
         self.verify = section.verify
         fmt = section.format
@@ -105,7 +100,7 @@ class CheckpointManager:
         return complete_checkpoints(self.dir)
 
     # ---- saving ------------------------------------------------------------------------------
-    def prepare_saving(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def prepare_saving(self) -> None:
         """At the start of the run, before the first step (every rank; `save` does it if not done): try
         whatever could make a save impossible, so that a run that cannot save stops now with one line
         instead of after hours of training. Checked: every writing rank can create and write files in the
@@ -117,8 +112,8 @@ class CheckpointManager:
             return
         self._prepared = True
         self._check_writable()
-        self.context.check_space(self.dir, None, estimate=state_bytes(model, optimizer))
-        self.background.prepare(model, optimizer)
+        self.context.check_space(self.dir, None, estimate=state_bytes(self.contents.model, self.contents.optimizer))
+        self.background.prepare(self.contents)
 
     def _check_writable(self) -> None:
         """Every rank that writes checkpoint files (sharded: all; full: rank 0) creates, writes and removes
@@ -151,47 +146,47 @@ class CheckpointManager:
                     nofollow.remove_made(probe, made)
         agree(self.env, error)
 
-    def on_step_end(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
-                    stopping: bool, last: bool) -> Path | None:
+    def on_step_end(self, *, stopping: bool, last: bool) -> Path | None:
         """Every rank, once per step after the optimizer step: commit the save in flight if every rank's
         write is done (`poll`), then save when the step is a multiple of the interval, or `stopping` (a
         stop signal), or `last` (the final step); for `stopping`/`last` also wait for that save and commit
         it (`finish`). Returns the path of a save started or made at this step, else None."""
         self.poll()
         final = stopping or last
-        if not final and not (self.interval and state.step % self.interval == 0):
+        if not final and not (self.interval and self.contents.state.step % self.interval == 0):
             return None
-        path = self.save(model, optimizer, state, last=final)
+        path = self.save(last=final)
         if final:
             self.finish()
         return path
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
-             last: bool = False) -> Path:
-        """Write a complete checkpoint of step state.step; CheckpointError (on every rank) if it cannot
-        be written, leaving the previous checkpoints as they were and no `.tmp-` files behind.
+    def save(self, *, last: bool = False) -> Path:
+        """Write a complete checkpoint of the contents at step contents.state.step; CheckpointError (on every rank)
+        if it cannot be written, leaving the previous checkpoints as they were and no `.tmp-` files behind.
 
         Asynchronous saves return once the write has started; the checkpoint is complete once `poll`
         or `finish` has committed it. An asynchronous save that cannot stage or start is made
         synchronously at once, and so is a `last` save (the end of the run, a stop signal) once any
         asynchronous save of this run has failed."""
-        if problem := state.problem():  # the same on every rank: each raises it, none waits in a collective
-            raise CheckpointError(f"{self.format.path_of(state.step)}: not saved: {problem} (a checkpoint holding it "
+        step = self.contents.state.step
+        # What no checkpoint may hold, the same on every rank: each raises it, none waits in a collective.
+        if problem := train_state_problem(self.contents.record()):
+            raise CheckpointError(f"{self.format.path_of(step)}: not saved: {problem} (a checkpoint holding it "
                                   "would not load)")
-        self.prepare_saving(model, optimizer)
+        self.prepare_saving()
         background = self.background
         if background.enabled and not (last and background.failed):
             try:
-                return background.start(model, optimizer, state)
+                return background.start(self.contents)
             except AsyncSaveFailed as err:
                 background.failed = True
                 if self.env.is_main:
-                    log.warning("%s; saving step %d synchronously instead", err, state.step)
+                    log.warning("%s; saving step %d synchronously instead", err, step)
         background.settle()  # one save at a time: the one in flight is committed first
         start = time.perf_counter()
-        state.rng = gather_rng(self.env)
+        snapshot = self.contents.snapshot(self.env)
         self.context.begin_save()
-        return self.format.save(model, optimizer, state, start=start)
+        return self.format.save(self.contents, snapshot, start=start)
 
     @property
     def in_flight(self) -> bool:
@@ -232,20 +227,20 @@ class CheckpointManager:
             raise CheckpointError(f"--resume_from {resume_from}: no such file or directory")
         return [path]
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, resume_from: str) -> TrainState:
-        """Restore model, optimizer and RNG from `resume_from`; return the training state.
+    def load(self, resume_from: str) -> TrainState:
+        """Restore every part of the contents from `resume_from`; return the train state (the contents' own).
 
         With `latest`, a corrupt checkpoint is reported, moved aside, and the previous one is tried.
         """
         candidates = self.resolve(resume_from)
         if resume_from != "latest":
-            state = self._load_one(model, optimizer, candidates[0])
+            state = self._load_one(candidates[0])
             if newer := newer_work(candidates[0], state.step, self.dir):
                 raise CheckpointMismatch(newer)
             return state
         for i, path in enumerate(candidates):
             try:
-                return self._load_one(model, optimizer, path)
+                return self._load_one(path)
             except CheckpointCorrupt as err:
                 if i == len(candidates) - 1:
                     raise
@@ -255,7 +250,7 @@ class CheckpointManager:
                 barrier(self.env)
         raise AssertionError("unreachable")
 
-    def load_weights(self, model: torch.nn.Module, init_from: str) -> None:
+    def load_weights(self, init_from: str) -> None:
         """model.init_from: only the model's weights from a checkpoint (full, sharded, or written by
         scripts/import_hf.py), checked like a resume's; the optimizer, step, data position and RNG stay fresh."""
         path = Path(init_from)
@@ -263,7 +258,7 @@ class CheckpointManager:
         crc_s = self._check_files(path)
         error = None
         try:
-            (self._sharded if path.is_dir() else self._full).load_weights(model, path)
+            (self._sharded if path.is_dir() else self._full).load_weights(self.contents, path)
         except CheckpointError as err:
             error = err
         agree(self.env, error)
@@ -274,27 +269,27 @@ class CheckpointManager:
     def _check_files(self, path: Path) -> float:
         """Every rank agrees the checkpoint is complete, then its CRC32s are checked (checkpoint.verify);
         returns the seconds the CRC32 check took."""
-        error = None
+        error, records = None, None
         try:
-            check_structure(path)
+            records = check_structure(path)
         except CheckpointError as err:
             error = err
         agree(self.env, error)
-        return verify(path, self.env) if self.verify else 0.0
+        return verify(path, records, self.env) if self.verify else 0.0
 
-    def _load_one(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> TrainState:
+    def _load_one(self, path: Path) -> TrainState:
         start = time.perf_counter()
         crc_s = self._check_files(path)
-        error, meta, rng = None, None, None
+        error, meta = None, None
+        per_rank: dict = {}
         try:  # the path's kind, not checkpoint.format, decides: a run may resume from either format
-            meta, rng = (self._sharded if path.is_dir() else self._full).load(model, optimizer, path)
+            meta, per_rank = (self._sharded if path.is_dir() else self._full).load(self.contents, path)
         except CheckpointError as err:
             error = err
         agree(self.env, error)
         assert meta is not None, "every rank loaded, or agree() raised"
-        state = TrainState(**meta["train_state"])
-        state.rng = rng
-        restore_rng(rng, self.env)
+        self.contents.restore_plain(meta["train_state"], per_rank, self.env)
+        state = self.contents.state
         self.loaded = (path, meta["world_size"])
         if self.env.is_main and path.is_dir() and META_CRC_KEY not in meta:
             # Its files are checked against meta.json, but nothing checks meta.json: show what it made the run take.

@@ -1,54 +1,27 @@
 """The sharded format: torch.distributed.checkpoint writes one file per rank into
-`.tmp-fsdp_sharded_cpt{step}/`; each rank hashes the files it wrote, rank 0 writes rng.pt and then
-`meta.json` (every file's size and CRC32) last, and renames the folder into place. It reloads at any world
-size. Writing and committing are separate steps, so an asynchronous save (async_save.py) commits its
+`.tmp-fsdp_sharded_cpt{step}/`; each rank hashes the files it wrote, rank 0 writes each per-rank part's file
+(rng.pt) and then `meta.json` (every file's size and CRC32) last, and renames the folder into place. It reloads
+at any world size. Writing and committing are separate steps, so an asynchronous save (async_save.py) commits its
 background write the same way."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+
+from safe_io.journal import TMP_PREFIX, Journal
 
 from ..distributed import agree, barrier
-from .base import (
-    CheckpointFormat,
-    TrainState,
-    check_loaded,
-    check_param_groups,
-    frozen_names,
-    is_adapter_key,
-    quiet_state_dict_warnings,
-    state_dict_options,
-    write_error,
-)
-from .format import (
-    META_NAME,
-    RNG_NAME,
-    TMP_PREFIX,
-    CheckpointMismatch,
-    dcp_load,
-    first_line,
-    hash_own_files,
-    load_rng,
-    read_sharded_meta,
-    save_with_checksum,
-    sharded_name,
-    with_meta_crc32,
-    write_json,
-)
-from .retention import Journal, remove
+from .base import CheckpointFormat, write_error
+from .checksums import hash_own_files, save_with_checksum, with_meta_crc32, write_json
+from .contents import MODEL, Contents, Snapshot, quiet_state_dict_warnings, state_dict_options
+from .metadata import read_sharded_meta
+from .names import META_NAME, per_rank_name, sharded_name
+from .retention import remove
+from .safe_read import dcp_load, load_per_rank
 
 
 def replace_dir(src: Path, dst: Path, journal: Journal) -> None:
@@ -84,20 +57,19 @@ class ShardedCheckpoint(CheckpointFormat):
         agree(self.env, error)
         return tmp
 
-    def state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """This rank's (model, optimizer) state dicts as a save writes them (call within
-        quiet_state_dict_warnings)."""
-        return get_state_dict(model, optimizer,
-                              options=state_dict_options(model, cpu_offload=self.context.offload(model)))
+    def tensors(self, contents: Contents, *, trial: bool = False) -> dict:
+        """Collective: this rank's state dict of each tensor part, as a sharded save writes it (`trial`: see
+        contents.OptimizerPart.take)."""
+        model = contents.model
+        return contents.take_tensors(state_dict_options(model, cpu_offload=self.context.offload(model)), trial=trial)
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, *,
-             start: float) -> Path:
-        final = self.path_of(state.step)
+    def save(self, contents: Contents, snapshot: Snapshot, *, start: float) -> Path:
+        final = self.path_of(snapshot.step)
         with quiet_state_dict_warnings():
-            model_sd, optim_sd = self.state_dicts(model, optimizer)
-            self.context.check_space(final, (model_sd, optim_sd))
-            self.write({"model": model_sd, "optimizer": optim_sd}, final)
-        return self.commit(final, state, start=start)
+            tensors = self.tensors(contents)
+            self.context.check_space(final, tensors)
+            self.write(tensors, final)
+        return self.commit(final, snapshot, start=start)
 
     def write(self, state_dict: dict, final: Path, *, process_group: Any = None) -> None:
         """Collective: DCP writes `state_dict` into final's `.tmp-` folder; CheckpointError on every rank if
@@ -113,11 +85,11 @@ class ShardedCheckpoint(CheckpointFormat):
             remove(self.context.journal, tmp)
         agree(self.env, error)
 
-    def commit(self, final: Path, state: TrainState, *, start: float, hashed: tuple[dict, float] | None = None,
+    def commit(self, final: Path, snapshot: Snapshot, *, start: float, hashed: tuple[dict, float] | None = None,
                mode: str | None = "sync") -> Path:
         """Collective, once every shard is written: each rank hashes the files it wrote (an asynchronous save
-        did that in the background: `hashed`), rank 0 writes rng.pt and meta.json (every file's size and
-        CRC32) and renames the folder into place; retention."""
+        did that in the background: `hashed`), rank 0 writes each per-rank part's file and meta.json (every file's
+        size and CRC32) and renames the folder into place; retention."""
         tmp = self.tmp_of(final)
         error = None
         if hashed is None:
@@ -134,9 +106,11 @@ class ShardedCheckpoint(CheckpointFormat):
         if self.env.is_main:
             try:
                 if error is None:
-                    records[RNG_NAME], rng_crc_s = save_with_checksum({"rng": state.rng}, tmp / RNG_NAME)
-                    crc_s += rng_crc_s
-                    write_json(tmp / META_NAME, with_meta_crc32({**self.context.metadata(state),
+                    for name, values in snapshot.per_rank.items():
+                        records[per_rank_name(name)], part_crc_s = save_with_checksum({name: values},
+                                                                                      tmp / per_rank_name(name))
+                        crc_s += part_crc_s
+                    write_json(tmp / META_NAME, with_meta_crc32({**self.context.metadata(snapshot),
                                                                  "files": dict(sorted(records.items()))}))
                     self.context.journal.seal(tmp)  # every file is in: the folder as the save leaves it
                     replace_dir(tmp, final, self.context.journal)
@@ -148,39 +122,24 @@ class ShardedCheckpoint(CheckpointFormat):
         self.context.end_save(final, start=start, crc_s=crc_s, mode=mode)
         return final
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> tuple[dict, list | None]:
+    def load(self, contents: Contents, path: Path) -> tuple[dict, dict]:
         meta = read_sharded_meta(path)
         self.context.check_model(meta, path)
+        options = state_dict_options(contents.model)
         with quiet_state_dict_warnings():
-            options = state_dict_options(model)
-            # Every tensor of the model, the frozen ones too (a LoRA run's base, which the checkpoint does not hold):
-            # FSDP1 loads a unit's parameters together and warns for each one absent, so those go back as they are.
-            model_sd, optim_sd = get_state_dict(model, optimizer,
-                                                options=dataclasses.replace(options, ignore_frozen_params=False))
-            frozen = frozen_names(model)
-            saved = {k: v for k, v in model_sd.items() if k not in frozen}
-            state: dict[str, Any] = {"model": saved, "optimizer": optim_sd}
-            dcp_load(state, path)  # reads in place, resharding to this world size
-            rng = load_rng(path)
-            check_param_groups(state["optimizer"], model, optimizer, path)
-            try:
-                loaded = set_state_dict(model, optimizer, model_state_dict={**model_sd, **state["model"]},
-                                        optim_state_dict=state["optimizer"], options=options)
-            except (Exception, dcp.CheckpointException) as err:
-                raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
-            check_loaded(loaded, model, path)
-        return meta, rng
+            tensors = contents.take_tensors(options)
+            dcp_load(tensors, path)  # reads in place, resharding to this world size
+            per_rank = load_per_rank(path, meta["files"])
+            contents.restore_tensors(tensors, options, path)
+        return meta, per_rank
 
-    def load_weights(self, model: torch.nn.Module, path: Path) -> dict:
+    def load_weights(self, contents: Contents, path: Path) -> dict:
         meta = read_sharded_meta(path)
         self.context.check_weights(meta, path)
+        model = contents.model_part
         with quiet_state_dict_warnings():
-            # Only the model's tensors are read, resharded to this world size; LoRA's adapters start fresh.
-            weights = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter_key(k)}
-            state: dict[str, Any] = {"model": weights}
-            dcp_load(state, path)
-            try:
-                set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
-            except (Exception, dcp.CheckpointException) as err:
-                raise CheckpointMismatch(f"{path}: does not fit this model ({first_line(err)})") from None
+            # Only the model's tensors are read, resharded to this world size.
+            weights = {MODEL: model.weights()}
+            dcp_load(weights, path)
+            model.restore_weights(weights[MODEL], path, full=False)
         return meta

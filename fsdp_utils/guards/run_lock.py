@@ -17,8 +17,8 @@ import socket
 from pathlib import Path
 
 from safe_io import nofollow
+from safe_io.journal import JOURNAL_NAME, Journal
 
-from ..checkpoint.retention import JOURNAL_NAME, Journal
 from ..distributed import DistEnv, agree
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,10 @@ from data.jsonfile import read_json_file
 from model.documents import document_ids, document_positions
 from model.loss import IGNORE_INDEX, reduce_loss
 
-from ..checkpoint.format import CheckpointError, dcp_load, load_full
+from ..checkpoint.contents import MODEL
+from ..checkpoint.errors import CheckpointError
 from ..checkpoint.io import read_meta, verify
+from ..checkpoint.safe_read import dcp_load, load_full
 from ..distributed import DistEnv
 from .lora import has_adapters
 from .weights import BuiltModel, GiB, ModelMemoryError, WeightInit, too_large
@@ -480,9 +482,9 @@ def _checkpoint_weights(checkpoint: Path, expected: dict[str, torch.Tensor]) -> 
         state = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in expected.items()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "loading in a single process" is what we want
-            dcp_load({"model": state}, checkpoint, no_dist=True)  # in place; a missing tensor is an error
+            dcp_load({MODEL: state}, checkpoint, no_dist=True)  # in place; a missing tensor is an error
         return state
-    saved = load_full(checkpoint)["model"]
+    saved = load_full(checkpoint)[MODEL]
     missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
     wrong = sorted(name for name in set(saved) & set(expected) if saved[name].shape != expected[name].shape)
     if missing or extra or wrong:

@@ -9,7 +9,8 @@ import torch
 
 from config import Config, launch_problems
 
-from ..checkpoint.format import CheckpointError, check_structure
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.metadata import check_structure
 from ..checkpoint.retention import complete_checkpoints
 from ..distributed import Launch
 from ..evaluation.downstream import task_problems

@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from config import Config
 from safe_io import nofollow
+from safe_io.journal import Journal
 from safe_io.nofollow import replace_file
 
-from ..checkpoint.retention import Journal
 from ..distributed import DistEnv, broadcast_decision
 from ..parallel.fsdp import FSDPAdapter
 from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch

@@ -12,9 +12,10 @@ from config import Config, ConfigError, TrainConfig, config_warnings
 from config.checks import run_length_problems
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
-from ..checkpoint.format import MAX_COUNT, CheckpointError
+from ..checkpoint.errors import CheckpointError
 from ..checkpoint.io import read_meta
 from ..checkpoint.manager import newer_work, odd_checkpoint_problem
+from ..checkpoint.metadata import MAX_COUNT
 from ..checkpoint.retention import complete_checkpoints, odd_checkpoints
 from ..distributed import DistEnv
 from .build_run import BuiltRun
@@ -26,8 +27,8 @@ log = logging.getLogger("train")
 
 def resume(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, env: DistEnv, resume_from: str | None, *,
            elastic: bool, train_samples: int) -> tuple[Config, TrainState]:
-    """The config with the run's length decided (run_length) and the training state to start from, with the model,
-    optimizer and grad scaler loaded into `run`. A checkpoint past the run's last step (a shorter run given a
+    """The config with the run's length decided (run_length) and the training state to start from (the checkpoint
+    manager's own), with every part of its contents loaded. A checkpoint past the run's last step (a shorter run given a
     finished run's folder) is refused before anything is written."""
     state = _start(ckpt, run, cfg, resume_from)
     epochs = cfg.train.epochs
@@ -50,20 +51,18 @@ def resume(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, env: DistEnv, re
 
 
 def _start(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, resume_from: str | None) -> TrainState:
-    """A fresh state (model.init_from's weights loaded, if given), or the checkpoint's, loaded."""
+    """The fresh state (model.init_from's weights loaded, if given), or the checkpoint's, loaded."""
     if resume_from is None:
         resume_from = planned_resume(cfg, None)
         if resume_from is not None:
             log.info("checkpoint.auto_resume: continuing from the newest complete checkpoint in %s", cfg.output_dir)
     if resume_from is None:
         if cfg.model.init_from:  # a resume (above) continues the run's own weights instead
-            ckpt.load_weights(run.model, cfg.model.init_from)
+            ckpt.load_weights(cfg.model.init_from)
             weights_changed(run)
-        return TrainState()
-    state = ckpt.load(run.model, run.optimizer, resume_from)
+        return ckpt.contents.state
+    state = ckpt.load(resume_from)
     weights_changed(run)
-    if run.scaler is not None and state.grad_scaler:
-        run.scaler.load_state_dict(state.grad_scaler)
     return state
 
 
@@ -157,7 +156,7 @@ def resume_refusals(cfg: Config, resume_from: str | None) -> list[str]:
     else:
         path = Path(planned)
     try:
-        saved = TrainState(**read_meta(path)["train_state"])
+        saved = TrainState.from_record(read_meta(path)["train_state"])
     except (CheckpointError, OSError, TypeError):
         return []
     steps = cfg.train.max_steps if cfg.train.epochs is None else kept_length(cfg.train, saved)

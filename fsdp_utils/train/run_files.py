@@ -20,9 +20,9 @@ from pathlib import Path
 from config import Config
 from config.loading import MAX_CONFIG_BYTES, config_text
 from safe_io import nofollow
+from safe_io.journal import Journal
 
 from ..checkpoint.io import install_tokenizer
-from ..checkpoint.retention import Journal
 from ..observability.metrics import METRICS_NAME
 from ..observability.trackers import IDS_FILE
 from ..parallel.hf import RUN_CONFIG_NAME
