@@ -28,7 +28,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint.base import frozen_names, has_frozen, state_dict_options
+from ..checkpoint.contents import frozen_names, has_frozen, state_dict_options
 from ..distributed import DistEnv
 from .lora import LoRAAdapter, has_adapters
 from .weights import WeightInit
