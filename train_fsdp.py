@@ -209,7 +209,7 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
 
     # ---- the checkpoint manager and the resume (after the micro-batch search: its trials need no optimizer state)
     ckpt = CheckpointManager(cfg.checkpoint, cfg.output_dir, env=env, model_config=signature,
-                             contents=Contents(built.model, built.optimizer, grad_scaler=built.scaler),
+                             contents=Contents(built.model, built.optimizer, fsdp=built.fsdp, grad_scaler=built.scaler),
                              timeout_s=cfg.run.timeout_s, tokenizer_sha256=tokenizer_sha256(prepared.tokenizer_path),
                              lora=lora_record(cfg, signature, base_dtype=built.precision.compute))
     # The run's length is decided here (train.epochs counted on the data, or kept from the checkpoint): from here on

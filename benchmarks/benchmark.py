@@ -77,6 +77,7 @@ from config import (
 from config.checks import float8_size_problem
 from config.numbers import integer, integer_in
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, Contents
+from fsdp_utils.checkpoint.contents import TorchStateDicts
 from fsdp_utils.distributed import (
     DistEnv,
     destroy_distributed,
@@ -309,11 +310,10 @@ def bench_saves(cfg: Config, env: DistEnv, args: argparse.Namespace) -> list[dic
         sync = mode in ("sync", "sync_gpu")
         section = CheckpointConfig(format="sharded", keep_last_n=0, async_save=not sync,
                                    async_writer="thread" if sync else mode)
-        manager = CheckpointManager(section, root / mode, env=env, contents=Contents(model, optimizer), model_config={},
+        # sync_gpu, for the measurement only: torch's answers, so FSDP1's sharded state dict stays on the GPU.
+        contents = Contents(model, optimizer, fsdp=TorchStateDicts() if mode == "sync_gpu" else run.fsdp)
+        manager = CheckpointManager(section, root / mode, env=env, contents=contents, model_config={},
                                     timeout_s=cfg.run.timeout_s)
-        if mode == "sync_gpu":
-            # Measurement only: the state dict as FSDP1 makes it, on the GPU.
-            manager.context.offload = lambda model: False
         start = time.perf_counter()
         try:
             manager.prepare_saving()  # the staging arena: once per run, before the first save

@@ -95,7 +95,7 @@ from config.numbers import (
 from fsdp_utils.checkpoint import CheckpointManager, Contents
 from fsdp_utils.checkpoint.async_save import check_host_memory
 from fsdp_utils.checkpoint.base import CheckpointContext
-from fsdp_utils.checkpoint.contents import quiet_state_dict_warnings
+from fsdp_utils.checkpoint.contents import StateDictAnswers, quiet_state_dict_warnings
 from fsdp_utils.checkpoint.errors import first_line
 from fsdp_utils.checkpoint.sharded import ShardedCheckpoint
 from fsdp_utils.checkpoint.staging import arena_bytes, state_bytes, storage_tensors
@@ -448,6 +448,7 @@ class Bench:
     env: DistEnv
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    fsdp: StateDictAnswers  # the run's FSDP adapter: how its state dicts are taken
     step: Callable[[], float]  # one training step; its seconds
     sharded: ShardedCheckpoint  # the state dicts a sharded save writes, taken as ours takes them
     group: Any  # a gloo group: DCP's asynchronous saves need a CPU backend
@@ -465,7 +466,7 @@ class Bench:
     contents: Contents = dataclasses.field(init=False)  # what a checkpoint of the run holds
 
     def __post_init__(self) -> None:
-        self.contents = Contents(self.model, self.optimizer)
+        self.contents = Contents(self.model, self.optimizer, fsdp=self.fsdp)
 
 
 class OursVariant:
@@ -898,7 +899,7 @@ def build_bench(cfg: Any, env: DistEnv, args: argparse.Namespace, *, root: Path,
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.run.timeout_s))
     sharded = ShardedCheckpoint(CheckpointContext(root, env, "sharded", 0, {}))
-    bench = Bench(cfg, env, run.model, run.optimizer, step, sharded, group, root,
+    bench = Bench(cfg, env, run.model, run.optimizer, run.fsdp, step, sharded, group, root,
                   HostSampler(node=env.local_rank == 0), args, deadline)
     reset_gpu_peak(env)
     step()

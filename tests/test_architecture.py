@@ -155,10 +155,6 @@ def test_no_import_cycles(graph):
 # ---- one place asks which FSDP wraps a model -----------------------------------------------------------------------
 
 ADAPTER = "fsdp_utils/parallel/fsdp.py"
-# (file, function) pairs that still ask, until the checkpoint code asks the adapter (its full_save_options and
-# offloads_sharded_state_dict answer alike: tests/test_fsdp_adapter.py).
-NOT_YET_MOVED = {("fsdp_utils/checkpoint/base.py", "full_save_options"),
-                 ("fsdp_utils/checkpoint/base.py", "CheckpointContext.offload")}
 
 
 def fsdp_members() -> set[str]:
@@ -238,5 +234,4 @@ def test_only_the_fsdp_adapter_asks_which_fsdp_wraps_a_model():
     assert ROOT / ADAPTER in paths and fsdp_questions((ROOT / ADAPTER).read_text())  # the reader sees the adapter's
     found = {(path.relative_to(ROOT).as_posix(), where) for path in paths if path != ROOT / ADAPTER
              for where in fsdp_questions(path.read_text())}
-    assert found - NOT_YET_MOVED == set()
-    assert NOT_YET_MOVED - found == set(), "these ask the adapter now: remove them from NOT_YET_MOVED"
+    assert found == set()

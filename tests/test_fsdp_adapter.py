@@ -2,7 +2,7 @@
 its wrap computes the same losses, its gradient sync skips the reduction before the step's last micro-batch (or
 reduces after every one, fsdp.grad_sync=every_micro_batch), and its clipping returns the global gradient norm and
 clips to it, so that one SGD step lands on the reference's weights. Also: the state-dict answers it gives the
-checkpoints are those of the checkpoint code's own functions."""
+checkpoints, and that the checkpoints take their state dicts as the run's adapter answers."""
 from __future__ import annotations
 
 import dataclasses
@@ -112,26 +112,63 @@ def test_both_versions_wrap_sync_and_clip_like_one_process():
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_the_state_dict_answers_are_the_checkpoint_codes(version, world_of_one, tmp_path):
-    # The adapter's full_save_options and offloads_sharded_state_dict answer as the checkpoint code's own
-    # full_save_options and CheckpointContext.offload (which ask the model's wrapper) do, on the CPU and on a GPU.
-    # The GPU is only a device in the environment: both answer from its type, and nothing is gathered here.
+def test_the_state_dict_answers_are_each_versions(version, world_of_one):
+    # FSDP1 cuts each rank's piece of a sharded state dict anew, so on GPUs it offloads them (docs/checkpoints.md);
+    # FSDP2's hold the live shards. Without frozen parameters both gather a full state dict as torch does: through
+    # host memory on GPUs only, no names left for the caller to drop (LoRA's frozen base: tests/test_lora.py).
+    # The GPU is only a device in the environment: the answers come from its type, and nothing is gathered here.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     from config import FSDPConfig
-    from fsdp_utils.checkpoint.base import CheckpointContext, full_save_options
+    from fsdp_utils.checkpoint.contents import TorchStateDicts
     from fsdp_utils.parallel.fsdp import fsdp_adapter
 
     module = Transformer(CFG)
     module.init_weights(seed=SEED)
     model = fsdp_adapter(FSDPConfig(version=version), world_of_one).wrap(
         module, list(module.layers), param_dtype=torch.float32, reduce_dtype=torch.float32, compile=False, init=None)
-    answers = set()
     for device in ("cpu", "cuda"):
-        env = dataclasses.replace(world_of_one, device=torch.device(device))
-        fsdp = fsdp_adapter(FSDPConfig(version=version), env)
-        offload = fsdp.offloads_sharded_state_dict()
-        assert offload == CheckpointContext(tmp_path, env, "sharded", 0, {}).offload(model), device
-        answers.add(offload)
+        fsdp = fsdp_adapter(FSDPConfig(version=version), dataclasses.replace(world_of_one, device=torch.device(device)))
+        assert fsdp.offloads_sharded_state_dict() == (version == 1 and device == "cuda"), device
         for on_gpu in (False, True):
-            assert fsdp.full_save_options(model, on_gpu=on_gpu) == full_save_options(model, on_gpu=on_gpu)
-    # FSDP1 offloads its sharded state dicts on GPUs; FSDP2's hold the live shards.
-    assert answers == ({False, True} if version == 1 else {False})
+            want = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu, ignore_frozen_params=True, strict=True)
+            assert fsdp.full_save_options(model, on_gpu=on_gpu) == (want, []), (device, on_gpu)
+            assert TorchStateDicts().full_save_options(model, on_gpu=on_gpu) == (want, [])
+    assert not TorchStateDicts().offloads_sharded_state_dict()
+
+
+class RecordedAnswers:
+    """State-dict answers that record the questions, and name one parameter for the full save to drop."""
+
+    def __init__(self, drop: str):
+        from fsdp_utils.checkpoint.contents import TorchStateDicts
+
+        self.drop, self.torch, self.asked = drop, TorchStateDicts(), []
+
+    def full_save_options(self, model, *, on_gpu):
+        self.asked.append(("full", on_gpu))
+        return self.torch.full_save_options(model, on_gpu=on_gpu)[0], [self.drop]
+
+    def offloads_sharded_state_dict(self):
+        self.asked.append(("sharded",))
+        return False
+
+
+def test_the_checkpoints_take_state_dicts_as_the_run_answers(world_of_one, tmp_path):
+    # Both writers ask the answers the contents were given (the run's FSDP adapter), and the full save drops the
+    # frozen names they give: the checkpoint holds every weight but that one.
+    from config import CheckpointConfig
+    from fsdp_utils.checkpoint import CheckpointManager, Contents
+    from fsdp_utils.checkpoint.safe_read import load_full
+
+    model = Transformer(CFG)
+    model.init_weights(seed=SEED)
+    optimizer = torch.optim.AdamW(model.parameters())
+    drop = "layers.0.attention.wqkv.weight"
+    paths = {}
+    for fmt in ("full", "sharded"):
+        answers = RecordedAnswers(drop)
+        paths[fmt] = CheckpointManager(CheckpointConfig(format=fmt, keep_last_n=0), tmp_path / fmt, env=world_of_one,
+                                       contents=Contents(model, optimizer, fsdp=answers), model_config={}).save()
+        assert ("full", False) in answers.asked if fmt == "full" else set(answers.asked) == {("sharded",)}, fmt
+    assert sorted(load_full(paths["full"])["model"]) == sorted(set(model.state_dict()) - {drop})

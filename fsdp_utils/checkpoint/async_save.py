@@ -182,7 +182,7 @@ class AsyncSaver:
             self._writer = BackgroundWriter(writer=self.writer_kind, timeout_s=self.timeout_s)
             self._staging = HostStaging(pin=self.env.device.type == "cuda", share=self._writer.writer == "process")
         model, optimizer = contents.model, contents.optimizer
-        offload = self.context.offload(model)
+        offload = contents.fsdp.offloads_sharded_state_dict()
         if self.context.fmt != "sharded" or not (self.enabled or offload):
             return
         share = self._staging is not None and self._staging.share
@@ -197,7 +197,7 @@ class AsyncSaver:
         if self.env.is_main:
             log.info("sharded checkpoints %s, staged in host memory: %s", how, where)
         # The arena holds copies of whatever may be live training state. FSDP1 on GPUs makes its pieces
-        # on the host for each save (see CheckpointContext.offload), so there only the process writer needs it.
+        # on the host for each save (offloads_sharded_state_dict), so there only the process writer needs it.
         if self.enabled:
             self._try_staging(contents, reserve=arena_bytes(model, optimizer) if share or not offload else None)
 

@@ -60,8 +60,8 @@ class ShardedCheckpoint(CheckpointFormat):
     def tensors(self, contents: Contents, *, trial: bool = False) -> dict:
         """Collective: this rank's state dict of each tensor part, as a sharded save writes it (`trial`: see
         contents.OptimizerPart.take)."""
-        model = contents.model
-        return contents.take_tensors(state_dict_options(model, cpu_offload=self.context.offload(model)), trial=trial)
+        offload = contents.fsdp.offloads_sharded_state_dict()
+        return contents.take_tensors(state_dict_options(contents.model, cpu_offload=offload), trial=trial)
 
     def save(self, contents: Contents, snapshot: Snapshot, *, start: float) -> Path:
         final = self.path_of(snapshot.step)

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint.contents import frozen_names, has_frozen, state_dict_options
+from ..checkpoint.contents import TorchStateDicts, frozen_names, has_frozen
 from ..distributed import DistEnv
 from .lora import LoRAAdapter, has_adapters
 from .weights import WeightInit
@@ -43,9 +43,10 @@ def fsdp_adapter(f: FSDPConfig, env: DistEnv) -> FSDPAdapter:
     return FSDP2(f, env) if f.version == 2 else FSDP1(f, env)
 
 
-class FSDPAdapter(ABC):
-    """What the loop, the optimizer and the checkpoints need from FSDP. `f`: the fsdp section with the sharding
-    strategy that runs (resolve_sharding); `offload`: fsdp.cpu_offload where it applies (on GPUs)."""
+class FSDPAdapter(TorchStateDicts, ABC):
+    """What the loop, the optimizer and the checkpoints need from FSDP; the checkpoints' state-dict answers
+    (checkpoint/contents.py StateDictAnswers) are torch's unless a version says otherwise. `f`: the fsdp section with
+    the sharding strategy that runs (resolve_sharding); `offload`: fsdp.cpu_offload where it applies (on GPUs)."""
 
     version: ClassVar[int]
     # Whether every parameter is a DTensor of its own whole matrix, sharded by rows (what Muon needs), or flattened
@@ -81,15 +82,6 @@ class FSDPAdapter(ABC):
     def end_interrupted_step(self, model: nn.Module) -> None:
         """Bring FSDP back to its between-steps state, the gradients dropped, after an exception interrupted a forward
         or backward, so that the step can be redone (train/oom_guard.py; tests/test_microbatch.py, bit for bit)."""
-
-    @abstractmethod
-    def offloads_sharded_state_dict(self) -> bool:
-        """Whether sharded state dicts are taken with cpu_offload."""
-
-    def full_save_options(self, model: nn.Module, *, on_gpu: bool) -> tuple[StateDictOptions, list[str]]:
-        """The options of a full state dict gathered to rank 0 (on GPUs through host memory), and the names of the
-        frozen parameters the caller drops from it itself ([] when torch does)."""
-        return state_dict_options(model, full_state_dict=True, cpu_offload=on_gpu), []
 
     def describe(self) -> str:
         """What runs, for the log: the version, the strategy, the mesh of HYBRID_SHARD, the setting it came from."""
@@ -231,7 +223,7 @@ class FSDP1(FSDPAdapter):
 
 class FSDP2(FSDPAdapter):
     """fully_shard on each block, the edges (embedding, output projection), then the root, with a
-    MixedPrecisionPolicy: every parameter a DTensor of its own."""
+    MixedPrecisionPolicy: every parameter a DTensor of its own, which its state dicts hold live (torch's answers)."""
 
     version, per_matrix = 2, True
 
@@ -285,9 +277,6 @@ class FSDP2(FSDPAdapter):
                 if hasattr(param, "_unsharded_param"):
                     param._unsharded_param.grad = None
         sharded._get_fsdp_state()._root_post_backward_final_callback()
-
-    def offloads_sharded_state_dict(self) -> bool:
-        return False  # FSDP2's state dict holds the live sharded tensors (no copies): nothing to offload
 
 
 def fsdp2_param_groups(model: FSDPModule) -> list:
