@@ -235,3 +235,28 @@ def test_only_the_fsdp_adapter_asks_which_fsdp_wraps_a_model():
     found = {(path.relative_to(ROOT).as_posix(), where) for path in paths if path != ROOT / ADAPTER
              for where in fsdp_questions(path.read_text())}
     assert found == set()
+
+
+# ---- set_up shows the wrap that build_run makes ---------------------------------------------------------------------
+
+
+def calls_in(path: Path, function: str) -> list[tuple[str, str]]:
+    """(name, source) of each call of `function`'s body in the file `path`, in order: `name` the called function's
+    (wrap for parts.fsdp.wrap), `source` as ast.dump writes the call (its arguments included)."""
+    tree = ast.parse(path.read_text())
+    body = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    calls = [n for n in ast.walk(body) if isinstance(n, ast.Call)]
+    name = lambda call: getattr(call.func, "attr", getattr(call.func, "id", ""))  # noqa: E731
+    return [(name(call), ast.dump(call)) for call in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+
+
+def test_set_up_calls_build_wrap_and_finish_in_order_and_wraps_as_build_run_does():
+    # train_fsdp.py's set_up shows the wrap; the benchmarks and the tests build through build_run. The two wraps are
+    # the same call, so what is measured is what trains; build, the wrap and finish run in this order in both.
+    ours, theirs = (calls_in(ROOT / "train_fsdp.py", "set_up"),
+                    calls_in(ROOT / "fsdp_utils/train/build_run.py", "build_run"))
+    for calls in (ours, theirs):
+        order = [name for name, _ in calls if name in ("build", "wrap", "finish")]
+        assert order == ["build", "wrap", "finish"], order
+    assert [source for name, source in ours if name == "wrap"] == [source for name, source in theirs if name == "wrap"]
+    assert "ModuleWrapPolicy" in dict(ours)["wrap"] and "MixedPrecision" in dict(ours)["wrap"]

@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
+from fsdp_utils.parallel.parallelize import Precision
+from model import DecoderBlock, ModelConfig, Transformer
+from tests.helpers import parallelize
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
 SEED, LR = 5, 0.1
 MAX_NORM = 0.5  # below the reference's gradient norm (the test asserts it), so clipping acts
 SYNCS = ("last_micro_batch", "every_micro_batch")
+FP32 = Precision(torch.float32, torch.float32, use_grad_scaler=False)
 
 
 def global_batch() -> torch.Tensor:
@@ -63,8 +66,7 @@ def step_on_ranks(rank: int, world_size: int) -> dict:
             fsdp = fsdp_adapter(FSDPConfig(version=version, grad_sync=grad_sync), env)
             module = Transformer(CFG)
             module.init_weights(seed=SEED)
-            model = fsdp.wrap(module, list(module.layers), param_dtype=torch.float32, reduce_dtype=torch.float32,
-                              compile=False, init=None)
+            model = parallelize(module, fsdp=fsdp, block_classes={DecoderBlock}, precision=FP32)
             losses, reduced = [], []
             for micro, tokens in enumerate(mine):
                 with CommDebugMode() as comm, fsdp.gradient_sync(model, last=micro == len(mine) - 1):
@@ -125,8 +127,8 @@ def test_the_state_dict_answers_are_each_versions(version, world_of_one):
 
     module = Transformer(CFG)
     module.init_weights(seed=SEED)
-    model = fsdp_adapter(FSDPConfig(version=version), world_of_one).wrap(
-        module, list(module.layers), param_dtype=torch.float32, reduce_dtype=torch.float32, compile=False, init=None)
+    model = parallelize(module, fsdp=fsdp_adapter(FSDPConfig(version=version), world_of_one),
+                        block_classes={DecoderBlock}, precision=FP32)
     for device in ("cpu", "cuda"):
         fsdp = fsdp_adapter(FSDPConfig(version=version), dataclasses.replace(world_of_one, device=torch.device(device)))
         assert fsdp.offloads_sharded_state_dict() == (version == 1 and device == "cuda"), device
@@ -172,3 +174,40 @@ def test_the_checkpoints_take_state_dicts_as_the_run_answers(world_of_one, tmp_p
                                        contents=Contents(model, optimizer, fsdp=answers), model_config={}).save()
         assert ("full", False) in answers.asked if fmt == "full" else set(answers.asked) == {("sharded",)}, fmt
     assert sorted(load_full(paths["full"])["model"]) == sorted(set(model.state_dict()) - {drop})
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_each_version_wraps_its_own_units_in_the_given_precision(version, world_of_one):
+    # The run's wrap (build_run's, the same call as train_fsdp.py's set_up: tests/test_architecture.py) makes the
+    # units each version has always had. FSDP1: a unit per block, and per LoRA adapter (a unit is one flat tensor of
+    # one dtype, and the adapters are fp32 beside a bf16 base), fp32 without casting; FSDP2: the blocks, the output
+    # projection's edges where untied, then the root, never the adapters. 2 layers, LoRA on q, k, v, o: 8 adapters.
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    from config import load_config
+    from fsdp_utils.parallel.build import describe_model
+    from fsdp_utils.train.build_run import build_run
+    from tests.helpers import ROOT, TINY
+
+    blocks = {"layers.0", "layers.1"}
+    for precision, lora, tied in (("fp32", 0, True), ("bf16", 4, True), ("fp32", 0, False)):
+        cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml",
+                          [*TINY, f"--fsdp.version={version}", f"--train.precision={precision}",
+                           f"--train.lora.rank={lora}", f"--model.tie_embeddings={str(tied).lower()}",
+                           "--model.vocab_size=320"])
+        vocab_size, signature, _ = describe_model(cfg, 320)
+        model = build_run(cfg, world_of_one, vocab_size=vocab_size, model_signature=signature, eos_id=None,
+                          use_cache=False).model
+        bf16 = precision == "bf16"
+        if version == 1:
+            units = FullyShardedDataParallel.fsdp_modules(model)
+            kinds = sorted(type(unit.module).__name__ for unit in units)
+            assert kinds == ["DecoderBlock"] * 2 + ["LoRAAdapter"] * (8 if lora else 0) + ["Transformer"], kinds
+            mixed = {(unit.mixed_precision.param_dtype, unit.mixed_precision.reduce_dtype) for unit in units}
+            assert mixed == {(torch.bfloat16, torch.float32) if bf16 else (None, None)}, mixed
+            continue
+        sharded = {name for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+        assert sharded == {"", *blocks, *(() if tied else ("tok_embeddings", "norm", "output"))}, sharded
+        policies = {(m._get_fsdp_state()._mp_policy.param_dtype, m._get_fsdp_state()._mp_policy.reduce_dtype)
+                    for m in model.modules() if isinstance(m, FSDPModule)}
+        assert policies == {(torch.bfloat16 if bf16 else torch.float32, torch.float32)}, policies

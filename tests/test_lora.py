@@ -261,9 +261,10 @@ def _train_lora(rank: int, world_size: int, version: int, precision: str, steps:
 
     from fsdp_utils.parallel.build import build_model
     from fsdp_utils.parallel.fsdp import fsdp_adapter
-    from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
+    from fsdp_utils.parallel.parallelize import resolve_precision
     from fsdp_utils.train.optim import build_optimizer
     from fsdp_utils.train.step import train_step
+    from tests.helpers import parallelize
 
     env = cpu_env(rank, world_size)
     cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml",

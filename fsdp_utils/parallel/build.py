@@ -1,7 +1,7 @@
 """Build the model a run trains, ours or a Hugging Face causal LM, before any sharding.
 
 A multi-rank run builds on the meta device (no rank ever holds the full fp32 model) and returns with it
-a `WeightInit` that `parallelize` calls to materialise the weights once they are sharded.
+a `WeightInit` that materialises the weights once they are sharded (train/build_run.py finish).
 """
 from __future__ import annotations
 

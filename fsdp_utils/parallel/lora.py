@@ -11,8 +11,8 @@ A is drawn from a normal distribution of std 1/r (PEFT's "gaussian" init), B is 
 its base at step 0. The base weights are frozen and stored in the compute dtype (bf16 on GPUs): no fp32
 master copy, no gradient and no optimizer state for them. Adapters are fp32 and trainable; FSDP's mixed
 precision casts them for compute like any parameter. FSDP1 flattens each unit into one tensor of one
-dtype, so every adapter module is an FSDP1 unit of its own (`parallelize` adds `LoRAAdapter` to the wrap
-policy); FSDP2 shards per parameter and needs nothing special.
+dtype, so every adapter module is an FSDP1 unit of its own (the FSDP1 adapter's `units` add `LoRAAdapter`
+to the wrap policy); FSDP2 shards per parameter and needs nothing special.
 """
 from __future__ import annotations
 

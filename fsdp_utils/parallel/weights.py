@@ -1,5 +1,5 @@
 """How a model built on the meta device gets its weights once sharded (the `WeightInit` interface that
-`parallelize` calls), the record of a built model, and the error for a model too large for its memory. Its own
+a run calls after the wrap), the record of a built model, and the error for a model too large for its memory. Its own
 module, so that the builders of our model (build.py) and of Hugging Face models (hf.py) share it without importing
 each other."""
 from __future__ import annotations
