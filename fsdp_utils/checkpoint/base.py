@@ -57,6 +57,11 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
+def _adapters_only(where: object, lora: dict) -> CheckpointMismatch:
+    return CheckpointMismatch(f"{where}: holds LoRA adapters (train.lora.rank={lora.get('rank')}) and no base weights; "
+                              "resume it with the same train.lora, or merge it with scripts/export_hf.py --merge_lora")
+
+
 def _model_kind(model_config: dict) -> str:
     """llama (our model: its config has no "type"), or hf and which Hugging Face model_type."""
     kind = str(model_config.get("type", "llama"))
@@ -179,9 +184,7 @@ class CheckpointContext:
         model: not max_seq_len, init_std, or how the MLP width is given), then the tokenizer as for a resume."""
         where = f"model.init_from={path}"
         if (lora := meta.get("lora")) is not None:
-            raise CheckpointMismatch(f"{where}: holds LoRA adapters (train.lora.rank={lora['rank']}) and no base "
-                                     "weights; resume it with the same train.lora, or merge it with "
-                                     "scripts/export_hf.py --merge_lora")
+            raise _adapters_only(where, lora)
         saved_config = meta["model_config"]
         here, there = _model_kind(self.model_config), _model_kind(saved_config)
         if here != there:
@@ -202,9 +205,7 @@ class CheckpointContext:
             return
         if here is None:
             assert saved is not None
-            raise CheckpointMismatch(f"{path}: holds LoRA adapters (train.lora.rank={saved.get('rank')}) and no base "
-                                     "weights; resume it with the same train.lora, or merge it with "
-                                     "scripts/export_hf.py --merge_lora")
+            raise _adapters_only(path, saved)
         if saved is None:
             raise CheckpointMismatch(f"{path}: a checkpoint of a whole model, not of LoRA adapters; resume it without "
                                      "train.lora, or fine-tune from it as the base (model.init_from)")

@@ -9,10 +9,8 @@ checks (metadata.py) take the parts from here, as torchtitan's checkpointer take
                       step, the data position, the learning rate, the run's length), and each part of PLAIN_PARTS
                       (the grad scaler) under its own name
 
-A new part of plain data is one entry of PLAIN_PARTS, its object handed to `Contents` under that name; a checkpoint
-saved before the part existed lacks it, and the part keeps its fresh state. A new optimizer's state (Muon's) is the
-optimizer part's, and needs nothing here.
-"""
+A new part of plain data is one entry of PLAIN_PARTS, its object handed to `Contents` under that name (a checkpoint
+saved before lacks it, and it keeps its fresh state); a new optimizer's state is the optimizer part's."""
 from __future__ import annotations
 
 import contextlib

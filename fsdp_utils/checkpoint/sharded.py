@@ -1,8 +1,7 @@
-"""The sharded format: torch.distributed.checkpoint writes one file per rank into
-`.tmp-fsdp_sharded_cpt{step}/`; each rank hashes the files it wrote, rank 0 writes each per-rank part's file
-(rng.pt) and then `meta.json` (every file's size and CRC32) last, and renames the folder into place. It reloads
-at any world size. Writing and committing are separate steps, so an asynchronous save (async_save.py) commits its
-background write the same way."""
+"""The sharded format: torch.distributed.checkpoint writes one file per rank into `.tmp-fsdp_sharded_cpt{step}/`; each
+rank hashes the files it wrote, rank 0 writes each per-rank part's file (rng.pt) and then `meta.json` (every file's size
+and CRC32) last, and renames the folder into place. It reloads at any world size. Writing and committing are separate
+steps, so an asynchronous save (async_save.py) commits its background write the same way."""
 from __future__ import annotations
 
 import os

@@ -1,13 +1,6 @@
-"""What is applied to a built model's blocks before FSDP (`prepare_blocks`), in the one documented order of a run
-(train/build_run.py):
-
-    FP8 linear layers (train.float8) -> activation checkpointing -> torch.compile -> FSDP (each unit, then the root;
-    parallel/fsdp.py) -> weights materialised and initialised shard by shard.
-
-Activation checkpointing and compile are applied in place (the block's forward is replaced,
-`nn.Module.compile` compiles in place), so parameter names never gain wrapper prefixes and
-checkpoints hold the plain model's names. Also: the run's precision, and the activation checkpointing policies.
-"""
+"""What is applied to a built model's blocks before FSDP (`prepare_blocks`: FP8, activation checkpointing, compile;
+the run's whole order: train/build_run.py), in place, so parameter names never gain wrapper prefixes and checkpoints
+hold the plain model's names; the activation checkpointing policies; the run's precision."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -48,14 +41,13 @@ def resolve_precision(precision: str, reduce_dtype: str, device: torch.device) -
 
 
 def _ops_worth_saving() -> list:
-    """Ops whose outputs the op-level policies may keep: matmuls and attention, the expensive ones to
-    recompute. FP8 matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and
-    compiled, in the releases tested; `_scaled_mm`, the op they run, is listed for releases where the policy
-    sees that instead. Everything else in a block (norms, rotary, SwiGLU's activation, residual adds, FP8
-    casts) is elementwise and is recomputed in backward from those. Also kept: full max reductions, the FP8
-    scales' amax: a scalar each, and compile's recompute need not reduce again. Document masking's
-    FlexAttention is a higher-order op; its block mask is built outside the blocks and reaches the recompute
-    as an input, so it is never rebuilt there."""
+    """Ops whose outputs the op-level policies may keep: matmuls and attention, the expensive ones to recompute. FP8
+    matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and compiled, in the releases
+    tested; `_scaled_mm`, the op they run, is listed for releases where the policy sees that instead. Everything else in
+    a block (norms, rotary, SwiGLU's activation, residual adds, FP8 casts) is elementwise and is recomputed in backward
+    from those. Also kept: full max reductions, the FP8 scales' amax: a scalar each, and compile's recompute need not
+    reduce again. Document masking's FlexAttention is a higher-order op; its block mask is built outside the blocks and
+    reaches the recompute as an input, so it is never rebuilt there."""
     aten = torch.ops.aten
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
@@ -164,10 +156,9 @@ class CheckpointPolicy:
 
 
 class CheckpointSwitch:
-    """The policy of blocks made switchable by `apply_switchable_checkpointing`, for
-    fsdp.activation_checkpointing=auto: the micro-batch search (train/microbatch.py) sets each candidate
-    in turn and leaves the chosen one. Compiled blocks guard on it: a new policy compiles its own graphs, and
-    one compiled before runs again without compiling."""
+    """The policy of blocks made switchable by `apply_switchable_checkpointing`, for fsdp.activation_checkpointing=auto:
+    the micro-batch search (train/microbatch.py) sets each candidate in turn and leaves the chosen one. Compiled blocks
+    guard on it: a new policy compiles its own graphs, and one compiled before runs again without compiling."""
 
     def __init__(self, policy: CheckpointPolicy = CheckpointPolicy("none")):
         self.policy = policy

@@ -1,13 +1,9 @@
-"""One place that builds a run from its config, in three calls, in the documented order:
-
-    build   the FSDP adapter of fsdp.version, the model (on the meta device when sharded), its converters (FP8),
-            activation checkpointing and compile: everything before FSDP
-    wrap    the adapter's FSDP wrap, with the auto-wrap policy and MixedPrecision given at the call
-    finish  the weights materialised, the optimizer (after FSDP2's fully_shard) with its hooks, the grad scaler, the
-            micro-batch plan
-
-train_fsdp.py makes the three calls itself, so that its set_up shows the wrap; the benchmarks and the tests make them
-through `build_run`, so what they measure is what trains (tests/test_step.py checks that both wrap alike)."""
+"""One place that builds a run from its config, in three calls in the documented order: `build` (the FSDP adapter of
+fsdp.version, the model, on the meta device when sharded, its converters, activation checkpointing, compile), the
+adapter's `wrap` (its auto-wrap policy and MixedPrecision given at the call), then `finish` (the weights materialised,
+the optimizer after FSDP2's fully_shard, the grad scaler, the micro-batch plan). train_fsdp.py's set_up makes the
+three calls itself; the benchmarks and the tests through `build_run`, so what they measure is what trains
+(tests/test_architecture.py holds the two wraps alike)."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,10 +38,9 @@ def _host_free() -> int | None:
 
 @dataclasses.dataclass
 class Parts:
-    """What `build` makes, before FSDP: the model (converted, checkpointed and compiled in place; on the meta device
-    when it will be sharded, `init` then materialises it), the adapter of fsdp.version and the module classes it makes
-    units of, the precision, the converters, and the switch of fsdp.activation_checkpointing=auto (its policy chosen
-    with the micro-batch)."""
+    """What `build` makes, before FSDP: the model (on the meta device when it will be sharded: `init` materialises
+    it), the adapter and the module classes it makes units of, the precision, the converters, and the switch of
+    fsdp.activation_checkpointing=auto (its policy chosen with the micro-batch)."""
     model: nn.Module
     fsdp: FSDPAdapter
     units: set[type[nn.Module]]
@@ -56,16 +51,11 @@ class Parts:
 
 
 @dataclasses.dataclass
-class BuiltRun:
-    """What trains. `fsdp`: what differs between FSDP1 and FSDP2 (the step's gradient sync and clipping, the
-    out-of-memory guard, the checkpoints' state-dict options); `checkpoint_switch`: Parts'; `probe`: the GPU's memory
-    readings (None on the CPU); `cache_key`: the micro-batch cache's key."""
-    model: nn.Module
+class BuiltRun(Parts):
+    """What trains: the Parts with the wrapped model (`fsdp` serves the step, the out-of-memory guard and the
+    checkpoints), its optimizer, the grad scaler, the GPU's memory readings (`probe`, None on the CPU), the micro-batch
+    cache's key, the micro-batch choice and the batch split."""
     optimizer: torch.optim.Optimizer
-    fsdp: FSDPAdapter
-    converters: list
-    checkpoint_switch: CheckpointSwitch | None
-    precision: Precision
     scaler: torch.amp.GradScaler | None
     probe: MemoryProbe | None
     cache_key: dict
@@ -91,14 +81,11 @@ def build(cfg: Config, env: DistEnv, *, eos_id: int | None, fused_matmul: bool |
 
 def finish(cfg: Config, env: DistEnv, parts: Parts, model: nn.Module, *, vocab_size: int, model_signature: dict,
            use_cache: bool = True, fused_adamw: bool = True) -> BuiltRun:
-    """The run of the wrapped `model`: its weights materialised where built on the meta device, the optimizer (its
-    hooks registered), the grad scaler, then the micro-batch (searched with the optimizer state still empty).
-    ConfigError when the batch does not split.
-
-    `vocab_size`, `model_signature`: describe_model's. `use_cache`: take train.micro_batch_size=auto's choice from the
-    output directory's cache when it has one (training does; the benchmark measures afresh). `fused_adamw`: False for
-    the multi-tensor AdamW; fp16 always gets that one, as the fused kernel does not accept the sharded grad scaler's
-    inf flag."""
+    """The run of the wrapped `model`: its weights materialised, the optimizer (its hooks registered), the grad scaler,
+    then the micro-batch (searched with the optimizer state still empty); ConfigError when the batch does not split.
+    `use_cache`: take train.micro_batch_size=auto's choice from the output directory's cache (the benchmark measures
+    afresh). `fused_adamw`: False for the multi-tensor AdamW, which fp16 always gets (the fused kernel does not
+    accept the sharded grad scaler's inf flag)."""
     t, fsdp, precision, converters = cfg.train, parts.fsdp, parts.precision, parts.converters
     if parts.init is not None:  # with CPU offload the sharded parameters live in host memory
         parts.init.init_sharded(model, torch.device("cpu") if fsdp.offload else env.device)
@@ -123,8 +110,8 @@ def finish(cfg: Config, env: DistEnv, parts: Parts, model: nn.Module, *, vocab_s
             converter.refresh(model)
     if probe is not None:
         probe.begin(split.micro_batch_size)  # the memory figures from here on are the training's
-    return BuiltRun(model, optimizer, fsdp, converters, parts.checkpoint_switch, precision, scaler, probe, key, choice,
-                    split)
+    return BuiltRun(**{**vars(parts), "model": model}, optimizer=optimizer, scaler=scaler, probe=probe, cache_key=key,
+                    choice=choice, split=split)
 
 
 def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: dict, eos_id: int | None,
