@@ -26,6 +26,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from config import (
     Config,
@@ -59,7 +61,7 @@ from fsdp_utils.parallel.build import ModelMemoryError, describe_model, log_para
 from fsdp_utils.parallel.hf import HFModelError
 from fsdp_utils.parallel.lora import lora_record
 from fsdp_utils.train.batch import TrainBatches
-from fsdp_utils.train.build_run import BuiltRun, build_run, describe_run
+from fsdp_utils.train.build_run import BuiltRun, build, describe_run, finish
 from fsdp_utils.train.launch_checks import launch_checks
 from fsdp_utils.train.microbatch import describe_choice
 from fsdp_utils.train.observers import Observers
@@ -170,9 +172,9 @@ class Run:
 
 
 def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | None = None) -> Run:
-    """Every rank, in this order: data, model, optimizer and micro-batch, checkpoint manager and resume (and the run's
-    length), schedule, a trial of everything a save needs (a run that cannot save stops now, not at its first save),
-    then the run's files (fsdp_utils/train/run_files.py)."""
+    """Every rank, in this order: data, model (built, wrapped by FSDP, finished with its optimizer and micro-batch),
+    checkpoint manager and resume (and the run's length), schedule, a trial of everything a save needs (a run that
+    cannot save stops now, not at its first save), then the run's files (fsdp_utils/train/run_files.py)."""
     torch.manual_seed(cfg.run.seed)
 
     # ---- data: prepared once (rank 0 prepares a small corpus in the job while the others wait), memory-mapped
@@ -197,10 +199,15 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
             log.warning("%s", line)
         if cfg.model.type == "llama":  # a Hugging Face model's line comes from build_model, which counts it
             log_parameter_summary(cfg.model)
-    # FSDP through the adapter of fsdp.version (built.fsdp, fsdp_utils/parallel/fsdp.py); FSDP1, the default, wraps with
-    # FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({DecoderBlock}), mixed_precision=MixedPrecision(
-    # param_dtype=compute dtype, reduce_dtype=fp32)). The step and the out-of-memory guard use it too.
-    built = build_run(cfg, env, vocab_size=vocab_size, model_signature=signature, eos_id=eos_id)
+    parts = build(cfg, env, eos_id=eos_id)  # the model, its converters (FP8), activation checkpointing, compile
+    # FSDP through the adapter of fsdp.version (fsdp_utils/parallel/fsdp.py), which the step, the out-of-memory guard
+    # and the checkpoints use too: a unit per block, then the root; gradients reduced in fp32 unless fsdp.reduce_dtype.
+    model = parts.fsdp.wrap(parts.model, auto_wrap_policy=ModuleWrapPolicy(parts.units),
+                            mixed_precision=MixedPrecision(param_dtype=parts.precision.compute,
+                                                           reduce_dtype=parts.precision.reduce),
+                            compile=cfg.train.compile, init=parts.init)
+    # The weights materialised, the optimizer (after FSDP2's fully_shard), the micro-batch plan.
+    built = finish(cfg, env, parts, model, vocab_size=vocab_size, model_signature=signature)
     if env.is_main:
         for line in [*describe_choice(built.choice, cfg, world_size=env.world_size),
                      *describe_run(cfg, env, built, train_tokens=train_data.num_tokens,
@@ -209,7 +216,7 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
 
     # ---- the checkpoint manager and the resume (after the micro-batch search: its trials need no optimizer state)
     ckpt = CheckpointManager(cfg.checkpoint, cfg.output_dir, env=env, model_config=signature,
-                             contents=Contents(built.model, built.optimizer, grad_scaler=built.scaler),
+                             contents=Contents(built.model, built.optimizer, fsdp=built.fsdp, grad_scaler=built.scaler),
                              timeout_s=cfg.run.timeout_s, tokenizer_sha256=tokenizer_sha256(prepared.tokenizer_path),
                              lora=lora_record(cfg, signature, base_dtype=built.precision.compute))
     # The run's length is decided here (train.epochs counted on the data, or kept from the checkpoint): from here on

@@ -3,15 +3,9 @@
     python benchmarks/bench_attention.py                          # the 90M, 300M, 1B and 8B presets' shapes
     python benchmarks/bench_attention.py --doc_lens 0 600 2048    # windows without EOS, documents of ~600, ~2048
 
-Kernels: `cudnn` is SDPA's causal kernel with no mask at all (what an unmasked run, and the Hugging Face
-reference, use on H100s and H200s: the point of comparison); `flex` is what data.document_masking runs (our
-block mask, FlexAttention compiled as build_model compiles it); `varlen` is FlashAttention-2's
-variable-length kernel over the documents laid end to end (torch.nn.attention.varlen, where this torch has
-it). Random bf16 inputs of sequence 2048; documents end at random EOS tokens, one every --doc_lens tokens
-on average (0: none, the benchmark's random tokens).
-Prints ms per call and the largest difference of each masked kernel's output from Flex's, a check that
-they compute the same attention. Results: docs/benchmarks.md.
-"""
+Kernels: `cudnn`, SDPA's causal kernel with no mask (an unmasked run's: the point of comparison); `flex`, what
+data.document_masking runs; `varlen`, FlashAttention-2's variable-length kernel (where this torch has it). Prints
+ms per call and each masked kernel's largest difference from Flex's output. Results: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse

@@ -1,56 +1,15 @@
 """Measure training throughput and memory of a config, and optionally of a Hugging Face reference.
 
     torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train300M_fsdp.yaml --peer
-    torchrun --nproc_per_node=1 benchmarks/benchmark.py config/train1B_fsdp.yaml --train.micro_batch_size=2
     torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train90M_fsdp.yaml --compare_auto --peer --rounds 2
-    torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 \
-        --float8 tensorwise,rowwise --peer
     torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train1B_fsdp.yaml --fsdp.version=2 \
         --float8 tensorwise --document_masking --doc_len 1024
 
-Ours: the exact model, wrapping and step of train_fsdp.py (forward/backward per micro-batch, clipping
-over all shards, fused AdamW, the per-step loss all-reduce), on random tokens so no data is needed.
-`--peer`: transformers' LlamaForCausalLM of the same dimensions, FSDP2 `fully_shard` on each decoder
-layer, bf16 parameters with fp32 reduction, per-layer torch.compile, fused AdamW; same sequence length,
-micro-batch and world size, run in the same invocation after ours. `--float8 RECIPES`: ours again with
-train.float8 set to each recipe (FP8 matmuls through torchao; needs fsdp.version 2), between ours and
-the reference, which stays bf16. `--document_masking`: each of ours again with data.document_masking and
-model.reset_positions, right after it (its name ends in `_docmask`); every run then gets the same random
-tokens with an EOS drawn at each position with probability 1 / `--doc_len` (documents of that mean
-length). Prints tokens/s per GPU, MFU (against the bf16 peak; attention counted as full causal attention,
-masked or not), step time and peak memory per GPU for each, and the ratios: each of ours against the
-reference, each FP8 run against ours, each masked run against the same run unmasked.
-
-Micro-batch and accumulation: a numeric train.micro_batch_size runs `--grad_accum` micro-batches per
-step (default 1; the global batch is then that step). `train.micro_batch_size=auto` runs train_fsdp.py's
-search (no cache) and then the accumulation that train.global_batch_size needs, as training would.
-`--compare_auto` runs ours twice at the config's global batch, at micro-batch `--fixed_micro_batch`
-(default 8) and at the auto choice; the reference (`--peer`) runs at the auto choice (or, where that runs
-it out of memory, at half the micro-batch and twice the accumulation, and so on): one invocation, one global
-batch.
-
-`--grid none@8,selective_op@16,...`: ours again at each fixed pair of activation checkpointing policy and
-micro-batch, at train.global_batch_size (the accumulation it needs), after ours: the grid the auto search
-chooses from (fsdp.activation_checkpointing and train.micro_batch_size auto), with each pair's ratio to ours
-and the fastest of them all. A pair that does not fit the GPU ends the benchmark with the out-of-memory error,
-as training would: give the pairs the search's log lists as fitting, or measure on larger cards and compare
-the peaks with the budget.
-
-    torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train8B_fsdp.yaml --model.vocab_size=128256 \
-        --grid none@8,selective_op@8,selective_op_lean@16,full@32 --steps 3 --warmup 1
-
-`--save_modes sync,thread[,process,sync_gpu]`: measure sharded checkpoint saves instead, in one invocation:
-after the timed training steps, for each mode, `--saves` saves through the checkpoint manager (sync: as
-train_fsdp.py with checkpoint.async_save=false; thread / process: asynchronous, with that writer;
-sync_gpu: synchronous with FSDP1's state dict left on the GPU instead of offloaded piece by piece, to
-measure the GPU copy of the state it makes, which may not fit beside a large model), the training steps
-going on while an asynchronous write is in flight. Reports per mode the time the loop was
-blocked by a save (its stall), the whole save's time, the steps that overlapped a save against the
-others, and the peak GPU memory during the save calls and during training. Each checkpoint is deleted
-once measured (a large model's is many GB) and --save_dir at the end.
-
-    torchrun --nproc_per_node=2 benchmarks/benchmark.py config/train1B_fsdp.yaml --save_modes sync,thread --steps 5
-"""
+Ours: train_fsdp.py's model, wrapping and step (build_run, train_step) on random tokens; `--peer`: transformers'
+LlamaForCausalLM of the same dimensions with FSDP2, bf16 with fp32 reduction, per-layer compile, fused AdamW, after
+ours. `--float8`, `--lora`, `--grid`, `--document_masking` and `--compare_auto` add runs of ours (--help). Prints
+tokens/s per GPU, MFU (attention counted as full causal attention), step time and peak memory of each run, and their
+ratios; `--save_modes` measures sharded checkpoint saves instead (bench_saves). docs/benchmarks.md shows how."""
 from __future__ import annotations
 
 import argparse
@@ -77,6 +36,8 @@ from config import (
 from config.checks import float8_size_problem
 from config.numbers import integer, integer_in
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, Contents
+from fsdp_utils.checkpoint.contents import TorchStateDicts
+from fsdp_utils.checkpoint.names import size_of
 from fsdp_utils.distributed import (
     DistEnv,
     destroy_distributed,
@@ -91,6 +52,7 @@ from fsdp_utils.parallel.float8 import float8_output_problems, float8_problems
 from fsdp_utils.parallel.fsdp import fsdp_adapter
 from fsdp_utils.parallel.parallelize import compile_options
 from fsdp_utils.train.build_run import BuiltRun, build_run
+from fsdp_utils.train.memory import max_over_ranks
 from fsdp_utils.train.microbatch import describe_choice
 from fsdp_utils.train.step import train_step
 from model.float8_projection import FLOAT8_ALIGNMENT
@@ -116,20 +78,21 @@ def random_batches(vocab_size: int, *, micro_batch: int, seq_len: int, device: t
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def time_steps(step_fn: Callable[[], None], *, warmup: int, steps: int, device: torch.device) -> list[float]:
-    """Run warmup + timed steps; return each timed step's seconds (synchronised: the step's last
-    .item() already waits for the GPU, a barrier keeps ranks aligned)."""
+def timed_step(step_fn: Callable[[], None], env: DistEnv) -> float:
+    """One step's seconds, the ranks aligned by a barrier before it and the GPU waited for after it."""
+    dist.barrier()
+    start = time.perf_counter()
+    step_fn()
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+    return time.perf_counter() - start
+
+
+def time_steps(step_fn: Callable[[], None], env: DistEnv, *, warmup: int, steps: int) -> list[float]:
+    """Run warmup + timed steps; return each timed step's seconds."""
     for _ in range(warmup):
         step_fn()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step_fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
+    return [timed_step(step_fn, env) for _ in range(steps)]
 
 
 def bench_ours(cfg: Config, env: DistEnv, args: argparse.Namespace, *, micro_batch: int | str,
@@ -189,7 +152,7 @@ def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
 
 def measure(step_fn: Callable[[], None], env: DistEnv, args: argparse.Namespace) -> dict:
     """Time the warm-up and timed steps, then (--profile) profile a few more."""
-    times = time_steps(step_fn, warmup=args.warmup, steps=args.steps, device=env.device)
+    times = time_steps(step_fn, env, warmup=args.warmup, steps=args.steps)
     if args.profile:
         profile_steps(step_fn, env)
     return {"times": times}
@@ -271,21 +234,6 @@ def bench_peer_fitting(cfg: Config, env: DistEnv, args: argparse.Namespace, *, m
         reset_memory(env)
 
 
-def timed_step(step_fn: Callable[[], None], env: DistEnv) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    step_fn()
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
-    return time.perf_counter() - start
-
-
-def max_over_ranks(value: float, env: DistEnv) -> float:
-    t = torch.tensor(value, dtype=torch.float64, device=env.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def reset_peak(env: DistEnv) -> None:
     if env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
@@ -293,7 +241,11 @@ def reset_peak(env: DistEnv) -> None:
 
 
 def bench_saves(cfg: Config, env: DistEnv, args: argparse.Namespace) -> list[dict]:
-    """Sharded saves of train_fsdp.py's model and optimizer, per mode (see the module docstring)."""
+    """Sharded saves of train_fsdp.py's model and optimizer through the checkpoint manager, `--saves` per mode, after
+    the timed steps: sync (checkpoint.async_save=false), thread / process (asynchronous with that writer), sync_gpu
+    (sync with FSDP1's sharded state dict left on the GPU, to measure the copy it makes), training going on while a
+    write is in flight. Per save: the loop's stall, the whole save, the overlapped steps against the others, the GPU
+    peaks of the save and of training. Each checkpoint is deleted once measured, --save_dir at the end."""
     auto = cfg.train.micro_batch_size == "auto"
     step_fn, run = build_ours(cfg, env, args, micro_batch=cfg.train.micro_batch_size,
                               grad_accum=None if auto else args.grad_accum or 1)
@@ -309,11 +261,10 @@ def bench_saves(cfg: Config, env: DistEnv, args: argparse.Namespace) -> list[dic
         sync = mode in ("sync", "sync_gpu")
         section = CheckpointConfig(format="sharded", keep_last_n=0, async_save=not sync,
                                    async_writer="thread" if sync else mode)
-        manager = CheckpointManager(section, root / mode, env=env, contents=Contents(model, optimizer), model_config={},
+        # sync_gpu, for the measurement only: torch's answers, so FSDP1's sharded state dict stays on the GPU.
+        contents = Contents(model, optimizer, fsdp=TorchStateDicts() if mode == "sync_gpu" else run.fsdp)
+        manager = CheckpointManager(section, root / mode, env=env, contents=contents, model_config={},
                                     timeout_s=cfg.run.timeout_s)
-        if mode == "sync_gpu":
-            # Measurement only: the state dict as FSDP1 makes it, on the GPU.
-            manager.context.offload = lambda model: False
         start = time.perf_counter()
         try:
             manager.prepare_saving()  # the staging arena: once per run, before the first save
@@ -336,7 +287,7 @@ def bench_saves(cfg: Config, env: DistEnv, args: argparse.Namespace) -> list[dic
                 overlap_peak = peak_memory_gib(env)
                 manager.finish()  # if the write outlasted --max_overlap_steps
             saved = manager.stats[-1]
-            size = sum(p.stat().st_size for p in (root / mode / saved["name"]).rglob("*") if p.is_file())
+            size = size_of(root / mode / saved["name"])
             rows.append({
                 "mode": mode, "save": i + 1, "stall_s": max_over_ranks(saved["blocked_s"], env),
                 "total_s": max_over_ranks(saved["total_s"], env),
@@ -390,10 +341,8 @@ def print_saves(rows: list[dict], cfg: Config, env: DistEnv, args: argparse.Name
 
 
 def peak_memory_gib(env: DistEnv) -> float:
-    gib = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0
-    mem = torch.tensor(gib, device=env.device)
-    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-    return mem.item()
+    return max_over_ranks(torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0,
+                          env)
 
 
 def summarise(name: str, times: list[float], peak_mem_gib: float, split: tuple[int, int], cfg: Config,
@@ -449,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --lora: leave out the full fine-tuning run (for a model it cannot fit)")
     parser.add_argument("--grid", default="",
                         help="also run ours at these fixed pairs of activation checkpointing policy and micro-batch, "
-                        "POLICY@MICRO_BATCH, comma-separated (e.g. none@8,selective_op@16), at the global batch")
+                        "POLICY@MICRO_BATCH, comma-separated (e.g. none@8,selective_op@16), at the global batch; a "
+                        "pair that does not fit ends the benchmark out of memory, as training would")
     parser.add_argument("--rounds", type=integer, default=1,
                         help="alternate ours and the reference this many times (noisy machines)")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of each run")

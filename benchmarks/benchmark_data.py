@@ -1,24 +1,13 @@
-"""Measure data preparation: throughput with 1, 2 and all worker processes, and peak memory, on synthetic
-.jsonl corpora of the given sizes that it writes itself (no download, no pyarrow or zstandard needed).
+"""Measure data preparation: throughput with 1, 2 and all worker processes, and peak memory, on synthetic .jsonl
+corpora of the given sizes that it writes itself (no download, no pyarrow or zstandard needed).
 
     python benchmarks/benchmark_data.py --sizes_mb 250 1000                  # workers 1, 2 and all cores
     python benchmarks/benchmark_data.py --sizes_mb 250 1000 --workers 1 8 16 --workdir /scratch/bench
 
-Each measurement is one `scripts/prepare_data.py` process, as a user runs it, with a tokenizer trained once
-beforehand (data.tokenizer_model), so the rows time the streaming pass that grows with the corpus: read,
-parse, split, tokenise, write. Peak memory is sampled from /proc every 0.1 s over the prepare process
-and all its workers: their anonymous memory (heap: where data would pile up; pages shared after a fork
-counted once), their resident memory (adding the libraries each maps; an upper bound, shared pages are
-counted in every process, torch's among them, which the prepare process imports with the config), and the
-largest single process. MB/s and tokens/s are those of the streaming pass itself; the wall time
-adds the process start (imports) and writing meta.json. CPU time is that of all the processes; divided
-by the wall time it says how many cores the run had: with other work on the machine (its load average
-is the last column) the speedup falls short of the workers' count for want of cores, not of
-parallel work; MB per CPU-second (all processes, the whole run) then shows whether the work itself
-grew with the workers. Prints a markdown table, then the projected time for 100 GB
-with all workers: the tokenizer sample pass and the tokenising pass at the measured rates, plus the
-measured tokenizer training (which reads a fixed-size sample, whatever the corpus size).
-"""
+Each measurement is one `scripts/prepare_data.py` process with a tokenizer trained once beforehand: the streaming
+pass that grows with the corpus. Peak memory is sampled from /proc over the process and its workers (`tree_memory`).
+CPU time over wall time says how many cores a run had (the load average is the last column), MB per CPU-second
+whether the work grew with the workers. Prints a markdown table and the projected time for 100 GB."""
 from __future__ import annotations
 
 import argparse
@@ -73,10 +62,9 @@ def write_corpus(path: Path, size_mb: float, *, seed: int = 0, meta_bytes: int =
 
 
 def tree_memory(pid: int) -> list[tuple[int, int]]:
-    """(resident, anonymous) bytes of a process and each of its descendants, from /proc. Anonymous memory
-    (heap, what data would fill) is counted proportionally (Pss_Anon), so pages a parent shares with a
-    child it forked count once; the resident size adds the mapped libraries, shared by every process
-    that loads them."""
+    """(resident, anonymous) bytes of a process and each of its descendants, from /proc. Anonymous memory (heap, what
+    data would fill) is counted proportionally (Pss_Anon), so pages a parent shares with a child it forked count once;
+    the resident size adds the mapped libraries, shared by every process that loads them."""
     found, todo = [], [pid]
     while todo:
         current = todo.pop()

@@ -3,12 +3,9 @@
     python benchmarks/benchmark_remote_memory.py --size_mb 2048 --skip_local   # the corpus in files of 256 MB
     python benchmarks/benchmark_remote_memory.py --size_mb 160 --file_mb 160 --workers 1
 
-Writes a synthetic .jsonl corpus (benchmarks/benchmark_data.py's), starts moto's S3 server in this process and
-uploads the corpus to it, trains a tokenizer once on a small corpus of the same kind, then runs
-`scripts/prepare_data.py` on `s3://BUCKET/corpus/*.jsonl` and on the local files, and prints the peak memory of
-each run (the prepare process and its workers, sampled from /proc as benchmarks/benchmark_data.py does). Needs
-s3fs and moto[server] (the `dev` extra).
-"""
+Uploads a synthetic .jsonl corpus (benchmark_data.py's) to moto's S3 server run in this process, then runs
+`scripts/prepare_data.py` on `s3://BUCKET/corpus/*.jsonl` and on the local files with one tokenizer, and prints the peak
+memory of each run (sampled as benchmark_data.py does). Needs s3fs and moto[server] (the `dev` extra)."""
 from __future__ import annotations
 
 import argparse

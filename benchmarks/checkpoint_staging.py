@@ -5,55 +5,17 @@ training builds.
     torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint_staging.py config/train1B_fsdp.yaml \
         --fsdp.version=2 --variants ours_thread,ours_process,dcp_thread,dcp_process,dcp_sync \
         --out /tmp/staging --json staging.jsonl
-    torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint_staging.py config/train8B_fsdp.yaml \
-        --model.vocab_size=128256 --variants ours_thread,dcp_thread,dcp_process --saves 1 --budget_s 300 \
-        --out /tmp/staging --json staging.jsonl
     torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint_staging.py config/train_tiny_fsdp.yaml \
         --device cpu --out /tmp/staging
 
-The run is built as training builds it (`build_run`: the model, its FP8 converters, FSDP, the optimizer), with
-what only the speed of training depends on set for a quick measurement: no compile, micro-batch 1, one
-micro-batch a step, full activation checkpointing (the command line may set them otherwise; the state saved is
-the same). One training step on random tokens gives the optimizer its state. Then each variant in turn is set
-up, saves `--saves` times, and is released (its buffers, its checkpoints) before the next. After each save,
-training steps go on (at the configured learning rate) until the save is complete, as in the training loop, so
-a stager that lets training change what is being written shows in the check below.
-
-Variants:
-- ours_thread, ours_process: the CheckpointManager with checkpoint.async_save and that writer, as train_fsdp.py
-  saves; its staging arena is reserved by `prepare_saving` before the first save (reported as the setup). The
-  stall is what the loop is blocked for: `save` (state dict, staging, start of the write), the polls after each
-  step and the commit; the whole save ends at the commit.
-- ours_sync: the same manager, saving synchronously.
-- dcp_thread, dcp_process: `dcp.async_save` of the same state dicts with DCP's `DefaultStager`: pinned memory and
-  non-blocking copies on GPUs, shared memory for the process form, staging in the stager's own thread (what
-  torchtitan does with pinned memory). The staging overlaps the next step's forward and backward; an optimizer
-  pre-step hook waits for it before the weights change. The stall is the call, that wait and the polls; the
-  whole save ends when the future that async_save returned is done.
-- dcp_thread_blocking, dcp_process_blocking: the same, staging inside the call.
-- dcp_sync: `dcp.save`.
-The process forms share DCP's one writer process per rank: it is started before the first variant (its start-up
-is reported once, not in any save) and handed a tiny save after each process variant, so that it lets go of
-that variant's shared memory (it keeps its last request until the next one arrives).
-
-Per save (times: the slowest rank): the stall, the whole save, the staging; host memory: the peak of the node's
-memory in use (MemTotal - MemAvailable, sampled) above what it was before the variant was set up, the peak
-RSS of the rank processes and of their writer processes (sampled), and the staged copy's bytes (in all, pinned,
-shared; read from the staged tensors, summed over the ranks); the GPU memory peak of the save call; the size on
-disk. Every checkpoint is checked before it is deleted: `--check_tensors` of its tensors (one of each kind of the
-model's and of the optimizer's, such as DTensor, ShardedTensor, a tensor subclass inside a DTensor, plain; then
-evenly spread) are read back with DCP into fresh tensors and compared with checksums taken as the save began.
-The JSON rows name the kinds the state dict holds.
-
-FSDP1's sharded state dicts hold ShardedTensors, which DCP's stager may not copy: such a variant is recorded as
-failed, with torch's words. A failure on one rank only is agreed by every rank (DCP stages and writes in one
-pipeline: the other ranks' writes then wait in its collectives, and are abandoned); after one in a process form,
-DCP's writer process still waits, and the process variants after it are recorded as failed for that reason.
-
-Prints a table and appends one JSON row per save to --json (with the machine, torch, commit and command). A
-variant that fails is recorded with its error line and the others still run. `--budget_s` skips the saves
-that would not finish in time (recorded as skipped).
-"""
+The run is built as training builds it (`build_run`), set for a quick measurement (no compile, micro-batch 1, full
+activation checkpointing: the state saved is the same), and one step gives the optimizer its state. Then each variant
+(VARIANTS) in turn is set up, saves `--saves` times, training going on until each save is complete (so a stager that
+lets training change what is written shows in the check), and is released. Per save (the slowest rank's): the stall,
+the whole save, the staging, host memory (sampled: the node's, the ranks' and their writers' RSS; the staged bytes),
+the GPU peak, the size on disk; every checkpoint is read back (`--check_tensors` of its tensors) and compared with
+checksums taken as the save began. A variant that fails (DCP's stager may not copy FSDP1's ShardedTensors) is recorded
+with its error line and the others still run. Prints a table and appends one JSON row per save to --json."""
 from __future__ import annotations
 
 import argparse
@@ -86,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from benchmarks.benchmark import EOS_ID, random_batches
+from benchmarks.benchmark import EOS_ID, random_batches, reset_peak
 from config import CheckpointConfig, ConfigError, check_batch_split, load_config
 from config.numbers import (
     integer,
@@ -95,8 +57,9 @@ from config.numbers import (
 from fsdp_utils.checkpoint import CheckpointManager, Contents
 from fsdp_utils.checkpoint.async_save import check_host_memory
 from fsdp_utils.checkpoint.base import CheckpointContext
-from fsdp_utils.checkpoint.contents import quiet_state_dict_warnings
+from fsdp_utils.checkpoint.contents import StateDictAnswers, quiet_state_dict_warnings
 from fsdp_utils.checkpoint.errors import first_line
+from fsdp_utils.checkpoint.names import size_of
 from fsdp_utils.checkpoint.sharded import ShardedCheckpoint
 from fsdp_utils.checkpoint.staging import arena_bytes, state_bytes, storage_tensors
 from fsdp_utils.distributed import (
@@ -108,6 +71,7 @@ from fsdp_utils.distributed import (
     prefer_expandable_segments,
     read_torchrun_env,
 )
+from fsdp_utils.host_memory import meminfo
 from fsdp_utils.parallel.build import describe_model
 from fsdp_utils.parallel.float8 import float8_problems
 from fsdp_utils.train.build_run import build_run
@@ -135,6 +99,8 @@ class Spec:
     async_staging: bool = True  # dcp: staging in DefaultStager's own thread, waited for before the next step
 
 
+# ours_*: our CheckpointManager (OursVariant); dcp_*: dcp.async_save with DCP's DefaultStager (DcpVariant), staging in
+# its thread, waited for before the next optimizer step, or inside the call (_blocking); dcp_sync: dcp.save.
 VARIANTS = {
     "ours_thread": Spec("ours", "thread"), "ours_process": Spec("ours", "process"), "ours_sync": Spec("ours", "sync"),
     "dcp_thread": Spec("dcp", "thread"), "dcp_process": Spec("dcp", "process"),
@@ -184,11 +150,7 @@ def trim_host_heap() -> None:
 
 def node_in_use() -> int:
     """The node's memory in use: MemTotal - MemAvailable (page cache counts as free; shared memory does not)."""
-    fields = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            name, value = line.split(":", 1)
-            fields[name] = int(value.split()[0]) * 1024
+    fields = meminfo(Path("/proc/meminfo").read_text())
     return fields["MemTotal"] - fields.get("MemAvailable", fields.get("MemFree", 0))
 
 
@@ -448,6 +410,7 @@ class Bench:
     env: DistEnv
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    fsdp: StateDictAnswers  # the run's FSDP adapter: how its state dicts are taken
     step: Callable[[], float]  # one training step; its seconds
     sharded: ShardedCheckpoint  # the state dicts a sharded save writes, taken as ours takes them
     group: Any  # a gloo group: DCP's asynchronous saves need a CPU backend
@@ -465,11 +428,12 @@ class Bench:
     contents: Contents = dataclasses.field(init=False)  # what a checkpoint of the run holds
 
     def __post_init__(self) -> None:
-        self.contents = Contents(self.model, self.optimizer)
+        self.contents = Contents(self.model, self.optimizer, fsdp=self.fsdp)
 
 
 class OursVariant:
-    """Our CheckpointManager, configured as a run with checkpoint.async_save (or without, for ours_sync) saves."""
+    """Our CheckpointManager, configured as a run with checkpoint.async_save and that writer (or without, for
+    ours_sync) saves; its arena is reserved by prepare_saving, reported as the setup."""
 
     def __init__(self, name: str, spec: Spec, bench: Bench):
         if spec.form == "process" and bench.writer_stuck:  # ours writes through the same DCP writer process
@@ -703,16 +667,6 @@ def gpu_peak_gib(env: DistEnv) -> float:
     return torch.cuda.max_memory_allocated(env.device) / GIB if env.device.type == "cuda" else 0.0
 
 
-def reset_gpu_peak(env: DistEnv) -> None:
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)
-        torch.cuda.reset_peak_memory_stats(env.device)
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def budget_allows(bench: Bench, seconds: float) -> bool:
     """Rank 0 decides whether `seconds` more fit before --budget_s runs out; every rank follows."""
     fits = time.perf_counter() + seconds <= bench.deadline
@@ -728,7 +682,7 @@ def measure_save(bench: Bench, variant: Any, index: int, *, baseline: int) -> di
     del state
     barrier(env)
     b.sampler.restart()
-    reset_gpu_peak(env)
+    reset_peak(env)
     path = variant.start(index)
     save_gpu = gpu_peak_gib(env)
     steps: list[float] = []
@@ -737,7 +691,7 @@ def measure_save(bench: Bench, variant: Any, index: int, *, baseline: int) -> di
         variant.poll()
     timing = variant.finish()
     host, held = b.sampler.peaks(), b.sampler.read()["node"]
-    size = folder_bytes(path) if env.is_main else 0
+    size = size_of(path) if env.is_main else 0
     check, detail = check_checkpoint(path, expected, group=b.group)
     barrier(env)
     if env.is_main:
@@ -898,9 +852,9 @@ def build_bench(cfg: Any, env: DistEnv, args: argparse.Namespace, *, root: Path,
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.run.timeout_s))
     sharded = ShardedCheckpoint(CheckpointContext(root, env, "sharded", 0, {}))
-    bench = Bench(cfg, env, run.model, run.optimizer, step, sharded, group, root,
+    bench = Bench(cfg, env, run.model, run.optimizer, run.fsdp, step, sharded, group, root,
                   HostSampler(node=env.local_rank == 0), args, deadline)
-    reset_gpu_peak(env)
+    reset_peak(env)
     step()
     times = [step() for _ in range(max(args.steps, 1))]
     measured = over_ranks(env, {"step_s": statistics.median(times), "gpu": gpu_peak_gib(env)})

@@ -1,24 +1,13 @@
 """Our benchmark and the torchtitan peer, back to back on the same GPUs in one invocation, and their ratio.
 
-    python benchmarks/compare_torchtitan.py config/train8B_fsdp.yaml --nproc 2 \\
-        --peer_script ../shared/peers/torchtitan_peer.py --model.vocab_size=128256 \\
+    python benchmarks/compare_torchtitan.py config/train8B_fsdp.yaml --nproc 2 \
+        --peer_script ../shared/peers/torchtitan_peer.py --model.vocab_size=128256 \
         --peer_ac selective_op --peer_mbs 8 --steps 5 --warmup 2 --json results.jsonl
 
-Run it with python, not under torchrun: it starts both runs itself. It reads our config (the file and
-`--section.key=value` overrides of train_fsdp.py) and gives the peer the same model: dimensions, heads,
-vocabulary, rotary theta, norm epsilon, sequence length, and the FFN width (torchtitan derives it from
---ffn_dim_multiplier and --multiple_of: the pair that gives ours is passed, with --ffn to have the peer check
-it), compile, FP8 recipe and activation checkpointing where the peer has the same policy (else --peer_ac), and
-the micro-batch where ours is numeric (else --peer_mbs). The peer steps its optimizer after every
-micro-batch, or, with `--peer_global_batch ours`, accumulates micro-batches up to our global batch, so both
-train the same tokens per step. The peer trains on random tokens without document masking, so ours runs with
-data.document_masking=false unless an override sets it.
-
-Then `torchrun benchmarks/benchmark.py CONFIG ...` and `torchrun PEER_SCRIPT ...` run one after the other
-(`--rounds N`: alternately, N times each; medians of tokens/s, the highest peak memory), and one table shows
-tokens/s per GPU, the ratio ours / peer, peak memory per GPU and its difference, with the two commands run.
-A run that fails (out of memory, a crash) is reported in the table and the other still runs.
-"""
+Run it with python: it runs `torchrun benchmarks/benchmark.py CONFIG ...` and `torchrun PEER_SCRIPT ...` one after
+the other (`--rounds N`: N times each), the peer given our config's model, compile, FP8 recipe, checkpointing policy
+and micro-batch where it has them (peer_arguments), ours without document masking, which the peer lacks. One table
+shows tokens/s and peak memory per GPU of each and their ratio; a run that fails is reported there."""
 from __future__ import annotations
 
 import argparse

@@ -1,7 +1,6 @@
-"""Value checks of a loaded config, each problem naming the field (and for a choice the closest valid one). The
-model's dimensions are checked in model_checks.py, the data section's own settings in data/settings.py (which data/
-checks with them), the config against the launch (world size, GPUs, the output directory, the tokenizer's files) in
-launch.py."""
+"""Value checks of a loaded config, each problem naming the field (and for a choice the closest valid one). The model's
+dimensions are checked in model_checks.py, the data section's own settings in data/settings.py (which data/ checks with
+them), the config against the launch (world size, GPUs, the output directory, the tokenizer's files) in launch.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +11,7 @@ from pathlib import Path
 from data.settings import MAX_SECONDS
 from model.float8_projection import FLOAT8_ALIGNMENT
 
-from .errors import closest
+from .errors import closest, range_problems
 from .model_checks import model_problems
 from .sections import CheckpointConfig, Config, FSDPConfig, LoggingConfig, RunConfig, TrainConfig
 
@@ -93,9 +92,7 @@ def _profile_problems(lg: LoggingConfig, *, max_steps: int) -> list[str]:
                  "from the start of training)")
     elif lg.memory_snapshot_step > max_steps > 0:
         p.append(f"logging.memory_snapshot_step={lg.memory_snapshot_step} is after train.max_steps={max_steps}")
-    if lg.memory_snapshot_max_entries <= 0:
-        p.append(f"logging.memory_snapshot_max_entries must be positive, got {lg.memory_snapshot_max_entries}")
-    return p
+    return p + range_problems(lg, "logging", memory_snapshot_max_entries="> 0")
 
 
 def _model_problems(cfg: Config) -> list[str]:
@@ -161,26 +158,16 @@ def _batch_problems(t: TrainConfig) -> list[str]:
     elif t.global_batch_size % t.micro_batch_size:
         p.append(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                  f"train.micro_batch_size={t.micro_batch_size}")
-    if not 0 <= t.auto_micro_batch_margin < 1:
-        p.append(f"train.auto_micro_batch_margin must be in [0, 1), got {t.auto_micro_batch_margin}")
-    if t.auto_micro_batch_cpu <= 0:
-        p.append(f"train.auto_micro_batch_cpu must be positive, got {t.auto_micro_batch_cpu}")
-    if t.eval_samples <= 0:
-        p.append(f"train.eval_samples must be positive, got {t.eval_samples}")
-    return p
+    return p + range_problems(t, "train", auto_micro_batch_margin="[0, 1)", auto_micro_batch_cpu="> 0",
+                              eval_samples="> 0")
 
 
 def _train_problems(cfg: Config) -> list[str]:
     t = cfg.train
     p = _batch_problems(t) + _token_count_problems(t, cfg.data.seq_len)
-    for name in ("warmup_steps", "eval_interval", "grad_clip", "weight_decay"):
-        if getattr(t, name) < 0:
-            p.append(f"train.{name} must not be negative, got {getattr(t, name)}")
-    if t.lr <= 0:
-        p.append(f"train.lr must be positive, got {t.lr}")
-    for name in ("beta1", "beta2"):  # AdamW's decay rates: 1 never forgets, past it the moments diverge
-        if not 0 <= getattr(t, name) < 1:
-            p.append(f"train.{name} must be in [0, 1), got {getattr(t, name)}")
+    # beta1, beta2: AdamW's decay rates; 1 never forgets, past it the moments diverge.
+    p += range_problems(t, "train", warmup_steps=">= 0", eval_interval=">= 0", grad_clip=">= 0", weight_decay=">= 0",
+                        lr="> 0", beta1="[0, 1)", beta2="[0, 1)")
     if t.loss_chunk_tokens < 0:
         p.append(f"train.loss_chunk_tokens must be 0 (off) or positive, got {t.loss_chunk_tokens}")
     p += _schedule_problems(t)
@@ -191,8 +178,7 @@ def _train_problems(cfg: Config) -> list[str]:
         p += _float8_output_problems(cfg)
     if t.compile_tuning and not t.compile:
         p.append("train.compile_tuning=true tunes the compiled kernels and needs train.compile: true")
-    if t.max_bad_steps < 0:
-        p.append(f"train.max_bad_steps must not be negative, got {t.max_bad_steps}")
+    p += range_problems(t, "train", max_bad_steps=">= 0")
     return p + _lora_problems(cfg) + _eval_tasks_problems(t)
 
 
@@ -232,10 +218,7 @@ def _lora_problems(cfg: Config) -> list[str]:
         p.append(f"train.lora.rank must be 0 (off) or positive, got {lora.rank}")
     if lora.rank <= 0:
         return p
-    if lora.alpha <= 0:
-        p.append(f"train.lora.alpha must be positive, got {lora.alpha}")
-    if not 0 <= lora.dropout < 1:
-        p.append(f"train.lora.dropout must be in [0, 1), got {lora.dropout}")
+    p += range_problems(lora, "train.lora", alpha="> 0", dropout="[0, 1)")
     p += choice_problems(lora, "train.lora")  # checked only with LoRA on, like the rest of train.lora
     if not lora.targets:
         p.append("train.lora.targets is empty: name the projections to adapt, e.g. [all] or [q, v]")
@@ -322,18 +305,11 @@ def _fsdp_problems(f: FSDPConfig) -> list[str]:
     p: list[str] = []
     if f.version not in (1, 2):
         p.append(f"fsdp.version must be 1 or 2, got {f.version}")
-    if f.ac_every_n_layers <= 0:
-        p.append(f"fsdp.ac_every_n_layers must be positive, got {f.ac_every_n_layers}")
-    if f.hybrid_shard_group_size < 0:
-        p.append(f"fsdp.hybrid_shard_group_size must not be negative, got {f.hybrid_shard_group_size}")
-    return p
+    return p + range_problems(f, "fsdp", ac_every_n_layers="> 0", hybrid_shard_group_size=">= 0")
 
 
 def _checkpoint_problems(c: CheckpointConfig) -> list[str]:
-    p: list[str] = []
-    for name in ("interval", "keep_last_n"):
-        if getattr(c, name) < 0:
-            p.append(f"checkpoint.{name} must not be negative, got {getattr(c, name)}")
+    p = range_problems(c, "checkpoint", interval=">= 0", keep_last_n=">= 0")
     if isinstance(c.async_save, str) and c.async_save != "auto":
         p.append(f"checkpoint.async_save must be auto, true or false, got '{c.async_save}'")
     elif c.async_save is True and c.format == "full":

@@ -8,6 +8,8 @@ import dataclasses
 from model import ModelConfig
 from model.config import ROPE_SCALING_FIELDS
 
+from .errors import range_problems
+
 # Upper bounds that catch a typo (1e9) before it becomes a failed allocation. Real vocabularies reach 2**18
 # pieces; at 2**24 every token id is still exact in fp32, and the embedding (vocab x dim in fp32) stays
 # allocatable on a host at the small dims where a typo would otherwise slip through.
@@ -29,19 +31,13 @@ def model_problems(m: ModelConfig) -> list[str]:
     if not m.rope_theta > 1:
         out.append(f"model.rope_theta must be greater than 1, got {m.rope_theta}")
     out += _rope_scaling_problems(m)
-    if not m.norm_eps > 0:  # RMSNorm divides by sqrt(mean(x^2) + eps): NaN at 0 on a zero input, or below
-        out.append(f"model.norm_eps must be positive, got {m.norm_eps}")
-    if not m.init_std > 0:
-        out.append(f"model.init_std must be positive, got {m.init_std}")
-    return out
+    # norm_eps: RMSNorm divides by sqrt(mean(x^2) + eps): NaN at 0 on a zero input, or below.
+    return out + range_problems(m, "model", norm_eps="> 0", init_std="> 0")
 
 
 def _shape_problems(m: ModelConfig) -> list[str]:
     """Sizes that are not positive, and heads that do not divide the width."""
-    out = []
-    for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-        if getattr(m, name) <= 0:
-            out.append(f"model.{name} must be positive, got {getattr(m, name)}")
+    out = range_problems(m, "model", vocab_size="> 0", dim="> 0", n_layers="> 0", n_heads="> 0", max_seq_len="> 0")
     if m.n_heads > 0 and m.dim % m.n_heads:
         out.append(f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}")
     elif m.n_heads > 0 and m.head_dim % 2:

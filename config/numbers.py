@@ -2,8 +2,7 @@
 
 Python's int() and float() read the digits of every script: int("٣٠٠٠٠") is 30000, and "²" passes str.isdigit()
 yet int() refuses it with a ValueError. These read ASCII text only. Their ValueError says what was refused; as an
-argparse `type`, they make a bad value argparse's usage error ("invalid integer value: '²'").
-"""
+argparse `type`, they make a bad value argparse's usage error ("invalid integer value: '²'")."""
 from __future__ import annotations
 
 

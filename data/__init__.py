@@ -1,8 +1,7 @@
 """Corpus preparation (text -> tokenizer + sharded token files) and deterministic batch loading.
 
 The loader and mixtures need torch; they are imported on first use, so the preparation's worker
-processes, which import data.worker, start without it.
-"""
+processes, which import data.worker, start without it."""
 
 from .errors import DataError
 from .prepare import PrepareSettings, default_dataset_dir, prepare_data, prepare_for_training, stdlib_source_files

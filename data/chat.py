@@ -1,24 +1,11 @@
 """Fine-tuning data (data.format: chat): conversations as token ids plus a mask of the tokens to train on.
 
-A record is a conversation, `{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}]}`, or
-a prompt/response pair, `{"prompt": "...", "response": "..."}` (field names from the config). It is rendered
-as text by a chat template and tokenised; the mask is 1 on the assistant's tokens, the end of each of its
-turns included, and 0 on everything else (system, user, the template's own headers), which the loss ignores.
-
-Two templates:
-- the tokenizer's own (data.tokenizer: hf). With `{% generation %}` tags in the template, transformers marks
-  the assistant's characters itself (return_assistant_tokens_mask). Without them each assistant turn is
-  found by rendering the conversation incrementally: its text runs from the end of the conversation before
-  it with the generation prompt (`<|im_start|>assistant\n`, say) to the end of the conversation through it.
-  Either way the whole text is tokenised once, and a token that overlaps an assistant span is trained on.
-- ours, PLAIN (SentencePiece models have no template), documented in docs/training.md:
-
-      <|system|>\n{content}\n<|user|>\n{content}\n<|assistant|>\n{content}<|end|>\n<|user|>\n...
-
-  Each part is tokenised on its own and the ids joined; the assistant's content and its `<|end|>` marker are
-  trained on. End-of-turn is a text marker, not EOS, so the only EOS of a conversation is the one after it
-  that separates it from the next (document masking then keeps multi-turn conversations whole).
-"""
+A record is `{"messages": [{"role": ..., "content": ...}]}` or a prompt/response pair (field names from the
+config), rendered by a chat template and tokenised; the mask is 1 on the assistant's tokens, the end of each of its
+turns included. The tokenizer's own template (data.tokenizer: hf) marks the assistant's characters with its
+`{% generation %}` tags, or else each assistant turn is found by rendering the conversation incrementally; ours,
+PLAIN (SentencePiece models have none), tokenises each part on its own, with `<|end|>` as a text marker so the only
+EOS of a conversation separates it from the next. The templates and the rules: docs/training.md."""
 from __future__ import annotations
 
 import contextlib
@@ -127,9 +114,8 @@ def plain_text(messages: list[dict[str, str]]) -> str:
 
 
 def plain_prompt(encode, messages: list[dict[str, str]]) -> list[int]:
-    """The context for generating the assistant's next turn with the PLAIN template: the conversation so far, then
-    the assistant's header, each part tokenised on its own as render_plain tokenises the training data (encode as
-    there)."""
+    """The context for generating the assistant's next turn with the PLAIN template: the conversation so far, then the
+    assistant's header, each part tokenised on its own as render_plain tokenises the training data (encode as there)."""
     ids, _ = render_plain(encode, messages)
     return ids + encode([plain_segments([{"role": "assistant", "content": ""}])[0][0]])[0]
 

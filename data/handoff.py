@@ -3,8 +3,7 @@
 A collective (broadcast, barrier) gives up after run.timeout_s, and tokenising a corpus can take longer.
 So rank 0 writes its outcome, "ok" or the error message, to a file named for this job in the run's
 output directory (which it holds and has written already, where the dataset folder may be read-only),
-and the others poll for it, reporting as they wait, up to a limit of their own, or until asked to stop.
-"""
+and the others poll for it, reporting as they wait, up to a limit of their own, or until asked to stop."""
 from __future__ import annotations
 
 import logging

@@ -2,10 +2,8 @@
 snapshot holds them, or a dataset name found in the local caches. Read with the `datasets` library (imported only
 here, only when used) and offline only: nothing is ever downloaded.
 
-The parent process reads the dataset in order, a batch of rows at a time, as pieces like a parquet file's (the
-text column; the conversation columns for data.format=chat), so the workers, the chunking, the resume and the
-output are those of local files: the same documents in the same order give the same token shards.
-"""
+The parent reads the dataset in order as pieces like a parquet file's (the text column, or the conversation columns),
+so the workers, the chunking, the resume and the output are those of local files."""
 from __future__ import annotations
 
 import contextlib

@@ -2,8 +2,7 @@
 the preparation uses: encode, eos_id, get_piece_size, save, fingerprint.
 
 transformers is imported only when one is built, so data/ needs it only for this tokenizer. Each
-preparation worker process builds its own from the folder.
-"""
+preparation worker process builds its own from the folder."""
 from __future__ import annotations
 
 import hashlib

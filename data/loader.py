@@ -1,15 +1,8 @@
-"""Fixed-length token windows over a sharded token store, addressed by a global sample index, plus a
-background prefetcher.
-
-The sample order is a pure function of (seed, index), so every rank and every resumed run agrees on it
-without communicating. Memory per rank does not grow with the corpus: shards are memory-mapped (the OS
-page cache holds what was read), the shuffle is a keyed bijection computed per index rather than a
-permutation array, and the only per-shard state is one offset.
-
-With the folder's recorded hashes, each block of a shard file is checked on its first read (its hash, and its
-token ids against the vocabulary), so a changed or damaged file stops training with one line naming it before any
-of its tokens reach the model.
-"""
+"""Fixed-length token windows over a sharded token store, addressed by a global sample index, plus a background
+prefetcher. The sample order is a pure function of (seed, index), so every rank and every resumed run agrees on it
+without communicating; memory does not grow with the corpus (shards memory-mapped, the shuffle a keyed bijection
+computed per index). With the folder's recorded hashes each block of a shard is checked at its first read, so a
+changed or damaged file stops training with one line naming it before any of its tokens reach the model."""
 
 from __future__ import annotations
 
@@ -44,8 +37,7 @@ class RandomPermutation:
 
     A balanced Feistel network permutes [0, 4**h), the smallest such range holding n (at most 4n); a
     value that lands outside [0, n) is encrypted again ("cycle walking") until it lands inside, which
-    keeps the map a bijection of [0, n) and takes fewer than 4 rounds of walking on average.
-    """
+    keeps the map a bijection of [0, n) and takes fewer than 4 rounds of walking on average."""
 
     def __init__(self, n: int, key: str):
         if n < 1:
@@ -75,16 +67,14 @@ class RandomPermutation:
 class TokenDataset:
     """Fixed-length windows over the concatenation of token shards, addressed by a GLOBAL sample index.
 
-    Window w holds tokens [w * seq_len, w * seq_len + seq_len + 1) of the shards read one after the
-    other, so a window may span a shard boundary and no token is dropped at one. Epoch e visits every
-    window once, in the order of a RandomPermutation keyed by (seed, e) (or in order, shuffle=False).
+    Window w holds tokens [w * seq_len, w * seq_len + seq_len + 1) of the shards read one after the other, so a window
+    may span a shard boundary and no token is dropped at one. Epoch e visits every window once, in the order of a
+    RandomPermutation keyed by (seed, e) (or in order, shuffle=False).
 
-    With mask_paths (data.format=chat: one byte per token, beside each token file), a target whose mask
-    byte is 0 is IGNORE_INDEX in the batches. With hashes (a prepared folder's), every file's blocks are
-    checked against them as they are first read, and with vocab_size too, each token block's ids against it: a
-    folder whose records were rewritten to fit changed tokens (hashes and largest id sealed again) still never
-    gives the model an id past its vocabulary.
-    """
+    With mask_paths (data.format=chat: one byte per token, beside each token file), a target whose mask byte is 0 is
+    IGNORE_INDEX in the batches. With hashes (a prepared folder's), every file's blocks are checked against them as they
+    are first read, and with vocab_size too, each token block's ids against it: a folder whose records were rewritten to
+    fit changed tokens (hashes and largest id sealed again) still never gives the model an id past its vocabulary."""
 
     def __init__(self, paths: Path | str | Sequence[Path | str], *, dtype, seq_len: int, seed: int,
                  shuffle: bool = True, mask_paths: Sequence[Path | str] = (),

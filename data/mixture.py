@@ -1,16 +1,10 @@
 """Training on several prepared folders at once (data.sources), each drawn in proportion to its weight.
 
-The global sample indices are cut into blocks of BLOCK. In every block, source s owns a fixed range of
-slots, its share of the weights rounded down to whole slots (the cumulative shares are rounded, so the
-ranges always fill the block), and position p of the block reads slot bit_reverse(p). Bit reversal
-spreads consecutive positions evenly over the block: any aligned run of 2**k samples (a global batch,
-say) holds each source's share to within one sample, and each block holds it exactly. Slot j of block b
-of source s is that source's own sample b * (its slots) + j, which its TokenDataset maps to a window
-(shuffled per epoch, as for a single folder). Everything is a pure function of the global index, so a
-resumed run, on any number of ranks, continues exactly where it stopped.
-
-Validation mixes each source's validation split by the same weights.
-"""
+The global sample indices are cut into blocks of BLOCK in which source s owns a fixed range of slots (its share of
+the weights, the cumulative shares rounded so the ranges fill the block), and position p reads slot
+bit_reverse(p): any aligned run of 2**k samples holds each source's share to within one sample. Slot j of block b
+is source s's own sample b * (its slots) + j. A pure function of the global index, so a resumed run continues
+exactly, on any number of ranks; validation mixes the sources' splits by the same weights."""
 from __future__ import annotations
 
 import bisect

@@ -1,22 +1,8 @@
-"""Prepare a corpus once: text files in, a tokenizer and sharded token files out (see data/store.py).
-
-Documents stream through in bounded memory and in parallel:
-
-    parent: files --read_pieces--> pieces --_chunks--> chunks of about CHUNK_BYTES, numbered
-    workers (data.num_workers processes): chunk -> documents -> split by hash -> token ids
-    parent: results taken back in chunk order -> ShardWriter -> shards, progress.json, meta.json last
-
-Chunk boundaries depend only on the input, and results are written in chunk order, so the output is
-byte-identical whatever the number of workers, and on a rerun. At most a few chunks per worker are in
-flight, so memory does not grow with the corpus. When a tokenizer is to be trained, a first pass over
-the same chunks collects its sample from the whole corpus (data/tokenizer.py).
-
-The folder is also a cache: meta.json carries a fingerprint of the inputs and settings, so a later
-call with the same ones reuses it, and an interrupted one continues after its last finished shard.
-Only files the folder's records name are ever deleted; a folder that is not the library's, or that holds
-anything else, is refused, and a lock keeps two preparations of one folder from running at once. The
-worker processes end with the process that started them, however it ends.
-"""
+"""Prepare a corpus once: text files in, a tokenizer and sharded token files out (data/store.py), streamed in
+bounded memory through worker processes (the pipeline: docs/data.md, "What preparing does"). Chunk boundaries depend
+only on the input and results are written in chunk order, so the output is byte-identical whatever the number of
+workers. The folder is also a cache: meta.json's fingerprint of the inputs and settings lets a later call reuse it,
+and an interrupted one continues after its last finished shard."""
 from __future__ import annotations
 
 import contextlib
@@ -858,8 +844,7 @@ def prepare_data(dataset_dir: str | Path, settings: PrepareSettings, *, show_pro
     dataset_dir must be new, empty, or a folder this library prepared: one holding files its records
     do not name is refused (unless it is already prepared from the same inputs), never cleared. A second
     call on a folder being prepared waits for the first, then reuses its result or, when that was
-    prepared from other inputs or settings, refuses.
-    """
+    prepared from other inputs or settings, refuses."""
     corpus, source = _corpus_and_source(settings, max_input_mb=max_input_mb)
     return _prepare(Path(dataset_dir), settings, corpus, source, show_progress=show_progress,
                     max_input_mb=max_input_mb)
@@ -974,12 +959,10 @@ def prepare_for_training(dataset_dir: str | Path, settings: PrepareSettings, *, 
                          max_input_mb: float) -> None:
     """Rank 0's share of train_fsdp.py: make sure dataset_dir holds the data to train on.
 
-    A complete folder the user named (named_dir) that was prepared from other inputs or settings is
-    trained on as it is when data.files and data.hf_dataset.path are empty (the `--data.dataset_dir=DIR` of a folder
-    made by scripts/prepare_data.py), and is an error when either is set: it is never overwritten by a job.
-    Otherwise the corpus is prepared (or an earlier preparation reused or continued), when no larger
-    than max_input_mb.
-    """
+    A complete folder the user named (named_dir) that was prepared from other inputs or settings is trained on as it is
+    when data.files and data.hf_dataset.path are empty (the `--data.dataset_dir=DIR` of a folder made by
+    scripts/prepare_data.py), and is an error when either is set: it is never overwritten by a job. Otherwise the corpus
+    is prepared (or an earlier preparation reused or continued), when no larger than max_input_mb."""
     root = Path(dataset_dir)
     found = read_record(root / META_NAME) if named_dir else {}
     if found and not settings.files and not settings.hf_dataset.path:

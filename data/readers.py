@@ -1,15 +1,9 @@
 """Corpus formats: which files a `data.files` entry names, and how each format is read.
 
-The parent process streams each file as *pieces*, a bounded amount of raw input cut where a record ends:
-a block of JSON lines (plain, gzip or zstd), one document of a .txt file, or a batch of a parquet text
-column. No piece holds more than data.max_document_mb of one line: a longer .txt line is cut into
-documents of that size, and a longer JSON line is read through without being kept (a bad record). Compressed
-input is decompressed a bounded amount at a time, and a parquet row group is decoded only when its page
-headers show no page that could hold a value past that bound (else it is one bad record).
-Worker processes turn pieces into documents (`piece_documents`), so JSON parsing and UTF-8 decoding
-run in parallel with everything else. pyarrow and zstandard are imported only when a parquet
-or zstd file is read.
-"""
+The parent process streams each file as *pieces*, a bounded amount of raw input cut where a record ends (a block of
+JSON lines, plain, gzip or zstd; one document of a .txt file; a batch of a parquet text column), none holding more
+than data.max_document_mb of one line; compressed input is decompressed a bounded amount at a time. Worker processes
+turn pieces into documents (`piece_documents`). pyarrow and zstandard are imported only when such a file is read."""
 from __future__ import annotations
 
 import glob
@@ -167,12 +161,10 @@ def read_pieces(path: InputFile, *, piece_bytes: int, text_field: str, max_docum
                 max_read_bytes: int = 0) -> Iterator[Piece]:
     """The file's content as pieces of about piece_bytes (one document each for .txt and .py files).
 
-    A line longer than max_document_mb: a .txt line is cut into documents of at most that size; a JSON
-    line is given as a "too_long" piece, after reading through it without keeping it (skip_long), or at
-    once, as the file's last piece (the record is an error: the worker that reaches it raises it, after the
-    records before it, so the first bad record of the file is the one named). With max_read_bytes (> 0),
-    reading stops after the piece that reaches it.
-    """
+    A line longer than max_document_mb: a .txt line is cut into documents of at most that size; a JSON line is given as
+    a "too_long" piece, after reading through it without keeping it (skip_long), or at once, as the file's last piece
+    (the record is an error: the worker that reaches it raises it, after the records before it, so the first bad record
+    of the file is the one named). With max_read_bytes (> 0), reading stops after the piece that reaches it."""
     layout, compression = format_of(path) or ("text", None)  # the stdlib corpus's .py files are text
     max_document_bytes = int(max_document_mb * 2**20)
     if layout == "parquet":
@@ -223,10 +215,9 @@ def _decompressed(raw: BinaryIO, compression: str | None, path: InputFile) -> _R
 class _ZstdFrames:
     """A readable stream of zstd frames written back to back, whose reads return at most `size` bytes.
 
-    zstandard's own stream_reader ends quietly at a truncated frame (this raises EOFError there), and its
-    decompressobj returns everything a block of input holds: a zstd block of a few bytes can stand for
-    128 KB, so input is fed ZSTD_FEED_BYTES at a time, which bounds what one call can give to about
-    ZSTD_FEED_BYTES / 4 blocks."""
+    zstandard's own stream_reader ends quietly at a truncated frame (this raises EOFError there), and its decompressobj
+    returns everything a block of input holds: a zstd block of a few bytes can stand for 128 KB, so input is fed
+    ZSTD_FEED_BYTES at a time, which bounds what one call can give to about ZSTD_FEED_BYTES / 4 blocks."""
 
     def __init__(self, raw: BinaryIO, zstandard):
         self.raw = raw
@@ -265,14 +256,12 @@ def _cut_after_lines(stream: _Readable, size: int, *, path: InputFile, compressi
                      cut_long: bool, limit: int, on_long_line: Callable[[], str]) -> Iterator[bytes | tuple[str, int]]:
     """Blocks of whole lines, each cut at the first line end at or after `size` bytes (size <= max_line).
 
-    No more than max_line bytes of one line are ever held: with cut_long a block is cut at max_line (at
-    a UTF-8 character boundary); else on_long_line() is called (it may raise), the rest of the line is
-    read through and dropped, and (on_long_line's message, the line's length) is given in its place.
-    With limit (> 0), reading stops after the block that reaches it.
-    Cuts depend only on the content, never on how reads happened to return, so the pieces (and
-    everything derived from them) are the same on every run. Only the line across `size` can be longer
-    than max_line, so that is the one line checked.
-    """
+    No more than max_line bytes of one line are ever held: with cut_long a block is cut at max_line (at a UTF-8
+    character boundary); else on_long_line() is called (it may raise), the rest of the line is read through and dropped,
+    and (on_long_line's message, the line's length) is given in its place. With limit (> 0), reading stops after the
+    block that reaches it. Cuts depend only on the content, never on how reads happened to return, so the pieces (and
+    everything derived from them) are the same on every run. Only the line across `size` can be longer than max_line, so
+    that is the one line checked."""
     buffer = bytearray()
     searched = size - 1  # no line end in buffer[size - 1 : searched]: a long line is scanned once
     done = 0  # bytes of the stream given out or dropped
@@ -381,8 +370,7 @@ def _parquet_pieces(path: InputFile, field: str, *, max_document_bytes: int, ski
 
 
 def _open_parquet(path: InputFile, field: str, source: BinaryIO | None):
-    """The ParquetFile (of source, a file object, else of the local path) and the index of its text column,
-    checked."""
+    """The ParquetFile (of source, a file object, else of the local path) and the index of its text column, checked."""
     pq = optional_import("pyarrow.parquet", "pyarrow", path)
     import pyarrow as pa
 

@@ -1,18 +1,8 @@
-"""data.files entries that are URLs: object stores (s3://, gs://) and HTTP(S), read as streams through fsspec.
-
-fsspec and the scheme's package (s3fs, gcsfs; aiohttp for http) are imported only when such a URL is given, and
-find their credentials where they always do (AWS_* variables and ~/.aws for s3, Application Default Credentials
-for gs): the config never holds any, and a store URL that carries some is refused. A URL in a message has no
-user, password or query string, and no message holds a response's body. A request that gets no answer for
-data.remote_timeout_s is a timeout; a transient network error (a dropped connection, a timeout, HTTP 5xx or
-429, S3 throttling) is retried RETRIES times with exponential backoff, a read continuing where it stopped, then
-named in one line.
-
-Every read from a file's start hashes what it reads, so a later read of the same bytes (the next pass over the
-corpus) finds content that changed without a new ETag. A file whose server gives no ETag or Last-Modified is
-hashed once before anything else (its identity in the folder's fingerprint), and reads are bounded where the
-caller says (FetchLimit): a stream whose size the server does not give could otherwise be read without end.
-"""
+"""data.files entries that are URLs: object stores (s3://, gs://) and HTTP(S), read as streams through fsspec,
+imported only when such a URL is given, with the credentials found where they always are (never in the config).
+A URL in a message has no user, password or query string; a transient network error is retried RETRIES times with
+backoff, a read continuing where it stopped (docs/data.md). Every read from a file's start hashes what it reads, so
+a later pass finds content that changed without a new ETag; a stream of no known size is read within FetchLimit."""
 from __future__ import annotations
 
 import errno

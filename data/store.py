@@ -1,31 +1,10 @@
-"""The prepared-data folder: a tokenizer, token shards, and a meta file written last.
-
-    DIR/tokenizer.model (or hf_tokenizer/)   the tokenizer the tokens were made with
-    DIR/train-00000.bin, val-00000.bin, ...  flat token ids (uint16, or uint32 past 65536 pieces),
-                                             documents separated by EOS; shard k holds the training and
-                                             held-out documents of one stretch of the corpus
-    DIR/train-00000.mask, val-00000.mask     data.format=chat only: one byte per token of the .bin file
-                                             beside it, 1 where the token is trained on (the assistant's)
-    DIR/progress.json                        while preparing: the finished shards, for resuming
-    DIR/meta.json                            written last: its presence means the folder is complete
-    DIR/prepare.lock                         held (flock) by the process preparing the folder, shared by
-                                             the training jobs that read it
-    DIR/data-folder.json                     the marker: written first, into a new or empty folder
-
-A shard's files are written under a .tmp name and renamed once complete, then recorded in
-progress.json (written atomically), so an interrupted preparation leaves only whole, recorded shards
-and a rerun continues after the last of them; nothing without meta.json is ever read for training.
-
-Every name a preparation may create is recorded ("files" in progress.json) before the file is made, so
-the folder's records always name everything the library wrote there: only those are ever deleted, and a
-folder holding anything else is not the library's to write into. A folder is the library's only when its
-marker says so (or, in a folder without one, a meta.json or progress.json with a valid checksum); in any
-other, every name is the user's, meta.json included. Nothing in it is written, read or deleted through a
-link (safe_io/nofollow.py).
-
-Each shard file's sha256 is recorded per block of hash_block_bytes, and each shard's largest token id: the
-loader checks a block's hash on its first read, so damaged data never reaches the model.
-"""
+"""The prepared-data folder: a tokenizer, token shards (and chat data's mask shards), progress.json while
+preparing, and meta.json written last, whose presence means the folder is complete (its layout: docs/data.md, "The
+prepared folder"). Shard files are written under a .tmp name, renamed once complete and recorded in progress.json,
+so an interrupted preparation leaves only whole, recorded shards. Every name a preparation may create is recorded
+before the file is made, and only those are ever deleted; a folder is the library's only when its marker
+(data-folder.json) says so. Each shard's sha256 per block and its largest token id are recorded, checked by the
+loader at a block's first read. Nothing is written, read or deleted through a link (safe_io/nofollow.py)."""
 from __future__ import annotations
 
 import errno
@@ -71,7 +50,7 @@ HASH_BLOCK_BYTES = 16 << 20
 # A SentencePiece model is a few MB, the largest file of a Hugging Face tokenizer's folder tens of MB: a file
 # past this is no tokenizer, and reading it whole could exhaust memory.
 MAX_TOKENIZER_BYTES = 64 << 20
-# Written by the library under these names whatever its records say (write_json_atomic, the lock).
+# Written by the library under these names whatever its records say (write_record, the lock).
 FIXED_NAMES = (META_NAME, META_NAME + ".tmp", PROGRESS_NAME, PROGRESS_NAME + ".tmp", LOCK_NAME, LOCK_TMP_NAME)
 
 
@@ -177,10 +156,6 @@ def write_atomic(path: Path, data: bytes) -> None:
     nofollow.replace_file(path, data, tmp=path.with_name(path.name + ".tmp"))
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    write_atomic(path, (json.dumps(payload, indent=1) + "\n").encode("utf-8"))
-
-
 def _record_digest(record: dict) -> str:
     body = {key: value for key, value in record.items() if key != "record_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
@@ -189,7 +164,8 @@ def _record_digest(record: dict) -> str:
 def write_record(path: Path, record: dict) -> None:
     """meta.json or progress.json, sealed with a checksum of its content: a damaged or edited record is
     never trusted, neither to name files to delete nor to describe the data."""
-    write_json_atomic(path, {**record, "record_sha256": _record_digest(record)})
+    sealed = {**record, "record_sha256": _record_digest(record)}
+    write_atomic(path, (json.dumps(sealed, indent=1) + "\n").encode("utf-8"))
 
 
 def read_record(path: Path) -> dict:

@@ -3,8 +3,7 @@
 The sample is drawn across the whole corpus, not from its start: each training document carries a
 pseudo-random key (from its hash, see data/worker.py), and the sample is the documents with the
 smallest keys that fit in MAX_SAMPLE_CHARS characters. That set depends only on the corpus, not on the order
-in which worker processes deliver documents, and it is kept in bounded memory while streaming.
-"""
+in which worker processes deliver documents, and it is kept in bounded memory while streaming."""
 from __future__ import annotations
 
 import heapq
@@ -66,8 +65,7 @@ def sampled_training_lines(documents: list[str], *, max_lines: int, seed: int) -
     """At most max_lines lines, drawn with our own seeded RNG.
 
     SentencePiece's shuffle_input_sentence sampling is not reproducible even with a fixed seed, so we
-    sample here and let it use everything it is given.
-    """
+    sample here and let it use everything it is given."""
     num_lines = sum(1 for _ in _training_lines(documents))
     if num_lines <= max_lines:
         yield from _training_lines(documents)

@@ -1,12 +1,6 @@
-"""What each preparation worker process runs: a chunk of pieces -> documents -> split and tokens.
-
-A document's split and its tokenizer-sample key come from a keyed hash of its text, so they depend on
-nothing but the document (and the seed): not on its position, the chunking or the worker count. Equal
-documents always land in the same split, so exact duplicates never leak from train into val.
-
-A worker ends with the process that started it, however that one ends (a kill -9 included): nothing else
-would, since each worker holds its own end of the pool's pipes and waits on them forever.
-"""
+"""What each preparation worker process runs: a chunk of pieces -> documents -> split and tokens. A document's split
+and its tokenizer-sample key come from a keyed hash of its text alone (and the seed), so equal documents always land
+in the same split. A worker ends with the process that started it, however that one ends (a kill -9 included)."""
 from __future__ import annotations
 
 import ctypes

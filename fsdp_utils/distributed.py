@@ -168,6 +168,10 @@ def agree(env: DistEnv, error: Exception | None) -> None:
     """Raise on every rank the first rank's error, if any rank had one (a collective: every rank calls it,
     with None where it had no error). The error travels as its class and message, so the same class is
     raised everywhere; it must be importable (module level) and built from its message alone."""
+    if env.world_size == 1:  # its own error: no process group needed
+        if error is not None:
+            raise error
+        return
     errors: list = [None] * env.world_size
     dist.all_gather_object(errors, None if error is None else (type(error), str(error)))
     first = next((e for e in errors if e is not None), None)

@@ -28,7 +28,7 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None  # cgroup v2 says "max" for no limit
 
 
-def _meminfo(text: str) -> dict[str, int]:
+def meminfo(text: str) -> dict[str, int]:
     """/proc/meminfo's fields in bytes."""
     fields = {}
     for line in text.splitlines():
@@ -76,7 +76,7 @@ def host_memory(*, proc: Path = Path("/proc"), sys_root: Path = Path("/sys")) ->
     cgroup limit (a container, a Slurm job) wins where it is lower. Memory hot-plugged on demand
     (virtio-mem) shows no ceiling at all: then the result is marked inexact.
     """
-    info = _meminfo((proc / "meminfo").read_text())
+    info = meminfo((proc / "meminfo").read_text())
     total, available = info["MemTotal"], info.get("MemAvailable", info.get("MemFree", 0))
     in_use = max(0, total - available)
     blocks = sys_root / "devices/system/memory"

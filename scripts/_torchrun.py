@@ -2,19 +2,10 @@
 
     python3 scripts/_torchrun.py [--store=serve|join|apart] -- TORCHRUN_ARGUMENTS...
 
-A worker that stops on a user error prints its `error:` line and exits 1 or 2 (train_fsdp.py): the command then
-ends with that status, without torchrun's report of the failure (a ChildFailedError traceback that repeats the
-exit code). A worker that crashed (an uncaught exception, which train_fsdp.py's @record hands to torchrun, or a
-signal) gets torchrun's report, its traceback included, and the command ends with the worker's status.
-
---store (elastic runs of fsdp_multi_node.sh): the node agrees with the job on the run before torchrun's agent
-joins the rendezvous, so that a node that does not belong never restarts the job. `serve` (node rank 0) hosts
-the rendezvous's c10d store, listening on the endpoint's address only, and publishes the run id there (the one
-given, or a random one); `join` reads it from node rank 0's store; `apart` (a store of
-scripts/rendezvous_store.py) takes the one given. The first node records its resolved config under the run id;
-a node whose run id or config differs gets one `error:` line and exit status 2, and the job runs on untouched.
-The store has no authentication: this keeps out nodes of other jobs, not someone who can reach its port.
-"""
+A worker's user error (its `error:` line, exit 1 or 2) ends the command with that status, without torchrun's report.
+--store (elastic runs): before joining the rendezvous the node agrees with the job on the run id (`serve`: node rank
+0 hosts the c10d store and publishes it; `join`: reads it there; `apart`: scripts/rendezvous_store.py's, the id given)
+and on its resolved config; a node that differs gets one `error:` line and exit status 2 (docs/running.md)."""
 from __future__ import annotations
 
 import argparse

@@ -1,24 +1,12 @@
-"""Convert a checkpoint between the two formats, offline: a sharded one (fsdp_sharded_cpt{step}/) into a
-full one (one .pth file), or a full one into a sharded one.
+"""Convert a checkpoint between the two formats, offline: a sharded folder (fsdp_sharded_cpt{step}/) into a full
+file (.pth), a full file into a sharded folder.
 
     python scripts/convert_checkpoint.py checkpoints/llama1B/fsdp_sharded_cpt500 llama1B_500.pth
     python scripts/convert_checkpoint.py checkpoints/llama1B/fsdp_cpt500.pth converted/fsdp_sharded_cpt500
-    python scripts/convert_checkpoint.py checkpoints/llama1B/fsdp_sharded_cpt500 llama1B_500.pth --force   # overwrite
 
-The direction follows the input: a folder becomes a file, a file a folder. No GPU and no launcher: the
-checkpoint is read in this one process, so the machine needs memory for the whole model and optimizer
-state. Everything a resume needs comes along (model, optimizer, learning-rate schedule position, data
-position, every rank's RNG state, model config, tokenizer hash, the world size it was saved at), and
-`train_fsdp.py ... --resume_from OUT` continues training from the result on any number of ranks.
-
-A full output has the layout of a full checkpoint written by train_fsdp.py (keys model, optimizer, rng,
-format_version, world_size, model_config, train_state): `torch.load(OUT, weights_only=True)["model"]` gives
-the plain model's weights; next to OUT goes `.OUT.json`, its size and CRC32, which a resume from OUT
-checks. A sharded output is written by the training job's own sharded writer (in a process group of this
-one process), with its meta.json of every file's CRC32 written last. The input's files are checked
-against their recorded CRC32s before anything is written, and nothing in them is unpickled by a general
-unpickler.
-"""
+Read in this one process (no GPU; memory for the whole model and optimizer state) and checked against its CRC32s
+first; everything a resume needs comes along, so `--resume_from OUT` continues on any number of ranks. The output is
+written as train_fsdp.py writes a checkpoint of that format, with its checksums (docs/checkpoints.md)."""
 from __future__ import annotations
 
 import argparse

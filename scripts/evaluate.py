@@ -5,14 +5,8 @@
     torchrun --nproc_per_node=8 scripts/evaluate.py checkpoints/llama1B/fsdp_sharded_cpt500 --tasks hellaswag,arc_easy
     python scripts/evaluate.py exported/tiny --tasks lambada_openai --limit 100 --device cpu   # an HF model folder
 
-CHECKPOINT is a full checkpoint file, a sharded checkpoint folder (saved at any world size), or a Hugging Face
-model folder (config.json and weights). Our checkpoints use the run's tokenizer found next to them (as
-scripts/generate.py does) or --tokenizer; an HF folder its own tokenizer. Under torchrun every rank holds the
-whole model and evaluates its share of the batches (fsdp_utils/evaluation/lm_eval_model.py); rank 0 prints the
-table and writes --output (checked before evaluating; written beside it, then renamed into place). --tasks takes
-task, group or tag names and task .yaml files; --include_path adds folders of your own task .yaml files. bf16
-(autocast, weights kept in fp32) on GPUs, fp32 on the CPU.
-"""
+CHECKPOINT is a full checkpoint, a sharded folder or a Hugging Face model folder. Under torchrun every rank holds the
+whole model and evaluates its share of the batches; rank 0 prints the table and writes --output (docs/evaluation.md)."""
 from __future__ import annotations
 
 import argparse

@@ -6,29 +6,10 @@
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model, tok = AutoModelForCausalLM.from_pretrained("exported/tiny"), AutoTokenizer.from_pretrained("exported/tiny")
 
-OUT_DIR gets config.json, model.safetensors (+ generation_config.json) and the run's tokenizer, found next
-to the checkpoint by the hash it records (or --tokenizer). A SentencePiece tokenizer.model is copied with an
-equivalent Hugging Face tokenizer (tokenizer.json, tokenizer_config.json): it encodes like the SentencePiece
-model (no BOS is added, as in training) and decodes alike except for invalid UTF-8 byte runs. A run trained
-with a Hugging Face tokenizer (data.tokenizer=hf: its hf_tokenizer/ folder) gets that tokenizer's files, its
-chat template included, as transformers saves them. The fused
-projections are split: wqkv into q/k/v_proj, w13 into gate/up_proj. Our rotary layout is Llama's
-rotate-half one, so q and k need no permutation. Everything is written into a temporary folder first
-and moved into place at the end, so a failed export leaves OUT_DIR as it was.
-
-A LoRA checkpoint (train.lora) holds adapters, not a model; its base is found where the checkpoint says
-(model.hf_path, model.init_from, or the seed of a randomly initialised base) and checked against the
-fingerprint it recorded:
-
-    python scripts/export_hf.py checkpoints/ft/fsdp_cpt200.pth exported/ft --merge_lora
-    python scripts/export_hf.py checkpoints/ft/fsdp_cpt200.pth exported/ft-adapter --lora_adapter_only
-
---merge_lora writes the base with the adapters merged into its weights (a Hugging Face model's own class
-and tokenizer for model.type=hf; LlamaForCausalLM for ours). --lora_adapter_only writes a PEFT adapter
-folder (adapter_config.json, adapter_model.safetensors with PEFT's names) that
-`peft.PeftModel.from_pretrained(base, folder)` loads on the base: the Hugging Face folder of
-model.hf_path, or for our model the export of the base.
-"""
+OUT_DIR gets config.json, model.safetensors and a tokenizer that encodes like the run's (found next to the
+checkpoint by the hash it records, or --tokenizer); a failed export leaves OUT_DIR as it was. A LoRA checkpoint
+exports merged into its base (--merge_lora) or as a PEFT adapter folder (--lora_adapter_only): docs/huggingface.md
+and docs/training.md say what each writes."""
 from __future__ import annotations
 
 import argparse
@@ -82,7 +63,8 @@ class ExportError(Exception):
 
 
 def hf_state_dict(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our parameter names and fused layouts -> LlamaForCausalLM's."""
+    """Our parameter names and fused layouts -> LlamaForCausalLM's: wqkv split into q/k/v_proj, w13 into
+    gate/up_proj. Our rotary layout is Llama's rotate-half one, so q and k need no permutation."""
     q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": ours["tok_embeddings.weight"], "model.norm.weight": ours["norm.weight"]}
     out["lm_head.weight"] = ours["tok_embeddings.weight"] if cfg.tie_embeddings else ours["output.weight"]

@@ -2,22 +2,11 @@
 
     python scripts/generate.py checkpoints/tiny/fsdp_cpt1000.pth --prompt "def main(" --max_new_tokens 60
     python scripts/generate.py checkpoints/llama1B/fsdp_sharded_cpt500 --prompt "import " --temperature 0   # greedy
-    python scripts/generate.py CKPT --prompt "class " --top_k 20 --seed 7 --device cuda --tokenizer my.model
     python scripts/generate.py checkpoints/finetune_chat/fsdp_sharded_cpt1000 --prompt "Hello" --chat
 
-Prints the prompt followed by the continuation. The checkpoint holds our model, or a fine-tuned Hugging Face
-model (model.type=hf: its architecture is the config.json of the folder the run fine-tuned, model.hf_path or
-model.hf_config of the run's config.yaml next to the checkpoint, or --base), or LoRA adapters (train.lora), put
-on the base the checkpoint records once that is checked against its fingerprint, as export_hf.py --merge_lora
-does. The tokenizer is the run's (a SentencePiece model, or a Hugging Face tokenizer's folder), found next to
-the checkpoint by the hash the checkpoint records (train_fsdp.py copies it there). The prompt is encoded as
-training encoded documents (no BOS); --chat instead renders it as a user message with the tokenizer's chat
-template, followed by the start of the assistant's turn: a SentencePiece tokenizer, or a Hugging Face one without
-a template, renders it with the PLAIN template its chat training data was rendered with (data/chat.py), and the
-reply ends at that template's end-of-turn marker. Sampling: logits / temperature, keep the top_k most likely
-tokens (0: all), draw with a torch.Generator seeded by --seed, so a fixed seed gives the same text;
---temperature 0 is greedy and ignores the seed. The context is cropped to the model's context length;
-generation stops early at the end-of-document token. An empty prompt starts a fresh document.
+Prints the prompt followed by the continuation, from our model, a fine-tuned Hugging Face model (--base), or LoRA
+adapters on the base the checkpoint records, with the run's tokenizer found next to the checkpoint by its hash.
+--chat renders the prompt as a user turn with the tokenizer's chat template (or data/chat.py's PLAIN one).
 """
 from __future__ import annotations
 

@@ -3,19 +3,9 @@
     python scripts/import_hf.py /models/Llama-3.2-1B llama1B.pth --config config/llama1B.yaml
     torchrun --nproc_per_node=8 train_fsdp.py config/llama1B.yaml
 
-HF_DIR holds config.json and model.safetensors, or shards listed in model.safetensors.index.json; nothing is
-downloaded and no code of the folder runs (only the JSON and safetensors files are read). The weights are
-converted to our names and fused layouts (q/k/v_proj into wqkv, gate/up_proj into w13; both use Llama's
-rotate-half rotary layout, so q and k need no permutation), in fp32 (our training keeps fp32 weights; bf16 to
-fp32 is exact). OUT is a full checkpoint at step 0 with no optimizer state: `model.init_from=OUT` (weights
-only) or `--resume_from OUT` start from it. --config writes a whole training config that trains from it as it
-is: --base_config (a preset, config/train1B_fsdp.yaml by default) with the imported model's section (with Llama
-3.1 / 3.2's rotary scaling, rope_type llama3, in its rope_* fields), model.init_from=OUT, HF_DIR's own
-tokenizer (data.tokenizer=hf), data.seq_len at most the model's context and run.name OUT's stem, checked as
-train_fsdp.py checks it. Without --config the model section is printed. A configuration our model cannot
-compute exactly (biases, another activation, a rope scaling other than llama3, a head_dim of its own, ...) or
-a config.json field of the wrong kind is refused with one line naming the field.
-"""
+HF_DIR holds config.json and model.safetensors (or its shards); nothing is downloaded, no code of it runs. OUT is a
+full checkpoint at step 0 (fp32 weights, no optimizer state); --config writes a training config that trains from it,
+else the model section is printed. A configuration our model cannot compute exactly is refused, naming the field."""
 from __future__ import annotations
 
 import argparse

@@ -1,14 +1,12 @@
-r"""Compare the loss curves of two or more runs: a PNG of train and validation loss against the step, and
-a markdown table of the validation loss at each evaluation with each run's difference from the first;
-optionally a second PNG of the throughput (tokens/s per GPU) against the step.
+r"""Compare the loss curves of two or more runs: a PNG of train and validation loss against the step, a markdown
+table of the validation loss at each evaluation with each run's difference from the first, and optionally a PNG of
+the throughput (tokens/s per GPU).
 
     python scripts/plot_loss.py checkpoints/llama90M-bf16 checkpoints/llama90M-fp8 --labels bf16,fp8-tensorwise \
         --title "90M preset" --out docs/loss_90m.png --throughput docs/throughput_90m.png
 
-Each input is a run's output directory (its metrics.jsonl is read) or a metrics.jsonl file; a step
-logged twice (a resumed run) keeps its last row. Drawn with matplotlib (an optional dependency, needed by
-this script only: pip install matplotlib).
-"""
+Each input is a run's output directory or a metrics.jsonl file; a step logged twice (a resumed run) keeps its last
+row. Needs matplotlib (pip install matplotlib)."""
 from __future__ import annotations
 
 import argparse

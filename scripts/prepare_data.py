@@ -6,10 +6,7 @@ r"""Prepare a corpus once, outside any training job: tokenizer plus sharded toke
     python scripts/prepare_data.py config/train1B_fsdp.yaml --data.hf_dataset.path=/data/saved_dataset \
         --data.dataset_dir=/data/c2       # a Hugging Face dataset (docs/data.md)
 
-Takes the same config file and --section.key=value overrides as train_fsdp.py. Streams the corpus through
-data.num_workers processes (default: one per CPU core) in bounded memory; rerun the same command after an
-interruption to continue after the last finished shard, or after success to find the folder reused.
-"""
+Takes the same config file and overrides as train_fsdp.py; rerun the same command after an interruption to continue."""
 from __future__ import annotations
 
 import logging

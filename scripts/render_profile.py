@@ -1,16 +1,12 @@
 """Draw a training run's profile trace and CUDA memory snapshot as PNGs (matplotlib), for docs and reviews.
 
-    # one step of a profile (logging.profile_steps): the kernels on each CUDA stream, coloured by kind
     python scripts/render_profile.py trace RUN_DIR/profile/steps3-5/rank0.pt.trace.json --step 4 --out timeline.png
-    # every profiled step in figures, no drawing: GPU time computing, in exposed communication, idle
     python scripts/render_profile.py summary RUN_DIR/profile/steps3-5/rank0.pt.trace.json
-    # a memory snapshot (logging.memory_snapshot): live memory over time, stacked by what allocated it
     python scripts/render_profile.py snapshot RUN_DIR/memory/step5_rank0.pickle --out memory.png
 
-A trace without GPU kernels (a CPU run) is drawn per thread from its CPU ops instead. Both print a small
-table of the figures drawn. The interactive views stay the better tools for digging: Perfetto
-(ui.perfetto.dev) for traces, pytorch.org/memory_viz for snapshots.
-"""
+trace: one profiled step's kernels on each CUDA stream, coloured by kind (a CPU run's ops per thread); summary: each
+profiled step's GPU time computing, in exposed communication, idle; snapshot: live memory over time, stacked by what
+allocated it. For digging: Perfetto (traces), pytorch.org/memory_viz (snapshots)."""
 from __future__ import annotations
 
 import argparse
@@ -89,13 +85,12 @@ def listed(names: list[str], limit: int = 8) -> str:
 
 
 def step_window(events: list[dict], step: int | None) -> tuple[str, float, float]:
-    """(name, start, end) in microseconds of a profiled step's range ('train_step#N'): the chosen step, or
-    the second one when there are several (the first can carry the profiler's start-up).
+    """(name, start, end) in microseconds of a profiled step's range ('train_step#N'): the chosen step, or the second
+    one when there are several (the first can carry the profiler's start-up).
 
-    A GPU trace holds each range twice: on the CPU, where it lasts as long as launching the step's work,
-    and on the GPU ('gpu_user_annotation'), spanning the kernels that work ran; the GPU one is the window.
-    A CPU-only trace has the first kind only; there the window runs to the next step's start, or to the
-    end of the trace."""
+    A GPU trace holds each range twice: on the CPU, where it lasts as long as launching the step's work, and on the GPU
+    ('gpu_user_annotation'), spanning the kernels that work ran; the GPU one is the window. A CPU-only trace has the
+    first kind only; there the window runs to the next step's start, or to the end of the trace."""
     def ranges(category: str) -> list[tuple[float, float, str]]:
         return sorted((e["ts"], e["dur"], e["name"]) for e in events
                       if STEP_RANGE.fullmatch(e["name"]) and e.get("cat") == category)
@@ -266,10 +261,9 @@ def category_of(frames: list[dict]) -> str:
 
 
 def memory_timeline(snapshot: dict, device: int = 0) -> tuple[list[float], dict[str, list[float]]]:
-    """(times in s from the first event, category -> live bytes after each event) of one device's
-    allocation history. Blocks still live from before the recording started (or whose allocation fell out
-    of the history) are 'before recording': the live total at the end, from the snapshot's segments, minus
-    what the history adds up to."""
+    """(times in s from the first event, category -> live bytes after each event) of one device's allocation history.
+    Blocks still live from before the recording started (or whose allocation fell out of the history) are 'before
+    recording': the live total at the end, from the snapshot's segments, minus what the history adds up to."""
     trace = device_trace(snapshot, device)
     live: dict[int, tuple[str, int]] = {}
     current = dict.fromkeys(CATEGORIES, 0)

@@ -5,11 +5,8 @@
     export RDZV_STORE=storehost:29400 RDZV_ID=$(openssl rand -hex 16)    # one id per job, the same on every node
     scripts/fsdp_multi_node.sh 10.0.0.1 0 2:4 ...                        # on every node
 
-It listens on the address of --host only (0.0.0.0 or ::, every interface of the machine, with a warning), and serves
-until SIGINT or SIGTERM. The store has no authentication: anyone who reaches its port can read and write the
-rendezvous, so it must sit on a network only the job's machines reach. A port in use or an address that is not this
-machine's: one `error:` line, exit status 2. A malformed message from a client is one line in its log.
-"""
+It listens on the address of --host only and serves until SIGINT or SIGTERM; it has no authentication, so it must
+sit on a network only the job's machines reach. A port in use or an address not this machine's: one `error:` line."""
 from __future__ import annotations
 
 import argparse

@@ -259,3 +259,23 @@ def fit(cfg, env, *, resume_from: str | None = None):
     run = train_fsdp.set_up(cfg, env, stop=stop, resume_from=resume_from)
     run.last = train_fsdp.train(run, stop)
     return run
+
+
+def parallelize(module, *, fsdp, block_classes, precision, compile: bool = False, init=None):
+    """A built module made trainable as a run makes it (fsdp_utils/train/build_run.py): activation checkpointing
+    (the adapter's fsdp section) and compile on its blocks, the adapter's wrap of its units in `precision`, then the
+    weights materialised where built on the meta device (`init`). Returns the model to train."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from fsdp_utils.parallel.parallelize import prepare_blocks
+
+    blocks = [m for m in module.modules() if type(m) in block_classes]
+    prepare_blocks(blocks, fsdp.f, compile=compile)
+    model = fsdp.wrap(module, auto_wrap_policy=ModuleWrapPolicy(fsdp.units(module, blocks)), compile=compile,
+                      mixed_precision=MixedPrecision(param_dtype=precision.compute, reduce_dtype=precision.reduce),
+                      init=init)
+    if init is not None:
+        init.init_sharded(model, torch.device("cpu") if fsdp.offload else fsdp.env.device)
+    return model

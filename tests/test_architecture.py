@@ -155,10 +155,6 @@ def test_no_import_cycles(graph):
 # ---- one place asks which FSDP wraps a model -----------------------------------------------------------------------
 
 ADAPTER = "fsdp_utils/parallel/fsdp.py"
-# (file, function) pairs that still ask, until the checkpoint code asks the adapter (its full_save_options and
-# offloads_sharded_state_dict answer alike: tests/test_fsdp_adapter.py).
-NOT_YET_MOVED = {("fsdp_utils/checkpoint/base.py", "full_save_options"),
-                 ("fsdp_utils/checkpoint/base.py", "CheckpointContext.offload")}
 
 
 def fsdp_members() -> set[str]:
@@ -238,5 +234,29 @@ def test_only_the_fsdp_adapter_asks_which_fsdp_wraps_a_model():
     assert ROOT / ADAPTER in paths and fsdp_questions((ROOT / ADAPTER).read_text())  # the reader sees the adapter's
     found = {(path.relative_to(ROOT).as_posix(), where) for path in paths if path != ROOT / ADAPTER
              for where in fsdp_questions(path.read_text())}
-    assert found - NOT_YET_MOVED == set()
-    assert NOT_YET_MOVED - found == set(), "these ask the adapter now: remove them from NOT_YET_MOVED"
+    assert found == set()
+
+
+# ---- set_up shows the wrap that build_run makes ---------------------------------------------------------------------
+
+
+def calls_in(path: Path, function: str) -> list[tuple[str, str]]:
+    """(name, source) of each call of `function`'s body in the file `path`, in order: `name` the called function's
+    (wrap for parts.fsdp.wrap), `source` as ast.dump writes the call (its arguments included)."""
+    tree = ast.parse(path.read_text())
+    body = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    calls = [n for n in ast.walk(body) if isinstance(n, ast.Call)]
+    name = lambda call: getattr(call.func, "attr", getattr(call.func, "id", ""))  # noqa: E731
+    return [(name(call), ast.dump(call)) for call in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+
+
+def test_set_up_calls_build_wrap_and_finish_in_order_and_wraps_as_build_run_does():
+    # train_fsdp.py's set_up shows the wrap; the benchmarks and the tests build through build_run. The two wraps are
+    # the same call, so what is measured is what trains; build, the wrap and finish run in this order in both.
+    ours, theirs = (calls_in(ROOT / "train_fsdp.py", "set_up"),
+                    calls_in(ROOT / "fsdp_utils/train/build_run.py", "build_run"))
+    for calls in (ours, theirs):
+        order = [name for name, _ in calls if name in ("build", "wrap", "finish")]
+        assert order == ["build", "wrap", "finish"], order
+    assert [source for name, source in ours if name == "wrap"] == [source for name, source in theirs if name == "wrap"]
+    assert "ModuleWrapPolicy" in dict(ours)["wrap"] and "MixedPrecision" in dict(ours)["wrap"]

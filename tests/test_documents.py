@@ -322,8 +322,9 @@ def masked_losses_on_ranks(rank: int, world_size: int, *, combos: list[tuple[int
     ranks, each rank on its half of the batch."""
     from fsdp_utils.parallel.build import build_model
     from fsdp_utils.parallel.fsdp import fsdp_adapter
-    from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
+    from fsdp_utils.parallel.parallelize import resolve_precision
     from tests.distributed_harness import cpu_env
+    from tests.helpers import parallelize
 
     env = cpu_env(rank, world_size)
     out = []

@@ -281,8 +281,9 @@ def evaluate_sharded(rank: int, world_size: int, *, tasks: str, tokenizer: str) 
     """On each rank: the peaked model sharded by FSDP1, then by FSDP2, evaluated on every task."""
     from config import FSDPConfig
     from fsdp_utils.parallel.fsdp import fsdp_adapter
-    from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
+    from fsdp_utils.parallel.parallelize import resolve_precision
     from model import DecoderBlock
+    from tests.helpers import parallelize
 
     env = cpu_env(rank, world_size)
     out = {}

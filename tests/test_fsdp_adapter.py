@@ -2,7 +2,7 @@
 its wrap computes the same losses, its gradient sync skips the reduction before the step's last micro-batch (or
 reduces after every one, fsdp.grad_sync=every_micro_batch), and its clipping returns the global gradient norm and
 clips to it, so that one SGD step lands on the reference's weights. Also: the state-dict answers it gives the
-checkpoints are those of the checkpoint code's own functions."""
+checkpoints, and that the checkpoints take their state dicts as the run's adapter answers."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
+from fsdp_utils.parallel.parallelize import Precision
+from model import DecoderBlock, ModelConfig, Transformer
+from tests.helpers import parallelize
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
 SEED, LR = 5, 0.1
 MAX_NORM = 0.5  # below the reference's gradient norm (the test asserts it), so clipping acts
 SYNCS = ("last_micro_batch", "every_micro_batch")
+FP32 = Precision(torch.float32, torch.float32, use_grad_scaler=False)
 
 
 def global_batch() -> torch.Tensor:
@@ -63,8 +66,7 @@ def step_on_ranks(rank: int, world_size: int) -> dict:
             fsdp = fsdp_adapter(FSDPConfig(version=version, grad_sync=grad_sync), env)
             module = Transformer(CFG)
             module.init_weights(seed=SEED)
-            model = fsdp.wrap(module, list(module.layers), param_dtype=torch.float32, reduce_dtype=torch.float32,
-                              compile=False, init=None)
+            model = parallelize(module, fsdp=fsdp, block_classes={DecoderBlock}, precision=FP32)
             losses, reduced = [], []
             for micro, tokens in enumerate(mine):
                 with CommDebugMode() as comm, fsdp.gradient_sync(model, last=micro == len(mine) - 1):
@@ -112,26 +114,100 @@ def test_both_versions_wrap_sync_and_clip_like_one_process():
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_the_state_dict_answers_are_the_checkpoint_codes(version, world_of_one, tmp_path):
-    # The adapter's full_save_options and offloads_sharded_state_dict answer as the checkpoint code's own
-    # full_save_options and CheckpointContext.offload (which ask the model's wrapper) do, on the CPU and on a GPU.
-    # The GPU is only a device in the environment: both answer from its type, and nothing is gathered here.
+def test_the_state_dict_answers_are_each_versions(version, world_of_one):
+    # FSDP1 cuts each rank's piece of a sharded state dict anew, so on GPUs it offloads them (docs/checkpoints.md);
+    # FSDP2's hold the live shards. Without frozen parameters both gather a full state dict as torch does: through
+    # host memory on GPUs only, no names left for the caller to drop (LoRA's frozen base: tests/test_lora.py).
+    # The GPU is only a device in the environment: the answers come from its type, and nothing is gathered here.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     from config import FSDPConfig
-    from fsdp_utils.checkpoint.base import CheckpointContext, full_save_options
+    from fsdp_utils.checkpoint.contents import TorchStateDicts
     from fsdp_utils.parallel.fsdp import fsdp_adapter
 
     module = Transformer(CFG)
     module.init_weights(seed=SEED)
-    model = fsdp_adapter(FSDPConfig(version=version), world_of_one).wrap(
-        module, list(module.layers), param_dtype=torch.float32, reduce_dtype=torch.float32, compile=False, init=None)
-    answers = set()
+    model = parallelize(module, fsdp=fsdp_adapter(FSDPConfig(version=version), world_of_one),
+                        block_classes={DecoderBlock}, precision=FP32)
     for device in ("cpu", "cuda"):
-        env = dataclasses.replace(world_of_one, device=torch.device(device))
-        fsdp = fsdp_adapter(FSDPConfig(version=version), env)
-        offload = fsdp.offloads_sharded_state_dict()
-        assert offload == CheckpointContext(tmp_path, env, "sharded", 0, {}).offload(model), device
-        answers.add(offload)
+        fsdp = fsdp_adapter(FSDPConfig(version=version), dataclasses.replace(world_of_one, device=torch.device(device)))
+        assert fsdp.offloads_sharded_state_dict() == (version == 1 and device == "cuda"), device
         for on_gpu in (False, True):
-            assert fsdp.full_save_options(model, on_gpu=on_gpu) == full_save_options(model, on_gpu=on_gpu)
-    # FSDP1 offloads its sharded state dicts on GPUs; FSDP2's hold the live shards.
-    assert answers == ({False, True} if version == 1 else {False})
+            want = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu, ignore_frozen_params=True, strict=True)
+            assert fsdp.full_save_options(model, on_gpu=on_gpu) == (want, []), (device, on_gpu)
+            assert TorchStateDicts().full_save_options(model, on_gpu=on_gpu) == (want, [])
+    assert not TorchStateDicts().offloads_sharded_state_dict()
+
+
+class RecordedAnswers:
+    """State-dict answers that record the questions, and name one parameter for the full save to drop."""
+
+    def __init__(self, drop: str):
+        from fsdp_utils.checkpoint.contents import TorchStateDicts
+
+        self.drop, self.torch, self.asked = drop, TorchStateDicts(), []
+
+    def full_save_options(self, model, *, on_gpu):
+        self.asked.append(("full", on_gpu))
+        return self.torch.full_save_options(model, on_gpu=on_gpu)[0], [self.drop]
+
+    def offloads_sharded_state_dict(self):
+        self.asked.append(("sharded",))
+        return False
+
+
+def test_the_checkpoints_take_state_dicts_as_the_run_answers(world_of_one, tmp_path):
+    # Both writers ask the answers the contents were given (the run's FSDP adapter), and the full save drops the
+    # frozen names they give: the checkpoint holds every weight but that one.
+    from config import CheckpointConfig
+    from fsdp_utils.checkpoint import CheckpointManager, Contents
+    from fsdp_utils.checkpoint.safe_read import load_full
+
+    model = Transformer(CFG)
+    model.init_weights(seed=SEED)
+    optimizer = torch.optim.AdamW(model.parameters())
+    drop = "layers.0.attention.wqkv.weight"
+    paths = {}
+    for fmt in ("full", "sharded"):
+        answers = RecordedAnswers(drop)
+        paths[fmt] = CheckpointManager(CheckpointConfig(format=fmt, keep_last_n=0), tmp_path / fmt, env=world_of_one,
+                                       contents=Contents(model, optimizer, fsdp=answers), model_config={}).save()
+        assert ("full", False) in answers.asked if fmt == "full" else set(answers.asked) == {("sharded",)}, fmt
+    assert sorted(load_full(paths["full"])["model"]) == sorted(set(model.state_dict()) - {drop})
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_each_version_wraps_its_own_units_in_the_given_precision(version, world_of_one):
+    # The run's wrap (build_run's, the same call as train_fsdp.py's set_up: tests/test_architecture.py) makes the
+    # units each version has always had. FSDP1: a unit per block, and per LoRA adapter (a unit is one flat tensor of
+    # one dtype, and the adapters are fp32 beside a bf16 base), fp32 without casting; FSDP2: the blocks, the output
+    # projection's edges where untied, then the root, never the adapters. 2 layers, LoRA on q, k, v, o: 8 adapters.
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    from config import load_config
+    from fsdp_utils.parallel.build import describe_model
+    from fsdp_utils.train.build_run import build_run
+    from tests.helpers import ROOT, TINY
+
+    blocks = {"layers.0", "layers.1"}
+    for precision, lora, tied in (("fp32", 0, True), ("bf16", 4, True), ("fp32", 0, False)):
+        cfg = load_config(ROOT / "config/train_tiny_fsdp.yaml",
+                          [*TINY, f"--fsdp.version={version}", f"--train.precision={precision}",
+                           f"--train.lora.rank={lora}", f"--model.tie_embeddings={str(tied).lower()}",
+                           "--model.vocab_size=320"])
+        vocab_size, signature, _ = describe_model(cfg, 320)
+        model = build_run(cfg, world_of_one, vocab_size=vocab_size, model_signature=signature, eos_id=None,
+                          use_cache=False).model
+        bf16 = precision == "bf16"
+        if version == 1:
+            units = FullyShardedDataParallel.fsdp_modules(model)
+            kinds = sorted(type(unit.module).__name__ for unit in units)
+            assert kinds == ["DecoderBlock"] * 2 + ["LoRAAdapter"] * (8 if lora else 0) + ["Transformer"], kinds
+            mixed = {(unit.mixed_precision.param_dtype, unit.mixed_precision.reduce_dtype) for unit in units}
+            assert mixed == {(torch.bfloat16, torch.float32) if bf16 else (None, None)}, mixed
+            continue
+        sharded = {name for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+        assert sharded == {"", *blocks, *(() if tied else ("tok_embeddings", "norm", "output"))}, sharded
+        policies = {(m._get_fsdp_state()._mp_policy.param_dtype, m._get_fsdp_state()._mp_policy.reduce_dtype)
+                    for m in model.modules() if isinstance(m, FSDPModule)}
+        assert policies == {(torch.bfloat16 if bf16 else torch.float32, torch.float32)}, policies

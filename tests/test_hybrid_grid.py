@@ -68,9 +68,10 @@ def train_grid(rank: int, world_size: int, *, local_world_size: int, setups: lis
     from config import FSDPConfig
     from fsdp_utils.distributed import DistEnv
     from fsdp_utils.parallel.fsdp import fsdp_adapter
-    from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
+    from fsdp_utils.parallel.parallelize import resolve_precision
     from fsdp_utils.train.step import train_step
     from model import DecoderBlock, Transformer
+    from tests.helpers import parallelize
 
     env = DistEnv(rank=rank, local_rank=rank % local_world_size, world_size=world_size,
                   local_world_size=local_world_size, device=torch.device("cpu"))
@@ -167,8 +168,9 @@ def test_fsdp1_on_one_process_runs_no_shard_without_torch_warning_of_it(strategy
 
     from config import FSDPConfig
     from fsdp_utils.parallel.fsdp import fsdp_adapter
-    from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
+    from fsdp_utils.parallel.parallelize import resolve_precision
     from model import DecoderBlock, Transformer
+    from tests.helpers import parallelize
 
     module = Transformer(model_config())
     module.init_weights(seed=SEED)

@@ -182,9 +182,10 @@ def accumulate_two_micro_batches(rank: int, world_size: int) -> dict:
     micro-batches (sharded: reduced already; whole: held until the last), and the weights after a step."""
     from config import FSDPConfig
     from fsdp_utils.parallel.fsdp import fsdp_adapter
-    from fsdp_utils.parallel.parallelize import parallelize, resolve_precision
+    from fsdp_utils.parallel.parallelize import resolve_precision
     from model import DecoderBlock, ModelConfig, Transformer
     from tests.distributed_harness import cpu_env
+    from tests.helpers import parallelize
 
     env = cpu_env(rank, world_size)
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)

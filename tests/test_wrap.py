@@ -272,12 +272,11 @@ def test_the_policies_by_role_need_projections_they_know():
     assert [p.name for p in auto_policies(1)] == ["none", "selective_op", "selective_op_lean", "full"]
 
 
-@pytest.mark.slow  # builds and shards the model three times
+@pytest.mark.slow  # builds and compiles the model three times
 def test_compile_tuning_needs_compile_and_reaches_every_compiled_function(monkeypatch):
     from config import ConfigError, load_config
-    from fsdp_utils.parallel.build import build_model
-    from fsdp_utils.parallel.fsdp import fsdp_adapter
-    from fsdp_utils.parallel.parallelize import compile_options, parallelize, resolve_precision
+    from fsdp_utils.parallel.parallelize import compile_options
+    from fsdp_utils.train.build_run import build
     from tests.helpers import ROOT, world_of_one
 
     tiny = ROOT / "config/train_tiny_fsdp.yaml"
@@ -293,11 +292,7 @@ def test_compile_tuning_needs_compile_and_reaches_every_compiled_function(monkey
             options.clear()
             cfg = load_config(tiny, ["--train.compile=true", f"--train.compile_tuning={str(tuning).lower()}",
                                      "--model.vocab_size=96", f"--fsdp.version={version}"])
-            built = build_model(cfg, env, eos_id=0)  # the chunked loss's function
-            parallelize(built.module, fsdp=fsdp_adapter(cfg.fsdp, env), block_classes=built.block_classes,
-                        init=built.init,
-                        precision=resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device),
-                        compile=cfg.train.compile, compile_tuning=cfg.train.compile_tuning)  # each block
+            build(cfg, env, eos_id=0)  # the chunked loss's function, then each block
             assert options == [compile_options(tuning)] * (1 + cfg.model.n_layers), (tuning, version, options)
     assert compile_options(True) == {"coordinate_descent_tuning": True} and compile_options(False) is None
 

@@ -1,16 +1,11 @@
-"""The lifecycle of asynchronous sharded saves (checkpoint.async_save): stage the state in host memory
-(staging.py), start the background write (`BackgroundWriter`), commit it once every rank's write is done, and
-when a background write fails, write the same step again synchronously from its staged copy.
+"""Asynchronous sharded saves (checkpoint.async_save): stage the state in host memory (staging.py), start the
+background write (`BackgroundWriter`), commit it once every rank's write is done, and write the same step again
+synchronously from its staged copy when a background write fails.
 
-The commit runs collectives (checksum records gathered to rank 0, the agreement on errors, barriers) on
-the default process group, so every rank must run it at the same point of the program, on the main
-thread, in step with the training loop's own collectives. A background write ends at a different moment
-on each rank (a little later on the ranks that wrote more, or on a slower disk), so no rank may commit
-when its own write is done: `poll`, called by every rank at the same point of every step, all-reduces
-"my write is done" (MIN over the ranks) and every rank commits at the first step where the flag is 1
-everywhere. `start` and `finish` wait for their own write first and then commit, which is safe because
-every rank calls them at the same step. At most one save is in flight.
-"""
+The commit's collectives run on the default group in step with the loop's, but each rank's write ends at its own
+moment: `poll`, called by every rank at the same point of every step, all-reduces "my write is done" (MIN), and every
+rank commits at the first step where it is done everywhere (`start` and `finish`, called at the same step on every
+rank, wait for their own write first). At most one save is in flight."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -113,8 +108,7 @@ class BackgroundWriter:
 
     DCP's save is a collective (plans gathered to rank 0, metadata written by rank 0 last). Run in the
     background, it uses a gloo group of its own: the training loop's collectives on the default group
-    (NCCL, or gloo on the CPU) then never interleave with the writer's, whichever thread issues them.
-    """
+    (NCCL, or gloo on the CPU) then never interleave with the writer's, whichever thread issues them."""
 
     def __init__(self, *, writer: str, timeout_s: float):
         if writer == "process" and not HAS_PROCESS_WRITER:
@@ -182,7 +176,7 @@ class AsyncSaver:
             self._writer = BackgroundWriter(writer=self.writer_kind, timeout_s=self.timeout_s)
             self._staging = HostStaging(pin=self.env.device.type == "cuda", share=self._writer.writer == "process")
         model, optimizer = contents.model, contents.optimizer
-        offload = self.context.offload(model)
+        offload = contents.fsdp.offloads_sharded_state_dict()
         if self.context.fmt != "sharded" or not (self.enabled or offload):
             return
         share = self._staging is not None and self._staging.share
@@ -197,7 +191,7 @@ class AsyncSaver:
         if self.env.is_main:
             log.info("sharded checkpoints %s, staged in host memory: %s", how, where)
         # The arena holds copies of whatever may be live training state. FSDP1 on GPUs makes its pieces
-        # on the host for each save (see CheckpointContext.offload), so there only the process writer needs it.
+        # on the host for each save (offloads_sharded_state_dict), so there only the process writer needs it.
         if self.enabled:
             self._try_staging(contents, reserve=arena_bytes(model, optimizer) if share or not offload else None)
 
@@ -215,10 +209,9 @@ class AsyncSaver:
         return None
 
     def _try_staging(self, contents: Contents, *, reserve: int | None) -> None:
-        """Reserve the arena (`reserve` bytes, None: none) and stage this run's state dict once, as a save will
-        (before the first optimizer step with a stand-in for the optimizer's state: contents.OptimizerPart.take), so
-        that a tensor kind the staging cannot copy shows now. Any failure turns asynchronous saves off, on every
-        rank."""
+        """Reserve the arena (`reserve` bytes, None: none) and stage this run's state dict once, as a save will (before
+        the first optimizer step with a stand-in for the optimizer's state: contents.OptimizerPart.take), so that a
+        tensor kind the staging cannot copy shows now. Any failure turns asynchronous saves off, on every rank."""
         staging = self._staging
         assert staging is not None, "prepare() makes the staging of asynchronous saves"
         error = self._reserve(staging, reserve) if reserve is not None else None

@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions
-from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from model import ModelConfig
@@ -22,7 +20,7 @@ from safe_io import nofollow
 from safe_io.journal import Journal
 
 from ..distributed import DistEnv, agree, barrier
-from .contents import Contents, Snapshot, has_frozen, plain_name, state_dict_options
+from .contents import Contents, Snapshot
 from .errors import CheckpointError, CheckpointMismatch, first_line
 from .io import model_config_of
 from .names import FORMAT_VERSION, size_of
@@ -59,19 +57,9 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def full_save_options(model: torch.nn.Module, *, on_gpu: bool) -> tuple[StateDictOptions, list[str]]:
-    """The options of a full state dict gathered to rank 0 (on GPUs through host memory), and the names of the
-    frozen parameters the caller drops from it itself ([] when torch does).
-
-    FSDP1 gathers a full state dict with cpu_offload to rank 0 alone; torch's ignore_frozen_params then
-    removes each frozen name from every rank's dict and fails (KeyError) on the other ranks, whose dicts are
-    empty. FSDP1 gathers every unit either way, so with frozen parameters it keeps them and they are dropped
-    afterwards, where present."""
-    options = state_dict_options(model, full_state_dict=True, cpu_offload=on_gpu)
-    if not (on_gpu and isinstance(model, FullyShardedDataParallel) and has_frozen(model)):
-        return options, []
-    frozen = [plain_name(name) for name, p in model.named_parameters() if not p.requires_grad]
-    return dataclasses.replace(options, ignore_frozen_params=False), frozen
+def _adapters_only(where: object, lora: dict) -> CheckpointMismatch:
+    return CheckpointMismatch(f"{where}: holds LoRA adapters (train.lora.rank={lora.get('rank')}) and no base weights; "
+                              "resume it with the same train.lora, or merge it with scripts/export_hf.py --merge_lora")
 
 
 def _model_kind(model_config: dict) -> str:
@@ -107,15 +95,6 @@ class CheckpointContext:
 
     def __post_init__(self) -> None:
         self.journal = Journal(self.dir)
-
-    def offload(self, model: torch.nn.Module) -> bool:
-        """Whether sharded state dicts are taken with cpu_offload. FSDP1 makes a sharded state dict by
-        gathering each flat parameter (and its optimizer state) and cutting this rank's piece anew: new
-        tensors, which on a GPU would pile up until the save is written (the model's and the optimizer's
-        state once more, more than training's own peak leaves free; docs/checkpoints.md has the figures).
-        With cpu_offload each piece goes to host memory as soon as it is made. FSDP2's state dict holds
-        the live sharded tensors (no copies): nothing to offload."""
-        return self.env.device.type == "cuda" and bool(FullyShardedDataParallel.fsdp_modules(model))
 
     def metadata(self, snapshot: Snapshot) -> dict:
         """What a checkpoint records besides its parts' states (a sharded one's meta.json, less its files)."""
@@ -205,9 +184,7 @@ class CheckpointContext:
         model: not max_seq_len, init_std, or how the MLP width is given), then the tokenizer as for a resume."""
         where = f"model.init_from={path}"
         if (lora := meta.get("lora")) is not None:
-            raise CheckpointMismatch(f"{where}: holds LoRA adapters (train.lora.rank={lora['rank']}) and no base "
-                                     "weights; resume it with the same train.lora, or merge it with "
-                                     "scripts/export_hf.py --merge_lora")
+            raise _adapters_only(where, lora)
         saved_config = meta["model_config"]
         here, there = _model_kind(self.model_config), _model_kind(saved_config)
         if here != there:
@@ -228,9 +205,7 @@ class CheckpointContext:
             return
         if here is None:
             assert saved is not None
-            raise CheckpointMismatch(f"{path}: holds LoRA adapters (train.lora.rank={saved.get('rank')}) and no base "
-                                     "weights; resume it with the same train.lora, or merge it with "
-                                     "scripts/export_hf.py --merge_lora")
+            raise _adapters_only(path, saved)
         if saved is None:
             raise CheckpointMismatch(f"{path}: a checkpoint of a whole model, not of LoRA adapters; resume it without "
                                      "train.lora, or fine-tune from it as the base (model.init_from)")

@@ -1,11 +1,7 @@
 """Checksums: a checkpoint's files are CRC32-hashed while they are written (`ChecksumWriter`), recorded (a sharded
 checkpoint's meta.json, a full file's sidecar) and checked against the record at load, the files spread over the
-ranks (`verify`).
-
-CRC32 (zlib) is there to catch damage (torn writes, truncation, flipped bits), not tampering: whoever can rewrite a
-file can rewrite its record too, and safe reading (safe_read.py) covers that case. CRC32 is the fastest of the
-hashes docs/checkpoints.md compares.
-"""
+ranks (`verify`). CRC32 catches damage, not tampering (safe_read.py covers that), and is the fastest of the hashes
+docs/checkpoints.md compares."""
 from __future__ import annotations
 
 import json
@@ -198,8 +194,7 @@ def owner(name: str, index: int, world_size: int) -> int:
 
 
 def hash_own_files(folder: Path, rank: int, world_size: int) -> tuple[dict, float]:
-    """{name: {"size", "crc32"}} of the files of a written checkpoint that this rank hashes, and the
-    seconds it took."""
+    """{name: {"size", "crc32"}} of the files of a written checkpoint that this rank hashes, and the seconds it took."""
     start = time.perf_counter()
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
     mine = {n: file_record(folder / n) for i, n in enumerate(names) if owner(n, i, world_size) == rank}

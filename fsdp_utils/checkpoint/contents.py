@@ -9,10 +9,8 @@ checks (metadata.py) take the parts from here, as torchtitan's checkpointer take
                       step, the data position, the learning rate, the run's length), and each part of PLAIN_PARTS
                       (the grad scaler) under its own name
 
-A new part of plain data is one entry of PLAIN_PARTS, its object handed to `Contents` under that name; a checkpoint
-saved before the part existed lacks it, and the part keeps its fresh state. A new optimizer's state (Muon's) is the
-optimizer part's, and needs nothing here.
-"""
+A new part of plain data is one entry of PLAIN_PARTS, its object handed to `Contents` under that name (a checkpoint
+saved before lacks it, and it keeps its fresh state); a new optimizer's state is the optimizer part's."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +19,7 @@ import re
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -176,6 +174,28 @@ def state_dict_options(model: torch.nn.Module, **kwargs: Any) -> StateDictOption
     return StateDictOptions(ignore_frozen_params=True, strict=not has_frozen(model), **kwargs)
 
 
+class StateDictAnswers(Protocol):
+    """What the checkpoints ask of the model's FSDP wrapping; the run's FSDP adapter (parallel/fsdp.py) answers."""
+
+    def full_save_options(self, model: torch.nn.Module, *, on_gpu: bool) -> tuple[StateDictOptions, list[str]]:
+        """The options of a full state dict gathered to rank 0 (on GPUs through host memory), and the names of the
+        frozen parameters the caller drops from it itself ([] when torch does)."""
+
+    def offloads_sharded_state_dict(self) -> bool:
+        """Whether sharded state dicts are taken with cpu_offload."""
+
+
+class TorchStateDicts:
+    """The answers for a model that FSDP1 does not wrap (unwrapped, or sharded by FSDP2): torch leaves the frozen
+    parameters out, and a sharded state dict holds the live shards, with nothing to offload."""
+
+    def full_save_options(self, model: torch.nn.Module, *, on_gpu: bool) -> tuple[StateDictOptions, list[str]]:
+        return state_dict_options(model, full_state_dict=True, cpu_offload=on_gpu), []
+
+    def offloads_sharded_state_dict(self) -> bool:
+        return False
+
+
 def check_loaded(result: Any, model: torch.nn.Module, path: Path) -> None:
     """After a non-strict load (a model with frozen parameters): every trainable tensor came from the
     checkpoint, and the checkpoint held nothing else."""
@@ -291,13 +311,15 @@ def restore_rng(states: list | None, env: DistEnv) -> None:
 class Contents:
     """The parts of one run's checkpoints, bound to its objects: the model and its optimizer, the train state the
     loop advances (a fresh one unless given) and, by name, each of PLAIN_PARTS the run has (left out, or None, where
-    it has none). Taking and restoring tensors and the RNG are collectives: every rank calls them."""
+    it has none). `fsdp`: how the model's state dicts are taken, the run's FSDP adapter (needed where FSDP1 may wrap
+    the model on a GPU). Taking and restoring tensors and the RNG are collectives: every rank calls them."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState | None = None,
-                 **plain: Stateful | None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState | None = None, *,
+                 fsdp: StateDictAnswers | None = None, **plain: Stateful | None):
         if unknown := sorted(set(plain) - set(PLAIN_PARTS)):
             raise TypeError(f"not a part of plain data (checkpoint/contents.py PLAIN_PARTS): {', '.join(unknown)}")
         self.model, self.optimizer = model, optimizer
+        self.fsdp: StateDictAnswers = fsdp if fsdp is not None else TorchStateDicts()
         self.state = state if state is not None else TrainState()
         self.plain = plain
         self.model_part = ModelPart(model)

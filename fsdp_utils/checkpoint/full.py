@@ -8,7 +8,7 @@ from pathlib import Path
 from safe_io.journal import TMP_PREFIX, Journal
 
 from ..distributed import agree
-from .base import CheckpointFormat, full_save_options, write_error
+from .base import CheckpointFormat, write_error
 from .checksums import checksum_record, write_checksummed, write_json_to
 from .contents import MODEL, Contents, Snapshot, full_payload, parts_of, state_dict_options
 from .errors import first_line
@@ -47,7 +47,7 @@ class FullCheckpoint(CheckpointFormat):
     def save(self, contents: Contents, snapshot: Snapshot, *, start: float) -> Path:
         # Gather to rank 0 on the CPU: no GPU memory spike, no other rank holds a copy. On the CPU the
         # tensors are already in host memory (and FSDP1's offload path fails there), so no offload.
-        options, frozen = full_save_options(contents.model, on_gpu=self.env.device.type == "cuda")
+        options, frozen = contents.fsdp.full_save_options(contents.model, on_gpu=self.env.device.type == "cuda")
         tensors = contents.take_tensors(options)
         for name in frozen:
             tensors[MODEL].pop(name, None)

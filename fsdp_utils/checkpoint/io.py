@@ -1,14 +1,7 @@
-"""Read a training checkpoint's model in one plain process: no process group, no FSDP, no GPU needed.
-
-    from .io import load_model
-    model, meta = load_model("checkpoints/tiny/fsdp_cpt1000.pth")             # a full checkpoint file
-    model, meta = load_model("checkpoints/llama1B/fsdp_sharded_cpt500", device="cuda")  # or a sharded folder
-
-Only the model weights are read (a sharded checkpoint's optimizer state stays on disk). The run's
-tokenizer (a SentencePiece model, or a Hugging Face tokenizer's folder) sits next to its checkpoints, found
-by the hash each checkpoint records: `find_tokenizer`; `install_tokenizer` puts it there. Every problem with
-the input is a CheckpointError whose message names the path, for scripts to print as one line.
-"""
+"""Read a training checkpoint's model in one plain process (no process group, no FSDP, no GPU): `load_model` of a
+full file or a sharded folder, only the model weights read. The run's tokenizer sits next to its checkpoints, found by
+the hash each records (`find_tokenizer`; `install_tokenizer` puts it there). Every problem with the input is a
+CheckpointError whose message names the path, for scripts to print as one line."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,8 +87,7 @@ def check_buildable(cfg: ModelConfig, where: Path, *, why: str) -> None:
 def read_meta(path: str | Path) -> dict:
     """Metadata (format_version, world_size, model_config, train_state) of a full file or sharded folder.
 
-    For a full checkpoint this maps the file (mmap), so it is cheap even for large ones.
-    """
+    For a full checkpoint this maps the file (mmap), so it is cheap even for large ones."""
     path = Path(path)
     if path.is_dir():
         return read_sharded_meta(path)
@@ -140,11 +132,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu") -> tuple
     return model.to(device).eval(), meta
 
 
-# ---- the run's tokenizer, next to its checkpoints --------------------------------------------------
-#
-# train_fsdp.py copies the run's tokenizer into the output directory (`tokenizer.model`, or an HF
-# tokenizer's folder under its own name), and each checkpoint records its sha256. A run that changes
-# tokenizer (checkpoint.allow_tokenizer_change) keeps the previous one beside it under a name that holds
+# ---- the run's tokenizer, next to its checkpoints (each records its sha256) --------------------------------------
+# A run that changes tokenizer (checkpoint.allow_tokenizer_change) keeps the previous one beside it under a name with
 # the first 8 hex digits of its hash, so every checkpoint's tokenizer stays findable by its hash.
 TOKENIZER_NAME = "tokenizer.model"
 

@@ -1,20 +1,9 @@
-"""The checkpoint manager: what the training loop calls. Saving in one format (full.py or sharded.py),
-synchronously or in the background (async_save.py), at the configured interval, at a stop signal and at
-the last step (`on_step_end`); resuming from a path or `latest`. What a checkpoint holds is the run's `Contents`
-(contents.py), which the manager is given; the names on disk live in names.py, the checksums in checksums.py, the
-metadata checks in metadata.py, the safe reading in safe_read.py, the error types in errors.py; listing, retention
-and quarantine in retention.py.
-
-Every rank calls every method: state dicts, DCP reads and writes and the checks around them are
-collectives, and every rank reaches the same outcome (an error on one rank is raised on all).
-
-A checkpoint counts only once complete: it is written under a `.tmp-` name and renamed into place with
-its checksums. Names starting `.tmp-` are never loaded and are removed by the next save.
-
-Loading checks sizes, then (checkpoint.verify) every file's CRC32, spread over the ranks. With
-`latest`, a checkpoint that fails those checks or does not decode is moved aside as `corrupt-<name>`
-(never loaded, never deleted) and the previous one is tried.
-"""
+"""The checkpoint manager: what the training loop calls. Saving the run's `Contents` in one format (full.py or
+sharded.py), synchronously or in the background (async_save.py), at the configured interval, at a stop signal and
+at the last step (`on_step_end`); resuming from a path or `latest`, a checkpoint that fails its checks moved aside
+as `corrupt-<name>` and the previous one tried. Every rank calls every method, and every rank reaches the same
+outcome (an error on one rank is raised on all). A checkpoint counts only once complete: written under a `.tmp-`
+name, renamed into place with its checksums; `.tmp-` names are never loaded and the next save removes them."""
 from __future__ import annotations
 
 import logging
@@ -101,13 +90,10 @@ class CheckpointManager:
 
     # ---- saving ------------------------------------------------------------------------------
     def prepare_saving(self) -> None:
-        """At the start of the run, before the first step (every rank; `save` does it if not done): try
-        whatever could make a save impossible, so that a run that cannot save stops now with one line
-        instead of after hours of training. Checked: every writing rank can create and write files in the
-        output directory, the disk has room for a checkpoint, the node's host memory (and /dev/shm for the
-        process writer) can hold what saves stage there; and for asynchronous saves, this very state
-        dict is staged once (a state the staging cannot copy turns asynchronous saves off, with a warning:
-        synchronous saves still work)."""
+        """Before the first step (every rank; `save` does it if not done): try whatever could make a save impossible,
+        so that a run that cannot save stops now with one line: every writing rank writes a file in the output
+        directory, the disk has room for a checkpoint, host memory (and /dev/shm) holds what saves stage, and an
+        asynchronous save stages this very state once (a state it cannot copy makes the saves synchronous)."""
         if self._prepared:
             return
         self._prepared = True
@@ -116,9 +102,8 @@ class CheckpointManager:
         self.background.prepare(self.contents)
 
     def _check_writable(self) -> None:
-        """Every rank that writes checkpoint files (sharded: all; full: rank 0) creates, writes and removes
-        a file of its own in the output directory: a read-only folder, a missing permission or an output
-        directory that another node cannot see (sharded checkpoints need a shared filesystem) shows now."""
+        """Every rank that writes checkpoint files (sharded: all; full: rank 0) creates, writes and removes a file of
+        its own in the output directory: a read-only folder, or one another node cannot see, shows now."""
         error = None
         if self.context.fmt == "sharded" or self.env.is_main:
             probe, made = None, None
@@ -147,10 +132,9 @@ class CheckpointManager:
         agree(self.env, error)
 
     def on_step_end(self, *, stopping: bool, last: bool) -> Path | None:
-        """Every rank, once per step after the optimizer step: commit the save in flight if every rank's
-        write is done (`poll`), then save when the step is a multiple of the interval, or `stopping` (a
-        stop signal), or `last` (the final step); for `stopping`/`last` also wait for that save and commit
-        it (`finish`). Returns the path of a save started or made at this step, else None."""
+        """Every rank, once per step after the optimizer step: commit the save in flight if done (`poll`), then save
+        at the interval, at a stop signal (`stopping`) or the last step (`last`), the last two waited for
+        (`finish`). Returns the path of a save started or made at this step, else None."""
         self.poll()
         final = stopping or last
         if not final and not (self.interval and self.contents.state.step % self.interval == 0):
@@ -162,12 +146,9 @@ class CheckpointManager:
 
     def save(self, *, last: bool = False) -> Path:
         """Write a complete checkpoint of the contents at step contents.state.step; CheckpointError (on every rank)
-        if it cannot be written, leaving the previous checkpoints as they were and no `.tmp-` files behind.
-
-        Asynchronous saves return once the write has started; the checkpoint is complete once `poll`
-        or `finish` has committed it. An asynchronous save that cannot stage or start is made
-        synchronously at once, and so is a `last` save (the end of the run, a stop signal) once any
-        asynchronous save of this run has failed."""
+        if it cannot be written, the previous checkpoints as they were. An asynchronous save returns once its write
+        has started, complete once `poll` or `finish` commits it; one that cannot stage or start is made
+        synchronously at once, and so is a `last` save once an asynchronous save of this run has failed."""
         step = self.contents.state.step
         # What no checkpoint may hold, the same on every rank: each raises it, none waits in a collective.
         if problem := train_state_problem(self.contents.record()):
@@ -194,9 +175,8 @@ class CheckpointManager:
         return self.background.in_flight
 
     def poll(self) -> None:
-        """Every rank, at the same point of every step: commit the save in flight once every rank's
-        background write is done (async_save.py says why the ranks agree first); a failed write is
-        reported here, naming the checkpoint."""
+        """Every rank, at the same point of every step: commit the save in flight once every rank's background write is
+        done (async_save.py says why the ranks agree first); a failed write is reported here, naming the checkpoint."""
         self.background.poll()
 
     def finish(self) -> None:
@@ -230,8 +210,7 @@ class CheckpointManager:
     def load(self, resume_from: str) -> TrainState:
         """Restore every part of the contents from `resume_from`; return the train state (the contents' own).
 
-        With `latest`, a corrupt checkpoint is reported, moved aside, and the previous one is tried.
-        """
+        With `latest`, a corrupt checkpoint is reported, moved aside, and the previous one is tried."""
         candidates = self.resolve(resume_from)
         if resume_from != "latest":
             state = self._load_one(candidates[0])

@@ -1,8 +1,7 @@
-"""A checkpoint's metadata and structure, read and checked before any tensor is: meta.json of a sharded checkpoint
-(and that its folder holds exactly the files it lists), a full file's checksum record, and what every metadata may
-hold (its keys, the train_state record that contents.py describes, the LoRA record). Every reader goes through
-`check_structure` and `check_meta`: garbage is CheckpointCorrupt, a checkpoint of another format version or step is
-CheckpointMismatch."""
+"""A checkpoint's metadata and structure, read and checked before any tensor is: meta.json of a sharded checkpoint (and
+that its folder holds exactly the files it lists), a full file's checksum record, and what every metadata may hold (its
+keys, the train_state record that contents.py describes, the LoRA record). Every reader goes through `check_structure`
+and `check_meta`: garbage is CheckpointCorrupt, a checkpoint of another format version or step is CheckpointMismatch."""
 from __future__ import annotations
 
 import dataclasses
@@ -118,12 +117,11 @@ def read_full_record(pth: Path) -> dict[str, dict] | None:
 
 
 def check_structure(path: Path) -> dict[str, dict] | None:
-    """Cheap checks that need no reading of tensor data: the path exists, a file is a torch.save zip
-    of the size recorded, a folder has its meta.json and every file it lists. Raises CheckpointError.
-    Only a regular file or a folder is read (a link to one is followed: the user named it): a FIFO would
-    block, a device such as /dev/zero would never end. Returns the checkpoint's checksum records, {file name:
-    record} (names relative to a sharded checkpoint's folder, to a full one's folder); None for a full file without
-    its sidecar."""
+    """Cheap checks that need no reading of tensor data: the path exists, a file is a torch.save zip of the size
+    recorded, a folder has its meta.json and every file it lists. Raises CheckpointError. Only a regular file or a
+    folder is read (a link to one is followed: the user named it): a FIFO would block, a device such as /dev/zero would
+    never end. Returns the checkpoint's checksum records, {file name: record} (names relative to a sharded checkpoint's
+    folder, to a full one's folder); None for a full file without its sidecar."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:

@@ -6,8 +6,7 @@
                                   per-rank part (rng.pt), and meta.json (train state and every file's size and
                                   CRC32), written last
 
-A save writes under the name with safe_io.journal's TMP_PREFIX (`.tmp-`) before it renames it into place.
-"""
+A save writes under the name with safe_io.journal's TMP_PREFIX (`.tmp-`) before it renames it into place."""
 from __future__ import annotations
 
 import re

@@ -1,7 +1,6 @@
 """Which checkpoints of the output directory are complete, retention (checkpoint.keep_last_n), moving a corrupt one
 aside, and removing what an interrupted save left; only what the run's journal (safe_io/journal.py) records as the
-run's own is ever removed. Plain filesystem code without a process group: rank 0 runs it.
-"""
+run's own is ever removed. Plain filesystem code without a process group: rank 0 runs it."""
 from __future__ import annotations
 
 import logging
@@ -17,11 +16,10 @@ log = logging.getLogger(__name__)
 
 
 def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint in `directory`, newest first. A sharded folder counts
-    once its meta.json is there (written last, so whatever is there under that name marks a save that ended;
-    loading checks what it is); `.tmp-` and `corrupt-` names never match. Only the run's own files and
-    folders count: a link under a checkpoint's name is never loaded, counted or deleted (`odd_checkpoints`
-    names them)."""
+    """(step, path) of every complete checkpoint in `directory`, newest first. A sharded folder counts once its
+    meta.json is there (written last, so whatever is there under that name marks a save that ended; loading checks what
+    it is); `.tmp-` and `corrupt-` names never match. Only the run's own files and folders count: a link under a
+    checkpoint's name is never loaded, counted or deleted (`odd_checkpoints` names them)."""
     found = []
     if directory.is_dir():
         for entry in os.scandir(directory):

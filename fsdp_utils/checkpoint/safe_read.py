@@ -1,19 +1,10 @@
 """Reading a checkpoint without running code from it: nothing in a checkpoint is unpickled by a general unpickler,
 and a checkpoint that would need one is refused with CheckpointUnsafe.
 
-What torch.save wrote (a .pth, a per-rank part's file such as rng.pt, and DCP's non-tensor entries such as the
-optimizer's param groups, which DCP itself loads with weights_only=False) loads with torch's own
-`torch.load(weights_only=True)`, through `SafeLoadPlanner` for DCP's entries: torch's allowlist admits the tensors,
-storages, dtypes and containers that checkpoints hold, and nothing else. Ours does more in two places, which
-torch's does not cover:
-- DCP's `.metadata` is a bare pickle (DCP reads it with pickle.load; torch.load reads only its own archives):
-  `RestrictedUnpickler` reads it, admitting DCP's metadata classes alone (`SafeFileSystemReader`);
-- a failed torch.load is told apart as a refusal (CheckpointUnsafe: never moved aside, `latest` does not fall back
-  past it) or as damage (CheckpointCorrupt) by what its pickle imports, read without unpickling (`pickle_globals`
-  follows GLOBAL, INST and STACK_GLOBAL through a simulated stack): torch's words for a refusal differ between
-  releases and between globals (os, posix, sys and nt are "blocked"; a protocol-4 STACK_GLOBAL stops at an
-  "Unsupported operand"), and torch's get_unsafe_globals_in_checkpoint reads GLOBAL opcodes only.
-"""
+What torch.save wrote loads with `torch.load(weights_only=True)` (DCP's non-tensor entries through `SafeLoadPlanner`).
+DCP's `.metadata`, a bare pickle, is read by `RestrictedUnpickler` (`SafeFileSystemReader`); a failed torch.load is
+told apart as a refusal or as damage by what its pickle imports, read without unpickling (`pickle_globals`), since
+torch's words for a refusal differ between releases and between globals."""
 from __future__ import annotations
 
 import _compat_pickle

@@ -1,8 +1,7 @@
-"""The sharded format: torch.distributed.checkpoint writes one file per rank into
-`.tmp-fsdp_sharded_cpt{step}/`; each rank hashes the files it wrote, rank 0 writes each per-rank part's file
-(rng.pt) and then `meta.json` (every file's size and CRC32) last, and renames the folder into place. It reloads
-at any world size. Writing and committing are separate steps, so an asynchronous save (async_save.py) commits its
-background write the same way."""
+"""The sharded format: torch.distributed.checkpoint writes one file per rank into `.tmp-fsdp_sharded_cpt{step}/`; each
+rank hashes the files it wrote, rank 0 writes each per-rank part's file (rng.pt) and then `meta.json` (every file's size
+and CRC32) last, and renames the folder into place. It reloads at any world size. Writing and committing are separate
+steps, so an asynchronous save (async_save.py) commits its background write the same way."""
 from __future__ import annotations
 
 import os
@@ -60,8 +59,8 @@ class ShardedCheckpoint(CheckpointFormat):
     def tensors(self, contents: Contents, *, trial: bool = False) -> dict:
         """Collective: this rank's state dict of each tensor part, as a sharded save writes it (`trial`: see
         contents.OptimizerPart.take)."""
-        model = contents.model
-        return contents.take_tensors(state_dict_options(model, cpu_offload=self.context.offload(model)), trial=trial)
+        offload = contents.fsdp.offloads_sharded_state_dict()
+        return contents.take_tensors(state_dict_options(contents.model, cpu_offload=offload), trial=trial)
 
     def save(self, contents: Contents, snapshot: Snapshot, *, start: float) -> Path:
         final = self.path_of(snapshot.step)

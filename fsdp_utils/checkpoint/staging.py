@@ -1,14 +1,9 @@
-"""Host staging for asynchronous sharded saves: a copy of this rank's state dict in one host buffer (the
-arena), allocated once and reused by every save, so that training can change the originals while the copy
-is written in the background (async_save.py).
-
-Tensors that may be live training state (anything on the GPU, anything sharing storage with a parameter
-or an optimizer state) are copied into the arena: pinned on GPUs (fast copies from the GPU), in shared
-memory for the process writer (handed over without a copy). Tensors that the state dict made for this
-save on the host (FSDP1's offloaded pieces) are a private copy already and go to the writer as they are.
-Tensor subclasses (DTensor, torchao's FP8 weights, a DTensor of those) are copied through their own
-flatten/unflatten protocol, whatever their class.
-"""
+"""Host staging for asynchronous sharded saves: a copy of this rank's state dict in one host buffer (the arena),
+allocated once and reused by every save, so that training can change the originals while the copy is written in
+the background (async_save.py). Tensors that may be live training state are copied into the arena (pinned on GPUs,
+shared memory for the process writer); tensors the state dict made for this save on the host (FSDP1's offloaded
+pieces) are a private copy already and go as they are. Tensor subclasses are copied through their own
+flatten/unflatten protocol, whatever their class."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,9 +59,8 @@ def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Par
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's share of the model and optimizer state, as a sharded checkpoint holds it.
-    Before the first optimizer step (no state yet) AdamW's two moments are counted as fp32 copies of
-    every parameter."""
+    """Bytes of this rank's share of the model and optimizer state, as a sharded checkpoint holds it. Before the first
+    optimizer step (no state yet) AdamW's two moments are counted as fp32 copies of every parameter."""
     saved = [t for _, t in trainable_parameters(model)]
     params = sum(p.numel() * p.element_size() for t in saved for p in storage_tensors(t))
     if optimizer.state:
@@ -89,13 +83,11 @@ class StageStats:
 class HostStaging:
     """Copies of a rank's state-dict tensors in one host arena that is allocated once and reused.
 
-    `stage(state_dict, live=...)` returns a state dict of the same structure whose tensors DCP can
-    write while training changes the originals: those that may be live (on the GPU, or sharing storage
-    with the training state) are copied into the arena; host tensors made for this save pass as they
-    are, except for the process writer (`share`), which gets every tensor through the one shared arena
-    (each tensor shared on its own would cost a file descriptor and a copy into /dev/shm at every save);
-    everything else (param_groups) is passed by value.
-    """
+    `stage(state_dict, live=...)` returns a state dict of the same structure whose tensors DCP can write while training
+    changes the originals: those that may be live (on the GPU, or sharing storage with the training state) are copied
+    into the arena; host tensors made for this save pass as they are, except for the process writer (`share`), which
+    gets every tensor through the one shared arena (each tensor shared on its own would cost a file descriptor and a
+    copy into /dev/shm at every save); everything else (param_groups) is passed by value."""
 
     def __init__(self, *, pin: bool, share: bool):
         self.pin, self.share = pin, share
@@ -244,11 +236,10 @@ def _fill(skeleton: Any, wrappers: dict) -> Any:
 
 
 def _host_twin(t: torch.Tensor, place: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """A tensor of t's kind and shape whose plain tensors (storage_tensors, same order) are arena memory
-    from `place`. Tensor subclasses are rebuilt from twins of their inner tensors through the subclass's
-    own flatten/unflatten protocol, so a DTensor stays a DTensor (its local part on the host, its mesh
-    kept) and any wrapper inside it (FP8 weights, say) stays that wrapper: DCP then writes the staged
-    state exactly as it would the original."""
+    """A tensor of t's kind and shape whose plain tensors (storage_tensors, same order) are arena memory from `place`.
+    Tensor subclasses are rebuilt from twins of their inner tensors through the subclass's own flatten/unflatten
+    protocol, so a DTensor stays a DTensor (its local part on the host, its mesh kept) and any wrapper inside it (FP8
+    weights, say) stays that wrapper: DCP then writes the staged state exactly as it would the original."""
     if hasattr(t, "local_shards"):  # FSDP1's ShardedTensor: no unflatten; a host copy, re-pointed at the arena
         host = t.to("cpu", copy=True)
         assert hasattr(host, "local_shards")  # a copy of a ShardedTensor is one

@@ -1,8 +1,7 @@
 """Build the model a run trains, ours or a Hugging Face causal LM, before any sharding.
 
 A multi-rank run builds on the meta device (no rank ever holds the full fp32 model) and returns with it
-a `WeightInit` that `parallelize` calls to materialise the weights once they are sharded.
-"""
+a `WeightInit` that materialises the weights once they are sharded (train/build_run.py finish)."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,24 +30,23 @@ log = logging.getLogger("train")
 
 def build_model(cfg: Config, env: DistEnv, *, fused_matmul: bool | None = None, eos_id: int | None = None,
                 host_free: int | None = None) -> BuiltModel:
-    """The model of `cfg.model` (our Transformer or model.type=hf), unsharded, on the meta device when
-    it will be sharded over several ranks, with train.lora's adapters when set (the base then frozen in
-    the compute dtype). `fused_matmul` (our model): one matmul per fused q/k/v and gate/up weight instead
-    of one per slice; by default exactly when LoRA adapts those layers (an adapter adds to the layer's
-    output). FP8 runs either way: its modules compute their slices themselves (parallel/float8.py).
-    `eos_id`: the tokenizer's EOS, which separates documents; needed with data.document_masking or
-    model.reset_positions. `host_free`: the bytes this host can still give, if known: the model's weights
-    are checked against it (on the CPU; a GPU's free memory is read here) before anything is allocated (a
-    Hugging Face model's once its meta-device skeleton tells its size). A collective with several ranks."""
-    _agree(env, _memory_problem(cfg, env, host_free=host_free))
+    """The model of `cfg.model` (our Transformer or model.type=hf), unsharded, on the meta device when it will be
+    sharded over several ranks, with train.lora's adapters when set (the base then frozen in the compute dtype).
+    `fused_matmul` (our model): one matmul per fused q/k/v and gate/up weight instead of one per slice; by default
+    exactly when LoRA adapts those layers (an adapter adds to the layer's output). FP8 runs either way: its modules
+    compute their slices themselves (parallel/float8.py). `eos_id`: the tokenizer's EOS, which separates documents;
+    needed with data.document_masking or model.reset_positions. `host_free`: the bytes this host can still give, if
+    known: the model's weights are checked against it (on the CPU; a GPU's free memory is read here) before anything is
+    allocated (a Hugging Face model's once its meta-device skeleton tells its size). A collective with several ranks."""
+    agree(env, _memory_problem(cfg, env, host_free=host_free))
     documents = model_documents(cfg, eos_id)
     base_dtype = resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device).compute
     if cfg.model.type == "hf":
         # Sized from config.json first (a skeleton of many layers alone is slow to build), then exactly once
         # transformers has built the meta-device skeleton, before any allocation.
-        _agree(env, _hf_size_problem(cfg.model, env, host_free=host_free))
+        agree(env, _hf_size_problem(cfg.model, env, host_free=host_free))
         built = hf.build_for_sharding(cfg, env, eos_id=documents.eos_id if documents else None)
-        _agree(env, _hf_memory_problem(cfg, env, cast(hf.CausalLMAdapter, built.module), host_free=host_free))
+        agree(env, _hf_memory_problem(cfg, env, cast(hf.CausalLMAdapter, built.module), host_free=host_free))
         if env.is_main:  # its parameters are counted now, from the skeleton
             log.info("%s", hf_summary(cfg.model, cast(hf.CausalLMAdapter, built.module)))
         return apply_lora(built, cfg, base_dtype=base_dtype)
@@ -59,14 +57,6 @@ def builds_on_meta(f: FSDPConfig, env: DistEnv) -> bool:
     """Whether our model is built on the meta device and materialised shard by shard (fsdp.meta_init and
     fsdp.sync_module_states decide, with the world size)."""
     return f.meta_init and env.world_size > 1 and not f.sync_module_states
-
-
-def _agree(env: DistEnv, error: Exception | None) -> None:
-    """Raise `error` on every rank if any rank has one; without a process group (one rank) simply raise it."""
-    if env.world_size > 1:
-        agree(env, error)
-    elif error is not None:
-        raise error
 
 
 def _shape(m: ModelConfig) -> str:
@@ -173,7 +163,7 @@ def _build_ours(cfg: Config, env: DistEnv, fused_matmul: bool | None, documents:
         reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
         error = ModelMemoryError(f"the model ({_shape(cfg.model)}) could not be allocated on {env.device} "
                                  f"({reason}); use a smaller model or more ranks")
-    _agree(env, error)
+    agree(env, error)
     assert model is not None
     return BuiltModel(model, {DecoderBlock}, SeededInit(model, cfg.model, seed=cfg.run.seed) if use_meta else None)
 

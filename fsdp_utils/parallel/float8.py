@@ -1,22 +1,9 @@
-"""FP8 training of the blocks' linear layers through torchao.float8 (`train.float8`).
-
-torchao is optional: imported only when FP8 is asked for. Its releases are built for one torch release
-each (TORCHAO_FOR_TORCH); `float8_problems` checks for it and for FP8 hardware before any process
-group starts. What is converted: every nn.Linear inside a block (DecoderBlock, or a Hugging Face
-decoder layer) whose dimensions are multiples of 16 (an FP8 matmul's requirement); embeddings, norms
-and the output projection stay in the compute precision.
-
-With FSDP2 and tensorwise scaling the sharded weights are all-gathered in FP8 (half the bytes of bf16).
-After each optimizer step their scales are computed for all weights at once (`precompute_float8_scales`,
-one small all-reduce instead of one per weight per all-gather) and each shard is cast to FP8 once
-(`cast_float8_shards`): every all-gather of the step (forward and backward, every micro-batch) then sends
-that cast instead of casting again. Rowwise scaling gathers the weights in the compute precision and casts
-after (torchao supports no FP8 all-gather for it).
-
-With tensorwise scaling each FP8 linear's input is cast before its matmul (`CastInputOnce`), so backward's
-weight gradient uses the forward's FP8 input instead of casting the saved input again: one amax reduction
-fewer per linear and micro-batch, with the same bits.
-"""
+"""FP8 training of the blocks' linear layers through torchao.float8 (`train.float8`; docs/fsdp.md): every
+nn.Linear inside a block whose dimensions are multiples of 16 becomes torchao's FP8 linear. torchao is imported only
+when FP8 is asked for; `float8_problems` checks for it (TORCHAO_FOR_TORCH) and for FP8 hardware before any process
+group starts. With FSDP2 and tensorwise scaling the sharded weights are all-gathered in FP8: after each optimizer step
+their scales are computed at once (`precompute_float8_scales`) and each shard is cast once (`cast_float8_shards`) for
+every all-gather of the step, and each linear's input is cast once (`CastInputOnce`) for forward and backward."""
 from __future__ import annotations
 
 import functools
@@ -226,12 +213,11 @@ def float8_sliced_linear() -> Any:
 
 
 class CastInputOnce:
-    """Forward pre-hook of a tensorwise FP8 linear: its input cast to FP8 before the matmul. torchao's matmul
-    keeps an FP8 input as it is for backward, whose weight gradient then needs no second cast of the input
-    (an amax reduction over the whole activation, then the cast). Tensorwise casts the input for both
-    matmuls with the same scale, so the bits are those of torchao's own casts (tests/test_float8.py). Under
-    compile the partitioner may keep the FP8 input or recompute it from the input with the kept scale;
-    either way the reduction is not repeated."""
+    """Forward pre-hook of a tensorwise FP8 linear: its input cast to FP8 before the matmul. torchao's matmul keeps an
+    FP8 input as it is for backward, whose weight gradient then needs no second cast of the input (an amax reduction
+    over the whole activation, then the cast). Tensorwise casts the input for both matmuls with the same scale, so the
+    bits are those of torchao's own casts (tests/test_float8.py). Under compile the partitioner may keep the FP8 input
+    or recompute it from the input with the kept scale; either way the reduction is not repeated."""
 
     @staticmethod
     def applies_to(config: Float8LinearConfig) -> bool:
@@ -284,13 +270,12 @@ def precompute_float8_scales(model: nn.Module) -> None:
 
 
 class CastOncePerStep:
-    """FSDP2's pre-all-gather step for one FP8 all-gather weight, set on its local shard (an instance
-    attribute: FSDP2 calls it in place of torchao's `fsdp_pre_all_gather`). `refresh()` keeps torchao's own
-    cast of the shard (its FP8 data and scale); each all-gather after it sends that cast while the weight is
-    unchanged since (its version counters), and casts as torchao does otherwise. torchao alone casts at every
-    all-gather (twice per micro-batch and weight: forward and backward), each time a few small kernels and some
-    Python at the start of a block, where the GPU waits for it. The cast costs one byte per element of the
-    shard, kept for the step."""
+    """FSDP2's pre-all-gather step for one FP8 all-gather weight, set on its local shard (an instance attribute: FSDP2
+    calls it in place of torchao's `fsdp_pre_all_gather`). `refresh()` keeps torchao's own cast of the shard (its FP8
+    data and scale); each all-gather after it sends that cast while the weight is unchanged since (its version
+    counters), and casts as torchao does otherwise. torchao alone casts at every all-gather (twice per micro-batch and
+    weight: forward and backward), each time a few small kernels and some Python at the start of a block, where the GPU
+    waits for it. The cast costs one byte per element of the shard, kept for the step."""
 
     def __init__(self, weight: DTensor):
         self.weight, self.local = weight, weight._local_tensor

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint.contents import frozen_names, has_frozen, state_dict_options
+from ..checkpoint.contents import TorchStateDicts, frozen_names, has_frozen
 from ..distributed import DistEnv
 from .lora import LoRAAdapter, has_adapters
 from .weights import WeightInit
@@ -43,9 +43,10 @@ def fsdp_adapter(f: FSDPConfig, env: DistEnv) -> FSDPAdapter:
     return FSDP2(f, env) if f.version == 2 else FSDP1(f, env)
 
 
-class FSDPAdapter(ABC):
-    """What the loop, the optimizer and the checkpoints need from FSDP. `f`: the fsdp section with the sharding
-    strategy that runs (resolve_sharding); `offload`: fsdp.cpu_offload where it applies (on GPUs)."""
+class FSDPAdapter(TorchStateDicts, ABC):
+    """What the loop, the optimizer and the checkpoints need from FSDP; the checkpoints' state-dict answers
+    (checkpoint/contents.py StateDictAnswers) are torch's unless a version says otherwise. `f`: the fsdp section with
+    the sharding strategy that runs (resolve_sharding); `offload`: fsdp.cpu_offload where it applies (on GPUs)."""
 
     version: ClassVar[int]
     # Whether every parameter is a DTensor of its own whole matrix, sharded by rows (what Muon needs), or flattened
@@ -61,11 +62,17 @@ class FSDPAdapter(ABC):
         self.sync_every_micro_batch = resolve_grad_sync(self.f) == "every_micro_batch"
 
     @abstractmethod
-    def wrap(self, model: nn.Module, blocks: list[nn.Module], *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    def wrap(self, model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy, mixed_precision: MixedPrecision,
              compile: bool, init: WeightInit | None) -> nn.Module:
-        """Shard the model: each block (our DecoderBlock, or a Hugging Face model's decoder layer) a unit that gathers
-        its weights in param_dtype and reduces gradients in reduce_dtype, then the root; returns the model to train.
-        parallelize calls it after FP8, activation checkpointing and compile."""
+        """Shard the model: each module the policy selects (the `units`) a unit that gathers its weights in
+        mixed_precision.param_dtype and reduces gradients in its reduce_dtype, then the root; returns the model to
+        train. After FP8, activation checkpointing and compile (`compile`: the model's blocks are compiled); `init`:
+        a model built on the meta device, materialised after the wrap."""
+
+    def units(self, model: nn.Module, blocks: list[nn.Module]) -> set[type[nn.Module]]:
+        """The module classes the auto-wrap policy makes units of: the blocks' (our DecoderBlock, or a Hugging Face
+        model's decoder layer)."""
+        return {type(block) for block in blocks}
 
     @abstractmethod
     def gradient_sync(self, model: nn.Module, *, last: bool) -> AbstractContextManager[None]:
@@ -81,15 +88,6 @@ class FSDPAdapter(ABC):
     def end_interrupted_step(self, model: nn.Module) -> None:
         """Bring FSDP back to its between-steps state, the gradients dropped, after an exception interrupted a forward
         or backward, so that the step can be redone (train/oom_guard.py; tests/test_microbatch.py, bit for bit)."""
-
-    @abstractmethod
-    def offloads_sharded_state_dict(self) -> bool:
-        """Whether sharded state dicts are taken with cpu_offload."""
-
-    def full_save_options(self, model: nn.Module, *, on_gpu: bool) -> tuple[StateDictOptions, list[str]]:
-        """The options of a full state dict gathered to rank 0 (on GPUs through host memory), and the names of the
-        frozen parameters the caller drops from it itself ([] when torch does)."""
-        return state_dict_options(model, full_state_dict=True, cpu_offload=on_gpu), []
 
     def describe(self) -> str:
         """What runs, for the log: the version, the strategy, the mesh of HYBRID_SHARD, the setting it came from."""
@@ -128,25 +126,21 @@ class FSDP1(FSDPAdapter):
             return f"FSDP1 NO_SHARD (one process; fsdp.sharding_strategy={self.configured.sharding_strategy})"
         return super().describe()
 
-    def wrap(self, model: nn.Module, blocks: list[nn.Module], *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    def wrap(self, model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy, mixed_precision: MixedPrecision,
              compile: bool, init: WeightInit | None) -> nn.Module:
-        mixed = None  # fp32 needs no casting
-        if param_dtype != torch.float32:
-            mixed = MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=None)
+        fp32 = {mixed_precision.param_dtype, mixed_precision.reduce_dtype} <= {None, torch.float32}
         return FullyShardedDataParallel(
             model,
-            auto_wrap_policy=ModuleWrapPolicy(self.units(model, blocks)),  # a unit per block (and LoRA adapter)
-            mixed_precision=mixed,
+            auto_wrap_policy=auto_wrap_policy,
+            mixed_precision=None if fp32 else mixed_precision,  # fp32 needs no casting
             sharding_strategy=self.strategy(),
             **self.options(model, compile=compile, init=init),
         )
 
-    @staticmethod
-    def units(model: nn.Module, blocks: list[nn.Module]) -> set[type[nn.Module]]:
-        """The module classes the auto-wrap policy makes units of: the blocks', and LoRA's adapters (train.lora),
-        units of their own because a unit is one flat tensor of one dtype (the frozen base is stored in the compute
-        dtype, the adapters in fp32)."""
-        return {type(block) for block in blocks} | ({LoRAAdapter} if has_adapters(model) else set())
+    def units(self, model: nn.Module, blocks: list[nn.Module]) -> set[type[nn.Module]]:
+        """The blocks', and LoRA's adapters (train.lora), units of their own because a unit is one flat tensor of one
+        dtype (the frozen base is stored in the compute dtype, the adapters in fp32)."""
+        return super().units(model, blocks) | ({LoRAAdapter} if has_adapters(model) else set())
 
     def strategy(self) -> ShardingStrategy:
         """The strategy that runs; one process holds everything whatever the strategy: NO_SHARD, which FSDP1 would
@@ -231,20 +225,24 @@ class FSDP1(FSDPAdapter):
 
 class FSDP2(FSDPAdapter):
     """fully_shard on each block, the edges (embedding, output projection), then the root, with a
-    MixedPrecisionPolicy: every parameter a DTensor of its own."""
+    MixedPrecisionPolicy: every parameter a DTensor of its own, which its state dicts hold live (torch's answers)."""
 
     version, per_matrix = 2, True
 
-    def wrap(self, model: nn.Module, blocks: list[nn.Module], *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    def wrap(self, model: nn.Module, *, auto_wrap_policy: ModuleWrapPolicy, mixed_precision: MixedPrecision,
              compile: bool, init: WeightInit | None) -> nn.Module:
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        policy = MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype,
+                                      reduce_dtype=mixed_precision.reduce_dtype)
         # FULL_SHARD frees the gathered weights after forward, SHARD_GRAD_OP keeps them until backward.
         reshard = self.f.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
         options: dict[str, Any] = dict(mesh=self.mesh(), reshard_after_forward=reshard, mp_policy=policy)
         if self.offload:
             options["offload_policy"] = CPUOffloadPolicy()
-        for block in blocks:
-            fully_shard(block, **options)
+        # The policy's public callable form selects the units as FSDP1's wrap does (recurse=False: "this module?").
+        units = [m for m in model.modules() if m is not model
+                 and auto_wrap_policy(module=m, recurse=False, nonwrapped_numel=0)]
+        for unit in units:
+            fully_shard(unit, **options)
         edges = edge_modules(model)
         if edges is not None:
             # The embedding and the output projection as units of their own where they have their own weights, as
@@ -285,9 +283,6 @@ class FSDP2(FSDPAdapter):
                 if hasattr(param, "_unsharded_param"):
                     param._unsharded_param.grad = None
         sharded._get_fsdp_state()._root_post_backward_final_callback()
-
-    def offloads_sharded_state_dict(self) -> bool:
-        return False  # FSDP2's state dict holds the live sharded tensors (no copies): nothing to offload
 
 
 def fsdp2_param_groups(model: FSDPModule) -> list:

@@ -3,8 +3,7 @@
 
 Loading a pretrained model on many ranks never holds a full copy per rank: rank 0 reads the weights
 into CPU memory, every rank wraps a meta-device skeleton, and once it is sharded (FSDP1 or FSDP2) the
-weights reach every rank's shards by a rank-0 broadcast of the full state dict (Rank0Weights).
-"""
+weights reach every rank's shards by a rank-0 broadcast of the full state dict (Rank0Weights)."""
 from __future__ import annotations
 
 import inspect
@@ -115,10 +114,9 @@ def config_json(model_cfg: HFFiles) -> Path:
 
 
 def load_hf_config(model_cfg: HFFiles, *, where: str | None = None) -> PretrainedConfig:
-    """The transformers config of model.hf_path (or model.hf_config); HFModelError in one line, naming `where`
-    (default: the field), when it cannot be read or needs the folder's own code (never run, never asked about).
-    The file is read by the bounded JSON reader first: transformers' own read fails on deep nesting with a
-    traceback."""
+    """The transformers config of model.hf_path (or model.hf_config); HFModelError in one line, naming `where` (default:
+    the field), when it cannot be read or needs the folder's own code (never run, never asked about). The file is read
+    by the bounded JSON reader first: transformers' own read fails on deep nesting with a traceback."""
     from transformers import AutoConfig
 
     where = where or _field(model_cfg)
@@ -141,10 +139,9 @@ def load_hf_config(model_cfg: HFFiles, *, where: str | None = None) -> Pretraine
 
 def hf_problems(model_cfg: HFFiles, *, document_masking: bool = False, host_free: int | None = None,
                 weights: bool = True) -> list[str]:
-    """Config-time check of model.type=hf: the folder's config loads, its sizes fit (size_problem: `host_free`,
-    the bytes rank 0's host can still give, if known; `weights`: whether model.hf_path's weight files are read
-    here), and with data.document_masking the model can mask packed documents (before any process group
-    starts)."""
+    """Config-time check of model.type=hf: the folder's config loads, its sizes fit (size_problem: `host_free`, the
+    bytes rank 0's host can still give, if known; `weights`: whether model.hf_path's weight files are read here), and
+    with data.document_masking the model can mask packed documents (before any process group starts)."""
     try:
         hf_config = load_hf_config(model_cfg)
     except HFModelError as err:

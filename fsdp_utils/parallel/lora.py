@@ -1,19 +1,11 @@
-"""LoRA (train.lora): low-rank adapters on the blocks' linear layers, the base model frozen.
+"""LoRA (train.lora): low-rank adapters on the blocks' linear layers, the base model frozen (docs/training.md).
 
-Each adapted linear layer gets a child module `lora` (a `LoRAAdapter`) and a forward hook that adds its
-output: y = x W^T + (alpha / r) * B A dropout(x), for every chosen slice of the layer's output. Our model's
-q/k/v and gate/up weights are fused (wqkv, w13): one adapter module serves the layer, with one (A, B) pair
-per chosen slice, so the adapters are exactly PEFT's on q_proj, k_proj, ... of the exported model. The
-base weights keep their names (`...wqkv.weight`), so a base checkpoint or Hugging Face folder loads as it
-is, and checkpoints hold only the trainable tensors (the adapters) plus a reference to the base.
-
-A is drawn from a normal distribution of std 1/r (PEFT's "gaussian" init), B is zero: the model equals
-its base at step 0. The base weights are frozen and stored in the compute dtype (bf16 on GPUs): no fp32
-master copy, no gradient and no optimizer state for them. Adapters are fp32 and trainable; FSDP's mixed
-precision casts them for compute like any parameter. FSDP1 flattens each unit into one tensor of one
-dtype, so every adapter module is an FSDP1 unit of its own (`parallelize` adds `LoRAAdapter` to the wrap
-policy); FSDP2 shards per parameter and needs nothing special.
-"""
+Each adapted linear layer gets a child module `lora` (a `LoRAAdapter`) and a forward hook that adds its output,
+y = x W^T + (alpha / r) * B A dropout(x), for every chosen slice of the layer's output: our fused wqkv and w13 get one
+(A, B) pair per slice, exactly PEFT's on q_proj, k_proj, ... of the exported model. The base weights keep their names,
+so a base checkpoint or Hugging Face folder loads as it is; checkpoints hold only the adapters and a reference to the
+base. A ~ N(0, 1/r^2) (PEFT's "gaussian"), B = 0: the model equals its base at step 0. The base is frozen in the
+compute dtype, the adapters are fp32 (each an FSDP1 unit of its own: a unit is one flat tensor of one dtype)."""
 from __future__ import annotations
 
 import hashlib

@@ -1,13 +1,6 @@
-"""`parallelize`: everything that turns a built model (parallel/build.py) into a trainable, sharded
-one, in one fixed order, for our Transformer and Hugging Face models alike:
-
-    FP8 linear layers (train.float8) -> activation checkpointing -> torch.compile -> FSDP (each block,
-    then the root; parallel/fsdp.py) -> materialise and initialise weights shard by shard.
-
-Activation checkpointing and compile are applied in place (the block's forward is replaced,
-`nn.Module.compile` compiles in place), so parameter names never gain wrapper prefixes and
-checkpoints hold the plain model's names.
-"""
+"""What is applied to a built model's blocks before FSDP (`prepare_blocks`: FP8, activation checkpointing, compile;
+the run's whole order: train/build_run.py), in place, so parameter names never gain wrapper prefixes and checkpoints
+hold the plain model's names; the activation checkpointing policies; the run's precision."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,12 +11,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy as OpPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .weights import WeightInit
-
 if TYPE_CHECKING:
-    from config import Config
-
-    from .fsdp import FSDPAdapter
+    from config import Config, FSDPConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -52,14 +41,13 @@ def resolve_precision(precision: str, reduce_dtype: str, device: torch.device) -
 
 
 def _ops_worth_saving() -> list:
-    """Ops whose outputs the op-level policies may keep: matmuls and attention, the expensive ones to
-    recompute. FP8 matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and
-    compiled, in the releases tested; `_scaled_mm`, the op they run, is listed for releases where the policy
-    sees that instead. Everything else in a block (norms, rotary, SwiGLU's activation, residual adds, FP8
-    casts) is elementwise and is recomputed in backward from those. Also kept: full max reductions, the FP8
-    scales' amax: a scalar each, and compile's recompute need not reduce again. Document masking's
-    FlexAttention is a higher-order op; its block mask is built outside the blocks and reaches the recompute
-    as an input, so it is never rebuilt there."""
+    """Ops whose outputs the op-level policies may keep: matmuls and attention, the expensive ones to recompute. FP8
+    matmuls (train.float8) reach the policy as `mm` on torchao's FP8 tensors, eager and compiled, in the releases
+    tested; `_scaled_mm`, the op they run, is listed for releases where the policy sees that instead. Everything else in
+    a block (norms, rotary, SwiGLU's activation, residual adds, FP8 casts) is elementwise and is recomputed in backward
+    from those. Also kept: full max reductions, the FP8 scales' amax: a scalar each, and compile's recompute need not
+    reduce again. Document masking's FlexAttention is a higher-order op; its block mask is built outside the blocks and
+    reaches the recompute as an input, so it is never rebuilt there."""
     aten = torch.ops.aten
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
@@ -168,10 +156,9 @@ class CheckpointPolicy:
 
 
 class CheckpointSwitch:
-    """The policy of blocks made switchable by `apply_switchable_checkpointing`, for
-    fsdp.activation_checkpointing=auto: the micro-batch search (train/microbatch.py) sets each candidate
-    in turn and leaves the chosen one. Compiled blocks guard on it: a new policy compiles its own graphs, and
-    one compiled before runs again without compiling."""
+    """The policy of blocks made switchable by `apply_switchable_checkpointing`, for fsdp.activation_checkpointing=auto:
+    the micro-batch search (train/microbatch.py) sets each candidate in turn and leaves the chosen one. Compiled blocks
+    guard on it: a new policy compiles its own graphs, and one compiled before runs again without compiling."""
 
     def __init__(self, policy: CheckpointPolicy = CheckpointPolicy("none")):
         self.policy = policy
@@ -266,35 +253,20 @@ def model_converters(cfg: Config) -> list:
     return [Float8Converter(cfg.train.float8, float8_all_gather=cfg.train.float8 == "tensorwise")]
 
 
-def parallelize(model: nn.Module, *, fsdp: FSDPAdapter, block_classes: set[type], precision: Precision,
-                compile: bool, init: WeightInit | None = None, converters: Sequence = (),
-                checkpoint_switch: CheckpointSwitch | None = None, compile_tuning: bool = False) -> nn.Module:
-    """Make a built model trainable and sharded, in the one documented order:
-
-    model converters on the blocks (`converters`, e.g. FP8 linear layers) -> activation
-    checkpointing (fsdp.activation_checkpointing) -> torch.compile of each block (tuned with
-    `compile_tuning`, see compile_options) -> FSDP on each block, then the root (`fsdp.wrap`: FSDP1's
-    FullyShardedDataParallel with a ModuleWrapPolicy of the blocks and MixedPrecision, or FSDP2's fully_shard;
-    parallel/fsdp.py) -> weights materialised (`init`, for a model built on the meta device). Blocks are the modules
-    of `block_classes`. Returns the model to train: the FSDP1 wrapper, or the same module sharded in place by FSDP2.
-    fsdp.activation_checkpointing=auto needs `checkpoint_switch`, through which the micro-batch search picks the
-    policy.
-    """
-    blocks = [m for m in model.modules() if type(m) in block_classes]
+def prepare_blocks(blocks: list[nn.Module], f: FSDPConfig, *, converters: Sequence = (),
+                   checkpoint_switch: CheckpointSwitch | None = None, compile: bool = False,
+                   compile_tuning: bool = False) -> None:
+    """In place, in order: the model converters (e.g. FP8 linear layers), activation checkpointing
+    (fsdp.activation_checkpointing; auto needs `checkpoint_switch`, through which the micro-batch search picks the
+    policy), then torch.compile of each block (tuned with `compile_tuning`, see compile_options)."""
     for converter in converters:
         # First: checkpointing and compile then wrap the converted modules' forward, and FSDP2 shards
         # their weights (FP8 all-gather subclasses included).
         converter.convert(blocks)
-    if fsdp.f.activation_checkpointing == "auto":
+    if f.activation_checkpointing == "auto":
         assert checkpoint_switch is not None, "fsdp.activation_checkpointing=auto is chosen through a CheckpointSwitch"
         apply_switchable_checkpointing(blocks, checkpoint_switch)
     else:
-        apply_activation_checkpointing(blocks, fsdp.f.activation_checkpointing, fsdp.f.ac_every_n_layers)
+        apply_activation_checkpointing(blocks, f.activation_checkpointing, f.ac_every_n_layers)
     if compile:
         apply_compile(blocks, tuning=compile_tuning)
-    model = fsdp.wrap(model, blocks, param_dtype=precision.compute, reduce_dtype=precision.reduce, compile=compile,
-                      init=init)
-    if init is not None:
-        # With CPU offload the sharded parameters live in host memory.
-        init.init_sharded(model, torch.device("cpu") if fsdp.offload else fsdp.env.device)
-    return model

@@ -1,7 +1,6 @@
-"""How a model built on the meta device gets its weights once sharded (the `WeightInit` interface that
-`parallelize` calls), the record of a built model, and the error for a model too large for its memory. Its own
-module, so that the builders of our model (build.py) and of Hugging Face models (hf.py) share it without importing
-each other."""
+"""How a model built on the meta device gets its weights once sharded (the `WeightInit` interface that a run calls after
+the wrap), the record of a built model, and the error for a model too large for its memory. Its own module, so that the
+builders of our model (build.py) and of Hugging Face models (hf.py) share it without importing each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +32,7 @@ GiB = 2**30
 
 
 class ModelMemoryError(RuntimeError):
-    """The model does not fit the memory it is built in: one line with its size, the memory free and what to
-    change."""
+    """The model does not fit the memory it is built in: one line with its size, the memory free and what to change."""
 
 
 def too_large(shape: str, needed: int, free: int, where: str, parts: str, hint: str) -> ModelMemoryError:

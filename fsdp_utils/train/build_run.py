@@ -1,12 +1,17 @@
-"""One place that builds a run from its config: the FSDP adapter of fsdp.version, the model with its converters and
-activation checkpointing switch, parallelized, the optimizer, the precision and grad scaler, and the micro-batch plan.
-train_fsdp.py, the benchmarks and the tests all build through `build_run`, so what they measure is what trains."""
+"""One place that builds a run from its config, in three calls in the documented order: `build` (the FSDP adapter of
+fsdp.version, the model, on the meta device when sharded, its converters, activation checkpointing, compile), the
+adapter's `wrap` (its auto-wrap policy and MixedPrecision given at the call), then `finish` (the weights materialised,
+the optimizer after FSDP2's fully_shard, the grad scaler, the micro-batch plan). train_fsdp.py's set_up makes the
+three calls itself; the benchmarks and the tests through `build_run`, so what they measure is what trains
+(tests/test_architecture.py holds the two wraps alike)."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from config import Config
 
@@ -14,7 +19,8 @@ from ..distributed import DistEnv
 from ..host_memory import host_memory
 from ..parallel.build import build_model
 from ..parallel.fsdp import FSDPAdapter, fsdp_adapter
-from ..parallel.parallelize import CheckpointSwitch, Precision, model_converters, parallelize, resolve_precision
+from ..parallel.parallelize import CheckpointSwitch, Precision, model_converters, prepare_blocks, resolve_precision
+from ..parallel.weights import WeightInit
 from .batch import BatchSplit
 from .memory import MemoryProbe, memory_probe
 from .microbatch import MicroBatchChoice, cache_key, resolve_micro_batch
@@ -31,17 +37,25 @@ def _host_free() -> int | None:
 
 
 @dataclasses.dataclass
-class BuiltRun:
-    """What trains. `fsdp`: what differs between FSDP1 and FSDP2 (the step's gradient sync and clipping, the
-    out-of-memory guard, the checkpoints' state-dict options); `checkpoint_switch`: set with
-    fsdp.activation_checkpointing=auto, at the policy chosen with the micro-batch; `probe`: the GPU's memory readings
-    (None on the CPU); `cache_key`: the micro-batch cache's key."""
+class Parts:
+    """What `build` makes, before FSDP: the model (on the meta device when it will be sharded: `init` materialises
+    it), the adapter and the module classes it makes units of, the precision, the converters, and the switch of
+    fsdp.activation_checkpointing=auto (its policy chosen with the micro-batch)."""
     model: nn.Module
-    optimizer: torch.optim.Optimizer
     fsdp: FSDPAdapter
+    units: set[type[nn.Module]]
+    precision: Precision
+    init: WeightInit | None
     converters: list
     checkpoint_switch: CheckpointSwitch | None
-    precision: Precision
+
+
+@dataclasses.dataclass
+class BuiltRun(Parts):
+    """What trains: the Parts with the wrapped model (`fsdp` serves the step, the out-of-memory guard and the
+    checkpoints), its optimizer, the grad scaler, the GPU's memory readings (`probe`, None on the CPU), the micro-batch
+    cache's key, the micro-batch choice and the batch split."""
+    optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
     probe: MemoryProbe | None
     cache_key: dict
@@ -49,28 +63,32 @@ class BuiltRun:
     split: BatchSplit
 
 
-def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: dict, eos_id: int | None,
-              use_cache: bool = True, fused_matmul: bool | None = None, fused_adamw: bool = True) -> BuiltRun:
-    """The run of `cfg` on this rank, in the documented order: model, converters, parallelize (FSDP through the
-    adapter of fsdp.version), optimizer (its hooks registered), then the micro-batch (searched with the optimizer
-    state still empty). ConfigError when the batch does not split.
-
-    `vocab_size`, `model_signature`: describe_model's; `eos_id`: the token separating documents (data.document_masking,
-    model.reset_positions). `use_cache`: take train.micro_batch_size=auto's choice from the output directory's cache
-    when it has one (training does; the benchmark measures afresh). `fused_matmul`: build_model's. `fused_adamw`:
-    False for the multi-tensor AdamW; fp16 always gets that one, as the fused kernel does not accept the sharded grad
-    scaler's inf flag."""
-    t = cfg.train
+def build(cfg: Config, env: DistEnv, *, eos_id: int | None, fused_matmul: bool | None = None) -> Parts:
+    """The model of `cfg` on this rank up to FSDP: built (refused in one line where its weights cannot fit), then its
+    converters, activation checkpointing and compile. `eos_id`: the token separating documents
+    (data.document_masking, model.reset_positions); `fused_matmul`: build_model's."""
     fsdp = fsdp_adapter(cfg.fsdp, env)
-    precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
-    # On the meta device when sharded; refused in one line where the weights cannot fit.
     built = build_model(cfg, env, fused_matmul=fused_matmul, eos_id=eos_id, host_free=_host_free())
+    blocks = [m for m in built.module.modules() if type(m) in built.block_classes]
     converters = model_converters(cfg)
-    # fsdp.activation_checkpointing=auto: the policy is chosen with the micro-batch, below.
     switch = CheckpointSwitch() if cfg.fsdp.activation_checkpointing == "auto" else None
-    model = parallelize(built.module, fsdp=fsdp, block_classes=built.block_classes, precision=precision,
-                        compile=t.compile, init=built.init, converters=converters, checkpoint_switch=switch,
-                        compile_tuning=t.compile_tuning)
+    prepare_blocks(blocks, cfg.fsdp, converters=converters, checkpoint_switch=switch, compile=cfg.train.compile,
+                   compile_tuning=cfg.train.compile_tuning)
+    return Parts(built.module, fsdp, fsdp.units(built.module, blocks),
+                 resolve_precision(cfg.train.precision, cfg.fsdp.reduce_dtype, env.device), built.init, converters,
+                 switch)
+
+
+def finish(cfg: Config, env: DistEnv, parts: Parts, model: nn.Module, *, vocab_size: int, model_signature: dict,
+           use_cache: bool = True, fused_adamw: bool = True) -> BuiltRun:
+    """The run of the wrapped `model`: its weights materialised, the optimizer (its hooks registered), the grad scaler,
+    then the micro-batch (searched with the optimizer state still empty); ConfigError when the batch does not split.
+    `use_cache`: take train.micro_batch_size=auto's choice from the output directory's cache (the benchmark measures
+    afresh). `fused_adamw`: False for the multi-tensor AdamW, which fp16 always gets (the fused kernel does not
+    accept the sharded grad scaler's inf flag)."""
+    t, fsdp, precision, converters = cfg.train, parts.fsdp, parts.precision, parts.converters
+    if parts.init is not None:  # with CPU offload the sharded parameters live in host memory
+        parts.init.init_sharded(model, torch.device("cpu") if fsdp.offload else env.device)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
                                 fused=fused_adamw and not precision.use_grad_scaler)
     for converter in converters:
@@ -84,7 +102,7 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
     key = cache_key(cfg, model_signature=model_signature, world_size=env.world_size,
                     gpu=probe.name if probe else "cpu", precision=precision.name)
     choice = resolve_micro_batch(cfg, env, model=model, optimizer=optimizer, fsdp=fsdp, vocab_size=vocab_size, key=key,
-                                 probe=probe, switch=switch, use_cache=use_cache)
+                                 probe=probe, switch=parts.checkpoint_switch, use_cache=use_cache)
     split = BatchSplit.from_config(cfg.train, env.world_size, choice.micro_batch_size)
     for converter in converters:
         converter.use_accumulation(model, split.grad_accum)
@@ -92,7 +110,20 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
             converter.refresh(model)
     if probe is not None:
         probe.begin(split.micro_batch_size)  # the memory figures from here on are the training's
-    return BuiltRun(model, optimizer, fsdp, converters, switch, precision, scaler, probe, key, choice, split)
+    return BuiltRun(**{**vars(parts), "model": model}, optimizer=optimizer, scaler=scaler, probe=probe, cache_key=key,
+                    choice=choice, split=split)
+
+
+def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: dict, eos_id: int | None,
+              use_cache: bool = True, fused_matmul: bool | None = None, fused_adamw: bool = True) -> BuiltRun:
+    """The run of `cfg` on this rank: build, wrap and finish as train_fsdp.py's set_up calls them."""
+    parts = build(cfg, env, eos_id=eos_id, fused_matmul=fused_matmul)
+    model = parts.fsdp.wrap(parts.model, auto_wrap_policy=ModuleWrapPolicy(parts.units),
+                            mixed_precision=MixedPrecision(param_dtype=parts.precision.compute,
+                                                           reduce_dtype=parts.precision.reduce),
+                            compile=cfg.train.compile, init=parts.init)
+    return finish(cfg, env, parts, model, vocab_size=vocab_size, model_signature=model_signature, use_cache=use_cache,
+                  fused_adamw=fused_adamw)
 
 
 def describe_run(cfg: Config, env: DistEnv, run: BuiltRun, *, train_tokens: int, val_tokens: int) -> list[str]:

@@ -44,15 +44,14 @@ def memory_hint(probe: MemoryProbe | None, env: DistEnv, *, micro_batch: int, gr
 
 
 class OutOfMemoryGuard:
-    """Runs a training step or an evaluation; on a CUDA out-of-memory error it reports the figures and
-    then stops (OutOfMemory, one line) or, with train.oom_retry_half, lets the caller redo the work at
-    half the micro-batch.
+    """Runs a training step or an evaluation; on a CUDA out-of-memory error it reports the figures and then stops
+    (OutOfMemory, one line) or, with train.oom_retry_half, lets the caller redo the work at half the micro-batch.
 
-    Memory is symmetric across ranks (same shapes, same shards), so an out-of-memory error normally
-    happens on every rank at the same allocation. Before retrying, the ranks that caught one meet in a
-    side gloo group, bounded by run.timeout_s: if only some ranks ran out (another process on one GPU),
-    the others are already waiting in the step's next collective, the meeting times out, and the run
-    stops with that said, as it would without the retry (never a silent mismatch of collectives)."""
+    Memory is symmetric across ranks (same shapes, same shards), so an out-of-memory error normally happens on every
+    rank at the same allocation. Before retrying, the ranks that caught one meet in a side gloo group, bounded by
+    run.timeout_s: if only some ranks ran out (another process on one GPU), the others are already waiting in the step's
+    next collective, the meeting times out, and the run stops with that said, as it would without the retry (never a
+    silent mismatch of collectives)."""
 
     def __init__(self, env: DistEnv, *, fsdp: FSDPAdapter, probe: MemoryProbe | None, retry: bool, timeout_s: float,
                  compile: bool, on_oom: Callable[[int, str], None] | None = None):

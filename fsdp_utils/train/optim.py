@@ -1,5 +1,4 @@
-"""AdamW with weight decay on matrices only, and the learning-rate schedules (warmup, then cosine, WSD or
-constant)."""
+"""AdamW with weight decay on matrices only, and the learning-rate schedules (warmup, then cosine, WSD or constant)."""
 from __future__ import annotations
 
 import math

@@ -1,7 +1,6 @@
 """Where a run starts: afresh (from model.init_from's weights, if given), from --resume_from, or from
-checkpoint.auto_resume's newest complete checkpoint; how long it runs (train.epochs counted in steps, once); and what
-is said about it: a learning-rate curve that does not continue, a world size that changed, a finished run given
-again."""
+checkpoint.auto_resume's newest complete checkpoint; how long it runs (train.epochs counted in steps, once); and what is
+said about it: a learning-rate curve that does not continue, a world size that changed, a finished run given again."""
 from __future__ import annotations
 
 import dataclasses
@@ -68,10 +67,9 @@ def _start(ckpt: CheckpointManager, run: BuiltRun, cfg: Config, resume_from: str
 
 def run_length(cfg: Config, saved: TrainState | None, *, train_samples: int, env: DistEnv) -> Config:
     """The one place the run's length is decided: train.max_steps as given, or train.epochs counted in steps on this
-    data (`train_samples` a pass); a run resumed under the train.epochs its checkpoint recorded keeps that
-    checkpoint's count, which a corpus changed since would move (said in a warning). Returns the config with
-    train.max_steps set to it (train.epochs cleared: config.yaml and the trackers get the count), checked as a given
-    train.max_steps is."""
+    data (`train_samples` a pass); a run resumed under the train.epochs its checkpoint recorded keeps that checkpoint's
+    count, which a corpus changed since would move (said in a warning). Returns the config with train.max_steps set to
+    it (train.epochs cleared: config.yaml and the trackers get the count), checked as a given train.max_steps is."""
     t = cfg.train
     if t.epochs is None:
         return cfg

@@ -28,13 +28,9 @@ from ..guards.preemption import StopSignal
 
 
 def prepare_dataset(cfg: Config, env: DistEnv, stop: StopSignal) -> list[tuple[PreparedData, float]]:
-    """The prepared folders to train on, with their weights: data.sources as they are, or else data.files
-    (the stdlib sources by default), prepared once by rank 0 (later runs reuse them) and opened by all.
-
-    The other ranks wait for rank 0 on a file in the output directory, not in a collective: preparing can
-    outlast run.timeout_s. Rank 0's outcome reaches every rank, so a data error ends them all with the
-    same message; a stop signal ends a waiting rank at once.
-    """
+    """The prepared folders to train on, with their weights: data.sources as they are, or else data.files prepared
+    once by rank 0 (later runs reuse them) and opened by all. Rank 0's outcome reaches the waiting ranks through a
+    file, so a data error ends them all with the same message; a stop signal ends a waiting rank at once."""
     d = cfg.data
     if d.sources:
         for source in d.sources:

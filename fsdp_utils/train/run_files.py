@@ -1,16 +1,9 @@
 """The files a run keeps in its output directory beside its checkpoints: the record of its settings, its tokenizer,
-the micro-batch search's result, metrics.jsonl and tensorboard/, each recorded as the run's own in the directory's
-journal (checkpoint/retention.py) when the run makes it. Rank 0 writes them, once the resume has loaded, and only
-for a run that will train: a finished run started again writes nothing.
-
-The record of the settings never changes after the fact. config.yaml holds those the run started with; a later start
-that trains with other settings (a resume with another learning rate, a restart before the first checkpoint) adds
-config.1.yaml, config.2.yaml, ..., each opening with a comment that names the step it trained from.
-
-A fresh start (no checkpoint resumed) never writes over or appends to a file of the user's: what stands at a name
-the run writes and is not recorded as the run's is kept aside as kept-<name>, with a warning, as a save keeps aside
-what is in its way (Journal.keep_foreign).
-"""
+the micro-batch search's result, metrics.jsonl and tensorboard/, each recorded in the directory's journal when the
+run makes it. Rank 0 writes them once the resume has loaded, and only for a run that will train. config.yaml holds
+the settings the run started with; a later start that trains with other settings adds config.1.yaml, ... (each naming
+the step it trained from). A fresh start keeps aside as kept-<name> what stands at a name it writes and is not the
+run's own (Journal.keep_foreign), never writing over or appending to a file of the user's."""
 from __future__ import annotations
 
 import os

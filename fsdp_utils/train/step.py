@@ -3,8 +3,7 @@ unscaling (fp16), clipping over all shards, the loss and stop-flag all-reduce, t
 the optimizer step (whose hooks run the model converters' post-step work, e.g. FP8 scales).
 
 The training loop, benchmarks/benchmark.py and the micro-batch search's trial steps all call `train_step`,
-so what is timed and measured is what trains.
-"""
+so what is timed and measured is what trains."""
 from __future__ import annotations
 
 import logging

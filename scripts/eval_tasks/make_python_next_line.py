@@ -2,12 +2,10 @@
 
     python scripts/eval_tasks/make_python_next_line.py [--num_items 500] [--seed 0]
 
-Each item is four consecutive non-blank lines of a module (the context), the line that follows them and
-three other lines of the same module of similar length (the distractors), in a shuffled order. The
-modules are the running interpreter's, so the file depends on the Python version: it is shipped, not
-rebuilt. The default training corpus is the same standard library, so this measures how well a model
-learnt its training data (and times the evaluation), not how it generalises.
-"""
+Each item is four consecutive non-blank lines of a module (the context), the line that follows them and three
+other lines of similar length (the distractors), shuffled. The modules are the running interpreter's, so the file
+is shipped, not rebuilt; the default corpus is the same standard library, so this measures how well a model learnt
+its training data (and times the evaluation), not how it generalises."""
 from __future__ import annotations
 
 import argparse
