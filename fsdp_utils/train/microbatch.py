@@ -26,7 +26,7 @@ from safe_io.nofollow import replace_file
 
 from ..distributed import DistEnv, broadcast_decision
 from ..parallel.fsdp import FSDPAdapter
-from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch
+from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch, auto_policies
 from .batch import divisors
 from .memory import GiB, MemoryProbe, gib, max_over_ranks
 from .oom_guard import OutOfMemory
@@ -177,21 +177,6 @@ def auto_label(*, auto_size: bool, auto_checkpointing: bool) -> str:
 def pair_name(policy: CheckpointPolicy | None, micro_batch: int) -> str:
     """A timed pair of checkpointing policy and micro-batch, as the log and the cache name it: selective_op@16."""
     return f"{policy.name if policy else None}@{micro_batch}"
-
-
-def auto_policies(every_n: int, *, roles_known: bool = True) -> list[CheckpointPolicy]:
-    """fsdp.activation_checkpointing=auto's candidates, in the order of what they recompute in backward: nothing,
-    the elementwise work and about half the matmuls, the gate matmul too, every block's whole forward (so at the
-    same micro-batch, each is slower than the one before, and is tried only for a micro-batch the ones before
-    could not fit). Where the blocks' matmul roles are not known, selective_op_wide (the elementwise work only)
-    and every every_n-th block's whole forward take the two op-level policies' place. Where they are known,
-    every n-th block's forward is no candidate: it keeps about what selective_op keeps and recomputes as much as
-    selective_op_lean, which keeps less, so it cannot win; one candidate fewer is one compile and its trials fewer.
-    Neither is selective_op_wide: it sits between none and selective_op."""
-    if roles_known:
-        return [CheckpointPolicy(name) for name in ("none", "selective_op", "selective_op_lean", "full")]
-    return [CheckpointPolicy("none"), CheckpointPolicy("selective_op_wide"),
-            CheckpointPolicy("selective", max(every_n, 2)), CheckpointPolicy("full")]
 
 
 OP_LEVEL_ORDER = ("selective_op_wide", "selective_op", "selective_op_lean")  # each keeps what the next one does
