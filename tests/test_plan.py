@@ -19,8 +19,10 @@ from fsdp_utils.train.planning import (
     calibration_summary,
     estimate,
     gpu_spec,
+    launch_line,
     load_points,
     model_shape,
+    one_line,
     plan_cluster,
     predict,
     prediction_table,
@@ -274,3 +276,58 @@ def test_an_uncompiled_config_is_planned_with_a_note(capsys):
     assert capsys.readouterr().out.startswith("note: train.compile=false")
     assert main(["config/train1B_fsdp.yaml", "--gpus", "2"]) == 0
     assert "note:" not in capsys.readouterr().out
+
+
+def _check(argv: list[str], monkeypatch, capsys) -> str:
+    """train_fsdp.py --check in this process, on a machine without a GPU (whatever this one has): what it printed."""
+    import train_fsdp
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train_fsdp.main.__wrapped__([*argv, "--check"]) == 0  # without @record, which wants a real stderr
+    out, err = capsys.readouterr()
+    assert "error" not in err, err
+    return out
+
+
+def test_check_prints_the_estimate_for_the_config_as_launched(monkeypatch, capsys):
+    # The 90M preset on one process without a GPU: micro-batch auto, so the estimate's fastest plan that fits, on the
+    # H100 the line says it assumes. SHARD_GRAD_OP, checkpointing none (the preset's); 64 sequences a GPU: 64 x 1.
+    out = _check([str(ROOT / "config/train90M_fsdp.yaml")], monkeypatch, capsys)
+    cfg = load_config(ROOT / "config/train90M_fsdp.yaml", [])
+    cluster = Cluster(gpu_spec("h100"), 1)
+    best = max((e for e in plan_cluster(cfg, cluster).estimates if e.fits and e.plan.sharding == "SHARD_GRAD_OP"),
+               key=lambda e: e.speed.tokens_per_s)
+    assert best.plan == Plan("none", 64, 1, "SHARD_GRAD_OP", 0, 1)
+    assert out == (f"estimate: {one_line(best, cluster)}; train.micro_batch_size=auto: the fastest plan predicted to "
+                   "fit; no GPU here: for the H100 SXM\n")
+    assert out.startswith("estimate: predicted for SHARD_GRAD_OP none@64x1 on 1 x H100 SXM: ")
+    # The same under torchrun's WORLD_SIZE=2: 32 sequences a GPU.
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    out = _check([str(ROOT / "config/train90M_fsdp.yaml")], monkeypatch, capsys)
+    assert out.startswith("estimate: predicted for SHARD_GRAD_OP none@32x1 on 2 x H100 SXM: ")
+
+
+def test_check_says_nothing_of_the_estimate_for_a_cpu_run(monkeypatch, capsys):
+    # The tiny preset (a fixed micro-batch, run.device auto) on a machine without a GPU trains on the CPU: no line.
+    # run.device=cpu says so for any config.
+    assert _check([str(ROOT / "config/train_tiny_fsdp.yaml")], monkeypatch, capsys) == ""
+    assert _check([str(ROOT / "config/train90M_fsdp.yaml"), "--run.device=cpu"], monkeypatch, capsys) == ""
+
+
+def test_the_estimate_line_of_the_8b_preset_on_two_h200():
+    # What --check prints for the 8B preset under torchrun on 2 H200s (its FP8 needs the GPU to pass the checks), and
+    # what a run logs for the plan its search chose.
+    cfg = load_config(ROOT / "config/train8B_fsdp.yaml", EIGHT_B)
+    line = launch_line(cfg, gpus=2, device_name="NVIDIA H200")
+    best = plan_cluster(cfg, Cluster(gpu_spec("h200"), 2)).fastest
+    assert best is not None and best.plan.sharding == cfg.fsdp.sharding_strategy == "FULL_SHARD"
+    assert line == (f"estimate: {one_line(best, Cluster(gpu_spec('h200'), 2))}; train.micro_batch_size and "
+                    "fsdp.activation_checkpointing=auto: the fastest plan predicted to fit")
+    chosen = launch_line(cfg, gpus=2, device_name="NVIDIA H200", micro_batch=8, checkpointing="none")
+    assert chosen.startswith("estimate: predicted for FULL_SHARD none@8x4 on 2 x H200 SXM: ") and "auto" not in chosen
+    assert launch_line(cfg, gpus=2, device_name="Tesla V100-SXM2-16GB").startswith(
+        "estimate: none for the Tesla V100-SXM2-16GB (the planner knows h100, h200")
+    assert launch_line(cfg, gpus=3, device_name="NVIDIA H200") == (
+        "estimate: none (train.global_batch_size=64 is not divisible by the world size 3 (train.micro_batch_size=auto "
+        "splits each rank's share of it); pick a multiple of 3)")

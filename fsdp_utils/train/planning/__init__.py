@@ -14,11 +14,23 @@ from .calibration import CALIBRATION, KNOWN_MISSES, VALUES, Constant
 from .hardware import GPUS, GPUSpec, gpu_for_device, gpu_spec
 from .memory import Memory, estimate_memory
 from .plan import Cluster, Plan, Settings, plan_from, settings_from
-from .planner import Estimate, Planning, budget_gib, candidate_plans, estimate, plan_cluster, plan_problems
+from .planner import (
+    Estimate,
+    Planning,
+    budget_gib,
+    candidate_plans,
+    config_estimates,
+    config_plans,
+    estimate,
+    launch_estimate,
+    plan_cluster,
+    plan_problems,
+)
 from .points import MeasuredPoint, Prediction, load_points, predict, skipped_runs
 from .report import (
     calibration_summary,
     describe_cluster,
+    launch_line,
     markdown_table,
     one_line,
     plan_table,
@@ -29,7 +41,8 @@ from .speed import Speed, estimate_speed
 
 __all__ = ["CALIBRATION", "GPUS", "KNOWN_MISSES", "VALUES", "Cluster", "Constant", "Estimate", "GPUSpec",
            "MeasuredPoint", "Memory", "ModelShape", "Plan", "Planning", "Prediction", "Settings", "Speed",
-           "budget_gib", "calibration_summary", "candidate_plans", "describe_cluster", "estimate", "estimate_memory",
-           "estimate_speed", "gpu_for_device", "gpu_spec", "load_points", "markdown_table", "model_shape",
-           "one_line", "plan_cluster", "plan_from", "plan_problems", "plan_table", "predict", "prediction_table",
-           "settings_from", "skipped_runs"]
+           "budget_gib", "calibration_summary", "candidate_plans", "config_estimates", "config_plans",
+           "describe_cluster", "estimate", "estimate_memory", "estimate_speed", "gpu_for_device", "gpu_spec",
+           "launch_estimate", "launch_line", "load_points", "markdown_table", "model_shape", "one_line",
+           "plan_cluster", "plan_from", "plan_problems", "plan_table", "predict", "prediction_table", "settings_from",
+           "skipped_runs"]
