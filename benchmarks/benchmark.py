@@ -29,6 +29,14 @@ search (no cache) and then the accumulation that train.global_batch_size needs, 
 it out of memory, at half the micro-batch and twice the accumulation, and so on): one invocation, one global
 batch.
 
+`--search_without_estimate`: the search of both autos without the estimate's order and pruning (the search as it
+was before them, with `--train.auto_micro_batch_margin=0.1`, the budget it had), to put beside the search as it is:
+its log lines say the pairs tried and timed, the number of trials and the seconds.
+
+    torchrun --nproc_per_node=1 benchmarks/benchmark.py config/train1B_fsdp.yaml --model.dim=3584 --model.n_layers=32 \
+        --model.n_heads=28 --model.n_kv_heads=4 --train.global_batch_size=16 --search_without_estimate \
+        --train.auto_micro_batch_margin=0.1 --steps 2 --warmup 1
+
 `--grid none@8,selective_op@16,...`: ours again at each fixed pair of activation checkpointing policy and
 micro-batch, at train.global_batch_size (the accumulation it needs), after ours: the grid the auto search
 chooses from (fsdp.activation_checkpointing and train.micro_batch_size auto), with each pair's ratio to ours
@@ -161,7 +169,7 @@ def build_ours(cfg: Config, env: DistEnv, args: argparse.Namespace, *, micro_bat
         check_batch_split(run_cfg.train, env.world_size)  # before the build: a split that cannot work costs no model
         run = build_run(run_cfg, env, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID,
                         use_cache=False, fused_matmul=True if args.fused_projections else None,
-                        fused_adamw=not args.unfused_adamw)
+                        fused_adamw=not args.unfused_adamw, search_estimate=not args.search_without_estimate)
     except ConfigError as err:
         raise SystemExit(f"error: {err.problems[0]}") from None
     if env.is_main:
@@ -457,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ablation: one q/k/v and one gate/up matmul, split after")
     parser.add_argument("--unfused_adamw", action="store_true",
                         help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
+    parser.add_argument("--search_without_estimate", action="store_true",
+                        help="the auto search (both autos) in its own order, without the estimate's: with "
+                        "--train.auto_micro_batch_margin=0.1, the search before the estimate ordered it")
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     parser.add_argument("--save_modes", default="", help="measure sharded checkpoint saves instead: any of sync, "
                         "thread, process, sync_gpu, comma-separated (e.g. sync,thread)")

@@ -27,6 +27,7 @@ from fsdp_utils.train.microbatch import (
     climb,
     describe_choice,
     keeps_at_least,
+    pair_name,
     read_cache,
     save_to_cache,
 )
@@ -255,6 +256,174 @@ def test_each_pair_is_timed_as_found_and_a_slower_one_ends_the_search():
     assert [(policy.name, best) for policy, best, _ in fitting] == [("none", 2)] and speeds == {}
     assert not any(step.startswith("time") for step in trials.ran)
 
+
+# ---- the search in the estimate's order -------------------------------------------------------------------------
+
+
+class _PairTrials:
+    """Trials whose peaks come from `peaks` ({policy: {micro-batch: GiB}}, each over `capacity` an out-of-memory
+    error as on a GPU) and whose pairs time at `speeds` ({"policy@micro-batch": tokens/s}), recording what ran."""
+
+    def __init__(self, peaks: dict, speeds: dict, capacity: float = 10.0):
+        self.peaks, self.speeds, self.capacity, self.ran = peaks, speeds, capacity, []
+        self.policy = self.policy_name = None
+
+    def use(self, policy):
+        self.policy, self.policy_name = policy, policy.name
+
+    def measure(self, size):
+        self.ran.append(f"measure {self.policy_name}@{size}")
+        peak = self.peaks[self.policy_name][size]
+        if peak > self.capacity:
+            raise torch.OutOfMemoryError(f"{self.policy_name}@{size} needs {peak} GiB")
+        return peak * GiB
+
+    def tokens_per_s(self, size):
+        self.ran.append(f"time {self.policy_name}@{size}")
+        return self.speeds[f"{self.policy_name}@{size}"]
+
+
+def _rank(trials, predicted: dict, *, budget: float, resident: float = 1.0, candidates=(1, 2, 4, 8)):
+    from fsdp_utils.train.microbatch import Predicted, _Ranking
+
+    ranking = _Ranking(trials, auto_policies(2), list(candidates),
+                       {name: Predicted(*value) for name, value in predicted.items()}, budget=budget * GiB,
+                       resident=resident * GiB, tried={}, speeds={})
+    return ranking, ranking.run()
+
+
+# A 10 GiB GPU, 1 GiB that no micro-batch changes, and per sequence: none 2.1 GiB, selective_op 1.1, selective_op_lean
+# 0.9, full 0.7. Over the GPU: none@8 (17.8 GiB; on a GPU, an out-of-memory error ends the run).
+PER_SAMPLE = {"none": 2.1, "selective_op": 1.1, "selective_op_lean": 0.9, "full": 0.7}
+PEAKS = {policy: {b: 1 + per_sample * b for b in (1, 2, 4, 8)} for policy, per_sample in PER_SAMPLE.items()}
+# The estimate's fastest: none@4, then selective_op@8, selective_op_lean@8, full@8 (each within 10% of the one
+# before), none@2; every other pair 100 tokens/s.
+SPEEDS = {"none@4": 1200, "selective_op@8": 1150, "selective_op_lean@8": 1100, "full@8": 1000, "none@2": 900}
+
+
+def _predicted(speeds: dict, gib: dict | None = None) -> dict:
+    """(GiB, tokens/s) of every pair: PEAKS (or `gib`'s), `speeds` (every other pair 100 tokens/s)."""
+    return {f"{p}@{b}": ((gib or {}).get(f"{p}@{b}", PEAKS[p][b]), speeds.get(f"{p}@{b}", 100.0))
+            for p in PEAKS for b in (1, 2, 4, 8)}
+
+
+def test_the_estimate_orders_the_pairs_and_skips_those_predicted_not_to_fit():
+    # Budget 9.5 GiB. none@8 (17.8) is predicted over it by more than the estimate's 10% (10.45): never run.
+    # selective_op@8 (9.8) is over by less: a candidate. In the estimate's order:
+    # - none@4: from the smallest size (nothing measured yet), whose bound puts 4 at 3.1 + 3 * 2.1 = 9.4: fits; timed,
+    #   as selective_op@8 may still beat it;
+    # - selective_op@8: from 4 (none fit 4, so it fits too), whose bound puts 8 at 9.8, over; a second point at 2
+    #   makes a line that puts it at 9.8 too: not run;
+    # - selective_op_lean@8: from 4 (selective_op fit it), 8 predicted at 8.2: run, fits, timed;
+    # - full@8 (predicted 1,000 x 1.1 = 1,100) cannot beat none@4's 1,200: the search stops there (and full@8 could
+    #   not beat selective_op_lean@8, which keeps more at the same micro-batch: no pair is left out that could).
+    trials = _PairTrials(PEAKS, {"none@4": 1180.0, "selective_op_lean@8": 1050.0})
+    ranking, fitting = _rank(trials, _predicted(SPEEDS), budget=9.5)
+    assert ranking.skipped == ["none@8"]
+    assert [pair_name(*pair) for pair in ranking.ranked[:5]] == [
+        "none@4", "selective_op@8", "selective_op_lean@8", "full@8", "none@2"]
+    assert trials.ran == ["measure none@1", "measure none@4", "time none@4", "measure selective_op@4",
+                          "measure selective_op@2", "measure selective_op_lean@4", "measure selective_op_lean@8",
+                          "time selective_op_lean@8"]
+    assert [(p.name, b) for p, b, _ in fitting] == [("none", 4), ("selective_op_lean", 8)]
+    assert ranking.speeds == {"none@4": 1180.0, "selective_op_lean@8": 1050.0}
+    assert ranking.untried == []
+
+
+@pytest.mark.parametrize(("lean", "tried"), [(1090, False), (1091, True)])
+def test_the_search_stops_once_no_pair_predicted_can_beat_the_fastest_measured(lean, tried):
+    # none@4 found first (predicted 1,200): selective_op_lean@8 is tried where its prediction raised by the estimate's
+    # 10% reaches 1,200 (1,091 x 1.1 = 1,200.1), not at 1,090 (1,199). Where nothing can compete, none@4 is not even
+    # timed.
+    trials = _PairTrials(PEAKS, {"none@4": 1180.0, "selective_op_lean@8": 1050.0})
+    ranking, fitting = _rank(trials, _predicted({"none@4": 1200, "selective_op_lean@8": lean}), budget=9.5)
+    assert ("measure selective_op_lean@8" in trials.ran) == tried and ("time none@4" in trials.ran) == tried
+    assert (ranking.untried[:1] == ["selective_op_lean@8"]) == (not tried)
+    assert fitting[0][:2] == (CheckpointPolicy("none"), 4)
+
+
+def test_the_fastest_measured_trains_whatever_the_estimate_said():
+    # selective_op_lean@8 measured faster than none@4, though predicted slower: it is chosen, and becomes the pair to
+    # beat (full@8, predicted 1,000, is under 1,100 / 1.1 no longer: tried? passed over: lean keeps more at 8).
+    trials = _PairTrials(PEAKS, {"none@4": 1180.0, "selective_op_lean@8": 1300.0})
+    ranking, fitting = _rank(trials, _predicted(SPEEDS), budget=9.5)
+    best = max(fitting, key=lambda pair: ranking.speeds[pair_name(pair[0], pair[1])])
+    assert pair_name(*best[:2]) == "selective_op_lean@8" and "measure full@8" not in trials.ran
+
+
+def test_a_pair_predicted_a_little_over_the_budget_is_tried_and_one_that_would_not_fit_the_gpu_never_runs():
+    # full@8 predicted at 10 GiB, over the 9.5 budget by less than the estimate's error: tried, it measures 6.6 and
+    # fits. selective_op_lean here takes 1.2 GiB a sequence (its 8: 10.6 GiB, over the 10 GiB GPU) but is predicted
+    # at 9 GiB and first: its trial at 4 puts 8 at 10.6, so it never runs. Every trial runs at a size known or
+    # predicted by measurements to fit; the estimate only orders and skips.
+    peaks = {**PEAKS, "selective_op_lean": {b: 1 + 1.2 * b for b in (1, 2, 4, 8)}}
+    predicted = _predicted({"selective_op_lean@8": 1500, "full@8": 1400},
+                           gib={"full@8": 10.0, "selective_op_lean@8": 9.0})
+    trials = _PairTrials(peaks, {"full@8": 1300.0, "selective_op_lean@4": 1000.0})
+    ranking, fitting = _rank(trials, predicted, budget=9.5)
+    assert ranking.ranked[0] == (CheckpointPolicy("selective_op_lean"), 8) and "full@8" not in ranking.skipped
+    assert "measure selective_op_lean@8" not in trials.ran
+    assert "measure full@8" in trials.ran and ("full", 8) in [(p.name, b) for p, b, _ in fitting]
+
+
+def test_without_an_estimate_the_search_measures_in_its_own_order(caplog):
+    # A GPU the planner does not know (the tests' fake one): no estimate, the search as before (logged).
+    from config import load_config
+    from fsdp_utils.train.microbatch import search_estimate
+
+    cfg = load_config(ROOT / "config/train1B_fsdp.yaml", [])
+    env = SimpleNamespace(world_size=2, local_world_size=2, is_main=True)
+    with caplog.at_level("INFO"):
+        assert search_estimate(cfg, env, gpu="fake", vocab_size=32000, policies=auto_policies(2)) is None
+    assert "the estimate does not order the search: it does not know the fake" in caplog.text
+    predicted = search_estimate(cfg, env, gpu="NVIDIA H100 80GB HBM3", vocab_size=32000, policies=auto_policies(2))
+    assert predicted is not None and set(predicted) == {f"{p.name}@{b}" for p in auto_policies(2) for b in divisors(32)}
+
+
+# The 8B preset's trials on 2 x H200 (benchmarks/records/2026-11-28-2xh200-search-choice-against-grids-8b-and-1b.md
+# and the two records before it: the reserved peaks of every pair the searches ran, GiB); pairs no record ran read
+# their estimate. 138.0 GiB usable of each card.
+EIGHT_B_PEAKS = {"none": {1: 81.87, 2: 87.63, 8: 124.01}, "selective_op": {8: 99.2, 16: 128.05},
+                 "selective_op_lean": {8: 86.15, 16: 102.48, 32: 135.57}, "full": {16: 83.07, 32: 96.86}}
+
+
+def _eight_b_on_two_h200() -> dict:
+    from fsdp_utils.train.microbatch import Predicted
+    from fsdp_utils.train.planning import Cluster, config_estimates, gpu_spec
+
+    cfg = load_config(ROOT / "config/train8B_fsdp.yaml", ["--model.vocab_size=128256"])
+    estimates = config_estimates(cfg, Cluster(gpu_spec("h200"), 2), policies=[p.name for p in auto_policies(2)])
+    return {f"{p}@{b}": Predicted(e.memory.reserved, e.speed.tokens_per_s) for (p, b), e in estimates.items()}
+
+
+@pytest.mark.parametrize("margin", [None, 0.1])
+def test_the_8b_preset_on_two_h200_tries_selective_op_at_16_within_the_cards_memory(margin):
+    # The estimate of the 8B preset (vocabulary 128,256) on 2 x H200 puts none@8 first and selective_op@16 second
+    # (torchtitan's plan); none@16, none@32 and selective_op@32 are predicted far over any budget. Run against the
+    # records' trial peaks: none@8 (124.01 GiB) and selective_op@16 (128.05) both fit the budget of the default
+    # margin, each is timed, and the faster trains. With the margin of 0.1 (124.2 GiB) selective_op@16 is over:
+    # the search the records ran, which never timed it.
+    from config import Config
+    from fsdp_utils.train.microbatch import _Ranking
+
+    predicted = _eight_b_on_two_h200()
+    peaks = {p: {b: EIGHT_B_PEAKS[p].get(b, predicted[f"{p}@{b}"].gib) for b in divisors(32)} for p in EIGHT_B_PEAKS}
+    margin = Config().train.auto_micro_batch_margin if margin is None else margin
+    trials = _PairTrials(peaks, {"none@8": 14_773.0, "selective_op@16": 15_200.0, "selective_op_lean@16": 13_460.0},
+                         capacity=138.0)
+    trials.use(auto_policies(2)[0])
+    ranking = _Ranking(trials, auto_policies(2), divisors(32), predicted, budget=138.0 * (1 - margin) * GiB,
+                       resident=60 * GiB, tried={}, speeds={})
+    assert [pair_name(*pair) for pair in ranking.ranked[:2]] == ["none@8", "selective_op@16"]
+    assert ranking.skipped == ["none@16", "none@32", "selective_op@32"]
+    fitting = ranking.run()
+    best = max(fitting, key=lambda pair: ranking.speeds.get(pair_name(pair[0], pair[1]), 0.0))
+    if margin < 0.072:  # 128.05 GiB of 138.0: within 1 - 0.072
+        assert trials.ran[:7] == ["measure none@1", "measure none@2", "measure none@8", "time none@8",
+                                  "measure selective_op@8", "measure selective_op@16", "time selective_op@16"]
+        assert pair_name(*best[:2]) == "selective_op@16"
+    else:
+        assert "time selective_op@16" not in trials.ran and pair_name(*best[:2]) == "none@8"
 
 def test_a_pair_timed_right_after_a_whole_step_trial_takes_no_warm_up_step(monkeypatch):
     # A memory trial that ran the pair's whole step (accumulation 2 or less) warmed it up (its graphs, kernels and

@@ -50,7 +50,8 @@ class BuiltRun:
 
 
 def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: dict, eos_id: int | None,
-              use_cache: bool = True, fused_matmul: bool | None = None, fused_adamw: bool = True) -> BuiltRun:
+              use_cache: bool = True, fused_matmul: bool | None = None, fused_adamw: bool = True,
+              search_estimate: bool = True) -> BuiltRun:
     """The run of `cfg` on this rank, in the documented order: model, converters, parallelize (FSDP through the
     adapter of fsdp.version), optimizer (its hooks registered), then the micro-batch (searched with the optimizer
     state still empty). ConfigError when the batch does not split.
@@ -59,7 +60,8 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
     model.reset_positions). `use_cache`: take train.micro_batch_size=auto's choice from the output directory's cache
     when it has one (training does; the benchmark measures afresh). `fused_matmul`: build_model's. `fused_adamw`:
     False for the multi-tensor AdamW; fp16 always gets that one, as the fused kernel does not accept the sharded grad
-    scaler's inf flag."""
+    scaler's inf flag. `search_estimate`: False for the micro-batch search without the estimate's order (the benchmark's
+    comparison)."""
     t = cfg.train
     fsdp = fsdp_adapter(cfg.fsdp, env)
     precision = resolve_precision(t.precision, cfg.fsdp.reduce_dtype, env.device)
@@ -84,7 +86,7 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
     key = cache_key(cfg, model_signature=model_signature, world_size=env.world_size,
                     gpu=probe.name if probe else "cpu", precision=precision.name)
     choice = resolve_micro_batch(cfg, env, model=model, optimizer=optimizer, fsdp=fsdp, vocab_size=vocab_size, key=key,
-                                 probe=probe, switch=switch, use_cache=use_cache)
+                                 probe=probe, switch=switch, use_cache=use_cache, use_estimate=search_estimate)
     split = BatchSplit.from_config(cfg.train, env.world_size, choice.micro_batch_size)
     for converter in converters:
         converter.use_accumulation(model, split.grad_accum)
