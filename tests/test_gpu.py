@@ -116,7 +116,7 @@ MODEL_90M = ["--model.dim=768", "--model.n_layers=12", "--model.n_heads=12", "--
 @needs_gpus(2)
 def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
     # The 90M shape at sequence 2048, compiled, 64 sequences per GPU, on 2 GPUs held to 6.6 GiB whatever the
-    # card (a 5.94 GiB budget at the default margin; a trial past 6.6 GiB would end the run): about 0.6 GiB
+    # card (a 6.27 GiB budget at the default margin; a trial past 6.6 GiB would end the run): about 0.6 GiB
     # a sequence, so the search must stop well inside the candidates 1 .. 64; then training and
     # evaluation at the chosen size must stay in the budget. (On one GPU the unsharded states leave too little
     # of the 6.6 GiB for even micro-batch 1: the search refuses, as it should.)
@@ -134,7 +134,7 @@ def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
     assert f"train.micro_batch_size=auto: micro-batch {chosen} " in first.stderr
     assert 1 < chosen < 64, entry  # a real choice, neither the smallest nor the largest candidate
     # (A size measured over the budget may be in the list too: the one the search stopped at.)
-    assert entry["measured_gib"][str(chosen)] <= entry["budget_gib"] <= 6.01
+    assert entry["measured_gib"][str(chosen)] <= entry["budget_gib"] <= 6.28
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # peak_mem_gib is max_memory_allocated since the search ended (training and the evaluations at
     # steps 2 and 4); the budget was set on reserved memory, which is at least as large.
@@ -151,7 +151,7 @@ def test_auto_micro_batch_fits_a_full_step_with_eval_and_is_cached(tmp_path):
 @needs_gpus(2)
 def test_auto_checkpointing_and_micro_batch_choose_a_measured_pair_that_fits(tmp_path):
     # fsdp.activation_checkpointing=auto with the micro-batch, compiled (each policy compiles anew), on the 90M
-    # shape at sequence 1024 on GPUs held to 4.4 GiB (a 3.96 GiB budget at the default margin): without
+    # shape at sequence 1024 on GPUs held to 4.4 GiB (a 4.18 GiB budget at the default margin): without
     # checkpointing only a few sequences fit, so the policies that recompute more are measured at larger
     # micro-batches, and the fitting pairs are timed. Held, not just budgeted: a trial the search did not
     # predict to fit runs out of memory and ends the run, as on a real card; with the margin alone such a trial
@@ -168,7 +168,7 @@ def test_auto_checkpointing_and_micro_batch_choose_a_measured_pair_that_fits(tmp
     assert f"micro-batch {chosen}, activation checkpointing {policy}," in proc.stderr
     assert len(entry["tried_gib"]) >= 2 and entry["tokens_per_s"], entry  # a real choice between measured pairs
     assert entry["tokens_per_s"][f"{policy}@{chosen}"] == max(entry["tokens_per_s"].values())
-    assert entry["measured_gib"][str(chosen)] <= entry["budget_gib"] <= 4.01
+    assert entry["measured_gib"][str(chosen)] <= entry["budget_gib"] <= 4.19
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r["peak_mem_gib"] for r in rows if "peak_mem_gib" in r) <= entry["budget_gib"], (rows, entry)
     assert sorted(losses(out)) == [1, 2, 3] and all(math.isfinite(v) for v in losses(out).values())

@@ -366,6 +366,52 @@ def test_a_pair_predicted_a_little_over_the_budget_is_tried_and_one_that_would_n
     assert "measure full@8" in trials.ran and ("full", 8) in [(p.name, b) for p, b, _ in fitting]
 
 
+def test_the_search_reaches_the_budget_near_the_card_not_a_margin_below_it(monkeypatch):
+    # search_micro_batch as training runs it (a stand-in step, the fake GPU's readings of PEAKS), at the margin of the
+    # config's default: none@4 reads 9.4 GiB of the 10 GiB GPU, inside 10 * (1 - margin), and trains the most tokens/s
+    # (a step of 8 sequences of 4 tokens takes 1 s without checkpointing, 2.5 s with selective_op_lean: 32 x 4 = 128
+    # and 32 x 8 / 2.5 = 102 tokens/s). With a margin of 0.1 (a 9 GiB budget) it is over: selective_op_lean@8.
+    from config import Config
+    from fsdp_utils.parallel.parallelize import CheckpointSwitch
+    from fsdp_utils.train import microbatch
+
+    monkeypatch.setattr(microbatch, "train_step", lambda *a, **k: None)
+    monkeypatch.setattr(microbatch, "max_over_ranks", lambda value, env: value)
+    env = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)
+    spec = {"capacity_gib": 10, "fixed_gib": 1, "policy_per_sample_gib": PER_SAMPLE,
+            "step_seconds": {"none": 1, "selective_op": 1.2, "selective_op_lean": 2.5, "full": 3}}
+    predicted = {name: microbatch.Predicted(*value) for name, value in _predicted(SPEEDS).items()}
+    margin = Config().train.auto_micro_batch_margin
+    assert 9.4 <= 10 * (1 - margin)
+
+    def search(margin: float) -> MicroBatchChoice:
+        model = torch.nn.Linear(2, 2)
+        return microbatch.search_micro_batch(model, torch.optim.AdamW(model.parameters()), fsdp=None, per_rank=8,
+                                             seq_len=4, vocab_size=16, grad_clip=1.0, margin=margin, compile=False,
+                                             env=env, probe=FakeProbe(spec, 0), switch=CheckpointSwitch(),
+                                             predicted=predicted)
+
+    choice = search(margin)
+    assert (choice.checkpointing, choice.micro_batch_size) == ("none", 4)
+    assert choice.measured_gib == {1: pytest.approx(3.1), 4: pytest.approx(9.4)}
+    assert choice.estimated_first == "none@4" and choice.skipped == ["none@8"]
+    assert choice.tokens_per_s == {"none@4": 128.0, "selective_op_lean@8": pytest.approx(102.4)}
+    lines = describe_choice(choice, SimpleNamespace(
+        train=SimpleNamespace(micro_batch_size="auto", global_batch_size=8, auto_micro_batch_margin=margin),
+        fsdp=SimpleNamespace(activation_checkpointing="auto")), world_size=1)
+    assert lines[0] == (
+        "fsdp.activation_checkpointing=auto: tried none: micro-batch 1: 3.10 GiB, 4: 9.40 GiB; selective_op: "
+        "micro-batch 2: 3.20 GiB, 4: 5.40 GiB; selective_op_lean: micro-batch 4: 4.60 GiB, 8: 8.20 GiB; the estimate "
+        "put none@4 first and skipped none@8 (predicted over the budget by more than 10%); timed none@4 128 tokens/s "
+        "per rank, selective_op_lean@8 102 tokens/s per rank: the most tokens/s is none@4")
+    assert lines[1].startswith("train.micro_batch_size=auto and fsdp.activation_checkpointing=auto: micro-batch 4 "
+                               "(gradient accumulation 2 on 1 ranks), activation checkpointing none; ")
+    assert lines[1].endswith(", margin 0.05); search: 6 memory trials, 2 timed, 0 s")
+    old = search(0.1)
+    assert (old.checkpointing, old.micro_batch_size, old.tokens_per_s) == ("selective_op_lean", 8, {})
+    assert old.measured_gib == {4: pytest.approx(4.6), 8: pytest.approx(8.2)}
+
+
 def test_without_an_estimate_the_search_measures_in_its_own_order(caplog):
     # A GPU the planner does not know (the tests' fake one): no estimate, the search as before (logged).
     from config import load_config
@@ -396,8 +442,8 @@ def _eight_b_on_two_h200() -> dict:
     return {f"{p}@{b}": Predicted(e.memory.reserved, e.speed.tokens_per_s) for (p, b), e in estimates.items()}
 
 
-@pytest.mark.parametrize("margin", [None, 0.1])
-def test_the_8b_preset_on_two_h200_tries_selective_op_at_16_within_the_cards_memory(margin):
+@pytest.mark.parametrize(("margin", "reached"), [(None, True), (0.1, False)])
+def test_the_8b_preset_on_two_h200_tries_selective_op_at_16_within_the_cards_memory(margin, reached):
     # The estimate of the 8B preset (vocabulary 128,256) on 2 x H200 puts none@8 first and selective_op@16 second
     # (torchtitan's plan); none@16, none@32 and selective_op@32 are predicted far over any budget. Run against the
     # records' trial peaks: none@8 (124.01 GiB) and selective_op@16 (128.05) both fit the budget of the default
@@ -418,7 +464,7 @@ def test_the_8b_preset_on_two_h200_tries_selective_op_at_16_within_the_cards_mem
     assert ranking.skipped == ["none@16", "none@32", "selective_op@32"]
     fitting = ranking.run()
     best = max(fitting, key=lambda pair: ranking.speeds.get(pair_name(pair[0], pair[1]), 0.0))
-    if margin < 0.072:  # 128.05 GiB of 138.0: within 1 - 0.072
+    if reached:  # 128.05 GiB of 138.0 GiB: within a margin of 0.072 or less
         assert trials.ran[:7] == ["measure none@1", "measure none@2", "measure none@8", "time none@8",
                                   "measure selective_op@8", "measure selective_op@16", "time selective_op@16"]
         assert pair_name(*best[:2]) == "selective_op@16"
@@ -597,10 +643,10 @@ def test_auto_needs_a_global_batch_that_splits_over_the_ranks():
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2])
 def test_auto_agrees_across_ranks_and_trains_like_the_same_micro_batch_by_hand(version, corpus, dataset_dir, tmp_path):
-    # Global batch 16 on 2 ranks: per-rank batch 8, candidates 1, 2, 4, 8. Budget 10 * (1 - 0.1) = 9 GiB.
+    # Global batch 16 on 2 ranks: per-rank batch 8, candidates 1, 2, 4, 8. Budget 10 * (1 - 0.05) = 9.5 GiB.
     # Rank 0 alone (1 + 1 * b) would take 8 (bound 1 + 1 * 8 = 9); rank 1's readings (1 + 2.5 * b) are
-    # higher, and the MAX over ranks decides for both: from b = 1 (3.5) the bound 1 + 2.5 c <= 9 allows
-    # c = 2 (6.0), and from there 1 + 5 * 2 = 11 > 9 stops: micro-batch 2 on both ranks.
+    # higher, and the MAX over ranks decides for both: from b = 1 (3.5) the bound 1 + 2.5 c <= 9.5 allows
+    # c = 2 (6.0), and from there 1 + 5 * 2 = 11 > 9.5 stops: micro-batch 2 on both ranks.
     common = ["--train.global_batch_size=16", "--train.max_steps=4", f"--fsdp.version={version}"]
     auto = run_train(*common, "--train.micro_batch_size=auto", nproc=2, out_dir=tmp_path / "auto", corpus=corpus,
                      dataset_dir=dataset_dir, faults=fake_memory(10, 1, [1, 2.5]))
@@ -619,7 +665,7 @@ def test_auto_agrees_across_ranks_and_trains_like_the_same_micro_batch_by_hand(v
 @pytest.mark.slow
 def test_auto_result_is_cached_and_reused_on_resume(corpus, dataset_dir, tmp_path):
     out = tmp_path / "out"
-    memory = fake_memory(10, 1, 1)  # 1 + b GiB, budget 9: the largest candidate 8 fits (bound 9 <= 9)
+    memory = fake_memory(10, 1, 1)  # 1 + b GiB, budget 9.5: the largest candidate 8 fits (bound 9 <= 9.5)
     args = ["--train.global_batch_size=8", "--train.micro_batch_size=auto", "--checkpoint.interval=2"]
     first = run_train(*args, "--train.max_steps=2", out_dir=out, corpus=corpus, dataset_dir=dataset_dir, faults=memory)
     assert "measuring trial steps" in first.stderr
@@ -655,17 +701,17 @@ def test_auto_when_nothing_fits_is_one_error_line(corpus, dataset_dir, tmp_path)
     proc = run_train("--train.micro_batch_size=auto", *ONE_STEP, out_dir=tmp_path / "out", corpus=corpus,
                      dataset_dir=dataset_dir, faults=fake_memory(4, 3, 1), check=False)
     assert proc.returncode == 1
-    # 3 + 1 * 1 = 4 GiB at micro-batch 1 against a budget of 4 * 0.9 = 3.6.
+    # 3 + 1 * 1 = 4 GiB at micro-batch 1 against a budget of 4 * 0.95 = 3.8.
     assert error_lines(proc) == [
-        "error: train.micro_batch_size=auto: even micro-batch 1 peaks at 4.00 GiB, over the budget of 3.60 GiB "
-        "(4.00 GiB usable, train.auto_micro_batch_margin=0.1); turn on fsdp.activation_checkpointing, use more GPUs, "
+        "error: train.micro_batch_size=auto: even micro-batch 1 peaks at 4.00 GiB, over the budget of 3.80 GiB "
+        "(4.00 GiB usable, train.auto_micro_batch_margin=0.05); turn on fsdp.activation_checkpointing, use more GPUs, "
         "or shorten data.seq_len"]
     assert "Traceback" not in proc.stderr
 
 
 # ---- end to end: fsdp.activation_checkpointing=auto -------------------------------------------------
 
-# Budget 10 * 0.9 = 9 GiB of a 10 GiB GPU, 1 GiB resident, per-rank batch 8 (candidates 1, 2, 4, 8). Per sample:
+# Budget 10 * 0.95 = 9.5 GiB of a 10 GiB GPU, 1 GiB resident, per-rank batch 8 (candidates 1, 2, 4, 8). Per sample:
 # none 3 GiB (fits 2: 7 GiB); selective_op 1.5 (starts at none's 2: 4 GiB, then 4: 7, fits; 8 predicted at 13);
 # selective_op_lean 1.2 (starts at selective_op's 4: 5.8; its line through 2 puts 8 at 10.6, over the GPU itself);
 # full 0.9 (starts at 4: 4.6, then 8: 8.2, fits).
@@ -729,11 +775,11 @@ def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fit
         assert proc.returncode == 1
         return error_lines(proc)
 
-    assert failure("out2", fake_memory(5, 1, 1, **tight)) == [
+    assert failure("out2", fake_memory(4.8, 1, 1, **tight)) == [
         "error: fsdp.activation_checkpointing=auto: with full activation checkpointing, micro-batch 4 is predicted at "
-        "4.60 GiB from the trials at micro-batch 1: 1.90 GiB, 2: 2.80 GiB, over the budget of 4.50 GiB (5.00 GiB "
-        "usable, train.auto_micro_batch_margin=0.1); set a smaller train.micro_batch_size (or auto), use more GPUs, or "
-        "shorten data.seq_len"]
+        "4.60 GiB from the trials at micro-batch 1: 1.90 GiB, 2: 2.80 GiB, over the budget of 4.56 GiB (4.80 GiB "
+        "usable, train.auto_micro_batch_margin=0.05); set a smaller train.micro_batch_size (or auto), use more GPUs, "
+        "or shorten data.seq_len"]
     # Micro-batch 1 without checkpointing needs more than the GPU has: the first trial runs out of memory. One error
     # line, which names the way around it (the margin plays no part at the smallest size).
     assert failure("out3", fake_memory(3, 1, 1, **AC_MEMORY)) == [
@@ -761,7 +807,7 @@ def test_hint_only_when_memory_is_mostly_unused_and_gradients_accumulate(case, c
     # One process, global batch 8. Readings 1 + 0.5 * b GiB: micro-batch 2 uses 2 GiB.
     micro_batch, capacity = {"low_memory_accumulating": (2, 100), "high_memory": (2, 6), "no_accumulation": (8, 100),
                              "auto": ("auto", 100)}[case]
-    # auto: micro-batch 8 reads 99 GiB (over the 90 GiB budget), so auto keeps 1 with accumulation 8 and
+    # auto: micro-batch 8 reads 99 GiB (over the 95 GiB budget), so auto keeps 1 with accumulation 8 and
     # 1.5 GiB used: the hint's condition, but auto measured already; it stays quiet.
     memory = fake_memory(capacity, 1, 0.5, table_gib={"8": 99} if case == "auto" else {})
     proc = run_train(f"--train.micro_batch_size={micro_batch}", "--train.max_steps=3", out_dir=tmp_path / "out",
@@ -872,7 +918,7 @@ def test_out_of_memory_on_one_rank_only_stops_within_the_timeout(corpus, dataset
 
 @pytest.mark.slow
 def test_benchmark_compares_a_fixed_micro_batch_with_auto_and_the_reference():
-    # One process, global batch 8: readings 1 + 0.5 * b GiB all fit a 9 GiB budget, so auto takes 8 (x 1);
+    # One process, global batch 8: readings 1 + 0.5 * b GiB all fit a 9.5 GiB budget, so auto takes 8 (x 1);
     # the fixed micro-batch 2 needs accumulation 4; the reference runs at the auto choice.
     pytest.importorskip("transformers")
     proc = run_job([str(WITH_FAULTS), str(ROOT / "benchmarks/benchmark.py"), str(TINY_PRESET), "--run.device=cpu",
