@@ -98,7 +98,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--check", action="store_true",
                         help="only check what a run checks before its first step without a GPU: the config, what "
                              "the options need on this machine (all but the world size), the data files and what the "
-                             "resume would refuse; print the problems and exit 2, or exit 0; the elastic launchers "
+                             "resume would refuse; print the problems and exit 2, or exit 0 after one line of the "
+                             "estimate of memory and speed for a GPU run (docs/planning.md); the elastic launchers "
                              "run it first, since torchrun would repeat a config error at every restart")
     return split_known_args(parser, argv)
 

@@ -174,6 +174,33 @@ def test_auto_checkpointing_and_micro_batch_choose_a_measured_pair_that_fits(tmp
     assert sorted(losses(out)) == [1, 2, 3] and all(math.isfinite(v) for v in losses(out).values())
 
 
+@pytest.mark.gpu_exclusive  # measures GPU memory: alone on its GPU
+@needs_gpus(1)
+def test_the_search_in_the_estimates_order_trains_the_fastest_pair_it_measured_within_the_budget(tmp_path):
+    # Both autos on one GPU the planner knows (H100, H200), the 90M shape at sequence 1024, compiled, 32 sequences,
+    # the GPU held to 8 GiB (a 7.6 GiB budget at the default margin; a trial past 8 GiB ends the run): the estimate
+    # orders the pairs (none@32, predicted at 12 GiB, is skipped), each measured pair runs for real, and the pair that
+    # trains is the fastest of those timed, its peak within the budget, in the trials and in training.
+    from fsdp_utils.train.planning import gpu_for_device
+
+    if gpu_for_device(torch.cuda.get_device_name()) is None:
+        pytest.skip(f"the planner does not know the {torch.cuda.get_device_name()}")
+    corpus = write_corpus(tmp_path / "corpus.txt", num_docs=400)
+    out = tmp_path / "auto"
+    proc = run_train(*GPU, *MODEL_90M, "--model.max_seq_len=1024", "--data.seq_len=1024", "--train.compile=true",
+                     "--train.global_batch_size=32", "--train.micro_batch_size=auto",
+                     "--fsdp.activation_checkpointing=auto", "--train.max_steps=3", nproc=1, out_dir=out,
+                     corpus=corpus, dataset_dir=tmp_path / "data", timeout=900, faults={"gpu_memory_gib": 8})
+    (entry,) = json.loads((out / "microbatch_cache.json").read_text())["entries"]
+    policy, chosen = entry["activation_checkpointing"], entry["micro_batch_size"]
+    assert "the estimate put " in proc.stderr and "skipped none@32" in proc.stderr, proc.stderr[-3000:]
+    assert entry["tokens_per_s"] and entry["tokens_per_s"][f"{policy}@{chosen}"] == max(entry["tokens_per_s"].values())
+    assert entry["measured_gib"][str(chosen)] <= entry["budget_gib"] <= 7.61
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["peak_mem_gib"] for r in rows if "peak_mem_gib" in r) <= entry["budget_gib"], (rows, entry)
+    assert "estimate: predicted for " in proc.stderr  # the estimate of the plan chosen, beside what training measures
+
+
 @pytest.mark.gpu_exclusive  # measures GPU memory: alone on its GPUs
 @needs_gpus(1)
 def test_real_out_of_memory_is_retried_at_half_the_micro_batch(tmp_path):

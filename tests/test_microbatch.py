@@ -340,6 +340,18 @@ def test_the_search_stops_once_no_pair_predicted_can_beat_the_fastest_measured(l
     assert ("measure selective_op_lean@8" in trials.ran) == tried and ("time none@4" in trials.ran) == tried
     assert (ranking.untried[:1] == ["selective_op_lean@8"]) == (not tried)
     assert fitting[0][:2] == (CheckpointPolicy("none"), 4)
+    if not tried:  # the log says what was left out, and why
+        choice = MicroBatchChoice(4, "search", {1: 3.1, 4: 9.4}, 10.0, 9.5, 1.0, checkpointing="none",
+                                  tried_gib={"none": {1: 3.1, 4: 9.4}}, untried=ranking.untried,
+                                  estimated_first=pair_name(*ranking.ranked[0]), skipped=ranking.skipped)
+        cfg = SimpleNamespace(train=SimpleNamespace(micro_batch_size="auto", global_batch_size=8,
+                                                    auto_micro_batch_margin=0.05),
+                              fsdp=SimpleNamespace(activation_checkpointing="auto"))
+        assert describe_choice(choice, cfg, world_size=1)[0] == (
+            "fsdp.activation_checkpointing=auto: tried none: micro-batch 1: 3.10 GiB, 4: 9.40 GiB; the estimate put "
+            "none@4 first and skipped none@8 (predicted over the budget by more than 10%); none@4 fits, and no pair "
+            "predicted to fit could be faster; left out: selective_op_lean@8, selective_op@8, full@8 (predicted slower "
+            "than the fastest measured by more than the estimate's 10% error)")
 
 
 def test_the_fastest_measured_trains_whatever_the_estimate_said():
@@ -738,6 +750,9 @@ def test_auto_checkpointing_trains_the_fastest_pair_that_fits_like_it_by_hand_an
             "none@2 512 tokens/s per rank, selective_op@4 1,024 tokens/s per rank, full@8 683 tokens/s per rank: "
             "the most tokens/s is selective_op@4") in first.stderr
     assert "micro-batch 4, activation checkpointing selective_op," in first.stderr
+    # A GPU the planner does not know (the fake one): the search in its own order, and no estimate at the start.
+    assert "the estimate does not order the search: it does not know the fake" in first.stderr
+    assert "estimate: none for the fake (the planner knows h100, h200" in first.stderr
     (entry,) = json.loads((out / CACHE_FILE).read_text())["entries"]
     assert entry["micro_batch_size"] == 4 and entry["activation_checkpointing"] == "selective_op"
     assert entry["tokens_per_s"] == {"none@2": 512, "selective_op@4": 1024, "full@8": 683}
@@ -951,6 +966,28 @@ def test_benchmark_grid_runs_each_pair_at_the_global_batch_beside_the_search():
     assert re.search(r"fastest of ours and the grid: (ours|grid_none@2|grid_full@8); ours / fastest tokens/s: "
                      r"[01]\.\d{3}\n", proc.stdout)
 
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_benchmark_searches_without_the_estimate_when_asked(flag, monkeypatch):
+    # benchmarks/benchmark.py --search_without_estimate: the search in its own order, for the comparison with the
+    # search in the estimate's (the run is built through build_run, which passes it to the search).
+    from benchmarks import benchmark
+
+    seen = {}
+
+    def build_run(cfg, env, **kwargs):
+        seen.update(kwargs)
+        raise ConfigError(["built"])
+
+    monkeypatch.setattr(benchmark, "build_run", build_run)
+    argv = [str(TINY_PRESET), *(["--search_without_estimate"] if flag else [])]
+    args = benchmark.build_parser().parse_args(argv)
+    cfg = load_config(TINY_PRESET, ["--train.micro_batch_size=auto", "--fsdp.activation_checkpointing=auto"])
+    with pytest.raises(SystemExit, match="built"):
+        benchmark.build_ours(cfg, SimpleNamespace(world_size=1, is_main=True), args, micro_batch="auto",
+                             grad_accum=None)
+    assert seen["search_estimate"] is not flag
 
 def benchmark_main(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
     """benchmarks/benchmark.py's main() on the tiny preset with argv, in this process (the script's own start is

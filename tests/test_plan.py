@@ -338,3 +338,23 @@ def test_the_estimate_line_of_the_8b_preset_on_two_h200():
     assert launch_line(cfg, gpus=3, device_name="NVIDIA H200") == (
         "estimate: none (train.global_batch_size=64 is not divisible by the world size 3 (train.micro_batch_size=auto "
         "splits each rank's share of it); pick a multiple of 3)")
+
+
+def test_the_search_allows_for_the_estimates_error_between_two_pairs_it_timed(predictions):
+    # The search compares the pairs of one run, so what counts is the estimate's error on the ratio of two pairs'
+    # tokens/s (an error common to both cancels). Over the pairs the records' searches timed against each other (one
+    # search: the points named <run>-timed-<pair>), the search's allowance (microbatch.SPEED_ERROR) covers at least 3
+    # in 4; the memory allowance (MEMORY_ERROR) is the largest error the estimate is held to over every point.
+    from itertools import combinations
+
+    from fsdp_utils.train.microbatch import MEMORY_ERROR, SPEED_ERROR
+
+    searches: dict[str, list] = {}
+    for p in predictions:
+        if "-timed-" in p.point.id and p.known_miss is None and p.speed_error is not None:
+            searches.setdefault(p.point.id.split("-timed-")[0], []).append(p)
+    errors = [abs((1 + a.speed_error) / (1 + b.speed_error) - 1)
+              for timed in searches.values() for a, b in combinations(timed, 2)]
+    assert len(searches) >= 10 and len(errors) >= 30
+    assert sum(e <= SPEED_ERROR for e in errors) >= 0.75 * len(errors), sorted(errors)
+    assert MEMORY_ERROR == MEMORY_TOLERANCE

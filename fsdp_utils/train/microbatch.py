@@ -789,10 +789,12 @@ def _why(choice: MicroBatchChoice, *, auto_size: bool) -> str:
             order += (f" and skipped {', '.join(choice.skipped)} (predicted over the budget by more than "
                       f"{100 * MEMORY_ERROR:.0f}%)")
         why = f"{order}; {why}"
-    if choice.untried:
-        why += f"; not tried: {', '.join(choice.untried)} " + (
-            f"(predicted {100 * SPEED_ERROR:.0f}% or more slower than the fastest measured)" if ranked else
-            "(more recompute for a larger micro-batch, after the last larger one was slower)")
+    if choice.untried and ranked:
+        why += (f"; left out: {', '.join(choice.untried)} (predicted slower than the fastest measured by more than "
+                f"the estimate's {100 * SPEED_ERROR:.0f}% error)")
+    elif choice.untried:
+        why += (f"; not tried: {', '.join(choice.untried)} (more recompute for a larger micro-batch, after the last "
+                "larger one was slower)")
     return f"tried {tried}; {why}"
 
 
