@@ -768,6 +768,30 @@ def test_auto_checkpointing_trains_the_fastest_pair_that_fits_like_it_by_hand_an
 
 
 @pytest.mark.slow
+def test_the_search_in_the_estimates_order_agrees_across_ranks_and_trains_like_its_pair_by_hand(corpus, dataset_dir,
+                                                                                                tmp_path):
+    # The fake GPU named as an H100 the planner knows, bf16: the estimate orders the search (rank 0's, on both ranks).
+    # 2 ranks of 4 sequences; AC_MEMORY's readings on 10 GiB (budget 9.5): none fits 2, selective_op 4 (7 GiB),
+    # selective_op_lean 4 (5.8), full 4 (4.6); a step at micro-batch 4 takes 1 s with selective_op, 1.5 with
+    # selective_op_lean, 3 with full: selective_op@4 trains the most tokens/s, and the losses are its own by hand.
+    common = ["--train.global_batch_size=8", "--train.precision=bf16", "--train.max_steps=2"]
+    memory = fake_memory(10, 1, 1, **{**AC_MEMORY, "step_seconds": {"none": 1, "selective_op": 1,
+                                                                    "selective_op_lean": 1.5, "full": 3}},
+                         name="NVIDIA H100 80GB HBM3")
+    auto = run_train(*common, "--train.micro_batch_size=auto", "--fsdp.activation_checkpointing=auto", nproc=2,
+                     out_dir=tmp_path / "auto", corpus=corpus, dataset_dir=dataset_dir, faults=memory)
+    assert "the estimate put " in auto.stderr and "the estimate does not order" not in auto.stderr
+    assert "micro-batch 4 (gradient accumulation 1 on 2 ranks), activation checkpointing selective_op;" in auto.stderr
+    (entry,) = json.loads((tmp_path / "auto" / CACHE_FILE).read_text())["entries"]
+    assert entry["tokens_per_s"]["selective_op@4"] == max(entry["tokens_per_s"].values())
+    assert not any(pair.startswith("none@") for pair in entry["tokens_per_s"])
+    assert entry["tried_gib"]["none"] == {"1": 4.0, "2": 7.0}  # none@4 (13 GiB) predicted over by its line
+    run_train(*common, "--train.micro_batch_size=4", "--fsdp.activation_checkpointing=selective_op", nproc=2,
+              out_dir=tmp_path / "by_hand", corpus=corpus, dataset_dir=dataset_dir)
+    assert losses(tmp_path / "auto") == losses(tmp_path / "by_hand")
+
+
+@pytest.mark.slow
 def test_auto_checkpointing_at_a_set_micro_batch_takes_the_first_policy_that_fits(corpus, dataset_dir, tmp_path):
     # Micro-batch 4 on a 10 GiB GPU: none would need 13 GiB, more than there is, so it never runs: the trials climb
     # to 4 through its divisors, as the auto search does. none's line through 1 and 2 puts 4 at 13, over the budget

@@ -62,7 +62,7 @@ class MicroBatchChoice:
     tokens_per_s: dict[str, float] = dataclasses.field(default_factory=dict)  # "policy@micro-batch" -> tokens/s
     untried: list[str] = dataclasses.field(default_factory=list)  # policies left out after a slower pair
     cached_on: str | None = None  # how == "cache": the date of the cache entry
-    # With the estimate (`Ranking`): the pair it put first, the pairs it skipped (predicted over the budget by more
+    # With the estimate (_Ranking): the pair it put first, the pairs it skipped (predicted over the budget by more
     # than its error), and in `untried` the pairs left out once none could beat the fastest measured.
     estimated_first: str | None = None
     skipped: list[str] = dataclasses.field(default_factory=list)
@@ -490,7 +490,8 @@ class _Ranking:
                    for kept in self.policies for b in self.fits(kept))
 
     def run(self) -> list[tuple[CheckpointPolicy, int, dict[int, float]]]:
-        """(policy, micro-batch, the policy's measurements) of each pair measured to fit and not passed over."""
+        """(policy, micro-batch, the policy's measurements) of each pair measured to fit that was timed, or is not
+        passed over (the one pair found, where nothing competed with it)."""
         for index, (policy, size) in enumerate(self.ranked):
             best = self.best()
             if best is not None and self.beaten(policy, size, best):
@@ -499,7 +500,7 @@ class _Ranking:
             if self.passed_over(policy, size) or not self.reach(policy, size):
                 continue
             self.fitting.append((policy, size))
-            if self.speeds or self.contested(index):
+            if self.speeds or len(self.fitting) > 1 or self.contested(index):
                 self.time_untimed()
         fitting = [(p, b) for p, b in self.fitting if pair_name(p, b) in self.speeds or not self.passed_over(p, b)]
         return [(p, b, self.own(p)) for p, b in fitting]
@@ -705,9 +706,10 @@ def resolve_micro_batch(cfg: Config, env: DistEnv, *, model: nn.Module, optimize
              probe.name, f"the largest micro-batch of {sizes} that fits" if switch is None else
              f"the fastest pair of activation checkpointing policy and micro-batch (of {sizes}) that fits")
     predicted = None
-    if use_estimate and auto_size and switch is not None:
-        predicted = search_estimate(cfg, env, gpu=probe.name, vocab_size=vocab_size,
-                                    policies=auto_policies(cfg.fsdp.ac_every_n_layers, roles_known=switch.roles_known))
+    if use_estimate and auto_size and switch is not None:  # rank 0's, so that every rank searches in one order
+        policies = auto_policies(cfg.fsdp.ac_every_n_layers, roles_known=switch.roles_known)
+        predicted = broadcast_decision(env, search_estimate(cfg, env, gpu=probe.name, vocab_size=vocab_size,
+                                                            policies=policies) if env.is_main else None)
     return search_micro_batch(model, optimizer, fsdp=fsdp, per_rank=per_rank, seq_len=cfg.data.seq_len,
                               vocab_size=vocab_size, grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin,
                               compile=t.compile, env=env, probe=probe, micro_batch=configured, switch=switch,
