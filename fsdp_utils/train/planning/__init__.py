@@ -9,7 +9,8 @@ our records (docs/planning.md). No GPU, no model built.
 One plan alone: estimate(model_shape(cfg), cluster, plan_from(cfg, gpus=2, micro_batch=8, checkpointing="none"),
 settings_from(cfg)). The pieces: hardware.py (GPUs, links), shape.py (the model's sizes), plan.py (cluster, plan,
 settings), memory.py and speed.py (the two models), calibration.py (their constants), planner.py (the candidates),
-points.py (our measured points), report.py (what scripts/plan.py prints)."""
+points.py (our measured points), report.py (what scripts/plan.py prints). In a run: train_fsdp.py --check and the
+start-up log print launch_line; the micro-batch search measures its pairs in the order of config_estimates."""
 from .calibration import CALIBRATION, KNOWN_MISSES, VALUES, Constant
 from .hardware import GPUS, GPUSpec, gpu_for_device, gpu_spec
 from .memory import Memory, estimate_memory
