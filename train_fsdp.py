@@ -62,11 +62,12 @@ from fsdp_utils.parallel.hf import HFModelError
 from fsdp_utils.parallel.lora import lora_record
 from fsdp_utils.train.batch import TrainBatches
 from fsdp_utils.train.build_run import BuiltRun, build, describe_run, finish
-from fsdp_utils.train.launch_checks import launch_checks
+from fsdp_utils.train.launch_checks import estimate_line, launch_checks
 from fsdp_utils.train.microbatch import describe_choice
 from fsdp_utils.train.observers import Observers
 from fsdp_utils.train.oom_guard import OutOfMemory, OutOfMemoryGuard
 from fsdp_utils.train.optim import LRSchedule
+from fsdp_utils.train.planning.report import launch_line
 from fsdp_utils.train.resume import nothing_to_train, resume
 from fsdp_utils.train.run_data import prepare_dataset
 from fsdp_utils.train.run_files import write_run_files
@@ -99,7 +100,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--check", action="store_true",
                         help="only check what a run checks before its first step without a GPU: the config, what "
                              "the options need on this machine (all but the world size), the data files and what the "
-                             "resume would refuse; print the problems and exit 2, or exit 0; the elastic launchers "
+                             "resume would refuse; print the problems and exit 2, or exit 0 after one line of the "
+                             "estimate of memory and speed for a GPU run (docs/planning.md); the elastic launchers "
                              "run it first, since torchrun would repeat a config error at every restart")
     return split_known_args(parser, argv)
 
@@ -129,10 +131,13 @@ def exit_early(problems: list[str], launch: Launch) -> int:
 
 
 def check_passed(cfg: Config, launch: Launch) -> int:
-    """--check found no problem: print the config's warnings (a run logs them at its start) and exit 0."""
+    """--check found no problem: print the config's warnings (a run logs them at its start) and the estimate for the
+    config as launched (a run logs it for the plan it chose), and exit 0."""
     if launch.rank == 0:
         for line in config_warnings(cfg):
             print(f"warning: {line}", file=sys.stderr)
+        if (estimate := estimate_line(cfg, launch)) is not None:
+            print(estimate)
     return 0
 
 
@@ -213,6 +218,11 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
                      *describe_run(cfg, env, built, train_tokens=train_data.num_tokens,
                                    val_tokens=val_data.num_tokens)]:
             log.info("%s", line)
+        if built.probe is not None:  # on GPUs: the estimate of the plan chosen, beside what the run will measure
+            log.info("%s", launch_line(cfg, gpus=env.world_size, nodes=env.world_size // env.local_world_size,
+                                       device_name=built.probe.name, vocab_size=vocab_size,
+                                       micro_batch=built.split.micro_batch_size,
+                                       checkpointing=built.choice.checkpointing))
 
     # ---- the checkpoint manager and the resume (after the micro-batch search: its trials need no optimizer state)
     ckpt = CheckpointManager(cfg.checkpoint, cfg.output_dir, env=env, model_config=signature,

@@ -9,7 +9,8 @@ Ours: train_fsdp.py's model, wrapping and step (build_run, train_step) on random
 LlamaForCausalLM of the same dimensions with FSDP2, bf16 with fp32 reduction, per-layer compile, fused AdamW, after
 ours. `--float8`, `--lora`, `--grid`, `--document_masking` and `--compare_auto` add runs of ours (--help). Prints
 tokens/s per GPU, MFU (attention counted as full causal attention), step time and peak memory of each run, and their
-ratios; `--save_modes` measures sharded checkpoint saves instead (bench_saves). docs/benchmarks.md shows how."""
+ratios; `--search_without_estimate` runs the auto search without the estimate's order (beside it, the search as
+it was); `--save_modes` measures sharded checkpoint saves instead (bench_saves). docs/benchmarks.md shows how."""
 from __future__ import annotations
 
 import argparse
@@ -124,7 +125,7 @@ def build_ours(cfg: Config, env: DistEnv, args: argparse.Namespace, *, micro_bat
         check_batch_split(run_cfg.train, env.world_size)  # before the build: a split that cannot work costs no model
         run = build_run(run_cfg, env, vocab_size=vocab_size, model_signature=signature, eos_id=EOS_ID,
                         use_cache=False, fused_matmul=True if args.fused_projections else None,
-                        fused_adamw=not args.unfused_adamw)
+                        fused_adamw=not args.unfused_adamw, search_estimate=not args.search_without_estimate)
     except ConfigError as err:
         raise SystemExit(f"error: {err.problems[0]}") from None
     if env.is_main:
@@ -407,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ablation: one q/k/v and one gate/up matmul, split after")
     parser.add_argument("--unfused_adamw", action="store_true",
                         help="ablation: the multi-tensor (foreach) AdamW, not the fused one")
+    parser.add_argument("--search_without_estimate", action="store_true",
+                        help="the auto search (both autos) in its own order, without the estimate's: with "
+                        "--train.auto_micro_batch_margin=0.1, the search before the estimate ordered it")
     parser.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     parser.add_argument("--save_modes", default="", help="measure sharded checkpoint saves instead: any of sync, "
                         "thread, process, sync_gpu, comma-separated (e.g. sync,thread)")

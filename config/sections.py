@@ -111,8 +111,9 @@ class TrainConfig:
     """Sequences per forward pass on each rank, or auto: the largest divisor of the per-rank batch
     (global_batch_size / world size) that fits in GPU memory, measured by a few trial steps before
     training and cached in <output_dir>/microbatch_cache.json (the training is the same: same global batch)."""
-    auto_micro_batch_margin: float = 0.1
-    """micro_batch_size=auto: share of the GPU's memory left free (fragmentation, evaluation, the unforeseen)."""
+    auto_micro_batch_margin: float = 0.05
+    """micro_batch_size=auto: share of the GPU's memory left free (fragmentation, evaluation, the unforeseen); every
+    size chosen has had its peak measured by a trial step, so this is not a hedge on a prediction."""
     auto_micro_batch_cpu: int = 8
     """micro_batch_size=auto on the CPU (no GPU memory to measure): the largest divisor of the per-rank batch up to
     this."""

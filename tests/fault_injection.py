@@ -69,7 +69,9 @@ class FakeProbe(MemoryProbe):
     phase at micro-batch b reads fixed + per_sample * b, and raises an out-of-memory error where
     that is over the capacity, as a GPU would. For fsdp.activation_checkpointing=auto,
     policy_per_sample_gib {policy: GiB} replaces per_sample_gib under that policy, and step_seconds
-    {policy: s} makes a timed step take s / b seconds at micro-batch b (default: 1 / b)."""
+    {policy: s} makes a timed step take s / b seconds at micro-batch b (default: 1 / b). name: the GPU's name
+    (default "fake", which the planner does not know; a known one, e.g. "NVIDIA H100 80GB HBM3", has the search
+    ordered by the estimate)."""
 
     def __init__(self, spec: dict, rank: int):
         def pick(value):
@@ -82,10 +84,11 @@ class FakeProbe(MemoryProbe):
         self.step_seconds = spec.get("step_seconds", {})
         self.table = {int(k): pick(v) for k, v in spec.get("table_gib", {}).items()}
         self.micro_batch, self.policy = 0, None
+        self.gpu_name = spec.get("name", "fake")
 
     @property
     def name(self) -> str:
-        return "fake"
+        return self.gpu_name
 
     def total(self) -> int:
         return int(self.capacity_bytes)

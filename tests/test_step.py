@@ -87,7 +87,7 @@ def test_benchmark_step_is_train_step(tmp_path, corpus, dataset_dir, world_of_on
     from benchmarks import benchmark
 
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.micro_batch_size=2", "--model.vocab_size=320")
-    args = argparse.Namespace(fused_projections=False, unfused_adamw=True, doc_len=0)
+    args = argparse.Namespace(fused_projections=False, unfused_adamw=True, doc_len=0, search_without_estimate=False)
     spy = Spy()
     monkeypatch.setattr(benchmark, "train_step", spy)
     step_fn, run = benchmark.build_ours(cfg, world_of_one, args, micro_batch=2, grad_accum=None)
@@ -123,7 +123,7 @@ def test_benchmark_trains_the_loops_objects(tmp_path, corpus, dataset_dir, world
     cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.max_steps=1", "--train.warmup_steps=1",
                    "--model.vocab_size=320")
     run = train_fsdp.set_up(cfg, world_of_one, stop=StopSignal([], grace_s=60)).built  # a fresh start
-    args = argparse.Namespace(fused_projections=False, unfused_adamw=False, doc_len=0)
+    args = argparse.Namespace(fused_projections=False, unfused_adamw=False, doc_len=0, search_without_estimate=False)
     _, ours = benchmark.build_ours(cfg, world_of_one, args, micro_batch=cfg.train.micro_batch_size, grad_accum=None)
 
     def structure(model):

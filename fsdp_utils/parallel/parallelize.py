@@ -155,6 +155,21 @@ class CheckpointPolicy:
         return cls(mode, int(every_n or 1))
 
 
+def auto_policies(every_n: int, *, roles_known: bool = True) -> list[CheckpointPolicy]:
+    """fsdp.activation_checkpointing=auto's candidates, in the order of what they recompute in backward: nothing,
+    the elementwise work and about half the matmuls, the gate matmul too, every block's whole forward (so at the
+    same micro-batch, each is slower than the one before, and is tried only for a micro-batch the ones before
+    could not fit). Where the blocks' matmul roles are not known, selective_op_wide (the elementwise work only)
+    and every every_n-th block's whole forward take the two op-level policies' place. Where they are known,
+    every n-th block's forward is no candidate: it keeps about what selective_op keeps and recomputes as much as
+    selective_op_lean, which keeps less, so it cannot win; one candidate fewer is one compile and its trials fewer.
+    Neither is selective_op_wide: it sits between none and selective_op."""
+    if roles_known:
+        return [CheckpointPolicy(name) for name in ("none", "selective_op", "selective_op_lean", "full")]
+    return [CheckpointPolicy("none"), CheckpointPolicy("selective_op_wide"),
+            CheckpointPolicy("selective", max(every_n, 2)), CheckpointPolicy("full")]
+
+
 class CheckpointSwitch:
     """The policy of blocks made switchable by `apply_switchable_checkpointing`, for fsdp.activation_checkpointing=auto:
     the micro-batch search (train/microbatch.py) sets each candidate in turn and leaves the chosen one. Compiled blocks

@@ -80,12 +80,13 @@ def build(cfg: Config, env: DistEnv, *, eos_id: int | None, fused_matmul: bool |
 
 
 def finish(cfg: Config, env: DistEnv, parts: Parts, model: nn.Module, *, vocab_size: int, model_signature: dict,
-           use_cache: bool = True, fused_adamw: bool = True) -> BuiltRun:
+           use_cache: bool = True, fused_adamw: bool = True, use_estimate: bool = True) -> BuiltRun:
     """The run of the wrapped `model`: its weights materialised, the optimizer (its hooks registered), the grad scaler,
     then the micro-batch (searched with the optimizer state still empty); ConfigError when the batch does not split.
     `use_cache`: take train.micro_batch_size=auto's choice from the output directory's cache (the benchmark measures
     afresh). `fused_adamw`: False for the multi-tensor AdamW, which fp16 always gets (the fused kernel does not
-    accept the sharded grad scaler's inf flag)."""
+    accept the sharded grad scaler's inf flag). `use_estimate`: False for the micro-batch search without the estimate's
+    order (the benchmark's comparison)."""
     t, fsdp, precision, converters = cfg.train, parts.fsdp, parts.precision, parts.converters
     if parts.init is not None:  # with CPU offload the sharded parameters live in host memory
         parts.init.init_sharded(model, torch.device("cpu") if fsdp.offload else env.device)
@@ -102,7 +103,8 @@ def finish(cfg: Config, env: DistEnv, parts: Parts, model: nn.Module, *, vocab_s
     key = cache_key(cfg, model_signature=model_signature, world_size=env.world_size,
                     gpu=probe.name if probe else "cpu", precision=precision.name)
     choice = resolve_micro_batch(cfg, env, model=model, optimizer=optimizer, fsdp=fsdp, vocab_size=vocab_size, key=key,
-                                 probe=probe, switch=parts.checkpoint_switch, use_cache=use_cache)
+                                 probe=probe, switch=parts.checkpoint_switch, use_cache=use_cache,
+                                 use_estimate=use_estimate)
     split = BatchSplit.from_config(cfg.train, env.world_size, choice.micro_batch_size)
     for converter in converters:
         converter.use_accumulation(model, split.grad_accum)
@@ -115,7 +117,8 @@ def finish(cfg: Config, env: DistEnv, parts: Parts, model: nn.Module, *, vocab_s
 
 
 def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: dict, eos_id: int | None,
-              use_cache: bool = True, fused_matmul: bool | None = None, fused_adamw: bool = True) -> BuiltRun:
+              use_cache: bool = True, fused_matmul: bool | None = None, fused_adamw: bool = True,
+              search_estimate: bool = True) -> BuiltRun:
     """The run of `cfg` on this rank: build, wrap and finish as train_fsdp.py's set_up calls them."""
     parts = build(cfg, env, eos_id=eos_id, fused_matmul=fused_matmul)
     model = parts.fsdp.wrap(parts.model, auto_wrap_policy=ModuleWrapPolicy(parts.units),
@@ -123,7 +126,7 @@ def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: di
                                                            reduce_dtype=parts.precision.reduce),
                             compile=cfg.train.compile, init=parts.init)
     return finish(cfg, env, parts, model, vocab_size=vocab_size, model_signature=model_signature, use_cache=use_cache,
-                  fused_adamw=fused_adamw)
+                  fused_adamw=fused_adamw, use_estimate=search_estimate)
 
 
 def describe_run(cfg: Config, env: DistEnv, run: BuiltRun, *, train_tokens: int, val_tokens: int) -> list[str]:

@@ -17,6 +17,7 @@ from ..evaluation.downstream import task_problems
 from ..observability.trackers import tracker_problems
 from ..parallel.float8 import float8_output_problems, float8_problems
 from ..parallel.hf import hf_problems
+from .planning.report import launch_line
 from .resume import resume_refusals
 from .run_data import data_problems
 
@@ -57,3 +58,17 @@ def resume_problems(resume_from: str | None, *, output_dir: Path) -> list[str]:
         except CheckpointError as err:
             return [f"--resume_from: {err}"]
     return []
+
+
+def estimate_line(cfg: Config, launch: Launch) -> str | None:
+    """--check's line of the estimate (fsdp_utils/train/planning/) for the config as launched: at the world size of the
+    launch, on this machine's GPU, or where it has none, on an H100 for a config meant for GPUs (run.device cuda, or a
+    micro-batch or checkpointing policy chosen in GPU memory: auto). None for a run on the CPU."""
+    gpu_here = torch.cuda.is_available()
+    meant_for_gpus = cfg.run.device == "cuda" or "auto" in (cfg.train.micro_batch_size,
+                                                            cfg.fsdp.activation_checkpointing)
+    if cfg.run.device == "cpu" or not (gpu_here or meant_for_gpus):
+        return None
+    name = torch.cuda.get_device_name(launch.local_rank % torch.cuda.device_count()) if gpu_here else None
+    nodes = max(1, launch.world_size // max(launch.local_world_size, 1))
+    return launch_line(cfg, gpus=launch.world_size, nodes=nodes, device_name=name)

@@ -19,17 +19,19 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from config import Config
+from config import Config, ConfigError
 from safe_io import nofollow
 from safe_io.journal import Journal
 from safe_io.nofollow import replace_file
 
 from ..distributed import DistEnv, broadcast_decision
 from ..parallel.fsdp import FSDPAdapter
-from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch
+from ..parallel.parallelize import CheckpointPolicy, CheckpointSwitch, auto_policies
 from .batch import divisors
 from .memory import GiB, MemoryProbe, gib, max_over_ranks
 from .oom_guard import OutOfMemory
+from .planning import Cluster, config_estimates, gpu_for_device
+from .planning.points import MEMORY_TOLERANCE
 from .step import train_step
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,26 @@ class MicroBatchChoice:
     tokens_per_s: dict[str, float] = dataclasses.field(default_factory=dict)  # "policy@micro-batch" -> tokens/s
     untried: list[str] = dataclasses.field(default_factory=list)  # policies left out after a slower pair
     cached_on: str | None = None  # how == "cache": the date of the cache entry
+    # With the estimate (_Ranking): the pair it put first, the pairs it skipped (predicted over the budget by more
+    # than its error), and in `untried` the pairs left out once none could beat the fastest measured.
+    estimated_first: str | None = None
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Predicted:
+    """The estimate (fsdp_utils/train/planning/) of a pair of policy and micro-batch: its reserved peak (GiB) and
+    tokens/s per GPU."""
+    gib: float
+    tokens_per_s: float
+
+
+# How far the estimate may be off, as the search allows for it. Memory: the largest error tests/test_plan.py allows
+# over every measured point (planning.points.MEMORY_TOLERANCE). Speed: the error of the ratio of two pairs' tokens/s
+# (the search compares pairs of one run, so an error common to both cancels): 10%, over 3/4 of the pairs the
+# records' searches timed (docs/planning.md).
+MEMORY_ERROR = MEMORY_TOLERANCE
+SPEED_ERROR = 0.10
 
 
 def climb(candidates: list[int], *, budget: float, resident: float, measure: Callable[[int], float],
@@ -179,21 +201,6 @@ def pair_name(policy: CheckpointPolicy | None, micro_batch: int) -> str:
     return f"{policy.name if policy else None}@{micro_batch}"
 
 
-def auto_policies(every_n: int, *, roles_known: bool = True) -> list[CheckpointPolicy]:
-    """fsdp.activation_checkpointing=auto's candidates, in the order of what they recompute in backward: nothing,
-    the elementwise work and about half the matmuls, the gate matmul too, every block's whole forward (so at the
-    same micro-batch, each is slower than the one before, and is tried only for a micro-batch the ones before
-    could not fit). Where the blocks' matmul roles are not known, selective_op_wide (the elementwise work only)
-    and every every_n-th block's whole forward take the two op-level policies' place. Where they are known,
-    every n-th block's forward is no candidate: it keeps about what selective_op keeps and recomputes as much as
-    selective_op_lean, which keeps less, so it cannot win; one candidate fewer is one compile and its trials fewer.
-    Neither is selective_op_wide: it sits between none and selective_op."""
-    if roles_known:
-        return [CheckpointPolicy(name) for name in ("none", "selective_op", "selective_op_lean", "full")]
-    return [CheckpointPolicy("none"), CheckpointPolicy("selective_op_wide"),
-            CheckpointPolicy("selective", max(every_n, 2)), CheckpointPolicy("full")]
-
-
 OP_LEVEL_ORDER = ("selective_op_wide", "selective_op", "selective_op_lean")  # each keeps what the next one does
 
 
@@ -274,14 +281,16 @@ class _Trials:
 def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, fsdp: FSDPAdapter, per_rank: int,
                        seq_len: int, vocab_size: int, grad_clip: float, margin: float, compile: bool, env: DistEnv,
                        probe: MemoryProbe, micro_batch: int | None = None,
-                       switch: CheckpointSwitch | None = None, every_n: int = 2) -> MicroBatchChoice:
+                       switch: CheckpointSwitch | None = None, every_n: int = 2,
+                       predicted: dict[str, Predicted] | None = None) -> MicroBatchChoice:
     """The largest divisor of `per_rank` whose training step fits in memory with `margin` to spare, the same on
     every rank. With a `switch` (fsdp.activation_checkpointing=auto) for each policy of auto_policies in turn,
     then the fitting pair of policy and micro-batch whose full step (the accumulation of the per-rank batch)
     trains the most tokens/s; the switch is left at the chosen policy. With a `micro_batch` set by hand (and a
     switch), the first policy that fits it: the trials climb to it through its divisors, so that, as in the
     auto search, no size runs before it is known or predicted to fit but the smallest. Leaves the weights
-    (the trials train at learning rate 0), the optimizer state and the RNGs as they were."""
+    (the trials train at learning rate 0), the optimizer state and the RNGs as they were. With `predicted` (the
+    estimate of every pair, by pair_name) and both autos, the pairs are measured in the estimate's order (_Ranking)."""
     candidates = divisors(micro_batch or per_rank)
     policies: list[CheckpointPolicy | None] = [None]
     if switch is not None:
@@ -317,6 +326,9 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, fs
     tried: dict[str, dict[int, float]] = {}
     speeds: dict[str, float] = {}
     untried: list[str] = []
+    ranked = predicted is not None and switch is not None and micro_batch is None \
+        and all(pair_name(p, c) in predicted for p in policies for c in candidates)
+    ranking: _Ranking | None = None
     try:
         # Every pair of policy and micro-batch tried keeps its compiled graphs until the run's own are compiled
         # (below): more than torch.compile keeps by default, past which it would run the blocks uncompiled.
@@ -327,13 +339,20 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, fs
                 probe.begin(candidates[0], trials.policy_name)
                 trials.step(candidates[0], min(2, per_rank // candidates[0]))  # allocates the optimizer state
                 resident = max_over_ranks(probe.allocated(), env)
-                fitting = _fitting_pairs(trials, policies, candidates, budget=budget, resident=resident,
-                                         tried=tried, speeds=speeds if micro_batch is None else None,
-                                         untried=untried)
+                if ranked:
+                    assert predicted is not None
+                    ranking = _Ranking(trials, [p for p in policies if p is not None], candidates, predicted,
+                                       budget=budget, resident=resident, tried=tried, speeds=speeds)
+                    fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]] = list(ranking.run())
+                else:
+                    fitting = _fitting_pairs(trials, policies, candidates, budget=budget, resident=resident,
+                                             tried=tried, speeds=speeds if micro_batch is None else None,
+                                             untried=untried)
             if micro_batch is not None:  # by hand: only the size set counts (the smaller ones led up to it)
                 fitting = [pair for pair in fitting if pair[1] == micro_batch]
-            if not fitting:
-                last = tried[next(reversed(tried))]
+            if not fitting:  # the last policy's trials (the one that keeps the least) say by how much
+                final = policies[-1].name if policies[-1] else ""
+                last = tried.get(final, tried[next(reversed(tried))])
                 raise nothing_fits(micro_batch or min(last), last)
             policy, best, measured = max(fitting, key=lambda pair: speeds.get(pair_name(pair[0], pair[1]), 0.0))
             trials.use(policy)
@@ -359,9 +378,13 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, fs
     optimizer.zero_grad(set_to_none=True)
     probe.begin(best, trials.policy_name)
     tried_gib = {name: {b: m / GiB for b, m in sorted(sizes.items())} for name, sizes in tried.items()}
+    if ranking is not None:
+        untried = ranking.untried
     return MicroBatchChoice(best, "search", {b: m / GiB for b, m in sorted(measured.items())}, capacity / GiB,
                             budget / GiB, time.perf_counter() - start, checkpointing=trials.policy_name,
-                            tried_gib=tried_gib if switch is not None else {}, tokens_per_s=speeds, untried=untried)
+                            tried_gib=tried_gib if switch is not None else {}, tokens_per_s=speeds, untried=untried,
+                            estimated_first=pair_name(*ranking.ranked[0]) if ranking and ranking.ranked else None,
+                            skipped=ranking.skipped if ranking else [])
 
 
 def _compile_the_runs_graphs(trials: _Trials, best: int, measured: dict[int, float], *, budget: float,
@@ -423,6 +446,131 @@ def _fitting_pairs(trials: _Trials, policies: list[CheckpointPolicy | None], can
                 untried.extend(str(later_policy.name if later_policy else None) for later_policy in later)
             break
     return fitting
+
+
+class _Ranking:
+    """The search with the estimate (docs/fsdp.md): the pairs of policy and micro-batch, fastest predicted first, less
+    those predicted over the budget by more than the estimate's error. Each in turn is measured, through the trials
+    that make it safe to run as the search without the estimate makes them (a size known to fit, or predicted to
+    fit by the policy's own measurements), and timed; a pair that one keeping at least as much fits at a micro-batch
+    at least as large cannot be faster, and is passed over. It stops at the first pair whose predicted tokens/s,
+    raised by the estimate's error, is below the prediction for the fastest pair measured."""
+
+    def __init__(self, trials: _Trials, policies: list[CheckpointPolicy], candidates: list[int],
+                 predicted: dict[str, Predicted], *, budget: float, resident: float, tried: dict[str, dict[int, float]],
+                 speeds: dict[str, float]):
+        self.trials, self.policies, self.candidates, self.predicted = trials, policies, candidates, predicted
+        self.budget, self.resident, self.tried, self.speeds = budget, resident, tried, speeds
+        pairs = [(policy, size) for policy in policies for size in candidates]
+        over = [pair for pair in pairs if self.guess(*pair).gib * GiB > budget * (1 + MEMORY_ERROR)]
+        if len(over) == len(pairs):  # predicted not to fit at all: the trials find out and say so
+            over = []
+        self.skipped = [pair_name(*pair) for pair in over]
+        # Fastest predicted first (a stable sort: ties in the policies' order, smaller micro-batches first).
+        self.ranked = sorted((pair for pair in pairs if pair not in over),
+                             key=lambda pair: -self.guess(*pair).tokens_per_s)
+        self.fitting: list[tuple[CheckpointPolicy, int]] = []
+        self.untried: list[str] = []
+
+    def guess(self, policy: CheckpointPolicy, size: int) -> Predicted:
+        return self.predicted[pair_name(policy, size)]
+
+    def own(self, policy: CheckpointPolicy) -> dict[int, float]:
+        return self.tried.setdefault(policy.name, {})
+
+    def fits(self, policy: CheckpointPolicy) -> list[int]:
+        return [size for size, peak in self.tried.get(policy.name, {}).items() if peak <= self.budget]
+
+    def passed_over(self, policy: CheckpointPolicy, size: int) -> bool:
+        """Whether a pair measured to fit keeps at least as much at a micro-batch at least as large (it recomputes no
+        more for more sequences a pass: at least as fast), or this policy's trials put `size` over the budget."""
+        if any(b <= size and peak > self.budget for b, peak in self.tried.get(policy.name, {}).items()):
+            return True
+        return any(keeps_at_least(kept, policy) and b >= size and (kept, b) != (policy, size)
+                   for kept in self.policies for b in self.fits(kept))
+
+    def run(self) -> list[tuple[CheckpointPolicy, int, dict[int, float]]]:
+        """(policy, micro-batch, the policy's measurements) of each pair measured to fit that was timed, or is not
+        passed over (the one pair found, where nothing competed with it)."""
+        for index, (policy, size) in enumerate(self.ranked):
+            best = self.best()
+            if best is not None and self.beaten(policy, size, best):
+                self.untried = [pair_name(*pair) for pair in self.ranked[index:] if not self.passed_over(*pair)]
+                break
+            if self.passed_over(policy, size) or not self.reach(policy, size):
+                continue
+            self.fitting.append((policy, size))
+            if self.speeds or len(self.fitting) > 1 or self.contested(index):
+                self.time_untimed()
+        fitting = [(p, b) for p, b in self.fitting if pair_name(p, b) in self.speeds or not self.passed_over(p, b)]
+        return [(p, b, self.own(p)) for p, b in fitting]
+
+    def beaten(self, policy: CheckpointPolicy, size: int, best: tuple[CheckpointPolicy, int]) -> bool:
+        return self.guess(policy, size).tokens_per_s * (1 + SPEED_ERROR) < self.guess(*best).tokens_per_s
+
+    def best(self) -> tuple[CheckpointPolicy, int] | None:
+        """The fastest pair measured (or the one pair that fits, untimed: nothing has competed with it)."""
+        if not self.fitting:
+            return None
+        return max(self.fitting, key=lambda pair: self.speeds.get(pair_name(*pair), 0.0))
+
+    def contested(self, index: int) -> bool:
+        """Whether a pair after the one at `index` may still be tried against it (so it must be timed)."""
+        found = self.ranked[index]
+        return any(not self.beaten(*pair, found) and not self.passed_over(*pair) for pair in self.ranked[index + 1:])
+
+    def time_untimed(self) -> None:
+        """Time the pairs found that are not yet, the last found first (right after its trial, which warmed it)."""
+        for policy, size in reversed(self.fitting):
+            if pair_name(policy, size) not in self.speeds and not self.passed_over(policy, size):
+                if policy is not self.trials.policy:
+                    self.trials.use(policy)
+                self.speeds[pair_name(policy, size)] = self.trials.tokens_per_s(size)
+
+    def reach(self, policy: CheckpointPolicy, size: int) -> bool:
+        """Measure (policy, size), through the trials that make it safe to run; whether it fits (False, unmeasured,
+        where the policy's own trials predict it over the budget)."""
+        own = self.own(policy)
+        while size not in own:
+            step = self.next_size(policy, size)
+            if step is None:
+                return False
+            if policy is not self.trials.policy:
+                self.trials.use(policy)
+            own[step] = self.trials.measure(step)
+        return own[size] <= self.budget
+
+    def next_size(self, policy: CheckpointPolicy, size: int) -> int | None:
+        """The next trial toward (policy, size): that size where it is known or predicted to fit; else the largest
+        smaller size that is, not yet measured (a step toward it); with nothing measured, the smallest candidate
+        (the first step ran it with the first policy, which keeps the most); None where the policy's own line puts
+        it over the budget, or where no step is left."""
+        own = self.own(policy)
+        if any(b < size and peak > self.budget for b, peak in own.items()):
+            return None
+        fits = self.fits(policy)
+        top = max(fits, default=0)
+        line = any(b < top and own[b] < own[top] for b in own)
+        # As in climb: from the first policy's fixed part, one measurement predicts at most twice its size.
+        fixed = self.resident if policy == self.policies[0] else max(
+            self.resident, _fixed_part(self.tried.get(self.policies[0].name, {}), self.budget))
+        safe = max((b for kept in self.policies if keeps_at_least(kept, policy) for b in self.fits(kept)), default=0)
+
+        def runs(c: int) -> bool:
+            if c <= safe:
+                return True
+            if not fits or (not line and fixed > self.resident and c > 2 * top):
+                return False
+            return _predicted_peak(c, top, own, resident=fixed) <= self.budget
+
+        if runs(size):
+            return size
+        if line:  # its own measurements put it over the budget
+            return None
+        steps = [c for c in self.candidates if c < size and c not in own and runs(c)]
+        if steps:
+            return max(steps)
+        return None if own else self.candidates[0]
 
 
 def cache_key(cfg: Config, *, model_signature: dict, world_size: int, gpu: str, precision: str) -> dict:
@@ -523,9 +671,12 @@ def cpu_micro_batch(per_rank: int, limit: int) -> int:
 
 def resolve_micro_batch(cfg: Config, env: DistEnv, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                         fsdp: FSDPAdapter, vocab_size: int, key: dict, probe: MemoryProbe | None,
-                        switch: CheckpointSwitch | None = None, use_cache: bool = True) -> MicroBatchChoice:
+                        switch: CheckpointSwitch | None = None, use_cache: bool = True,
+                        use_estimate: bool = True) -> MicroBatchChoice:
     """train.micro_batch_size as configured, or for auto: the CPU fallback, the cached choice (`use_cache`), or a
-    search; with fsdp.activation_checkpointing=auto (`switch`) the policy too, left set in the switch.
+    search; with fsdp.activation_checkpointing=auto (`switch`) the policy too, left set in the switch. With both
+    autos the search measures in the order of the estimate (`use_estimate`; benchmarks/benchmark.py
+    --search_without_estimate turns it off) where the planner knows the GPU and the config.
     `describe_choice` says how it was chosen."""
     t = cfg.train
     configured = t.micro_batch_size if isinstance(t.micro_batch_size, int) else None  # None: auto
@@ -554,10 +705,36 @@ def resolve_micro_batch(cfg: Config, env: DistEnv, *, model: nn.Module, optimize
                                                                       auto_checkpointing=switch is not None),
              probe.name, f"the largest micro-batch of {sizes} that fits" if switch is None else
              f"the fastest pair of activation checkpointing policy and micro-batch (of {sizes}) that fits")
+    predicted = None
+    if use_estimate and auto_size and switch is not None:  # rank 0's, so that every rank searches in one order
+        policies = auto_policies(cfg.fsdp.ac_every_n_layers, roles_known=switch.roles_known)
+        predicted = broadcast_decision(env, search_estimate(cfg, env, gpu=probe.name, vocab_size=vocab_size,
+                                                            policies=policies) if env.is_main else None)
     return search_micro_batch(model, optimizer, fsdp=fsdp, per_rank=per_rank, seq_len=cfg.data.seq_len,
                               vocab_size=vocab_size, grad_clip=t.grad_clip, margin=t.auto_micro_batch_margin,
                               compile=t.compile, env=env, probe=probe, micro_batch=configured, switch=switch,
-                              every_n=cfg.fsdp.ac_every_n_layers)
+                              every_n=cfg.fsdp.ac_every_n_layers, predicted=predicted)
+
+
+def search_estimate(cfg: Config, env: DistEnv, *, gpu: str, vocab_size: int,
+                    policies: list[CheckpointPolicy]) -> dict[str, Predicted] | None:
+    """The estimate of each pair of the search (by pair_name) on this run's GPUs, or None (logged) where the
+    planner does not know the GPU or cannot plan the config (docs/planning.md)."""
+    spec = gpu_for_device(gpu)
+    problems = [f"it does not know the {gpu}"] if spec is None else []
+    estimates = {}
+    if spec is not None:
+        try:
+            estimates = config_estimates(cfg, Cluster(spec, env.world_size, env.world_size // env.local_world_size),
+                                         policies=[p.name for p in policies], vocab_size=vocab_size)
+        except ConfigError as err:
+            problems = err.problems
+    if problems:
+        if env.is_main:
+            log.info("the estimate does not order the search: %s", problems[0])
+        return None
+    return {f"{policy}@{size}": Predicted(e.memory.reserved, e.speed.tokens_per_s)
+            for (policy, size), e in estimates.items()}
 
 
 def describe_choice(choice: MicroBatchChoice, cfg: Config, *, world_size: int) -> list[str]:
@@ -584,21 +761,43 @@ def describe_choice(choice: MicroBatchChoice, cfg: Config, *, world_size: int) -
                 f"{choice.cached_on}: {format_measured(choice.measured_gib)}, budget {choice.budget_gib:.2f} GiB); "
                 "no search"]
     if auto_checkpointing:
-        tried = "; ".join(f"{name}: {format_measured(sizes)}" for name, sizes in choice.tried_gib.items())
-        timed = ", ".join(f"{pair} {speed:,.0f} tokens/s per rank" for pair, speed in choice.tokens_per_s.items())
-        why = (f"timed {timed}: the most tokens/s is {choice.checkpointing}@{choice.micro_batch_size}" if timed else
-               f"{choice.checkpointing} recomputes the least of the policies that fit micro-batch "
-               f"{choice.micro_batch_size}" + (", and none fits a larger one" if auto_size else ""))
-        if choice.untried:
-            why += (f"; not tried: {', '.join(choice.untried)} (more recompute for a larger micro-batch, after the "
-                    "last larger one was slower)")
-        lines.append(f"fsdp.activation_checkpointing=auto: tried {tried}; {why}")
+        lines.append(f"fsdp.activation_checkpointing=auto: {_why(choice, auto_size=auto_size)}")
+    trials = sum(len(sizes) for sizes in choice.tried_gib.values()) or len(choice.measured_gib)
+    timed = f", {len(choice.tokens_per_s)} timed" if choice.tokens_per_s else ""
     lines.append(f"{what}: micro-batch {choice.micro_batch_size} (gradient accumulation "
                  f"{per_rank // choice.micro_batch_size} on {world_size} ranks){policy}; peak memory of the trial "
                  f"steps (reserved, max over ranks) {format_measured(choice.measured_gib)}, against a budget of "
                  f"{choice.budget_gib:.2f} GiB ({choice.capacity_gib:.2f} GiB usable, margin "
-                 f"{t.auto_micro_batch_margin:g}); {choice.seconds:.0f} s")
+                 f"{t.auto_micro_batch_margin:g}); search: {trials} memory trials{timed}, {choice.seconds:.0f} s")
     return lines
+
+
+def _why(choice: MicroBatchChoice, *, auto_size: bool) -> str:
+    """What the pairs tried measured and why the search chose as it did."""
+    tried = "; ".join(f"{name}: {format_measured(sizes)}" for name, sizes in choice.tried_gib.items())
+    timed = ", ".join(f"{pair} {speed:,.0f} tokens/s per rank" for pair, speed in choice.tokens_per_s.items())
+    chosen = f"{choice.checkpointing}@{choice.micro_batch_size}"
+    ranked = choice.estimated_first is not None
+    if timed:
+        why = f"timed {timed}: the most tokens/s is {chosen}"
+    elif ranked:
+        why = f"{chosen} fits, and no pair predicted to fit could be faster"
+    else:
+        why = (f"{choice.checkpointing} recomputes the least of the policies that fit micro-batch "
+               f"{choice.micro_batch_size}" + (", and none fits a larger one" if auto_size else ""))
+    if ranked:
+        order = f"the estimate put {choice.estimated_first} first"
+        if choice.skipped:
+            order += (f" and skipped {', '.join(choice.skipped)} (predicted over the budget by more than "
+                      f"{100 * MEMORY_ERROR:.0f}%)")
+        why = f"{order}; {why}"
+    if choice.untried and ranked:
+        why += (f"; left out: {', '.join(choice.untried)} (predicted slower than the fastest measured by more than "
+                f"the estimate's {100 * SPEED_ERROR:.0f}% error)")
+    elif choice.untried:
+        why += (f"; not tried: {', '.join(choice.untried)} (more recompute for a larger micro-batch, after the last "
+                "larger one was slower)")
+    return f"tried {tried}; {why}"
 
 
 def format_measured(measured_gib: dict[int, float]) -> str:

@@ -9,16 +9,29 @@ our records (docs/planning.md). No GPU, no model built.
 One plan alone: estimate(model_shape(cfg), cluster, plan_from(cfg, gpus=2, micro_batch=8, checkpointing="none"),
 settings_from(cfg)). The pieces: hardware.py (GPUs, links), shape.py (the model's sizes), plan.py (cluster, plan,
 settings), memory.py and speed.py (the two models), calibration.py (their constants), planner.py (the candidates),
-points.py (our measured points), report.py (what scripts/plan.py prints)."""
+points.py (our measured points), report.py (what scripts/plan.py prints). In a run: train_fsdp.py --check and the
+start-up log print launch_line; the micro-batch search measures its pairs in the order of config_estimates."""
 from .calibration import CALIBRATION, KNOWN_MISSES, VALUES, Constant
 from .hardware import GPUS, GPUSpec, gpu_for_device, gpu_spec
 from .memory import Memory, estimate_memory
 from .plan import Cluster, Plan, Settings, plan_from, settings_from
-from .planner import Estimate, Planning, budget_gib, candidate_plans, estimate, plan_cluster, plan_problems
+from .planner import (
+    Estimate,
+    Planning,
+    budget_gib,
+    candidate_plans,
+    config_estimates,
+    config_plans,
+    estimate,
+    launch_estimate,
+    plan_cluster,
+    plan_problems,
+)
 from .points import MeasuredPoint, Prediction, load_points, predict, skipped_runs
 from .report import (
     calibration_summary,
     describe_cluster,
+    launch_line,
     markdown_table,
     one_line,
     plan_table,
@@ -29,7 +42,8 @@ from .speed import Speed, estimate_speed
 
 __all__ = ["CALIBRATION", "GPUS", "KNOWN_MISSES", "VALUES", "Cluster", "Constant", "Estimate", "GPUSpec",
            "MeasuredPoint", "Memory", "ModelShape", "Plan", "Planning", "Prediction", "Settings", "Speed",
-           "budget_gib", "calibration_summary", "candidate_plans", "describe_cluster", "estimate", "estimate_memory",
-           "estimate_speed", "gpu_for_device", "gpu_spec", "load_points", "markdown_table", "model_shape",
-           "one_line", "plan_cluster", "plan_from", "plan_problems", "plan_table", "predict", "prediction_table",
-           "settings_from", "skipped_runs"]
+           "budget_gib", "calibration_summary", "candidate_plans", "config_estimates", "config_plans",
+           "describe_cluster", "estimate", "estimate_memory", "estimate_speed", "gpu_for_device", "gpu_spec",
+           "launch_estimate", "launch_line", "load_points", "markdown_table", "model_shape", "one_line",
+           "plan_cluster", "plan_from", "plan_problems", "plan_table", "predict", "prediction_table", "settings_from",
+           "skipped_runs"]

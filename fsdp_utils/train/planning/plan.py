@@ -81,7 +81,7 @@ class Settings:
     reduce_bytes: int = 4
     """Bytes of a reduced gradient element: 4 with fsdp.reduce_dtype fp32, 2 in the compute dtype."""
     grad_sync: str = "auto"
-    margin: float = 0.1
+    margin: float = dataclasses.field(default_factory=lambda: Config().train.auto_micro_batch_margin)
     """train.auto_micro_batch_margin: the share of the GPU's memory a plan must leave free to fit."""
     flex_without_boundaries: bool = False
     """FlexAttention on windows without a document boundary (what document masking ran on random tokens before it

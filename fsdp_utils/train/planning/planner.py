@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 from config import Config, ConfigError, check_batch_split
 
-from ...parallel.parallelize import CheckpointPolicy
+from ...parallel.parallelize import CheckpointPolicy, auto_policies
 from ..batch import divisors
-from ..microbatch import auto_policies
 from .calibration import VALUES
 from .memory import Memory, estimate_memory
 from .plan import Cluster, Plan, Settings, settings_from
@@ -85,12 +84,56 @@ def candidate_plans(cfg: Config, cluster: Cluster) -> list[Plan]:
     f = cfg.fsdp
     policies = [p.name for p in auto_policies(f.ac_every_n_layers)]
     if f.activation_checkpointing != "auto":
-        own = CheckpointPolicy(f.activation_checkpointing, f.ac_every_n_layers
-                               if f.activation_checkpointing == "selective" else 1).name
+        own = _own_policy(cfg)
         policies += [own] if own not in policies else []
     per_gpu = cfg.train.global_batch_size // cluster.gpus
     return [Plan(policy, micro, per_gpu // micro, sharding, group, f.version)
             for sharding, group in sharding_options(cfg, cluster) for policy in policies for micro in divisors(per_gpu)]
+
+
+def config_plans(cfg: Config, cluster: Cluster, *, policies: list[str] | None = None) -> list[Plan]:
+    """The plans `cfg` runs on `cluster` as configured: its sharding, its checkpointing policy (with auto, each of
+    `policies`, by default the search's), its micro-batch (with auto, each divisor of the per-GPU batch). ConfigError
+    (config.check_batch_split's) where a micro-batch set by hand does not split the batch."""
+    t, f = cfg.train, cfg.fsdp
+    if f.activation_checkpointing != "auto":
+        policies = [_own_policy(cfg)]
+    elif policies is None:
+        policies = [p.name for p in auto_policies(f.ac_every_n_layers)]
+    per_gpu = t.global_batch_size // cluster.gpus
+    sizes = divisors(per_gpu) if t.micro_batch_size == "auto" else [int(t.micro_batch_size)]
+    splits = {micro: check_batch_split(t, cluster.gpus, micro_batch=micro) for micro in sizes}
+    return [Plan(policy, micro, accumulation or 1, f.sharding_strategy, f.hybrid_shard_group_size, f.version)
+            for policy in policies for micro, accumulation in splits.items()]
+
+
+def _own_policy(cfg: Config) -> str:
+    """The config's checkpointing policy (not auto) as a plan names it (selective carries its n)."""
+    f = cfg.fsdp
+    return CheckpointPolicy(f.activation_checkpointing,
+                            f.ac_every_n_layers if f.activation_checkpointing == "selective" else 1).name
+
+
+def config_estimates(cfg: Config, cluster: Cluster, *, policies: list[str] | None = None,
+                     vocab_size: int | None = None) -> dict[tuple[str, int], Estimate]:
+    """config_plans' plans (with auto, the micro-batch search's pairs of `policies` and micro-batches), each
+    estimated, by (policy, micro-batch). ConfigError with plan_problems' lines when the planner cannot plan cfg."""
+    problems = plan_problems(cfg, cluster)
+    if problems:
+        raise ConfigError(problems)
+    shape, settings = model_shape(cfg, vocab_size), settings_from(cfg)
+    return {(plan.checkpointing, plan.micro_batch): estimate(shape, cluster, plan, settings)
+            for plan in config_plans(cfg, cluster, policies=policies)}
+
+
+def launch_estimate(cfg: Config, cluster: Cluster, *, vocab_size: int | None = None) -> Estimate:
+    """The estimate of the plan `cfg` runs on `cluster`; where it says auto, the fastest of the search's candidates
+    that fits, or where none fits, the one of least memory. ConfigError as config_estimates'."""
+    estimates = list(config_estimates(cfg, cluster, vocab_size=vocab_size).values())
+    fitting = [e for e in estimates if e.fits]
+    if fitting:
+        return max(fitting, key=lambda e: e.speed.tokens_per_s)
+    return min(estimates, key=lambda e: e.memory.reserved)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,16 @@
 """What scripts/plan.py prints: the candidate plans of one cluster as a table with the memory breakdown, and the
-fastest plan of several clusters as a markdown table (docs/planning.md's tables are this output)."""
+fastest plan of several clusters as a markdown table (docs/planning.md's tables are this output); and the one line of
+the estimate that train_fsdp.py --check prints and a run logs."""
 from __future__ import annotations
 
+from config import Config, ConfigError
+
 from .calibration import KNOWN_MISSES
-from .plan import Cluster
-from .planner import Estimate, Planning, budget_gib
+from .hardware import GPUS, gpu_for_device, gpu_spec
+from .plan import Cluster, plan_from, settings_from
+from .planner import Estimate, Planning, budget_gib, estimate, launch_estimate, plan_problems
 from .points import MEMORY_TOLERANCE, SPEED_TOLERANCE, Prediction
+from .shape import model_shape
 
 _BREAKDOWN = ("params", "grads", "optimizer", "activations", "loss", "fp8", "buffers", "headroom")
 _HEADS = ("params", "grads", "optim", "activ", "loss", "fp8", "buffers", "headroom")
@@ -103,3 +108,39 @@ def one_line(e: Estimate, cluster: Cluster) -> str:
     return (f"predicted for {e.plan.label} on {cluster.gpus} x {cluster.gpu.name}: {e.memory.reserved:.1f} GiB "
             f"reserved per GPU, {verdict} the budget of {e.budget_gib:.1f} GiB; {e.speed.tokens_per_s:,.0f} tokens/s "
             f"per GPU ({100 * e.speed.mfu:.0f}% MFU)")
+
+
+ASSUMED_GPU = "h100"  # the GPU of --check's line where the machine it runs on has none
+
+
+def launch_line(cfg: Config, *, gpus: int, device_name: str | None, nodes: int = 1, vocab_size: int | None = None,
+                micro_batch: int | None = None, checkpointing: str | None = None) -> str:
+    """The estimate for `cfg` on `gpus` GPUs of `device_name` (torch.cuda's name; None: no GPU here, an H100 assumed),
+    in one line: train_fsdp.py --check prints it for the config as launched (where it says auto, the estimate's
+    fastest plan that fits), and a run logs it for the plan it chose (`micro_batch`, `checkpointing`), beside what it
+    then measures."""
+    assumed = device_name is None
+    gpu = gpu_spec(ASSUMED_GPU) if device_name is None else gpu_for_device(device_name)
+    if gpu is None:
+        return f"estimate: none for the {device_name} (the planner knows {', '.join(GPUS)}: docs/planning.md)"
+    cluster = Cluster(gpu, gpus, nodes)
+    auto = [name for name, value in (("train.micro_batch_size", cfg.train.micro_batch_size),
+                                     ("fsdp.activation_checkpointing", cfg.fsdp.activation_checkpointing))
+            if value == "auto"]
+    try:
+        if micro_batch is None and auto:
+            e = launch_estimate(cfg, cluster, vocab_size=vocab_size)
+        else:
+            if problems := plan_problems(cfg, cluster):
+                raise ConfigError(problems)
+            plan = plan_from(cfg, gpus=gpus, micro_batch=micro_batch, checkpointing=checkpointing)
+            e = estimate(model_shape(cfg, vocab_size), cluster, plan, settings_from(cfg))
+    except ConfigError as err:
+        return f"estimate: none ({err.problems[0]})"
+    notes = []
+    if micro_batch is None and auto:
+        notes.append(f"{' and '.join(auto)}=auto: " + ("the fastest plan predicted to fit" if e.fits else
+                                                        "no plan is predicted to fit; the one of least memory"))
+    if assumed:
+        notes.append(f"no GPU here: for the {gpu.name}")
+    return f"estimate: {one_line(e, cluster)}" + "".join(f"; {note}" for note in notes)
