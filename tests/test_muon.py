@@ -447,7 +447,8 @@ def test_build_optimizer_gives_muon_the_block_matrices_and_adamw_the_rest_with_o
     assert groups == [(True, 0.1, muon),
                       (False, 0.1, sorted(names[id(p)] for p in decay if names[id(p)] not in muon)),
                       (False, 0.0, sorted(names[id(p)] for p in no_decay))]
-    assert groups[1][2] == ["output.weight", "tok_embeddings.weight"] and all(n.endswith("norm.weight") for n in groups[2][2])
+    assert groups[1][2] == ["output.weight", "tok_embeddings.weight"]
+    assert all(n.endswith("norm.weight") for n in groups[2][2])
     assert optimizer.param_groups[0]["momentum"] == 0.9 and optimizer.param_groups[0]["ns_steps"] == 4
     adamw = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=False)
     assert [sorted(names[id(p)] for p in g["params"]) for g in adamw.param_groups] == [
@@ -495,3 +496,31 @@ def test_muon_trains_the_tiny_config_alike_on_one_two_and_three_ranks(tmp_path, 
     for nproc in (2, 3):
         for step, loss in got[1].items():
             assert math.isclose(got[nproc][step], loss, rel_tol=2e-6), (nproc, step, got[nproc][step], loss)
+
+
+@pytest.mark.slow  # launches the benchmark at 2 ranks
+def test_the_benchmark_times_the_optimizer_step_and_weighs_its_state_for_adamw_and_muon(tmp_path):
+    import json
+
+    from model import ModelConfig, Transformer
+    from tests.helpers import ROOT, job_env, run_job
+
+    dims = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    argv = [str(ROOT / "benchmarks/benchmark.py"), str(ROOT / "config/train_tiny_fsdp.yaml"), "--muon", "--steps=3",
+            "--warmup=1", f"--json={tmp_path / 'bench.jsonl'}", "--run.device=cpu", "--fsdp.version=2",
+            *(f"--model.{k}={v}" for k, v in dims.items()), "--data.seq_len=32", "--data.vocab_size=320",
+            "--train.micro_batch_size=2", "--train.global_batch_size=4"]
+    proc = run_job(argv, nproc=2, env=job_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("run "))
+    assert "optim ms" in header and "optim GiB" in header
+    rows = {r["name"]: r for r in json.loads((tmp_path / "bench.jsonl").read_text())["rows"]}
+    assert set(rows) == {"ours", "ours_muon"}
+    for r in rows.values():
+        assert 0 < r["optim_step_s"] < r["step_s"]
+    # Muon keeps one buffer per block matrix where AdamW keeps two moments; both keep two for the rest.
+    model = Transformer(ModelConfig(vocab_size=320, tie_embeddings=True, **dims))  # as the tiny config
+    matrices = sum(p.numel() for p in split_parameters(model, model.layers).matrices)
+    share = matrices / sum(p.numel() for p in model.parameters())
+    ratio = rows["ours_muon"]["optim_state_gib"] / rows["ours"]["optim_state_gib"]
+    assert ratio == pytest.approx(1 - share / 2, rel=0.03), (ratio, share)
