@@ -39,3 +39,17 @@ def test_the_target_is_the_first_optimizers_best_and_the_ratio_its_tokens():
 def test_the_overrides_after_the_separator_go_to_every_run():
     args, overrides = parse_args(["c.yaml", "--lrs", "1e-3,2e-3", "--out", "o", "--", "--train.max_steps=5"])
     assert (args.lr_list, args.seed_list, overrides) == ([1e-3, 2e-3], [1, 2], ["--train.max_steps=5"])
+
+
+def test_runs_of_several_ranks_go_under_torchrun_each_on_gpus_of_its_own():
+    from benchmarks.tokens_to_loss import gpu_slots, launcher
+
+    args, _ = parse_args(["c.yaml", "--out", "o", "--nproc_per_node", "2", "--concurrent", "3"])
+    assert (args.nproc_per_node, args.concurrent) == (2, 3)
+    assert launcher(1)[1:] == [] and launcher(2)[1:] == ["-m", "torch.distributed.run", "--standalone",
+                                                         "--nproc_per_node=2"]
+    assert gpu_slots(3, 2, 8) == ["0,1", "2,3", "4,5"]
+    assert gpu_slots(4, 1, 4) == ["0", "1", "2", "3"]
+    assert gpu_slots(3, 2, 4) == [None, None, None]  # too few GPUs: every run sees them all (or the CPU)
+    with pytest.raises(SystemExit):
+        parse_args(["c.yaml", "--out", "o", "--nproc_per_node", "0"])
