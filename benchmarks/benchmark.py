@@ -22,7 +22,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -388,7 +388,8 @@ def peak_memory_gib(env: DistEnv) -> float:
 
 
 def summarise(name: str, times: list[float], peak_mem_gib: float, split: tuple[int, int], cfg: Config,
-              peak_flops: float | None, *, optim_times: list[float], optim_state_bytes: float | None) -> dict:
+              peak_flops: float | None, *, optim_times: Sequence[float] = (),
+              optim_state_bytes: float | None = None) -> dict:
     """One run's row; the optimizer's figures are None for the reference, which is not timed inside its step."""
     step_s = statistics.median(times)
     micro_batch, grad_accum = split
