@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,6 +55,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seeds", default="1,2", help="run.seed values")
     parser.add_argument("--concurrent", type=int, default=1, help="runs at a time")
     parser.add_argument("--out", required=True, help="a folder for the runs and the summary")
+    parser.add_argument("--keep_checkpoints", action="store_true", help="keep each run's checkpoints (default: "
+                        "deleted once the run ends; a 300M run's last checkpoint is several GB)")
     args = parser.parse_args(own)
     try:
         args.lr_list = [float(v) for v in args.lrs.split(",")]
@@ -66,16 +69,21 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides
 
 
-def train(run: Run, config: str, overrides: list[str], out: Path) -> tuple[Run, int, float]:
-    """One run of train_fsdp.py: (the run, its exit status, its seconds); its output in out/<name>/train.log."""
+def train(run: Run, config: str, overrides: list[str], out: Path, *, keep_checkpoints: bool) -> tuple[Run, int, float]:
+    """One run of train_fsdp.py: (the run, its exit status, its seconds); its output in out/<name>/train.log. The
+    folder is made here, new (an existing one is an error): all in it is the run's, so its checkpoints, which a sweep
+    does not need, can go once it ends (`keep_checkpoints` False), leaving the metrics and the config."""
     folder = out / run.name
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True)
     cmd = [sys.executable, str(TRAIN), config, *overrides, f"--train.optimizer={run.optimizer}",
            f"--train.lr={run.lr}", f"--run.seed={run.seed}", f"--run.output_dir={folder / 'run'}",
            "--logging.trackers=[]"]
     start = time.perf_counter()
     with (folder / "train.log").open("w") as log:
         status = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if not keep_checkpoints:
+        for entry in (folder / "run").glob("fsdp_*cpt*"):  # in a folder this run made: its own checkpoints
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     return run, status, time.perf_counter() - start
 
 
@@ -176,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = [Run(o, lr, s) for o in args.optimizer_list for lr in args.lr_list for s in args.seed_list]
     failed = []
     with ThreadPoolExecutor(max_workers=args.concurrent) as pool:
-        for run, status, seconds in pool.map(lambda r: train(r, args.config, overrides, out), runs):
+        for run, status, seconds in pool.map(lambda r: train(r, args.config, overrides, out,
+                                                             keep_checkpoints=args.keep_checkpoints), runs):
             print(f"{run.name}: exit {status} in {seconds:.0f} s", flush=True)
             if status != 0:
                 failed.append(run.name)
