@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from fsdp_utils.checkpoint.names import sidecar_of, step_in_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train_fsdp.py"
@@ -58,6 +61,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--concurrent", type=int, default=1, help="runs at a time")
     parser.add_argument("--nproc_per_node", type=int, default=1, help="ranks of each run (torchrun when above 1)")
     parser.add_argument("--out", required=True, help="a folder for the runs and the summary")
+    parser.add_argument("--keep_checkpoints", action="store_true", help="keep each run's checkpoints (default: "
+                        "deleted once the run ends; a 300M run's last checkpoint is several GB)")
     args = parser.parse_args(own)
     try:
         args.lr_list = [float(v) for v in args.lrs.split(",")]
@@ -85,12 +90,14 @@ def gpu_slots(concurrent: int, nproc: int, num_gpus: int) -> list[str | None]:
     return [",".join(str(slot * nproc + i) for i in range(nproc)) for slot in range(concurrent)]
 
 
-def train(run: Run, config: str, overrides: list[str], out: Path, *, nproc: int = 1,
+def train(run: Run, config: str, overrides: list[str], out: Path, *, keep_checkpoints: bool, nproc: int = 1,
           slots: queue.Queue | None = None) -> tuple[Run, int, float]:
-    """One run of train_fsdp.py: (the run, its exit status, its seconds); its output in out/<name>/train.log. With
-    `slots`, it takes a slot's GPUs for its duration."""
+    """One run of train_fsdp.py: (the run, its exit status, its seconds); its output in out/<name>/train.log. The
+    folder is made here, new (an existing one is an error): all in it is the run's, so its checkpoints, which a sweep
+    does not need, can go once it ends (`keep_checkpoints` False), leaving the metrics and the config. With `slots`,
+    it takes a slot's GPUs for its duration."""
     folder = out / run.name
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True)
     cmd = [*launcher(nproc), str(TRAIN), config, *overrides, f"--train.optimizer={run.optimizer}",
            f"--train.lr={run.lr}", f"--run.seed={run.seed}", f"--run.output_dir={folder / 'run'}",
            "--logging.trackers=[]"]
@@ -103,7 +110,21 @@ def train(run: Run, config: str, overrides: list[str], out: Path, *, nproc: int 
     finally:
         if slots is not None:
             slots.put(devices)
+    if not keep_checkpoints:
+        delete_checkpoints(folder / "run")
     return run, status, time.perf_counter() - start
+
+
+def delete_checkpoints(run_dir: Path) -> None:
+    """Delete the checkpoints (and the full ones' checksum sidecars) in a run folder this script made."""
+    for entry in list(run_dir.iterdir()) if run_dir.is_dir() else []:
+        if step_in_name(entry) is None:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+            sidecar_of(entry).unlink(missing_ok=True)
 
 
 def read_run(folder: Path) -> dict:
@@ -213,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         slots.put(devices)
     with ThreadPoolExecutor(max_workers=args.concurrent) as pool:
         for run, status, seconds in pool.map(
-                lambda r: train(r, args.config, overrides, out, nproc=args.nproc_per_node, slots=slots), runs):
+                lambda r: train(r, args.config, overrides, out, keep_checkpoints=args.keep_checkpoints,
+                                nproc=args.nproc_per_node, slots=slots), runs):
             print(f"{run.name}: exit {status} in {seconds:.0f} s", flush=True)
             if status != 0:
                 failed.append(run.name)

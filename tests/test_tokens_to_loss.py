@@ -53,3 +53,26 @@ def test_runs_of_several_ranks_go_under_torchrun_each_on_gpus_of_its_own():
     assert gpu_slots(3, 2, 4) == [None, None, None]  # too few GPUs: every run sees them all (or the CPU)
     with pytest.raises(SystemExit):
         parse_args(["c.yaml", "--out", "o", "--nproc_per_node", "0"])
+
+
+def test_a_run_gets_a_new_folder_and_its_checkpoints_go_unless_kept(tmp_path, monkeypatch):
+    import subprocess
+
+    from benchmarks import tokens_to_loss
+
+    def fake_train(cmd, **kwargs):  # what train_fsdp.py leaves: metrics, a config, a full and a sharded checkpoint
+        run = next(a.split("=", 1)[1] for a in cmd if a.startswith("--run.output_dir="))
+        (tokens_to_loss.Path(run) / "fsdp_sharded_cpt5").mkdir(parents=True)
+        for name in ("metrics.jsonl", "config.yaml", "fsdp_cpt5.pth", ".fsdp_cpt5.pth.json"):
+            (tokens_to_loss.Path(run) / name).write_text("x")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(tokens_to_loss.subprocess, "run", fake_train)
+    _, status, _ = tokens_to_loss.train(Run("muon", 1e-3, 1), "c.yaml", [], tmp_path, keep_checkpoints=False)
+    kept = Run("muon", 1e-3, 2)
+    tokens_to_loss.train(kept, "c.yaml", [], tmp_path, keep_checkpoints=True)
+    left = sorted(p.name for p in (tmp_path / Run("muon", 1e-3, 1).name / "run").iterdir())
+    assert status == 0 and left == ["config.yaml", "metrics.jsonl"]
+    assert len(list((tmp_path / kept.name / "run").iterdir())) == 5
+    with pytest.raises(FileExistsError):  # a folder of an earlier sweep is never trained into
+        tokens_to_loss.train(kept, "c.yaml", [], tmp_path, keep_checkpoints=True)
