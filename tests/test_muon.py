@@ -524,3 +524,14 @@ def test_the_benchmark_times_the_optimizer_step_and_weighs_its_state_for_adamw_a
     share = matrices / sum(p.numel() for p in model.parameters())
     ratio = rows["ours_muon"]["optim_state_gib"] / rows["ours"]["optim_state_gib"]
     assert ratio == pytest.approx(1 - share / 2, rel=0.03), (ratio, share)
+
+
+def test_bench_muon_counts_the_configs_matrices_and_times_each_way(capsys):
+    from benchmarks.bench_muon import main
+
+    assert main(["config/train_tiny_fsdp.yaml", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # 4 blocks of wqkv (q, k, v), wo, w13 (gate, up) and w2: 16 parameters holding 28 matrices
+    assert lines[0].startswith("config/train_tiny_fsdp.yaml: 16 parameters, 28 matrices")
+    assert [line.split()[:2] for line in lines[1:]] == [[dtype, way] for dtype in ("bfloat16", "float32")
+                                                        for way in ("by_shape", "per_parameter", "per_matrix")]
