@@ -226,7 +226,8 @@ def set_up(cfg: Config, env: DistEnv, *, stop: StopSignal, resume_from: str | No
 
     # ---- the checkpoint manager and the resume (after the micro-batch search: its trials need no optimizer state)
     ckpt = CheckpointManager(cfg.checkpoint, cfg.output_dir, env=env, model_config=signature,
-                             contents=Contents(built.model, built.optimizer, fsdp=built.fsdp, grad_scaler=built.scaler),
+                             contents=Contents(built.model, built.optimizer, TrainState(optimizer=cfg.train.optimizer),
+                                               fsdp=built.fsdp, grad_scaler=built.scaler, spike_skipper=built.skipper),
                              timeout_s=cfg.run.timeout_s, tokenizer_sha256=tokenizer_sha256(prepared.tokenizer_path),
                              lora=lora_record(cfg, signature, base_dtype=built.precision.compute))
     # The run's length is decided here (train.epochs counted on the data, or kept from the checkpoint): from here on
@@ -276,7 +277,8 @@ def train(run: Run, stop: StopSignal) -> dict:
         return guarded(lambda: train_step(run.model, run.optimizer, batches, fsdp=run.built.fsdp,
                                           grad_accum=batches.split.grad_accum, grad_clip=t.grad_clip,
                                           world_size=env.world_size, scaler=run.built.scaler,
-                                          stop_requested=stop.requested, masked_targets=run.masked_targets),
+                                          stop_requested=stop.requested, masked_targets=run.masked_targets,
+                                          skipper=run.built.skipper),
                        phase="training", step=state.step + 1)
 
     def evaluate_all() -> None:

@@ -7,10 +7,11 @@
 
 Ours: train_fsdp.py's model, wrapping and step (build_run, train_step) on random tokens; `--peer`: transformers'
 LlamaForCausalLM of the same dimensions with FSDP2, bf16 with fp32 reduction, per-layer compile, fused AdamW, after
-ours. `--float8`, `--lora`, `--grid`, `--document_masking` and `--compare_auto` add runs of ours (--help). Prints
-tokens/s per GPU, MFU (attention counted as full causal attention), step time and peak memory of each run, and their
-ratios; `--search_without_estimate` runs the auto search without the estimate's order (beside it, the search as
-it was); `--save_modes` measures sharded checkpoint saves instead (bench_saves). docs/benchmarks.md shows how."""
+ours. `--float8`, `--lora`, `--muon`, `--grid`, `--document_masking` and `--compare_auto` add runs of ours (--help).
+Prints tokens/s per GPU, MFU (attention counted as full causal attention), step time, the optimizer step's time and
+its state's memory per GPU, and peak memory of each run, and their ratios; `--search_without_estimate` runs the auto
+search without the estimate's order (beside it, the search as it was); `--save_modes` measures sharded checkpoint saves
+instead (bench_saves). docs/benchmarks.md shows how."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from config import (
 from config.checks import float8_size_problem
 from config.numbers import integer, integer_in
 from fsdp_utils.checkpoint import CheckpointError, CheckpointManager, Contents
+from fsdp_utils.checkpoint.base import tensor_bytes
 from fsdp_utils.checkpoint.contents import TorchStateDicts
 from fsdp_utils.checkpoint.names import size_of
 from fsdp_utils.distributed import (
@@ -96,11 +98,49 @@ def time_steps(step_fn: Callable[[], None], env: DistEnv, *, warmup: int, steps:
     return [timed_step(step_fn, env) for _ in range(steps)]
 
 
+class OptimizerClock:
+    """The optimizer step's time inside each training step, from hooks around `optimizer.step` (grad scaler's and
+    FP8's post-step work included): CUDA events on GPUs, read once the timed steps have synchronized, wall time on
+    the CPU."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple] = []
+        self.started: object = None
+        optimizer.register_step_pre_hook(self._start)
+        optimizer.register_step_post_hook(self._end)
+
+    def _now(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _start(self, *_) -> None:
+        self.started = self._now()
+
+    def _end(self, *_) -> None:
+        self.spans.append((self.started, self._now()))
+
+    def seconds(self, first: int, count: int) -> list[float]:
+        """Steps first to first + count (0-based, in the order run)."""
+        spans = self.spans[first:first + count]
+        if self.cuda:
+            return [start.elapsed_time(end) / 1e3 for start, end in spans]  # type: ignore[union-attr]
+        return [end - start for start, end in spans]  # type: ignore[operator]
+
+
 def bench_ours(cfg: Config, env: DistEnv, args: argparse.Namespace, *, micro_batch: int | str,
                grad_accum: int | None) -> dict:
-    """micro_batch "auto": searched as train_fsdp.py does; grad_accum None: what the global batch needs."""
+    """micro_batch "auto": searched as train_fsdp.py does; grad_accum None: what the global batch needs. Besides the
+    step times: the timed steps' optimizer step times and the optimizer state's bytes on the fullest GPU."""
     step, run = build_ours(cfg, env, args, micro_batch=micro_batch, grad_accum=grad_accum)
-    return {**measure(step, env, args), "micro_batch": run.split.micro_batch_size, "grad_accum": run.split.grad_accum}
+    clock = OptimizerClock(run.optimizer, env.device)
+    measured = measure(step, env, args)
+    return {**measured, "micro_batch": run.split.micro_batch_size, "grad_accum": run.split.grad_accum,
+            "optim_times": clock.seconds(args.warmup, args.steps),
+            "optim_state_bytes": max_over_ranks(tensor_bytes(dict(run.optimizer.state)), env)}
 
 
 def run_config(cfg: Config, env: DistEnv, *, micro_batch: int | str, grad_accum: int | None) -> Config:
@@ -146,7 +186,8 @@ def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
     """(run, baseline) pairs whose tokens/s ratio is printed: each of ours against the reference, each
     FP8 run, LoRA run and grid pair against ours, and each masked run against the same run unmasked."""
     pairs = [(name, "hf_llama_fsdp2") for name in names if name != "hf_llama_fsdp2" and "hf_llama_fsdp2" in names]
-    pairs += [(name, "ours") for name in names if name.startswith(("ours_fp8", "ours_lora", GRID)) and "ours" in names]
+    pairs += [(name, "ours") for name in names
+              if name.startswith(("ours_fp8", "ours_lora", "ours_muon", GRID)) and "ours" in names]
     return pairs + [(name, name.removesuffix(DOCMASK)) for name in names
                     if name.endswith(DOCMASK) and name.removesuffix(DOCMASK) in names]
 
@@ -347,7 +388,9 @@ def peak_memory_gib(env: DistEnv) -> float:
 
 
 def summarise(name: str, times: list[float], peak_mem_gib: float, split: tuple[int, int], cfg: Config,
-              peak_flops: float | None) -> dict:
+              peak_flops: float | None, *, optim_times: Sequence[float] = (),
+              optim_state_bytes: float | None = None) -> dict:
+    """One run's row; the optimizer's figures are None for the reference, which is not timed inside its step."""
     step_s = statistics.median(times)
     micro_batch, grad_accum = split
     tokens_per_gpu = grad_accum * micro_batch * cfg.data.seq_len / step_s
@@ -355,7 +398,9 @@ def summarise(name: str, times: list[float], peak_mem_gib: float, split: tuple[i
     return {"name": name, "micro_batch": micro_batch, "grad_accum": grad_accum, "step_s": step_s,
             "tokens_per_sec_per_gpu": tokens_per_gpu,
             "mfu": flops * tokens_per_gpu / peak_flops if peak_flops else None, "peak_mem_gib": peak_mem_gib,
-            "step_s_min": min(times), "step_s_max": max(times)}
+            "step_s_min": min(times), "step_s_max": max(times),
+            "optim_step_s": statistics.median(optim_times) if optim_times else None,
+            "optim_state_gib": optim_state_bytes / 2**30 if optim_state_bytes is not None else None}
 
 
 def reset_memory(env: DistEnv) -> None:
@@ -395,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora", default="",
                         help="also run ours with LoRA at these ranks (train.lora.rank; --train.lora.* sets the rest), "
                              "e.g. 16,64: LoRA against full fine-tuning in one invocation")
+    parser.add_argument("--muon", action="store_true",
+                        help="also run ours with train.optimizer=muon (needs fsdp.version 2): its optimizer step's "
+                             "time and memory against AdamW's in one invocation")
     parser.add_argument("--lora_only", action="store_true",
                         help="with --lora: leave out the full fine-tuning run (for a model it cannot fit)")
     parser.add_argument("--grid", default="",
@@ -469,6 +517,8 @@ def load_configs(args: argparse.Namespace, overrides: list[str], *, recipes: lis
         raise ConfigError([f"--lora: {bad[0]!r} is not a LoRA rank (a whole number of at least 1)"])
     for rank in map(integer, ranks):
         fp8_cfgs[f"ours_lora_r{rank}"] = load_config(args.config, [*overrides, f"--train.lora.rank={rank}"])
+    if args.muon:
+        fp8_cfgs["ours_muon"] = load_config(args.config, [*overrides, "--train.optimizer=muon"])
     launch = read_torchrun_env()
     problems = [p for r in dict.fromkeys([cfg.train.float8, *recipes])
                 for p in float8_problems(r, run_device=cfg.run.device, local_rank=launch.local_rank)]
@@ -543,6 +593,8 @@ def run_rounds(runs: list[tuple], cfg: Config, env: DistEnv,
     peak = detect_peak_flops(env.device, cfg.logging.peak_override_flops)
     times: dict[str, list[float]] = {name: [] for name, *_ in runs}
     memory = dict.fromkeys(times, 0.0)
+    optim_times: dict[str, list[float]] = {name: [] for name in times}
+    optim_state: dict[str, float | None] = dict.fromkeys(times)
     splits = {}  # name -> (micro-batch, accumulation) as run; auto is searched in the first round only
     last_split = (cfg.train.micro_batch_size, args.grad_accum or 1) if args.peer_only else None
     round_step_s: dict[str, list[float]] = {name: [] for name in times}  # each round's median step time
@@ -571,9 +623,12 @@ def run_rounds(runs: list[tuple], cfg: Config, env: DistEnv,
                 # every rank running out alike (an error on one rank alone waits out run.timeout_s).
                 last_split = splits[name]
             times[name] += result["times"]
+            optim_times[name] += result.get("optim_times", [])
+            optim_state[name] = result.get("optim_state_bytes")
             memory[name] = max(memory[name], peak_memory_gib(env))
             round_step_s[name].append(statistics.median(result["times"]))
-    rows = [summarise(name, times[name], memory[name], splits[name], cfg, peak) for name, *_ in runs]
+    rows = [summarise(name, times[name], memory[name], splits[name], cfg, peak, optim_times=optim_times[name],
+                      optim_state_bytes=optim_state[name]) for name, *_ in runs]
     return rows, round_step_s
 
 
@@ -592,12 +647,17 @@ def report_rounds(rows: list[dict], round_step_s: dict[str, list[float]], cfg: C
           f"cpu_offload {cfg.fsdp.cpu_offload}"
           + (f", documents of {args.doc_len} tokens on average" if args.doc_len else "")
           + "".join(f", {name}" for name in ablations))
-    print(f"{'run':<28}{'micro x acc':>12}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'peak GiB':>10}")
+    print(f"{'run':<28}{'micro x acc':>12}{'tok/s/gpu':>12}{'MFU':>8}{'step s':>9}{'optim ms':>15}{'optim GiB':>10}"
+          f"{'peak GiB':>10}")
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         split = f"{r['micro_batch']} x {r['grad_accum']}"
+        # The optimizer step's median time, with its share of the median step; its state's GiB on the fullest GPU.
+        optim = (f"{1e3 * r['optim_step_s']:.1f} ({100 * r['optim_step_s'] / r['step_s']:.0f}%)"
+                 if r["optim_step_s"] is not None else "n/a")
+        state = f"{r['optim_state_gib']:.2f}" if r["optim_state_gib"] is not None else "n/a"
         print(f"{r['name']:<28}{split:>12}{r['tokens_per_sec_per_gpu']:>12,.0f}{mfu:>8}{r['step_s']:>9.3f}"
-              f"{r['peak_mem_gib']:>10.2f}")
+              f"{optim:>15}{state:>10}{r['peak_mem_gib']:>10.2f}")
     ratios = {}
     by_name = {r["name"]: r for r in rows}
     for name, base in ratio_pairs(list(by_name)):

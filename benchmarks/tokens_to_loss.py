@@ -7,7 +7,8 @@ then say how many tokens each optimizer needs to reach the best final validation
         --data.sources="[{path: /data/py, weight: 1.0}]" --train.max_steps=150 --train.eval_interval=10
 
 Each run is `train_fsdp.py CONFIG OVERRIDES --train.optimizer=O --train.lr=LR --run.seed=S` in a process of its
-own (`--concurrent` of them at a time share the machine's GPUs), writing into OUT/<optimizer>-lr<LR>-s<S>/. The
+own, or under torchrun with `--nproc_per_node` ranks, writing into OUT/<optimizer>-lr<LR>-s<S>/; `--concurrent` of
+them run at a time, each on GPUs of its own where the machine has enough (CUDA_VISIBLE_DEVICES). The
 overrides after `--` go to every run: a prepared folder given as data.sources keeps the validation split the same
 for every seed (run.seed then draws the weights and the data order only). From each run's metrics.jsonl:
 the validation loss at each evaluation against the tokens trained (steps x global batch x sequence length),
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import shutil
 import statistics
 import subprocess
@@ -29,6 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from fsdp_utils.checkpoint.names import sidecar_of, step_in_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train_fsdp.py"
@@ -54,6 +59,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--lrs", default="1e-3,2e-3,4e-3", help="train.lr values, for every optimizer")
     parser.add_argument("--seeds", default="1,2", help="run.seed values")
     parser.add_argument("--concurrent", type=int, default=1, help="runs at a time")
+    parser.add_argument("--nproc_per_node", type=int, default=1, help="ranks of each run (torchrun when above 1)")
     parser.add_argument("--out", required=True, help="a folder for the runs and the summary")
     parser.add_argument("--keep_checkpoints", action="store_true", help="keep each run's checkpoints (default: "
                         "deleted once the run ends; a 300M run's last checkpoint is several GB)")
@@ -64,27 +70,61 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     except ValueError as err:
         parser.error(f"--lrs takes numbers and --seeds whole numbers, comma-separated ({err})")
     args.optimizer_list = args.optimizers.split(",")
-    if args.concurrent < 1:
-        parser.error("--concurrent must be at least 1")
+    if args.concurrent < 1 or args.nproc_per_node < 1:
+        parser.error("--concurrent and --nproc_per_node must be at least 1")
     return args, overrides
 
 
-def train(run: Run, config: str, overrides: list[str], out: Path, *, keep_checkpoints: bool) -> tuple[Run, int, float]:
+def launcher(nproc: int) -> list[str]:
+    """The command before train_fsdp.py: python, or torchrun of `nproc` ranks on this machine (a free port each)."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def gpu_slots(concurrent: int, nproc: int, num_gpus: int) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES of each of the `concurrent` slots, `nproc` GPUs apiece, where the machine's `num_gpus`
+    suffice; else None for every slot (the runs see every GPU, or run on the CPU)."""
+    if concurrent * nproc > num_gpus:
+        return [None] * concurrent
+    return [",".join(str(slot * nproc + i) for i in range(nproc)) for slot in range(concurrent)]
+
+
+def train(run: Run, config: str, overrides: list[str], out: Path, *, keep_checkpoints: bool, nproc: int = 1,
+          slots: queue.Queue | None = None) -> tuple[Run, int, float]:
     """One run of train_fsdp.py: (the run, its exit status, its seconds); its output in out/<name>/train.log. The
     folder is made here, new (an existing one is an error): all in it is the run's, so its checkpoints, which a sweep
-    does not need, can go once it ends (`keep_checkpoints` False), leaving the metrics and the config."""
+    does not need, can go once it ends (`keep_checkpoints` False), leaving the metrics and the config. With `slots`,
+    it takes a slot's GPUs for its duration."""
     folder = out / run.name
     folder.mkdir(parents=True)
-    cmd = [sys.executable, str(TRAIN), config, *overrides, f"--train.optimizer={run.optimizer}",
+    cmd = [*launcher(nproc), str(TRAIN), config, *overrides, f"--train.optimizer={run.optimizer}",
            f"--train.lr={run.lr}", f"--run.seed={run.seed}", f"--run.output_dir={folder / 'run'}",
            "--logging.trackers=[]"]
+    devices = slots.get() if slots is not None else None
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {})}
     start = time.perf_counter()
-    with (folder / "train.log").open("w") as log:
-        status = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    try:
+        with (folder / "train.log").open("w") as log:
+            status = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    finally:
+        if slots is not None:
+            slots.put(devices)
     if not keep_checkpoints:
-        for entry in (folder / "run").glob("fsdp_*cpt*"):  # in a folder this run made: its own checkpoints
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        delete_checkpoints(folder / "run")
     return run, status, time.perf_counter() - start
+
+
+def delete_checkpoints(run_dir: Path) -> None:
+    """Delete the checkpoints (and the full ones' checksum sidecars) in a run folder this script made."""
+    for entry in list(run_dir.iterdir()) if run_dir.is_dir() else []:
+        if step_in_name(entry) is None:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+            sidecar_of(entry).unlink(missing_ok=True)
 
 
 def read_run(folder: Path) -> dict:
@@ -96,6 +136,12 @@ def read_run(folder: Path) -> dict:
     speeds = [row["tokens_per_sec_per_gpu"] for row in rows if row.get("tokens_per_sec_per_gpu")]
     return {"curve": curve, "tokens_per_sec_per_gpu": statistics.median(speeds) if speeds else None,
             "peak_mem_gib": max((row.get("peak_mem_gib") or 0.0 for row in rows), default=None)}
+
+
+def _num_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _tokens_per_step(config: Path) -> int:
@@ -183,9 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     runs = [Run(o, lr, s) for o in args.optimizer_list for lr in args.lr_list for s in args.seed_list]
     failed = []
+    slots: queue.Queue = queue.Queue()
+    for devices in gpu_slots(args.concurrent, args.nproc_per_node, _num_gpus()):
+        slots.put(devices)
     with ThreadPoolExecutor(max_workers=args.concurrent) as pool:
-        for run, status, seconds in pool.map(lambda r: train(r, args.config, overrides, out,
-                                                             keep_checkpoints=args.keep_checkpoints), runs):
+        for run, status, seconds in pool.map(
+                lambda r: train(r, args.config, overrides, out, keep_checkpoints=args.keep_checkpoints,
+                                nproc=args.nproc_per_node, slots=slots), runs):
             print(f"{run.name}: exit {status} in {seconds:.0f} s", flush=True)
             if status != 0:
                 failed.append(run.name)

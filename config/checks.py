@@ -178,8 +178,28 @@ def _train_problems(cfg: Config) -> list[str]:
         p += _float8_output_problems(cfg)
     if t.compile_tuning and not t.compile:
         p.append("train.compile_tuning=true tunes the compiled kernels and needs train.compile: true")
-    p += range_problems(t, "train", max_bad_steps=">= 0")
-    return p + _lora_problems(cfg) + _eval_tasks_problems(t)
+    p += range_problems(t, "train", max_bad_steps=">= 0", spike_sigmas="> 0")
+    if t.spike_window < 2:
+        p.append(f"train.spike_window must be at least 2, got {t.spike_window}")
+    return p + _muon_problems(cfg) + _lora_problems(cfg) + _eval_tasks_problems(t)
+
+
+# The one line for Muon under FSDP1 (fsdp_utils/train/muon.py says it too, from the run's FSDP adapter).
+MUON_FSDP1_PROBLEM = ("train.optimizer=muon needs fsdp.version: 2: FSDP1 flattens each unit's parameters into one 1-D "
+                      "shard, so no rank holds the rows of a matrix that Muon orthogonalizes whole")
+
+
+def _muon_problems(cfg: Config) -> list[str]:
+    t = cfg.train
+    if t.optimizer != "muon":
+        return []
+    p = range_problems(t, "train", muon_momentum="[0, 1)", muon_ns_steps="> 0")
+    if cfg.fsdp.version == 1:
+        p.append(MUON_FSDP1_PROBLEM)
+    if t.lora.rank > 0:
+        p.append("train.optimizer=muon cannot train train.lora's adapters (their low-rank factors are no weight "
+                 "matrices Muon is made for): LoRA trains with train.optimizer: adamw")
+    return p
 
 
 def _token_count_problems(t: TrainConfig, seq_len: int) -> list[str]:

@@ -376,7 +376,7 @@ def summarize_config(cfg: Config) -> list[str]:
         f"{', document masking' if d.document_masking else ''}"
         f"{', positions restart at each document' if cfg.model.reset_positions else ''}",
         f"train: {f'{t.epochs:g} epochs' if t.epochs is not None else f'{t.max_steps} steps'}, global batch "
-        f"{t.global_batch_size}, micro-batch {t.micro_batch_size}, "
+        f"{t.global_batch_size}, micro-batch {t.micro_batch_size}, optimizer {t.optimizer}, "
         f"lr {t.lr:g} ({t.lr_schedule}, warmup {t.warmup_steps}), precision {t.precision}, float8 {t.float8}"
         f"{', output projection in FP8' if t.float8_output else ''}, compile {t.compile}",
         f"fsdp: version {f.version}, {f.sharding_strategy}, activation checkpointing {f.activation_checkpointing}; "

@@ -21,6 +21,7 @@ ActivationCheckpointing = Literal["none", "full", "selective", "selective_op_wid
 Float8 = Literal["none", "tensorwise", "rowwise"]
 LRScheduleKind = Literal["cosine", "wsd", "constant"]
 DecayShape = Literal["linear", "1-sqrt"]
+Optimizer = Literal["adamw", "muon"]
 # train.lora.targets: one name per projection of a Llama-style block, and the groups of them
 # (fsdp_utils/parallel/lora.py writes the groups out).
 LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down", "attention", "mlp", "all"]
@@ -140,14 +141,34 @@ class TrainConfig:
     warmup_steps: int = 100
     """Linear warmup steps (every schedule). Longer than max_steps is a warning: the run ends inside its warmup (a
     smoke run of a preset); wsd needs room for its decay after it."""
+    optimizer: Optimizer = "adamw"
+    """adamw, or muon: Muon (momentum orthogonalized by Newton-Schulz iterations) on the weight matrices of the
+    blocks' attention and MLP projections, AdamW on everything else (embedding, output projection, norms, biases), in
+    one optimizer. Muon's learning rate is scaled per matrix to AdamW's update size, so train.lr and its schedule
+    mean the same for both. muon needs fsdp.version 2 and no train.lora (docs/training.md). A run resumes only with
+    the optimizer it was saved with."""
+    muon_momentum: float = 0.95
+    """train.optimizer=muon: Muon's momentum (Nesterov), in [0, 1)."""
+    muon_ns_steps: int = 5
+    """train.optimizer=muon: Newton-Schulz iterations that orthogonalize each matrix's update."""
     weight_decay: float = 0.1
-    """AdamW weight decay, applied to matrices only (not norms)."""
+    """Decoupled weight decay, applied to matrices only (not norms or biases); with train.optimizer=muon the same
+    value for Muon's matrices and AdamW's."""
     beta1: float = 0.9
     """AdamW first-moment decay, in [0, 1)."""
     beta2: float = 0.95
     """AdamW second-moment decay, in [0, 1)."""
     max_bad_steps: int = 0
     """Non-finite loss or gradient norm: skip up to this many such steps, then stop (0: stop at the first)."""
+    skip_spikes: bool = True
+    """Skip the update of a step whose loss or gradient norm is more than spike_sigmas standard deviations above
+    its mean over the last spike_window steps (from the 20th value on): the gradients are dropped, the data and the
+    schedule move on. Logged as a warning and counted in metrics.jsonl (skipped, skipped_steps); its window is
+    saved in checkpoints. It adds no host sync to the step."""
+    spike_sigmas: float = 6.0
+    """train.skip_spikes: how many standard deviations above the window's mean make a spike."""
+    spike_window: int = 128
+    """train.skip_spikes: how many recent steps the mean and standard deviation are taken over (at least 2)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (over all shards) to this; 0 disables."""
     eval_interval: int = 100

@@ -10,6 +10,8 @@ object in FSDP_TEST_FAULTS installed, by wrapping production functions in that p
   background write, or a synchronous save);
 - "disk_free_bytes": N: the checkpoint manager sees N bytes free on the output directory's disk;
 - "nan_at_step": K: rank 0's loss of training step K (1-based) is NaN;
+- "spike_at_steps": {"steps": [K, ...], "scale": S}: the loss of the K-th training step this process runs (1-based;
+  every rank, every micro-batch) is multiplied by S before its backward, and with it the gradients: a spike;
 - "fake_gpu_memory": {...}: GPU memory readings from a formula (FakeProbe), so the micro-batch search,
   its agreement across ranks, the cache and the hint run on the CPU;
 - "gpu_memory_gib": N: each rank's GPU holds only N GiB, as a smaller card would: the micro-batch search
@@ -280,6 +282,26 @@ def _install_nan_at_step(nan_step: int, *, current: dict) -> None:
     step_module.forward_backward = forward_backward
 
 
+def _install_spike_at_steps(spike: dict, *, current: dict) -> None:
+    from fsdp_utils.train import step as step_module
+
+    real_forward_backward = step_module.forward_backward
+    steps, scale = set(spike["steps"]), float(spike["scale"])
+
+    @functools.wraps(real_forward_backward)
+    def forward_backward(model, *args, **kwargs):
+        current["spike_steps"] = current.get("spike_steps", 0) + 1  # one call a training step
+        if current["spike_steps"] not in steps:
+            return real_forward_backward(model, *args, **kwargs)
+        hook = model.register_forward_hook(lambda module, inputs, loss: loss * scale)
+        try:
+            return real_forward_backward(model, *args, **kwargs)
+        finally:
+            hook.remove()
+
+    step_module.forward_backward = forward_backward
+
+
 def _install_fake_gpu_memory(fake: dict, *, current: dict) -> None:
     from fsdp_utils.train import build_run
 
@@ -361,6 +383,7 @@ _INSTALLERS = {  # in the order they are installed
     "sync_write_fail": _install_sync_write_fail,
     "disk_free_bytes": _install_disk_free_bytes,
     "nan_at_step": _install_nan_at_step,
+    "spike_at_steps": _install_spike_at_steps,
     "fake_gpu_memory": _install_fake_gpu_memory,
     "gpu_memory_gib": _install_gpu_memory_gib,
     "oom": _install_oom,

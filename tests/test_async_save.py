@@ -263,12 +263,12 @@ def baselines(tmp_path_factory, corpus, dataset_dir):
     add the same gradients in another order: not bit-identical to each other), made on first use."""
     cache: dict[tuple, dict[int, float]] = {}
 
-    def get(nproc: int, version: int = 1, steps: int = STEPS) -> dict[int, float]:
-        key = (nproc, version, steps)
+    def get(nproc: int, version: int = 1, steps: int = STEPS, optimizer: str = "adamw") -> dict[int, float]:
+        key = (nproc, version, steps, optimizer)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"baseline{nproc}-{version}-{steps}")
-            run_train(f"--train.max_steps={steps}", f"--fsdp.version={version}", nproc=nproc, out_dir=out,
-                      corpus=corpus, dataset_dir=dataset_dir)
+            out = tmp_path_factory.mktemp(f"baseline{nproc}-{version}-{steps}-{optimizer}")
+            run_train(f"--train.max_steps={steps}", f"--fsdp.version={version}", f"--train.optimizer={optimizer}",
+                      nproc=nproc, out_dir=out, corpus=corpus, dataset_dir=dataset_dir)
             cache[key] = losses(out)
         return cache[key]
     return get
@@ -277,15 +277,18 @@ def baselines(tmp_path_factory, corpus, dataset_dir):
 @pytest.mark.slow
 # FSDP1 with the process writer is left to the GPU matrix (tests/test_gpu_matrix.py), which trains, saves
 # and resumes every combination of version and writer.
-@pytest.mark.parametrize("version, writer, nproc", [(1, "thread", 2), (2, "thread", 2), (2, "process", 2),
-                                                    (1, "thread", 1)])
-def test_async_save_then_resume_is_bit_identical(version, writer, nproc, baselines, corpus, dataset_dir, tmp_path):
+@pytest.mark.parametrize("version, writer, nproc, optimizer", [
+    (1, "thread", 2, "adamw"), (2, "thread", 2, "adamw"), (2, "process", 2, "adamw"), (1, "thread", 1, "adamw"),
+    (2, "thread", 2, "muon")])
+def test_async_save_then_resume_is_bit_identical(version, writer, nproc, optimizer, baselines, corpus, dataset_dir,
+                                                 tmp_path):
     """Saved in the background at steps 3 and 6, each write slowed by 1 s so that training runs on during
     it and the save of step 6 has to wait for the one of step 3 (logged). The losses are those of a run
     without checkpoints; resuming from step 3 in a fresh process reproduces steps 4-6 exactly, and ends in
     the same model, optimizer, data position and RNG state, bit for bit."""
-    baseline = baselines(nproc, version)
-    common = (f"--train.max_steps={STEPS}", *ASYNC, f"--fsdp.version={version}", f"--checkpoint.async_writer={writer}")
+    baseline = baselines(nproc, version, optimizer=optimizer)
+    common = (f"--train.max_steps={STEPS}", *ASYNC, f"--fsdp.version={version}", f"--checkpoint.async_writer={writer}",
+              f"--train.optimizer={optimizer}")
     saved = tmp_path / "saved"
     proc = run_train(*common, f"--checkpoint.interval={SPLIT}", nproc=nproc, out_dir=saved, corpus=corpus,
                      dataset_dir=dataset_dir, faults={"write": {"delay_s": 1}})

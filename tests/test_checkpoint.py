@@ -38,6 +38,8 @@ STEPS = 6
 SPLIT = 3  # the step the "stopped" runs checkpoint at
 CONVERT = ROOT / "scripts" / "convert_checkpoint.py"
 FORMATS = ("full", "sharded")
+# The runs' arguments per train.optimizer: Muon needs FSDP2 (the tiny config's default is FSDP1).
+OPTIMIZER_ARGS = {"adamw": (), "muon": ("--fsdp.version=2", "--train.optimizer=muon")}
 
 
 def ckpt_name(fmt: str, step: int) -> str:
@@ -107,7 +109,11 @@ def assert_identical(a, b, where: str = "") -> None:
 
 
 def load_full(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    # Loaded by FSDP2 from a full state dict, torch gives AdamW's betas back as a list: the same numbers.
+    for group in payload.get("optimizer", {}).get("param_groups", []):
+        group.update({k: list(v) for k, v in group.items() if isinstance(v, tuple)})
+    return payload
 
 
 def converter():
@@ -196,27 +202,28 @@ class Runs:
             self._cache[key] = make()
         return self._cache[key]
 
-    def baseline(self) -> dict[int, float]:
+    def baseline(self, optimizer: str = "adamw") -> dict[int, float]:
         """Losses of the uninterrupted run: 2 ranks, no checkpoint before the last step."""
         def make():
-            self.train("baseline")
-            return losses(self.root / "baseline")
-        return self._once("baseline", make)
+            self.train(f"baseline-{optimizer}", *OPTIMIZER_ARGS[optimizer])
+            return losses(self.root / f"baseline-{optimizer}")
+        return self._once(("baseline", optimizer), make)
 
-    def saved(self, fmt: str) -> Path:
+    def saved(self, fmt: str, optimizer: str = "adamw") -> Path:
         """The same run, checkpointing every SPLIT steps: fsdp_*cpt3 and fsdp_*cpt6."""
         def make():
-            self.train(f"saved-{fmt}", f"--checkpoint.format={fmt}", f"--checkpoint.interval={SPLIT}")
-            return self.root / f"saved-{fmt}"
-        return self._once(("saved", fmt), make)
+            self.train(f"saved-{fmt}-{optimizer}", f"--checkpoint.format={fmt}", f"--checkpoint.interval={SPLIT}",
+                       *OPTIMIZER_ARGS[optimizer])
+            return self.root / f"saved-{fmt}-{optimizer}"
+        return self._once(("saved", fmt, optimizer), make)
 
-    def saved12(self, fmt: str) -> Path:
+    def saved12(self, fmt: str, optimizer: str = "adamw") -> Path:
         """Global batch 12 (divisible by 1, 2 and 3 ranks x micro-batch 2), 2 ranks, checkpoints at 3 and 6."""
         def make():
-            self.train(f"saved12-{fmt}", "--train.global_batch_size=12", f"--checkpoint.format={fmt}",
-                       f"--checkpoint.interval={SPLIT}")
-            return self.root / f"saved12-{fmt}"
-        return self._once(("saved12", fmt), make)
+            self.train(f"saved12-{fmt}-{optimizer}", "--train.global_batch_size=12", f"--checkpoint.format={fmt}",
+                       f"--checkpoint.interval={SPLIT}", *OPTIMIZER_ARGS[optimizer])
+            return self.root / f"saved12-{fmt}-{optimizer}"
+        return self._once(("saved12", fmt, optimizer), make)
 
 
 @pytest.fixture(scope="module")
@@ -233,27 +240,29 @@ def resumed_losses(out_dir: Path, rows_before: int = 0) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_stop_and_resume_is_bit_exact(runs, fmt, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_stop_and_resume_is_bit_exact(runs, fmt, optimizer, tmp_path):
     """Resuming from step 3 in a fresh process reproduces the uninterrupted run's steps 4..6 exactly.
 
     The "stopped" run is the saved run's checkpoint at step 3 (max_steps stays 6, so the lr schedule is
     the same): the resumed process gets nothing but that checkpoint. full: the checkpoint is copied into
     a new output directory and picked up by checkpoint.auto_resume; sharded: --resume_from its path.
     """
-    baseline = runs.baseline()
-    saved = runs.saved(fmt)
+    baseline = runs.baseline(optimizer)
+    saved = runs.saved(fmt, optimizer)
     # Writing checkpoints does not disturb training.
     assert losses(saved) == baseline
     assert checkpoint_names(saved) == sorted([ckpt_name(fmt, SPLIT), ckpt_name(fmt, STEPS)])
 
     out = tmp_path / "resumed"
     source = saved / ckpt_name(fmt, SPLIT)
+    args = (f"--checkpoint.format={fmt}", *OPTIMIZER_ARGS[optimizer])
     if fmt == "full":
         source = copy_checkpoint(source, out)
-        proc = runs.train(out, f"--checkpoint.format={fmt}")
+        proc = runs.train(out, *args)
         assert "checkpoint.auto_resume" in proc.stderr
     else:
-        proc = runs.train(out, f"--checkpoint.format={fmt}", f"--resume_from={source}")
+        proc = runs.train(out, *args, f"--resume_from={source}")
     assert f"loaded checkpoint {source} " in proc.stderr
 
     got = losses(out)
@@ -266,24 +275,28 @@ def test_stop_and_resume_is_bit_exact(runs, fmt, tmp_path):
     theirs = as_full(saved / ckpt_name(fmt, STEPS), tmp_path / "theirs.pth")
     for key in ("model", "optimizer", "train_state", "rng"):
         assert_identical(mine[key], theirs[key], key)
+    if optimizer == "muon":  # Muon's state is its momentum, one buffer per block matrix; AdamW's elsewhere
+        kinds = {tuple(sorted(state)) for state in mine["optimizer"]["state"].values()}
+        assert kinds == {("momentum_buffer",), ("exp_avg", "exp_avg_sq", "step")}, kinds
+        assert mine["train_state"]["optimizer"] == "muon"
 
 
 # ---- 2. resume at another world size ----------------------------------------------------------
 
-@pytest.mark.parametrize("nproc", [1, 3])
-def test_resume_at_another_world_size(runs, nproc, tmp_path):
+@pytest.mark.parametrize(("nproc", "optimizer"), [(1, "adamw"), (3, "adamw"), (3, "muon")])
+def test_resume_at_another_world_size(runs, nproc, optimizer, tmp_path):
     """Checkpoints saved by 2 ranks, resumed on 1 and on 3: right after loading, model, optimizer, step,
     data position and the old ranks' RNG are exactly what the 2 ranks saved; training then continues on
     the next unseen samples (losses match the 2-rank run's up to the reduction order)."""
     # The full and the sharded run trained identically, so one full checkpoint is the truth for both.
-    reference = load_full(runs.saved12("full") / ckpt_name("full", SPLIT))
-    expected = losses(runs.saved12("full"))
-    assert losses(runs.saved12("sharded")) == expected
+    reference = load_full(runs.saved12("full", optimizer) / ckpt_name("full", SPLIT))
+    expected = losses(runs.saved12("full", optimizer))
+    assert losses(runs.saved12("sharded", optimizer)) == expected
     for fmt in FORMATS:
-        source = runs.saved12(fmt) / ckpt_name(fmt, SPLIT)
+        source = runs.saved12(fmt, optimizer) / ckpt_name(fmt, SPLIT)
         out, loaded_dir = tmp_path / f"resumed-{fmt}", tmp_path / f"loaded-{fmt}"
         proc = runs.train(out, "--train.global_batch_size=12", f"--checkpoint.format={fmt}", f"--resume_from={source}",
-                          nproc=nproc, hooks={"SAVE_LOADED_TO": str(loaded_dir)})
+                          *OPTIMIZER_ARGS[optimizer], nproc=nproc, hooks={"SAVE_LOADED_TO": str(loaded_dir)})
         assert f"loaded checkpoint {source} " in proc.stderr and "saved at world size 2" in proc.stderr
 
         loaded = load_full(loaded_dir / ckpt_name("full", SPLIT))
@@ -534,6 +547,26 @@ def test_mismatched_model_config_is_an_error(runs, tmp_path):
     assert "falling back" not in proc.stderr
     assert not (out / "metrics.jsonl").exists()
     assert checkpoint_names(out) == sorted([ckpt_name("sharded", SPLIT), ckpt_name("sharded", STEPS)])
+
+
+@pytest.mark.parametrize(("saved_with", "resumed_with"), [("muon", "adamw"), ("adamw", "muon")])
+def test_a_resume_under_another_optimizer_is_one_error_line(runs, saved_with, resumed_with, tmp_path):
+    # Both formats: the line comes before any tensor is read into the other optimizer's state.
+    for fmt in FORMATS:
+        source = runs.saved(fmt, saved_with) / ckpt_name(fmt, SPLIT)
+        needles = (str(source), f"saved with train.optimizer={saved_with}",
+                   f"this run has train.optimizer={resumed_with}")
+        out = tmp_path / f"{fmt}-resumed"
+        args = (f"--resume_from={source}", f"--checkpoint.format={fmt}", "--fsdp.version=2",
+                f"--train.optimizer={resumed_with}")
+        proc = runs.train(out, *args, nproc=1, check=False)
+        assert len(error_lines(proc)) == 1, proc.stderr[-3000:]
+        assert_clean_error(proc, *needles)
+        assert not (out / "metrics.jsonl").exists() and checkpoint_names(out) == []
+        # --check reads the optimizer from the checkpoint's metadata and says the same.
+        proc = runs.train(out, *args, "--check", nproc=1, check=False)
+        assert proc.returncode == 2 and len(error_lines(proc)) == 1
+        assert_clean_error(proc, *needles)
 
 
 def test_missing_resume_path_is_an_error(runs, tmp_path):

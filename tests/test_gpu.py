@@ -49,6 +49,25 @@ def test_fp16_with_sharded_grad_scaler_trains_90m(tmp_path, corpus, dataset_dir)
     assert got[30] < 0.7 * got[1], got
 
 
+@needs_gpus(1)
+def test_muon_trains_90m_compiled_in_bf16_and_resumes_from_a_sharded_save(tmp_path, corpus, dataset_dir):
+    # The 90M preset's dimensions at a short sequence on one GPU: Muon's Newton-Schulz in bf16 on every block matrix,
+    # the blocks compiled; the resumed job's first step is the uninterrupted one's bit for bit, the later ones within
+    # the run-to-run variation of GPU kernels.
+    args = [*GPU, *MODEL_90M, "--model.max_seq_len=128", "--data.seq_len=128", "--fsdp.version=2",
+            "--train.optimizer=muon", "--train.compile=true", "--train.max_steps=12", "--train.warmup_steps=3",
+            "--train.global_batch_size=16", "--train.micro_batch_size=8", "--checkpoint.format=sharded",
+            "--checkpoint.interval=6", "--checkpoint.keep_last_n=0"]
+    run_train(*args, nproc=1, out_dir=tmp_path / "first", corpus=corpus, dataset_dir=dataset_dir)
+    run_train(*args, f"--resume_from={tmp_path / 'first' / 'fsdp_sharded_cpt6'}", nproc=1,
+              out_dir=tmp_path / "resumed", corpus=corpus, dataset_dir=dataset_dir)
+    want, got = losses(tmp_path / "first"), losses(tmp_path / "resumed")
+    assert sorted(got) == list(range(7, 13)) and got[7] == want[7], (got, want)
+    for step in got:
+        assert math.isclose(got[step], want[step], rel_tol=2e-3), (step, got, want)
+    assert want[12] < 0.7 * want[1], want
+
+
 @needs_gpus(2)
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_checkpoint_saved_on_two_gpus_resumes_on_one(tmp_path, corpus, dataset_dir, fmt):

@@ -16,9 +16,10 @@ adapters) on both models with torch.compile where activation checkpointing is on
 pairwise cover of the same options (every pair of values of any two options occurs in some job); a Hugging
 Face model with LoRA on FSDP1 also saves full checkpoints sharded and unsharded (NO_SHARD).
 train.float8_output (the output projection and loss in FP8) joins with each value of FSDP version x precision x
-checkpoint x activation checkpointing at least once, compiled in its FSDP2 jobs.
-Combinations that cannot run (FP8 with FSDP1, FP8 with LoRA) are refused before any process starts: that
-part runs on the CPU too.
+checkpoint x activation checkpointing at least once, compiled in its FSDP2 jobs. train.optimizer=muon runs on FSDP2
+in bf16 with each checkpoint writer and activation checkpointing policy, and on a Hugging Face model.
+Combinations that cannot run (FP8 with FSDP1, FP8 with LoRA, Muon with FSDP1) are refused before any process
+starts: that part runs on the CPU too.
 """
 from __future__ import annotations
 
@@ -239,6 +240,41 @@ def test_hf_document_masking_combination_saves_and_resumes(tmp_path, version, ac
     args = ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", *matrix_args(version, "bf16", "thread", ac),
             *MASKING]
     train_save_resume(tmp_path, corpus, tmp_path / "ds", args, "thread")
+# train.optimizer=muon (FSDP2 only: its exchange of matrix rows over NCCL, Newton-Schulz in bf16): each checkpoint
+# writer and each activation checkpointing policy once, compiled in half the jobs; and a Hugging Face model.
+MUON_JOBS = [("full", "none", False), ("thread", "selective_op", True), ("process", LEAN, False),
+             ("sync", "none", True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@TWO_GPUS
+@pytest.mark.parametrize("save, ac, compile", MUON_JOBS)
+def test_muon_combination_saves_and_resumes(tmp_path, corpus, dataset_dir, save, ac, compile):
+    args = [*matrix_args(2, "bf16", save, ac), "--train.optimizer=muon", f"--train.compile={str(compile).lower()}"]
+    train_save_resume(tmp_path, corpus, dataset_dir, args, save)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@TWO_GPUS
+def test_hf_muon_combination_saves_and_resumes(tmp_path, corpus, dataset_dir):
+    from tests.test_hf import save_tiny
+
+    save_tiny("qwen2", tmp_path / "hf")  # biases on q, k and v: AdamW's, beside Muon's projection weights
+    args = ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", *matrix_args(2, "bf16", "thread", "none"),
+            "--train.optimizer=muon"]
+    train_save_resume(tmp_path, corpus, dataset_dir, args, "thread")
+
+
+def test_muon_on_fsdp1_is_refused_with_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "config/train_tiny_fsdp.yaml", [*matrix_args(1, "bf16", "full", "none"),
+                                                           "--train.optimizer=muon"])
+    (line,) = err.value.problems
+    assert line.startswith("train.optimizer=muon needs fsdp.version: 2"), line
+
+
 LORA_ARGS = ["--train.lora.rank=8", "--train.lora.alpha=16", "--train.lora.targets=[all]"]
 
 

@@ -47,12 +47,14 @@ def save_tokenizer(path, corpus) -> None:
     fast.save_pretrained(path)
 
 
-@pytest.mark.parametrize("kind,version,tie", [("llama", 1, True), ("qwen2", 1, False), ("llama", 2, False)])
-def test_hf_model_trains_on_two_ranks_checkpoints_and_resumes(tmp_path, corpus, dataset_dir, kind, version, tie):
+@pytest.mark.parametrize("kind,version,tie,optimizer", [("llama", 1, True, "adamw"), ("qwen2", 1, False, "adamw"),
+                                                        ("llama", 2, False, "adamw"), ("qwen2", 2, False, "muon")])
+def test_hf_model_trains_on_two_ranks_checkpoints_and_resumes(tmp_path, corpus, dataset_dir, kind, version, tie,
+                                                              optimizer):
     save_tiny(kind, tmp_path / "hf", tie=tie)
     args = ["--model.type=hf", f"--model.hf_path={tmp_path / 'hf'}", f"--fsdp.version={version}",
             "--fsdp.sharding_strategy=FULL_SHARD", "--train.max_steps=6", "--checkpoint.interval=3",
-            "--checkpoint.keep_last_n=0"]
+            "--checkpoint.keep_last_n=0", f"--train.optimizer={optimizer}"]
     if kind == "qwen2":  # HF decoder layers (called with keyword arguments) under op-level checkpointing
         args.append("--fsdp.activation_checkpointing=selective_op")
     run_train(*args, nproc=2, out_dir=tmp_path / "full", corpus=corpus, dataset_dir=dataset_dir)
@@ -81,6 +83,17 @@ def test_hf_model_trains_on_two_ranks_checkpoints_and_resumes(tmp_path, corpus, 
     if tie:
         # Tied embeddings stayed tied through sharding and training.
         assert torch.equal(ckpt["model"]["lm.lm_head.weight"], ckpt["model"]["lm.model.embed_tokens.weight"])
+    if optimizer == "muon":
+        # Muon has the decoder layers' projection weights; AdamW the embedding, lm_head, norms and Qwen2's biases.
+        state = ckpt["optimizer"]["state"]
+        projections = {k for k in keys if ".layers." in k and k.endswith("_proj.weight")}
+        assert len(projections) == 2 * 7 and {k.removeprefix("lm.") for k in projections} <= {
+            k.removeprefix("lm.") for k in state}
+        muon = {k for k, v in state.items() if "momentum_buffer" in v}
+        assert {k.removeprefix("lm.") for k in muon} == {k.removeprefix("lm.") for k in projections}, muon
+        adamw = set(state) - muon
+        assert any("embed_tokens" in k for k in adamw) and any("lm_head" in k for k in adamw)
+        assert any(k.endswith("norm.weight") for k in adamw) and any(k.endswith("q_proj.bias") for k in adamw)
 
 
 def test_hf_config_builds_random_model_and_hf_tokenizer_prepares_data(tmp_path, corpus):

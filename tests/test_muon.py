@@ -418,3 +418,120 @@ def test_fsdp1_is_named_as_the_problem():
     assert sharding_problem(fsdp2, make_net().parameters()) is not None  # 1-D biases are no matrices
     net = make_net()
     assert sharding_problem(fsdp2, split_parameters(net, net.blocks).matrices) is None
+
+
+# ---- train.optimizer=muon in the run --------------------------------------------------------------------------
+
+
+def test_build_optimizer_gives_muon_the_block_matrices_and_adamw_the_rest_with_one_decay_rule():
+    from config import FSDPConfig
+    from fsdp_utils.distributed import DistEnv
+    from fsdp_utils.parallel.fsdp import fsdp_adapter
+    from fsdp_utils.train.optim import MuonSettings, build_optimizer, decay_split
+    from model import ModelConfig, Transformer
+
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16))
+    names = {id(p): n for n, p in model.named_parameters()}
+    settings = MuonSettings(list(model.layers), fsdp_adapter(FSDPConfig(version=2), env), momentum=0.9, ns_steps=4,
+                            ns_dtype=torch.float32)
+    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=False, muon=settings)
+    assert isinstance(optimizer, MuonAdamW) and optimizer.ns_dtype == torch.float32
+    groups = [(g["use_muon"], g["weight_decay"], sorted(names[id(p)] for p in g["params"]))
+              for g in optimizer.param_groups]
+    muon = sorted(f"layers.{i}.{w}.weight" for i in range(2)
+                  for w in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"))
+    # AdamW's share split as train.optimizer=adamw splits it: the embedding and the output projection decay, norms
+    # do not.
+    decay, no_decay = decay_split(model)
+    assert groups == [(True, 0.1, muon),
+                      (False, 0.1, sorted(names[id(p)] for p in decay if names[id(p)] not in muon)),
+                      (False, 0.0, sorted(names[id(p)] for p in no_decay))]
+    assert groups[1][2] == ["output.weight", "tok_embeddings.weight"]
+    assert all(n.endswith("norm.weight") for n in groups[2][2])
+    assert optimizer.param_groups[0]["momentum"] == 0.9 and optimizer.param_groups[0]["ns_steps"] == 4
+    adamw = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=False)
+    assert [sorted(names[id(p)] for p in g["params"]) for g in adamw.param_groups] == [
+        sorted(names[id(p)] for p in decay), groups[2][2]]
+    # FSDP1's flat parameters are refused, in the config's words.
+    fsdp1 = MuonSettings(list(model.layers), fsdp_adapter(FSDPConfig(version=1), env))
+    with pytest.raises(ValueError, match="fsdp.version: 2"):
+        build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), muon=fsdp1)
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["--fsdp.version=1"], FSDP1_PROBLEM),
+    (["--fsdp.version=2", "--train.lora.rank=4"],
+     "train.optimizer=muon cannot train train.lora's adapters (their low-rank factors are no weight matrices Muon is "
+     "made for): LoRA trains with train.optimizer: adamw"),
+    (["--fsdp.version=2", "--train.muon_momentum=1"], "train.muon_momentum must be in [0, 1), got 1.0"),
+    (["--fsdp.version=2", "--train.muon_ns_steps=0"], "train.muon_ns_steps must be positive, got 0"),
+])
+def test_muon_config_errors_are_one_line_each(overrides, line):
+    from config import ConfigError, load_config
+    from tests.helpers import ROOT
+
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "config/train_tiny_fsdp.yaml", ["--train.optimizer=muon", *overrides])
+    assert err.value.problems == [line]
+
+
+@pytest.mark.slow  # launches training jobs
+def test_muon_trains_the_tiny_config_alike_on_one_two_and_three_ranks(tmp_path, corpus, dataset_dir):
+    """The same global batches (12 sequences: 1, 2 or 3 ranks of micro-batches of 2) give the same losses to float
+    rounding: the sharded Newton-Schulz exchange computes what one process computes (fp32 on the CPU)."""
+    import math
+
+    from tests.helpers import losses, run_train
+
+    args = ("--train.max_steps=6", "--train.global_batch_size=12", "--fsdp.version=2", "--train.optimizer=muon")
+    got = {}
+    for nproc in (1, 2, 3):
+        proc = run_train(*args, nproc=nproc, out_dir=tmp_path / f"ranks{nproc}", corpus=corpus,
+                         dataset_dir=dataset_dir)
+        assert "optimizer muon" in proc.stderr
+        got[nproc] = losses(tmp_path / f"ranks{nproc}")
+    assert sorted(got[1]) == list(range(1, 7))
+    assert got[1][6] < got[1][1] - 1.0, got[1]  # it trains
+    for nproc in (2, 3):
+        for step, loss in got[1].items():
+            assert math.isclose(got[nproc][step], loss, rel_tol=2e-6), (nproc, step, got[nproc][step], loss)
+
+
+@pytest.mark.slow  # launches the benchmark at 2 ranks
+def test_the_benchmark_times_the_optimizer_step_and_weighs_its_state_for_adamw_and_muon(tmp_path):
+    import json
+
+    from model import ModelConfig, Transformer
+    from tests.helpers import ROOT, job_env, run_job
+
+    dims = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    argv = [str(ROOT / "benchmarks/benchmark.py"), str(ROOT / "config/train_tiny_fsdp.yaml"), "--muon", "--steps=3",
+            "--warmup=1", f"--json={tmp_path / 'bench.jsonl'}", "--run.device=cpu", "--fsdp.version=2",
+            *(f"--model.{k}={v}" for k, v in dims.items()), "--data.seq_len=32", "--data.vocab_size=320",
+            "--train.micro_batch_size=2", "--train.global_batch_size=4"]
+    proc = run_job(argv, nproc=2, env=job_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("run "))
+    assert "optim ms" in header and "optim GiB" in header
+    rows = {r["name"]: r for r in json.loads((tmp_path / "bench.jsonl").read_text())["rows"]}
+    assert set(rows) == {"ours", "ours_muon"}
+    for r in rows.values():
+        assert 0 < r["optim_step_s"] < r["step_s"]
+    # Muon keeps one buffer per block matrix where AdamW keeps two moments; both keep two for the rest.
+    model = Transformer(ModelConfig(vocab_size=320, tie_embeddings=True, **dims))  # as the tiny config
+    matrices = sum(p.numel() for p in split_parameters(model, model.layers).matrices)
+    share = matrices / sum(p.numel() for p in model.parameters())
+    ratio = rows["ours_muon"]["optim_state_gib"] / rows["ours"]["optim_state_gib"]
+    assert ratio == pytest.approx(1 - share / 2, rel=0.03), (ratio, share)
+
+
+def test_bench_muon_counts_the_configs_matrices_and_times_each_way(capsys):
+    from benchmarks.bench_muon import main
+
+    assert main(["config/train_tiny_fsdp.yaml", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # 4 blocks of wqkv (q, k, v), wo, w13 (gate, up) and w2: 16 parameters holding 28 matrices
+    assert lines[0].startswith("config/train_tiny_fsdp.yaml: 16 parameters, 28 matrices")
+    assert [line.split()[:2] for line in lines[1:]] == [[dtype, way] for dtype in ("bfloat16", "float32")
+                                                        for way in ("by_shape", "per_parameter", "per_matrix")]

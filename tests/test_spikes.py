@@ -109,3 +109,73 @@ def test_a_bad_state_is_refused():
         skipper.load_state_dict({"losses": [1.0], "grad_norms": []})
     with pytest.raises(ValueError, match="not a spike-skipping state"):
         skipper.load_state_dict({"losses": None, "grad_norms": [1.0], "num_skipped": 0, "consecutive": 0})
+
+
+# ---- train.skip_spikes in real runs ---------------------------------------------------------------------------
+# The tiny model's first 24 steps fill the window (min_values 20); the test-only fault scales the loss of chosen
+# steps, and with it their gradients, tenfold (tests/fault_injection.py "spike_at_steps").
+
+SPIKE_STEPS = 30
+SPIKE_ARGS = (f"--train.max_steps={SPIKE_STEPS}", "--train.warmup_steps=5", "--checkpoint.interval=1",
+              "--checkpoint.keep_last_n=0")
+
+
+@pytest.mark.slow  # launches training jobs
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_spiking_step_is_skipped_counted_and_resumed_with_its_window(optimizer, tmp_path, corpus, dataset_dir):
+    import math
+
+    import torch
+
+    from tests.helpers import losses, read_metrics, run_train
+
+    args = (*SPIKE_ARGS, "--fsdp.version=2", f"--train.optimizer={optimizer}")
+    out = tmp_path / "uninterrupted"
+    proc = run_train(*args, nproc=2, out_dir=out, corpus=corpus, dataset_dir=dataset_dir,
+                     faults={"spike_at_steps": {"steps": [25, 28], "scale": 10}})
+    warnings = [line for line in proc.stderr.splitlines() if "update skipped (train.skip_spikes)" in line]
+    assert len(warnings) == 2 and "rank0] step 25: update skipped (train.skip_spikes): " in warnings[0], warnings
+    assert "standard deviations above the mean" in warnings[0]
+    assert warnings[1].endswith("; 2 steps skipped so far"), warnings
+
+    rows = {row["step"]: row for row in read_metrics(out) if "loss" in row}
+    assert [s for s, row in rows.items() if row.get("skipped")] == [25, 28]
+    assert all(row["skipped"] is True for s, row in rows.items() if s in (25, 28))
+    assert [rows[s]["skipped_steps"] for s in (1, 24, 25, 27, 28, 30)] == [0, 0, 1, 1, 2, 2]
+    assert rows[25]["loss"] > 5 * rows[24]["loss"] and math.isfinite(rows[26]["loss"])
+
+    # The skipped step changed nothing: weights and optimizer state after step 25 are those after step 24.
+    before, after = (torch.load(out / f"fsdp_cpt{s}.pth", weights_only=True) for s in (24, 25))
+    assert before["model"].keys() == after["model"].keys()
+    assert all(torch.equal(tensor, after["model"][name]) for name, tensor in before["model"].items())
+    state, state_after = before["optimizer"]["state"], after["optimizer"]["state"]
+    assert state.keys() == state_after.keys() and all(
+        torch.equal(value, state_after[name][key]) for name, kept in state.items() for key, value in kept.items())
+    window = after["train_state"]["spike_skipper"]
+    assert window["num_skipped"] == 1 and len(window["losses"]) == 24
+    assert window == {**before["train_state"]["spike_skipper"], "num_skipped": 1, "consecutive": 1}
+    # The next step trains on: its update is applied.
+    nxt = torch.load(out / "fsdp_cpt26.pth", weights_only=True)
+    assert not torch.equal(nxt["model"]["tok_embeddings.weight"], after["model"]["tok_embeddings.weight"])
+
+    # Resumed after the first skip, the run skips the second spike (3 steps later: its 2nd step) as the
+    # uninterrupted one did, which it could not with a fresh window of fewer than 20 values.
+    resumed = tmp_path / "resumed"
+    run_train(*args, f"--resume_from={out / 'fsdp_cpt26.pth'}", nproc=2, out_dir=resumed, corpus=corpus,
+              dataset_dir=dataset_dir, faults={"spike_at_steps": {"steps": [2], "scale": 10}})
+    got = {row["step"]: row for row in read_metrics(resumed) if "loss" in row}
+    assert losses(resumed) == {s: rows[s]["loss"] for s in range(27, SPIKE_STEPS + 1)}
+    assert [s for s, row in got.items() if row.get("skipped")] == [28]
+    assert got[SPIKE_STEPS]["skipped_steps"] == 2
+
+
+@pytest.mark.slow  # launches a training job
+def test_a_quiet_run_skips_nothing(tmp_path, corpus, dataset_dir):
+    from tests.helpers import read_metrics, run_train
+
+    out = tmp_path / "quiet"
+    proc = run_train("--train.max_steps=60", "--train.warmup_steps=5", nproc=2, out_dir=out, corpus=corpus,
+                     dataset_dir=dataset_dir)
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert len(rows) == 60 and all(row["skipped_steps"] == 0 and "skipped" not in row for row in rows)
+    assert "train.skip_spikes" not in proc.stderr

@@ -223,3 +223,40 @@ def test_grad_sync_every_micro_batch_keeps_gradients_sharded_and_trains_the_same
             assert last["held"] >= 2 * last["shard"] - 64, version  # whole: the world's shards (padding aside)
             torch.testing.assert_close(torch.tensor(every["weights"]), torch.tensor(last["weights"]), rtol=1e-5,
                                        atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_spike_skipped_with_a_grad_scaler_leaves_everything_and_the_next_step_runs(tmp_path, corpus, dataset_dir,
+                                                                                    world_of_one):
+    """train.skip_spikes' skip inside train_step, with fp16's grad scaler (its sharded one, on the CPU): no
+    update, no optimizer state, the scaler's step record closed so that the next step unscales and steps as
+    usual, and the finite gradients counted towards the scale's growth as any step's."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from fsdp_utils.train.spikes import SpikeSkipper
+    from tests.helpers import set_up
+
+    cfg = tiny_cfg(tmp_path, corpus, dataset_dir, "--train.optimizer=muon", "--model.vocab_size=320")
+    run = set_up(cfg, world_of_one)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**8)
+    skipper = SpikeSkipper(window=20, min_values=20)
+    for i in range(20):  # a quiet window far below the random tokens' loss, ln(320)
+        skipper.check(3.0 + i * 1e-3, 1.0)
+    generator = torch.Generator().manual_seed(0)
+
+    def batches():
+        while True:
+            tokens = torch.randint(0, 320, (2, cfg.data.seq_len + 1), generator=generator)
+            yield tokens[:, :-1], tokens[:, 1:]
+
+    stream = batches()
+    before = [p.to_local().clone() for p in run.model.parameters()]
+    kwargs = dict(fsdp=run.built.fsdp, grad_accum=4, grad_clip=1.0, world_size=1, scaler=scaler)
+    result = step.train_step(run.model, run.optimizer, stream, skipper=skipper, **kwargs)
+    assert result.applied and result.skipped and result.skipped_steps == 1 and "loss" in result.skip_reason
+    assert all(torch.equal(old, p.to_local()) for old, p in zip(before, run.model.parameters(), strict=True))
+    assert not run.optimizer.state and all(p.grad is None for p in run.model.parameters())
+    assert scaler.get_scale() == 2.0**8 and int(scaler._growth_tracker) == 1
+    result = step.train_step(run.model, run.optimizer, stream, **kwargs)
+    assert result.applied and not result.skipped and result.skipped_steps is None
+    assert run.optimizer.state and not torch.equal(before[0], next(run.model.parameters()).to_local())

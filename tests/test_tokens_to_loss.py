@@ -39,3 +39,40 @@ def test_the_target_is_the_first_optimizers_best_and_the_ratio_its_tokens():
 def test_the_overrides_after_the_separator_go_to_every_run():
     args, overrides = parse_args(["c.yaml", "--lrs", "1e-3,2e-3", "--out", "o", "--", "--train.max_steps=5"])
     assert (args.lr_list, args.seed_list, overrides) == ([1e-3, 2e-3], [1, 2], ["--train.max_steps=5"])
+
+
+def test_runs_of_several_ranks_go_under_torchrun_each_on_gpus_of_its_own():
+    from benchmarks.tokens_to_loss import gpu_slots, launcher
+
+    args, _ = parse_args(["c.yaml", "--out", "o", "--nproc_per_node", "2", "--concurrent", "3"])
+    assert (args.nproc_per_node, args.concurrent) == (2, 3)
+    assert launcher(1)[1:] == [] and launcher(2)[1:] == ["-m", "torch.distributed.run", "--standalone",
+                                                         "--nproc_per_node=2"]
+    assert gpu_slots(3, 2, 8) == ["0,1", "2,3", "4,5"]
+    assert gpu_slots(4, 1, 4) == ["0", "1", "2", "3"]
+    assert gpu_slots(3, 2, 4) == [None, None, None]  # too few GPUs: every run sees them all (or the CPU)
+    with pytest.raises(SystemExit):
+        parse_args(["c.yaml", "--out", "o", "--nproc_per_node", "0"])
+
+
+def test_a_run_gets_a_new_folder_and_its_checkpoints_go_unless_kept(tmp_path, monkeypatch):
+    import subprocess
+
+    from benchmarks import tokens_to_loss
+
+    def fake_train(cmd, **kwargs):  # what train_fsdp.py leaves: metrics, a config, a full and a sharded checkpoint
+        run = next(a.split("=", 1)[1] for a in cmd if a.startswith("--run.output_dir="))
+        (tokens_to_loss.Path(run) / "fsdp_sharded_cpt5").mkdir(parents=True)
+        for name in ("metrics.jsonl", "config.yaml", "fsdp_cpt5.pth", ".fsdp_cpt5.pth.json"):
+            (tokens_to_loss.Path(run) / name).write_text("x")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(tokens_to_loss.subprocess, "run", fake_train)
+    _, status, _ = tokens_to_loss.train(Run("muon", 1e-3, 1), "c.yaml", [], tmp_path, keep_checkpoints=False)
+    kept = Run("muon", 1e-3, 2)
+    tokens_to_loss.train(kept, "c.yaml", [], tmp_path, keep_checkpoints=True)
+    left = sorted(p.name for p in (tmp_path / Run("muon", 1e-3, 1).name / "run").iterdir())
+    assert status == 0 and left == ["config.yaml", "metrics.jsonl"]
+    assert len(list((tmp_path / kept.name / "run").iterdir())) == 5
+    with pytest.raises(FileExistsError):  # a folder of an earlier sweep is never trained into
+        tokens_to_loss.train(kept, "c.yaml", [], tmp_path, keep_checkpoints=True)

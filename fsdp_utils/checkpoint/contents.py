@@ -44,6 +44,7 @@ PER_RANK_PARTS = (RNG,)
 # JSON mapping, or None where the run has none) under its name in the train_state record.
 PLAIN_PARTS = (
     "grad_scaler",  # torch.amp.GradScaler (fp16): the loss scale and its growth tracker
+    "spike_skipper",  # train/spikes.py SpikeSkipper (train.skip_spikes): its window of losses and gradient norms
 )
 
 # Module names that wrappers insert into parameter names; checkpoints hold the plain model's names.
@@ -67,6 +68,7 @@ class TrainState:
     lr: float | None = None  # the learning rate of the last step taken: a resume checks the schedule continues
     max_steps: int = 0  # the run's length, decided once (train/resume.py run_length): a resume keeps it
     epochs: float | None = _field(None, positive=True)  # the train.epochs counted into max_steps; None: not given
+    optimizer: str = "adamw"  # the train.optimizer whose state the optimizer part holds (a resume keeps it)
 
     def advance(self, *, samples: int, tokens: int) -> None:
         """One optimizer step taken, on a global batch of `samples` sequences holding `tokens` tokens."""
@@ -79,6 +81,16 @@ class TrainState:
         """The train state of a (checked) train_state record; a field it lacks (a checkpoint saved before the field
         existed) takes its default."""
         return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls) if f.name in record})
+
+
+def optimizer_switch(saved: str, here: str, path: Path) -> str | None:
+    """The line for a resume under another train.optimizer than the checkpoint's (one optimizer's state is not the
+    other's), or None."""
+    if saved == here:
+        return None
+    return (f"{path}: saved with train.optimizer={saved}, this run has train.optimizer={here}: an optimizer's state "
+            f"does not carry over to another; resume with --train.optimizer={saved}, or start a new run from its "
+            f"weights with a fresh optimizer (model.init_from)")
 
 
 def train_state_record(state: TrainState, plain: Mapping[str, Stateful | None] | None = None) -> dict:
@@ -338,6 +350,11 @@ class Contents:
         with quiet_state_dict_warnings():
             for name in reversed(TENSOR_PARTS):
                 self.tensors[name].restore(saved[name], options, path)
+
+    def check_optimizer(self, record: Mapping[str, Any], path: Path) -> None:
+        """Before any tensor is restored: the checkpoint's train_state `record` was saved by this run's optimizer."""
+        if problem := optimizer_switch(TrainState.from_record(record).optimizer, self.state.optimizer, path):
+            raise CheckpointMismatch(problem)
 
     def record(self) -> dict:
         """The train_state record of a checkpoint of now."""

@@ -89,6 +89,7 @@ class FullCheckpoint(CheckpointFormat):
     def load(self, contents: Contents, path: Path) -> tuple[dict, dict]:
         tensors, per_rank, meta = parts_of(load_full(path))
         self.context.check_model(meta, path)
+        contents.check_optimizer(meta["train_state"], path)
         contents.restore_tensors(tensors, state_dict_options(contents.model, full_state_dict=True), path)
         return meta, per_rank
 

@@ -190,8 +190,8 @@ def _lora_problem(lora: object) -> str | None:
 
 def train_state_problem(state: object) -> str | None:
     """What is wrong with the metadata's train_state record, or None: its keys are contents.TrainState's fields (those
-    marked required present) and PLAIN_PARTS, each of the field's type (a count from 0 to 2**63-1, or a finite number
-    from 0, above 0 where marked positive), each plain part a mapping or None."""
+    marked required present) and PLAIN_PARTS, each of the field's type (a count from 0 to 2**63-1, a name, or a finite
+    number from 0, above 0 where marked positive), each plain part a mapping or None."""
     if not isinstance(state, dict):
         return "train_state is not a mapping"
     fields = dataclasses.fields(TrainState)
@@ -211,6 +211,8 @@ def _field_problem(field: dataclasses.Field, value: object) -> str | None:
     """What a TrainState field's value should have been, or None when it is that."""
     if field.type == "int":
         return None if is_int(value, 0, MAX_COUNT) else "an integer from 0 to 2**63-1"
+    if field.type == "str":
+        return None if isinstance(value, str) and re.fullmatch(r"[a-z0-9_]{1,64}", value) else "a name"
     positive = field.metadata.get("positive", False)
     if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                          and (value > 0 if positive else value >= 0)):

@@ -124,6 +124,7 @@ class ShardedCheckpoint(CheckpointFormat):
     def load(self, contents: Contents, path: Path) -> tuple[dict, dict]:
         meta = read_sharded_meta(path)
         self.context.check_model(meta, path)
+        contents.check_optimizer(meta["train_state"], path)
         options = state_dict_options(contents.model)
         with quiet_state_dict_warnings():
             tensors = contents.take_tensors(options)

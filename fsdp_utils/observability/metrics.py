@@ -95,14 +95,17 @@ class TrainingLog:
             log.info("compiling: the first step compiles the model (train.compile), which can take minutes; its time "
                      "is left out of tokens/s and the ETA")
 
-    def on_step(self, step: int, *, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
+    def on_step(self, step: int, *, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, skipped: bool = False,
+                skipped_steps: int | None = None) -> None:
+        """`skipped`: the spike skipper held this step's update back (its row is written whatever the interval, with
+        skipped: true); `skipped_steps`: the run's count of those so far, in every row (None: no spike skipping)."""
         now = time.perf_counter()
         if self.compiling:  # the rates count from the end of the step that compiled
             self.compiling = False
             if self.writer is not None:
                 log.info("compiled in %.1f s (step %d, with its compute)", now - self.last_time, step)
             self.last_time, self.last_step = now, step
-        if step % self.interval and step != self.max_steps:
+        if step % self.interval and step != self.max_steps and not skipped:
             return
         # Seconds per step since the last logged one; none right after the step that compiled.
         step_time = (now - self.last_time) / (step - self.last_step) if step > self.last_step else None
@@ -110,6 +113,10 @@ class TrainingLog:
         mfu = self.flops_per_token * tok_per_gpu / self.peak_flops if self.peak_flops and tok_per_gpu else None
         row = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
                "tokens_per_sec_per_gpu": tok_per_gpu, "mfu": mfu, "peak_mem_gib": peak_memory_gib(self.device)}
+        if skipped:
+            row["skipped"] = True
+        if skipped_steps is not None:
+            row["skipped_steps"] = skipped_steps
         self.last_row = row
         if self.writer is not None:
             log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s/gpu | mfu %s | mem %.2f GiB | "

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from config import Config
+from config import Config, ConfigError
 
 from ..distributed import DistEnv
 from ..host_memory import host_memory
@@ -24,7 +24,8 @@ from ..parallel.weights import WeightInit
 from .batch import BatchSplit
 from .memory import MemoryProbe, memory_probe
 from .microbatch import MicroBatchChoice, cache_key, resolve_micro_batch
-from .optim import build_optimizer
+from .optim import MuonSettings, build_optimizer
+from .spikes import SpikeSkipper
 
 
 def _host_free() -> int | None:
@@ -54,13 +55,14 @@ class Parts:
 class BuiltRun(Parts):
     """What trains: the Parts with the wrapped model (`fsdp` serves the step, the out-of-memory guard and the
     checkpoints), its optimizer, the grad scaler, the GPU's memory readings (`probe`, None on the CPU), the micro-batch
-    cache's key, the micro-batch choice and the batch split."""
+    cache's key, the micro-batch choice, the batch split and the spike skipper."""
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
     probe: MemoryProbe | None
     cache_key: dict
     choice: MicroBatchChoice
     split: BatchSplit
+    skipper: SpikeSkipper | None = None  # train.skip_spikes: train_step's, saved in checkpoints
 
 
 def build(cfg: Config, env: DistEnv, *, eos_id: int | None, fused_matmul: bool | None = None) -> Parts:
@@ -90,8 +92,12 @@ def finish(cfg: Config, env: DistEnv, parts: Parts, model: nn.Module, *, vocab_s
     t, fsdp, precision, converters = cfg.train, parts.fsdp, parts.precision, parts.converters
     if parts.init is not None:  # with CPU offload the sharded parameters live in host memory
         parts.init.init_sharded(model, torch.device("cpu") if fsdp.offload else env.device)
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
-                                fused=fused_adamw and not precision.use_grad_scaler)
+    try:
+        optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.beta1, t.beta2),
+                                    fused=fused_adamw and not precision.use_grad_scaler,
+                                    muon=_muon_settings(cfg, env, parts, model))
+    except ValueError as err:  # Muon on matrices it cannot take (the config's checks refuse FSDP1 before)
+        raise ConfigError([str(err)]) from None
     for converter in converters:
         converter.register(model, optimizer)  # post-step work runs inside optimizer.step()
     scaler = None
@@ -112,8 +118,22 @@ def finish(cfg: Config, env: DistEnv, parts: Parts, model: nn.Module, *, vocab_s
             converter.refresh(model)
     if probe is not None:
         probe.begin(split.micro_batch_size)  # the memory figures from here on are the training's
+    skipper = SpikeSkipper(window=t.spike_window, sigmas=t.spike_sigmas,
+                           min_values=min(SpikeSkipper.MIN_VALUES, t.spike_window)) if t.skip_spikes else None
     return BuiltRun(**{**vars(parts), "model": model}, optimizer=optimizer, scaler=scaler, probe=probe, cache_key=key,
-                    choice=choice, split=split)
+                    choice=choice, split=split, skipper=skipper)
+
+
+def _muon_settings(cfg: Config, env: DistEnv, parts: Parts, model: nn.Module) -> MuonSettings | None:
+    """train.optimizer=muon's settings: the blocks of the wrapped model (FSDP2 shards them in place), Newton-Schulz
+    in bf16 on GPUs and in fp32 on the CPU, where bf16 matmuls are emulated and slow, and where fp32 keeps a
+    sharded run equal to one process's to float rounding."""
+    t = cfg.train
+    if t.optimizer != "muon":
+        return None
+    blocks = [m for m in model.modules() if isinstance(m, tuple(parts.units))]
+    return MuonSettings(blocks, parts.fsdp, momentum=t.muon_momentum, ns_steps=t.muon_ns_steps,
+                        ns_dtype=torch.bfloat16 if env.device.type == "cuda" else torch.float32)
 
 
 def build_run(cfg: Config, env: DistEnv, *, vocab_size: int, model_signature: dict, eos_id: int | None,

@@ -48,14 +48,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from config.checks import MUON_FSDP1_PROBLEM
 from model.transformer import Attention, FeedForward
 
 from ..parallel.fsdp import FSDPAdapter
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c) as Muon publishes them
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
-FSDP1_PROBLEM = ("train.optimizer=muon needs fsdp.version: 2: FSDP1 flattens each unit's parameters into one 1-D "
-                 "shard, so no rank holds the rows of a matrix that Muon orthogonalizes whole")
+FSDP1_PROBLEM = MUON_FSDP1_PROBLEM  # the config's check says it first
 
 # Muon's hyperparameters, filled into every group with use_muon True that does not set its own.
 MUON_KEYS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "eps", "adjust_lr_fn")

@@ -40,13 +40,18 @@ class Observers:
                                peak_flops=peak_flops, trackers=trackers, compiling=t.compile)
 
     def on_step(self, step: int, result: StepResult, *, lr: float, split: BatchSplit) -> None:
-        """After the optimizer step `step`: the memory history, the log line and the metrics row."""
+        """After the optimizer step `step`: the memory history, a spike-skipped step's warning, the log line and the
+        metrics row."""
         if step == self.first_step + 2 and self.hint:
             hint = memory_hint(self.probe, self.env, micro_batch=split.micro_batch_size, grad_accum=split.grad_accum)
             if hint and self.env.is_main:
                 log.info("%s", hint)
         self.memory.on_step_end(step)
-        self.log.on_step(step, loss=result.loss, lr=lr, grad_norm=result.grad_norm)
+        if result.skipped and self.env.is_main:
+            log.warning("step %d: update skipped (train.skip_spikes): %s; %d steps skipped so far", step,
+                        result.skip_reason, result.skipped_steps)
+        self.log.on_step(step, loss=result.loss, lr=lr, grad_norm=result.grad_norm, skipped=result.skipped,
+                         skipped_steps=result.skipped_steps)
 
     def on_eval(self, step: int, row: dict, *, seconds: float) -> None:
         self.log.on_eval(step, row, seconds=seconds)

@@ -1,39 +1,74 @@
-"""AdamW with weight decay on matrices only, and the learning-rate schedules (warmup, then cosine, WSD or constant)."""
+"""The optimizer of train.optimizer (AdamW, or Muon with AdamW: muon.py) with weight decay on matrices only, and the
+learning-rate schedules (warmup, then cosine, WSD or constant)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from ..parallel.fsdp import FSDPAdapter
+from .muon import MuonAdamW, sharding_problem, split_parameters
+
 if TYPE_CHECKING:
     from config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                    fused: bool = True) -> torch.optim.AdamW:
-    """Decay matrices (embeddings and projections), not norm weights. Needs the original parameters
-    (FSDP2, or FSDP1 with use_orig_params=True): a flat parameter mixes both kinds.
+def decay_split(model: nn.Module, leave_out: Collection[nn.Parameter] = ()) -> tuple[list[nn.Parameter],
+                                                                                  list[nn.Parameter]]:
+    """The trainable parameters (those in `leave_out` aside) as (decay, no_decay): matrices (embeddings and
+    projections) decay, norm weights and biases do not. Needs the original parameters (FSDP2, or FSDP1 with
+    use_orig_params=True): a flat parameter mixes both kinds.
 
     The split goes by the owning module, not by `param.ndim`: FSDP1 (use_orig_params) shows every
     sharded parameter as a 1-D view of its shard, so an ndim test would decay nothing on several
     ranks and the matrices on one, and the groups would differ with the world size."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
-    seen: set[int] = set()
+    seen: set[int] = {id(p) for p in leave_out}
     for module in model.modules():
         is_norm = isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
         for name, param in module.named_parameters(recurse=False):
             if param.requires_grad and id(param) not in seen:
                 seen.add(id(param))
                 (no_decay if is_norm or name == "bias" else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return decay, no_decay
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """train.optimizer=muon: the blocks whose linear layers' weights Muon trains (ours, or a Hugging Face model's
+    decoder layers), the FSDP adapter that sharded them, Muon's hyperparameters and the Newton-Schulz dtype."""
+    blocks: Sequence[nn.Module]
+    fsdp: FSDPAdapter
+    momentum: float = 0.95
+    ns_steps: int = 5
+    ns_dtype: torch.dtype = torch.bfloat16
+
+
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+                    fused: bool = True, muon: MuonSettings | None = None) -> torch.optim.Optimizer:
+    """AdamW on decay_split's two groups; with `muon`, MuonAdamW: Muon on the blocks' weight matrices (decayed
+    alike), AdamW on the rest as decay_split divides it. ValueError where Muon cannot run on the sharded matrices."""
     # The fused kernel is one launch for all parameters; it exists for CUDA tensors only (with CPU
     # offload the sharded parameters, and so the optimizer step, live in host memory).
-    on_gpu = all(p.device.type == "cuda" for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused and on_gpu)
+    fused = fused and all(p.device.type == "cuda" for p in model.parameters() if p.requires_grad)
+    if muon is None:
+        decay, no_decay = decay_split(model)
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+    split = split_parameters(model, muon.blocks)
+    if problem := sharding_problem(muon.fsdp, split.matrices):
+        raise ValueError(problem)
+    decay, no_decay = decay_split(model, leave_out=split.matrices)
+    muon_groups = [{"params": split.matrices, "use_muon": True, "weight_decay": weight_decay},
+                   {"params": decay, "use_muon": False, "weight_decay": weight_decay},
+                   {"params": no_decay, "use_muon": False, "weight_decay": 0.0}]
+    return MuonAdamW(muon_groups, lr=lr, weight_decay=weight_decay, momentum=muon.momentum, ns_steps=muon.ns_steps,
+                     betas=betas, fused=fused, row_splits=split.row_splits, ns_dtype=muon.ns_dtype)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from config import Config, ConfigError, TrainConfig, config_warnings
 from config.checks import run_length_problems
 
 from ..checkpoint import CheckpointManager, CheckpointMismatch, TrainState
+from ..checkpoint.contents import optimizer_switch
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.io import read_meta
 from ..checkpoint.manager import newer_work, odd_checkpoint_problem
@@ -157,6 +158,8 @@ def resume_refusals(cfg: Config, resume_from: str | None) -> list[str]:
         saved = TrainState.from_record(read_meta(path)["train_state"])
     except (CheckpointError, OSError, TypeError):
         return []
+    if problem := optimizer_switch(saved.optimizer, cfg.train.optimizer, path):
+        return [problem]
     steps = cfg.train.max_steps if cfg.train.epochs is None else kept_length(cfg.train, saved)
     if steps is not None and saved.step > steps:
         return [nothing_to_train(_with_length(cfg, steps), saved.step, epochs=cfg.train.epochs)]

@@ -29,7 +29,10 @@ class SpikeSkipper:
     skipped steps in a row the values are taken to have moved for good (a new data mixture, a changed learning
     rate), not to spike: the window starts afresh from the next step, which is applied, and 0 never does that."""
 
-    def __init__(self, *, window: int = 128, sigmas: float = 6.0, min_values: int = 20, max_consecutive: int = 10):
+    MIN_VALUES = 20
+
+    def __init__(self, *, window: int = 128, sigmas: float = 6.0, min_values: int = MIN_VALUES,
+                 max_consecutive: int = 10):
         if window < 2 or not 2 <= min_values <= window:
             raise ValueError(f"a spike window of {window} values and a minimum of {min_values}: need "
                              "2 <= min_values <= window")

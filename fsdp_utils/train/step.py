@@ -1,6 +1,7 @@
 """The one training step: forward and backward over the micro-batches (gradients reduced as fsdp.grad_sync says),
-unscaling (fp16), clipping over all shards, the loss and stop-flag all-reduce, the finiteness check and
-the optimizer step (whose hooks run the model converters' post-step work, e.g. FP8 scales).
+unscaling (fp16), clipping over all shards, the loss and stop-flag all-reduce, the finiteness check, the spike
+skipper's decision (train.skip_spikes) and the optimizer step (whose hooks run the model converters' post-step work,
+e.g. FP8 scales).
 
 The training loop, benchmarks/benchmark.py and the micro-batch search's trial steps all call `train_step`,
 so what is timed and measured is what trains."""
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from model.loss import IGNORE_INDEX
 
 from ..parallel.fsdp import FSDPAdapter
+from .spikes import SpikeSkipper
 
 log = logging.getLogger("train")
 
@@ -75,15 +77,21 @@ class StepResult:
     grad_norm: Tensor  # over all shards, before clipping
     applied: bool  # False: the loss or the gradient norm was not finite and the update was skipped
     stop_requested: bool  # some rank asked to stop (a signal); every rank sees the same
+    skipped: bool = False  # the spike skipper held this finite step's update back
+    skip_reason: str | None = None  # why, for the log
+    skipped_steps: int | None = None  # the run's spike-skipped steps so far, resumes included; None: no skipper
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches, *, fsdp: FSDPAdapter,
                grad_accum: int, grad_clip: float, world_size: int, scaler: Scaler | None = None,
-               stop_requested: bool = False, masked_targets: bool = False) -> StepResult:
+               stop_requested: bool = False, masked_targets: bool = False,
+               skipper: SpikeSkipper | None = None) -> StepResult:
     """One optimizer step on `grad_accum` micro-batches from `batches`. Every rank calls it together and
     reaches the same decision: the loss, the gradient norm and the stop flags are reduced over the ranks,
     and the step's one host sync reads them (a non-finite step is skipped everywhere). masked_targets: the
-    targets may hold IGNORE_INDEX (see forward_backward)."""
+    targets may hold IGNORE_INDEX (see forward_backward). `skipper` (train.skip_spikes) decides from the values
+    that sync reads whether the update is held back: the gradients are dropped, the optimizer state stays as
+    it was; the caller moves the data and the schedule on as for any step."""
     loss_sum = forward_backward(model, batches, scaler, fsdp=fsdp, grad_accum=grad_accum, world_size=world_size,
                                 masked_targets=masked_targets)
     if scaler is not None:
@@ -95,17 +103,25 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batc
     loss = shared[0] / world_size
     # With a grad scaler an overflowing gradient is the scaler's business (it skips that step itself).
     finite = torch.isfinite(loss) if scaler is not None else torch.isfinite(loss) & torch.isfinite(grad_norm)
-    is_finite, any_stop = torch.stack([finite.float(), shared[1]]).tolist()
+    # The step's one host sync, which the spike skipper's values ride on.
+    is_finite, any_stop, loss_value, norm_value = torch.stack(
+        [finite.float(), shared[1], loss, grad_norm.to(loss.device, torch.float32)]).tolist()
     if not is_finite:
         optimizer.zero_grad(set_to_none=True)
         return StepResult(loss, grad_norm, applied=False, stop_requested=any_stop > 0)
+    result = StepResult(loss, grad_norm, applied=True, stop_requested=any_stop > 0)
+    if skipper is not None:
+        result.skipped = skipper.check(loss_value, norm_value)
+        result.skip_reason, result.skipped_steps = skipper.reason, skipper.num_skipped
     if scaler is not None:
-        scaler.step(optimizer)
+        if not result.skipped:
+            scaler.step(optimizer)
+        # Also after a skip: it ends the step's unscale_ record, and counts the finite gradients as any step's.
         scaler.update()
-    else:
+    elif not result.skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, grad_norm, applied=True, stop_requested=any_stop > 0)
+    return result
 
 
 class BadSteps:
