@@ -3,20 +3,21 @@ then say how many tokens each optimizer needs to reach the best final validation
 
     python scripts/prepare_data.py config/train90M_fsdp.yaml --data.builtin_corpus=python --data.dataset_dir=/data/py
     python benchmarks/tokens_to_loss.py config/train90M_fsdp.yaml --optimizers adamw,muon \
-        --lrs 1e-3,2e-3,4e-3 --seeds 1,2 --concurrent 2 --out /tmp/ttl -- \
-        --data.sources="[{path: /data/py, weight: 1.0}]" --train.max_steps=150 --train.eval_interval=10
+        --lrs 1e-3,2e-3,4e-3 --seeds 1,2 --concurrent 4 --out /tmp/ttl -- --data.dataset_dir=/data/py \
+        --fsdp.version=2 --train.max_steps=200 --train.eval_interval=10 --train.global_batch_size=16
 
 Each run is `train_fsdp.py CONFIG OVERRIDES --train.optimizer=O --train.lr=LR --run.seed=S` in a process of its
 own, or under torchrun with `--nproc_per_node` ranks, writing into OUT/<optimizer>-lr<LR>-s<S>/; `--concurrent` of
 them run at a time, each on GPUs of its own where the machine has enough (CUDA_VISIBLE_DEVICES). The
-overrides after `--` go to every run: a prepared folder given as data.sources keeps the validation split the same
+overrides after `--` go to every run: a prepared folder (data.dataset_dir) keeps the validation split the same
 for every seed (run.seed then draws the weights and the data order only). From each run's metrics.jsonl:
 the validation loss at each evaluation against the tokens trained (steps x global batch x sequence length),
 tokens/s and peak memory. The best learning rate of an optimizer is the one with the lowest final validation loss
 averaged over the seeds; the target is the first optimizer's best; for each optimizer at its best learning rate,
 the tokens at which its seed-averaged validation curve first reaches the target (linear between evaluations;
 none when it never does), and that over the first optimizer's. Prints a table, writes OUT/summary.json and, with
-matplotlib, OUT/val_loss.png (the best runs' curves).
+matplotlib, OUT/val_loss.png (the best runs' curves). `--summarize_only` trains nothing and summarizes the finished
+runs in OUT: a sweep made over several calls, its run folders gathered into one.
 """
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--concurrent", type=int, default=1, help="runs at a time")
     parser.add_argument("--nproc_per_node", type=int, default=1, help="ranks of each run (torchrun when above 1)")
     parser.add_argument("--out", required=True, help="a folder for the runs and the summary")
+    parser.add_argument("--summarize_only", action="store_true",
+                        help="train nothing: summarize the runs already in --out (a sweep made over several calls, "
+                             "its run folders gathered into one)")
     parser.add_argument("--keep_checkpoints", action="store_true", help="keep each run's checkpoints (default: "
                         "deleted once the run ends; a 300M run's last checkpoint is several GB)")
     args = parser.parse_args(own)
@@ -136,6 +140,18 @@ def read_run(folder: Path) -> dict:
     speeds = [row["tokens_per_sec_per_gpu"] for row in rows if row.get("tokens_per_sec_per_gpu")]
     return {"curve": curve, "tokens_per_sec_per_gpu": statistics.median(speeds) if speeds else None,
             "peak_mem_gib": max((row.get("peak_mem_gib") or 0.0 for row in rows), default=None)}
+
+
+def finished(run_dir: Path) -> bool:
+    """Whether a run folder's metrics.jsonl holds its config's last step (a run cut short holds fewer)."""
+    import yaml
+
+    try:
+        last = int(yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"])
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return any(row.get("step") == last for row in rows)
 
 
 def _num_gpus() -> int:
@@ -228,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
     runs = [Run(o, lr, s) for o in args.optimizer_list for lr in args.lr_list for s in args.seed_list]
+    if args.summarize_only:
+        return summarize_runs(runs, args.optimizer_list, out)
     failed = []
     slots: queue.Queue = queue.Queue()
     for devices in gpu_slots(args.concurrent, args.nproc_per_node, _num_gpus()):
@@ -242,8 +260,18 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"error: {len(failed)} runs failed ({', '.join(failed)}): see their train.log in {out}", file=sys.stderr)
         return 1
+    return summarize_runs(runs, args.optimizer_list, out)
+
+
+def summarize_runs(runs: list[Run], optimizers: list[str], out: Path) -> int:
+    """Read the finished runs in `out`, print their table and summary, write summary.json and val_loss.png."""
+    missing = [run.name for run in runs if not finished(out / run.name / "run")]
+    if missing:
+        print(f"error: no finished run in {out} for {', '.join(missing)} (metrics.jsonl reaching train.max_steps)",
+              file=sys.stderr)
+        return 1
     results = {run: read_run(out / run.name) for run in runs}
-    summary = summarize(results, args.optimizer_list)
+    summary = summarize(results, optimizers)
     lines = report(results, summary)
     print("\n".join(lines))
     (out / "summary.json").write_text(json.dumps(

@@ -2,6 +2,8 @@
 summary across learning rates, on curves whose answers are worked out by hand."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.tokens_to_loss import Run, mean_curve, parse_args, summarize, tokens_to_reach
@@ -76,3 +78,30 @@ def test_a_run_gets_a_new_folder_and_its_checkpoints_go_unless_kept(tmp_path, mo
     assert len(list((tmp_path / kept.name / "run").iterdir())) == 5
     with pytest.raises(FileExistsError):  # a folder of an earlier sweep is never trained into
         tokens_to_loss.train(kept, "c.yaml", [], tmp_path, keep_checkpoints=True)
+
+
+def test_summarize_only_reads_finished_runs_and_names_the_ones_cut_short(tmp_path, capsys):
+    from benchmarks.tokens_to_loss import main
+
+    def write_run(name, losses, *, max_steps=20):
+        run = tmp_path / name / "run"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(f"train: {{max_steps: {max_steps}, global_batch_size: 2}}\n"
+                                         "data: {seq_len: 5}\n")
+        rows = [{"step": 10 * (i + 1), "val_loss": loss, "tokens_per_sec_per_gpu": 100.0, "peak_mem_gib": 1.0}
+                for i, loss in enumerate(losses)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    write_run("adamw-lr0.001-s1", [5.0, 4.0])
+    write_run("muon-lr0.001-s1", [4.0])  # cut short at step 10 of 20
+    argv = ["c.yaml", "--lrs", "1e-3", "--seeds", "1", "--out", str(tmp_path), "--summarize_only"]
+    assert main(argv) == 1
+    assert "muon-lr0.001-s1" in capsys.readouterr().err
+    (tmp_path / "muon-lr0.001-s1" / "run" / "metrics.jsonl").unlink()
+    (tmp_path / "muon-lr0.001-s1" / "run" / "config.yaml").unlink()
+    (tmp_path / "muon-lr0.001-s1" / "run").rmdir()
+    write_run("muon-lr0.001-s1", [4.0, 3.5])
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # 10 tokens a step: adamw's final 4.0 at step 20 (200 tokens), muon's 4.0 at step 10 (100 tokens)
+    assert summary["target_val_loss"] == 4.0 and summary["optimizers"]["muon"]["ratio"] == 0.5
