@@ -203,16 +203,24 @@ def _ns_cost(shape: tuple[int, int], splits: tuple[int, ...]) -> int:
     return sum(min(r, cols) ** 2 * max(r, cols) for r in splits)
 
 
+def assign_owners(parameters: Sequence[tuple[tuple[int, int], tuple[int, ...]]], size: int) -> list[int]:
+    """The rank of `size` that orthogonalizes each parameter ((rows, cols), the row counts of its matrices):
+    longest work first onto the least loaded rank, ties to the earlier parameter and the lower rank. It depends
+    only on the shapes and their order, so every rank computes the same (and the planner the same as a run)."""
+    costs = [_ns_cost(shape, splits) for shape, splits in parameters]
+    loads = [0] * size
+    owners = [0] * len(parameters)
+    for j in sorted(range(len(parameters)), key=lambda j: (-costs[j], j)):
+        owners[j] = min(range(size), key=lambda r: (loads[r], r))
+        loads[owners[j]] += costs[j]
+    return owners
+
+
 def _plan_exchange(members: list[int], matrices: list[_Matrix], *, group: Any, device: torch.device, rank: int,
                    size: int) -> _Exchange:
-    """Owners by longest-work-first onto the least loaded rank (the same on every rank: it depends only on the
-    shapes and their order), then the all_to_all splits."""
-    loads = [0] * size
-    owners: dict[int, int] = {}
-    for i in sorted(members, key=lambda i: (-_ns_cost(matrices[i].shape, matrices[i].splits), i)):
-        owner = min(range(size), key=lambda r: (loads[r], r))
-        owners[i] = owner
-        loads[owner] += _ns_cost(matrices[i].shape, matrices[i].splits)
+    """Owners by assign_owners (members are in ascending order), then the all_to_all splits."""
+    owners = dict(zip(members, assign_owners([(matrices[i].shape, matrices[i].splits) for i in members], size),
+                      strict=True))
     ordered = sorted(members, key=lambda i: (owners[i], i))
     rows = {i: chunk_rows(matrices[i].shape[0], size) for i in members}
     ex = _Exchange(group, device, rank, size, ordered, owners, rows)

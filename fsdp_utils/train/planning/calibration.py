@@ -24,6 +24,7 @@ _SMALL = "2026-11-26-2xh100-auto-micro-batch-presets.md"
 _FP8_BATCHES = "2026-11-27-2xh200-8b-search-time-and-1b-fp8-micro-batches.md"
 _TRIALS_1B = "2026-11-27-4xh200-fp8-weights-cast-once-and-presets-vs-reference.md"
 _BY_ROLE = "2026-11-27-2xh200-8b-checkpointing-by-role-against-torchtitan.md"
+_MUON = "2026-12-02-h200-muon-against-adamw.md"
 
 CALIBRATION: dict[str, Constant] = {
     # ---- memory (memory.py) ----
@@ -128,7 +129,13 @@ CALIBRATION: dict[str, Constant] = {
     "optimizer_bytes_per_param": Constant(
         104.0, "bytes per parameter of the shard at the HBM bandwidth", _KERNELS,
         "fused AdamW and the step's other kernels: 42.2 ms at 1B on one GPU, less the two micro-batches' FSDP copies "
-        "(12.5 ms); fitted over all points instead: 101"),
+        "(12.5 ms); fitted over all points instead: 101. Muon's step less its Newton-Schulz took about as long (17.3 "
+        "against AdamW's 15.6 ms at 1B, " + _MUON + ")"),
+    "newton_schulz_efficiency": Constant(
+        0.553, "of the dense bf16 peak", _MUON,
+        "train.optimizer=muon's five Newton-Schulz iterations, batched by shape in bf16: 64.94 TFLOP a step at 1B in "
+        "118.64 ms (547.3 TFLOP/s, benchmarks/bench_muon.py); the optimizer step measured 120 ms above AdamW's there, "
+        "22 and 6 at 300M and 90M, where smaller matrices run below this share (15 and 3 ms at it)"),
     "block_host_s": Constant(
         0.0035, "seconds per block and micro-batch", _SMALL,
         "the host's work beside each block's kernels (bf16); fitted (as above), pinned by micro-batch 8 against 32 "

@@ -23,7 +23,8 @@ class Memory:
     grads: float
     """fp32 gradients alive at the peak: sharded ones between micro-batches, whole ones without their sync."""
     optimizer: float
-    """AdamW's two fp32 moments, sharded."""
+    """The optimizer's fp32 state, sharded: AdamW's two moments a parameter; with Muon one momentum for the blocks'
+    matmul weights."""
     activations: float
     """What the blocks keep for backward under the checkpointing policy (and a checkpointed block's recompute)."""
     loss: float
@@ -59,6 +60,13 @@ def fp8_linear_params(shape: ModelShape, s: Settings) -> int:
     """Parameters that train.float8 runs as FP8 linears: every matmul of every block (all our widths are multiples
     of 16)."""
     return shape.n_layers * shape.block_matmul_params if s.float8 != "none" else 0
+
+
+def optimizer_state_bytes(shape: ModelShape, s: Settings) -> float:
+    """The whole model's optimizer state: two fp32 moments a parameter (AdamW), but one momentum for each of the
+    blocks' matmul weights that train.optimizer=muon gives Muon."""
+    muon = shape.n_layers * shape.block_matmul_params if s.optimizer == "muon" else 0
+    return FP32 * (2 * shape.params - muon)
 
 
 def kept_bytes_per_token(shape: ModelShape, plan: Plan, s: Settings, c: Mapping[str, float]) -> float:
@@ -137,7 +145,7 @@ def estimate_memory(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings
     group = plan.shard_size(cluster)
     tokens = plan.micro_batch * shape.seq_len
     params = FP32 * shape.params / group
-    optimizer = 2 * FP32 * shape.params / group
+    optimizer = optimizer_state_bytes(shape, s) / group
     sync = s.grad_sync_for(plan.sharding)
     held = 0.0  # gradients alive while the last micro-batch runs
     if plan.grad_accum > 1 and sync == "every_micro_batch":

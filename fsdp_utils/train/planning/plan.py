@@ -90,6 +90,10 @@ class Settings:
     """The CUDA allocator without expandable segments (records before train_fsdp.py turned them on)."""
     compiled: bool = True
     """train.compile: the estimate is of compiled blocks, as every record's but the uncompiled ablations."""
+    optimizer: str = "adamw"
+    """train.optimizer: adamw, or muon (Muon on the blocks' matmul weights, AdamW on the rest)."""
+    muon_ns_steps: int = 5
+    """train.muon_ns_steps: Newton-Schulz iterations a Muon matrix takes a step."""
 
     @property
     def fp8_all_gather(self) -> bool:
@@ -110,7 +114,8 @@ def settings_from(cfg: Config) -> Settings:
     t, f = cfg.train, cfg.fsdp
     return Settings(float8=t.float8, float8_output=t.float8_output, loss_chunk_tokens=t.loss_chunk_tokens,
                     reduce_bytes=4 if f.reduce_dtype == "fp32" else 2, grad_sync=f.grad_sync,
-                    margin=t.auto_micro_batch_margin, compiled=t.compile)
+                    margin=t.auto_micro_batch_margin, compiled=t.compile, optimizer=t.optimizer,
+                    muon_ns_steps=t.muon_ns_steps)
 
 
 def plan_from(cfg: Config, *, gpus: int, micro_batch: int | None = None, checkpointing: str | None = None) -> Plan:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from config import Config, ConfigError, check_batch_split
+from config.checks import MUON_FSDP1_PROBLEM
 
 from ...parallel.parallelize import CheckpointPolicy, auto_policies
 from ..batch import divisors
@@ -52,6 +53,8 @@ def plan_problems(cfg: Config, cluster: Cluster) -> list[str]:
         p.append("train.lora: the planner estimates training every weight; set train.lora.rank=0")
     if f.cpu_offload:
         p.append("fsdp.cpu_offload: the planner does not estimate host-offloaded training; set fsdp.cpu_offload=false")
+    if t.optimizer == "muon" and f.version == 1:  # the config's checks refuse it; a Config built in code may not
+        p.append(MUON_FSDP1_PROBLEM)
     if t.precision == "fp32":
         p.append("train.precision=fp32: the planner estimates bf16 or fp16 compute")
     if t.float8 != "none" and cluster.gpu.peak.fp8 is None:

@@ -40,6 +40,13 @@ class ModelShape:
         return sum(self.role_params.values())
 
     @property
+    def muon_block_parameters(self) -> tuple[tuple[tuple[int, int], tuple[int, ...]], ...]:
+        """One block's weights as train.optimizer=muon takes them, in the block's order: each parameter's (rows, cols)
+        and the row counts of the matrices stacked in it (wqkv: q, k, v; wo; w13: gate, up; w2)."""
+        q, d, kv, h = self.n_heads * self.head_dim, self.dim, self.kv_dim, self.hidden
+        return ((q + 2 * kv, d), (q, kv, kv)), ((d, q), (d,)), ((2 * h, d), (h, h)), ((d, h), (d,))
+
+    @property
     def embedding_params(self) -> int:
         return self.vocab * self.dim
 

@@ -3,12 +3,15 @@ efficiencies (matmuls, attention, elementwise passes, what the checkpointing pol
 host's work per block (Python, FSDP's hooks, FP8's weights) runs beside it and sets the pace where it is the longer
 of the two; the output projection and loss, FSDP's copies and the optimizer add to it; the collectives take their
 bytes over the link they cross (NVLink within a node, the network between nodes), hidden behind the kernels up to a
-share of their time. docs/planning.md describes each term; the constants are calibration.py's."""
+share of their time; Muon's step adds the Newton-Schulz iterations of the matrices a GPU owns and two all-to-alls.
+docs/planning.md describes each term; the constants are calibration.py's."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..muon import assign_owners
 from .calibration import VALUES
 from .memory import BF16, FP32, fp8_linear_params
 from .plan import Cluster, Plan, Settings
@@ -94,6 +97,59 @@ def _link_gb_s(cluster: Cluster, group: int) -> float:
     return cluster.gpu.nvlink_gb_s if group <= cluster.gpus_per_node else cluster.gpu.network_gb_s
 
 
+def _hop_s(cluster: Cluster, group: int, c: Mapping[str, float]) -> float:
+    """One step of a collective over `group` consecutive GPUs: NVLink's within a node, the network's across nodes."""
+    return c["nvlink_hop_latency_s"] if group <= cluster.gpus_per_node else c["network_hop_latency_s"]
+
+
+def ns_flops(rows: int, cols: int, steps: int) -> int:
+    """Newton-Schulz's FLOPs on one matrix, oriented (m, n) with m <= n: per iteration X X^T (2 m^2 n), the
+    polynomial's G G (2 m^3) and its product with X (2 m^2 n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
+def muon_load(shape: ModelShape, group: int, ns_steps: int) -> tuple[int, int]:
+    """The busiest GPU of a shard group of `group` under train.optimizer=muon, whose matrices are given to owners as
+    muon.py gives them: (the most Newton-Schulz FLOPs a GPU runs a step, the most matrix parameters a GPU owns)."""
+    return _muon_load(shape.muon_block_parameters, shape.n_layers, group, ns_steps)
+
+
+@functools.cache
+def _muon_load(block: tuple[tuple[tuple[int, int], tuple[int, ...]], ...], n_layers: int, group: int,
+               ns_steps: int) -> tuple[int, int]:
+    parameters = list(block) * n_layers
+    flops, owned = [0] * group, [0] * group
+    for ((rows, cols), splits), owner in zip(parameters, assign_owners(parameters, group), strict=True):
+        flops[owner] += sum(ns_flops(r, cols, ns_steps) for r in splits)
+        owned[owner] += rows * cols
+    return max(flops), max(owned)
+
+
+def optimizer_s(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings, c: Mapping[str, float] = VALUES) -> float:
+    """The optimizer step's kernels: passes over the GPU's shard at the HBM bandwidth (AdamW's; Muon's momentum,
+    updates and AdamW on the rest take about as long), and with Muon the Newton-Schulz iterations of the matrices the
+    GPU owns (all of them on one GPU) at a share of the bf16 peak."""
+    group = plan.shard_size(cluster)
+    passes = c["optimizer_bytes_per_param"] * shape.params / group / (cluster.gpu.hbm_tb_s * 1e12)
+    if s.optimizer != "muon":
+        return passes
+    flops, _ = muon_load(shape, group, s.muon_ns_steps)
+    return passes + flops / (cluster.gpu.peak.bf16 * c["newton_schulz_efficiency"])
+
+
+def _muon_exchange_s(shape: ModelShape, cluster: Cluster, group: int, s: Settings, c: Mapping[str, float]) -> float:
+    """Muon's two all-to-alls a step over the shard group, not hidden: every GPU sends its bf16 rows of each block
+    matrix to the matrix's owner, which sends the results back; the busier end sets the time (a GPU's rows of all of
+    them, or an owner's whole matrices from the others)."""
+    if s.optimizer != "muon" or group == 1:
+        return 0.0
+    _, owned = muon_load(shape, group, s.muon_ns_steps)
+    rows = max(shape.n_layers * shape.block_matmul_params / group, owned)
+    transfer = BF16 * rows * (group - 1) / group / (_link_gb_s(cluster, group) * 1e9)
+    return 2 * (transfer + (group - 1) * _hop_s(cluster, group, c))
+
+
 def _collectives(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings, c: Mapping[str, float]) -> _Collectives:
     group = plan.shard_size(cluster)
     fp8 = fp8_linear_params(shape, s) if s.fp8_all_gather else 0
@@ -101,11 +157,10 @@ def _collectives(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings, c
     reduced = s.reduce_bytes * shape.params
     share = (group - 1) / group
     bus = _link_gb_s(cluster, group) * 1e9
-    hop = c["nvlink_hop_latency_s"] if group <= cluster.gpus_per_node else c["network_hop_latency_s"]
-    latency = (group - 1) * hop * (shape.n_layers + 2)  # a ring's steps, once per FSDP unit
+    latency = (group - 1) * _hop_s(cluster, group, c) * (shape.n_layers + 2)  # a ring's steps, once per FSDP unit
     gathers = {"FULL_SHARD": 2, "HYBRID_SHARD": 2, "SHARD_GRAD_OP": 1}.get(plan.sharding, 0)
     per_micro = gathers * (gathered * share / bus + latency) if group > 1 else 0.0
-    per_step = 0.0
+    per_step = _muon_exchange_s(shape, cluster, group, s, c)
     reduce_s = reduced * share / bus + latency if group > 1 else 0.0
     if plan.sharding != "NO_SHARD" and s.grad_sync_for(plan.sharding) == "every_micro_batch":
         per_micro += reduce_s
@@ -122,7 +177,6 @@ def _collectives(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings, c
 def estimate_speed(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings,
                    c: Mapping[str, float] = VALUES) -> Speed:
     """Step time and tokens/s per GPU of `plan` on `cluster`."""
-    group = plan.shard_size(cluster)
     gpu_s, host_s = block_gpu_s(shape, cluster, plan, s, c), block_host_s(s, c)
     p = c["host_overlap_power"]
     blocks = shape.n_layers * (gpu_s**p + host_s**p) ** (1 / p)
@@ -131,7 +185,7 @@ def estimate_speed(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings,
     comm = _collectives(shape, cluster, plan, s, c)
     # Communication runs beside the kernels, hidden up to a share of their time.
     exposed_micro = max(0.0, comm.per_micro_batch_s - c["comm_overlap"] * kernels) + comm.edge_s
-    optimizer = c["optimizer_bytes_per_param"] * shape.params / group / (cluster.gpu.hbm_tb_s * 1e12)
+    optimizer = optimizer_s(shape, cluster, plan, s, c)
     step = plan.grad_accum * (micro + exposed_micro) + optimizer + comm.per_step_s
     tokens_per_s = plan.grad_accum * plan.micro_batch * shape.seq_len / step
     return Speed(step_s=step, compute_s=plan.grad_accum * micro + optimizer,
