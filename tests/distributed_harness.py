@@ -46,6 +46,10 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store_file: s
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+        # gloo's init can return on one rank while another is still connecting to it: a rank whose fn returns at
+        # once would then close its side under the other ("Connection closed by peer"). Past the barrier, every
+        # rank's connections are complete.
+        dist.barrier()
         try:
             value = fn(rank, world_size, **kwargs)
         finally:
