@@ -19,6 +19,7 @@ from torch import nn
 
 from config import ConfigError, load_config
 from fsdp_utils.train.muon import NS_COEFFICIENTS, _Matrix, _orthogonalize_whole, split_parameters
+from fsdp_utils.train.planning.speed import ns_flops
 from model.transformer import DecoderBlock
 
 NS_STEPS = 5
@@ -32,12 +33,6 @@ def block_matrices(config: str, overrides: list[str]) -> tuple[list[tuple[int, i
     split = split_parameters(blocks, blocks)
     shapes = [(p.shape[0], p.shape[1]) for p in split.matrices]
     return shapes, [split.row_splits.get(p, (p.shape[0],)) for p in split.matrices]
-
-
-def ns_flops(rows: int, cols: int) -> int:
-    """Multiply-adds x 2 of Newton-Schulz on one matrix: per step X X^T, the polynomial's G G and its product with X."""
-    m, n = min(rows, cols), max(rows, cols)
-    return NS_STEPS * (4 * m * m * n + 2 * m ** 3)
 
 
 def ms_of(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -68,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     key = (NS_STEPS, NS_COEFFICIENTS, 1e-7)
     matrices = [_Matrix(shape, rows, key, []) for shape, rows in zip(shapes, splits, strict=True)]
     pieces = [(rows, shape[1]) for shape, split in zip(shapes, splits, strict=True) for rows in split]
-    flops = sum(ns_flops(*piece) for piece in pieces)
+    flops = sum(ns_flops(rows, cols, NS_STEPS) for rows, cols in pieces)
     print(f"{args.config}: {len(shapes)} parameters, {len(pieces)} matrices, "
           f"{sum(r * c for r, c in shapes) / 1e6:,.0f}M weights, {flops / 1e12:.2f} TFLOP of Newton-Schulz a step")
     for dtype in (torch.bfloat16, torch.float32):
