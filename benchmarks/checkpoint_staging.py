@@ -57,7 +57,7 @@ from config.numbers import (
 from fsdp_utils.checkpoint import CheckpointManager, Contents
 from fsdp_utils.checkpoint.async_save import check_host_memory
 from fsdp_utils.checkpoint.base import CheckpointContext
-from fsdp_utils.checkpoint.contents import StateDictAnswers, quiet_state_dict_warnings
+from fsdp_utils.checkpoint.contents import quiet_state_dict_warnings
 from fsdp_utils.checkpoint.errors import first_line
 from fsdp_utils.checkpoint.names import size_of
 from fsdp_utils.checkpoint.sharded import ShardedCheckpoint
@@ -410,7 +410,7 @@ class Bench:
     env: DistEnv
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    fsdp: StateDictAnswers  # the run's FSDP adapter: how its state dicts are taken
+    contents: Contents  # what a checkpoint of the run holds, its state dicts taken as the run's FSDP adapter says
     step: Callable[[], float]  # one training step; its seconds
     sharded: ShardedCheckpoint  # the state dicts a sharded save writes, taken as ours takes them
     group: Any  # a gloo group: DCP's asynchronous saves need a CPU backend
@@ -425,10 +425,6 @@ class Bench:
     touches: int = 0
     writer_stuck: str | None = None  # a process variant whose failed save DCP's writer process still waits in
     kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # the state dict's tensors by kind (kind_of)
-    contents: Contents = dataclasses.field(init=False)  # what a checkpoint of the run holds
-
-    def __post_init__(self) -> None:
-        self.contents = Contents(self.model, self.optimizer, fsdp=self.fsdp)
 
 
 class OursVariant:
@@ -852,7 +848,8 @@ def build_bench(cfg: Any, env: DistEnv, args: argparse.Namespace, *, root: Path,
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.run.timeout_s))
     sharded = ShardedCheckpoint(CheckpointContext(root, env, "sharded", 0, {}))
-    bench = Bench(cfg, env, run.model, run.optimizer, run.fsdp, step, sharded, group, root,
+    bench = Bench(cfg, env, run.model, run.optimizer, Contents(run.model, run.optimizer, fsdp=run.fsdp), step, sharded,
+                  group, root,
                   HostSampler(node=env.local_rank == 0), args, deadline)
     reset_peak(env)
     step()
