@@ -1,11 +1,13 @@
-"""Time the orthogonalization of one Muon step (every block matrix of a config's model) on one GPU, batched three ways:
+"""Time the orthogonalization of one Muon step (every block matrix of a config's model) on one GPU, batched four ways:
 
     python benchmarks/bench_muon.py config/train1B_fsdp.yaml            # any --model.* override after the config
 
-`by_shape` is what MuonAdamW runs: all matrices of one (oriented) shape in one Newton-Schulz chain of bmm calls;
-`per_parameter` one chain per parameter (wqkv's q, k and v, w13's gate and up split as MuonAdamW splits them);
-`per_matrix` one chain per matrix. Each in bf16 (what GPU runs use) and fp32. Prints ms per step and TFLOP/s;
-the optimizer step's share of a training step is benchmark.py --muon's. Results: docs/benchmarks.md."""
+`batched` is what MuonAdamW runs: the matrices of one (oriented) shape in chains of bmm calls of up to
+`NS_BATCH_ELEMENTS` elements each; `by_shape` all of one shape in one chain, however large; `per_parameter` one
+chain per parameter (wqkv's q, k and v, w13's gate and up split as MuonAdamW splits them); `per_matrix` one chain
+per matrix. Each in bf16 (what GPU runs use) and fp32, in place (each repeat orthogonalizes the last one's result,
+which costs the same). Prints ms per step and TFLOP/s; the optimizer step's share of a training step is
+benchmark.py --muon's. Results: docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +21,7 @@ from torch import nn
 
 from config import ConfigError, load_config
 from fsdp_utils.train.muon import NS_COEFFICIENTS, _Matrix, _orthogonalize_whole, split_parameters
-from fsdp_utils.train.planning.speed import ns_flops
+from fsdp_utils.train.planning.muon_work import ns_flops
 from model.transformer import DecoderBlock
 
 NS_STEPS = 5
@@ -78,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def orthogonalize_ways(updates: dict[int, torch.Tensor], matrices: list[_Matrix], splits: list[tuple[int, ...]],
                        key: tuple) -> dict[str, Callable[[], object]]:
-    """The three ways of batching, each a call that orthogonalizes every matrix of `updates` once."""
-    def by_shape() -> object:
+    """The four ways of batching, each a call that orthogonalizes every matrix of `updates` once."""
+    def batched() -> object:
         return _orthogonalize_whole(dict(updates), matrices)
+
+    def by_shape() -> object:
+        return _orthogonalize_whole(dict(updates), matrices, batch_elements=sum(x.numel() for x in updates.values()))
 
     def per_parameter() -> object:
         return [_orthogonalize_whole({i: x}, matrices) for i, x in updates.items()]
@@ -89,7 +94,7 @@ def orthogonalize_ways(updates: dict[int, torch.Tensor], matrices: list[_Matrix]
         return [_orthogonalize_whole({0: x[lo:lo + rows]}, [_Matrix((rows, x.shape[1]), (rows,), key, [])])
                 for i, x in updates.items() for lo, rows in zip(_starts(splits[i]), splits[i], strict=True)]
 
-    return {"by_shape": by_shape, "per_parameter": per_parameter, "per_matrix": per_matrix}
+    return {"batched": batched, "by_shape": by_shape, "per_parameter": per_parameter, "per_matrix": per_matrix}
 
 
 def _sync(device: torch.device) -> None:

@@ -244,6 +244,38 @@ def test_matrices_of_one_shape_are_orthogonalized_in_one_batch(monkeypatch):
     assert sorted(batches) == [(2, 4, 6), (2, 5, 6), (4, 2, 6), (6, 6, 7)]
 
 
+def test_a_batch_holds_at_most_its_elements_and_splitting_changes_no_result(monkeypatch):
+    """NS_BATCH_ELEMENTS bounds the memory of the step's Newton-Schulz (an 8B model's same-shaped matrices in one
+    batch would not fit beside it on one GPU); batches of any size give the same matrices as one."""
+    from fsdp_utils.train import muon
+
+    batches = []
+
+    def recording(x, **kwargs):
+        batches.append(tuple(x.shape))
+        return newton_schulz(x, **kwargs)
+
+    newton_schulz = muon.newton_schulz
+    key = (5, muon.NS_COEFFICIENTS, 1e-7)
+    # Three parameters: one of two 3 x 8 matrices, one 8 x 3 (transposed to 3 x 8), one 5 x 4.
+    matrices = [muon._Matrix((6, 8), (3, 3), key, []), muon._Matrix((8, 3), (8,), key, []),
+                muon._Matrix((5, 4), (5,), key, [])]
+    gen = torch.Generator().manual_seed(0)
+    updates = {i: torch.randn(m.shape, generator=gen) for i, m in enumerate(matrices)}
+    whole = {i: x.clone() for i, x in updates.items()}
+    assert muon._orthogonalize_whole(whole, matrices, batch_elements=10**6) == 4
+    monkeypatch.setattr(muon, "newton_schulz", recording)
+    small = {i: x.clone() for i, x in updates.items()}
+    assert muon._orthogonalize_whole(small, matrices, batch_elements=2 * 24) == 4
+    assert batches == [(2, 3, 8), (1, 3, 8), (1, 4, 5)]  # two 3 x 8 a batch at most; 5 x 4 transposed
+    batches.clear()
+    muon._orthogonalize_whole({i: x.clone() for i, x in updates.items()}, matrices, batch_elements=1)
+    assert batches == [(1, 3, 8)] * 3 + [(1, 4, 5)]  # a matrix larger than the bound runs alone
+    for i in whole:
+        torch.testing.assert_close(small[i], whole[i], rtol=0, atol=1e-6)
+        assert not torch.equal(whole[i], updates[i])  # in place: the updates themselves were replaced
+
+
 def test_state_dict_round_trip_continues_the_same():
     net, other = make_net(), make_net()
     opt = make_optimizer(net)
@@ -533,5 +565,5 @@ def test_bench_muon_counts_the_configs_matrices_and_times_each_way(capsys):
     lines = capsys.readouterr().out.splitlines()
     # 4 blocks of wqkv (q, k, v), wo, w13 (gate, up) and w2: 16 parameters holding 28 matrices
     assert lines[0].startswith("config/train_tiny_fsdp.yaml: 16 parameters, 28 matrices")
-    assert [line.split()[:2] for line in lines[1:]] == [[dtype, way] for dtype in ("bfloat16", "float32")
-                                                        for way in ("by_shape", "per_parameter", "per_matrix")]
+    ways = ("batched", "by_shape", "per_parameter", "per_matrix")
+    assert [line.split()[:2] for line in lines[1:]] == [[d, way] for d in ("bfloat16", "float32") for way in ways]

@@ -54,6 +54,10 @@ from model.transformer import Attention, FeedForward
 from ..parallel.fsdp import FSDPAdapter
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c) as Muon publishes them
+# The most elements one Newton-Schulz batch stacks (1 GiB in bf16): a batch holds three tensors of its size at
+# once, so all of an 8B model's same-shaped matrices in one batch (10.5 GiB each) would not fit beside the
+# model on one GPU; batches of a few large matrices lose little against one (benchmarks/bench_muon.py).
+NS_BATCH_ELEMENTS = 1 << 29
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 FSDP1_PROBLEM = MUON_FSDP1_PROBLEM  # the config's check says it first
 
@@ -389,8 +393,8 @@ class MuonAdamW(torch.optim.Optimizer):
         results: list[torch.Tensor] = [torch.empty(0)] * len(updates)
         whole: dict[int, torch.Tensor] = {}
         gathers = [_gather(ex, updates, matrices) for ex in exchanges]  # all in flight, then waited
-        for gathered in gathers:
-            whole.update(gathered())
+        while gathers:  # each exchange's buffers go as it is read, before Newton-Schulz needs memory of its own
+            whole.update(gathers.pop(0)())
         self.orthogonalized_last_step = _orthogonalize_whole(whole, matrices)
         scattered = [_scatter(ex, whole, matrices, home=updates[0]) for ex in exchanges]
         for finish in scattered:
@@ -466,24 +470,28 @@ def _mesh_device(device_type: str) -> torch.device:
     return torch.device(device_type, torch.get_device_module(device_type).current_device())
 
 
-def _orthogonalize_whole(whole: dict[int, torch.Tensor], matrices: list[_Matrix]) -> int:
-    """Replace each whole parameter update (rows, cols) by its orthogonalized matrices, stacked as they came;
-    matrices of one oriented shape and Newton-Schulz setting run as one batch. Returns how many matrices."""
-    batches: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(index, start row, rows)]
+def _orthogonalize_whole(whole: dict[int, torch.Tensor], matrices: list[_Matrix],
+                         batch_elements: int = NS_BATCH_ELEMENTS) -> int:
+    """Replace each whole parameter update (rows, cols) by its orthogonalized matrices, in place; matrices of one
+    oriented shape and Newton-Schulz setting run as batches of up to `batch_elements` elements (at least one
+    matrix). Returns how many matrices."""
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(index, start row, rows)]
     for i in whole:
         start, cols = 0, matrices[i].shape[1]
         for rows in matrices[i].splits:
-            batches.setdefault((min(rows, cols), max(rows, cols), matrices[i].ns_key), []).append((i, start, rows))
+            groups.setdefault((min(rows, cols), max(rows, cols), matrices[i].ns_key), []).append((i, start, rows))
             start += rows
-    out = {i: torch.empty_like(x) for i, x in whole.items()}
-    for (_, _, (steps, coefficients, eps)), members in batches.items():
-        # Tall matrices transposed: Newton-Schulz's Gram matrix is then the smaller one.
-        stacked = torch.stack([_oriented(whole[i][lo:lo + rows]) for i, lo, rows in members])
-        orthogonal = newton_schulz(stacked, steps=steps, coefficients=coefficients, eps=eps)
-        for (i, lo, rows), result in zip(members, orthogonal, strict=True):
-            out[i][lo:lo + rows] = result.mT if rows > whole[i].shape[1] else result
-    whole.update(out)
-    return sum(len(members) for members in batches.values())
+    for (short, long, (steps, coefficients, eps)), members in groups.items():
+        per_batch = max(1, batch_elements // (short * long))
+        for first in range(0, len(members), per_batch):
+            batch = members[first:first + per_batch]
+            # Tall matrices transposed: Newton-Schulz's Gram matrix is then the smaller one. The stack is a copy,
+            # so each result can go straight back over its input.
+            stacked = torch.stack([_oriented(whole[i][lo:lo + rows]) for i, lo, rows in batch])
+            orthogonal = newton_schulz(stacked, steps=steps, coefficients=coefficients, eps=eps)
+            for (i, lo, rows), result in zip(batch, orthogonal, strict=True):
+                whole[i][lo:lo + rows] = result.mT if rows > whole[i].shape[1] else result
+    return sum(len(members) for members in groups.values())
 
 
 def _oriented(x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..muon import NS_BATCH_ELEMENTS
 from .calibration import VALUES
 from .hardware import GIB
+from .muon_work import muon_load
 from .plan import Cluster, Plan, Settings
 from .shape import ModelShape
 
@@ -33,7 +35,8 @@ class Memory:
     fp8: float
     """FP8 weight shards cast once per step (tensorwise with accumulation)."""
     buffers: float
-    """FSDP's gathered weights (one block and the next, or all of them with SHARD_GRAD_OP) and gradient buffers."""
+    """FSDP's gathered weights (one block and the next, or all of them with SHARD_GRAD_OP) and gradient buffers; at
+    the optimizer step's peak, Muon's updates, all-to-all buffers and Newton-Schulz batch (muon_step_bytes)."""
     headroom: float
     """What the CUDA allocator reserves above its peak allocation."""
     outside: float
@@ -139,6 +142,19 @@ def _buffer_bytes(shape: ModelShape, plan: Plan, s: Settings, group: int, c: Map
     return buffers
 
 
+def muon_step_bytes(shape: ModelShape, s: Settings, group: int) -> float:
+    """train.optimizer=muon's working memory in its step, beside the sharded states and gradients: the update of each
+    matrix's local rows in bf16; over a shard group, the whole matrices the GPU owns gathered and their results sent
+    back (the all-to-alls' buffers, the busiest owner's); and one Newton-Schulz batch (its input, X and the next X).
+    On one GPU the updates are the whole matrices."""
+    if s.optimizer != "muon":
+        return 0.0
+    local = BF16 * shape.n_layers * shape.block_matmul_params / group
+    owned = muon_load(shape, group, s.muon_ns_steps)[1]
+    batch = 3 * BF16 * min(NS_BATCH_ELEMENTS, owned)
+    return local + batch if group == 1 else 2 * local + 2 * BF16 * owned + batch
+
+
 def estimate_memory(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings,
                     c: Mapping[str, float] = VALUES) -> Memory:
     """The peak memory per GPU of one training step of `plan` on `cluster`."""
@@ -160,9 +176,10 @@ def estimate_memory(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings
         activations, loss = activations + working, 0.0
     buffers = _buffer_bytes(shape, plan, s, group, c)
     step_peak = params + optimizer + held + activations + loss + fp8 + buffers
-    if params + optimizer + FP32 * shape.params / group + fp8 > step_peak:
+    muon = muon_step_bytes(shape, s, group)
+    if params + optimizer + FP32 * shape.params / group + fp8 + muon > step_peak:
         # The optimizer step's peak: every gradient sharded, no activation alive.
-        held, activations, loss, buffers = FP32 * shape.params / group, 0.0, 0.0, 0.0
+        held, activations, loss, buffers = FP32 * shape.params / group, 0.0, 0.0, muon
     allocated = params + optimizer + held + activations + loss + fp8 + buffers
     # What the allocator reserves above that: a share of it; with expandable segments, more where a step of one
     # micro-batch allocates the gradients' shards while each block's backward allocates and frees large transient

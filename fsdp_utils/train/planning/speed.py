@@ -7,13 +7,12 @@ share of their time; Muon's step adds the Newton-Schulz iterations of the matric
 docs/planning.md describes each term; the constants are calibration.py's."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..muon import assign_owners
 from .calibration import VALUES
 from .memory import BF16, FP32, fp8_linear_params
+from .muon_work import muon_load
 from .plan import Cluster, Plan, Settings
 from .shape import ModelShape
 
@@ -100,30 +99,6 @@ def _link_gb_s(cluster: Cluster, group: int) -> float:
 def _hop_s(cluster: Cluster, group: int, c: Mapping[str, float]) -> float:
     """One step of a collective over `group` consecutive GPUs: NVLink's within a node, the network's across nodes."""
     return c["nvlink_hop_latency_s"] if group <= cluster.gpus_per_node else c["network_hop_latency_s"]
-
-
-def ns_flops(rows: int, cols: int, steps: int) -> int:
-    """Newton-Schulz's FLOPs on one matrix, oriented (m, n) with m <= n: per iteration X X^T (2 m^2 n), the
-    polynomial's G G (2 m^3) and its product with X (2 m^2 n)."""
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m**3)
-
-
-def muon_load(shape: ModelShape, group: int, ns_steps: int) -> tuple[int, int]:
-    """The busiest GPU of a shard group of `group` under train.optimizer=muon, whose matrices are given to owners as
-    muon.py gives them: (the most Newton-Schulz FLOPs a GPU runs a step, the most matrix parameters a GPU owns)."""
-    return _muon_load(shape.muon_block_parameters, shape.n_layers, group, ns_steps)
-
-
-@functools.cache
-def _muon_load(block: tuple[tuple[tuple[int, int], tuple[int, ...]], ...], n_layers: int, group: int,
-               ns_steps: int) -> tuple[int, int]:
-    parameters = list(block) * n_layers
-    flops, owned = [0] * group, [0] * group
-    for ((rows, cols), splits), owner in zip(parameters, assign_owners(parameters, group), strict=True):
-        flops[owner] += sum(ns_flops(r, cols, ns_steps) for r in splits)
-        owned[owner] += rows * cols
-    return max(flops), max(owned)
 
 
 def optimizer_s(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings, c: Mapping[str, float] = VALUES) -> float:
