@@ -424,6 +424,37 @@ def test_the_search_reaches_the_budget_near_the_card_not_a_margin_below_it(monke
     assert old.measured_gib == {4: pytest.approx(4.6), 8: pytest.approx(8.2)}
 
 
+def test_the_first_step_runs_the_first_policy_the_estimate_fits_where_none_would_run_out_of_memory(monkeypatch):
+    # A model that fills the 10 GiB GPU: 8.5 GiB that no micro-batch changes, so none@1 needs 10.6 GiB (predicted over
+    # the 9.5 GiB budget by more than the estimate's 10%: on a GPU its step runs out of memory), selective_op@1 9.6
+    # (runs, over the budget), selective_op_lean@1 9.4 and full@1 9.2 fit. The search's first step, which allocates
+    # the optimizer state, runs selective_op, the first policy the estimate fits; it chose selective_op_lean@1.
+    from fsdp_utils.parallel.parallelize import CheckpointSwitch
+    from fsdp_utils.train import microbatch
+
+    switch, steps = CheckpointSwitch(), []
+
+    def step(model, optimizer, batches, **kwargs):  # the GPU's memory, as a formula of the policy and micro-batch
+        size = next(iter(batches))[0].shape[0]
+        steps.append(f"{switch.policy.name}@{size}")
+        if 8.5 + PER_SAMPLE[switch.policy.name] * size > 10:
+            raise torch.OutOfMemoryError(f"{steps[-1]} does not fit")
+
+    monkeypatch.setattr(microbatch, "train_step", step)
+    monkeypatch.setattr(microbatch, "max_over_ranks", lambda value, env: value)
+    env = SimpleNamespace(device=torch.device("cpu"), rank=0, world_size=1)
+    spec = {"capacity_gib": 10, "fixed_gib": 8.5, "policy_per_sample_gib": PER_SAMPLE,
+            "step_seconds": {"none": 1, "selective_op": 1.2, "selective_op_lean": 2.5, "full": 3}}
+    peaks = {f"{p}@{b}": 8.5 + per_sample * b for p, per_sample in PER_SAMPLE.items() for b in (1, 2, 4, 8)}
+    predicted = {name: microbatch.Predicted(*value) for name, value in _predicted(SPEEDS, peaks).items()}
+    model = torch.nn.Linear(2, 2)
+    choice = microbatch.search_micro_batch(model, torch.optim.AdamW(model.parameters()), fsdp=None, per_rank=8,
+                                           seq_len=4, vocab_size=16, grad_clip=1.0, margin=0.05, compile=False,
+                                           env=env, probe=FakeProbe(spec, 0), switch=switch, predicted=predicted)
+    assert steps[0] == "selective_op@1" and not any(s.startswith("none@") for s in steps)
+    assert (choice.checkpointing, choice.micro_batch_size) == ("selective_op_lean", 1)
+
+
 def test_without_an_estimate_the_search_measures_in_its_own_order(caplog):
     # A GPU the planner does not know (the tests' fake one): no estimate, the search as before (logged).
     from config import load_config

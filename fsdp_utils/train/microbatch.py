@@ -329,13 +329,14 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, fs
     ranked = predicted is not None and switch is not None and micro_batch is None \
         and all(pair_name(p, c) in predicted for p in policies for c in candidates)
     ranking: _Ranking | None = None
+    first = _first_policy(policies, candidates[0], predicted if ranked else None, budget=budget)
     try:
         # Every pair of policy and micro-batch tried keeps its compiled graphs until the run's own are compiled
         # (below): more than torch.compile keeps by default, past which it would run the blocks uncompiled.
         with torch.random.fork_rng(devices=rng_devices), torch._dynamo.config.patch(recompile_limit=TRIAL_GRAPHS), \
                 _learning_rate_zero(optimizer):
             with _trial_compile_options(compile):
-                trials.use(policies[0])
+                trials.use(first)
                 probe.begin(candidates[0], trials.policy_name)
                 trials.step(candidates[0], min(2, per_rank // candidates[0]))  # allocates the optimizer state
                 resident = max_over_ranks(probe.allocated(), env)
@@ -385,6 +386,17 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, fs
                             tried_gib=tried_gib if switch is not None else {}, tokens_per_s=speeds, untried=untried,
                             estimated_first=pair_name(*ranking.ranked[0]) if ranking and ranking.ranked else None,
                             skipped=ranking.skipped if ranking else [])
+
+
+def _first_policy(policies: list[CheckpointPolicy | None], smallest: int, predicted: dict[str, Predicted] | None, *,
+                  budget: float) -> CheckpointPolicy | None:
+    """The policy of the search's first step, which allocates the optimizer state at the smallest size: the one that
+    keeps the most; with the estimate, the first it does not put over the budget by more than its error (none@1 of a
+    model that fills the GPU would run out of memory), or the first where it puts them all over."""
+    if predicted is None:
+        return policies[0]
+    return next((p for p in policies if predicted[pair_name(p, smallest)].gib * GiB <= budget * (1 + MEMORY_ERROR)),
+                policies[0])
 
 
 def _compile_the_runs_graphs(trials: _Trials, best: int, measured: dict[int, float], *, budget: float,
@@ -543,8 +555,8 @@ class _Ranking:
     def next_size(self, policy: CheckpointPolicy, size: int) -> int | None:
         """The next trial toward (policy, size): that size where it is known or predicted to fit; else the largest
         smaller size that is, not yet measured (a step toward it); with nothing measured, the smallest candidate
-        (the first step ran it with the first policy, which keeps the most); None where the policy's own line puts
-        it over the budget, or where no step is left."""
+        (the first step ran it with the first policy the estimate put within the budget, which keeps the most of
+        those); None where the policy's own line puts it over the budget, or where no step is left."""
         own = self.own(policy)
         if any(b < size and peak > self.budget for b, peak in own.items()):
             return None
