@@ -425,10 +425,10 @@ def test_the_search_reaches_the_budget_near_the_card_not_a_margin_below_it(monke
 
 
 def test_the_first_step_runs_the_first_policy_the_estimate_fits_where_none_would_run_out_of_memory(monkeypatch):
-    # A model that fills the 10 GiB GPU: 8.5 GiB that no micro-batch changes, so none@1 needs 10.6 GiB (predicted over
-    # the 9.5 GiB budget by more than the estimate's 10%: on a GPU its step runs out of memory), selective_op@1 9.6
-    # (runs, over the budget), selective_op_lean@1 9.4 and full@1 9.2 fit. The search's first step, which allocates
-    # the optimizer state, runs selective_op, the first policy the estimate fits; it chose selective_op_lean@1.
+    # A model that fills the 10 GiB GPU: 8.5 GiB that no micro-batch changes, so none@1 needs 10.6 GiB (on a GPU its
+    # step runs out of memory), selective_op@1 9.6 (over the 9.5 GiB budget), selective_op_lean@1 9.4 and full@1 9.2
+    # fit, as the estimate says. The search's first step, which allocates the optimizer state, runs
+    # selective_op_lean, the first policy the estimate puts within the budget; no policy that keeps more ever runs.
     from fsdp_utils.parallel.parallelize import CheckpointSwitch
     from fsdp_utils.train import microbatch
 
@@ -451,8 +451,28 @@ def test_the_first_step_runs_the_first_policy_the_estimate_fits_where_none_would
     choice = microbatch.search_micro_batch(model, torch.optim.AdamW(model.parameters()), fsdp=None, per_rank=8,
                                            seq_len=4, vocab_size=16, grad_clip=1.0, margin=0.05, compile=False,
                                            env=env, probe=FakeProbe(spec, 0), switch=switch, predicted=predicted)
-    assert steps[0] == "selective_op@1" and not any(s.startswith("none@") for s in steps)
+    assert steps[0] == "selective_op_lean@1" and not any(s.startswith(("none@", "selective_op@")) for s in steps)
     assert (choice.checkpointing, choice.micro_batch_size) == ("selective_op_lean", 1)
+
+
+def test_a_policy_keeping_more_than_the_first_steps_only_where_the_estimate_fits_it():
+    # The estimate need not grow with the micro-batch: a step of one micro-batch holds no gradients between them. Here
+    # none@1 (two micro-batches) is predicted at 10.6 GiB and none@2 (one) at 9.8, the fastest and within the estimate's
+    # error of the 9.5 GiB budget. The first step ran selective_op (none@1 over the budget): none has nothing measured,
+    # and no size of it the estimate puts within the budget, so it is never run (none@1 would not fit the GPU).
+    import collections
+
+    from fsdp_utils.train.microbatch import Predicted, _Ranking
+
+    peaks = {**PEAKS, "none": {1: 10.6, 2: 9.8, 4: 12.0, 8: 18.0}}
+    trials = _PairTrials(peaks, collections.defaultdict(lambda: 1000.0))
+    gib = {f"none@{b}": v for b, v in peaks["none"].items()}
+    predicted = {name: Predicted(*value) for name, value in _predicted({"none@2": 2000}, gib).items()}
+    ranking = _Ranking(trials, auto_policies(2), [1, 2, 4, 8], predicted, budget=9.5 * GiB, resident=1.0 * GiB,
+                       tried={}, speeds={}, first=CheckpointPolicy("selective_op"))
+    assert pair_name(*ranking.ranked[0]) == "none@2"
+    fitting = ranking.run()
+    assert not any(step.endswith(("none@1", "none@2")) for step in trials.ran) and fitting
 
 
 def test_without_an_estimate_the_search_measures_in_its_own_order(caplog):

@@ -212,6 +212,21 @@ def test_one_process_equals_torch_muon_and_adamw(adjust_lr_fn, nesterov):
     assert opt.orthogonalized_last_step == 2 * MATRICES_PER_BLOCK
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_the_momentum_is_untouched_by_newton_schulz_in_its_own_dtype(nesterov):
+    # With Newton-Schulz in fp32 (the CPU's) the update is the momentum buffer's own dtype, and without Nesterov it is
+    # the buffer's value: it must be a copy, since the orthogonalization writes its results over the updates.
+    net = make_net()
+    reference = Reference(net, nesterov=nesterov)
+    param_groups, rows = groups(net)
+    opt = MuonAdamW(param_groups, lr=LR, betas=BETAS, row_splits=rows, nesterov=nesterov, ns_dtype=torch.float32)
+    train(net, opt, range(NUM_STEPS), reference)
+    for name, p in net.named_parameters():
+        if name in reference.parts:
+            torch.testing.assert_close(opt.state[p]["momentum_buffer"], reference.momentum(name), rtol=1e-6,
+                                       atol=1e-7, msg=name)
+
+
 def test_fused_matrices_are_orthogonalized_one_by_one():
     # Without row_splits the fused parameter is one 9 x 6 matrix: its update differs from that of its three
     # blocks orthogonalized apart, which the reference (and the other test) uses.
@@ -263,7 +278,9 @@ def test_a_batch_holds_at_most_its_elements_and_splitting_changes_no_result(monk
     gen = torch.Generator().manual_seed(0)
     updates = {i: torch.randn(m.shape, generator=gen) for i, m in enumerate(matrices)}
     whole = {i: x.clone() for i, x in updates.items()}
+    tensors = dict(whole)
     assert muon._orthogonalize_whole(whole, matrices, batch_elements=10**6) == 4
+    assert all(whole[i] is tensors[i] for i in whole)  # in place: the same tensors hold the results
     monkeypatch.setattr(muon, "newton_schulz", recording)
     small = {i: x.clone() for i, x in updates.items()}
     assert muon._orthogonalize_whole(small, matrices, batch_elements=2 * 24) == 4
@@ -355,7 +372,12 @@ def sharded_net(mesh_shape: tuple[int, ...]) -> tuple[Net, Reference, MuonAdamW]
     return net, reference, make_optimizer(net)
 
 
-def sharded_training(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
+def sharded_training(rank: int, world_size: int, mesh_shape: tuple[int, ...],
+                     batch_elements: int | None = None) -> dict:
+    from fsdp_utils.train import muon
+
+    if batch_elements is not None:  # this rank's process only: every Newton-Schulz batch this small
+        muon.NS_BATCH_ELEMENTS = batch_elements
     net, reference, opt = sharded_net(mesh_shape)
     train(net, opt, range(NUM_STEPS), reference)
     unsharded = make_net()
@@ -371,11 +393,12 @@ def sharded_training(rank: int, world_size: int, mesh_shape: tuple[int, ...]) ->
 
 
 @pytest.mark.slow  # spawns gloo ranks
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_fsdp2_sharded_equals_torch_reference(world_size):
+@pytest.mark.parametrize(("world_size", "batch_elements"), [(2, None), (3, None), (2, 1)])
+def test_fsdp2_sharded_equals_torch_reference(world_size, batch_elements):
+    # batch_elements=1: each matrix a Newton-Schulz batch of its own, written back into its owner's whole matrices.
     from tests.distributed_harness import run_ranks
 
-    ranks = run_ranks(sharded_training, world_size=world_size, mesh_shape=(world_size,))
+    ranks = run_ranks(sharded_training, world_size=world_size, mesh_shape=(world_size,), batch_elements=batch_elements)
     # The momentum stays sharded: each rank holds its chunk of the fused matrix's 9 rows.
     assert [r["local_rows"] for r in ranks] == chunk_rows(9, world_size)
     # Each matrix is orthogonalized by one rank, and the work is split: no rank does all of them.

@@ -128,12 +128,13 @@ def test_muon_state_is_adamws_less_one_fp32_copy_of_the_block_matrices(gpus, pla
     # AdamW: two fp32 moments a parameter; Muon: one momentum for each block matrix, AdamW's two for the rest. So
     # Muon's state is AdamW's less 4 bytes a block matrix weight over the shard group: at the forward's peak (none@8
     # on 8 GPUs) and at the optimizer step's (full@1 on one GPU, where every fp32 gradient is alive and no activation,
-    # and Muon's step holds each matrix's update in bf16 and one Newton-Schulz batch of 2^29 elements: three tensors).
+    # and Muon's step holds each matrix's update in bf16 and its largest Newton-Schulz batch: the 96 square matrices,
+    # q, k, v and the output projection of 24 blocks, 2048 x 2048 each, in three tensors and two Gram matrices).
     adamw = _estimate("config/train1B_fsdp.yaml", ["--fsdp.version=2"], gpus, plan)
     muon = _estimate("config/train1B_fsdp.yaml", ONE_B_MUON, gpus, plan)
     assert muon.memory.optimizer == pytest.approx((2 * ONE_B_PARAMS - ONE_B_MATRICES) * 4 / gpus / GIB)
     assert adamw.memory.optimizer - muon.memory.optimizer == pytest.approx(ONE_B_MATRICES * 4 / gpus / GIB)
-    step_work = (2 * ONE_B_MATRICES + 3 * 2 * 2**29) / GIB if step_peak else 0.0
+    step_work = (2 * ONE_B_MATRICES + 2 * 5 * 96 * 2048**2) / GIB if step_peak else 0.0
     assert muon.memory.buffers - adamw.memory.buffers == pytest.approx(step_work)
     assert adamw.memory.allocated - muon.memory.allocated + step_work == pytest.approx(ONE_B_MATRICES * 4 / gpus / GIB)
     assert (muon.memory.grads == pytest.approx(ONE_B_PARAMS * 4 / GIB)) == step_peak

@@ -343,7 +343,7 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, fs
                 if ranked:
                     assert predicted is not None
                     ranking = _Ranking(trials, [p for p in policies if p is not None], candidates, predicted,
-                                       budget=budget, resident=resident, tried=tried, speeds=speeds)
+                                       budget=budget, resident=resident, tried=tried, speeds=speeds, first=first)
                     fitting: list[tuple[CheckpointPolicy | None, int, dict[int, float]]] = list(ranking.run())
                 else:
                     fitting = _fitting_pairs(trials, policies, candidates, budget=budget, resident=resident,
@@ -391,12 +391,13 @@ def search_micro_batch(model: nn.Module, optimizer: torch.optim.Optimizer, *, fs
 def _first_policy(policies: list[CheckpointPolicy | None], smallest: int, predicted: dict[str, Predicted] | None, *,
                   budget: float) -> CheckpointPolicy | None:
     """The policy of the search's first step, which allocates the optimizer state at the smallest size: the one that
-    keeps the most; with the estimate, the first it does not put over the budget by more than its error (none@1 of a
-    model that fills the GPU would run out of memory), or the first where it puts them all over."""
+    keeps the most; with the estimate, the first it puts within the budget (none@1 of a model that fills the GPU
+    would run out of memory), or the one it puts lowest where it puts them all over."""
     if predicted is None:
         return policies[0]
-    return next((p for p in policies if predicted[pair_name(p, smallest)].gib * GiB <= budget * (1 + MEMORY_ERROR)),
-                policies[0])
+    peaks = [predicted[pair_name(p, smallest)].gib * GiB for p in policies]
+    return next((p for p, peak in zip(policies, peaks, strict=True) if peak <= budget),
+                policies[peaks.index(min(peaks))])
 
 
 def _compile_the_runs_graphs(trials: _Trials, best: int, measured: dict[int, float], *, budget: float,
@@ -470,8 +471,9 @@ class _Ranking:
 
     def __init__(self, trials: _Trials, policies: list[CheckpointPolicy], candidates: list[int],
                  predicted: dict[str, Predicted], *, budget: float, resident: float, tried: dict[str, dict[int, float]],
-                 speeds: dict[str, float]):
+                 speeds: dict[str, float], first: CheckpointPolicy | None = None):
         self.trials, self.policies, self.candidates, self.predicted = trials, policies, candidates, predicted
+        self.first = first or policies[0]  # the policy of the search's first step (at the smallest candidate)
         self.budget, self.resident, self.tried, self.speeds = budget, resident, tried, speeds
         pairs = [(policy, size) for policy in policies for size in candidates]
         over = [pair for pair in pairs if self.guess(*pair).gib * GiB > budget * (1 + MEMORY_ERROR)]
@@ -555,8 +557,9 @@ class _Ranking:
     def next_size(self, policy: CheckpointPolicy, size: int) -> int | None:
         """The next trial toward (policy, size): that size where it is known or predicted to fit; else the largest
         smaller size that is, not yet measured (a step toward it); with nothing measured, the smallest candidate
-        (the first step ran it with the first policy the estimate put within the budget, which keeps the most of
-        those); None where the policy's own line puts it over the budget, or where no step is left."""
+        where the search's first step ran it with a policy keeping at least as much, else the smallest size up to
+        `size` that the estimate puts within the budget; None where the policy's own line puts it over the budget,
+        or where no step is left."""
         own = self.own(policy)
         if any(b < size and peak > self.budget for b, peak in own.items()):
             return None
@@ -582,7 +585,11 @@ class _Ranking:
         steps = [c for c in self.candidates if c < size and c not in own and runs(c)]
         if steps:
             return max(steps)
-        return None if own else self.candidates[0]
+        if own:
+            return None
+        if keeps_at_least(self.first, policy):
+            return self.candidates[0]
+        return next((c for c in self.candidates if c <= size and self.guess(policy, c).gib * GiB <= self.budget), None)
 
 
 def cache_key(cfg: Config, *, model_signature: dict, world_size: int, gpu: str, precision: str) -> dict:

@@ -10,9 +10,10 @@ Under FSDP2 every parameter is a DTensor sharded by rows (torch.chunk semantics:
 smaller or empty), on a 1-D mesh or on the shard dimension of a (replicate, shard) mesh. The momentum stays
 sharded like the parameter; only the step's update travels. Newton-Schulz needs whole matrices, so each matrix is
 given to one rank of its shard group (balanced by the work of its iterations): one all_to_all_single sends every
-rank's rows of each matrix to its owner, the owner orthogonalizes all its matrices batched by shape (one bmm chain
-per shape, tall matrices transposed so that (d, 4d) and (4d, d) share a batch), and a second all_to_all_single
-sends each rank its rows of the results. Two collectives a step per shard group, whatever the number of matrices.
+rank's rows of each matrix to its owner, the owner orthogonalizes all its matrices batched by shape (bmm chains of
+up to NS_BATCH_ELEMENTS elements, tall matrices transposed so that (d, 4d) and (4d, d) share a batch), and a second
+all_to_all_single sends each rank its rows of the results. Two collectives a step per shard group, whatever the
+number of matrices.
 The rows travel in bf16 (torch's Newton-Schulz starts by casting to bf16, so nothing is lost) on the mesh's device,
 with FSDP2's CPU offload too. gloo and NCCL both implement all_to_all_single with uneven splits, which uneven
 shards need; gloo's list all_to_all does not.
@@ -54,9 +55,9 @@ from model.transformer import Attention, FeedForward
 from ..parallel.fsdp import FSDPAdapter
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c) as Muon publishes them
-# The most elements one Newton-Schulz batch stacks (1 GiB in bf16): a batch holds three tensors of its size at
-# once, so all of an 8B model's same-shaped matrices in one batch (10.5 GiB each) would not fit beside the
-# model on one GPU; batches of a few large matrices lose little against one (benchmarks/bench_muon.py).
+# The most elements one Newton-Schulz batch stacks (1 GiB in bf16): a batch holds three tensors of its size and two
+# Gram matrices at once, so all of an 8B model's same-shaped matrices in one batch (10.5 GiB each) would not fit
+# beside the model on one GPU; batches of a few large matrices lose little against one (benchmarks/bench_muon.py).
 NS_BATCH_ELEMENTS = 1 << 29
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 FSDP1_PROBLEM = MUON_FSDP1_PROBLEM  # the config's check says it first
@@ -348,7 +349,8 @@ class MuonAdamW(torch.optim.Optimizer):
         # no full-precision copy of every update is held at once.
         if group["nesterov"]:
             return [torch.lerp(g, b, momentum).to(self.ns_dtype) for g, b in zip(grads, bufs, strict=True)]
-        return [b.to(self.ns_dtype) for b in bufs]
+        # A copy even in the buffer's own dtype: the orthogonalization writes its results over the updates.
+        return [b.to(self.ns_dtype, copy=True) for b in bufs]
 
     def _plan(self, groups: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> tuple[list[_Matrix], list[_Exchange]]:
         """The step's matrices and exchanges, cached by the parameters with gradients and their settings."""
@@ -471,10 +473,11 @@ def _mesh_device(device_type: str) -> torch.device:
 
 
 def _orthogonalize_whole(whole: dict[int, torch.Tensor], matrices: list[_Matrix],
-                         batch_elements: int = NS_BATCH_ELEMENTS) -> int:
+                         batch_elements: int | None = None) -> int:
     """Replace each whole parameter update (rows, cols) by its orthogonalized matrices, in place; matrices of one
-    oriented shape and Newton-Schulz setting run as batches of up to `batch_elements` elements (at least one
-    matrix). Returns how many matrices."""
+    oriented shape and Newton-Schulz setting run as batches of up to `batch_elements` (NS_BATCH_ELEMENTS) elements,
+    at least one matrix each. Returns how many matrices."""
+    limit = NS_BATCH_ELEMENTS if batch_elements is None else batch_elements
     groups: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(index, start row, rows)]
     for i in whole:
         start, cols = 0, matrices[i].shape[1]
@@ -482,7 +485,7 @@ def _orthogonalize_whole(whole: dict[int, torch.Tensor], matrices: list[_Matrix]
             groups.setdefault((min(rows, cols), max(rows, cols), matrices[i].ns_key), []).append((i, start, rows))
             start += rows
     for (short, long, (steps, coefficients, eps)), members in groups.items():
-        per_batch = max(1, batch_elements // (short * long))
+        per_batch = max(1, limit // (short * long))
         for first in range(0, len(members), per_batch):
             batch = members[first:first + per_batch]
             # Tall matrices transposed: Newton-Schulz's Gram matrix is then the smaller one. The stack is a copy,
@@ -491,6 +494,7 @@ def _orthogonalize_whole(whole: dict[int, torch.Tensor], matrices: list[_Matrix]
             orthogonal = newton_schulz(stacked, steps=steps, coefficients=coefficients, eps=eps)
             for (i, lo, rows), result in zip(batch, orthogonal, strict=True):
                 whole[i][lo:lo + rows] = result.mT if rows > whole[i].shape[1] else result
+            del stacked, orthogonal  # before the next batch allocates its own
     return sum(len(members) for members in groups.values())
 
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..muon import NS_BATCH_ELEMENTS
 from .calibration import VALUES
 from .hardware import GIB
-from .muon_work import muon_load
+from .muon_work import muon_load, ns_batch_elements
 from .plan import Cluster, Plan, Settings
 from .shape import ModelShape
 
@@ -144,15 +143,17 @@ def _buffer_bytes(shape: ModelShape, plan: Plan, s: Settings, group: int, c: Map
 
 def muon_step_bytes(shape: ModelShape, s: Settings, group: int) -> float:
     """train.optimizer=muon's working memory in its step, beside the sharded states and gradients: the update of each
-    matrix's local rows in bf16; over a shard group, the whole matrices the GPU owns gathered and their results sent
-    back (the all-to-alls' buffers, the busiest owner's); and one Newton-Schulz batch (its input, X and the next X).
-    On one GPU the updates are the whole matrices."""
+    matrix's local rows in bf16 (U) and the whole matrices the GPU owns (O, the busiest owner's), with its largest
+    Newton-Schulz batch or, over a shard group, with an all-to-all's buffers (a copy of each: 2U + 2O). On one GPU
+    the updates are the whole matrices."""
     if s.optimizer != "muon":
         return 0.0
     local = BF16 * shape.n_layers * shape.block_matmul_params / group
     owned = muon_load(shape, group, s.muon_ns_steps)[1]
-    batch = 3 * BF16 * min(NS_BATCH_ELEMENTS, owned)
-    return local + batch if group == 1 else 2 * local + 2 * BF16 * owned + batch
+    batch = BF16 * ns_batch_elements(shape, group)
+    if group == 1:
+        return local + batch
+    return max(local + BF16 * owned + batch, 2 * local + 2 * BF16 * owned)
 
 
 def estimate_memory(shape: ModelShape, cluster: Cluster, plan: Plan, s: Settings,

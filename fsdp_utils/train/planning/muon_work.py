@@ -1,11 +1,12 @@
 """What train.optimizer=muon gives each GPU of a shard group, with its matrices given to owners as muon.py gives them:
-the Newton-Schulz FLOPs it runs a step and the matrix parameters it owns (speed.py times the first, memory.py holds
-the second's buffers)."""
+the Newton-Schulz FLOPs it runs a step, the matrix parameters it owns and its largest Newton-Schulz batch (speed.py
+times the first, memory.py holds the others' buffers)."""
 from __future__ import annotations
 
 import functools
+import math
 
-from ..muon import assign_owners
+from ..muon import NS_BATCH_ELEMENTS, assign_owners
 from .shape import ModelShape
 
 
@@ -31,3 +32,18 @@ def _muon_load(block: tuple[tuple[tuple[int, int], tuple[int, ...]], ...], n_lay
         flops[owner] += sum(ns_flops(r, cols, ns_steps) for r in splits)
         owned[owner] += rows * cols
     return max(flops), max(owned)
+
+
+def ns_batch_elements(shape: ModelShape, group: int) -> int:
+    """Elements alive in the largest Newton-Schulz batch a GPU of a shard group of `group` runs: for each oriented
+    shape (short, long), its batch of up to NS_BATCH_ELEMENTS elements (at least one matrix; no more than the GPU's
+    share of that shape's matrices) holds three tensors of short x long (the stack, X and the next X) and two
+    short x short (the Gram matrix and the polynomial) a matrix."""
+    counts: dict[tuple[int, int], int] = {}
+    for (_, cols), splits in shape.muon_block_parameters:
+        for rows in splits:
+            key = (min(rows, cols), max(rows, cols))
+            counts[key] = counts.get(key, 0) + shape.n_layers
+    return max(min(max(1, NS_BATCH_ELEMENTS // (short * long)), math.ceil(count / group)) * (3 * short * long
+                                                                                         + 2 * short * short)
+               for (short, long), count in counts.items())
