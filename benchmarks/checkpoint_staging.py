@@ -849,8 +849,7 @@ def build_bench(cfg: Any, env: DistEnv, args: argparse.Namespace, *, root: Path,
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.run.timeout_s))
     sharded = ShardedCheckpoint(CheckpointContext(root, env, "sharded", 0, {}))
     bench = Bench(cfg, env, run.model, run.optimizer, Contents(run.model, run.optimizer, fsdp=run.fsdp), step, sharded,
-                  group, root,
-                  HostSampler(node=env.local_rank == 0), args, deadline)
+                  group, root, HostSampler(node=env.local_rank == 0), args, deadline)
     reset_peak(env)
     step()
     times = [step() for _ in range(max(args.steps, 1))]

@@ -75,6 +75,10 @@ class Predicted:
     gib: float
     tokens_per_s: float
 
+    def within(self, budget: float, error: float = 0.0) -> bool:
+        """Whether the predicted peak is at most `budget` bytes, raised by `error` (a share of it)."""
+        return self.gib * GiB <= budget * (1 + error)
+
 
 # How far the estimate may be off, as the search allows for it. Memory: the largest error tests/test_plan.py allows
 # over every measured point (planning.points.MEMORY_TOLERANCE). Speed: the error of the ratio of two pairs' tokens/s
@@ -395,9 +399,8 @@ def _first_policy(policies: list[CheckpointPolicy | None], smallest: int, predic
     would run out of memory), or the one it puts lowest where it puts them all over."""
     if predicted is None:
         return policies[0]
-    peaks = [predicted[pair_name(p, smallest)].gib * GiB for p in policies]
-    return next((p for p, peak in zip(policies, peaks, strict=True) if peak <= budget),
-                policies[peaks.index(min(peaks))])
+    at_smallest = {p: predicted[pair_name(p, smallest)] for p in policies}
+    return next((p for p in policies if at_smallest[p].within(budget)), min(policies, key=lambda p: at_smallest[p].gib))
 
 
 def _compile_the_runs_graphs(trials: _Trials, best: int, measured: dict[int, float], *, budget: float,
@@ -476,7 +479,7 @@ class _Ranking:
         self.first = first or policies[0]  # the policy of the search's first step (at the smallest candidate)
         self.budget, self.resident, self.tried, self.speeds = budget, resident, tried, speeds
         pairs = [(policy, size) for policy in policies for size in candidates]
-        over = [pair for pair in pairs if self.guess(*pair).gib * GiB > budget * (1 + MEMORY_ERROR)]
+        over = [pair for pair in pairs if not self.guess(*pair).within(budget, MEMORY_ERROR)]
         if len(over) == len(pairs):  # predicted not to fit at all: the trials find out and say so
             over = []
         self.skipped = [pair_name(*pair) for pair in over]
@@ -589,7 +592,7 @@ class _Ranking:
             return None
         if keeps_at_least(self.first, policy):
             return self.candidates[0]
-        return next((c for c in self.candidates if c <= size and self.guess(policy, c).gib * GiB <= self.budget), None)
+        return next((c for c in self.candidates if c <= size and self.guess(policy, c).within(self.budget)), None)
 
 
 def cache_key(cfg: Config, *, model_signature: dict, world_size: int, gpu: str, precision: str) -> dict:

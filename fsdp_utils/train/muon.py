@@ -472,12 +472,17 @@ def _mesh_device(device_type: str) -> torch.device:
     return torch.device(device_type, torch.get_device_module(device_type).current_device())
 
 
+def matrices_per_batch(short: int, long: int, batch_elements: int | None = None) -> int:
+    """How many (short, long) matrices one Newton-Schulz batch stacks: up to `batch_elements` (NS_BATCH_ELEMENTS)
+    elements, at least one matrix."""
+    return max(1, (NS_BATCH_ELEMENTS if batch_elements is None else batch_elements) // (short * long))
+
+
 def _orthogonalize_whole(whole: dict[int, torch.Tensor], matrices: list[_Matrix],
                          batch_elements: int | None = None) -> int:
     """Replace each whole parameter update (rows, cols) by its orthogonalized matrices, in place; matrices of one
     oriented shape and Newton-Schulz setting run as batches of up to `batch_elements` (NS_BATCH_ELEMENTS) elements,
     at least one matrix each. Returns how many matrices."""
-    limit = NS_BATCH_ELEMENTS if batch_elements is None else batch_elements
     groups: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(index, start row, rows)]
     for i in whole:
         start, cols = 0, matrices[i].shape[1]
@@ -485,7 +490,7 @@ def _orthogonalize_whole(whole: dict[int, torch.Tensor], matrices: list[_Matrix]
             groups.setdefault((min(rows, cols), max(rows, cols), matrices[i].ns_key), []).append((i, start, rows))
             start += rows
     for (short, long, (steps, coefficients, eps)), members in groups.items():
-        per_batch = max(1, limit // (short * long))
+        per_batch = matrices_per_batch(short, long, batch_elements)
         for first in range(0, len(members), per_batch):
             batch = members[first:first + per_batch]
             # Tall matrices transposed: Newton-Schulz's Gram matrix is then the smaller one. The stack is a copy,

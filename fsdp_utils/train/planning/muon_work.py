@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import math
 
-from ..muon import NS_BATCH_ELEMENTS, assign_owners
+from ..muon import assign_owners, matrices_per_batch
 from .shape import ModelShape
 
 
@@ -36,14 +36,13 @@ def _muon_load(block: tuple[tuple[tuple[int, int], tuple[int, ...]], ...], n_lay
 
 def ns_batch_elements(shape: ModelShape, group: int) -> int:
     """Elements alive in the largest Newton-Schulz batch a GPU of a shard group of `group` runs: for each oriented
-    shape (short, long), its batch of up to NS_BATCH_ELEMENTS elements (at least one matrix; no more than the GPU's
-    share of that shape's matrices) holds three tensors of short x long (the stack, X and the next X) and two
-    short x short (the Gram matrix and the polynomial) a matrix."""
+    shape (short, long), its batch (muon.matrices_per_batch, no more than the GPU's share of that shape's matrices)
+    holds three tensors of short x long (the stack, X and the next X) and two short x short (the Gram matrix and the
+    polynomial) a matrix."""
     counts: dict[tuple[int, int], int] = {}
     for (_, cols), splits in shape.muon_block_parameters:
         for rows in splits:
             key = (min(rows, cols), max(rows, cols))
             counts[key] = counts.get(key, 0) + shape.n_layers
-    return max(min(max(1, NS_BATCH_ELEMENTS // (short * long)), math.ceil(count / group)) * (3 * short * long
-                                                                                         + 2 * short * short)
+    return max(min(matrices_per_batch(short, long), math.ceil(count / group)) * (3 * short * long + 2 * short**2)
                for (short, long), count in counts.items())
